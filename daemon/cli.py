@@ -1,0 +1,57 @@
+"""The `crossover` command line: one subcommand per module in daemon/commands.
+
+Each command module exposes `add_arguments(parser)` and `run(args) -> int`
+and imports heavy packages (jax, sqlalchemy, ...) only inside `run`, so
+`crossover --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("daemon.commands.serve", "run the HTTP inference daemon"),
+    "generate": ("daemon.commands.generate", "one-shot generation from the CLI (no server)"),
+    "plan": ("daemon.commands.plan", "print the memory plan for a device and a model"),
+    "bench": ("daemon.commands.bench", "run a benchmark and write JSON"),
+    "db": ("daemon.commands.db", "manage the telemetry database schema"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="crossover", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in COMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:  # a command still being built
+            if exc.name != module:
+                raise
+            continue
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except UserError as exc:
+        print(f"crossover {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+class UserError(Exception):
+    """A bad value from the user; printed without a traceback, exit code 2."""
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""crossover store package."""

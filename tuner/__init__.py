@@ -1,0 +1,1 @@
+"""crossover tuner package."""
