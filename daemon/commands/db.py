@@ -1,0 +1,74 @@
+"""`crossover db upgrade|current|revision`: manage the telemetry database schema."""
+
+from __future__ import annotations
+
+import argparse
+
+ACTIONS = {
+    "upgrade": "bring the database to the newest schema (creates it when empty)",
+    "current": "print the database's schema revision and head; exit 1 unless at head",
+    "revision": "developers: write a new migration from the models (autogenerate)",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="db_action", metavar="ACTION")
+    sub.required = True
+    for name, help_text in ACTIONS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument(
+            "--db",
+            metavar="URL",
+            default=None,
+            help="SQLAlchemy URL or SQLite file path (default: $CROSSOVER_DB or ./crossover.db)",
+        )
+        if name == "revision":
+            p.add_argument("-m", "--message", required=True, help="what the migration does")
+            p.add_argument(
+                "--empty", action="store_true", help="an empty revision (no autogenerate)"
+            )
+
+
+def run(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from daemon.cli import UserError
+    from store import migrate
+    from store.db import default_url, resolve_url
+
+    url = resolve_url(args.db) if args.db else default_url()
+    try:
+        if args.db_action == "upgrade":
+            before = migrate.current_revision(url)
+            migrate.upgrade(url)
+            print(f"{_shown(url)}: {before or 'empty'} -> {migrate.current_revision(url)} (head)")
+            return 0
+        if args.db_action == "current":
+            return _print_current(url)
+        migrate.new_revision(url, args.message, autogenerate=not args.empty)
+        return 0
+    except SQLAlchemyError as exc:
+        raise UserError(f"{_shown(url)}: {str(exc).splitlines()[0]}") from exc
+
+
+def _print_current(url: str) -> int:
+    from store import migrate
+
+    current, head = migrate.current_revision(url), migrate.head_revision()
+    print(f"database: {_shown(url)}")
+    print(f"current:  {current or '(no crossover schema)'}")
+    print(f"head:     {head}")
+    if current == head:
+        print("status:   up to date")
+        return 0
+    try:
+        migrate.check_schema(url)
+    except migrate.SchemaError as exc:
+        print(f"status:   {exc}")
+    return 1
+
+
+def _shown(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

@@ -1,0 +1,1 @@
+"""Alembic scripts for the telemetry schema (store.models); run through store.migrate."""

@@ -1,0 +1,278 @@
+"""Aggregate queries shared by the tuner, /metrics and dashboards.
+
+Every function takes the Session explicitly (the caller owns it, see
+`store.db.session_scope`) and a window start `since` (unix seconds). Step
+queries read the raw rows and, where the window reaches past the raw
+retention, the per-minute rollups — a rollup counts when its minute overlaps
+the window. `step_time_by` needs per-step detail that rollups do not keep, so
+it covers the raw window only. Acceptance by tenant comes from requests,
+which carry exact per-request proposed/accepted totals.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from store.models import Policy, Request, Retune, Step, StepRollup
+from telemetry.retention import add_positions
+from telemetry.sql import bucket_start
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Accepted / proposed drafts for one key (a technique or a tenant)."""
+
+    key: str
+    count: int
+    """Steps (by technique) or requests (by tenant)."""
+    proposed: int
+    accepted: int
+
+    @property
+    def rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+
+@dataclass(frozen=True)
+class PositionAcceptance:
+    """Acceptance at one draft position of one technique."""
+
+    technique: str
+    position: int
+    proposed: int
+    """Drafts offered at this position (proposed / depth per step)."""
+    accepted: int
+    reached: int
+    """Drafts that could be accepted here: those accepted at the previous position."""
+
+    @property
+    def rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def conditional_rate(self) -> float | None:
+        """P(accept here | every earlier draft accepted)."""
+        return self.accepted / self.reached if self.reached else None
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Step time for one (technique, batch size, depth) over the raw window."""
+
+    technique: str
+    batch_size: int
+    depth: int
+    steps: int
+    mean_ms: float
+    max_ms: float
+
+
+@dataclass(frozen=True)
+class GoodputPoint:
+    """Output tokens/s over one time bucket."""
+
+    bucket_start: int
+    steps: int
+    output_tokens: int
+    tokens_per_s: float
+    mean_batch_size: float
+
+
+def _window(column, since: float, until: float | None) -> list:
+    return [column >= since] + ([column < until] if until is not None else [])
+
+
+def _rollup_window(since: float, until: float | None) -> list:
+    return [StepRollup.minute_start > since - 60] + (
+        [StepRollup.minute_start < until] if until is not None else []
+    )
+
+
+def acceptance_by_technique(
+    session: Session, since: float, until: float | None = None
+) -> list[Acceptance]:
+    """Per technique: steps, proposed and accepted drafts (raw steps + rollups)."""
+    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    raw = select(Step.technique, func.count(), func.sum(Step.proposed), func.sum(Step.accepted))
+    rolled = select(
+        StepRollup.technique, func.sum(StepRollup.steps),
+        func.sum(StepRollup.proposed), func.sum(StepRollup.accepted),
+    )  # fmt: skip
+    for query in (
+        raw.where(*_window(Step.time, since, until)).group_by(Step.technique),
+        rolled.where(*_rollup_window(since, until)).group_by(StepRollup.technique),
+    ):
+        for technique, n, proposed, accepted in session.execute(query):
+            row = totals[technique]
+            row[0], row[1], row[2] = row[0] + n, row[1] + (proposed or 0), row[2] + (accepted or 0)
+    return [Acceptance(k, *v) for k, v in sorted(totals.items())]
+
+
+def acceptance_by_position(
+    session: Session, since: float, until: float | None = None, technique: str | None = None
+) -> list[PositionAcceptance]:
+    """Per technique and draft position: proposed, accepted, and the conditional rate."""
+    offered: dict[str, list[float]] = defaultdict(list)
+    accepted: dict[str, list[int]] = defaultdict(list)
+    raw = select(Step.technique, Step.depth, Step.proposed, Step.accepted_per_pos).where(
+        *_window(Step.time, since, until), Step.depth > 0
+    )
+    rolled = select(
+        StepRollup.technique, StepRollup.depth, StepRollup.proposed, StepRollup.accepted_per_pos
+    ).where(*_rollup_window(since, until), StepRollup.depth > 0)
+    if technique is not None:
+        raw, rolled = (
+            raw.where(Step.technique == technique),
+            rolled.where(StepRollup.technique == technique),
+        )
+    for query in (raw, rolled):
+        for name, depth, proposed, per_pos in session.execute(query):
+            add_positions(accepted[name], per_pos)
+            _add_offered(offered[name], depth, proposed)
+    return [row for name in sorted(offered) for row in _positions(name, offered, accepted)]
+
+
+def _add_offered(offered: list[float], depth: int, proposed: int) -> None:
+    """Each speculating sequence offers one draft at each of `depth` positions."""
+    while len(offered) < depth:
+        offered.append(0.0)
+    for i in range(depth):
+        offered[i] += proposed / depth
+
+
+def _positions(name: str, offered: dict, accepted: dict) -> list[PositionAcceptance]:
+    out, previous = [], None
+    for pos, n_offered in enumerate(offered[name]):
+        n_accepted = accepted[name][pos] if pos < len(accepted[name]) else 0
+        reached = round(n_offered) if previous is None else previous
+        out.append(PositionAcceptance(name, pos, round(n_offered), n_accepted, reached))
+        previous = n_accepted
+    return out
+
+
+def acceptance_by_tenant(
+    session: Session, since: float, until: float | None = None
+) -> list[Acceptance]:
+    """Per tenant, from finished requests: requests, proposed and accepted drafts."""
+    query = (
+        select(
+            Request.tenant,
+            func.count(),
+            func.sum(Request.proposed_tokens),
+            func.sum(Request.accepted_tokens),
+        )  # fmt: skip
+        .where(*_window(Request.finish_time, since, until))
+        .group_by(Request.tenant)
+        .order_by(Request.tenant)
+    )
+    return [Acceptance(t, n, p or 0, a or 0) for t, n, p, a in session.execute(query)]
+
+
+def acceptance_by(
+    session: Session,
+    by: Literal["technique", "position", "tenant"],
+    since: float,
+    until: float | None = None,
+) -> Sequence[Acceptance | PositionAcceptance]:
+    """Acceptance grouped by technique, draft position or tenant."""
+    readers = {
+        "technique": acceptance_by_technique,
+        "position": acceptance_by_position,
+        "tenant": acceptance_by_tenant,
+    }
+    if by not in readers:
+        raise ValueError(f"by must be one of {sorted(readers)}, got {by!r}")
+    return readers[by](session, since, until)
+
+
+def batch_size_histogram(
+    session: Session, since: float, until: float | None = None
+) -> dict[int, int]:
+    """Batch size -> number of steps (raw steps + rollups' histograms)."""
+    hist: dict[int, int] = defaultdict(int)
+    raw = (
+        select(Step.batch_size, func.count())
+        .where(*_window(Step.time, since, until))
+        .group_by(Step.batch_size)
+    )
+    for size, n in session.execute(raw):
+        hist[int(size)] += n
+    for (rollup_hist,) in session.execute(
+        select(StepRollup.batch_hist).where(*_rollup_window(since, until))
+    ):
+        for size, n in rollup_hist.items():
+            hist[int(size)] += int(n)
+    return dict(sorted(hist.items()))
+
+
+def step_time_by(
+    session: Session, since: float, until: float | None = None, technique: str | None = None
+) -> list[StepTime]:
+    """Mean and max step time per (technique, batch size, depth); raw window only."""
+    keys = (Step.technique, Step.batch_size, Step.depth)
+    query = (
+        select(*keys, func.count(), func.avg(Step.step_ms), func.max(Step.step_ms))
+        .where(*_window(Step.time, since, until))
+        .group_by(*keys)
+        .order_by(*keys)
+    )
+    if technique is not None:
+        query = query.where(Step.technique == technique)
+    return [
+        StepTime(t, b, d, n, float(mean), float(mx))
+        for t, b, d, n, mean, mx in session.execute(query)
+    ]
+
+
+def goodput_over_time(
+    session: Session, bucket_s: int, since: float, until: float | None = None
+) -> list[GoodputPoint]:
+    """Output tokens/s per `bucket_s` bucket (a rollup's minute lands in one bucket)."""
+    sums: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+    raw_bucket = bucket_start(Step.time, bucket_s)
+    rolled_bucket = bucket_start(StepRollup.minute_start, bucket_s)
+    raw = select(
+        raw_bucket, func.count(), func.sum(Step.decode_tokens), func.sum(Step.batch_size)
+    ).where(*_window(Step.time, since, until)).group_by(raw_bucket)  # fmt: skip
+    rolled = select(
+        rolled_bucket, func.sum(StepRollup.steps), func.sum(StepRollup.decode_tokens),
+        func.sum(StepRollup.batch_size_sum),
+    ).where(*_rollup_window(since, until)).group_by(rolled_bucket)  # fmt: skip
+    for query in (raw, rolled):
+        for start, steps, tokens, batch in session.execute(query):
+            row = sums[int(start)]
+            row[0], row[1], row[2] = row[0] + steps, row[1] + (tokens or 0), row[2] + (batch or 0)
+    return [
+        GoodputPoint(start, s, tok, tok / bucket_s, b / s if s else 0.0)
+        for start, (s, tok, b) in sorted(sums.items())
+    ]
+
+
+def policy_history(session: Session, limit: int = 50) -> list[Policy]:
+    """The newest policies first."""
+    return list(session.scalars(select(Policy).order_by(Policy.version.desc()).limit(limit)))
+
+
+def active_policy(session: Session) -> Policy | None:
+    """The most recently applied policy that was not rolled back."""
+    query = (
+        select(Policy)
+        .where(Policy.applied_at.is_not(None), Policy.rolled_back_at.is_(None))
+        .order_by(Policy.applied_at.desc(), Policy.version.desc())
+        .limit(1)
+    )
+    return session.scalars(query).first()
+
+
+def retune_history(session: Session, limit: int = 50, since: float | None = None) -> list[Retune]:
+    """The newest retunes first."""
+    query = select(Retune).order_by(Retune.started_at.desc(), Retune.id.desc()).limit(limit)
+    if since is not None:
+        query = query.where(Retune.started_at >= since)
+    return list(session.scalars(query))
