@@ -1,0 +1,458 @@
+"""Memory planner: how many tenants' KV caches fit beside the weights on one device.
+
+Pure arithmetic over frozen dataclasses; nothing here touches a device. The
+engine calls `size_pool` to size its two paged KV pools, and `crossover plan`
+prints `make_plan`.
+
+The KV layout planned for (engine/kv.py): a *global* pool for the global layers
+and a *local* pool for the sliding-window layers. A page holds `page_size`
+tokens of K and V for every layer of its kind. A sequence of n tokens holds
+ceil(n / page_size) global pages and min(ceil(n / page_size), ring_pages) local
+pages, ring_pages = ceil((sliding_window + max_spec_depth) / page_size).
+
+Worked example (gemma3-270m: 3 global + 15 local layers, 1 KV head of 256,
+bfloat16 KV, page_size 16, context 8192, max_spec_depth 8):
+    KV per token: global 2 x 3 x 1 x 256 x 2 B = 3072 B, local 2 x 15 x 256 x 2 = 15360 B
+    one sequence: 512 global pages x 48 KiB + 33 ring pages x 240 KiB = 31.73 MiB
+    naive cache:  8192 tokens x 18 KiB (every layer, every token)      = 144 MiB
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
+
+from engine.config import GEMMA3_12B, PRESETS, ModelConfig
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+QUANT_BLOCK = 32
+"""int8/int4 weights carry one bfloat16 scale per block of this many weights."""
+WEIGHT_BITS: dict[str, Fraction] = {
+    "float32": Fraction(32),
+    "bfloat16": Fraction(16),
+    "int8": Fraction(8) + Fraction(16, QUANT_BLOCK),
+    "int4": Fraction(4) + Fraction(16, QUANT_BLOCK),
+}
+"""Bits per weight, block scales included (int8 = 8.5, int4 = 4.5)."""
+KV_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+"""Bytes per K or V element in a page (the engine's page layout has no scales)."""
+
+DEFAULT_MAX_BATCH = 64
+"""Sequences per decode step assumed by the default activation reserve."""
+WORKSPACE_BYTES = 1 * GiB
+"""Fixed part of the default reserve: XLA scratch, executables, prefill activations."""
+LOGIT_COPIES = 2
+"""float32 logits plus one same-sized copy (probabilities for rejection sampling)."""
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One accelerator's memory as the planner sees it."""
+
+    name: str
+    """Profile name, as given to `crossover plan --device`."""
+    total_bytes: int
+    """Physical memory of the device (informational)."""
+    usable_bytes: int
+    """Bytes the daemon may allocate: weights + reserve + speculation + KV pool."""
+    bandwidth_bytes_per_s: float
+    """Memory bandwidth (informational: streaming the weights bounds a decode step)."""
+    note: str = ""
+    """Where the numbers come from, assumptions included."""
+
+
+TPU_V6E_1 = DeviceProfile(
+    "tpu-v6e-1", 32 * GiB, int(28.7 * GiB), 1.64e12,
+    "32 GB HBM, 28.7 GiB usable after the TPU runtime's own reservation",
+)
+H200 = DeviceProfile(
+    "h200", 143_771 * MiB, 135 * GiB, 4.8e12,
+    "141 GB HBM3e (nvidia-smi: 143771 MiB); assumed ~139 GiB visible to XLA minus a 4 GiB "
+    "runtime reserve (CUDA context, cuBLAS/cuDNN workspaces, XLA scratch outside its pool); "
+    "needs XLA_PYTHON_CLIENT_MEM_FRACTION raised from JAX's default 0.75",
+)
+DEVICE_NAMES: tuple[str, ...] = ("cpu", "tpu-v6e-1", "h200")
+
+
+def device_profile(name: str, budget_bytes: int | None = None) -> DeviceProfile:
+    """The named profile; `budget_bytes` sets cpu's budget (default 8 GiB) or caps another's."""
+    if budget_bytes is not None and budget_bytes <= 0:
+        raise ValueError(f"budget {budget_bytes} bytes must be positive")
+    if name == "cpu":
+        budget = 8 * GiB if budget_bytes is None else budget_bytes
+        return DeviceProfile("cpu", budget, budget, 50e9,
+                             "host RAM budget (default 8 GiB); bandwidth is a rough DDR5 figure")
+    dev = {"tpu-v6e-1": TPU_V6E_1, "h200": H200}.get(name)
+    if dev is None:
+        raise ValueError(f"unknown device {name!r} (choose {', '.join(DEVICE_NAMES)})")
+    if budget_bytes is None:
+        return dev
+    if budget_bytes > dev.usable_bytes:
+        raise ValueError(f"budget {format_bytes(budget_bytes)} exceeds {name}'s usable "
+                         f"{format_bytes(dev.usable_bytes)}")
+    return dataclasses.replace(dev, usable_bytes=budget_bytes,
+                               note=f"{dev.note}; capped to a {format_bytes(budget_bytes)} budget")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts model known by its parameter counts, with a borrowed attention shape."""
+
+    name: str
+    """The spec it was parsed from, e.g. "26B/4B"."""
+    total_params: int
+    """Every expert counted: what the weights occupy."""
+    active_params: int
+    """Parameters one token reads: what a decode step streams."""
+    attention: ModelConfig
+    """Attention shape used for the KV arithmetic (layers, KV heads, head_dim, window)."""
+    attention_note: str
+    """Where that shape came from; printed with the plan."""
+
+
+_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+
+def _parse_count(text: str, spec: str) -> int:
+    """'26B' -> 26_000_000_000; '4e9' -> 4_000_000_000."""
+    m = _COUNT.match(text)
+    if not m:
+        raise ValueError(f"bad parameter count {text!r} in {spec!r} (e.g. 26B/4B or 26e9/4e9)")
+    return int(Decimal(m.group(1)) * _COUNT_UNITS[m.group(2).lower()])
+
+
+def parse_moe(
+    spec: str, n_layers: int | None = None, n_kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> MoEConfig:
+    """"26B/4B" -> MoEConfig(total 26e9, active 4e9) with gemma3-12b's attention unless overridden."""
+    total_text, sep, active_text = spec.partition("/")
+    if not sep:
+        raise ValueError(f"MoE spec {spec!r} must be TOTAL/ACTIVE, e.g. 26B/4B")
+    total, active = _parse_count(total_text, spec), _parse_count(active_text, spec)
+    if not 0 < active <= total:
+        raise ValueError(f"MoE spec {spec!r}: need 0 < active ({active}) <= total ({total})")
+    given = {"layers": n_layers, "kv-heads": n_kv_heads, "head-dim": head_dim}
+    if any(v is not None and v <= 0 for v in given.values()):
+        raise ValueError(f"MoE attention overrides must be positive, got {given}")
+    base = GEMMA3_12B
+    kv_heads = n_kv_heads or base.n_kv_heads
+    attn = base.replace(
+        name=f"{spec.strip()} attention", n_layers=n_layers or base.n_layers,
+        n_kv_heads=kv_heads, n_heads=kv_heads * (base.n_heads // base.n_kv_heads),
+        head_dim=head_dim or base.head_dim,
+    )
+    overridden = ", ".join(k for k, v in given.items() if v is not None)
+    note = (
+        f"MoE attention shape from {base.name}: {attn.n_layers} layers "
+        f"({len(attn.global_layers)} global, {len(attn.local_layers)} local, window "
+        f"{attn.sliding_window}), {attn.n_kv_heads} KV heads x {attn.head_dim}; "
+        + (f"overridden: {overridden}" if overridden else "override with layers/kv-heads/head-dim")
+    )
+    return MoEConfig(spec.strip(), total, active, attn, note)
+
+
+MODEL_NAMES: tuple[str, ...] = tuple(PRESETS)
+
+
+def model_by_name(
+    name: str, n_layers: int | None = None, n_kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> ModelConfig | MoEConfig:
+    """A Gemma 3 preset by name, or an MoE from "TOTAL/ACTIVE" (overrides apply to MoE only)."""
+    if "/" in name:
+        return parse_moe(name, n_layers, n_kv_heads, head_dim)
+    if name not in PRESETS:
+        raise ValueError(
+            f"unknown model {name!r} (choose {', '.join(MODEL_NAMES)}, "
+            "or TOTAL/ACTIVE parameters for a mixture of experts, e.g. 26B/4B)"
+        )
+    if (n_layers, n_kv_heads, head_dim) != (None, None, None):
+        raise ValueError(f"layers / kv-heads / head-dim overrides apply to MoE models, not {name!r}")
+    return PRESETS[name]
+
+
+def weight_bytes(params: int, dtype: str) -> int:
+    """Bytes of `params` weights in `dtype`: weight_bytes(1000, "int4") == 563 (4.5 bits each)."""
+    if dtype not in WEIGHT_BITS:
+        raise ValueError(f"unknown weight dtype {dtype!r} (choose {', '.join(WEIGHT_BITS)})")
+    return math.ceil(params * WEIGHT_BITS[dtype] / 8)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> tuple[int, int]:
+    """(global, local) whole-model K+V bytes per token; gemma3-270m bfloat16 -> (3072, 15360)."""
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r} (choose {', '.join(KV_DTYPE_BYTES)})")
+    per_layer = 2 * cfg.n_kv_heads * cfg.head_dim * KV_DTYPE_BYTES[kv_dtype]
+    return len(cfg.global_layers) * per_layer, len(cfg.local_layers) * per_layer
+
+
+def ring_pages(cfg: ModelConfig, page_size: int, max_spec_depth: int) -> int:
+    """Local pages a sequence cycles through: ceil((sliding_window + max_spec_depth) / page_size)."""
+    return -(-(cfg.sliding_window + max_spec_depth) // page_size)
+
+
+def pages_per_sequence(
+    cfg: ModelConfig, n: int, page_size: int, max_spec_depth: int,
+) -> tuple[int, int]:
+    """(global, local) pages a sequence of n tokens holds; 0 for a kind without layers."""
+    pages = -(-n // page_size)
+    local = min(pages, ring_pages(cfg, page_size, max_spec_depth))
+    return (pages if cfg.global_layers else 0), (local if cfg.local_layers else 0)
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """How the KV pool splits into global and local pages."""
+
+    num_global_pages: int
+    """Pages in the global pool (the tenants' share plus the remainder)."""
+    num_local_pages: int
+    """Pages in the local pool: exactly tenants x local pages per tenant."""
+    ring_pages: int
+    """Local pages one sequence cycles through (window + verify slots)."""
+    global_page_bytes: int
+    """Bytes of one global page (0 without global layers)."""
+    local_page_bytes: int
+    """Bytes of one local page (0 without local layers)."""
+    tenants: int
+    """Sequences of context_len tokens the pool holds at once."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the two pools occupy (at most the pool_bytes they were sized from)."""
+        return (self.num_global_pages * self.global_page_bytes
+                + self.num_local_pages * self.local_page_bytes)
+
+
+def _check_shape(cfg: ModelConfig, page_size: int, context_len: int, max_spec_depth: int) -> None:
+    if not cfg.n_layers:
+        raise ValueError(f"{cfg.name} has n_layers=0: there is no KV to plan")
+    if page_size <= 0:
+        raise ValueError(f"page_size={page_size} must be positive")
+    if context_len <= 0:
+        raise ValueError(f"context_len={context_len} must be positive")
+    if max_spec_depth < 0:
+        raise ValueError(f"max_spec_depth={max_spec_depth} must be >= 0")
+
+
+def sequence_bytes(
+    cfg: ModelConfig, context_len: int, page_size: int, kv_dtype: str, max_spec_depth: int,
+) -> int:
+    """Paged, windowed KV bytes of one sequence of context_len tokens."""
+    _check_shape(cfg, page_size, context_len, max_spec_depth)
+    g_tok, l_tok = kv_bytes_per_token(cfg, kv_dtype)
+    g, l = pages_per_sequence(cfg, context_len, page_size, max_spec_depth)
+    return page_size * (g * g_tok + l * l_tok)
+
+
+def naive_sequence_bytes(cfg: ModelConfig, context_len: int, kv_dtype: str) -> int:
+    """KV bytes of one sequence in a contiguous cache: every token, every layer."""
+    return context_len * sum(kv_bytes_per_token(cfg, kv_dtype))
+
+
+def size_pool(
+    cfg: ModelConfig, pool_bytes: int, page_size: int, kv_dtype: str, context_len: int,
+    max_spec_depth: int,
+) -> PoolSizes:
+    """Split pool_bytes to hold the most sequences of context_len tokens.
+
+    tenants = pool_bytes // one sequence's bytes; the local pool gets exactly
+    the tenants' ring pages, the remainder goes to global pages (to local
+    pages when the model has no global layers). Raises ValueError when the
+    pool holds no sequence at all.
+    """
+    seq = sequence_bytes(cfg, context_len, page_size, kv_dtype, max_spec_depth)
+    if pool_bytes < seq:
+        raise ValueError(f"pool_bytes={pool_bytes} holds no sequence of "
+                         f"context_len={context_len} ({seq} bytes each)")
+    g_tok, l_tok = kv_bytes_per_token(cfg, kv_dtype)
+    g_page, l_page = g_tok * page_size, l_tok * page_size
+    g, l = pages_per_sequence(cfg, context_len, page_size, max_spec_depth)
+    tenants = pool_bytes // seq
+    num_local = tenants * l
+    if g_page:
+        num_global = (pool_bytes - num_local * l_page) // g_page
+    else:  # no global layers: the remainder buys extra ring pages
+        num_global, num_local = 0, pool_bytes // l_page
+    return PoolSizes(num_global, num_local, ring_pages(cfg, page_size, max_spec_depth),
+                     g_page, l_page, tenants)
+
+
+def activation_reserve(
+    cfg: ModelConfig, max_spec_depth: int, max_batch: int = DEFAULT_MAX_BATCH,
+) -> tuple[int, str]:
+    """(bytes, explanation): WORKSPACE_BYTES + max_batch x (1 + depth) x vocab x float32 x 2."""
+    positions = 1 + max_spec_depth
+    logits = max_batch * positions * cfg.vocab_size * 4 * LOGIT_COPIES
+    note = (
+        f"activation reserve {format_bytes(WORKSPACE_BYTES + logits)} = "
+        f"{format_bytes(WORKSPACE_BYTES)} workspace + logits {max_batch} seqs x {positions} "
+        f"positions x {cfg.vocab_size} vocab x float32 x {LOGIT_COPIES}"
+    )
+    return WORKSPACE_BYTES + logits, note
+
+
+def format_bytes(n: float) -> str:
+    """Binary units, two decimals: format_bytes(3 * 2**29) == '1.50 GiB'."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a device's memory goes for one model, and how many tenants that leaves room for."""
+
+    model: str
+    """Model name (preset name or MoE spec)."""
+    device: DeviceProfile
+    """The device planned for."""
+    weight_dtype: str
+    """Dtype the weights are stored in."""
+    kv_dtype: str
+    """Dtype of the KV pages."""
+    context_len: int
+    """Tokens per tenant the plan is sized for (verify slots included)."""
+    page_size: int
+    """Tokens per KV page."""
+    max_spec_depth: int
+    """Speculative verify slots each sequence's local ring keeps room for."""
+    total_params: int
+    """Parameters stored (every expert of an MoE)."""
+    active_params: int
+    """Parameters read per token (== total_params for a dense model)."""
+    weight_bytes_by_dtype: dict[str, int]
+    """Weight bytes in each of float32, bfloat16, int8, int4 (scales included)."""
+    weight_bytes: int
+    """Weight bytes in weight_dtype."""
+    decode_weight_read_s: float
+    """Seconds to stream the active weights once at the device's bandwidth (decode-step floor)."""
+    global_layers: int
+    """Layers attending to the whole context."""
+    local_layers: int
+    """Sliding-window layers."""
+    sliding_window: int
+    """Tokens a local layer attends to."""
+    kv_global_bytes_per_token: int
+    """K+V bytes per token over all global layers."""
+    kv_local_bytes_per_token: int
+    """K+V bytes per token over all local layers (held only for the window)."""
+    activation_reserve_bytes: int
+    """Kept back for activations, logits and XLA workspace."""
+    speculation_bytes: int
+    """Kept back for speculation (draft weights, draft KV, ...)."""
+    pool_bytes: int
+    """KV pool: usable - weights - reserve - speculation (0 when negative)."""
+    pools: PoolSizes | None
+    """The pool split at context_len; None when not one sequence fits."""
+    sequence_bytes: int
+    """KV bytes of one context_len sequence, paged with windowed local layers."""
+    naive_sequence_bytes: int
+    """KV bytes of one context_len sequence in a contiguous all-layers cache."""
+    tenants: int
+    """Sequences of context_len that fit, paged and windowed."""
+    naive_tenants: int
+    """Sequences of context_len that fit in a naive cache."""
+    tenant_ratio: float | None
+    """tenants / naive_tenants (None when the naive cache fits none)."""
+    tenants_displaced: int
+    """Tenants at context_len that speculation_bytes costs."""
+    fits: bool
+    """Whether weights, reserve, speculation and at least one sequence fit."""
+    shortfall_bytes: int
+    """Bytes missing for the first constraint that fails (0 when it fits)."""
+    verdict: str
+    """One line: fits with how many tenants, or what does not fit and by how much."""
+    notes: tuple[str, ...]
+    """Assumptions behind the numbers (reserve formula, borrowed shapes, device)."""
+
+
+def _verdict(
+    weights: int, reserve: int, spec: int, pool: int, seq: int, device: DeviceProfile,
+    weight_dtype: str, context_len: int,
+) -> tuple[bool, int, str]:
+    """(fits, shortfall, message) for the first budget constraint that fails."""
+    f, usable = format_bytes, device.usable_bytes
+    over = f"> usable {f(usable)} on {device.name}"
+    if weights > usable:
+        short = weights - usable
+        return False, short, f"does not fit: weights {f(weights)} ({weight_dtype}) {over}, short by {f(short)}"
+    if weights + reserve > usable:
+        short = weights + reserve - usable
+        return False, short, (f"does not fit: weights {f(weights)} + activation reserve "
+                              f"{f(reserve)} {over}, short by {f(short)}")
+    if pool < 0:
+        return False, -pool, (f"does not fit: weights {f(weights)} + activation reserve "
+                              f"{f(reserve)} + speculation {f(spec)} {over}, short by {f(-pool)}")
+    if pool < seq:
+        return False, seq - pool, (f"does not fit: KV pool {f(pool)} < one sequence of "
+                                   f"{context_len} tokens ({f(seq)}), short by {f(seq - pool)}")
+    return True, 0, ""
+
+
+def make_plan(
+    model: ModelConfig | MoEConfig, device: DeviceProfile, weight_dtype: str, kv_dtype: str,
+    context_len: int, page_size: int = 16, max_spec_depth: int = 8,
+    activation_reserve_bytes: int | None = None, speculation_bytes: int = 0,
+) -> Plan:
+    """Plan `model` on `device`; activation_reserve_bytes=None uses `activation_reserve`."""
+    moe = model if isinstance(model, MoEConfig) else None
+    cfg = moe.attention if moe else model
+    total = moe.total_params if moe else cfg.param_count()
+    active = moe.active_params if moe else total
+    weights = weight_bytes(total, weight_dtype)
+    g_tok, l_tok = kv_bytes_per_token(cfg, kv_dtype)
+    seq = sequence_bytes(cfg, context_len, page_size, kv_dtype, max_spec_depth)
+    naive = naive_sequence_bytes(cfg, context_len, kv_dtype)
+    notes = [moe.attention_note] if moe else []
+    if activation_reserve_bytes is None:
+        reserve, reserve_note = activation_reserve(cfg, max_spec_depth)
+    else:
+        reserve, reserve_note = activation_reserve_bytes, (
+            f"activation reserve {format_bytes(activation_reserve_bytes)} (given)")
+    if reserve < 0 or speculation_bytes < 0:
+        raise ValueError(f"activation_reserve_bytes={reserve} and speculation_bytes="
+                         f"{speculation_bytes} must be >= 0")
+    notes.append(reserve_note)
+    if context_len > cfg.max_position:
+        notes.append(f"context {context_len} exceeds the trained max_position {cfg.max_position}")
+    if device.note:
+        notes.append(f"{device.name}: {device.note}")
+
+    pool = device.usable_bytes - weights - reserve - speculation_bytes
+    fits, shortfall, verdict = _verdict(
+        weights, reserve, speculation_bytes, pool, seq, device, weight_dtype, context_len)
+    held = max(pool, 0)
+    tenants, naive_tenants = held // seq, held // naive
+    displaced = max(pool + speculation_bytes, 0) // seq - tenants
+    ratio = tenants / naive_tenants if naive_tenants else None
+    if fits:
+        verdict = (f"fits: {tenants} tenants at {context_len} tokens paged + windowed vs "
+                   f"{naive_tenants} with a naive cache"
+                   + (f" ({ratio:.2f}x)" if ratio is not None else ""))
+    return Plan(
+        model=moe.name if moe else cfg.name, device=device, weight_dtype=weight_dtype,
+        kv_dtype=kv_dtype, context_len=context_len, page_size=page_size,
+        max_spec_depth=max_spec_depth, total_params=total, active_params=active,
+        weight_bytes_by_dtype={d: weight_bytes(total, d) for d in WEIGHT_BITS},
+        weight_bytes=weights,
+        decode_weight_read_s=weight_bytes(active, weight_dtype) / device.bandwidth_bytes_per_s,
+        global_layers=len(cfg.global_layers), local_layers=len(cfg.local_layers),
+        sliding_window=cfg.sliding_window,
+        kv_global_bytes_per_token=g_tok, kv_local_bytes_per_token=l_tok,
+        activation_reserve_bytes=reserve, speculation_bytes=speculation_bytes,
+        pool_bytes=held,
+        pools=size_pool(cfg, held, page_size, kv_dtype, context_len, max_spec_depth)
+        if tenants else None,
+        sequence_bytes=seq, naive_sequence_bytes=naive, tenants=tenants,
+        naive_tenants=naive_tenants, tenant_ratio=ratio, tenants_displaced=displaced,
+        fits=fits, shortfall_bytes=shortfall, verdict=verdict, notes=tuple(notes),
+    )

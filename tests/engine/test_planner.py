@@ -1,0 +1,200 @@
+"""Memory planner arithmetic, checked against numbers worked out by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from engine.config import GEMMA3_12B, GEMMA3_270M, GEMMA3_27B, tiny_config
+from engine.planner import (
+    GiB, MiB, MoEConfig, device_profile, format_bytes, kv_bytes_per_token, make_plan,
+    model_by_name, naive_sequence_bytes, pages_per_sequence, parse_moe, ring_pages,
+    sequence_bytes, size_pool, weight_bytes,
+)
+
+# gemma3-270m, bfloat16 KV, page 16, depth 8, context 8192, by hand:
+SEQ_270M = 512 * 16 * 3072 + 33 * 16 * 15360  # 512 global pages + a 33-page ring
+NAIVE_270M = 8192 * (3072 + 15360)
+TPU = device_profile("tpu-v6e-1")
+
+
+def test_kv_bytes_per_token_by_hand():
+    # global: 2 (K,V) x 3 layers x 1 head x 256 x 2 B; local: same with 15 layers
+    assert kv_bytes_per_token(GEMMA3_270M, "bfloat16") == (3072, 15360)
+    assert kv_bytes_per_token(GEMMA3_270M, "float32") == (6144, 30720)
+    # 27B: 2 x 10 x 16 x 128 x 2 and 2 x 52 x 16 x 128 x 2
+    assert kv_bytes_per_token(GEMMA3_27B, "bfloat16") == (81920, 425984)
+    with pytest.raises(ValueError, match="'fp8'.*bfloat16"):
+        kv_bytes_per_token(GEMMA3_270M, "fp8")
+
+
+def test_weight_bytes_per_dtype():
+    assert weight_bytes(1000, "float32") == 4000
+    assert weight_bytes(1000, "bfloat16") == 2000
+    assert weight_bytes(1000, "int8") == 1063  # 1 B + 2/32 B of scale each, rounded up
+    assert weight_bytes(1000, "int4") == 563  # 0.5 B + 2/32 B
+    assert weight_bytes(GEMMA3_27B.param_count(), "bfloat16") == 2 * 27_009_002_240
+    with pytest.raises(ValueError, match="'int3'.*int4"):
+        weight_bytes(1000, "int3")
+
+
+def test_pages_and_sequence_bytes_by_hand():
+    assert ring_pages(GEMMA3_270M, 16, 8) == 33  # ceil((512 + 8) / 16)
+    assert ring_pages(GEMMA3_27B, 16, 8) == 65  # ceil((1024 + 8) / 16)
+    assert pages_per_sequence(GEMMA3_270M, 8192, 16, 8) == (512, 33)
+    assert pages_per_sequence(GEMMA3_270M, 100, 16, 8) == (7, 7)  # shorter than the window
+    assert sequence_bytes(GEMMA3_270M, 8192, 16, "bfloat16", 8) == SEQ_270M == 33_275_904
+    assert naive_sequence_bytes(GEMMA3_270M, 8192, "bfloat16") == NAIVE_270M == 144 * MiB
+    with pytest.raises(ValueError, match="page_size=0"):
+        sequence_bytes(GEMMA3_270M, 8192, 0, "bfloat16", 8)
+    with pytest.raises(ValueError, match="context_len=-1"):
+        sequence_bytes(GEMMA3_270M, -1, 16, "bfloat16", 8)
+
+
+def test_size_pool_tenants_formula_and_remainder_to_global():
+    pool = 10 * SEQ_270M + 12_345
+    sizes = size_pool(GEMMA3_270M, pool, 16, "bfloat16", 8192, 8)
+    assert sizes.tenants == 10
+    assert (sizes.global_page_bytes, sizes.local_page_bytes) == (49152, 245760)
+    assert sizes.ring_pages == 33
+    assert sizes.num_local_pages == 10 * 33
+    assert sizes.num_global_pages == (pool - 330 * 245760) // 49152  # 5120 + the remainder
+    assert sizes.num_global_pages >= 10 * 512
+    assert 0 <= pool - sizes.total_bytes < sizes.global_page_bytes
+    assert size_pool(GEMMA3_270M, pool - 12_346, 16, "bfloat16", 8192, 8).tenants == 9
+
+
+def test_size_pool_split_is_best_among_all_splits():
+    cfg = tiny_config()  # global and local layers, window 8
+    pool, page, ctx, depth = 200_000, 4, 40, 2
+    sizes = size_pool(cfg, pool, page, "float32", ctx, depth)
+    g, l = pages_per_sequence(cfg, ctx, page, depth)
+    best = 0
+    for n_local in range(pool // sizes.local_page_bytes + 1):
+        n_global = (pool - n_local * sizes.local_page_bytes) // sizes.global_page_bytes
+        best = max(best, min(n_global // g, n_local // l))
+    assert sizes.tenants == best > 0
+
+
+def test_size_pool_without_global_or_local_layers():
+    no_global = tiny_config(global_every=100)
+    sizes = size_pool(no_global, 100_000, 4, "float32", 40, 2)
+    assert (sizes.num_global_pages, sizes.global_page_bytes) == (0, 0)
+    seq = sequence_bytes(no_global, 40, 4, "float32", 2)
+    assert sizes.tenants == 100_000 // seq
+    assert sizes.num_local_pages == 100_000 // sizes.local_page_bytes  # remainder to local
+
+    no_local = tiny_config(global_every=1)
+    sizes = size_pool(no_local, 100_000, 4, "float32", 40, 2)
+    assert (sizes.num_local_pages, sizes.local_page_bytes) == (0, 0)
+    assert sizes.tenants == 100_000 // (10 * sizes.global_page_bytes)
+    assert sizes.num_global_pages == 100_000 // sizes.global_page_bytes
+
+
+def test_size_pool_refuses_a_pool_holding_no_sequence():
+    with pytest.raises(ValueError, match=f"pool_bytes={SEQ_270M - 1}"):
+        size_pool(GEMMA3_270M, SEQ_270M - 1, 16, "bfloat16", 8192, 8)
+
+
+def test_devices():
+    assert TPU.usable_bytes == int(28.7 * GiB)
+    assert device_profile("cpu").usable_bytes == 8 * GiB
+    assert device_profile("cpu", 512 * MiB).usable_bytes == 512 * MiB
+    assert device_profile("h200").usable_bytes == 135 * GiB
+    assert device_profile("tpu-v6e-1", 4 * GiB).usable_bytes == 4 * GiB
+    with pytest.raises(ValueError, match="exceeds"):
+        device_profile("tpu-v6e-1", 40 * GiB)
+    with pytest.raises(ValueError, match="'tpu-v4'.*h200"):
+        device_profile("tpu-v4")
+
+
+def test_270m_window_advantage_and_tenants_by_hand():
+    plan = make_plan(GEMMA3_270M, TPU, "bfloat16", "bfloat16", 8192)
+    pool = TPU.usable_bytes - plan.weight_bytes - plan.activation_reserve_bytes
+    assert plan.weight_bytes == 2 * GEMMA3_270M.param_count()
+    assert plan.activation_reserve_bytes == GiB + 64 * 9 * 262_144 * 4 * 2
+    assert plan.pool_bytes == pool
+    assert plan.tenants == plan.pools.tenants == pool // SEQ_270M
+    assert plan.naive_tenants == pool // NAIVE_270M
+    assert plan.tenants > 4 * plan.naive_tenants
+    assert plan.tenant_ratio == pytest.approx(plan.tenants / plan.naive_tenants)
+    assert plan.fits and plan.shortfall_bytes == 0 and "fits" in plan.verdict
+    assert set(plan.weight_bytes_by_dtype) == {"float32", "bfloat16", "int8", "int4"}
+    assert any("activation reserve" in note for note in plan.notes)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.tenants = 0  # type: ignore[misc]
+
+
+def test_27b_bfloat16_does_not_fit_on_tpu_v6e_1():
+    plan = make_plan(GEMMA3_27B, TPU, "bfloat16", "bfloat16", 8192)
+    assert plan.weight_bytes == 54_018_004_480  # 27.0e9 x 2 B = 50.31 GiB
+    assert not plan.fits
+    assert plan.shortfall_bytes == plan.weight_bytes - TPU.usable_bytes
+    assert (plan.tenants, plan.pool_bytes, plan.pools) == (0, 0, None)
+    for number in ("50.31 GiB", "28.70 GiB", "21.61 GiB"):
+        assert number in plan.verdict
+
+
+def test_27b_int4_fits_on_tpu_v6e_1():
+    plan = make_plan(GEMMA3_27B, TPU, "int4", "bfloat16", 8192)
+    assert plan.weight_bytes == math.ceil(27_009_002_240 * 4.5 / 8)
+    assert plan.fits and plan.tenants >= 1
+    assert plan.tenants > plan.naive_tenants
+
+
+def test_reserve_and_pool_shortfalls_name_their_numbers():
+    weights = 2 * GEMMA3_270M.param_count()
+    cpu = device_profile("cpu", weights + GiB)  # weights fit, the 2.12 GiB reserve does not
+    plan = make_plan(GEMMA3_270M, cpu, "bfloat16", "bfloat16", 8192)
+    assert not plan.fits and "activation reserve 2.12 GiB" in plan.verdict
+    cpu = device_profile("cpu", weights + GiB + SEQ_270M // 2)
+    plan = make_plan(GEMMA3_270M, cpu, "bfloat16", "bfloat16", 8192, activation_reserve_bytes=GiB)
+    assert not plan.fits and "KV pool" in plan.verdict
+    assert plan.shortfall_bytes == SEQ_270M - SEQ_270M // 2
+
+
+def test_speculation_displaces_tenants():
+    base = make_plan(GEMMA3_270M, TPU, "bfloat16", "bfloat16", 8192)
+    spec = make_plan(GEMMA3_270M, TPU, "bfloat16", "bfloat16", 8192,
+                     speculation_bytes=3 * SEQ_270M)
+    assert base.tenants_displaced == 0
+    assert spec.tenants_displaced == 3 == base.tenants - spec.tenants
+    assert spec.pool_bytes == base.pool_bytes - 3 * SEQ_270M
+
+
+def test_moe_parsing_and_plan():
+    moe = parse_moe("26B/4B")
+    assert (moe.total_params, moe.active_params) == (26_000_000_000, 4_000_000_000)
+    attn = moe.attention
+    assert (attn.n_layers, attn.n_kv_heads, attn.head_dim) == (48, 8, 256)
+    assert attn.sliding_window == GEMMA3_12B.sliding_window
+    assert "gemma3-12b" in moe.attention_note
+    assert parse_moe("26e9/4e9").total_params == 26_000_000_000
+    assert parse_moe("1.5T/50b").active_params == 50_000_000_000
+    small = parse_moe("26B/4B", n_layers=12, n_kv_heads=2, head_dim=128)
+    assert kv_bytes_per_token(small.attention, "bfloat16") == (2 * 2 * 2 * 128 * 2,
+                                                                2 * 10 * 2 * 128 * 2)
+    assert isinstance(model_by_name("26B/4B"), MoEConfig)
+    for bad in ("26B", "4B/26B", "abc/4B", "26X/4B", "0/0"):
+        with pytest.raises(ValueError, match=bad if "/" in bad else "TOTAL/ACTIVE"):
+            parse_moe(bad)
+    plan = make_plan(moe, TPU, "int4", "bfloat16", 8192)
+    assert plan.weight_bytes == weight_bytes(26_000_000_000, "int4")
+    assert plan.active_params == 4_000_000_000
+    assert plan.notes[0] == moe.attention_note
+
+
+def test_model_by_name_errors_list_choices():
+    assert model_by_name("gemma3-27b") is GEMMA3_27B
+    with pytest.raises(ValueError, match="'gemma4'.*gemma3-270m.*26B/4B"):
+        model_by_name("gemma4")
+    with pytest.raises(ValueError, match="MoE"):
+        model_by_name("gemma3-1b", n_layers=3)
+
+
+def test_format_bytes():
+    assert format_bytes(3 * 2**29) == "1.50 GiB"
+    assert format_bytes(3072) == "3.00 KiB"
+    assert format_bytes(12) == "12 B"
