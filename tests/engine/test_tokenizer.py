@@ -1,0 +1,265 @@
+"""Tokenizer (rebuilt from the GGUF vocabulary), streaming decode and the chat template."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf.constants import TokenType as TT
+
+from engine.chat import apply_chat_template
+from engine.gguf_file import WeightsError, cache_dir, default_gguf_path, file_sha256
+from engine.tokenizer import IncrementalDecoder, Tokenizer, build_backend
+
+ROUND_TRIP = [
+    "Hello world",
+    "",
+    " leading and trailing ",
+    "multiple   spaces   here",
+    " " * 40,
+    "a" + " " * 40 + "b",
+    " " * 100 + "x" + " " * 33,
+    "\n",
+    "line one\nline two\r\nline three\n\n\n\nend",
+    "tabs\tand\t\ttabs\t\t\t\t\t",
+    "def f(x):\n    if x:\n        return {'a': [1, 2]}\n\treturn None  # tab\n",
+    "日本語のテキストを書きます。",
+    "中文字符测试，标点！",
+    "한국어 문장입니다",
+    "emoji 😀🎉👍🏽 family 👨‍👩‍👧 flag 🇫🇷",
+    "rare ⨌ ∯ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \U0001F9EC \U000E0041 \u2fff",
+    "Ünïcödé façade naïve coöperate",
+    "<html><body><b>bold</b> <table><tr><td>1</td></tr></table></body></html>",
+    "non\u00a0breaking zero\u200bwidth",
+    "control \x00\x01\x7f bytes",
+    "math ∑∫√∞ ≠ ≤",
+]
+
+
+@pytest.fixture(scope="session")
+def tok() -> Tokenizer:
+    return Tokenizer.from_gguf(default_gguf_path(progress=False), progress=False)
+
+
+# -------------------------------------------------------------- real vocab ---
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP)
+def test_round_trip(tok, text):
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_id == 2
+    assert tok.decode(ids) == text
+
+
+def test_batch_matches_single(tok):
+    assert tok.encode_batch(ROUND_TRIP[:5]) == [tok.encode(t) for t in ROUND_TRIP[:5]]
+
+
+def test_special_ids(tok):
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.end_of_turn_id) == (262_144, 2, 1, 106)
+    assert tok.stop_ids == (1, 106)
+    assert tok.id_to_piece(105) == "<start_of_turn>" and tok.id_to_piece(106) == "<end_of_turn>"
+
+
+def test_bos_only_when_asked(tok):
+    assert tok.encode("Hello") == [2, *tok.encode("Hello", add_bos=False)]
+    assert tok.encode("", add_bos=False) == []
+    assert tok.encode("") == [2]
+
+
+def test_whole_words_are_single_pieces(tok):
+    hello, world = tok.piece_to_id("Hello"), tok.piece_to_id("▁world")
+    assert hello is not None and world is not None
+    assert tok.encode("Hello", add_bos=False) == [hello]
+    assert tok.encode(" world", add_bos=False) == [world]
+    assert tok.encode("Hello world", add_bos=False) == [hello, world]
+
+
+def test_whitespace_runs_use_user_defined_pieces(tok):
+    # 2..31 spaces are single pieces 138..167 (stored with real spaces);
+    # newline runs 107..137 and tab runs 255968.. likewise.
+    assert tok.id_to_piece(138) == "  " and tok.id_to_piece(167) == " " * 31
+    assert tok.encode("  ", add_bos=False) == [138]
+    assert tok.encode("a" + " " * 40 + "b", add_bos=False) == [
+        tok.piece_to_id("a"), 167, 145, tok.piece_to_id("b")  # 31 + 9 spaces, longest match first
+    ]
+    assert tok.encode("\n\n", add_bos=False) == [108]
+    assert tok.encode("\t\t", add_bos=False) == [255969]
+
+
+def test_byte_fallback(tok):
+    ids = tok.encode("⨌", add_bos=False)  # U+2A0C is not in the vocabulary
+    assert [tok.id_to_piece(i) for i in ids] == ["<0xE2>", "<0xA8>", "<0x8C>"]
+    assert tok.decode(ids) == "⨌"
+
+
+def test_decode_specials(tok):
+    ids = [2, *tok.encode("Hello", add_bos=False), 106]
+    assert tok.decode(ids) == "Hello"
+    assert tok.decode(ids, skip_special=False) == "<bos>Hello<end_of_turn>"
+
+
+def test_invalid_utf8_becomes_replacement(tok):
+    x = tok.piece_to_id("x")
+    assert tok.decode([tok.piece_to_id("<0xE2>"), x]) == "\ufffdx"
+    assert tok.decode([tok.piece_to_id("<0xFF>")]) == "\ufffd"
+
+
+def test_out_of_range_id(tok):
+    with pytest.raises(ValueError, match="token id 262144 is outside"):
+        tok.decode([5, 262_144])
+    with pytest.raises(ValueError, match="token id -1"):
+        tok.id_to_piece(-1)
+
+
+def test_chat_template_ids(tok):
+    text = apply_chat_template([{"role": "user", "content": "Hi"}])
+    ids = tok.encode(text)
+    user, model, hi = (tok.piece_to_id(p) for p in ("user", "model", "Hi"))
+    assert ids == [2, 105, user, 107, hi, 106, 107, 105, model, 107]
+
+
+def test_tokenizer_json_is_cached(tok):
+    sha = file_sha256(default_gguf_path(progress=False))
+    assert (cache_dir() / f"tokenizer-{sha[:24]}-v1.json").stat().st_size > 10_000_000
+
+
+# ------------------------------------------------------- incremental decode ---
+
+
+def test_incremental_holds_back_partial_characters(tok):
+    e2, a8, x8c = (tok.piece_to_id(f"<0x{b:02X}>") for b in (0xE2, 0xA8, 0x8C))
+    dec = IncrementalDecoder(tok)
+    assert dec.push([tok.piece_to_id("Hello"), e2]) == "Hello"
+    assert dec.push([a8]) == ""
+    assert dec.push([x8c, tok.piece_to_id("▁world")]) == "⨌ world"
+    assert dec.flush() == ""
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_incremental_equals_full_on_random_streams(tok, skip_special):
+    rng = np.random.default_rng(7)
+    pools = [np.arange(238, 494), np.arange(0, 8), np.arange(105, 168), rng.integers(494, 262_144, 200)]
+    for _ in range(100):
+        ids = [int(rng.choice(pools[rng.choice(4, p=[0.6, 0.1, 0.1, 0.2])])) for _ in range(rng.integers(1, 60))]
+        dec, parts, pos = IncrementalDecoder(tok, skip_special), [], 0
+        while pos < len(ids):
+            step = int(rng.integers(1, 5))
+            parts.append(dec.push(ids[pos : pos + step]))
+            pos += step
+        assert "".join(parts) + dec.flush() == tok.decode(ids, skip_special)
+
+
+def test_incremental_on_real_text(tok):
+    text = "emoji 😀 ⨌ 日本語 \U0001F9EC end"
+    ids = tok.encode(text, add_bos=False)
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.push([i]) for i in ids]
+    assert "".join(pieces) + dec.flush() == text
+    assert "\ufffd" not in "".join(pieces)
+
+
+# ----------------------------------------------------- recipe on a toy vocab ---
+
+
+def toy_vocab() -> tuple[list[str], np.ndarray]:
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>"]
+    types = [TT.CONTROL] * 5
+    pieces += [f"<0x{b:02X}>" for b in range(256)]
+    types += [TT.BYTE] * 256
+    pieces += ["  ", "\n", "<b>"]
+    types += [TT.USER_DEFINED] * 3
+    pieces += ["▁", "a", "b", "c", "ab", "▁a", "▁ab", "abc"]
+    types += [TT.NORMAL] * 8
+    return pieces, np.asarray(types, dtype=np.int32)
+
+
+def test_toy_recipe():
+    pieces, types = toy_vocab()
+    backend = build_backend(pieces, types)
+    enc = lambda s: [pieces[i] for i in backend.encode(s, add_special_tokens=False).ids]  # noqa: E731
+    assert enc("ab abc") == ["ab", "▁ab", "c"]  # lower id merges first: "▁ab" before "abc"
+    assert enc("abc") == ["abc"]
+    assert enc("a  b") == ["a", "  ", "b"]  # the space-run piece, matched after normalization
+    assert enc("é\n<b>") == ["<0xC3>", "<0xA9>", "\n", "<b>"]
+    assert enc("<start_of_turn>a") == ["<start_of_turn>", "a"]
+
+
+def test_toy_tokenizer_decodes():
+    pieces, types = toy_vocab()
+    tok = Tokenizer(build_backend(pieces, types), pieces, types, bos_id=2, eos_id=1)
+    assert tok.end_of_turn_id is None and tok.stop_ids == (1,)
+    assert tok.decode(tok.encode("ab  abc é")) == "ab  abc é"
+
+
+def test_gguf_without_vocabulary(tmp_path, monkeypatch):
+    monkeypatch.setenv("CROSSOVER_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "weights-only.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(WeightsError, match="no SentencePiece vocabulary.*Gemma 3 GGUF"):
+        Tokenizer.from_gguf(path)
+
+
+# ------------------------------------------------------------ chat template ---
+
+
+def test_template_single_turn():
+    assert apply_chat_template([{"role": "user", "content": " Hi there \n"}]) == (
+        "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n"
+    )
+
+
+def test_template_system_folded_and_roles():
+    text = apply_chat_template(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": [{"type": "text", "text": "Again"}]},
+        ],
+        add_generation_prompt=False,
+    )
+    assert text == (
+        "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nAgain<end_of_turn>\n"
+    )
+
+
+def test_template_accepts_model_role():
+    text = apply_chat_template([{"role": "user", "content": "a"}, {"role": "model", "content": "b"}])
+    assert text.endswith("<start_of_turn>model\nb<end_of_turn>\n<start_of_turn>model\n")
+
+
+@pytest.mark.parametrize(
+    ("messages", "match"),
+    [
+        ([], "messages is empty"),
+        ([{"role": "tool", "content": "x"}], r"messages\[0\]: unknown role 'tool'"),
+        ([{"role": "assistant", "content": "x"}], r"messages\[0\]: expected a user message, got 'assistant'"),
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], r"messages\[1\]: expected an assistant"),
+        ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], r"messages\[1\]: a system message"),
+        ([{"role": "system", "content": "s"}], "must be followed by a user message"),
+        ([{"role": "user", "content": 3}], r"messages\[0\]: content must be a string"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "only text content parts"),
+        (["hello"], r"messages\[0\]: a message must be a dict"),
+    ],
+)
+def test_template_errors(messages, match):
+    with pytest.raises(ValueError, match=match):
+        apply_chat_template(messages)
+
+
+def test_fresh_build_matches_cached(tok):
+    """Rebuilding from the vocabulary gives the same encodings as the cached tokenizer.json."""
+    from engine.gguf_file import GGUFFile
+
+    meta = GGUFFile.open(default_gguf_path(progress=False)).metadata
+    fresh = build_backend(meta["tokenizer.ggml.tokens"], np.asarray(meta["tokenizer.ggml.token_type"]))
+    for text in ROUND_TRIP:
+        assert fresh.encode(text, add_special_tokens=False).ids == tok.encode(text, add_bos=False)
