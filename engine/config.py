@@ -121,9 +121,9 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def tiny_config(**kw) -> ModelConfig:
-    """A small random-weight config for fast unit tests (6 layers: 5 local, 1 global)."""
+    """A small random-weight config for fast unit tests (7 layers: 2 groups of local, local, global, then one trailing local)."""
     base = dict(
-        name="tiny", vocab_size=512, d_model=64, n_layers=6, n_heads=4, n_kv_heads=2,
+        name="tiny", vocab_size=512, d_model=64, n_layers=7, n_heads=4, n_kv_heads=2, global_every=3,
         head_dim=16, ffn_dim=128, sliding_window=8, query_pre_attn_scalar=16.0,
         max_position=4096,
     )

@@ -32,9 +32,9 @@ class SamplingParams:
     logprobs: bool = False
     """Return the log-probability of each chosen token."""
     ignore_eos: bool = False
-    """Keep going past EOS (benchmarks)."""
+    """Keep going past the model's own stop tokens (EOS, end of turn); stop_token_ids still apply."""
 
-    def validate(self, max_stop_strings: int = 16, max_top_k: int = 1024) -> None:
+    def validate(self, max_stop_strings: int = 16, max_top_k: int = 256) -> None:
         """Raise ValueError naming the bad field and value."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")

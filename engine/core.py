@@ -1,0 +1,206 @@
+"""EngineCore: schedule → execute → update, one synchronous step at a time.
+
+1. `add_request` / `abort` (any thread) put commands in an inbox.
+2. `step()` (the engine thread) drains the inbox, asks the Scheduler for a
+   plan (decode batch + prefill chunks), builds bucket-padded arrays for the
+   ModelRunner, runs the decode call and each prefill chunk, and appends the
+   sampled tokens to their sequences.
+3. Stop rules run on the host (sequence.append_tokens); finished or aborted
+   sequences free their pages at once.
+4. The step returns TokenEvents, RequestResults and one StepStats.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.config import ModelConfig
+from engine.kv import KVPool
+from engine.model import Params
+from engine.runner import ModelRunner, RunnerConfig, compile_count
+from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.sequence import Detokenizer, Sequence, append_tokens, request_key
+from engine.types import Request, RequestResult, StepOutput, StepStats, TokenEvent
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Serving knobs that are not the model's."""
+
+    runner: RunnerConfig = RunnerConfig()
+    token_budget: int = 512
+    """Most new tokens processed per step (decode + prefill)."""
+
+
+class EngineCore:
+    """The engine one daemon thread drives."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, tokenizer, ecfg: EngineConfig = EngineConfig(),
+                 model_name: str | None = None):
+        rc = ecfg.runner
+        self.cfg, self.tokenizer, self.ecfg = cfg, tokenizer, ecfg
+        self.model_name = model_name or cfg.name
+        self.max_context = rc.max_context
+        self.runner = ModelRunner(cfg, params, rc)
+        self.pool = KVPool(rc.global_pages, rc.local_pages, rc.page_size, rc.ring_pages)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_batch=rc.max_batch, token_budget=max(ecfg.token_budget, rc.max_batch),
+                            max_chunk=rc.max_chunk),
+            self.pool,
+        )
+        self.stop_ids = frozenset(getattr(tokenizer, "stop_ids", (cfg.eos_id,)))
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._seqs: dict[str, Sequence] = {}
+        self._step_id = 0
+        self.policy_version = 0
+        self.warmed_up = False
+
+    # -- commands (thread-safe) -------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a request; raises ValueError when it can never run."""
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise ValueError("prompt must contain at least one token")
+        if n + req.sampling.max_tokens > self.max_context:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the context "
+                f"length {self.max_context}"
+            )
+        if not self.pool.fits_alone(n + req.sampling.max_tokens):
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) needs more KV pages "
+                f"than the whole pool holds"
+            )
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        req.sampling.validate()
+        self._inbox.put(("add", req))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # -- the loop ------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or not self._inbox.empty()
+
+    def step(self) -> StepOutput:
+        t0 = time.perf_counter()
+        wall = time.time()
+        events, finished = self._drain_inbox()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            if self.scheduler.running:  # a bug, but hanging silently would be worse
+                raise RuntimeError("scheduler stalled: running sequences but nothing to run")
+            return StepOutput(events, None, finished)
+        self._run_decode(plan, events, finished)
+        for seq, n in plan.prefill:
+            self._run_prefill(seq, n, events, finished)
+        self._step_id += 1
+        stats = self._stats(plan, wall, (time.perf_counter() - t0) * 1e3)
+        return StepOutput(events, stats, finished)
+
+    def _drain_inbox(self) -> tuple[list[TokenEvent], list[RequestResult]]:
+        events: list[TokenEvent] = []
+        finished: list[RequestResult] = []
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return events, finished
+            if kind == "add":
+                self._admit(arg)
+            elif (seq := self._seqs.get(arg)) is not None:
+                events.append(TokenEvent(seq.request_id, (), seq.text[seq.emitted:], None, True, "abort"))
+                finished.append(self._finish(seq, "abort"))
+
+    def _admit(self, req: Request) -> None:
+        if req.request_id in self._seqs:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        prompt = list(req.prompt_ids)
+        seq = Sequence(req, prompt, len(prompt), request_key(req.sampling.seed),
+                       Detokenizer(self.tokenizer.decode, prompt[-4:]))
+        self._seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> RequestResult:
+        self.scheduler.remove(seq)
+        del self._seqs[seq.request_id]
+        return seq.result(reason)
+
+    def _fill_row(self, c, row: int, seq: Sequence, n: int) -> None:
+        c.tokens[row, :n] = seq.tokens[seq.num_cached : seq.num_cached + n]
+        c.start[row], c.n_new[row] = seq.num_cached, n
+        self.pool.fill_tables(seq.pages, c.global_table[row], c.local_table[row])
+        c.logit_idx[row, 0] = n - 1
+        c.counter[row, 0] = seq.num_cached + n
+        sp = seq.req.sampling
+        c.samp["temperature"][row] = sp.temperature
+        c.samp["top_k"][row] = sp.top_k
+        c.samp["top_p"][row] = sp.top_p
+        c.samp["key"][row] = seq.key
+        c.samp["want_logprobs"][row] = sp.logprobs
+
+    def _run_decode(self, plan: StepPlan, events, finished) -> None:
+        seqs = plan.decode
+        if not seqs:
+            return
+        ctx = max(s.num_cached + 1 for s in seqs)
+        c = self.runner.new_call(len(seqs), 1, ctx)
+        for i, s in enumerate(seqs):
+            self._fill_row(c, i, s, 1)
+        tok, lp = self.runner.run(c)
+        for i, s in enumerate(seqs):
+            s.num_cached += 1
+            self._emit(s, [int(tok[i, 0])], [float(lp[i, 0])], events, finished)
+
+    def _run_prefill(self, seq: Sequence, n: int, events, finished) -> None:
+        c = self.runner.new_call(1, n, seq.num_cached + n)
+        self._fill_row(c, 0, seq, n)
+        tok, lp = self.runner.run(c)
+        seq.num_cached += n
+        if seq.remaining == 0:  # the chunk reached the newest token: its logits give the next one
+            self._emit(seq, [int(tok[0, 0])], [float(lp[0, 0])], events, finished)
+
+    def _emit(self, seq: Sequence, toks, lps, events, finished) -> None:
+        sp = seq.req.sampling
+        stops = (frozenset() if sp.ignore_eos else self.stop_ids) | frozenset(sp.stop_token_ids)
+        ev = append_tokens(seq, toks, lps if sp.logprobs else None, stops, self.max_context)
+        events.append(ev)
+        if ev.finished:
+            finished.append(self._finish(seq, ev.finish_reason))
+
+    def _stats(self, plan: StepPlan, wall: float, step_ms: float) -> StepStats:
+        seqs = plan.decode + [s for s, _ in plan.prefill]
+        return StepStats(
+            step_id=self._step_id, time=wall, batch_size=len(seqs),
+            prefill_tokens=sum(n for _, n in plan.prefill), decode_tokens=len(plan.decode),
+            technique="none", depth=0, proposed=0, accepted=0, accepted_per_pos=(),
+            propose_ms=0.0, verify_ms=step_ms, step_ms=step_ms,
+            kv_pages_used=self.pool.used, kv_pages_free=self.pool.free,
+            queue_len=len(self.scheduler.waiting), policy_version=self.policy_version,
+            preempted=plan.preempted, tenants=tuple(sorted({s.req.tenant for s in seqs})),
+        )
+
+    # -- lifecycle and introspection ---------------------------------------
+    def warmup(self, progress: bool = True) -> None:
+        self.runner.warmup(progress)
+        self.warmed_up = True
+
+    def compiles_since_warmup(self) -> int | None:
+        w = self.runner.warm_compiles
+        return None if w is None else compile_count() - w
+
+    def status(self) -> dict:
+        return {
+            "model": self.model_name,
+            "kv_pages_used": self.pool.used, "kv_pages_free": self.pool.free,
+            "kv_pages_total": self.pool.total,
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "compile_count": compile_count(), "compiles_since_warmup": self.compiles_since_warmup(),
+            "policy_version": self.policy_version, "warmed_up": self.warmed_up,
+        }

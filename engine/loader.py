@@ -1,0 +1,96 @@
+"""Build a ready EngineCore from a model spec: weights, tokenizer, planned KV pool.
+
+Default compute dtype per backend: float32 on CPU, bfloat16 on TPU/GPU.
+On this CPU, XLA's bfloat16 matrix-vector product (batch 1) is ~10x slower
+than float32, and float32 already streams weights near the read bandwidth;
+bfloat16 pays only from batch ~8 on. Accelerators have native bf16 units and
+half the bytes to read, so bf16 is faster there.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+
+from engine.config import ModelConfig
+from engine.core import EngineConfig, EngineCore
+from engine.planner import KV_DTYPE_BYTES, size_pool
+from engine.runner import RunnerConfig, enable_persistent_cache
+
+PAGE_SIZE = 16
+MAX_SPEC_DEPTH = 8
+DEFAULT_KV_BUDGET = {"cpu": 2 << 30}  # elsewhere: what the planner leaves (see `crossover plan`)
+
+
+def default_dtype() -> str:
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def context_buckets(max_context: int, page_size: int = PAGE_SIZE) -> tuple[int, ...]:
+    """Page-table widths compiled: 1024, 4x steps, ending exactly at max_context.
+
+    Example: context_buckets(4096) == (1024, 4096); context_buckets(600) == (608,).
+    """
+    top = -(-max_context // page_size) * page_size
+    out, c = [], 1024
+    while c < top:
+        out.append(c)
+        c *= 4
+    return tuple(out) + (top,)
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """Powers of two up to max_batch (which is always included)."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_batch,)
+
+
+def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch: int,
+                  max_context: int, kv_dtype: str | None = None) -> RunnerConfig:
+    """Size the pools with the memory planner and choose the compiled buckets."""
+    kv_dtype = kv_dtype or dtype
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise ValueError(f"kv dtype {kv_dtype!r} is not one of {sorted(KV_DTYPE_BYTES)}")
+    sizes = size_pool(cfg, kv_budget_bytes, PAGE_SIZE, kv_dtype, max_context, MAX_SPEC_DEPTH)
+    cap = sizes.ring_pages * PAGE_SIZE
+    return RunnerConfig(
+        page_size=PAGE_SIZE,
+        batch_buckets=batch_buckets(max_batch),
+        prefill_buckets=tuple(b for b in (32, 128, 512) if b <= cap) or (cap,),
+        context_buckets=context_buckets(max_context),
+        global_pages=sizes.num_global_pages + 1,  # + the scratch page
+        local_pages=sizes.num_local_pages + 1,
+        ring_pages=sizes.ring_pages,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+    )
+
+
+def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_bytes: int | None = None,
+                max_batch: int = 32, max_context: int = 4096, progress: bool = True,
+                token_budget: int = 512) -> EngineCore:
+    """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine."""
+    from engine.gguf_file import default_gguf_path
+    from engine.tokenizer import Tokenizer
+    from engine.weights import load_model
+
+    enable_persistent_cache()
+    dtype = dtype or default_dtype()
+    cfg, params = load_model(model, dtype, progress=progress)
+    if max_context > cfg.max_position:
+        raise ValueError(f"max_context={max_context} exceeds the model's max_position={cfg.max_position}")
+    gguf = model if model and model.endswith(".gguf") else None
+    # Every Gemma 3 size shares one 262k vocabulary: a HF directory uses the default file's.
+    tokenizer = Tokenizer.from_gguf(gguf or default_gguf_path(progress), progress=progress)
+    budget = kv_budget_bytes or DEFAULT_KV_BUDGET.get(jax.default_backend(), 4 << 30)
+    rc = runner_config(cfg, dtype, budget, max_batch, max_context)
+    if progress:
+        print(f"engine: {cfg.name} {dtype}, KV pool {rc.global_pages - 1} global + "
+              f"{rc.local_pages - 1} local pages of {PAGE_SIZE} tokens, max batch {max_batch}, "
+              f"context {rc.max_context}", file=sys.stderr, flush=True)
+    return EngineCore(cfg, params, tokenizer, EngineConfig(runner=rc, token_budget=token_budget),
+                      model_name=cfg.name)

@@ -1,0 +1,215 @@
+"""Gemma 3 text decoder as pure functions over a params pytree.
+
+Layout of `params` (matrices are (in, out): the model computes ``x @ W``)::
+
+    embed           [vocab, d]            tied input/output embedding
+    final_norm      [d]                   RMSNorm multiplier (HF's 1 + w)
+    layers/attn_norm, post_attn_norm, pre_ffw_norm, post_ffw_norm  [L, d]
+    layers/qkv      [L, d, q_dim + 2 kv_dim]   columns: q | k | v
+    layers/q_norm, k_norm  [L, head_dim]
+    layers/o        [L, q_dim, d]
+    layers/gate_up  [L, d, 2 ffn]         columns: gate | up
+    layers/down     [L, ffn, d]
+
+Attention reads the paged KV cache *as it was before this call* plus the new
+tokens' own keys and values, then returns the new keys and values; the caller
+scatters them into the pages after the layer scan (engine/kv.py). Reading the
+old cache and writing afterwards lets one function serve prefill chunks,
+single-token decode and (1 + depth)-token verification alike, and lets the
+sliding-window ring hold just window + verify slots.
+
+Layers run as a `lax.scan` over groups of `global_every` layers (local ... local,
+global), so compile time does not grow with depth; trailing local layers that do
+not fill a group run after the scan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from engine.config import ModelConfig
+
+Params = dict[str, Any]
+_NEG = -1e30  # finite "minus infinity": fully masked rows stay NaN-free
+
+
+def init_random_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
+    """Random weights with Gemma 3's shapes, for tests (norm multipliers near 1)."""
+    L, d, f = cfg.n_layers, cfg.d_model, cfg.ffn_dim
+    ks = iter(jax.random.split(key, 16))
+
+    def mat(*shape, fan_in):
+        return (jax.random.normal(next(ks), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+
+    def norm(*shape):
+        return (1.0 + 0.1 * jax.random.normal(next(ks), shape, jnp.float32)).astype(dtype)
+
+    return {
+        "embed": mat(cfg.vocab_size, d, fan_in=d),
+        "final_norm": norm(d),
+        "layers": {
+            "attn_norm": norm(L, d),
+            "qkv": mat(L, d, cfg.q_dim + 2 * cfg.kv_dim, fan_in=d),
+            "q_norm": norm(L, cfg.head_dim),
+            "k_norm": norm(L, cfg.head_dim),
+            "o": mat(L, cfg.q_dim, d, fan_in=cfg.q_dim),
+            "post_attn_norm": norm(L, d),
+            "pre_ffw_norm": norm(L, d),
+            "gate_up": mat(L, d, 2 * f, fan_in=d),
+            "down": mat(L, f, d, fan_in=f),
+            "post_ffw_norm": norm(L, d),
+        },
+    }
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in float32 with a multiplier weight; returns x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, pos: jax.Array, base: float, scale: float) -> jax.Array:
+    """Half-split (NeoX) rotary embedding.
+
+    x: [B, T, heads, hd]; pos: [B, T] int32. Example: at pos 0 rope is the identity.
+    """
+    hd = x.shape[-1]
+    inv_freq = 1.0 / (base ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    ang = (pos.astype(jnp.float32) / scale)[..., None] * inv_freq  # [B, T, hd/2]
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., : hd // 2], x32[..., hd // 2 :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class KVView:
+    """The cached keys/values one call may read, already gathered per sequence."""
+
+    k: jax.Array  # [B, S, kv_heads, hd] one layer's cached keys, slot order
+    v: jax.Array  # [B, S, kv_heads, hd]
+    pos: jax.Array  # [B, S] int32 position held by each slot, -1 where empty
+
+
+def attend(cfg: ModelConfig, q, k_new, v_new, q_pos, cache: KVView, window: int | None):
+    """Grouped-query attention of new queries over the old cache plus the new keys.
+
+    q: [B, T, H, hd]; k_new, v_new: [B, T, KV, hd]; q_pos: [B, T] (-1 = padding).
+    A key at position kp is visible to a query at qp when 0 <= kp <= qp and,
+    for a sliding layer, qp - kp < window. Returns [B, T, H, hd].
+    """
+    B, T, H, hd = q.shape
+    KV = k_new.shape[2]
+    k = jnp.concatenate([cache.k, k_new], axis=1)  # [B, S+T, KV, hd]
+    v = jnp.concatenate([cache.v, v_new], axis=1)
+    kpos = jnp.concatenate([cache.pos, q_pos], axis=1)  # [B, S+T]
+    qg = q.reshape(B, T, KV, H // KV, hd)
+    s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s = s * (cfg.query_pre_attn_scalar ** -0.5)
+    qp, kp = q_pos[:, :, None], kpos[:, None, :]
+    mask = (kp >= 0) & (kp <= qp)
+    if window is not None:
+        mask &= (qp - kp) < window
+    s = jnp.where(mask[:, None, None, :, :], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", p, v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, H, hd).astype(q.dtype)
+
+
+def block(cfg: ModelConfig, lp: Params, x, pos, cache: KVView, is_global: bool):
+    """One transformer block. Returns (x, (k_new, v_new)) for the cache write."""
+    B, T, _ = x.shape
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+    qkv = h @ lp["qkv"]
+    q, k, v = jnp.split(qkv, [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=-1)
+    q = rms_norm(q.reshape(B, T, cfg.n_heads, cfg.head_dim), lp["q_norm"], cfg.rms_eps)
+    k = rms_norm(k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim), lp["k_norm"], cfg.rms_eps)
+    v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+    if is_global:
+        base, scale, window = cfg.rope_base_global, cfg.rope_scale_global, None
+    else:
+        base, scale, window = cfg.rope_base_local, 1.0, cfg.sliding_window
+    q, k = rope(q, pos, base, scale), rope(k, pos, base, scale)
+    a = attend(cfg, q, k, v, pos, cache, window)
+    a = a.reshape(B, T, cfg.q_dim) @ lp["o"]
+    x = x + rms_norm(a, lp["post_attn_norm"], cfg.rms_eps)
+    h = rms_norm(x, lp["pre_ffw_norm"], cfg.rms_eps)
+    gate, up = jnp.split(h @ lp["gate_up"], 2, axis=-1)
+    m = (jax.nn.gelu(gate, approximate=True) * up) @ lp["down"]
+    x = x + rms_norm(m, lp["post_ffw_norm"], cfg.rms_eps)
+    return x, (k, v)
+
+
+def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """Token embedding scaled by sqrt(d_model) (in the compute dtype, as Gemma does)."""
+    e = params["embed"]
+    return jnp.take(e, tokens, axis=0) * jnp.asarray(math.sqrt(cfg.d_model), e.dtype)
+
+
+def logits(params: Params, h: jax.Array) -> jax.Array:
+    """Tied output layer on final-normed hidden states: [..., d] -> [..., vocab] f32."""
+    return jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
+
+
+def layer_groups(cfg: ModelConfig) -> tuple[int, int]:
+    """(groups scanned over, trailing local layers)."""
+    g = cfg.n_layers // cfg.global_every
+    return g, cfg.n_layers - g * cfg.global_every
+
+
+def forward(cfg: ModelConfig, params: Params, tokens, pos, read_cache, capture=()):
+    """Run all layers over new tokens.
+
+    tokens, pos: [B, T] int32 (pos -1 marks padding).
+    read_cache(kind, index) -> KVView: the cache of the `index`-th layer of
+      `kind` ("global" or "local"), gathered for this batch; it indexes the
+      pools with traced integers, so it works inside the scan.
+    capture: layer indices whose output hidden states to return (for MTP
+      heads and early exit); static.
+    Returns (h_final_normed [B,T,d], new_kv, captured) where new_kv maps kind to
+    (k, v) of shape [layers_of_kind, B, T, KV, hd] in layer order.
+    """
+    x = embed(cfg, params, tokens)
+    per = cfg.global_every
+    n_groups, n_tail = layer_groups(cfg)
+    lps = params["layers"]
+    grouped = jax.tree.map(lambda a: a[: n_groups * per].reshape(n_groups, per, *a.shape[1:]), lps)
+
+    def group_body(x, xs):
+        g, gp = xs
+        ks, vs, hs = [], [], []
+        for j in range(per):
+            lp = jax.tree.map(lambda a: a[j], gp)
+            is_g = j == per - 1
+            cache = read_cache("global", g) if is_g else read_cache("local", g * (per - 1) + j)
+            x, (k, v) = block(cfg, lp, x, pos, cache, is_g)
+            ks.append(k), vs.append(v), hs.append(x)
+        # Stack hidden states only when someone asked for them: it is a write per layer.
+        return x, (jnp.stack(ks), jnp.stack(vs), jnp.stack(hs) if capture else None)
+
+    x, (gk, gv, gh) = jax.lax.scan(group_body, x, (jnp.arange(n_groups), grouped))
+    # gk: [G, per, B, T, KV, hd]: last of each group is global, the rest local.
+    local_k = [gk[:, : per - 1].reshape(-1, *gk.shape[2:])]
+    local_v = [gv[:, : per - 1].reshape(-1, *gv.shape[2:])]
+    hidden = {i: gh[i // per, i % per] for i in capture if i < n_groups * per}
+    for t in range(n_tail):
+        li = n_groups * per + t
+        lp = jax.tree.map(lambda a: a[li], lps)
+        x, (k, v) = block(cfg, lp, x, pos, read_cache("local", n_groups * (per - 1) + t), False)
+        local_k.append(k[None]), local_v.append(v[None])
+        if li in capture:
+            hidden[li] = x
+    new_kv = {
+        "global": (gk[:, per - 1], gv[:, per - 1]),
+        "local": (jnp.concatenate(local_k), jnp.concatenate(local_v)),
+    }
+    h = rms_norm(x, params["final_norm"], cfg.rms_eps)
+    return h, new_kv, tuple(hidden[i] for i in capture)

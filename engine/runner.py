@@ -1,0 +1,206 @@
+"""The model runner: owns device state, buckets shapes, compiles once, runs steps.
+
+1. The scheduler hands over numpy arrays for one call (tokens, page tables, ...).
+2. `bucket_shape` pads them to the smallest configured bucket (batch, new
+   tokens, page-table width), so only warmed-up shapes reach `jax.jit`.
+3. `_forward` (jitted, KV donated) runs the layers and scatters the new K/V;
+   `_sample` (jitted apart, its shapes do not depend on context) picks tokens.
+4. The runner keeps the new KV state and returns tokens/logprobs as numpy.
+A process-wide counter of jit compilations lets tests prove that serving
+after `warmup()` compiles nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.config import ModelConfig
+from engine.kv import Batch, KVState, cache_reader, write_new
+from engine.model import Params, forward, logits
+from engine.sampling import SamplingArrays, sample
+
+_compiles = 0
+_compiles_lock = threading.Lock()
+
+
+def _on_event(name: str, *_args, **_kw) -> None:
+    global _compiles
+    # Lowering runs on every in-memory jit cache miss, also when the persistent
+    # compilation cache then supplies the executable: it counts new shapes.
+    if name == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+        with _compiles_lock:
+            _compiles += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compile_count() -> int:
+    """Jit compilations (cache misses) in this process so far, any function."""
+    return _compiles
+
+
+def enable_persistent_cache(path: str | None = None) -> str:
+    """Keep compiled executables on disk so a restart (or the next test run) skips XLA.
+
+    Defaults to $CROSSOVER_CACHE/jax (or ~/.cache/crossover/jax).
+    """
+    import os
+
+    if path is None:
+        root = os.environ.get("CROSSOVER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "crossover")
+        path = os.path.join(root, "jax")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """Smallest bucket >= n. Example: bucket(3, (1, 2, 4, 8)) == 4."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Shapes and sizes the runner compiles for."""
+
+    page_size: int = 16
+    """Tokens per KV page."""
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    """Decode batch sizes compiled; the largest is the max batch."""
+    prefill_buckets: tuple[int, ...] = (32, 128, 512)
+    """Prefill chunk lengths compiled; the largest is the max chunk."""
+    context_buckets: tuple[int, ...] = (1024, 4096)
+    """Page-table widths compiled, in tokens; the largest is the max context."""
+    global_pages: int = 1024
+    """Pages in the global-layer pool (page 0 is scratch)."""
+    local_pages: int = 1024
+    """Pages in the local-layer pool (page 0 is scratch)."""
+    ring_pages: int = 33
+    """Ring length of a sequence in the local pool (window + verify slots)."""
+    dtype: str = "float32"
+    """Compute dtype of weights and activations."""
+    kv_dtype: str = "float32"
+    """Storage dtype of the KV pools."""
+
+    def __post_init__(self) -> None:
+        cap = self.ring_pages * self.page_size
+        if self.prefill_buckets[-1] > cap:
+            raise ValueError(
+                f"largest prefill chunk {self.prefill_buckets[-1]} exceeds the local ring "
+                f"capacity ring_pages*page_size={cap}"
+            )
+        for c in self.context_buckets:
+            if c % self.page_size:
+                raise ValueError(f"context bucket {c} is not a multiple of page_size={self.page_size}")
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_buckets[-1]
+
+    @property
+    def max_context(self) -> int:
+        return self.context_buckets[-1]
+
+    @property
+    def max_chunk(self) -> int:
+        return self.prefill_buckets[-1]
+
+
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
+def _forward(cfg: ModelConfig, params: Params, kv: KVState, batch: Batch, logit_idx):
+    """One forward over [B, T] new tokens and the KV write; logits at logit_idx [B, Tl]."""
+    h, new_kv, _ = forward(cfg, params, batch.tokens, batch.positions(), cache_reader(kv, batch))
+    kv = write_new(kv, batch, new_kv)
+    hs = jnp.take_along_axis(h, logit_idx[:, :, None], axis=1)  # [B, Tl, d]
+    return kv, logits(params, hs)
+
+
+@jax.jit
+def _sample(lg, samp: SamplingArrays, counter):
+    """Sampling is compiled apart from the forward: its shapes do not depend on context."""
+    B, Tl, V = lg.shape
+    rows = jax.tree.map(lambda a: jnp.repeat(a, Tl, axis=0), samp)
+    tok, lp = sample(lg.reshape(B * Tl, V), rows, counter.reshape(-1))
+    return tok.reshape(B, Tl), lp.reshape(B, Tl)
+
+
+@dataclass
+class CallArrays:
+    """Host arrays of one call, already padded to a bucket."""
+
+    tokens: np.ndarray  # [B, T] int32
+    start: np.ndarray  # [B] int32
+    n_new: np.ndarray  # [B] int32
+    global_table: np.ndarray  # [B, P] int32
+    local_table: np.ndarray  # [B, R] int32
+    logit_idx: np.ndarray  # [B, Tl] int32
+    counter: np.ndarray  # [B, Tl] int32
+    samp: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Device state plus the compiled step for one model."""
+
+    def __init__(self, cfg: ModelConfig, params: Params, rc: RunnerConfig):
+        self.cfg, self.params, self.rc = cfg, params, rc
+        self.kv = KVState.create(cfg, rc.global_pages, rc.local_pages, rc.page_size, jnp.dtype(rc.kv_dtype))
+        self.warm_compiles: int | None = None
+
+    def new_call(self, batch: int, new_tokens: int, context: int, logits_per_row: int = 1) -> CallArrays:
+        """Zeroed, bucket-padded host arrays (scratch pages, padding rows)."""
+        rc = self.rc
+        B = bucket(batch, rc.batch_buckets)
+        T = 1 if new_tokens == 1 else bucket(new_tokens, rc.prefill_buckets)
+        P = bucket(context, rc.context_buckets) // rc.page_size
+        return CallArrays(
+            tokens=np.zeros((B, T), np.int32),
+            start=np.zeros(B, np.int32),
+            n_new=np.zeros(B, np.int32),
+            global_table=np.zeros((B, P), np.int32),
+            local_table=np.zeros((B, rc.ring_pages), np.int32),
+            logit_idx=np.zeros((B, logits_per_row), np.int32),
+            counter=np.zeros((B, logits_per_row), np.int32),
+            samp=SamplingArrays.host(B),
+        )
+
+    def run(self, c: CallArrays) -> tuple[np.ndarray, np.ndarray]:
+        """Execute one call; returns (tokens [B, Tl], logprobs [B, Tl]) as numpy."""
+        batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
+        self.kv, lg = _forward(self.cfg, self.params, self.kv, batch, c.logit_idx)
+        tok, lp = _sample(lg, SamplingArrays(**c.samp), c.counter)
+        return np.asarray(tok), np.asarray(lp)
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every (batch, new_tokens, context) the engine may call with."""
+        rc = self.rc
+        out = [(b, 1, c) for b in rc.batch_buckets for c in rc.context_buckets]
+        out += [(1, t, c) for t in rc.prefill_buckets for c in rc.context_buckets]
+        return out
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile (and run once, harmlessly on scratch) every bucketed shape."""
+        shapes = self.shapes()
+        t0 = time.perf_counter()
+        for i, (b, t, c) in enumerate(shapes):
+            if progress:
+                print(f"\rwarmup: compiling {i + 1}/{len(shapes)} (batch {b}, tokens {t}, context {c})"
+                      f" {time.perf_counter() - t0:.0f}s", end="", file=sys.stderr, flush=True)
+            self.run(self.new_call(b, t, c))
+        if progress:
+            print(f"\rwarmup: {len(shapes)} shapes compiled in {time.perf_counter() - t0:.1f}s" + " " * 20,
+                  file=sys.stderr, flush=True)
+        self.warm_compiles = compile_count()

@@ -1,0 +1,146 @@
+"""Continuous batching with chunked prefill, page-aware admission and preemption.
+
+One step's plan, in order:
+1. Decode: every running sequence with exactly one uncached token joins the
+   decode batch (up to max_batch). Each needs pages for one more position;
+   when the pool is full the most recently arrived running sequence is
+   preempted (pages freed, recomputed later from its tokens) until it fits.
+2. Prefill: partially prefilled sequences continue, then waiting requests are
+   admitted strictly first-come-first-served while the batch has room, the
+   per-step token budget lasts, and the pool has pages for the whole prompt
+   (taken at admission, so prefill chunks never wait for pages).
+   A chunk is at most the largest prefill bucket.
+The scheduler never touches device arrays; it only moves page ids.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv import KVPool
+from engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step."""
+
+    max_batch: int = 64
+    """Most sequences running at once."""
+    token_budget: int = 512
+    """Most new tokens (decode + prefill) processed in one step."""
+    max_chunk: int = 512
+    """Longest prefill chunk of one sequence in one step."""
+    lookahead: int = 0
+    """Extra positions a decode reserves pages for (speculation's verify slots)."""
+
+    def __post_init__(self) -> None:
+        if self.token_budget < self.max_batch:
+            raise ValueError(
+                f"token_budget={self.token_budget} must be at least max_batch={self.max_batch}"
+            )
+
+
+@dataclass
+class StepPlan:
+    """What one step runs."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk length)
+    preempted: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set; plans each step."""
+
+    def __init__(self, cfg: SchedulerConfig, pool: KVPool):
+        self.cfg = cfg
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in arrival order
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence (finished or aborted) and free its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.release(seq.pages)
+        seq.status = Status.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self._plan_decode(plan)
+        self._plan_prefill(plan, budget)
+        return plan
+
+    def _plan_decode(self, plan: StepPlan) -> int:
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or seq.remaining != 1:
+                continue
+            if len(plan.decode) >= self.cfg.max_batch:
+                break
+            need = seq.num_cached + 1 + self.cfg.lookahead
+            while not self.pool.grow(seq.pages, need):
+                victim = self._preempt_newest()
+                plan.preempted += 1
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                plan.decode.append(seq)
+        return self.cfg.token_budget - len(plan.decode)
+
+    def _plan_prefill(self, plan: StepPlan, budget: int) -> None:
+        in_decode = set(map(id, plan.decode))
+        for seq in self.running:
+            if budget <= 0:
+                return
+            if id(seq) in in_decode or seq.remaining <= 1 and seq.num_cached > 0:
+                continue
+            budget -= self._add_chunk(plan, seq, budget)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch:
+            seq = self.waiting[0]
+            # Pages for the whole prompt (and the first decode) are taken at admission,
+            # so a running prefill never stalls for want of pages.
+            if not self.pool.grow(seq.pages, len(seq.tokens) + 1 + self.cfg.lookahead):
+                return  # strict FCFS: nobody jumps the queue
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self._insert_running(seq)
+            budget -= self._add_chunk(plan, seq, budget)
+
+    def _add_chunk(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
+        n = min(seq.remaining, budget, self.cfg.max_chunk)
+        if not self.pool.grow(seq.pages, seq.num_cached + n):  # pages were taken at admission
+            raise RuntimeError(f"{seq.request_id}: prefill chunk without pages")
+        plan.prefill.append((seq, n))
+        return n
+
+    def _insert_running(self, seq: Sequence) -> None:
+        """Keep `running` in arrival order (a preempted sequence returns to its place)."""
+        i = len(self.running)
+        while i > 0 and self.running[i - 1].req.arrival_time > seq.req.arrival_time:
+            i -= 1
+        self.running.insert(i, seq)
+
+    def _preempt_newest(self) -> Sequence:
+        """Free the most recently arrived running sequence; it waits at the queue's front."""
+        victim = max(self.running, key=lambda s: s.req.arrival_time)
+        self.running.remove(victim)
+        self.pool.release(victim.pages)
+        victim.status = Status.WAITING
+        victim.num_cached = 0
+        victim.preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim

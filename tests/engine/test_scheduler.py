@@ -1,0 +1,109 @@
+"""Continuous batching: leaks, preemption by recompute, stops, aborts, compiles."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.types import Request, SamplingParams
+from tests.engine.conftest import ByteTokenizer, LetterTokenizer, make_engine
+
+TOK = ByteTokenizer()
+WORDS = "alpha beta gamma delta the of and stop end x y z".split()
+
+
+def _drive(engine, reqs, abort_p=0.0, rng=None):
+    """Run until idle; optionally abort random live requests. Returns events and results by id."""
+    for r in reqs:
+        engine.add_request(r)
+    events, results, live = {}, {}, {r.request_id for r in reqs}
+    while engine.has_work():
+        if rng and live and rng.random() < abort_p:
+            engine.abort(rng.choice(sorted(live)))
+        out = engine.step()
+        for ev in out.events:
+            events.setdefault(ev.request_id, []).append(ev)
+        for res in out.finished:
+            assert res.request_id not in results, "a request finished twice"
+            results[res.request_id] = res
+            live.discard(res.request_id)
+    return events, results
+
+
+def test_thousands_of_random_requests_leak_no_page(tiny):
+    rng = random.Random(0)
+    engine = make_engine(tiny, global_pages=40, local_pages=40)  # small: forces waiting and preemption
+    reqs = []
+    for i in range(2000):
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 12))) or "a"
+        sp = SamplingParams(
+            max_tokens=rng.randint(1, 12),
+            temperature=rng.choice([0.0, 0.7, 1.2]),
+            top_k=rng.choice([0, 5]),
+            stop=tuple(rng.sample(["e", "ta", "zz"], rng.randint(0, 2))),
+            stop_token_ids=tuple(rng.sample(range(3, 259), rng.randint(0, 3))),
+            seed=i,
+        )
+        reqs.append(Request(f"r{i}", TOK.encode(prompt), sp))
+    events, results = _drive(engine, reqs, abort_p=0.05, rng=rng)
+    assert len(results) == len(reqs)
+    assert {r.finish_reason for r in results.values()} >= {"stop", "length", "abort"}
+    for rid, evs in events.items():
+        assert evs[-1].finished and not any(e.finished for e in evs[:-1])
+    assert engine.pool.used == 0
+    assert engine.pool.free == engine.pool.total
+    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine._seqs
+
+
+def test_preemption_by_recompute_keeps_greedy_output(tiny):
+    prompts = [TOK.encode(f"prompt number {i} " * (i + 1)) for i in range(6)]
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+
+    def run(engine):
+        ev, res = _drive(engine, [Request(f"r{i}", p, sp) for i, p in enumerate(prompts)])
+        toks = {k: [t for e in v for t in e.token_ids] for k, v in ev.items()}
+        return toks, sum(r.preemptions for r in res.values())
+
+    roomy, n0 = run(make_engine(tiny))
+    tight, n1 = run(make_engine(tiny, global_pages=34, local_pages=40))
+    assert n0 == 0 and n1 > 0
+    assert tight == roomy
+
+
+def test_a_request_larger_than_the_pool_is_refused(tiny):
+    engine = make_engine(tiny, global_pages=10)
+    with pytest.raises(ValueError, match="pool"):
+        engine.add_request(Request("big", TOK.encode("x" * 30), SamplingParams(max_tokens=20)))
+    assert not engine.has_work()
+
+
+def test_stop_string_cuts_text_and_stop_id_ends(tiny):
+    engine = make_engine(tiny, LetterTokenizer())
+    free_run, _ = _drive(engine, [Request("a", TOK.encode("abc"), SamplingParams(max_tokens=30, ignore_eos=True))])
+    text = "".join(e.text for e in free_run["a"])
+    toks = [t for e in free_run["a"] for t in e.token_ids]
+    assert len(text) == 30
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    ev, res = _drive(engine, [Request("b", TOK.encode("abc"), SamplingParams(max_tokens=30, stop=(stop,), ignore_eos=True))])
+    got = "".join(e.text for e in ev["b"])
+    assert got == text[: text.find(stop)] and res["b"].finish_reason == "stop"
+    ev, res = _drive(engine, [Request("c", TOK.encode("abc"), SamplingParams(max_tokens=30, stop_token_ids=(toks[3],)))])
+    assert [t for e in ev["c"] for t in e.token_ids] == toks[: toks.index(toks[3]) + 1]
+    assert res["c"].finish_reason == "stop"
+
+
+def test_serving_a_mixed_workload_compiles_nothing_after_warmup(tiny):
+    engine = make_engine(tiny)
+    engine.warmup(progress=False)
+    rng = random.Random(1)
+    reqs = [
+        Request(f"m{i}", TOK.encode("w " * rng.randint(1, 40)),
+                SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 1.0]),
+                               top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 3]),
+                               logprobs=rng.random() < 0.5, ignore_eos=True))
+        for i in range(40)
+    ]
+    _, results = _drive(engine, reqs, abort_p=0.02, rng=rng)
+    assert len(results) == 40
+    assert engine.compiles_since_warmup() == 0
