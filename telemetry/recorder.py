@@ -244,8 +244,10 @@ class Recorder:
         next_retention = time.monotonic()  # first run right away: catch up after downtime
         while True:
             due = time.monotonic() + cfg.flush_interval_s  # fixed rate, whatever a flush takes
-            ok = self._flush_once()
+            # Read the stop flag *before* flushing: rows queued while a flush ran
+            # (before close() was called) still get one more flush.
             stopping = self._stop.is_set()
+            ok = self._flush_once()
             if stopping and (ok or time.monotonic() >= self._deadline):
                 break
             if ok and not stopping and cfg.retention and time.monotonic() >= next_retention:
