@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("daemon.commands.plan", "print the memory plan for a device and a model"),
     "bench": ("daemon.commands.bench", "run a benchmark and write JSON"),
     "db": ("daemon.commands.db", "manage the telemetry database schema"),
+    "tenants": ("daemon.commands.tenants", "add, list and revoke tenants' API keys"),
 }
 
 

@@ -1,0 +1,154 @@
+"""The admin API under /admin/, behind `settings.admin_token`.
+
+Every /admin/ path goes through `admin_middleware`, so a route cannot forget
+the check: no admin token configured -> 403 `admin_disabled`; no bearer ->
+401; any other bearer (a tenant's API key included) -> 403. The comparison is
+`hmac.compare_digest` on bytes (constant time). Bodies are OpenAI-style
+errors like the rest of the API.
+
+    GET    /admin/status           model, pool, queue, compiles, uptime, policy, recorder
+    GET    /admin/tenants          every tenant (revoked ones too), never key hashes
+    POST   /admin/tenants          {"name": ..., "max_concurrent": N} -> 201, with the new api_key
+    DELETE /admin/tenants/{name}   revoke
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from sqlalchemy.orm import Session
+
+from daemon import state as st
+from daemon import tenant_ops
+from daemon.auth import bearer_token
+from daemon.database import Database
+from daemon.errors import ApiError, bad_request
+from daemon.openai_params import decode_json_object, read_body
+from store.db import session_scope
+
+PREFIX = "/admin/"
+MAX_ADMIN_BODY = 64 * 1024
+T = TypeVar("T")
+
+routes = web.RouteTableDef()
+
+
+def token_matches(given: str, expected: str) -> bool:
+    """Constant-time comparison of two tokens (any characters)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"),
+                               expected.encode("utf-8", "surrogatepass"))
+
+
+def check_admin(request: web.Request) -> None:
+    """Raise 403/401 unless the request carries the admin token as its bearer."""
+    expected = request.app[st.SETTINGS].admin_token
+    if not expected:
+        raise ApiError(403, "the admin API is disabled (set admin_token)", code="admin_disabled")
+    given = bearer_token(request)
+    if given is None:
+        raise ApiError(401, "missing admin token (Authorization: Bearer ...)",
+                       code="missing_admin_token")
+    if not token_matches(given, expected):
+        raise ApiError(403, "not the admin token", code="invalid_admin_token")
+
+
+@web.middleware
+async def admin_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path.startswith(PREFIX) or request.path == PREFIX.rstrip("/"):
+        check_admin(request)
+    return await handler(request)
+
+
+def status_body(app: web.Application) -> dict[str, Any]:
+    """What /admin/status (and the dashboard's header) shows."""
+    engine, state, thread = app[st.ENGINE], app[st.STATE], app[st.ENGINE_THREAD]
+    status = dict(engine.status())
+    used, total = status.get("kv_pages_used", 0), status.get("kv_pages_total", 0)
+    db = app.get(st.DATABASE)
+    return {
+        "model": engine.model_name,
+        "uptime_s": round(time.time() - state.started_at, 3),
+        "started_at": state.started_at,
+        "ready": thread.ready, "draining": state.draining,
+        "pool": {"pages_used": used, "pages_free": status.get("kv_pages_free", 0),
+                 "pages_total": total, "used_fraction": round(used / total, 4) if total else None},
+        "queue": {"waiting": status.get("waiting", 0), "running": status.get("running", 0),
+                  "http_in_flight": state.in_flight, "engine_active": thread.active},
+        "compiles": {"total": status.get("compile_count"),
+                     "since_warmup": status.get("compiles_since_warmup")},
+        "policy_version": status.get("policy_version"),
+        "tenants_in_flight": {name: {"running": r, "waiting": w}
+                              for name, (r, w) in app[st.GATES].in_flight().items()},
+        "recorder": db.recorder.stats() if db is not None else None,
+    }
+
+
+@routes.get("/admin/status")
+async def admin_status(request: web.Request) -> web.Response:
+    return web.json_response(status_body(request.app))
+
+
+@routes.get("/admin/tenants")
+async def list_tenants(request: web.Request) -> web.Response:
+    def work(session: Session) -> list[dict[str, Any]]:
+        return [tenant_ops.describe(t) for t in tenant_ops.list_tenants(session)]
+
+    return web.json_response({"object": "list", "data": await _in_session(request, work)})
+
+
+@routes.post("/admin/tenants")
+async def add_tenant(request: web.Request) -> web.Response:
+    body = decode_json_object(await read_body(request, MAX_ADMIN_BODY))
+    name = body.pop("name", None)
+    try:
+        tenant_ops.check_name(name)
+        tenant_ops.check_limits(body)
+    except ValueError as exc:
+        raise bad_request(str(exc), None, "invalid_value") from None
+
+    def work(session: Session) -> dict[str, Any]:
+        tenant, key = tenant_ops.create_tenant(session, name, body)
+        return {**tenant_ops.describe(tenant), "api_key": key}
+
+    try:
+        created = await _in_session(request, work)
+    except tenant_ops.TenantExists as exc:
+        raise ApiError(409, str(exc), param="name", code="tenant_exists") from None
+    request.app[st.TENANTS].invalidate()
+    return web.json_response(created, status=201)
+
+
+@routes.delete("/admin/tenants/{name}")
+async def revoke_tenant(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    try:
+        revoked = await _in_session(
+            request, lambda session: tenant_ops.describe(tenant_ops.revoke(session, name)))
+    except LookupError as exc:
+        raise ApiError(404, str(exc), code="tenant_not_found") from None
+    request.app[st.TENANTS].invalidate()  # the key stops working now, not at the cache's TTL
+    return web.json_response(revoked)
+
+
+async def _in_session(request: web.Request, work: Callable[[Session], T]) -> T:
+    """Run `work(session)` in a worker thread, committing on success."""
+    db = _database(request)
+
+    def run() -> T:
+        with session_scope(db.engine) as session:
+            return work(session)
+
+    return await asyncio.to_thread(run)
+
+
+def _database(request: web.Request) -> Database:
+    db = request.app.get(st.DATABASE)
+    if db is None:
+        raise ApiError(503, "this daemon runs without a database", code="no_database")
+    return db

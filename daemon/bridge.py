@@ -1,0 +1,328 @@
+"""The engine thread and its bridge to asyncio (STYLE 10).
+
+Data flow of one request:
+
+1. A handler on the event loop calls `EngineThread.submit(request)`. It
+   registers an `asyncio.Queue` under the request id, calls
+   `engine.add_request` (a ValueError unregisters and propagates, so the
+   handler answers 400) and sets the wake-up Event.
+2. The engine thread runs `engine.warmup()` once, then loops on
+   `engine.step()`; when the engine has no work it sleeps on the Event.
+3. The step's StepStats and RequestResults go to the sink (`on_step`,
+   `on_result`) on the engine thread, so sinks must only buffer. This
+   happens before step 4, so a stream that has ended has its result recorded.
+4. The step's TokenEvents cross to the loop in one
+   `loop.call_soon_threadsafe(self._dispatch, events)`; `_dispatch` puts
+   each event in its request's queue. Events of requests nobody waits for
+   any more are dropped.
+5. The handler iterates the `RequestStream`; the event with finished=True
+   ends it and unregisters the queue.
+6. If the handler stops early (CancelledError when the client disconnects,
+   `aclose()`/GeneratorExit, a failed write) the stream calls
+   `engine.abort(id)`; the engine answers with a final "abort" event (dropped)
+   and a RequestResult (to the sink), which frees the request's pages.
+7. `stop(drain_deadline_s)` refuses new submits, lets the engine finish its
+   work until the deadline, aborts the rest, steps until idle, joins the
+   thread and flushes the sink.
+
+If `step()` raises, every waiting stream raises `EngineError`, submits are
+refused and `failed` is set; the daemon's /health turns 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Protocol
+
+from engine.types import Request, RequestResult, StepStats, TokenEvent
+
+log = logging.getLogger("crossover.bridge")
+
+ABORT_GRACE_S = 5.0
+"""How long the thread keeps stepping after aborting everything at stop."""
+
+
+class EngineError(RuntimeError):
+    """The engine thread died or is stopping; the request cannot be served."""
+
+
+class Engine(Protocol):
+    """The surface of `EngineCore` (and `FakeEngine`) the daemon uses."""
+
+    tokenizer: Any
+    model_name: str
+    max_context: int
+
+    def add_request(self, req: Request) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def step(self) -> Any: ...
+    def has_work(self) -> bool: ...
+    def warmup(self, progress: bool = True) -> None: ...
+    def status(self) -> dict[str, Any]: ...
+
+
+class Sink(Protocol):
+    """Receives telemetry on the engine thread; must not block."""
+
+    def on_step(self, stats: StepStats) -> None: ...
+    def on_result(self, result: RequestResult) -> None: ...
+    def flush(self) -> None: ...
+
+
+class NullSink:
+    """Drops everything."""
+
+    def on_step(self, stats: StepStats) -> None:
+        pass
+
+    def on_result(self, result: RequestResult) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+class MemorySink:
+    """Keeps everything in lists (tests, small benchmarks)."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepStats] = []
+        self.results: list[RequestResult] = []
+        self.flushed = 0
+
+    def on_step(self, stats: StepStats) -> None:
+        self.steps.append(stats)
+
+    def on_result(self, result: RequestResult) -> None:
+        self.results.append(result)
+
+    def flush(self) -> None:
+        self.flushed += 1
+
+
+_Item = TokenEvent | BaseException
+
+
+class RequestStream:
+    """Async iterator over one request's TokenEvents.
+
+    Ends after the event with finished=True. Leaving early (`aclose()`, the
+    `async with` block, or cancellation while waiting) aborts the request.
+    """
+
+    def __init__(self, owner: EngineThread, request_id: str, queue: asyncio.Queue[_Item]) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._queue = queue
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise EngineError(f"engine failed: {item!r}") from item
+        if item.finished:
+            self._done = True
+            self._owner._release(self.request_id)
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it already finished."""
+        if not self._done:
+            self._done = True
+            self._owner._abandon(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EngineThread:
+    """Drives `engine.step()` on one thread and fans events out to asyncio."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        sink: Sink | None = None,
+        *,
+        warmup: bool = True,
+        warmup_progress: bool = False,
+        idle_wait_s: float = 0.05,
+    ) -> None:
+        self.engine = engine
+        self.sink: Sink = sink or NullSink()
+        self._warmup = warmup
+        self._warmup_progress = warmup_progress
+        self._idle_wait_s = idle_wait_s
+        self._queues: dict[str, asyncio.Queue[_Item]] = {}  # loop thread only
+        self._live: set[str] = set()  # guarded by _lock: submitted, not finished
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._abort_at = float("inf")  # monotonic time the thread aborts all at stop
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.failed: BaseException | None = None
+
+    # ---- loop side ----------------------------------------------------
+    def start(self) -> None:
+        """Start the thread; call from the event loop that will consume events."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        """Warmed up and still running."""
+        return self._ready.is_set() and self.failed is None and not self._closed
+
+    @property
+    def active(self) -> int:
+        """Requests submitted whose stream has not ended."""
+        return len(self._queues)
+
+    def submit(self, request: Request) -> RequestStream:
+        """Hand `request` to the engine; raise ValueError if it rejects it."""
+        if self._closed or self.failed is not None or self._thread is None:
+            raise EngineError("engine is not accepting requests")
+        rid = request.request_id
+        if rid in self._queues:
+            raise ValueError(f"duplicate request_id {rid!r}")
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._queues[rid] = queue
+        with self._lock:
+            self._live.add(rid)
+        try:
+            self.engine.add_request(request)
+        except BaseException:
+            self._release(rid)
+            with self._lock:
+                self._live.discard(rid)
+            raise
+        self._wake.set()
+        return RequestStream(self, rid, queue)
+
+    def abort_all(self) -> int:
+        """Abort every unfinished request; return how many."""
+        with self._lock:
+            ids = list(self._live)
+        for rid in ids:
+            self.engine.abort(rid)
+        self._wake.set()
+        return len(ids)
+
+    async def stop(self, drain_deadline_s: float = 0.0) -> None:
+        """Refuse submits, drain until the deadline, abort the rest, join, flush."""
+        self._closed = True
+        self._abort_at = time.monotonic() + drain_deadline_s
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, drain_deadline_s + ABORT_GRACE_S + 1.0)
+            if self._thread.is_alive():
+                log.error("engine thread did not stop in time")
+        self._fail_all(EngineError("engine stopped"))
+        await asyncio.to_thread(self._flush_sink)
+
+    def _release(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def _abandon(self, request_id: str) -> None:
+        self._release(request_id)
+        with self._lock:
+            live = request_id in self._live
+        if live:
+            self.engine.abort(request_id)
+            self._wake.set()
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            queue = self._queues.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(exc)
+        self._queues.clear()
+
+    # ---- engine thread ------------------------------------------------
+    def _run(self) -> None:
+        try:
+            if self._warmup:
+                self.engine.warmup(progress=self._warmup_progress)
+            self._ready.set()
+            self._loop_steps()
+        except BaseException as exc:  # the thread must report, never vanish
+            log.exception("engine thread failed")
+            self.failed = exc
+            self._post(self._fail_all, exc)
+
+    def _loop_steps(self) -> None:
+        aborted = False
+        while True:
+            self._wake.clear()
+            busy = self.engine.has_work()
+            if self._stopping.is_set():
+                now = time.monotonic()
+                if not busy or now > self._abort_at + ABORT_GRACE_S:
+                    return
+                if now >= self._abort_at and not aborted:
+                    aborted = True
+                    log.warning("drain deadline passed; aborting %d requests", self.abort_all())
+            if not busy:
+                self._wake.wait(self._idle_wait_s)
+                continue
+            self._step_once()
+
+    def _step_once(self) -> None:
+        out = self.engine.step()
+        if out.stats is not None:
+            self._to_sink(self.sink.on_step, out.stats)
+        for result in out.finished:  # before the events: a finished stream's result is recorded
+            self._to_sink(self.sink.on_result, result)
+        if out.events:
+            with self._lock:
+                self._live.difference_update(e.request_id for e in out.events if e.finished)
+            self._post(self._dispatch, out.events)
+
+    def _post(self, fn: Any, arg: Any) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed just now
+                loop.call_soon_threadsafe(fn, arg)
+
+    @staticmethod
+    def _to_sink(fn: Any, arg: Any) -> None:
+        try:
+            fn(arg)
+        except Exception:
+            log.exception("telemetry sink failed")
+
+    def _flush_sink(self) -> None:
+        flush = getattr(self.sink, "flush", None)
+        try:
+            if flush is not None:
+                flush()
+        except Exception:
+            log.exception("telemetry sink flush failed")

@@ -1,0 +1,191 @@
+"""`crossover serve`: load the engine, serve HTTP, drain on SIGTERM.
+
+Settings come from flags > CROSSOVER_* environment > --config TOML >
+defaults (daemon.settings). Lifecycle:
+
+1. open the telemetry database (--db, else $CROSSOVER_DB or ./crossover.db):
+   an empty one gets the schema; one at an older schema revision is refused
+   (exit 2) with the `crossover db upgrade --db URL` command to run;
+2. load the engine (progress on stderr), build the app, start listening;
+   the engine thread warms up meanwhile (/ready is 503 until it is done);
+3. on SIGTERM or SIGINT: stop admitting (new requests get 503), let
+   in-flight requests finish until --drain-deadline, abort the rest;
+   a second signal aborts at once;
+4. shut the server down, stop the engine thread, flush telemetry, exit 0.
+
+/metrics is unauthenticated, as in vLLM: bind to a private address or put a
+proxy in front if its tenant names and load figures are not for everyone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+SETTING_FLAGS = (
+    "host", "port", "model", "dtype", "kv_budget_bytes", "max_batch", "max_context", "db_url",
+    "tuner", "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
+    "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
+)
+SHUTDOWN_GRACE_S = 2.0
+"""Runner shutdown timeout once draining is over (idle connections only)."""
+
+log = logging.getLogger("crossover.serve")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add = p.add_argument
+    add("--config", metavar="FILE", help="TOML file of settings (key = value, named like the fields)")
+    add("--host", help="address to bind (default 127.0.0.1)")
+    add("--port", type=int, help="TCP port (default 8000; 0 picks a free one)")
+    add("--model", help="model id or path (default: the engine's)")
+    add("--dtype", help="weight/activation dtype (default: the engine's)")
+    add("--kv-budget", dest="kv_budget_bytes", metavar="BYTES", help="KV pool size, e.g. 4GiB")
+    add("--max-batch", type=int, help="most sequences decoded together (default 32)")
+    add("--max-context", type=int, help="longest prompt + completion in tokens (default 4096)")
+    add("--db", "--db-url", dest="db_url", metavar="URL",
+        help="SQLAlchemy URL or SQLite path of the telemetry database "
+             "(default: $CROSSOVER_DB or ./crossover.db)")
+    add("--tuner", action=argparse.BooleanOptionalAction, default=None, help="run the policy tuner")
+    add("--max-body-bytes", metavar="BYTES", help="largest request body (default 4MiB)")
+    add("--max-prompt-chars", type=int, help="longest prompt in characters")
+    add("--max-waiting", type=int, help="queued requests beyond max-batch before 429 (default 256)")
+    add("--drain-deadline", dest="drain_deadline_s", type=float, metavar="SECONDS",
+        help="on SIGTERM, how long in-flight requests may finish (default 30)")
+    add("--log-level", choices=("debug", "info", "warning", "error"))
+    add("--admin-token", help="bearer token for /admin/* (prefer CROSSOVER_ADMIN_TOKEN)")
+    add("--open", dest="open_mode", action=argparse.BooleanOptionalAction, default=None,
+        help="serve without API keys (default: only when bound to loopback)")
+    add("--max-tokens", type=int, metavar="N",
+        help="most completion tokens per request (a tenant's own limit overrides it)")
+    add("--tenant-max-queued", type=int, metavar="N",
+        help="requests of one tenant that may wait past its max-concurrent (default 0)")
+    add("--tenant-cache-s", type=float, metavar="SECONDS",
+        help="how long API key lookups are cached (default 5)")
+    add("--fake-engine", action="store_true", help=argparse.SUPPRESS)
+    add("--fake-step-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    add("--fake-warmup-s", type=float, default=0.0, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    from daemon import jsonlog
+    from daemon.settings import SettingsError, load_settings
+
+    try:
+        settings = load_settings({k: getattr(args, k) for k in SETTING_FLAGS}, os.environ, args.config)
+    except SettingsError as exc:
+        print(f"crossover serve: error: {exc}", file=sys.stderr)
+        return 2
+    jsonlog.configure(settings.log_level)
+    database = _open_database(settings)
+    if database is None:
+        return 2
+    engine = _load_engine(settings, args)
+    return asyncio.run(serve(settings, engine, database=database))
+
+
+def _open_database(settings: Any) -> Any:
+    """The daemon's Database, or None after printing why it cannot be used."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from daemon.database import open_database
+    from store.db import default_url
+    from store.migrate import SchemaError
+
+    url = settings.db_url or default_url()
+    try:
+        return open_database(url)
+    except SchemaError as exc:
+        print(f"crossover serve: error: {exc}", file=sys.stderr)
+    except SQLAlchemyError as exc:
+        print(f"crossover serve: error: cannot open the database: {str(exc).splitlines()[0]}",
+              file=sys.stderr)
+    return None
+
+
+def _load_engine(settings: Any, args: argparse.Namespace) -> Any:
+    from daemon.jsonlog import log_event
+
+    if args.fake_engine:
+        from engine.fake import FakeEngine
+
+        log_event(log, "using the fake engine")
+        return FakeEngine(max_batch=settings.max_batch, max_context=settings.max_context,
+                          step_delay_s=args.fake_step_ms / 1000.0, warmup_delay_s=args.fake_warmup_s)
+    from engine.loader import load_engine  # heavy (jax): only here
+
+    start = time.monotonic()
+    log_event(log, "loading model", model=settings.model, dtype=settings.dtype)
+    engine = load_engine(model=settings.model, dtype=settings.dtype,
+                         kv_budget_bytes=settings.kv_budget_bytes, max_batch=settings.max_batch,
+                         max_context=settings.max_context, progress=True)
+    log_event(log, "model loaded", model=engine.model_name, seconds=round(time.monotonic() - start, 1))
+    return engine
+
+
+async def serve(settings: Any, engine: Any, sink: Any = None, database: Any = None) -> int:
+    """Serve until SIGTERM/SIGINT, then drain and return the exit code."""
+    from aiohttp import web
+
+    from daemon.app import drain, make_app
+    from daemon.jsonlog import log_event
+    from daemon.state import ENGINE_THREAD
+
+    app = make_app(settings, engine, sink, database=database, warmup_progress=True)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                           handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S)
+    await runner.setup()
+    stop = asyncio.Event()
+    exit_code = 0
+    watcher = asyncio.create_task(_watch_engine(app[ENGINE_THREAD], stop))
+    try:
+        await web.TCPSite(runner, settings.host, settings.port).start()
+        host, port = runner.addresses[0][:2]
+        log_event(log, "listening", url=f"http://{host}:{port}", port=port, open_mode=settings.is_open)
+        if settings.is_open and not _loopback(settings.host):
+            log_event(log, "open mode on a non-loopback address: anyone who can reach it may use it",
+                      level=logging.WARNING)
+        _on_signals(lambda: stop.set())
+        await stop.wait()
+        exit_code = 1 if app[ENGINE_THREAD].failed is not None else 0
+        _on_signals(lambda: app[ENGINE_THREAD].abort_all())  # a second signal aborts now
+        await drain(app, settings.drain_deadline_s)
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await runner.cleanup()
+    log_event(log, "stopped", exit_code=exit_code)
+    return exit_code
+
+
+async def _watch_engine(thread: Any, stop: asyncio.Event) -> None:
+    """Log when the engine is ready; stop the daemon if the engine thread dies."""
+    from daemon.jsonlog import log_event
+
+    start = time.monotonic()
+    while not thread.ready and thread.failed is None:
+        await asyncio.sleep(0.05)
+    if thread.ready:
+        log_event(log, "ready", warmup_seconds=round(time.monotonic() - start, 2))
+    while thread.failed is None:
+        await asyncio.sleep(0.5)
+    log_event(log, "engine thread failed; shutting down", level=logging.ERROR)
+    stop.set()
+
+
+def _on_signals(callback: Any) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, callback)
+
+
+def _loopback(host: str) -> bool:
+    from daemon.settings import is_loopback
+
+    return is_loopback(host)

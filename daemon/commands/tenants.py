@@ -1,0 +1,118 @@
+"""`crossover tenants add|list|revoke`: API keys and limits of the daemon's tenants.
+
+    crossover tenants add team-a --max-concurrent 8   # prints the new key, once
+    crossover tenants list
+    crossover tenants revoke team-a
+
+They work on the database directly (`--db`, else $CROSSOVER_DB or
+./crossover.db), which must be at the newest schema; a running daemon sees
+a change within its `tenant_cache_s` (the admin API applies it at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+ACTIONS = {
+    "add": "add a tenant and print its new API key (shown only this once)",
+    "list": "list tenants with their limits (revoked ones too)",
+    "revoke": "revoke a tenant's API key",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from daemon.tenant_limits import LIMIT_FIELDS
+
+    sub = parser.add_subparsers(dest="tenants_action", metavar="ACTION")
+    sub.required = True
+    for name, help_text in ACTIONS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--db", metavar="URL", default=None,
+                       help="SQLAlchemy URL or SQLite path "
+                            "(default: $CROSSOVER_DB or ./crossover.db)")
+        if name in ("add", "revoke"):
+            p.add_argument("name", help="tenant name: letters, digits, '.', '_', '-'")
+        if name == "add":
+            for field, field_help in LIMIT_FIELDS.items():
+                p.add_argument("--" + field.replace("_", "-"), dest=field, type=int,
+                               metavar="N", default=None, help=field_help + " (default: no limit)")
+        if name == "list":
+            p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from daemon.cli import UserError
+    from store.db import default_url, make_engine, resolve_url, session_scope
+    from store.migrate import SchemaError, check_schema
+
+    url = resolve_url(args.db) if args.db else default_url()
+    try:
+        check_schema(url)
+        engine = make_engine(url)
+        try:
+            with session_scope(engine) as session:
+                return _ACTIONS[args.tenants_action](session, args)
+        finally:
+            engine.dispose()
+    except (SchemaError, ValueError, LookupError) as exc:
+        raise UserError(str(exc)) from exc
+    except SQLAlchemyError as exc:
+        raise UserError(f"database error: {str(exc).splitlines()[0]}") from exc
+
+
+def _add(session: Any, args: argparse.Namespace) -> int:
+    from daemon.tenant_limits import LIMIT_FIELDS
+    from daemon.tenant_ops import create_tenant
+
+    limits = {field: getattr(args, field) for field in LIMIT_FIELDS}
+    tenant, key = create_tenant(session, args.name, limits)
+    print(f"added tenant {tenant.name}; its API key (shown only now):", file=sys.stderr)
+    print(key)
+    return 0
+
+
+def _list(session: Any, args: argparse.Namespace) -> int:
+    from daemon.tenant_limits import LIMIT_FIELDS
+    from daemon.tenant_ops import describe, list_tenants
+
+    views = [describe(t) for t in list_tenants(session)]
+    if args.json:
+        print(json.dumps(views, indent=2))
+        return 0
+    columns = ["name", "active", *LIMIT_FIELDS, "created", "revoked"]
+    rows = [[v["name"], "yes" if v["active"] else "no", *(_cell(v[f]) for f in LIMIT_FIELDS),
+             _when(v["created_at"]), _when(v["revoked_at"])] for v in views]
+    _print_table(columns, rows)
+    return 0
+
+
+def _revoke(session: Any, args: argparse.Namespace) -> int:
+    from daemon.tenant_ops import revoke
+
+    tenant = revoke(session, args.name)
+    print(f"revoked tenant {tenant.name} at {_when(tenant.revoked_at)}")
+    return 0
+
+
+_ACTIONS = {"add": _add, "list": _list, "revoke": _revoke}
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _print_table(columns: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
+              for i, c in enumerate(columns)]
+    for line in [columns, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())

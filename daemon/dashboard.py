@@ -1,0 +1,161 @@
+"""`/dashboard`: one self-contained page (daemon/static, no CDN) and its JSON.
+
+Who may look:
+- with `admin_token` set: whoever shows it — open `/dashboard?token=TOKEN`
+  once; the daemon answers with a cookie (HttpOnly, SameSite=Strict, holding
+  an HMAC derived from the token, not the token itself, so the cookie cannot
+  call /admin/) and redirects to `/dashboard`. The JSON also accepts the
+  token as a bearer.
+- without `admin_token`: only a daemon in open mode bound to a loopback
+  address shows it (to whoever can reach localhost); otherwise 403.
+
+    GET /dashboard                       the page
+    GET /dashboard/static/*              its script and style (no data, no check)
+    GET /dashboard/api/status            as /admin/status
+    GET /dashboard/api/acceptance        acceptance over time by technique, tenant; by position
+    GET /dashboard/api/batch             batch-size histogram
+    GET /dashboard/api/goodput           goodput against batch size, crossover marked
+    GET /dashboard/api/retunes           retune history with each chosen policy
+The api routes take `?window_s=` (default 3600, at most 30 days).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from sqlalchemy.orm import Session
+
+from daemon import dashboard_data as data
+from daemon import state as st
+from daemon.admin import status_body, token_matches
+from daemon.auth import bearer_token
+from daemon.errors import ApiError, bad_request
+from daemon.settings import is_loopback
+from store.db import session_scope
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+COOKIE = "crossover_dashboard"
+DEFAULT_WINDOW_S = 3600.0
+MAX_WINDOW_S = 30 * 86400.0
+Reader = Callable[[Session, float, float], dict[str, Any]]
+
+routes = web.RouteTableDef()
+
+
+def cookie_value(admin_token: str) -> str:
+    """What the dashboard cookie holds: HMAC-SHA256(admin token, a fixed label)."""
+    return hmac.new(admin_token.encode("utf-8", "surrogatepass"), b"crossover-dashboard-v1",
+                    hashlib.sha256).hexdigest()
+
+
+def may_view(request: web.Request) -> bool:
+    settings = request.app[st.SETTINGS]
+    token = settings.admin_token
+    if not token:
+        return settings.is_open and is_loopback(settings.host)
+    bearer = bearer_token(request)
+    if bearer is not None and token_matches(bearer, token):
+        return True
+    cookie = request.cookies.get(COOKIE)
+    return cookie is not None and token_matches(cookie, cookie_value(token))
+
+
+@routes.get("/dashboard")
+async def page(request: web.Request) -> web.StreamResponse:
+    token = request.query.get("token")
+    admin_token = request.app[st.SETTINGS].admin_token
+    if token is not None:
+        if not admin_token or not token_matches(token, admin_token):
+            return _refusal(403, "That is not the admin token.")
+        # redirect, so the token leaves the address bar and the history
+        response = web.Response(status=303, headers={"Location": "/dashboard"})
+        response.set_cookie(COOKIE, cookie_value(admin_token), httponly=True, samesite="Strict",
+                            path="/dashboard")
+        return response
+    if not may_view(request):
+        hint = ("Open /dashboard?token=ADMIN_TOKEN once." if admin_token else
+                "Set admin_token, or run in open mode on a loopback address.")
+        return _refusal(401 if admin_token else 403, hint)
+    return web.FileResponse(STATIC_DIR / "dashboard.html",
+                            headers={"Cache-Control": "no-store"})
+
+
+def _refusal(status: int, message: str) -> web.Response:
+    html = (f"<!doctype html><title>crossover dashboard</title>"
+            f"<p>crossover dashboard: {message}</p>")
+    return web.Response(status=status, text=html, content_type="text/html")
+
+
+@routes.get("/dashboard/api/status")
+async def api_status(request: web.Request) -> web.Response:
+    _require_view(request)
+    return web.json_response(status_body(request.app))
+
+
+@routes.get("/dashboard/api/acceptance")
+async def api_acceptance(request: web.Request) -> web.Response:
+    return await _read(request, data.acceptance_over_time)
+
+
+@routes.get("/dashboard/api/batch")
+async def api_batch(request: web.Request) -> web.Response:
+    return await _read(request, data.batch_histogram)
+
+
+@routes.get("/dashboard/api/goodput")
+async def api_goodput(request: web.Request) -> web.Response:
+    return await _read(request, data.goodput_by_batch)
+
+
+@routes.get("/dashboard/api/retunes")
+async def api_retunes(request: web.Request) -> web.Response:
+    return await _read(request, lambda session, _since, _until: data.retunes(session))
+
+
+def _require_view(request: web.Request) -> None:
+    if not may_view(request):
+        if request.app[st.SETTINGS].admin_token:
+            raise ApiError(401, "the dashboard needs the admin token", code="dashboard_forbidden")
+        raise ApiError(403, "the dashboard is off: no admin_token and not open on loopback",
+                       code="dashboard_forbidden")
+
+
+async def _read(request: web.Request, reader: Reader) -> web.Response:
+    _require_view(request)
+    db = request.app.get(st.DATABASE)
+    if db is None:
+        raise ApiError(503, "this daemon runs without a database", code="no_database")
+    until = time.time()
+    since = until - _window(request)
+
+    def run() -> dict[str, Any]:
+        with session_scope(db.engine) as session:
+            return reader(session, since, until)
+
+    return web.json_response(await asyncio.to_thread(run), headers={"Cache-Control": "no-store"})
+
+
+def _window(request: web.Request) -> float:
+    raw = request.query.get("window_s")
+    if raw is None:
+        return DEFAULT_WINDOW_S
+    try:
+        window = float(raw)
+    except ValueError:
+        window = float("nan")
+    if not 60.0 <= window <= MAX_WINDOW_S:
+        raise bad_request(f"window_s must be a number of seconds in [60, {MAX_WINDOW_S:.0f}], "
+                          f"got {raw!r}", "window_s", "invalid_value")
+    return window
+
+
+def add_routes(app: web.Application) -> None:
+    app.add_routes(routes)
+    app.router.add_static("/dashboard/static/", STATIC_DIR)

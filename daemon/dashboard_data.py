@@ -1,0 +1,126 @@
+"""The dashboard's data, read from the telemetry database (blocking: run in a thread).
+
+Each function takes a Session and a window `[since, until)` and returns
+JSON-ready dicts. Acceptance over time calls `telemetry.queries` once per
+bucket; buckets are whole minutes aligned to the epoch, so a per-minute
+rollup lands in exactly one bucket. Goodput against batch size reads the raw
+steps (like `queries.step_time_by`): output tokens per second of step time,
+per technique and batch size. The crossover batch size is the `crossover`
+field of the active policy's body (`engine.policy.TunedPolicy.to_dict()`),
+else the newest policy's; 0 there means the policy never speculates.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from store.models import Policy, Step
+from telemetry import queries
+
+BUCKET_CHOICES_S = (60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
+MAX_BUCKETS = 30
+
+
+def bucket_for(window_s: float) -> int:
+    """The smallest bucket (whole minutes) that cuts `window_s` into at most MAX_BUCKETS.
+
+    >>> bucket_for(3600), bucket_for(600), bucket_for(7 * 86400)
+    (120, 60, 21600)
+    """
+    for bucket in BUCKET_CHOICES_S:
+        if window_s / bucket <= MAX_BUCKETS:
+            return bucket
+    return BUCKET_CHOICES_S[-1]
+
+
+def acceptance_over_time(session: Session, since: float, until: float) -> dict[str, Any]:
+    """Acceptance rate per bucket, one series per technique and one per tenant."""
+    bucket = bucket_for(until - since)
+    starts = range(int(since // bucket) * bucket, math.ceil(until), bucket)
+    by_technique: dict[str, list[dict[str, Any]]] = {}
+    by_tenant: dict[str, list[dict[str, Any]]] = {}
+    for start in starts:
+        end = start + bucket
+        for out, rows in ((by_technique, queries.acceptance_by_technique(session, start, end)),
+                          (by_tenant, queries.acceptance_by_tenant(session, start, end))):
+            for row in rows:
+                if row.proposed:
+                    out.setdefault(row.key, []).append(
+                        {"t": start, "rate": row.rate, "proposed": row.proposed,
+                         "accepted": row.accepted})
+    return {"bucket_s": bucket, "since": since, "until": until,
+            "by_technique": _series(by_technique), "by_tenant": _series(by_tenant),
+            "by_position": _positions(session, since, until)}
+
+
+def _series(points: dict[str, list[dict[str, Any]]], label: str = "key") -> list[dict[str, Any]]:
+    return [{label: key, "points": pts} for key, pts in sorted(points.items())]
+
+
+def _positions(session: Session, since: float, until: float) -> list[dict[str, Any]]:
+    return [{"technique": p.technique, "position": p.position, "rate": p.rate,
+             "conditional_rate": p.conditional_rate}
+            for p in queries.acceptance_by_position(session, since, until)]
+
+
+def batch_histogram(session: Session, since: float, until: float) -> dict[str, Any]:
+    hist = queries.batch_size_histogram(session, since, until)
+    return {"since": since, "until": until,
+            "bins": [{"batch_size": size, "steps": n} for size, n in hist.items()]}
+
+
+def goodput_by_batch(session: Session, since: float, until: float) -> dict[str, Any]:
+    """Output tokens/s of step time per technique and batch size, and the crossover."""
+    keys = (Step.technique, Step.batch_size)
+    query = (
+        select(*keys, func.count(), func.sum(Step.decode_tokens), func.sum(Step.step_ms))
+        .where(Step.time >= since, Step.time < until)
+        .group_by(*keys)
+        .order_by(*keys)
+    )
+    series: dict[str, list[dict[str, Any]]] = {}
+    for technique, batch, steps, tokens, step_ms in session.execute(query):
+        if step_ms:
+            series.setdefault(technique, []).append(
+                {"batch_size": batch, "steps": steps,
+                 "tokens_per_s": round(float(tokens or 0) / (float(step_ms) / 1000.0), 3)})
+    return {"since": since, "until": until, "series": _series(series, "technique"),
+            "crossover": crossover(session)}
+
+
+def crossover(session: Session) -> dict[str, Any] | None:
+    """{"batch_size", "policy_version"} from the active (else newest) policy, or None."""
+    policy = queries.active_policy(session) or next(iter(queries.policy_history(session, 1)), None)
+    if policy is None:
+        return None
+    value = (policy.body or {}).get("crossover")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return {"batch_size": value, "policy_version": policy.version}
+    return None
+
+
+def retunes(session: Session, limit: int = 20) -> dict[str, Any]:
+    """The newest retunes, each with the policy it chose, and the policy history."""
+    policies = {p.version: p for p in queries.policy_history(session, limit=200)}
+    rows = []
+    for r in queries.retune_history(session, limit=limit):
+        chosen = policies.get(r.chosen_policy_version) if r.chosen_policy_version else None
+        rows.append({
+            "id": r.id, "triggered_by": r.triggered_by, "status": r.status,
+            "started_at": r.started_at, "finished_at": r.finished_at,
+            "trial_number": r.trial_number, "predicted_goodput": r.predicted_goodput,
+            "measured_goodput": r.measured_goodput, "error": r.error,
+            "policy": _policy(chosen) if chosen is not None else None,
+        })
+    return {"retunes": rows,
+            "policies": [_policy(p) for p in list(policies.values())[:limit]]}
+
+
+def _policy(p: Policy) -> dict[str, Any]:
+    return {"version": p.version, "source": p.source, "created_at": p.created_at,
+            "applied_at": p.applied_at, "rolled_back_at": p.rolled_back_at,
+            "rollback_reason": p.rollback_reason, "body": p.body}

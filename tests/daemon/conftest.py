@@ -1,0 +1,45 @@
+"""Fixtures for the daemon tests (helpers live in daemon_helpers.py)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.fake import FakeEngine
+from tests.daemon.daemon_helpers import LiveServer
+
+
+@pytest.fixture
+def live() -> Iterator[Callable[..., LiveServer]]:
+    """Factory: `live(engine=..., **settings)` -> a started LiveServer, closed after the test."""
+    servers: list[LiveServer] = []
+
+    def start(engine: FakeEngine | None = None, **settings: Any) -> LiveServer:
+        server = LiveServer(engine, **settings).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+@pytest.fixture
+def db_url(tmp_path: Path) -> str:
+    """A new, empty SQLite file (the daemon creates the schema)."""
+    return f"sqlite:///{tmp_path / 'telemetry.db'}"
+
+
+@pytest.fixture
+def rev1_url(tmp_path: Path) -> str:
+    """A copy of the committed database at schema revision 0001 (older than head)."""
+    path = tmp_path / "rev1.db"
+    shutil.copyfile(FIXTURES / "telemetry_rev1.sqlite", path)
+    return f"sqlite:///{path}"

@@ -1,0 +1,133 @@
+"""Test helpers: a real daemon on 127.0.0.1 (ephemeral port) over FakeEngine, raw HTTP, SSE.
+
+`LiveServer(db_url=...)` gives the daemon a real telemetry database (created
+when empty) whose recorder flushes every 50 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from aiohttp import web
+
+from daemon.app import make_app
+from daemon.bridge import MemorySink
+from daemon.database import Database, open_database
+from daemon.settings import Settings
+from daemon.state import ENGINE_THREAD, STATE
+from engine.fake import FakeEngine
+from telemetry.recorder import RecorderConfig
+
+MODEL = "fake-reverse"
+
+
+class LiveServer:
+    """`make_app(settings, engine)` served from a background thread's event loop."""
+
+    def __init__(self, engine: FakeEngine | None = None, db_url: str | None = None,
+                 **settings: Any) -> None:
+        self.engine = engine or FakeEngine()
+        settings.setdefault("max_batch", self.engine.max_batch)
+        settings.setdefault("max_context", self.engine.max_context)
+        self.settings = Settings(port=0, **settings)
+        self.sink = MemorySink()
+        self.database: Database | None = None
+        if db_url is not None:
+            config = RecorderConfig(flush_interval_s=0.05)
+            self.database = open_database(db_url, recorder_config=config)
+        self.app = make_app(self.settings, self.engine, self.sink, database=self.database)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, wait_ready: bool = True) -> LiveServer:
+        self._thread.start()
+        self.port = self.call(self._start())
+        if wait_ready:
+            wait_for(lambda: self.app[ENGINE_THREAD].ready, what="engine ready")
+        return self
+
+    async def _start(self) -> int:
+        self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
+                                    shutdown_timeout=2.0)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return int(self.runner.addresses[0][1])
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 30.0) -> Any:
+        """Run `coro` on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.call(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Wait until no request is in flight and the engine holds no pages."""
+        wait_for(lambda: (self.app[STATE].in_flight == 0 and self.app[ENGINE_THREAD].active == 0
+                          and self.engine.pages_used == 0 and not self.engine.has_work()),
+                 timeout, "server idle")
+
+    def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> Response:
+        return http_request(self.port, "POST", path, body, headers)
+
+    def get(self, path: str, headers: dict[str, str] | None = None) -> Response:
+        return http_request(self.port, "GET", path, None, headers)
+
+    def delete(self, path: str, headers: dict[str, str] | None = None) -> Response:
+        return http_request(self.port, "DELETE", path, None, headers)
+
+
+class Response:
+    def __init__(self, status: int, headers: dict[str, str], data: bytes) -> None:
+        self.status, self.headers, self.data = status, headers, data
+
+    def json(self) -> Any:
+        return json.loads(self.data)
+
+
+def http_request(port: int, method: str, path: str, body: Any = None,
+                 headers: dict[str, str] | None = None) -> Response:
+    """One request over a fresh connection; `body` is bytes or JSON-able."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json",
+                                                       **(headers or {})})
+        resp = conn.getresponse()
+        return Response(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+    finally:
+        conn.close()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def parse_sse(data: bytes) -> list[Any]:
+    """The JSON payloads of an SSE body, "[DONE]" kept as the string; asserts framing."""
+    text = data.decode("utf-8")
+    assert text.endswith("\n\n"), "stream does not end with a blank line"
+    events = []
+    for block in text.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events

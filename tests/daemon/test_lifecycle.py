@@ -1,0 +1,212 @@
+"""Health, readiness, draining, and SIGTERM on a real `crossover serve` process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from daemon.app import drain
+from daemon.state import ENGINE_THREAD
+from engine.fake import FakeEngine
+from engine.types import StepOutput
+from tests.daemon.daemon_helpers import MODEL, LiveServer, http_request, parse_sse, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+SLOW_BODY = {"model": MODEL, "prompt": "s" * 40, "max_tokens": 40, "stream": True}
+
+
+def test_health_and_ready_follow_warmup() -> None:
+    server = LiveServer(FakeEngine(warmup_delay_s=0.6)).start(wait_ready=False)
+    try:
+        assert server.get("/health").status == 200
+        assert server.get("/ready").status == 503
+        r = server.post("/v1/completions", {"model": MODEL, "prompt": "a"})
+        assert r.status == 503 and r.json()["error"]["code"] == "warming_up"
+        assert "retry-after" in r.headers
+        wait_for(lambda: server.get("/ready").status == 200, what="ready")
+        assert server.get("/ready").json()["engine"]["kv_pages_total"] == 4096
+        assert server.post("/v1/completions", {"model": MODEL, "prompt": "a"}).status == 200
+    finally:
+        server.close()
+
+
+class BrokenEngine(FakeEngine):
+    def step(self) -> StepOutput:
+        if self.has_work():
+            raise RuntimeError("boom")
+        return super().step()
+
+
+def test_engine_failure_turns_health_red(live: Callable[..., LiveServer]) -> None:
+    server = live(BrokenEngine())
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "a"})
+    assert r.status == 500 and r.json()["error"]["code"] == "engine_error"
+    assert server.get("/health").status == 503
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "a"})
+    assert r.status == 503 and r.json()["error"]["code"] == "engine_failed"
+
+
+class OpenStream:
+    """A streamed completion whose first event has been read."""
+
+    def __init__(self, response: aiohttp.ClientResponse, head: bytes) -> None:
+        self.response, self.head = response, head
+
+    async def read(self) -> bytes:
+        return self.head + await self.response.read()
+
+
+async def _open_streams(url: str, n: int) -> tuple[aiohttp.ClientSession, list[OpenStream]]:
+    session = aiohttp.ClientSession()
+    streams = []
+    for _ in range(n):
+        response = await session.post(url + "/v1/completions", json=SLOW_BODY)
+        assert response.status == 200
+        head = await response.content.readline() + await response.content.readline()
+        assert head.startswith(b"data: ") and head.endswith(b"\n\n")  # the first token is out
+        streams.append(OpenStream(response, head))
+    return session, streams
+
+
+def test_drain_past_deadline_aborts_streams_cleanly(live: Callable[..., LiveServer]) -> None:
+    server = live(FakeEngine(step_delay_s=0.05))
+
+    async def main() -> list[list[Any]]:
+        session, streams = await _open_streams(server.url, 2)
+        future = asyncio.run_coroutine_threadsafe(drain(server.app, 0.2), server.loop)
+        await asyncio.sleep(0.05)
+        async with session.post(server.url + "/v1/completions", json=SLOW_BODY) as late:
+            assert late.status == 503
+            assert (await late.json())["error"]["code"] == "shutting_down"
+        async with session.get(server.url + "/ready") as ready:
+            assert ready.status == 503
+        bodies = [parse_sse(await s.read()) for s in streams]
+        assert future.result(5) is False  # it had to abort
+        await session.close()
+        return bodies
+
+    for events in asyncio.run(main()):
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "aborted"
+    wait_for(lambda: len(server.sink.results) == 2)
+    assert {r.finish_reason for r in server.sink.results} == {"abort"}
+    assert server.engine.pages_used == 0
+
+
+def _start_daemon(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], int, Path]:
+    log_path = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSOVER_")}
+    db = f"sqlite:///{tmp_path / 'telemetry.db'}"
+    cmd = [sys.executable, "-m", "daemon.cli", "serve", "--fake-engine", "--port", "0", "--db", db,
+           *flags]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    port = 0
+
+    def listening() -> bool:
+        nonlocal port
+        assert proc.poll() is None, log_path.read_text()
+        for line in _json_lines(log_path):
+            if line.get("msg") == "listening":
+                port = line["port"]
+        return port > 0
+
+    wait_for(listening, 60, "the daemon to listen")  # a ceiling for loaded CI machines
+    wait_for(lambda: http_request(port, "GET", "/ready").status == 200, 30, "ready")
+    return proc, port, log_path
+
+
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            out.append(json.loads(line))
+    return out
+
+
+def _sigterm_then_probe(proc: subprocess.Popen[bytes], port: int, n: int) -> list[bytes]:
+    """Open n slow streams, SIGTERM, check a new request gets 503, return the stream bodies."""
+
+    async def main() -> list[bytes]:
+        session, streams = await _open_streams(f"http://127.0.0.1:{port}", n)
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.1)
+        async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=SLOW_BODY) as late:
+            assert late.status == 503
+        bodies = [await s.read() for s in streams]
+        await session.close()
+        return bodies
+
+    return asyncio.run(main())
+
+
+def test_sigterm_lets_in_flight_streams_finish_and_exits_zero(tmp_path: Path) -> None:
+    proc, port, log_path = _start_daemon(tmp_path, "--fake-step-ms", "20", "--drain-deadline", "10")
+    try:
+        signalled = time.monotonic()
+        bodies = _sigterm_then_probe(proc, port, 3)
+        for body in bodies:
+            events = parse_sse(body)
+            assert events[-1] == "[DONE]"
+            text = "".join(e["choices"][0]["text"] for e in events[:-1])
+            assert text == "s" * 40 and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - signalled < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    msgs = [line.get("msg") for line in _json_lines(log_path)]
+    assert "draining" in msgs and "telemetry recorder closed" in msgs and msgs[-1] == "stopped"
+    statuses = [line["status"] for line in _json_lines(log_path) if line.get("msg") == "request"]
+    assert statuses.count(200) == 3 and statuses.count(503) == 1
+    con = sqlite3.connect(tmp_path / "telemetry.db")  # written at shutdown at the latest
+    rows = con.execute("SELECT finish_reason, output_tokens FROM xo_requests").fetchall()
+    n_steps = con.execute("SELECT COUNT(*) FROM xo_steps").fetchone()[0]
+    con.close()
+    assert rows == [("length", 40)] * 3 and n_steps >= 40
+
+
+def test_serve_refuses_an_old_schema_and_names_the_upgrade(tmp_path: Path, rev1_url: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSOVER_")}
+    cmd = [sys.executable, "-m", "daemon.cli", "serve", "--fake-engine", "--port", "0",
+           "--db", rev1_url]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "0001" in proc.stderr and f"crossover db upgrade --db {rev1_url}" in proc.stderr
+    assert "listening" not in proc.stderr
+    con = sqlite3.connect(rev1_url.removeprefix("sqlite:///"))
+    assert con.execute("SELECT version_num FROM xo_alembic_version").fetchall() == [("0001",)]
+    con.close()
+
+
+def test_sigterm_past_the_deadline_aborts_and_still_exits_zero(tmp_path: Path) -> None:
+    proc, port, _ = _start_daemon(tmp_path, "--fake-step-ms", "200", "--drain-deadline", "0.3")
+    try:
+        signalled = time.monotonic()
+        for body in _sigterm_then_probe(proc, port, 2):
+            events = parse_sse(body)
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "aborted"
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - signalled < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_engine_thread_exposed_on_app(live: Callable[..., LiveServer]) -> None:
+    server = live()
+    thread = server.app[ENGINE_THREAD]
+    assert thread.ready and thread.active == 0 and thread.engine is server.engine

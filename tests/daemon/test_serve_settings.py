@@ -1,0 +1,113 @@
+"""Settings: flags > environment > TOML > defaults; bad values name key and value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from daemon.settings import Settings, SettingsError, load_settings
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "crossover.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults() -> None:
+    s = load_settings({}, env={})
+    assert s == Settings()
+    assert (s.host, s.port, s.max_batch, s.is_open) == ("127.0.0.1", 8000, 32, True)
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
+    path = write(tmp_path, 'port = 7000\nmax_batch = 4\nmax_context = 1024\nlog_level = "debug"\n')
+    env = {"CROSSOVER_PORT": "7100", "CROSSOVER_MAX_BATCH": "8"}
+    s = load_settings({"port": 7200, "max_batch": None}, env=env, config_path=path)
+    assert s.port == 7200  # flag
+    assert s.max_batch == 8  # env (the flag was not given)
+    assert s.max_context == 1024  # file
+    assert s.max_waiting == Settings().max_waiting  # default
+    assert s.log_level == "debug"
+
+
+def test_config_path_from_flags_or_env(tmp_path: Path) -> None:
+    path = write(tmp_path, "max_waiting = 3\n")
+    assert load_settings({"config": path}, env={}).max_waiting == 3
+    assert load_settings({}, env={"CROSSOVER_CONFIG": path}).max_waiting == 3
+
+
+def test_env_parsing_of_bools_sizes_floats_and_none() -> None:
+    env = {"CROSSOVER_TUNER": "off", "CROSSOVER_KV_BUDGET_BYTES": "1.5GiB",
+           "CROSSOVER_MAX_BODY_BYTES": "64KiB", "CROSSOVER_DRAIN_DEADLINE_S": "2.5",
+           "CROSSOVER_OPEN_MODE": "none", "CROSSOVER_DTYPE": "bfloat16"}
+    s = load_settings({}, env=env)
+    assert s.tuner is False
+    assert s.kv_budget_bytes == int(1.5 * (1 << 30))
+    assert s.max_body_bytes == 64 * 1024
+    assert s.drain_deadline_s == 2.5
+    assert s.open_mode is None and s.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "flags,env,toml,words",
+    [
+        ({}, {"CROSSOVER_PORT": "eighty"}, None, ["port", "'eighty'", "CROSSOVER_PORT"]),
+        ({}, {"CROSSOVER_TUNER": "maybe"}, None, ["tuner", "'maybe'"]),
+        ({}, {"CROSSOVER_KV_BUDGET_BYTES": "lots"}, None, ["kv_budget_bytes", "'lots'"]),
+        ({"port": 70000}, {}, None, ["port", "70000"]),
+        ({"max_batch": 0}, {}, None, ["max_batch", "0"]),
+        ({"log_level": "loud"}, {}, None, ["log_level", "'loud'"]),
+        ({}, {}, 'max_batch = "many"\n', ["max_batch", "'many'", "crossover.toml"]),
+        ({}, {}, "tuner = 1\n", ["tuner", "1"]),
+        ({}, {}, "prot = 1\n", ["prot"]),
+        ({}, {}, "port = \n", ["not valid TOML"]),
+    ],
+)
+def test_bad_values_name_the_key_and_value(
+    tmp_path: Path, flags: dict, env: dict, toml: str | None, words: list[str]
+) -> None:
+    path = write(tmp_path, toml) if toml is not None else None
+    with pytest.raises(SettingsError) as info:
+        load_settings(flags, env=env, config_path=path)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="cannot read"):
+        load_settings({}, env={}, config_path=str(tmp_path / "nope.toml"))
+
+
+@pytest.mark.parametrize(
+    "host,open_mode,expected",
+    [("127.0.0.1", None, True), ("localhost", None, True), ("::1", None, True),
+     ("0.0.0.0", None, False), ("10.1.2.3", None, False), ("0.0.0.0", True, True),
+     ("127.0.0.1", False, False)],
+)
+def test_open_mode_defaults_to_loopback_only(host: str, open_mode: bool | None, expected: bool) -> None:
+    assert Settings(host=host, open_mode=open_mode).is_open is expected
+
+
+def test_settings_are_frozen() -> None:
+    with pytest.raises(AttributeError):
+        Settings().port = 1  # type: ignore[misc]
+
+
+def test_serve_flags_map_onto_settings_and_bad_values_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from daemon.commands import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--kv-budget", "2GiB", "--no-tuner", "--drain-deadline", "3", "--open"])
+    flags = {k: getattr(args, k) for k in serve.SETTING_FLAGS}
+    s = load_settings(flags, env={})
+    assert (s.kv_budget_bytes, s.tuner, s.drain_deadline_s, s.open_mode) == (2 << 30, False, 3.0, True)
+    assert "--fake-engine" not in parser.format_help()
+
+    bad = parser.parse_args(["--max-batch", "0"])
+    assert serve.run(bad) == 2
+    assert "max_batch" in capsys.readouterr().err
