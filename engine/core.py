@@ -14,17 +14,32 @@ from __future__ import annotations
 
 import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.config import ModelConfig
 from engine.kv import KVPool
 from engine.model import Params
+from engine.policy import NEVER, TunedPolicy
+from engine.proposers import NgramProposer, Proposer
 from engine.runner import ModelRunner, RunnerConfig, compile_count
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import Detokenizer, Sequence, append_tokens, request_key
 from engine.types import Request, RequestResult, StepOutput, StepStats, TokenEvent
+
+
+@dataclass
+class SpecResult:
+    """What speculation did in one step (defaults: plain decode)."""
+
+    technique: str = "none"
+    depth: int = 0
+    propose_ms: float = 0.0
+    verify_ms: float = 0.0
+    per_pos: list[int] = field(default_factory=list)
+    proposed: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,14 +64,15 @@ class EngineCore:
         self.pool = KVPool(rc.global_pages, rc.local_pages, rc.page_size, rc.ring_pages)
         self.scheduler = Scheduler(
             SchedulerConfig(max_batch=rc.max_batch, token_budget=max(ecfg.token_budget, rc.max_batch),
-                            max_chunk=rc.max_chunk),
+                            max_chunk=rc.max_chunk, lookahead=max(rc.verify_tokens, default=1) - 1),
             self.pool,
         )
         self.stop_ids = frozenset(getattr(tokenizer, "stop_ids", (cfg.eos_id,)))
+        self.policy: TunedPolicy = NEVER
+        self.proposers: dict[str, Proposer] = {"ngram": NgramProposer()}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
         self._step_id = 0
-        self.policy_version = 0
         self.warmed_up = False
 
     # -- commands (thread-safe) -------------------------------------------
@@ -70,7 +86,7 @@ class EngineCore:
                 f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the context "
                 f"length {self.max_context}"
             )
-        if not self.pool.fits_alone(n + req.sampling.max_tokens):
+        if not self.pool.fits_alone(n + req.sampling.max_tokens + self.scheduler.cfg.lookahead):
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) needs more KV pages "
                 f"than the whole pool holds"
@@ -83,6 +99,16 @@ class EngineCore:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    def set_policy(self, policy: TunedPolicy) -> None:
+        """Swap the decode policy; it takes effect at the start of the next step."""
+        missing = policy.techniques() - set(self.proposers)
+        if missing:
+            raise ValueError(f"policy uses techniques without a loaded proposer: {sorted(missing)}")
+        if policy.max_depth + 1 > max(self.runner.rc.verify_tokens, default=1):
+            raise ValueError(f"policy depth {policy.max_depth} exceeds the compiled verify buckets "
+                             f"{self.runner.rc.verify_tokens}")
+        self._inbox.put(("policy", policy))
 
     # -- the loop ------------------------------------------------------------
     def has_work(self) -> bool:
@@ -97,11 +123,11 @@ class EngineCore:
             if self.scheduler.running:  # a bug, but hanging silently would be worse
                 raise RuntimeError("scheduler stalled: running sequences but nothing to run")
             return StepOutput(events, None, finished)
-        self._run_decode(plan, events, finished)
+        spec = self._run_decode(plan, events, finished)
         for seq, n in plan.prefill:
             self._run_prefill(seq, n, events, finished)
         self._step_id += 1
-        stats = self._stats(plan, wall, (time.perf_counter() - t0) * 1e3)
+        stats = self._stats(plan, wall, (time.perf_counter() - t0) * 1e3, spec)
         return StepOutput(events, stats, finished)
 
     def _drain_inbox(self) -> tuple[list[TokenEvent], list[RequestResult]]:
@@ -114,6 +140,8 @@ class EngineCore:
                 return events, finished
             if kind == "add":
                 self._admit(arg)
+            elif kind == "policy":
+                self.policy = arg
             elif (seq := self._seqs.get(arg)) is not None:
                 events.append(TokenEvent(seq.request_id, (), seq.text[seq.emitted:], None, True, "abort"))
                 finished.append(self._finish(seq, "abort"))
@@ -145,10 +173,17 @@ class EngineCore:
         c.samp["key"][row] = seq.key
         c.samp["want_logprobs"][row] = sp.logprobs
 
-    def _run_decode(self, plan: StepPlan, events, finished) -> None:
+    def _run_decode(self, plan: StepPlan, events, finished) -> SpecResult:
         seqs = plan.decode
         if not seqs:
-            return
+            return SpecResult()
+        technique, depth = self.policy.choose(len(seqs))
+        if technique != "none" and len(seqs) <= self.runner.rc.spec_max_batch:
+            t0 = time.perf_counter()
+            drafts = self.proposers[technique].propose(seqs, depth)
+            propose_ms = (time.perf_counter() - t0) * 1e3
+            if any(drafts):
+                return self._run_speculative(seqs, drafts, technique, depth, propose_ms, events, finished)
         ctx = max(s.num_cached + 1 for s in seqs)
         c = self.runner.new_call(len(seqs), 1, ctx)
         for i, s in enumerate(seqs):
@@ -157,6 +192,36 @@ class EngineCore:
         for i, s in enumerate(seqs):
             s.num_cached += 1
             self._emit(s, [int(tok[i, 0])], [float(lp[i, 0])], events, finished)
+        return SpecResult()
+
+    def _run_speculative(self, seqs, drafts, technique, depth, propose_ms, events, finished) -> SpecResult:
+        """Verify [last token, drafts...] per row in one forward; keep the accepted prefix + one."""
+        t0 = time.perf_counter()
+        ctx = max(s.num_cached + 1 + depth for s in seqs)
+        c = self.runner.new_verify_call(len(seqs), depth, ctx)
+        cand = np.full(c.tokens.shape, -1, np.int32)
+        for i, (s, d) in enumerate(zip(seqs, drafts)):
+            self._fill_row(c, i, s, 1)
+            n = 1 + len(d)
+            c.tokens[i, 1:n] = d
+            c.n_new[i] = n
+            cand[i, : n - 1] = d
+            c.counter[i] = s.num_cached + 1 + np.arange(c.counter.shape[1])
+        tok, acc, lp = self.runner.run_verify(c, cand)
+        res = SpecResult(technique, depth, propose_ms, (time.perf_counter() - t0) * 1e3, [0] * depth)
+        for i, (s, d) in enumerate(zip(seqs, drafts)):
+            a = 0
+            while a < len(d) and acc[i, a]:
+                a += 1
+            for j in range(a):
+                res.per_pos[j] += 1
+            res.proposed += len(d)
+            res.accepted += a
+            s.proposed += len(d)
+            s.accepted += a
+            s.num_cached += 1 + a  # the fed token and the accepted drafts are now valid cache
+            self._emit(s, list(d[:a]) + [int(tok[i, a])], [float(x) for x in lp[i, : a + 1]], events, finished)
+        return res
 
     def _run_prefill(self, seq: Sequence, n: int, events, finished) -> None:
         c = self.runner.new_call(1, n, seq.num_cached + n)
@@ -174,15 +239,16 @@ class EngineCore:
         if ev.finished:
             finished.append(self._finish(seq, ev.finish_reason))
 
-    def _stats(self, plan: StepPlan, wall: float, step_ms: float) -> StepStats:
+    def _stats(self, plan: StepPlan, wall: float, step_ms: float, spec: "SpecResult") -> StepStats:
         seqs = plan.decode + [s for s, _ in plan.prefill]
         return StepStats(
             step_id=self._step_id, time=wall, batch_size=len(seqs),
             prefill_tokens=sum(n for _, n in plan.prefill), decode_tokens=len(plan.decode),
-            technique="none", depth=0, proposed=0, accepted=0, accepted_per_pos=(),
-            propose_ms=0.0, verify_ms=step_ms, step_ms=step_ms,
+            technique=spec.technique, depth=spec.depth, proposed=spec.proposed, accepted=spec.accepted,
+            accepted_per_pos=tuple(spec.per_pos), propose_ms=spec.propose_ms,
+            verify_ms=spec.verify_ms if spec.depth else step_ms, step_ms=step_ms,
             kv_pages_used=self.pool.used, kv_pages_free=self.pool.free,
-            queue_len=len(self.scheduler.waiting), policy_version=self.policy_version,
+            queue_len=len(self.scheduler.waiting), policy_version=self.policy.version,
             preempted=plan.preempted, tenants=tuple(sorted({s.req.tenant for s in seqs})),
         )
 
@@ -202,5 +268,5 @@ class EngineCore:
             "kv_pages_total": self.pool.total,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "compile_count": compile_count(), "compiles_since_warmup": self.compiles_since_warmup(),
-            "policy_version": self.policy_version, "warmed_up": self.warmed_up,
+            "policy_version": self.policy.version, "warmed_up": self.warmed_up,
         }

@@ -25,7 +25,7 @@ import numpy as np
 from engine.config import ModelConfig
 from engine.kv import Batch, KVState, cache_reader, write_new
 from engine.model import Params, forward, logits
-from engine.sampling import SamplingArrays, sample
+from engine.sampling import SamplingArrays, sample, verify
 
 _compiles = 0
 _compiles_lock = threading.Lock()
@@ -91,6 +91,10 @@ class RunnerConfig:
     """Pages in the local-layer pool (page 0 is scratch)."""
     ring_pages: int = 33
     """Ring length of a sequence in the local pool (window + verify slots)."""
+    verify_tokens: tuple[int, ...] = ()
+    """Token counts (1 + draft depth) compiled for speculative verification; () = none."""
+    spec_max_batch: int = 16
+    """Largest decode batch compiled for verification (speculation stops paying beyond)."""
     dtype: str = "float32"
     """Compute dtype of weights and activations."""
     kv_dtype: str = "float32"
@@ -122,11 +126,24 @@ class RunnerConfig:
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
 def _forward(cfg: ModelConfig, params: Params, kv: KVState, batch: Batch, logit_idx):
-    """One forward over [B, T] new tokens and the KV write; logits at logit_idx [B, Tl]."""
+    """One forward over [B, T] new tokens and the KV write; logits at logit_idx [B, Tl].
+
+    Also returns the final (normed) hidden states there, [B, Tl, d], which the
+    MTP proposer drafts from.
+    """
     h, new_kv, _ = forward(cfg, params, batch.tokens, batch.positions(), cache_reader(kv, batch))
     kv = write_new(kv, batch, new_kv)
     hs = jnp.take_along_axis(h, logit_idx[:, :, None], axis=1)  # [B, Tl, d]
-    return kv, logits(params, hs)
+    return kv, logits(params, hs), hs
+
+
+@jax.jit
+def _verify(lg, cand, samp: SamplingArrays, counter):
+    """Target tokens and acceptance at every verified position: lg [B, T, V], cand [B, T]."""
+    B, T, V = lg.shape
+    rows = jax.tree.map(lambda a: jnp.repeat(a, T, axis=0), samp)
+    tok, acc, lp = verify(lg.reshape(B * T, V), cand.reshape(-1), rows, counter.reshape(-1))
+    return tok.reshape(B, T), acc.reshape(B, T), lp.reshape(B, T)
 
 
 @jax.jit
@@ -159,6 +176,7 @@ class ModelRunner:
         self.cfg, self.params, self.rc = cfg, params, rc
         self.kv = KVState.create(cfg, rc.global_pages, rc.local_pages, rc.page_size, jnp.dtype(rc.kv_dtype))
         self.warm_compiles: int | None = None
+        self.last_hidden = None  # [B, Tl, d] final hidden states of the latest call
 
     def new_call(self, batch: int, new_tokens: int, context: int, logits_per_row: int = 1) -> CallArrays:
         """Zeroed, bucket-padded host arrays (scratch pages, padding rows)."""
@@ -177,12 +195,29 @@ class ModelRunner:
             samp=SamplingArrays.host(B),
         )
 
+    def new_verify_call(self, batch: int, depth: int, context: int) -> CallArrays:
+        """Host arrays for verifying up to `depth` drafts per row: T = bucket(1 + depth)."""
+        rc = self.rc
+        B = bucket(batch, tuple(b for b in rc.batch_buckets if b <= rc.spec_max_batch))
+        T = bucket(1 + depth, rc.verify_tokens)
+        c = self.new_call(B, 1, context, logits_per_row=T)
+        c.tokens = np.zeros((B, T), np.int32)
+        c.logit_idx[:] = np.arange(T, dtype=np.int32)
+        return c
+
     def run(self, c: CallArrays) -> tuple[np.ndarray, np.ndarray]:
         """Execute one call; returns (tokens [B, Tl], logprobs [B, Tl]) as numpy."""
         batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-        self.kv, lg = _forward(self.cfg, self.params, self.kv, batch, c.logit_idx)
+        self.kv, lg, self.last_hidden = _forward(self.cfg, self.params, self.kv, batch, c.logit_idx)
         tok, lp = _sample(lg, SamplingArrays(**c.samp), c.counter)
         return np.asarray(tok), np.asarray(lp)
+
+    def run_verify(self, c: CallArrays, cand: np.ndarray):
+        """Forward over [last token, drafts...] and verify: (tokens, accepted, logprobs) [B, T]."""
+        batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
+        self.kv, lg, self.last_hidden = _forward(self.cfg, self.params, self.kv, batch, c.logit_idx)
+        tok, acc, lp = _verify(lg, cand, SamplingArrays(**c.samp), c.counter)
+        return np.asarray(tok), np.asarray(acc), np.asarray(lp)
 
     def shapes(self) -> list[tuple[int, int, int]]:
         """Every (batch, new_tokens, context) the engine may call with."""
@@ -191,15 +226,26 @@ class ModelRunner:
         out += [(1, t, c) for t in rc.prefill_buckets for c in rc.context_buckets]
         return out
 
+    def verify_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (batch, 1 + depth, context) speculation may verify with."""
+        rc = self.rc
+        bs = [b for b in rc.batch_buckets if b <= rc.spec_max_batch]
+        return [(b, t, c) for b in bs for t in rc.verify_tokens for c in rc.context_buckets]
+
     def warmup(self, progress: bool = True) -> None:
         """Compile (and run once, harmlessly on scratch) every bucketed shape."""
-        shapes = self.shapes()
+        shapes = [(s, False) for s in self.shapes()] + [(s, True) for s in self.verify_shapes()]
         t0 = time.perf_counter()
-        for i, (b, t, c) in enumerate(shapes):
+        for i, ((b, t, c), is_verify) in enumerate(shapes):
             if progress:
-                print(f"\rwarmup: compiling {i + 1}/{len(shapes)} (batch {b}, tokens {t}, context {c})"
+                what = "verify" if is_verify else "tokens"
+                print(f"\rwarmup: compiling {i + 1}/{len(shapes)} (batch {b}, {what} {t}, context {c})"
                       f" {time.perf_counter() - t0:.0f}s", end="", file=sys.stderr, flush=True)
-            self.run(self.new_call(b, t, c))
+            if is_verify:
+                call = self.new_verify_call(b, t - 1, c)
+                self.run_verify(call, np.full(call.tokens.shape, -1, np.int32))
+            else:
+                self.run(self.new_call(b, t, c))
         if progress:
             print(f"\rwarmup: {len(shapes)} shapes compiled in {time.perf_counter() - t0:.1f}s" + " " * 20,
                   file=sys.stderr, flush=True)

@@ -83,7 +83,11 @@ def _threshold_bisect(scaled, mask_k, top_p, lse, iters: int = 40):
     return lo
 
 
-def _sample_rows(logits, s: SamplingArrays, counter):
+def filtered_probs(logits, s: SamplingArrays):
+    """The distribution each sampled row draws from: temperature, then top-k, then top-p.
+
+    Returns p [N, V] f32, zero outside the kept set and summing to 1 per row.
+    """
     temp = jnp.maximum(s.temperature, 1e-6)[:, None]
     scaled = logits / temp
     C = min(CANDIDATES, scaled.shape[-1])
@@ -101,13 +105,67 @@ def _sample_rows(logits, s: SamplingArrays, counter):
     )
     keep = scaled >= tau[:, None]
     p = jnp.where(keep, jnp.exp(scaled - lse_k[:, None]), 0.0)
-    cdf = jnp.cumsum(p, axis=-1)
+    return p / jnp.sum(p, axis=-1, keepdims=True)
+
+
+def _uniforms(s: SamplingArrays, counter, n: int):
+    """n uniforms per row from the row's key folded with `counter`: [N, n]."""
     keys = jax.vmap(lambda k, c: jax.random.fold_in(jax.random.wrap_key_data(k), c))(s.key, counter)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys) * cdf[:, -1]
-    idx = jnp.sum(cdf <= u[:, None], axis=-1)
-    # never pick a token outside the kept set because of rounding at the top end
-    idx = jnp.minimum(idx, jnp.max(jnp.where(keep, jnp.arange(p.shape[-1]), 0), axis=-1))
-    return idx.astype(jnp.int32)
+    return jax.vmap(lambda k: jax.random.uniform(k, (n,), jnp.float32))(keys)
+
+
+def _inverse_cdf(p, u):
+    """Index drawn from p [N, V] with uniforms u [N] (never a zero-probability index)."""
+    cdf = jnp.cumsum(p, axis=-1)
+    idx = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1)
+    last_kept = jnp.max(jnp.where(p > 0, jnp.arange(p.shape[-1]), 0), axis=-1)
+    return jnp.minimum(idx, last_kept).astype(jnp.int32)
+
+
+def _sample_rows(logits, s: SamplingArrays, counter):
+    return _inverse_cdf(filtered_probs(logits, s), _uniforms(s, counter, 1)[:, 0])
+
+
+def _verify_rows(logits, cand, s: SamplingArrays, counter):
+    """Rejection sampling of deterministic drafts: accept d with probability p(d),
+    else draw from p with d removed. The output is distributed exactly as p."""
+    p = filtered_probs(logits, s)
+    u = _uniforms(s, counter, 2)
+    has = cand >= 0
+    pd = jnp.where(has, jnp.take_along_axis(p, jnp.maximum(cand, 0)[:, None], axis=1)[:, 0], 0.0)
+    accept = has & (u[:, 0] < pd)
+    hit = has[:, None] & (jnp.arange(p.shape[-1])[None, :] == cand[:, None])
+    rest = jnp.where(hit, 0.0, p)
+    # a draft holding all the mass is always accepted, so `rest` is never all zero when used
+    rest = jnp.where(jnp.sum(rest, axis=-1, keepdims=True) > 0, rest, p)
+    return jnp.where(accept, cand, _inverse_cdf(rest, u[:, 1])), accept
+
+
+def verify(logits: jax.Array, cand: jax.Array, s: SamplingArrays, counter: jax.Array):
+    """Target tokens and draft acceptance at each verified position.
+
+    logits: [N, V] f32 at one position each; cand: [N] int32, the draft token
+    that follows that position (-1 where there is none: the bonus position).
+    Greedy rows accept exactly when the draft equals the argmax; sampled rows
+    use rejection sampling (see _verify_rows). Returns (tokens [N], accepted
+    [N] bool, logprobs [N]). Example: greedy, argmax 7, cand 7 -> (7, True).
+    """
+    g = greedy(logits)
+    sampled = s.temperature > 0
+    tok_s, acc_s = jax.lax.cond(
+        jnp.any(sampled), lambda: _verify_rows(logits, cand, s, counter), lambda: (g, cand == g)
+    )
+    tok = jnp.where(sampled, tok_s, g)
+    acc = jnp.where(sampled, acc_s, cand == g)
+    return tok, acc, _logprobs(logits, tok, s)
+
+
+def _logprobs(logits, tok, s: SamplingArrays):
+    def lp():
+        chosen = jnp.take_along_axis(logits, tok[:, None], axis=1)[:, 0]
+        return chosen - jax.nn.logsumexp(logits, axis=-1)
+
+    return jax.lax.cond(jnp.any(s.want_logprobs), lp, lambda: jnp.zeros(tok.shape, jnp.float32))
 
 
 def sample(logits: jax.Array, s: SamplingArrays, counter: jax.Array):
@@ -122,10 +180,4 @@ def sample(logits: jax.Array, s: SamplingArrays, counter: jax.Array):
     any_sampled = jnp.any(s.temperature > 0)
     sampled = jax.lax.cond(any_sampled, lambda: _sample_rows(logits, s, counter), lambda: tok)
     tok = jnp.where(s.temperature > 0, sampled, tok)
-
-    def lp():
-        chosen = jnp.take_along_axis(logits, tok[:, None], axis=1)[:, 0]
-        return chosen - jax.nn.logsumexp(logits, axis=-1)
-
-    logprobs = jax.lax.cond(jnp.any(s.want_logprobs), lp, lambda: jnp.zeros(tok.shape, jnp.float32))
-    return tok, logprobs
+    return tok, _logprobs(logits, tok, s)

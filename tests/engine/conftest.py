@@ -54,3 +54,6 @@ def _compile_cache():
     from engine.runner import enable_persistent_cache
 
     enable_persistent_cache()
+
+
+SPEC_RC = dict(verify_tokens=(2, 3, 5, 9), spec_max_batch=8)

@@ -1,0 +1,116 @@
+"""Speculative decoding is lossless: greedy output identical to plain decoding,
+sampled output distributed as the target, pages all returned."""
+
+from __future__ import annotations
+
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine.policy import BatchRule, TunedPolicy
+from engine.proposers import NgramProposer
+from engine.sampling import SamplingArrays, verify
+from engine.types import Request, SamplingParams
+from tests.engine.conftest import SPEC_RC, ByteTokenizer, make_engine
+
+TOK = ByteTokenizer()
+PROMPTS = [
+    "abcabcabcabcabc abc",
+    "the cat sat on the mat. the cat sat on the",
+    "x",
+    "def f(x):\n    return x\ndef f(x):\n    return",
+    "one two three one two three one two",
+]
+
+
+def _policy(depth: int, technique: str = "ngram") -> TunedPolicy:
+    return TunedPolicy(rules=(BatchRule(64, technique, depth),), crossover=64, version=depth)
+
+
+def _run(engine, prompts, sp):
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", TOK.encode(p), sp))
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    stats = []
+    while engine.has_work():
+        o = engine.step()
+        stats += [o.stats] if o.stats else []
+        for ev in o.events:
+            out[ev.request_id] += ev.token_ids
+    return [out[f"r{i}"] for i in range(len(prompts))], stats
+
+
+def test_ngram_lookup_finds_latest_match():
+    p = NgramProposer(min_n=1, max_n=3)
+    assert p.lookup([5, 6, 7, 9, 5, 6], 3) == [7, 9, 5]
+    assert p.lookup([1, 2, 3], 2) == []
+    assert p.lookup([4, 1, 4, 2, 4], 2) == [2, 4]  # the latest occurrence of [4] wins
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny):
+    return _run(make_engine(tiny, **SPEC_RC), PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+
+
+@pytest.mark.parametrize("depth", range(1, 9))
+def test_greedy_speculation_equals_plain_decoding(tiny, plain_greedy, depth):
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = plain_greedy
+    e = make_engine(tiny, **SPEC_RC)
+    e.set_policy(_policy(depth))
+    spec, stats = _run(e, PROMPTS, sp)
+    assert spec == plain
+    spec_steps = [s for s in stats if s.technique == "ngram"]
+    assert spec_steps and all(s.depth == depth and s.policy_version == depth for s in spec_steps)
+    assert sum(s.proposed for s in spec_steps) > 0
+    assert all(len(s.accepted_per_pos) == depth for s in spec_steps)
+    assert e.pool.used == 0
+
+
+def test_speculation_accepts_on_repetitive_text_and_saves_steps(tiny):
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    e = make_engine(tiny, **SPEC_RC)
+    _, plain_stats = _run(e, PROMPTS[:1], sp)
+    e.set_policy(_policy(4))
+    _, spec_stats = _run(e, PROMPTS[:1], sp)
+    acc = sum(s.accepted for s in spec_stats)
+    assert acc > 0
+    assert len(spec_stats) < len(plain_stats)
+
+
+def test_leak_with_speculation_and_random_aborts(tiny):
+    rng = random.Random(5)
+    e = make_engine(tiny, global_pages=60, local_pages=60, **SPEC_RC)
+    e.set_policy(TunedPolicy(rules=(BatchRule(2, "ngram", 8), BatchRule(64, "ngram", 3)), crossover=6))
+    for i in range(150):
+        prompt = " ".join(rng.choice(["ab", "cd", "ab cd", "x"]) for _ in range(rng.randint(1, 10)))
+        sp = SamplingParams(max_tokens=rng.randint(1, 20), temperature=rng.choice([0.0, 1.0]),
+                            stop=("cd",) if rng.random() < 0.2 else (), seed=i)
+        e.add_request(Request(f"r{i}", TOK.encode(prompt), sp))
+    done = set()
+    while e.has_work():
+        if rng.random() < 0.05 and e._seqs:
+            e.abort(rng.choice(sorted(e._seqs)))
+        done |= {r.request_id for r in e.step().finished}
+    assert len(done) == 150
+    assert e.pool.used == 0 and e.pool.free == e.pool.total
+
+
+def test_verify_rejection_sampling_preserves_the_distribution():
+    """Deterministic draft d: accept with p(d), else resample without d -> p exactly."""
+    logits = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05], np.float32))
+    n = 40000
+    s = SamplingArrays.host(n)
+    s["temperature"][:] = 1.0
+    s["key"][:] = np.random.SeedSequence(1).generate_state(2, np.uint32)
+    for d in (0, 3):
+        tok, acc, _ = jax.jit(verify)(jnp.asarray(np.tile(logits, (n, 1))), jnp.full(n, d, jnp.int32),
+                                      SamplingArrays(**s), jnp.arange(n, dtype=jnp.int32))
+        tok, acc = np.asarray(tok), np.asarray(acc)
+        freq = np.bincount(tok, minlength=5) / n
+        np.testing.assert_allclose(freq, np.exp(logits), atol=0.01)
+        assert abs(acc.mean() - np.exp(logits[d])) < 0.01
+        assert (tok[acc] == d).all() and (tok[~acc] != d).all()
