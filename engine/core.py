@@ -60,6 +60,7 @@ class EngineCore:
         self.cfg, self.tokenizer, self.ecfg = cfg, tokenizer, ecfg
         self.model_name = model_name or cfg.name
         self.max_context = rc.max_context
+        self.max_batch = rc.max_batch
         self.runner = ModelRunner(cfg, params, rc)
         self.pool = KVPool(rc.global_pages, rc.local_pages, rc.page_size, rc.ring_pages)
         self.scheduler = Scheduler(
