@@ -24,7 +24,7 @@ def _paged_logits(runner: ModelRunner, tokens: list[int], chunks: list[int], pag
         c.local_table[0, :] = ring
         idx = np.minimum(np.arange(T), n - 1)[None, :].astype(np.int32)
         batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-        runner.kv, lg = _forward(runner.cfg, runner.params, runner.kv, batch, idx)
+        runner.kv, lg, _ = _forward(runner.cfg, runner.params, runner.kv, batch, idx)
         out.append(np.asarray(lg)[0, :n])
         pos += n
     return np.concatenate(out)
