@@ -244,7 +244,7 @@ class EngineCore:
         seqs = plan.decode + [s for s, _ in plan.prefill]
         return StepStats(
             step_id=self._step_id, time=wall, batch_size=len(seqs),
-            prefill_tokens=sum(n for _, n in plan.prefill), decode_tokens=len(plan.decode),
+            prefill_tokens=sum(n for _, n in plan.prefill), decode_tokens=len(plan.decode) + spec.accepted,
             technique=spec.technique, depth=spec.depth, proposed=spec.proposed, accepted=spec.accepted,
             accepted_per_pos=tuple(spec.per_pos), propose_ms=spec.propose_ms,
             verify_ms=spec.verify_ms if spec.depth else step_ms, step_ms=step_ms,

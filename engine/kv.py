@@ -72,17 +72,21 @@ class Batch:
         return jnp.where(t < self.n_new[:, None], self.start[:, None] + t, -1)
 
 
-def cache_reader(kv: KVState, batch: Batch):
-    """Returns read_cache(kind, layer_index) -> KVView for engine.model.forward."""
+def cache_reader(kv: KVState, batch: Batch, ring_pages: int):
+    """Returns read_cache(kind, layer_index) -> KVView for engine.model.forward.
+
+    The local table may be narrower than the ring (short contexts): its slots
+    are read as they are, positions still follow the full ring's arithmetic.
+    """
     ps = kv.page_size
     B, P = batch.global_table.shape
-    R = batch.local_table.shape[1]
+    R = ring_pages
     last = (batch.start - 1)[:, None]  # [B, 1] newest cached position
 
     g_slots = jnp.arange(P * ps, dtype=jnp.int32)[None, :]
     g_pos = jnp.where(g_slots <= last, g_slots, -1)  # slot s holds position s
     cap = R * ps
-    l_slots = jnp.arange(cap, dtype=jnp.int32)[None, :]
+    l_slots = jnp.arange(batch.local_table.shape[1] * ps, dtype=jnp.int32)[None, :]
     l_pos = last - jnp.mod(last - l_slots, cap)  # newest position congruent to the slot
     l_pos = jnp.where(l_pos >= 0, l_pos, -1)
 
@@ -99,16 +103,17 @@ def cache_reader(kv: KVState, batch: Batch):
     return read
 
 
-def write_new(kv: KVState, batch: Batch, new_kv: dict) -> KVState:
+def write_new(kv: KVState, batch: Batch, new_kv: dict, ring_pages: int) -> KVState:
     """Scatter the new tokens' keys/values (from forward) into their pages."""
     ps = kv.page_size
     pos = batch.positions()  # [B, T]
     real = pos >= 0
     safe = jnp.maximum(pos, 0)
     off = jnp.where(real, safe % ps, 0)
-    R = batch.local_table.shape[1]
+    R = ring_pages
     g_page = jnp.take_along_axis(batch.global_table, safe // ps, axis=1)
-    l_page = jnp.take_along_axis(batch.local_table, (safe // ps) % R, axis=1)
+    l_idx = jnp.minimum((safe // ps) % R, batch.local_table.shape[1] - 1)  # narrow table: see cache_reader
+    l_page = jnp.take_along_axis(batch.local_table, l_idx, axis=1)
     g_page = jnp.where(real, g_page, SCRATCH_PAGE)
     l_page = jnp.where(real, l_page, SCRATCH_PAGE)
     gk, gv = new_kv["global"]  # [Lg, B, T, KV, hd]
@@ -207,7 +212,8 @@ class KVPool:
         """
         k = min(len(pages.global_pages), len(g_row))
         g_row[:k] = pages.global_pages[:k]
-        l_row[: len(pages.ring)] = pages.ring
+        k = min(len(pages.ring), len(l_row))
+        l_row[:k] = pages.ring[:k]
 
     @property
     def used(self) -> int:

@@ -34,12 +34,15 @@ def smallest_batch(dtype: str) -> int:
 
 
 def context_buckets(max_context: int, page_size: int = PAGE_SIZE) -> tuple[int, ...]:
-    """Page-table widths compiled: 1024, 4x steps, ending exactly at max_context.
+    """Page-table widths compiled: 128, 4x steps, ending exactly at max_context.
 
-    Example: context_buckets(4096) == (1024, 4096); context_buckets(600) == (608,).
+    Attention reads every slot of the bucket, so short contexts need small
+    buckets: at batch 64 a 1024-slot bucket made attention cost more than
+    all the weights. Example: context_buckets(4096) == (128, 512, 2048, 4096);
+    context_buckets(600) == (128, 512, 608).
     """
     top = -(-max_context // page_size) * page_size
-    out, c = [], 1024
+    out, c = [], 128
     while c < top:
         out.append(c)
         c *= 4

@@ -3,7 +3,8 @@
 1. The scheduler hands over numpy arrays for one call (tokens, page tables, ...).
 2. `bucket_shape` pads them to the smallest configured bucket (batch, new
    tokens, page-table width), so only warmed-up shapes reach `jax.jit`.
-3. `_forward` (jitted, KV donated) runs the layers and scatters the new K/V;
+3. `_forward` (jitted) runs the layers over the cache; `_write` (jitted, KV
+   donated) scatters the new K/V in place;
    `_sample` (jitted apart, its shapes do not depend on context) picks tokens.
 4. The runner keeps the new KV state and returns tokens/logprobs as numpy.
 A process-wide counter of jit compilations lets tests prove that serving
@@ -24,7 +25,7 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.kv import Batch, KVState, cache_reader, write_new
-from engine.model import Params, forward, logits
+from engine.model import Params, forward, logits, unstack_layers
 from engine.sampling import SamplingArrays, sample, verify
 
 _compiles = 0
@@ -124,17 +125,33 @@ class RunnerConfig:
         return self.prefill_buckets[-1]
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
-def _forward(cfg: ModelConfig, params: Params, kv: KVState, batch: Batch, logit_idx):
-    """One forward over [B, T] new tokens and the KV write; logits at logit_idx [B, Tl].
+@partial(jax.jit, static_argnames=("cfg", "ring_pages"))
+def _forward(cfg: ModelConfig, ring_pages: int, params: Params, kv: KVState, batch: Batch, logit_idx):
+    """One forward over [B, T] new tokens reading the paged cache; logits at logit_idx [B, Tl].
 
-    Also returns the final (normed) hidden states there, [B, Tl, d], which the
-    MTP proposer drafts from.
+    Returns (logits [B, Tl, V], final hidden states there [B, Tl, d] for the MTP
+    proposer, the new tokens' K/V for `_write`).
     """
-    h, new_kv, _ = forward(cfg, params, batch.tokens, batch.positions(), cache_reader(kv, batch))
-    kv = write_new(kv, batch, new_kv)
+    h, new_kv, _ = forward(cfg, params, batch.tokens, batch.positions(), cache_reader(kv, batch, ring_pages))
     hs = jnp.take_along_axis(h, logit_idx[:, :, None], axis=1)  # [B, Tl, d]
-    return kv, logits(params, hs), hs
+    return logits(params, hs), hs, new_kv
+
+
+@partial(jax.jit, static_argnames=("ring_pages",), donate_argnames=("kv",))
+def _write(ring_pages: int, kv: KVState, batch: Batch, new_kv):
+    """Scatter the new K/V into the donated pools, in place.
+
+    A separate call on purpose: when the same jit also gathers from the pools,
+    XLA:CPU copies the whole pool before the scatter (measured: 1 s per step
+    with a 1 GiB pool instead of 0).
+    """
+    return write_new(kv, batch, new_kv, ring_pages)
+
+
+def forward_and_write(cfg: ModelConfig, ring_pages: int, params: Params, kv: KVState, batch: Batch, logit_idx):
+    """(new kv, logits, hidden) for one call."""
+    lg, hs, new_kv = _forward(cfg, ring_pages, params, kv, batch, logit_idx)
+    return _write(ring_pages, kv, batch, new_kv), lg, hs
 
 
 @jax.jit
@@ -173,7 +190,7 @@ class ModelRunner:
     """Device state plus the compiled step for one model."""
 
     def __init__(self, cfg: ModelConfig, params: Params, rc: RunnerConfig):
-        self.cfg, self.params, self.rc = cfg, params, rc
+        self.cfg, self.params, self.rc = cfg, unstack_layers(params), rc
         self.kv = KVState.create(cfg, rc.global_pages, rc.local_pages, rc.page_size, jnp.dtype(rc.kv_dtype))
         self.warm_compiles: int | None = None
         self.last_hidden = None  # [B, Tl, d] final hidden states of the latest call
@@ -189,7 +206,7 @@ class ModelRunner:
             start=np.zeros(B, np.int32),
             n_new=np.zeros(B, np.int32),
             global_table=np.zeros((B, P), np.int32),
-            local_table=np.zeros((B, rc.ring_pages), np.int32),
+            local_table=np.zeros((B, min(rc.ring_pages, P)), np.int32),
             logit_idx=np.zeros((B, logits_per_row), np.int32),
             counter=np.zeros((B, logits_per_row), np.int32),
             samp=SamplingArrays.host(B),
@@ -208,14 +225,14 @@ class ModelRunner:
     def run(self, c: CallArrays) -> tuple[np.ndarray, np.ndarray]:
         """Execute one call; returns (tokens [B, Tl], logprobs [B, Tl]) as numpy."""
         batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-        self.kv, lg, self.last_hidden = _forward(self.cfg, self.params, self.kv, batch, c.logit_idx)
+        self.kv, lg, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch, c.logit_idx)
         tok, lp = _sample(lg, SamplingArrays(**c.samp), c.counter)
         return np.asarray(tok), np.asarray(lp)
 
     def run_verify(self, c: CallArrays, cand: np.ndarray):
         """Forward over [last token, drafts...] and verify: (tokens, accepted, logprobs) [B, T]."""
         batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-        self.kv, lg, self.last_hidden = _forward(self.cfg, self.params, self.kv, batch, c.logit_idx)
+        self.kv, lg, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch, c.logit_idx)
         tok, acc, lp = _verify(lg, cand, SamplingArrays(**c.samp), c.counter)
         return np.asarray(tok), np.asarray(acc), np.asarray(lp)
 

@@ -42,8 +42,12 @@ class SamplingArrays:
 
 
 def greedy(logits: jax.Array) -> jax.Array:
-    """Index of the largest logit per row, lowest index on ties. [N, V] -> [N]."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    """Index of the largest logit per row, lowest index on ties. [N, V] -> [N].
+
+    `lax.top_k(., 1)` (stable: lower index first on ties) is ~3.5x faster than
+    `argmax` over a 262k vocabulary on XLA:CPU.
+    """
+    return jax.lax.top_k(logits, 1)[1][:, 0].astype(jnp.int32)
 
 
 def _threshold_from_candidates(vals, top_k, top_p, lse):

@@ -107,6 +107,7 @@ class StepStats:
     """Sequences that produced or consumed tokens this step."""
     prefill_tokens: int
     decode_tokens: int
+    """Output tokens the decode batch emitted (one per sequence plus accepted drafts)."""
     technique: str
     """"none" for plain decode, else the proposer's name."""
     depth: int

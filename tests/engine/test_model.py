@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from engine.kv import Batch
-from engine.runner import ModelRunner, _forward
+from engine.runner import ModelRunner, forward_and_write
 from engine.types import Request, SamplingParams
 from tests.engine.conftest import TINY_RC, ByteTokenizer, make_engine
 from tests.engine.reference import dense_logits
@@ -21,10 +21,10 @@ def _paged_logits(runner: ModelRunner, tokens: list[int], chunks: list[int], pag
         c.tokens[0, :n] = tokens[pos : pos + n]
         c.start[0], c.n_new[0] = pos, n
         c.global_table[0, : len(pages)] = pages[: c.global_table.shape[1]]
-        c.local_table[0, :] = ring
+        c.local_table[0, :] = ring[: c.local_table.shape[1]]
         idx = np.minimum(np.arange(T), n - 1)[None, :].astype(np.int32)
         batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-        runner.kv, lg, _ = _forward(runner.cfg, runner.params, runner.kv, batch, idx)
+        runner.kv, lg, _ = forward_and_write(runner.cfg, runner.rc.ring_pages, runner.params, runner.kv, batch, idx)
         out.append(np.asarray(lg)[0, :n])
         pos += n
     return np.concatenate(out)
