@@ -10,6 +10,12 @@ errors like the rest of the API.
     GET    /admin/tenants          every tenant (revoked ones too), never key hashes
     POST   /admin/tenants          {"name": ..., "max_concurrent": N} -> 201, with the new api_key
     DELETE /admin/tenants/{name}   revoke
+    POST   /admin/retune           start a retune, or get the running one (202, single-flight)
+    GET    /admin/retunes          recent retunes;  GET /admin/retunes/{id}: one, with its phase
+    GET    /admin/tuner            tuner config, serving policy, last search (fit error, Pareto)
+    GET    /admin/policy           the serving policy and whether it is pinned
+    PUT    /admin/policy/pin       serve this TunedPolicy dict over the tuner (400 if invalid)
+    DELETE /admin/policy/pin       hand control back to the tuner (409 when nothing is pinned)
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from daemon.auth import bearer_token
 from daemon.database import Database
 from daemon.errors import ApiError, bad_request
 from daemon.openai_params import decode_json_object, read_body
+from daemon.tuning import TUNER
 from store.db import session_scope
+from tuner.service import Tuner
 
 PREFIX = "/admin/"
 MAX_ADMIN_BODY = 64 * 1024
@@ -152,3 +160,74 @@ def _database(request: web.Request) -> Database:
     if db is None:
         raise ApiError(503, "this daemon runs without a database", code="no_database")
     return db
+
+
+# ---- the tuner: retunes and the policy (daemon.tuning) -------------------------
+def _tuner(request: web.Request) -> Tuner:
+    tuner = request.app.get(TUNER)
+    if tuner is None:
+        raise ApiError(503, "the tuner needs a database and an engine that takes policies",
+                       code="tuner_unavailable")
+    return tuner
+
+
+@routes.post("/admin/retune")
+async def retune(request: web.Request) -> web.Response:
+    """Start a retune, or return the running one (single-flight): 202 either way."""
+    tuner = _tuner(request)
+    view, started = await asyncio.to_thread(tuner.trigger, "admin")
+    return web.json_response({"retune": view, "started": started}, status=202)
+
+
+@routes.get("/admin/retunes")
+async def list_retunes(request: web.Request) -> web.Response:
+    tuner = _tuner(request)
+    return web.json_response({"object": "list", "data": await asyncio.to_thread(tuner.recent)})
+
+
+@routes.get("/admin/retunes/{id}")
+async def get_retune(request: web.Request) -> web.Response:
+    tuner = _tuner(request)
+    try:
+        retune_id = int(request.match_info["id"])
+    except ValueError:
+        raise ApiError(404, "retune ids are integers", code="retune_not_found") from None
+    view = await asyncio.to_thread(tuner.get, retune_id)
+    if view is None:
+        raise ApiError(404, f"no retune {retune_id}", code="retune_not_found")
+    return web.json_response(view)
+
+
+@routes.get("/admin/tuner")
+async def tuner_status(request: web.Request) -> web.Response:
+    return web.json_response(_tuner(request).describe())
+
+
+@routes.get("/admin/policy")
+async def get_policy(request: web.Request) -> web.Response:
+    keeper = _tuner(request).keeper
+    serving = request.app[st.ENGINE].status().get("policy_version")
+    return web.json_response({"policy": keeper.current.to_dict(), "pinned": keeper.pinned,
+                              "engine_version": serving})
+
+
+@routes.put("/admin/policy/pin")
+async def pin_policy(request: web.Request) -> web.Response:
+    """Serve the body (a TunedPolicy dict) until unpinned; 400 when invalid or refused."""
+    keeper = _tuner(request).keeper
+    body = decode_json_object(await read_body(request, MAX_ADMIN_BODY))
+    try:
+        policy = await asyncio.to_thread(keeper.pin, body)
+    except ValueError as exc:
+        raise bad_request(str(exc), None, "invalid_policy") from None
+    return web.json_response({"policy": policy.to_dict(), "pinned": True})
+
+
+@routes.delete("/admin/policy/pin")
+async def unpin_policy(request: web.Request) -> web.Response:
+    keeper = _tuner(request).keeper
+    try:
+        policy = await asyncio.to_thread(keeper.unpin)
+    except LookupError as exc:
+        raise ApiError(409, str(exc), code="not_pinned") from None
+    return web.json_response({"policy": policy.to_dict(), "pinned": False})

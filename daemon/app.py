@@ -10,7 +10,9 @@ The engine thread's telemetry fans out (daemon.telemetry_sink) to the
 to the caller's sink if any. Resources are cleanup contexts (STYLE 11),
 started in order and closed in reverse: the database (its recorder) first,
 then the engine thread, which at shutdown drains and flushes into the
-still-open recorder before the recorder writes its last rows and closes.
+still-open recorder before the recorder writes its last rows and closes,
+then the tuner (daemon.tuning: policy restore, periodic retune job), which
+closes first.
 `drain(app, deadline_s)` is what SIGTERM runs before the runner shuts down.
 """
 
@@ -24,7 +26,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from daemon import dashboard, jsonlog, openai_api
+from daemon import dashboard, jsonlog, openai_api, tuning
 from daemon import state as st
 from daemon.admin import admin_middleware
 from daemon.admin import routes as admin_routes
@@ -78,6 +80,8 @@ def make_app(
     app[st.STATE] = st.ServerState()
     app[AUTH] = Authenticator(settings.is_open, default_limits(settings), app.get(st.TENANTS))
     app.cleanup_ctx.append(_engine_thread_ctx)
+    if database is not None:
+        tuning.install(app, database)  # after the engine thread's context: it closes first
     _add_routes(app)
     return app
 

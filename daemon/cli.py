@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("daemon.commands.bench", "run a benchmark and write JSON"),
     "db": ("daemon.commands.db", "manage the telemetry database schema"),
     "tenants": ("daemon.commands.tenants", "add, list and revoke tenants' API keys"),
+    "retune": ("daemon.commands.retune", "ask a running daemon to retune its policy now"),
 }
 
 

@@ -54,7 +54,29 @@ class Settings:
     db_url: str | None = None
     """SQLAlchemy URL or SQLite path of the telemetry database; None: $CROSSOVER_DB, ./crossover.db."""
     tuner: bool = True
-    """Run the periodic policy tuner."""
+    """Run the periodic tuner and its exploration (admin retunes and pins work either way)."""
+    tuner_interval_s: float = 600.0
+    """Seconds between scheduled retunes."""
+    tuner_min_new_steps: int = 500
+    """A scheduled retune is skipped (and recorded) with fewer new steps since the last one."""
+    tuner_trials: int = 48
+    """Optuna trials per retune."""
+    tuner_tpot_p95_ms: float = 0.0
+    """Constraint on the predicted p95 time per output token in ms (0: none)."""
+    tuner_two_objective: bool = False
+    """Search goodput vs p95 TPOT as two objectives (a Pareto front)."""
+    tuner_explore_share: float = 0.02
+    """Share of decode steps that try a non-chosen depth, keeping the model fresh."""
+    tuner_profile_steps: int = 200
+    """Decisions at startup of which every other one measures an unmeasured (technique, depth)."""
+    tuner_validation_s: float = 120.0
+    """Longest validation window of a newly tuned policy."""
+    tuner_validation_min_steps: int = 200
+    """Validation ends once the new policy has this many steps."""
+    tuner_rollback_margin: float = 0.05
+    """Roll back when measured goodput drops by more than this share (or the noise, if larger)."""
+    tuner_search_process: bool = True
+    """Run the search in a separate process (off the engine thread's GIL)."""
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata=_SIZE)
     """Largest accepted request body; bigger ones get 413."""
     max_prompt_chars: int = 1_000_000
@@ -86,6 +108,15 @@ class Settings:
         _check_range("drain_deadline_s", self.drain_deadline_s, 0.0, 86400.0)
         _check_range("tenant_max_queued", self.tenant_max_queued, 0, 1 << 24)
         _check_range("tenant_cache_s", self.tenant_cache_s, 0.0, 3600.0)
+        _check_range("tuner_interval_s", self.tuner_interval_s, 0.01, 86400.0 * 7)
+        _check_range("tuner_min_new_steps", self.tuner_min_new_steps, 0, 1 << 30)
+        _check_range("tuner_trials", self.tuner_trials, 1, 2000)
+        _check_range("tuner_tpot_p95_ms", self.tuner_tpot_p95_ms, 0.0, 1e6)
+        _check_range("tuner_explore_share", self.tuner_explore_share, 0.0, 0.5)
+        _check_range("tuner_profile_steps", self.tuner_profile_steps, 0, 1 << 30)
+        _check_range("tuner_validation_s", self.tuner_validation_s, 0.0, 86400.0)
+        _check_range("tuner_validation_min_steps", self.tuner_validation_min_steps, 1, 1 << 30)
+        _check_range("tuner_rollback_margin", self.tuner_rollback_margin, 0.0, 1.0)
         if self.max_tokens is not None:
             _check_range("max_tokens", self.max_tokens, 1, 1 << 24)
         if self.kv_budget_bytes is not None:

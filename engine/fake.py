@@ -26,6 +26,14 @@ Memory: each admitted request reserves ceil((prompt + max_tokens) / page_size)
 pages and returns them when it finishes, so leak tests can assert
 `pages_used == 0` afterwards. At most `max_batch` requests run; the rest wait
 in FIFO order.
+
+Speculation (for tuner tests): `set_policy(policy)` takes effect at the next
+step, as in `EngineCore`. When `policy.choose(batch)` picks a technique, each
+sequence's drafts are accepted by `FakeProposer.accepts` (a deterministic
+hash against the proposer's per-position acceptance, scaled per tenant), and
+the sequence emits 1 + accepted tokens of its script in that step. With a
+`FakeCost`, step_ms / propose_ms are computed from it instead of measured, so
+goodput per policy is known exactly.
 """
 
 from __future__ import annotations
@@ -34,10 +42,12 @@ import codecs
 import sys
 import threading
 import time
+import hashlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.policy import NEVER, TunedPolicy
 from engine.types import Request, RequestResult, StepOutput, StepStats, TokenEvent
 
 PAD_ID, EOS_ID, BOS_ID, END_OF_TURN_ID = 0, 1, 2, 3
@@ -85,6 +95,58 @@ class FakeTokenizer:
         return "".join(lines) + ("assistant: " if add_generation_prompt else "")
 
 
+@dataclass(frozen=True)
+class FakeProposer:
+    """A proposer stand-in: acceptance per draft position and the memory it claims."""
+
+    name: str
+    acceptance: tuple[float, ...] = (0.8, 0.7, 0.6, 0.5)
+    """P(accept position i | positions before accepted); the last value repeats."""
+    resident: int = 0
+    """What `resident_bytes()` answers."""
+    per_draft: int = 0
+    """Bytes per speculating sequence per draft token (`per_sequence_bytes`)."""
+
+    def resident_bytes(self) -> int:
+        return self.resident
+
+    def per_sequence_bytes(self, depth: int) -> int:
+        return self.per_draft * depth
+
+    def accepts(self, key: str, depth: int, scale: float = 1.0) -> int:
+        """Leading drafts accepted: position i passes when hash(key, i) < acceptance[i] * scale.
+
+        >>> FakeProposer("x", (1.0,)).accepts("r:0", 3), FakeProposer("x", (0.0,)).accepts("r:0", 3)
+        (3, 0)
+        """
+        for i in range(depth):
+            rate = min(1.0, self.acceptance[min(i, len(self.acceptance) - 1)] * scale)
+            digest = hashlib.blake2b(f"{key}:{i}".encode(), digest_size=8).digest()
+            if int.from_bytes(digest, "little") / 2**64 >= rate:
+                return i
+        return depth
+
+
+@dataclass(frozen=True)
+class FakeCost:
+    """Simulated step time, reported instead of the measured one.
+
+    step_ms = base_ms + per_seq_ms * B + per_token_ms * B * (1 + depth) + propose_ms
+    with propose_ms = per_draft_ms * B * depth.
+    """
+
+    base_ms: float = 5.0
+    per_seq_ms: float = 0.2
+    per_token_ms: float = 0.1
+    per_draft_ms: float = 0.05
+
+    def times(self, batch: int, depth: int) -> tuple[float, float]:
+        """(step_ms, propose_ms) for a decode batch of `batch` at `depth`."""
+        propose = self.per_draft_ms * batch * depth
+        step = self.base_ms + self.per_seq_ms * batch + self.per_token_ms * batch * (1 + depth)
+        return step + propose, propose
+
+
 @dataclass
 class _Sequence:
     """One admitted request and its progress."""
@@ -102,6 +164,8 @@ class _Sequence:
     emitted: int = 0
     """Characters of `text` already sent in events."""
     first_token_time: float | None = None
+    proposed: int = 0
+    accepted: int = 0
 
     def next_token(self) -> int:
         token = self.script[self.produced % len(self.script)]
@@ -122,6 +186,10 @@ class FakeEngine:
         step_delay_s: float = 0.0,
         warmup_delay_s: float = 0.0,
         model_name: str = "fake-reverse",
+        proposers: dict[str, FakeProposer] | None = None,
+        max_depth: int = 4,
+        cost: FakeCost | None = None,
+        tenant_acceptance: dict[str, float] | None = None,
     ) -> None:
         self.tokenizer = FakeTokenizer()
         self.model_name = model_name
@@ -140,6 +208,15 @@ class FakeEngine:
         self._live: set[str] = set()
         self._waiting: deque[Request] = deque()
         self._running: dict[str, _Sequence] = {}
+        self.proposers: dict[str, FakeProposer] = dict(proposers or {})
+        """None by default: without proposers the fake never speculates."""
+        self.max_depth = max_depth
+        """Deepest speculation "compiled" (set_policy refuses deeper)."""
+        self.cost = cost
+        self.tenant_acceptance = dict(tenant_acceptance or {})
+        """Tenant -> factor on every acceptance rate (default 1)."""
+        self.policy: TunedPolicy = NEVER
+        self._next_policy: TunedPolicy | None = None
 
     # ---- thread-safe entry points -------------------------------------
     def add_request(self, req: Request) -> None:
@@ -155,6 +232,16 @@ class FakeEngine:
         with self._lock:
             self._abort_inbox.append(request_id)
 
+    def set_policy(self, policy: TunedPolicy) -> None:
+        """Swap the decode policy at the next step; ValueError as `EngineCore.set_policy`."""
+        missing = policy.techniques() - set(self.proposers)
+        if missing:
+            raise ValueError(f"policy uses techniques without a loaded proposer: {sorted(missing)}")
+        if policy.max_depth > self.max_depth:
+            raise ValueError(f"policy depth {policy.max_depth} exceeds max_depth {self.max_depth}")
+        with self._lock:
+            self._next_policy = policy
+
     def has_work(self) -> bool:
         with self._lock:
             inbox = bool(self._inbox or self._abort_inbox)
@@ -168,7 +255,7 @@ class FakeEngine:
             "running": len(self._running),
             "waiting": len(self._waiting),
             "compile_count": 0,
-            "policy_version": 0,
+            "policy_version": self.policy.version,
         }
 
     def warmup(self, progress: bool = True) -> None:
@@ -189,14 +276,34 @@ class FakeEngine:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         batch = list(self._running.values())
+        technique, depth = self.policy.choose(len(batch))
+        proposer = self.proposers.get(technique) if depth else None
+        per_pos = [0] * (depth if proposer else 0)
+        emitted = 0
         for seq in batch:
-            event = self._advance(seq)
+            accepted = self._speculate(seq, proposer, depth, per_pos)
+            event = self._advance(seq, 1 + accepted)
             events.append(event)
+            emitted += len(event.token_ids)
             if event.finished:
                 finished.append(self._finish(seq, event.finish_reason or "stop"))
         self.step_count += 1
-        stats = self._stats(start, batch, prefill, decode_tokens=len(batch))
+        used = technique if proposer else "none"
+        stats = self._stats(start, batch, prefill, emitted, used, per_pos)
         return StepOutput(events=events, stats=stats, finished=finished)
+
+    def _speculate(self, seq: _Sequence, proposer: FakeProposer | None, depth: int,
+                   per_pos: list[int]) -> int:
+        """Drafts of `seq` accepted this step (0 without a proposer); counts them per position."""
+        if proposer is None:
+            return 0
+        scale = self.tenant_acceptance.get(seq.request.tenant, 1.0)
+        accepted = proposer.accepts(f"{seq.request.request_id}:{seq.produced}", depth, scale)
+        seq.proposed += depth
+        seq.accepted += accepted
+        for i in range(accepted):
+            per_pos[i] += 1
+        return accepted
 
     def _check(self, req: Request) -> None:
         ids, sp = req.prompt_ids, req.sampling
@@ -220,6 +327,8 @@ class FakeEngine:
         with self._lock:
             new, aborts = self._inbox, self._abort_inbox
             self._inbox, self._abort_inbox = [], []
+            if self._next_policy is not None:
+                self.policy, self._next_policy = self._next_policy, None
         self._waiting.extend(new)
         for request_id in aborts:
             self._abort_one(request_id, events, finished)
@@ -258,31 +367,35 @@ class FakeEngine:
         tail = [] if req.sampling.ignore_eos else [EOS_ID]
         return self.tokenizer.encode(text, add_bos=False) + tail or [EOS_ID]
 
-    def _advance(self, seq: _Sequence) -> TokenEvent:
-        """Emit one token of `seq`; apply stop ids, max_tokens and stop strings."""
+    def _advance(self, seq: _Sequence, n: int = 1) -> TokenEvent:
+        """Emit up to `n` tokens of `seq`; apply stop ids, max_tokens and stop strings."""
         sp = seq.request.sampling
-        position = seq.produced
-        token = seq.next_token()
-        seq.first_token_time = seq.first_token_time or time.time()
         stop_ids = set(sp.stop_token_ids) | set(self.tokenizer.stop_ids)
         if sp.ignore_eos:
             stop_ids.discard(EOS_ID)
+        seq.first_token_time = seq.first_token_time or time.time()
+        tokens: list[int] = []
+        logprobs: list[float] = []
         reason: str | None = None
-        if token in stop_ids:
-            reason = "stop"
-        elif token >= BYTE_OFFSET:
-            seq.text += seq.decoder.decode(bytes([token - BYTE_OFFSET]))
-        if reason is None and seq.produced >= sp.max_tokens:
-            reason = "length"
+        while reason is None and len(tokens) < n:
+            logprobs.append(fake_logprob(seq.produced))
+            token = seq.next_token()
+            tokens.append(token)
+            if token in stop_ids:
+                reason = "stop"
+            elif token >= BYTE_OFFSET:
+                seq.text += seq.decoder.decode(bytes([token - BYTE_OFFSET]))
+            if reason is None and seq.produced >= sp.max_tokens:
+                reason = "length"
+            if reason is None and any(seq.text.find(s, seq.emitted) >= 0 for s in sp.stop):
+                reason = "stop"
         if reason is not None:
             seq.text += seq.decoder.decode(b"", final=True)
         text, hit = self._release_text(seq, sp.stop, final=reason is not None)
         if hit:
             reason = "stop"
-        logprobs = (fake_logprob(position),) if sp.logprobs else None
-        return TokenEvent(
-            seq.request.request_id, (token,), text, logprobs, reason is not None, reason
-        )
+        return TokenEvent(seq.request.request_id, tuple(tokens), text,
+                          tuple(logprobs) if sp.logprobs else None, reason is not None, reason)
 
     @staticmethod
     def _release_text(seq: _Sequence, stops: tuple[str, ...], final: bool) -> tuple[str, bool]:
@@ -305,7 +418,8 @@ class FakeEngine:
         del self._running[seq.request.request_id]
         self.pages_used -= seq.pages
         self._forget(seq.request.request_id)
-        return self._result(seq.request, seq.first_token_time, seq.produced, reason)
+        return self._result(seq.request, seq.first_token_time, seq.produced, reason,
+                            seq.proposed, seq.accepted)
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
@@ -313,7 +427,8 @@ class FakeEngine:
 
     @staticmethod
     def _result(
-        req: Request, first_token_time: float | None, produced: int, reason: str
+        req: Request, first_token_time: float | None, produced: int, reason: str,
+        proposed: int = 0, accepted: int = 0,
     ) -> RequestResult:
         return RequestResult(
             request_id=req.request_id,
@@ -324,28 +439,34 @@ class FakeEngine:
             first_token_time=first_token_time,
             finish_time=time.time(),
             finish_reason=reason,
+            proposed_tokens=proposed,
+            accepted_tokens=accepted,
         )
 
-    def _stats(
-        self, start: float, batch: list[_Sequence], prefill: int, decode_tokens: int
-    ) -> StepStats:
+    def _stats(self, start: float, batch: list[_Sequence], prefill: int, decode_tokens: int,
+               technique: str, per_pos: list[int]) -> StepStats:
+        depth = len(per_pos)
+        if self.cost is not None:
+            step_ms, propose_ms = self.cost.times(len(batch), depth)
+        else:
+            step_ms, propose_ms = (time.time() - start) * 1000.0, 0.0
         return StepStats(
             step_id=self.step_count,
             time=start,
             batch_size=len(batch),
             prefill_tokens=prefill,
             decode_tokens=decode_tokens,
-            technique="none",
-            depth=0,
-            proposed=0,
-            accepted=0,
-            accepted_per_pos=(),
-            propose_ms=0.0,
-            verify_ms=0.0,
-            step_ms=(time.time() - start) * 1000.0,
+            technique=technique,
+            depth=depth,
+            proposed=depth * len(batch),
+            accepted=sum(per_pos),
+            accepted_per_pos=tuple(per_pos),
+            propose_ms=propose_ms,
+            verify_ms=step_ms - propose_ms if depth else 0.0,
+            step_ms=step_ms,
             kv_pages_used=self.pages_used,
             kv_pages_free=self.num_pages - self.pages_used,
             queue_len=len(self._waiting),
-            policy_version=0,
+            policy_version=self.policy.version,
             tenants=tuple(sorted({s.request.tenant for s in batch})),
         )

@@ -32,6 +32,7 @@ SETTING_FLAGS = (
     "host", "port", "model", "dtype", "kv_budget_bytes", "max_batch", "max_context", "db_url",
     "tuner", "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
     "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
+    "tuner_interval_s",
 )
 SHUTDOWN_GRACE_S = 2.0
 """Runner shutdown timeout once draining is over (idle connections only)."""
@@ -53,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="SQLAlchemy URL or SQLite path of the telemetry database "
              "(default: $CROSSOVER_DB or ./crossover.db)")
     add("--tuner", action=argparse.BooleanOptionalAction, default=None, help="run the policy tuner")
+    add("--tuner-interval", dest="tuner_interval_s", type=float, metavar="SECONDS",
+        help="seconds between scheduled retunes (default 600; other tuner_* settings: "
+             "CROSSOVER_TUNER_* or the config file)")
     add("--max-body-bytes", metavar="BYTES", help="largest request body (default 4MiB)")
     add("--max-prompt-chars", type=int, help="longest prompt in characters")
     add("--max-waiting", type=int, help="queued requests beyond max-batch before 429 (default 256)")
@@ -71,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--fake-engine", action="store_true", help=argparse.SUPPRESS)
     add("--fake-step-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     add("--fake-warmup-s", type=float, default=0.0, help=argparse.SUPPRESS)
+    add("--fake-speculation", action="store_true", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,11 +118,15 @@ def _load_engine(settings: Any, args: argparse.Namespace) -> Any:
     from daemon.jsonlog import log_event
 
     if args.fake_engine:
-        from engine.fake import FakeEngine
+        from engine.fake import FakeCost, FakeEngine, FakeProposer
 
-        log_event(log, "using the fake engine")
+        log_event(log, "using the fake engine", speculation=args.fake_speculation)
+        spec = {"proposers": {"ngram": FakeProposer("ngram"),
+                              "mtp": FakeProposer("mtp", (0.7, 0.6, 0.5, 0.4))},
+                "cost": FakeCost()} if args.fake_speculation else {}
         return FakeEngine(max_batch=settings.max_batch, max_context=settings.max_context,
-                          step_delay_s=args.fake_step_ms / 1000.0, warmup_delay_s=args.fake_warmup_s)
+                          step_delay_s=args.fake_step_ms / 1000.0,
+                          warmup_delay_s=args.fake_warmup_s, **spec)
     from engine.loader import load_engine  # heavy (jax): only here
 
     start = time.monotonic()

@@ -1,0 +1,149 @@
+"""The tuner inside the daemon over FakeEngine: admin routes, pins, the scheduler, the CLI."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from daemon.cli import main
+from engine.fake import FakeCost, FakeEngine, FakeProposer
+from tests.daemon.daemon_helpers import MODEL, LiveServer, http_request, wait_for
+
+TOKEN = "tuner-admin-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+TUNER = {"admin_token": TOKEN, "tuner_search_process": False, "tuner_trials": 8,
+         "tuner_validation_s": 3.0, "tuner_validation_min_steps": 30}
+
+
+def speculating_engine() -> FakeEngine:
+    return FakeEngine(proposers={"ngram": FakeProposer("ngram")}, cost=FakeCost(), max_batch=8)
+
+
+@pytest.fixture
+def server(db_url: str, live: Callable[..., LiveServer]) -> LiveServer:
+    return live(speculating_engine(), db_url=db_url, **TUNER)
+
+
+@pytest.fixture
+def live() -> Iterator[Callable[..., LiveServer]]:
+    servers: list[LiveServer] = []
+
+    def start(engine: FakeEngine, **settings: Any) -> LiveServer:
+        servers.append(LiveServer(engine, **settings).start())
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+@contextmanager
+def traffic(server: LiveServer, threads: int = 3) -> Iterator[list[int]]:
+    """Completions from a few threads until the block ends; yields the status codes."""
+    stop, codes = threading.Event(), []
+
+    def client(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            prompt = "abcdefghijklmnopqrstuvwxyz"[: 6 + (i * 7 + k) % 20]
+            r = server.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 24})
+            codes.append(r.status)
+            i += 1
+
+    workers = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(threads)]
+    for w in workers:
+        w.start()
+    try:
+        yield codes
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(10)
+
+
+def test_tuner_routes_are_admin_only(server: LiveServer) -> None:
+    for method, path in [("POST", "/admin/retune"), ("GET", "/admin/retunes"),
+                         ("GET", "/admin/retunes/1"), ("GET", "/admin/policy"),
+                         ("PUT", "/admin/policy/pin"), ("DELETE", "/admin/policy/pin"),
+                         ("GET", "/admin/tuner")]:
+        assert http_request(server.port, method, path).status == 401, path
+        bad = http_request(server.port, method, path, None, {"Authorization": "Bearer nope"})
+        assert bad.status == 403, path
+    assert server.get("/admin/retunes/404", ADMIN).json()["error"]["code"] == "retune_not_found"
+
+
+def test_pin_over_http_overrides_the_tuner_until_unpinned(server: LiveServer) -> None:
+    policy = server.get("/admin/policy", ADMIN).json()
+    assert policy["policy"]["version"] == 0 and policy["pinned"] is False
+    body = {"rules": [{"max_batch": 2, "technique": "ngram", "depth": 3}, {"max_batch": 64}],
+            "crossover": 2}
+    r = http_request(server.port, "PUT", "/admin/policy/pin", body, ADMIN)
+    assert r.status == 200 and r.json()["policy"]["version"] == 1
+    assert server.post("/v1/completions", {"model": MODEL, "prompt": "abc"}).status == 200
+    assert server.engine.policy.version == 1 and server.engine.policy.choose(1) == ("ngram", 3)
+    retune = server.post("/admin/retune", None, ADMIN).json()["retune"]
+    assert retune["skipped"] and "pinned" in retune["error"]
+    bad = http_request(server.port, "PUT", "/admin/policy/pin",
+                       {"rules": [{"max_batch": 2, "technique": "mtp", "depth": 1}]}, ADMIN)
+    assert bad.status == 400 and bad.json()["error"]["code"] == "invalid_policy"
+    assert server.delete("/admin/policy/pin", ADMIN).json()["pinned"] is False
+    assert server.delete("/admin/policy/pin", ADMIN).status == 409
+    assert server.get("/admin/policy", ADMIN).json()["policy"]["version"] == 2
+
+
+def test_cli_retune_waits_for_a_single_flight_retune_that_tunes_the_fake(
+        server: LiveServer, capsys: pytest.CaptureFixture[str]) -> None:
+    with traffic(server):
+        wait_for(lambda: server.engine.step_count > 300, 30, "steps")
+        first = server.post("/admin/retune", None, ADMIN).json()
+        again = server.post("/admin/retune", None, ADMIN).json()
+        assert first["started"] and not again["started"]
+        assert again["retune"]["id"] == first["retune"]["id"]
+        code = main(["retune", "--url", server.url, "--admin-token", TOKEN, "--wait", "--poll", "0.1"])
+    out = capsys.readouterr()
+    rid = first["retune"]["id"]
+    assert f"retune {rid} already running" in out.err
+    assert code == 0, out.out
+    view = server.get(f"/admin/retunes/{rid}", ADMIN).json()
+    assert out.out.startswith(f"retune {rid}: {view['status']}")
+    assert view["status"] == "applied", view["details"].get("validation") or view["details"]
+    assert view["measured_goodput"] > 0 and view["details"]["fit"]["step_ms_median_ape"] < 0.05
+    serving = server.get("/admin/policy", ADMIN).json()["policy"]
+    assert serving["source"] == "tuner" and serving["version"] == view["chosen_policy_version"]
+    assert server.get("/admin/retunes", ADMIN).json()["data"][0]["id"] == rid
+
+
+def test_the_scheduler_skips_thin_telemetry_with_a_reason(
+        db_url: str, live: Callable[..., LiveServer]) -> None:
+    server = live(speculating_engine(), db_url=db_url, tuner_interval_s=0.2,
+                  tuner_min_new_steps=10**6, **TUNER)
+
+    def skips() -> list[dict]:
+        return [r for r in server.get("/admin/retunes", ADMIN).json()["data"] if r["skipped"]]
+
+    wait_for(lambda: len(skips()) >= 2, 20, "two scheduled skips")
+    assert all(r["triggered_by"] == "schedule" and "new steps since the last retune" in r["error"]
+               for r in skips())
+
+
+def test_the_scheduler_fires_a_retune_once_telemetry_arrives(
+        db_url: str, live: Callable[..., LiveServer]) -> None:
+    server = live(speculating_engine(), db_url=db_url, tuner_interval_s=0.3,
+                  tuner_min_new_steps=200, **TUNER)
+
+    def ran() -> list[dict]:
+        return [r for r in server.get("/admin/retunes", ADMIN).json()["data"] if not r["skipped"]]
+
+    with traffic(server):
+        wait_for(lambda: bool(ran()), 30, "a scheduled retune")
+    assert ran()[0]["triggered_by"] == "schedule"
+
+
+def test_cli_names_the_url_it_cannot_reach(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["retune", "--url", "http://127.0.0.1:9", "--admin-token", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach the daemon at http://127.0.0.1:9/admin/retune" in err

@@ -1,0 +1,98 @@
+"""The performance model against known ground truth: step time, acceptance, tenants."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import Engine
+
+from engine.fake import FakeCost, FakeEngine, FakeProposer
+from engine.policy import BatchRule, TunedPolicy
+from engine.types import Request, SamplingParams
+from store.db import session_scope
+from tests.tuner import synth
+from tuner.data import RequestRow, StepRow, read_requests, read_steps
+from tuner.explore import ExploringPolicy
+from tuner.model import NotEnoughTelemetry, PerfModel
+
+STATED_MEDIAN_APE = 0.10
+"""The stated bound: median absolute % error of step time on held-out steps."""
+
+
+def test_fit_on_recorded_steps_predicts_within_the_stated_error(db: Engine) -> None:
+    gen = synth.Synth(seed=11, noise=0.05)
+    synth.write(db, gen.explore(2000), gen.requests(200))
+    with session_scope(db) as s:
+        steps, requests = read_steps(s, 0.0), read_requests(s, 0.0)
+    assert len(steps) == 2000
+    model, report = PerfModel.fit_with_report(steps, requests)
+    assert report.rows == 400
+    assert report.step_ms_median_ape < STATED_MEDIAN_APE
+    assert report.step_ms_median_ape < 0.04  # noise is uniform +-5%: median |err| ~2.5%
+    assert report.step_ms_p90_ape < 0.08
+    assert report.goodput_median_ape < 0.15
+    for technique, depth, batch in [("none", 0, 1), ("ngram", 3, 4), ("mtp", 4, 32), ("ngram", 1, 17)]:
+        truth = synth.true_step_ms(technique, depth, batch)[0]
+        assert model.predict_step_ms(technique, depth, batch) == pytest.approx(truth, rel=0.03)
+
+
+def test_acceptance_is_conditional_per_position_and_mixes_depths() -> None:
+    gen = synth.Synth(seed=3)
+    model = PerfModel.fit(synth.rows(gen.explore(3000)))
+    for technique, truth in synth.ACCEPT.items():
+        assert model.acceptance[technique] == pytest.approx(truth, abs=0.04), technique
+    e = model.expected_tokens_per_seq("ngram", 3)
+    a = synth.ACCEPT["ngram"]
+    assert e == pytest.approx(1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2], rel=0.04)
+    assert model.expected_tokens_per_seq("none", 0) == 1.0
+    assert model.expected_tokens_per_seq("draft", 4) == 1.0  # never measured: no credit
+
+
+def test_position_counts_by_hand() -> None:
+    # depth 2: 4 sequences, 3 accept position 0, 1 of those accepts position 1;
+    # depth 1: 4 sequences, 2 accept. Position 0: 5/8; position 1: 1/3 (reached by 3 only).
+    rows = [StepRow(0.0, 4, 0, 8, "ngram", 2, 8, (3, 1), 0.1, 10.0, 0, 0),
+            StepRow(0.0, 4, 0, 6, "ngram", 1, 4, (2,), 0.1, 9.0, 0, 0)]
+    rows += [StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 5.0 + b, 0, 0) for b in range(1, 9)]
+    rows[0:2] = [r for r in rows[0:2] for _ in range(5)]  # 5 copies each: past MIN_REACHED
+    model = PerfModel.fit(rows)
+    assert model.acceptance["ngram"] == pytest.approx((5 / 8, 1 / 3))
+
+
+def test_tenant_factors_come_from_requests() -> None:
+    reqs = [RequestRow(r.tenant, 40, 60, r.arrival_time, r.finish_time, r.proposed_tokens,
+                       r.accepted_tokens) for r in synth.Synth(seed=2).requests(200)]
+    model = PerfModel.fit(synth.rows(synth.Synth(seed=2).explore(400)), reqs)
+    ratio = model.tenant_factor["code"] / model.tenant_factor["chat"]
+    assert ratio == pytest.approx(synth.TENANT_RATE["code"] / synth.TENANT_RATE["chat"], rel=0.1)
+    assert (model.expected_tokens_per_seq("ngram", 3, "code")
+            > model.expected_tokens_per_seq("ngram", 3) > model.expected_tokens_per_seq("ngram", 3, "chat"))
+
+
+def test_too_few_steps_is_an_error() -> None:
+    with pytest.raises(NotEnoughTelemetry, match="at least"):
+        PerfModel.fit(synth.rows(synth.Synth().explore(3)))
+
+
+def test_fit_on_the_fake_engines_own_telemetry() -> None:
+    """The fake's cost and acceptance are exact, so the fitted model recovers them."""
+    cost = FakeCost()
+    proposer = FakeProposer("ngram", (0.8, 0.6))
+    engine = FakeEngine(proposers={"ngram": proposer}, cost=cost, max_batch=8)
+    base = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4)
+    engine.set_policy(ExploringPolicy(base, share=0.3, techniques=["ngram"], max_depth=4, seed=1))
+    for i in range(24):
+        engine.add_request(Request(f"r{i}", engine.tokenizer.encode("abcdefghij" * 3),
+                                   SamplingParams(max_tokens=40, ignore_eos=True)))
+    stats = []
+    while engine.has_work():
+        out = engine.step()
+        if out.stats is not None:
+            stats.append(out.stats)
+    rows = [StepRow(s.time, s.batch_size, s.prefill_tokens, s.decode_tokens, s.technique, s.depth,
+                    s.proposed, s.accepted_per_pos, s.propose_ms, s.step_ms, s.queue_len,
+                    s.policy_version) for s in stats]
+    assert {r.technique for r in rows} == {"none", "ngram"}
+    model, report = PerfModel.fit_with_report(rows)
+    assert report.step_ms_median_ape < 0.01  # the fake's step time is exactly linear
+    assert model.predict_step_ms("ngram", 3, 5) == pytest.approx(cost.times(5, 3)[0], rel=0.01)
+    assert model.acceptance["ngram"][:2] == pytest.approx((0.8, 0.6), abs=0.08)

@@ -1,0 +1,66 @@
+"""The objective on hand-checkable numbers; the KV and TPOT constraints."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.policy import NEVER, BatchRule, TunedPolicy
+from tuner.objective import Capacity, evaluate
+from tuner.model import PerfModel
+from tuner.traffic import Traffic
+
+# step_ms = 10 + 1 * B * q; ngram accepts every position with 0.5
+MODEL = PerfModel(target=(10.0, 0.0, 0.0, 1.0, 0.0), acceptance={"ngram": (0.5,)})
+CAP = Capacity(total_pages=1000, page_size=16, max_depth=4, proposers={"ngram": (0, 0)})
+
+
+def traffic(concurrency: float = 2.0, tokens: float = 160.0) -> Traffic:
+    """Half the steps at batch 2, half at batch 8; sequences of `tokens` tokens."""
+    return Traffic(steps=100, batch_weights={2: 0.5, 8: 0.5}, prefill_per_step={},
+                   concurrency=concurrency, concurrency_max=int(concurrency),
+                   mean_prompt_tokens=tokens / 2, mean_output_tokens=tokens / 2)
+
+
+def spec(split: float = 0.1, depth: int = 1, crossover: int = 4) -> TunedPolicy:
+    return TunedPolicy((BatchRule(4, "ngram", depth), BatchRule(64)), crossover=crossover,
+                       pool_split=split)
+
+
+def test_goodput_by_hand() -> None:
+    # plain: B=2 -> 12 ms, 2 tokens; B=8 -> 18 ms, 8 tokens: 1000 * 5 / 15
+    assert evaluate(NEVER, MODEL, traffic(), CAP).goodput == pytest.approx(1000 * 5 / 15)
+    # ngram depth 1 at B=2: 10 + 2*2 = 14 ms, 2 * 1.5 tokens; B=8 unchanged (above crossover)
+    ev = evaluate(spec(), MODEL, traffic(), CAP)
+    assert ev.goodput == pytest.approx(1000 * (0.5 * 3 + 0.5 * 8) / (0.5 * 14 + 0.5 * 18))
+    assert ev.feasible
+
+
+def test_kv_constraint_excludes_a_split_that_cannot_hold_the_observed_concurrency() -> None:
+    # 50 sequences of 160 tokens: 10 pages each = 500 tenant pages needed
+    busy = traffic(concurrency=50)
+    ok, starved = evaluate(spec(split=0.1), MODEL, busy, CAP), evaluate(spec(split=0.5), MODEL, busy, CAP)
+    assert (ok.tenant_pages, ok.tenant_pages_needed) == (900, 500) and ok.feasible
+    assert starved.tenant_pages == 500 and starved.feasible  # exactly fits
+    too_busy = traffic(concurrency=51)
+    ev = evaluate(spec(split=0.5), MODEL, too_busy, CAP)
+    assert not ev.feasible and ev.constraints()[0] == 10  # 510 needed, 500 left
+    assert "KV capacity" in ev.violations()[0]
+    assert evaluate(spec(split=0.45), MODEL, too_busy, CAP).feasible
+
+
+def test_speculation_must_fit_in_its_share() -> None:
+    # a draft model holding 300 pages of weights: needs split >= 0.3 (plus verify slots)
+    cap = Capacity(total_pages=1000, page_size=16, page_bytes=1000, max_depth=4,
+                   proposers={"ngram": (300_000, 0)})
+    assert not evaluate(spec(split=0.2), MODEL, traffic(), cap).feasible
+    ev = evaluate(spec(split=0.35), MODEL, traffic(), cap)
+    assert ev.feasible and ev.spec_pages_needed == 300 + 1  # 2 sequences x 1 slot: one page
+    assert evaluate(spec(split=0.0, crossover=0), MODEL, traffic(), cap).spec_pages_needed == 0
+
+
+def test_tpot_target_is_a_constraint() -> None:
+    deep = spec(depth=4)
+    ev = evaluate(deep, MODEL, traffic(), CAP, tpot_target_ms=5.0)
+    assert ev.p95_tpot_ms == pytest.approx(18.0)  # batch 8, plain: 18 ms per token
+    assert ev.tpot_excess_ms == pytest.approx(13.0) and not ev.feasible
+    assert evaluate(deep, MODEL, traffic(), CAP, tpot_target_ms=20.0).feasible

@@ -1,0 +1,108 @@
+"""The Optuna study: persisted beside the project's tables, continued across restarts,
+constrained by KV capacity, and a Pareto front in two-objective mode."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import optuna
+from sqlalchemy import Engine, inspect
+
+from engine.policy import NEVER, TunedPolicy
+from store.migrate import check_schema, head_revision
+from tests.tuner.conftest import CAPACITY, FAST, history
+from tuner.objective import Capacity
+from tuner.search import REVISIT, SearchJob, make_storage, run_search, trial_constraints
+from tuner.space import SearchSpace
+
+
+def job(db_url: str, config=FAST, capacity: Capacity = CAPACITY) -> SearchJob:
+    now = time.time()
+    return SearchJob(db_url, config, capacity, NEVER.to_dict(), since=now - 3600, until=now + 1)
+
+
+def test_study_lives_in_the_project_database_and_continues_after_a_restart(
+        db: Engine, db_url: str) -> None:
+    history(db)
+    first = run_search(job(db_url))
+    assert first.trials == list(range(FAST.trials))
+    # the project's schema is still at head with Optuna's tables beside it
+    assert check_schema(db_url) == head_revision()
+    tables = set(inspect(db).get_table_names())
+    assert {"studies", "trials", "alembic_version", "xo_alembic_version", "xo_steps"} <= tables
+    # a "restart": nothing shared but the file
+    second = run_search(job(db_url))
+    assert second.study_name == first.study_name
+    assert second.trials == list(range(FAST.trials, 2 * FAST.trials))
+    study = optuna.load_study(study_name=first.study_name, storage=make_storage(db_url))
+    assert len(study.trials) == 2 * FAST.trials
+    # the second run re-scored the first run's best parameters among its first (enqueued) trials
+    best_params = study.trials[first.best_trial].params
+    assert any(study.trials[n].params == best_params for n in second.trials[:REVISIT + 2])
+
+
+def test_a_full_study_is_continued_by_a_new_generation(db: Engine, db_url: str) -> None:
+    history(db, n=300)
+    config = dataclasses.replace(FAST, trials=6, max_study_trials=10)
+    first, second, third = (run_search(job(db_url, config)) for _ in range(3))
+    assert first.study_name == second.study_name and third.study_name == first.study_name + ".2"
+    storage = make_storage(db_url)
+    old = optuna.load_study(study_name=first.study_name, storage=storage)
+    new = optuna.load_study(study_name=third.study_name, storage=storage)
+    assert len(old.trials) == 12 and len(new.trials) == 6
+    feasible = [t for t in old.trials if all(c <= 0 for c in trial_constraints(t))]
+    best = max(feasible, key=lambda t: t.value).params
+    assert any(t.params == best for t in new.trials[:REVISIT + 2])  # carried over
+
+
+def test_the_search_finds_speculation_where_it_pays(db: Engine, db_url: str) -> None:
+    history(db)
+    out = run_search(job(db_url, dataclasses.replace(FAST, trials=16)))
+    best = TunedPolicy.from_dict(out.best)
+    assert best.choose(1)[0] in ("ngram", "mtp")  # acceptance 0.7-0.8 pays at batch 1
+    assert out.predicted["goodput"] > out.incumbent["goodput"] * 1.2
+    assert out.fit["step_ms_median_ape"] < 0.10
+    assert set(out.traffic["tenant_mix"]) == {"chat", "code"}
+
+
+def test_constraints_exclude_policies_that_starve_tenants(db: Engine, db_url: str) -> None:
+    """A pool just big enough for the observed concurrency at split <= 0.1: no chosen policy
+    may lend more, and every trial that did is recorded infeasible."""
+    history(db)
+    out0 = run_search(job(db_url))
+    need = out0.incumbent["tenant_pages_needed"]
+    tight = dataclasses.replace(CAPACITY, total_pages=int(need / 0.9) + 1)
+    config = dataclasses.replace(FAST, trials=20, study_name="tight")
+    out = run_search(job(db_url, config, tight))
+    assert TunedPolicy.from_dict(out.best).pool_split <= 0.1
+    study = optuna.load_study(study_name=out.study_name, storage=make_storage(db_url))
+    splits = [(t.params["pool_split"], trial_constraints(t)[0]) for t in study.trials]
+    assert any(s > 0.1 for s, _ in splits), "the sampler never tried a large split"
+    assert all((c > 0) == (s > 0.1) for s, c in splits)
+
+
+def test_two_objective_mode_exposes_a_pareto_front(db: Engine, db_url: str) -> None:
+    history(db)
+    config = dataclasses.replace(FAST, trials=24, two_objective=True)
+    out = run_search(job(db_url, config))
+    assert out.pareto and out.best == out.pareto[0]["policy"]
+    points = [(p["goodput"], p["p95_tpot_ms"]) for p in out.pareto]
+    for g, t in points:  # nobody on the front dominates anybody else on it
+        assert not any(g2 >= g and t2 <= t and (g2, t2) != (g, t) for g2, t2 in points)
+    study = optuna.load_study(study_name=out.study_name, storage=make_storage(db_url))
+    assert len(study.directions) == 2 and study.best_trials
+    assert out.study_name != SearchSpace.build(FAST, CAPACITY).study_name(FAST.study_name)
+
+
+def test_the_search_runs_in_a_spawned_process(db: Engine, db_url: str) -> None:
+    """What the daemon does by default: the job and the outcome cross a process boundary."""
+    from tuner.service import ProcessSearch
+
+    history(db, n=300)
+    search = ProcessSearch()
+    try:
+        out = search(job(db_url, dataclasses.replace(FAST, trials=4)))
+    finally:
+        search.close()
+    assert out.trials == [0, 1, 2, 3] and out.best is not None and out.per_batch

@@ -1,0 +1,181 @@
+"""The Tuner end to end on synthetic telemetry: single-flight, validation and rollback,
+pins, recorded skips, and a restart that continues the study and the versions."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import optuna
+import pytest
+from sqlalchemy import Engine
+
+from engine.policy import TunedPolicy
+from store.db import session_scope
+from store.history import get_policy
+from telemetry.queries import active_policy
+from tests.tuner import synth
+from tests.tuner.conftest import FAST, Host, history
+from tuner.search import SearchJob, SearchOutcome, make_storage, run_search
+from tuner.service import Tuner
+
+NO_WAIT = dataclasses.replace(FAST, validation_s=0.0)
+
+
+def serve_when_applied(db: Engine, host: Host, gen: synth.Synth, steps: int = 150) -> None:
+    """Simulate serving: each new tuner policy writes `steps` steps of itself at once."""
+    def on_apply(policy: TunedPolicy) -> None:
+        if policy.source == "tuner":
+            synth.write(db, gen.serve(policy, steps, start=time.time()))
+    host.on_apply = on_apply
+
+
+def finished(tuner: Tuner, view: dict) -> dict:
+    assert tuner.wait(view["id"], 60), "retune did not finish"
+    result = tuner.get(view["id"])
+    assert result is not None and result["status"] != "running"
+    return result
+
+
+def test_a_deliberately_bad_policy_is_rolled_back_with_its_evidence(
+        db: Engine, host: Host, make_tuner: Callable[..., Tuner]) -> None:
+    history(db)
+    # once applied, the world disagrees with the model: no draft is ever accepted
+    serve_when_applied(db, host, synth.Synth(seed=9, accept_scale=0.0, slowdown=1.3))
+    tuner = make_tuner()
+    r = finished(tuner, tuner.trigger("admin")[0])
+    assert r["status"] == "rejected" and r["chosen_policy_version"] == 1
+    assert r["predicted_goodput"] > 1.5 * r["measured_goodput"]
+    validation = r["details"]["validation"]
+    assert validation["decision"] == "rollback" and "below the previous policy" in validation["reason"]
+    assert validation["change"] < -validation["threshold"] and validation["per_batch"]
+    assert r["details"]["fit"]["step_ms_median_ape"] < 0.10
+    with session_scope(db) as s:
+        bad = get_policy(s, 1)
+        assert bad.rolled_back_at is not None and bad.rollback_reason == validation["reason"]
+        assert active_policy(s).version == 0
+    assert host.policy.version == 0 and tuner.keeper.current.version == 0
+
+
+def test_a_good_policy_is_kept_and_measured_near_its_prediction(
+        db: Engine, host: Host, make_tuner: Callable[..., Tuner]) -> None:
+    history(db)
+    serve_when_applied(db, host, synth.Synth(seed=9))
+    tuner = make_tuner()
+    r = finished(tuner, tuner.trigger("admin")[0])
+    assert r["status"] == "applied", r["details"].get("validation")
+    assert r["details"]["validation"]["decision"] == "keep"
+    assert r["measured_goodput"] == pytest.approx(r["predicted_goodput"], rel=0.25)
+    assert host.policy.version == 1 and host.policy.source == "tuner"
+    assert host.policy.extra["retune_id"] == r["id"]
+    with session_scope(db) as s:
+        assert active_policy(s).version == 1
+
+
+def test_single_flight_returns_the_running_retune(
+        db: Engine, make_tuner: Callable[..., Tuner]) -> None:
+    history(db)
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_search(job: SearchJob) -> SearchOutcome:
+        entered.set()
+        assert release.wait(30)
+        return run_search(job)
+
+    tuner = make_tuner(NO_WAIT, search=slow_search)
+    first, started = tuner.trigger("admin")
+    assert started and entered.wait(10)
+    again, started_again = tuner.trigger("admin")
+    from_schedule = tuner.scheduled()
+    assert not started_again and again["id"] == first["id"] == from_schedule["id"]
+    assert again["status"] == "running" and again["phase"] == "searching"
+    release.set()
+    assert finished(tuner, first)["status"] in ("applied", "rejected")
+    third, started_third = tuner.trigger("admin")
+    assert started_third and third["id"] == first["id"] + 1
+    finished(tuner, third)
+
+
+def test_a_pinned_policy_overrides_the_tuner_until_unpinned(
+        db: Engine, host: Host, make_tuner: Callable[..., Tuner]) -> None:
+    history(db)
+    tuner = make_tuner(NO_WAIT)
+    body = {"rules": [{"max_batch": 4, "technique": "ngram", "depth": 2}, {"max_batch": 64}],
+            "crossover": 4, "version": 99, "source": "tuner"}
+    pinned = tuner.keeper.pin(body)
+    assert (pinned.version, pinned.source, tuner.keeper.pinned) == (1, "admin", True)
+    assert host.policy.choose(2) == ("ngram", 2)
+    for view in (tuner.trigger("admin")[0], tuner.scheduled()):
+        assert view["skipped"] and "pinned" in view["error"] and view["status"] == "failed"
+    assert host.policy.version == 1  # nothing changed it
+    with pytest.raises(ValueError, match="proposer"):
+        tuner.keeper.pin({"rules": [{"max_batch": 4, "technique": "draft", "depth": 1}]})
+    with pytest.raises(ValueError, match="rules"):
+        tuner.keeper.pin({"rules": "all of them"})
+    unpinned = tuner.keeper.unpin()
+    assert (unpinned.version, unpinned.extra["unpinned_from"], tuner.keeper.pinned) == (2, 1, False)
+    assert unpinned.rules == pinned.rules
+    with pytest.raises(LookupError):
+        tuner.keeper.unpin()
+    view, started = tuner.trigger("admin")
+    assert started and not view["skipped"]
+    finished(tuner, view)
+
+
+def test_scheduled_retunes_skip_with_a_reason_when_telemetry_is_thin(
+        db: Engine, make_tuner: Callable[..., Tuner]) -> None:
+    tuner = make_tuner(NO_WAIT)
+    skip = tuner.scheduled()
+    assert skip["skipped"] and skip["triggered_by"] == "schedule"
+    assert skip["error"] == "skipped: only 0 new steps since the last retune (need 100)"
+    history(db, n=300)
+    ran = tuner.scheduled()
+    assert not ran["skipped"] and ran["status"] == "running"
+    finished(tuner, ran)
+    assert tuner.scheduled()["skipped"]  # nothing new since that one started
+    assert [r["skipped"] for r in tuner.recent()] == [True, False, True]
+
+
+def test_an_admin_retune_without_telemetry_is_recorded_as_skipped(
+        make_tuner: Callable[..., Tuner]) -> None:
+    tuner = make_tuner(NO_WAIT)
+    r = finished(tuner, tuner.trigger("admin")[0])
+    assert r["status"] == "failed" and r["skipped"] and "at least" in r["error"]
+
+
+def test_a_restart_continues_the_study_and_the_versions(
+        db: Engine, db_url: str, host: Host, make_tuner: Callable[..., Tuner]) -> None:
+    history(db)
+    first = make_tuner(NO_WAIT)
+    r1 = finished(first, first.trigger("admin")[0])
+    first.close()
+    assert r1["status"] == "applied" and host.policy.version == 1
+    second = make_tuner(NO_WAIT)  # a new keeper restores v1 into the engine
+    assert second.keeper.current.version == 1 and host.applied[-1].version == 1
+    r2 = finished(second, second.trigger("admin")[0])
+    assert r2["study_name"] == r1["study_name"]
+    study = optuna.load_study(study_name=r1["study_name"], storage=make_storage(db_url))
+    assert len(study.trials) == 2 * NO_WAIT.trials
+    assert r2["trial_number"] is None or r2["trial_number"] >= 0
+    if r2["status"] == "applied":
+        assert r2["chosen_policy_version"] == 2
+
+
+def test_a_pin_during_the_search_wins_over_the_tuner(
+        db: Engine, host: Host, make_tuner: Callable[..., Tuner]) -> None:
+    history(db)
+    holder: list[Tuner] = []
+
+    def search_then_pin(job: SearchJob) -> SearchOutcome:
+        out = run_search(job)
+        holder[0].keeper.pin({"rules": [{"max_batch": 64}], "crossover": 0})
+        return out
+
+    tuner = make_tuner(NO_WAIT, search=search_then_pin)
+    holder.append(tuner)
+    r = finished(tuner, tuner.trigger("admin")[0])
+    assert r["status"] == "rejected" and "pinned" in r["details"]["reason"]
+    assert r["chosen_policy_version"] is None
+    assert host.policy.source == "admin" and tuner.keeper.pinned

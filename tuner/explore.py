@@ -1,0 +1,109 @@
+"""Exploration: a policy wrapper that keeps the model's estimates fresh.
+
+The engine asks its policy `choose(batch)` once per decode step (on the
+engine thread). `ExploringPolicy` answers like the policy it wraps except:
+
+- during a short **profile** (its first `profile_steps` decisions), every
+  other decision goes to the next unmeasured (technique, depth) cell in
+  turn, so a fresh daemon measures each cell a few times on live traffic;
+- afterwards a share `share` of decisions picks a non-chosen depth (of the
+  chosen technique, or of a loaded technique in turn where the policy says
+  "none").
+
+It exposes `version`, `max_depth`, `techniques()` and every other attribute
+of the wrapped TunedPolicy, so `EngineCore.set_policy` and the step records
+treat it as that policy; the validator tells exploration steps apart
+because their (technique, depth) is not what the wrapped policy chooses.
+Its random stream is seeded and only the engine thread draws from it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from engine.policy import TunedPolicy
+
+
+def gap_cells(coverage: Mapping[str, Mapping[int, int]], techniques: Sequence[str],
+              max_depth: int, min_steps: int = 20) -> list[tuple[str, int]]:
+    """(technique, depth) cells measured fewer than `min_steps` times.
+
+    >>> gap_cells({"ngram": {1: 50}}, ["ngram"], 3)
+    [('ngram', 2), ('ngram', 3)]
+    """
+    return [(t, d) for t in techniques for d in range(1, max_depth + 1)
+            if coverage.get(t, {}).get(d, 0) < min_steps]
+
+
+class ExploringPolicy:
+    """`policy` plus exploration (see the module docstring)."""
+
+    def __init__(self, policy: TunedPolicy, *, share: float, techniques: Sequence[str],
+                 max_depth: int, profile: Sequence[tuple[str, int]] = (),
+                 profile_steps: int = 0, seed: int = 0) -> None:
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"share={share} must be in [0, 1]")
+        self.policy = policy
+        self.share = share
+        self.explore_techniques = tuple(t for t in techniques if t != "none")
+        self.explore_depth = max_depth
+        self._profile = list(profile)
+        self._profile_left = profile_steps if self._profile else 0
+        self._rng = random.Random(seed)
+        self._turn = 0
+        self.explored = 0
+        """Decisions that departed from the policy (read for tests and status)."""
+
+    # -- what the engine calls -------------------------------------------------
+    def choose(self, batch_size: int) -> tuple[str, int]:
+        chosen = self.policy.choose(batch_size)
+        if not self.explore_techniques:
+            return chosen
+        if self._profile_left > 0:
+            self._profile_left -= 1
+            if self._profile_left % 2 == 0:
+                return self._departed(self._profile[self._next_turn(len(self._profile))])
+        if self.share and self._rng.random() < self.share:
+            return self._departed(self._alternative(chosen))
+        return chosen
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.policy.max_depth, self.explore_depth)
+
+    def techniques(self) -> set[str]:
+        return self.policy.techniques() | set(self.explore_techniques)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "policy":  # not yet set (never recurse)
+            raise AttributeError(name)
+        return getattr(self.policy, name)
+
+    # -- helpers --------------------------------------------------------------
+    def _alternative(self, chosen: tuple[str, int]) -> tuple[str, int]:
+        technique, depth = chosen
+        if technique == "none":
+            technique = self.explore_techniques[self._next_turn(len(self.explore_techniques))]
+        others = [d for d in range(1, self.explore_depth + 1) if d != depth]
+        return technique, self._rng.choice(others) if others else depth
+
+    def _next_turn(self, n: int) -> int:
+        self._turn += 1
+        return self._turn % n
+
+    def _departed(self, cell: tuple[str, int]) -> tuple[str, int]:
+        self.explored += 1
+        return cell
+
+
+def unwrap(policy: Any) -> TunedPolicy:
+    """The TunedPolicy under any exploration wrapper."""
+    return policy.policy if isinstance(policy, ExploringPolicy) else policy
+
+
+def is_exploration(policy: TunedPolicy, batch: int, technique: str, depth: int) -> bool:
+    """Whether a step departed from `policy` on purpose (a "none" step never counts:
+    the engine also falls back to plain decoding when a proposer has no drafts)."""
+    return technique != "none" and (technique, depth) != policy.choose(batch)

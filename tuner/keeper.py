@@ -1,0 +1,146 @@
+"""The policy keeper: versions, applies, records, rolls back and pins policies.
+
+Every policy the engine serves goes through here, from the tuner or an
+admin: it gets the next version (above every recorded one and the serving
+one), is handed to the engine (whose `set_policy` may refuse it with
+ValueError, before anything is recorded), then saved with its whole body and
+marked applied. A rollback re-applies the previous policy under its own
+version and re-stamps its `applied_at`, so `telemetry.queries.active_policy`
+names it again.
+
+A pinned policy (`extra["pinned"] = True`, source "admin") overrides the
+tuner until `unpin()`, which records the same rules again as a new, unpinned
+version. At startup `restore()` re-applies the active policy from the
+database (pin included); an empty history gets the engine's default recorded
+as version 0, and a policy this engine cannot run (a proposer it lacks) is
+logged and left in the history while the default serves, unrecorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from sqlalchemy import Engine
+
+from engine.policy import NEVER, TunedPolicy
+from store.db import session_scope
+from store.history import mark_applied, mark_rolled_back, save_policy
+from telemetry.queries import active_policy
+from tuner.data import max_policy_version
+
+log = logging.getLogger("crossover.tuner")
+
+
+class PolicyPinned(RuntimeError):
+    """The tuner may not replace a pinned policy."""
+
+
+class PolicyHost(Protocol):
+    """The engine surface the keeper needs (EngineCore and FakeEngine have it)."""
+
+    def set_policy(self, policy: Any) -> None: ...
+
+
+class PolicyKeeper:
+    """See the module docstring. Thread-safe: one lock around every change."""
+
+    def __init__(self, db: Engine, host: PolicyHost,
+                 wrap: Callable[[TunedPolicy], Any] | None = None) -> None:
+        self._db = db
+        self._host = host
+        self._wrap = wrap or (lambda p: p)
+        self._lock = threading.RLock()
+        self.current: TunedPolicy = NEVER
+        """The policy serving now (without any exploration wrapper)."""
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.current.extra.get("pinned"))
+
+    def restore(self) -> TunedPolicy:
+        """Serve the database's active policy again, else record the default."""
+        with self._lock, session_scope(self._db) as session:
+            row = active_policy(session)
+            if row is None and max_policy_version(session) is None:
+                self._host.set_policy(self._served(NEVER))  # exploration wraps even the default
+                return self._record(session, NEVER, "default")
+        if row is not None:
+            try:
+                policy = TunedPolicy.from_dict(row.body)
+                self._host.set_policy(self._served(policy))
+                self.current = policy
+                return policy
+            except (TypeError, ValueError) as exc:  # e.g. this engine lacks its proposer
+                log.warning("cannot restore policy v%s (%s); serving the default, unrecorded",
+                            row.version, exc)
+        self._host.set_policy(self._served(NEVER))
+        self.current = NEVER
+        return NEVER
+
+    def apply(self, policy: TunedPolicy, source: str, extra: dict | None = None) -> TunedPolicy:
+        """Version, serve and record `policy`; if the engine refuses: ValueError, no record."""
+        with self._lock, session_scope(self._db) as session:
+            if source == "tuner" and self.pinned:
+                raise PolicyPinned(f"policy v{self.current.version} is pinned by an admin")
+            version = max(max_policy_version(session) or 0, self.current.version) + 1
+            extra = {**policy.extra, **(extra or {})}
+            versioned = dataclasses.replace(policy, version=version, source=source, extra=extra)
+            self._host.set_policy(self._served(versioned))
+            return self._record(session, versioned, source)
+
+    def rollback(self, candidate: TunedPolicy, previous: TunedPolicy, reason: str) -> bool:
+        """Serve `previous` again unless `candidate` was already replaced (then False)."""
+        with self._lock:
+            if self.current.version != candidate.version:
+                return False
+            self._host.set_policy(self._served(previous))
+            with session_scope(self._db) as session:
+                mark_rolled_back(session, candidate.version, reason)
+                mark_applied(session, previous.version)
+            self.current = previous
+            return True
+
+    def pin(self, body: Any) -> TunedPolicy:
+        """Serve an admin's policy (a TunedPolicy dict) until unpinned; ValueError if invalid."""
+        policy = parse_policy(body)
+        with self._lock:
+            return self.apply(policy, "admin", {"pinned": True})
+
+    def unpin(self) -> TunedPolicy:
+        """Hand control back to the tuner (LookupError when nothing is pinned)."""
+        with self._lock:
+            if not self.pinned:
+                raise LookupError("no policy is pinned")
+            extra = {k: v for k, v in self.current.extra.items() if k != "pinned"}
+            return self.apply(dataclasses.replace(self.current, extra=extra), "admin",
+                              {"unpinned_from": self.current.version})
+
+    def _served(self, policy: TunedPolicy) -> Any:
+        """What the engine gets: the policy itself when pinned, else the wrapper's view."""
+        return policy if policy.extra.get("pinned") else self._wrap(policy)
+
+    def _record(self, session: Any, policy: TunedPolicy, source: str) -> TunedPolicy:
+        save_policy(session, policy.version, policy.to_dict(), source)
+        mark_applied(session, policy.version)
+        self.current = policy
+        return policy
+
+
+def parse_policy(body: Any) -> TunedPolicy:
+    """A TunedPolicy from a JSON object, or ValueError saying what is wrong."""
+    if not isinstance(body, dict):
+        raise ValueError("a policy must be a JSON object (TunedPolicy.to_dict())")
+    body = {k: v for k, v in body.items() if k not in ("version", "source")}
+    if not isinstance(body.get("extra", {}), dict):
+        raise ValueError("policy.extra must be an object")
+    if not isinstance(body.get("rules", []), list) or not all(
+            isinstance(r, dict) for r in body.get("rules", [])):
+        raise ValueError("policy.rules must be a list of objects")
+    try:
+        return TunedPolicy.from_dict(body)
+    except TypeError as exc:
+        raise ValueError(f"invalid policy: {exc}") from None

@@ -1,0 +1,286 @@
+"""The performance model: step time and acceptance, fitted from recorded steps.
+
+Step time splits into the target model's forward and the proposer's work:
+
+    step_ms = target(B, q, P) + propose(technique, B, depth)
+    target  = t0 + t1*B + t2*q + t3*B*q + t4*P        (q = 1 + depth, P = prefill tokens)
+    propose = p0 + p1*B + p2*B*depth                  (one fit per technique; 0 for "none")
+
+The target part is shared by all techniques (verification is the same
+forward whatever drafted it), fitted on step_ms - propose_ms by least squares
+weighted by 1/step_ms (so it minimizes relative error). Each proposer's part
+is fitted on its propose_ms.
+
+Acceptance is a conditional rate per technique and draft position, counted
+so that steps of different depths mix correctly: a step of depth d with n
+speculating sequences (proposed / d) offers position 0 to n sequences and
+position i > 0 to those that accepted position i - 1 (accepted_per_pos[i-1]).
+MTP steps are keyed by their policy's draft vocabulary ("mtp@8192") when one
+was set. Per tenant, a factor (the tenant's accepted/proposed over everyone's,
+from requests) scales the odds of every rate (so a rate stays below 1 and the
+tenant mix the rates were measured on averages back to about them); a
+technique never measured has rate 0, so the search cannot prefer what nobody
+has seen.
+
+    >>> m = PerfModel(target=(1, 0, 0, 0, 0), acceptance={"ngram": (0.5, 0.5)})
+    >>> m.expected_tokens_per_seq("ngram", 2)   # 1 + 0.5 + 0.25
+    1.75
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from tuner.data import RequestRow, StepRow
+
+MIN_FIT_ROWS = 8
+MIN_REACHED = 10
+"""Offers needed before a position's rate is trusted; rarer positions reuse the previous rate."""
+MAX_RATE = 0.99
+TENANT_FACTOR_RANGE = (0.25, 2.0)
+
+
+class NotEnoughTelemetry(ValueError):
+    """Too few steps to fit the model."""
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    """Prediction error on measured steps (absolute percentage errors)."""
+
+    rows: int
+    step_ms_median_ape: float
+    step_ms_mape: float
+    step_ms_p90_ape: float
+    goodput_median_ape: float
+    goodput_mape: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class PerfModel:
+    """Fitted coefficients; see the module docstring."""
+
+    target: tuple[float, ...]
+    """(t0, t1, t2, t3, t4) of the shared target forward."""
+    propose: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
+    """Technique key -> (p0, p1, p2)."""
+    acceptance: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    """Technique key -> conditional acceptance per draft position."""
+    tenant_factor: Mapping[str, float] = field(default_factory=dict)
+    """Tenant -> factor on every acceptance rate (1 when unknown)."""
+    coverage: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
+    """Technique -> depth -> steps measured."""
+    floor_ms: float = 0.01
+    """Predictions never go below this (a quarter of the fastest step seen)."""
+
+    # -- fitting ------------------------------------------------------------
+    @staticmethod
+    def fit(steps: Sequence[StepRow], requests: Sequence[RequestRow] = (),
+            vocab_of: Mapping[int, int] | None = None) -> PerfModel:
+        """Fit on `steps` (and per-tenant acceptance on `requests`)."""
+        if len(steps) < MIN_FIT_ROWS:
+            raise NotEnoughTelemetry(f"{len(steps)} steps; the model needs at least {MIN_FIT_ROWS}")
+        vocab_of = vocab_of or {}
+        return PerfModel(
+            target=_fit_target(steps),
+            propose=_fit_propose(steps, vocab_of),
+            acceptance=_fit_acceptance(steps, vocab_of),
+            tenant_factor=_tenant_factors(requests),
+            coverage=_coverage(steps),
+            floor_ms=0.25 * min(s.step_ms for s in steps),
+        )
+
+    @staticmethod
+    def fit_with_report(steps: Sequence[StepRow], requests: Sequence[RequestRow] = (),
+                        vocab_of: Mapping[int, int] | None = None,
+                        holdout_every: int = 5) -> tuple[PerfModel, ErrorReport]:
+        """Fit without every `holdout_every`-th step, report the error on those, refit on all."""
+        held = [s for i, s in enumerate(steps) if i % holdout_every == holdout_every - 1]
+        train = [s for i, s in enumerate(steps) if i % holdout_every != holdout_every - 1]
+        report = PerfModel.fit(train, requests, vocab_of).error_report(held, vocab_of)
+        return PerfModel.fit(steps, requests, vocab_of), report
+
+    # -- predictions ----------------------------------------------------------
+    def predict_step_ms(self, technique: str, depth: int, batch: float, prefill: float = 0.0,
+                        draft_vocab: int = 0) -> float:
+        """Predicted step time (ms) of a decode batch of `batch` at `depth`."""
+        q = 1 + depth
+        t = self.target
+        ms = t[0] + t[1] * batch + t[2] * q + t[3] * batch * q + t[4] * prefill
+        if depth and technique != "none":
+            p = self._lookup(self.propose, technique, draft_vocab) or (0.0, 0.0, 0.0)
+            ms += max(0.0, p[0] + p[1] * batch + p[2] * batch * depth)
+        return max(ms, self.floor_ms)
+
+    def rates(self, technique: str, depth: int, tenant: str | None = None,
+              draft_vocab: int = 0) -> list[float]:
+        """Conditional acceptance at positions 0..depth-1 (the last measured rate repeats)."""
+        known = self._lookup(self.acceptance, technique, draft_vocab) or ()
+        factor = self.tenant_factor.get(tenant, 1.0) if tenant is not None else 1.0
+        out = []
+        for i in range(depth):
+            base = known[min(i, len(known) - 1)] if known else 0.0
+            out.append(min(MAX_RATE, scale_odds(base, factor)))
+        return out
+
+    def expected_tokens_per_seq(self, technique: str, depth: int, tenant: str | None = None,
+                                draft_vocab: int = 0) -> float:
+        """1 + sum_i prod_{j<=i} alpha_j: tokens one sequence emits per step."""
+        total, reach = 1.0, 1.0
+        if technique == "none":
+            return total
+        for rate in self.rates(technique, depth, tenant, draft_vocab):
+            reach *= rate
+            total += reach
+        return total
+
+    def tokens_per_seq_mix(self, technique: str, depth: int, mix: Mapping[str, float],
+                           draft_vocab: int = 0) -> float:
+        """Expected tokens per sequence per step for a tenant mix (weights sum to 1)."""
+        if not mix:
+            return self.expected_tokens_per_seq(technique, depth, None, draft_vocab)
+        return sum(w * self.expected_tokens_per_seq(technique, depth, t, draft_vocab)
+                   for t, w in mix.items())
+
+    def error_report(self, steps: Sequence[StepRow],
+                     vocab_of: Mapping[int, int] | None = None) -> ErrorReport:
+        """Absolute percentage errors of step time and per-step goodput on `steps`."""
+        vocab_of = vocab_of or {}
+        ms_err, gp_err = [], []
+        for s in steps:
+            vocab = vocab_of.get(s.policy_version, 0)
+            ms = self.predict_step_ms(s.technique, s.depth, s.batch_size, s.prefill_tokens, vocab)
+            tokens = s.batch_size * self.expected_tokens_per_seq(s.technique, s.depth, None, vocab)
+            ms_err.append(abs(ms - s.step_ms) / s.step_ms)
+            if s.decode_tokens:
+                gp_err.append(abs(tokens / ms - s.decode_tokens / s.step_ms)
+                              / (s.decode_tokens / s.step_ms))
+        if not ms_err:
+            nan = float("nan")
+            return ErrorReport(0, nan, nan, nan, nan, nan)
+        ms_a, gp_a = np.asarray(ms_err), np.asarray(gp_err or [np.nan])
+        return ErrorReport(len(ms_err), float(np.median(ms_a)), float(ms_a.mean()),
+                           float(np.quantile(ms_a, 0.9)), float(np.median(gp_a)),
+                           float(gp_a.mean()))
+
+    @staticmethod
+    def _lookup(table: Mapping[str, tuple], technique: str, draft_vocab: int) -> tuple | None:
+        if technique == "mtp" and draft_vocab and f"mtp@{draft_vocab}" in table:
+            return table[f"mtp@{draft_vocab}"]
+        return table.get(technique)
+
+    def summary(self) -> dict:
+        """A JSON-able description (for retune details and /admin/tuner)."""
+        return {"target": [round(c, 5) for c in self.target],
+                "propose": {k: [round(c, 5) for c in v] for k, v in self.propose.items()},
+                "acceptance": {k: [round(r, 4) for r in v] for k, v in self.acceptance.items()},
+                "tenant_factor": {k: round(v, 4) for k, v in self.tenant_factor.items()},
+                "coverage": {k: {str(d): n for d, n in v.items()}
+                             for k, v in self.coverage.items()}}
+
+
+def scale_odds(rate: float, factor: float) -> float:
+    """`rate` with its odds multiplied by `factor` (stays in [0, 1]).
+
+    >>> round(scale_odds(0.8, 2.0), 4), scale_odds(0.5, 1.0)
+    (0.8889, 0.5)
+    """
+    if rate <= 0.0 or rate >= 1.0:
+        return rate
+    return rate * factor / (1.0 - rate + rate * factor)
+
+
+def technique_key(technique: str, version: int, vocab_of: Mapping[int, int]) -> str:
+    """"mtp@V" for MTP steps of a policy with draft vocabulary V, else the technique."""
+    vocab = vocab_of.get(version, 0) if technique == "mtp" else 0
+    return f"mtp@{vocab}" if vocab else technique
+
+
+def _weighted_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares of relative error: rows scaled by 1 / y."""
+    w = 1.0 / np.maximum(y, 1e-6)
+    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+    return coef
+
+
+def _fit_target(steps: Sequence[StepRow]) -> tuple[float, ...]:
+    b = np.array([s.batch_size for s in steps], float)
+    q = np.array([1 + s.depth for s in steps], float)
+    p = np.array([s.prefill_tokens for s in steps], float)
+    x = np.column_stack([np.ones_like(b), b, q, b * q, p])
+    y = np.array([max(s.step_ms - s.propose_ms, 1e-3) for s in steps], float)
+    return tuple(float(c) for c in _weighted_lstsq(x, y))
+
+
+def _fit_propose(steps: Sequence[StepRow], vocab_of: Mapping[int, int]) -> dict[str, tuple]:
+    groups: dict[str, list[StepRow]] = {}
+    for s in steps:
+        if s.depth and s.technique != "none":  # the plain key pools every MTP vocabulary
+            for key in {s.technique, technique_key(s.technique, s.policy_version, vocab_of)}:
+                groups.setdefault(key, []).append(s)
+    out = {}
+    for key, rows in groups.items():
+        b = np.array([s.batch_size for s in rows], float)
+        d = np.array([s.depth for s in rows], float)
+        y = np.array([s.propose_ms for s in rows], float)
+        x = np.column_stack([np.ones_like(b), b, b * d])
+        coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+        out[key] = (float(coef[0]), float(coef[1]), float(coef[2]))
+    return out
+
+
+def _fit_acceptance(steps: Sequence[StepRow], vocab_of: Mapping[int, int]) -> dict[str, tuple]:
+    reached: dict[str, list[float]] = {}
+    accepted: dict[str, list[float]] = {}
+    for s in steps:
+        if not s.depth or s.technique == "none" or not s.proposed:
+            continue
+        keys = {s.technique, technique_key(s.technique, s.policy_version, vocab_of)}
+        for key in keys:
+            r, a = reached.setdefault(key, []), accepted.setdefault(key, [])
+            while len(r) < s.depth:
+                r.append(0.0), a.append(0.0)
+            for i in range(s.depth):
+                r[i] += s.speculating if i == 0 else s.accepted_per_pos[i - 1]
+                a[i] += s.accepted_per_pos[i] if i < len(s.accepted_per_pos) else 0
+    return {key: _rates(reached[key], accepted[key]) for key in reached}
+
+
+def _rates(reached: list[float], accepted: list[float]) -> tuple[float, ...]:
+    """Conditional rates; positions offered fewer than MIN_REACHED times reuse the previous rate."""
+    out: list[float] = []
+    for r, a in zip(reached, accepted):
+        if r >= MIN_REACHED or (r > 0 and not out):
+            out.append(min(MAX_RATE, a / r))
+        elif out:
+            out.append(out[-1])
+    return tuple(out)
+
+
+def _tenant_factors(requests: Sequence[RequestRow]) -> dict[str, float]:
+    proposed = sum(r.proposed_tokens for r in requests)
+    if not proposed:
+        return {}
+    overall = sum(r.accepted_tokens for r in requests) / proposed
+    totals: dict[str, list[int]] = {}
+    for r in requests:
+        t = totals.setdefault(r.tenant, [0, 0])
+        t[0] += r.proposed_tokens
+        t[1] += r.accepted_tokens
+    lo, hi = TENANT_FACTOR_RANGE
+    return {tenant: min(hi, max(lo, (a / p) / overall)) if overall > 0 else 1.0
+            for tenant, (p, a) in totals.items() if p >= MIN_REACHED}
+
+
+def _coverage(steps: Sequence[StepRow]) -> dict[str, dict[int, int]]:
+    out: dict[str, dict[int, int]] = {}
+    for s in steps:
+        per = out.setdefault(s.technique, {})
+        per[s.depth] = per.get(s.depth, 0) + 1
+    return out

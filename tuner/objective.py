@@ -1,0 +1,166 @@
+"""What a policy would do on the observed traffic: goodput, p95 TPOT and KV capacity.
+
+For each observed batch size B (weight w_B, the share of steps) the policy
+picks (technique, depth); the model gives the step time ms_B and the tokens
+one sequence emits e_B for the tenant mix. Then
+
+    goodput  = 1000 * sum_B w_B * B * e_B / sum_B w_B * ms_B      (tokens/s)
+    TPOT_B   = ms_B / e_B, and its p95 over output tokens (weight w_B * B * e_B)
+
+Memory, in pages of the KV pool: speculation gets floor(total * pool_split)
+and must fit its proposers' resident bytes, their per-sequence bytes and
+the depth extra verify slots of every speculating sequence; tenants get the
+rest and must hold the observed concurrency at its mean footprint
+(prompt + output). Constraint values follow Optuna: <= 0 is feasible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+from engine.policy import TunedPolicy
+from tuner.model import PerfModel
+from tuner.traffic import Traffic
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the engine can give: pool size, proposers and their memory."""
+
+    total_pages: int
+    page_size: int
+    page_bytes: int = 0
+    """Bytes per page (0: unknown, proposer bytes are then not counted)."""
+    max_depth: int = 4
+    """Deepest speculation the engine can verify."""
+    spec_max_batch: int = 1 << 30
+    """Largest batch the engine speculates at."""
+    proposers: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Technique -> (resident bytes, bytes per speculating sequence per draft)."""
+
+    @property
+    def techniques(self) -> tuple[str, ...]:
+        return ("none", *sorted(self.proposers))
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One policy on the observed traffic."""
+
+    goodput: float
+    p95_tpot_ms: float
+    tenant_pages: int
+    tenant_pages_needed: int
+    spec_pages: int
+    spec_pages_needed: int
+    tpot_excess_ms: float = 0.0
+    """p95 TPOT above the target (0 when met or when there is no target)."""
+    per_batch: dict[int, tuple[float, float]] = field(default_factory=dict, compare=False)
+    """Batch size -> (predicted tokens per step, predicted step ms); not in to_dict()."""
+
+    def constraints(self) -> list[float]:
+        """Optuna constraint values (<= 0 feasible): tenant KV, speculation KV, TPOT."""
+        return [float(self.tenant_pages_needed - self.tenant_pages),
+                float(self.spec_pages_needed - self.spec_pages), self.tpot_excess_ms]
+
+    @property
+    def feasible(self) -> bool:
+        return all(c <= 0 for c in self.constraints())
+
+    def violations(self) -> list[str]:
+        out = []
+        if self.tenant_pages_needed > self.tenant_pages:
+            out.append(f"KV capacity: tenants need {self.tenant_pages_needed} pages for the "
+                       f"observed concurrency, the pool split leaves {self.tenant_pages}")
+        if self.spec_pages_needed > self.spec_pages:
+            out.append(f"speculation needs {self.spec_pages_needed} pages, "
+                       f"the pool split gives {self.spec_pages}")
+        if self.tpot_excess_ms > 0:
+            out.append(f"p95 TPOT {self.p95_tpot_ms:.2f} ms exceeds the target by "
+                       f"{self.tpot_excess_ms:.2f} ms")
+        return out
+
+    def to_dict(self) -> dict:
+        d = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()
+             if k != "per_batch"}
+        return {**d, "feasible": self.feasible, "violations": self.violations()}
+
+
+def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: Capacity,
+             tpot_target_ms: float = 0.0) -> Evaluation:
+    """Predicted goodput, p95 TPOT and page budgets of `policy` (see the module docstring)."""
+    tokens = time_ms = 0.0
+    tpot: list[tuple[float, float]] = []  # (TPOT ms, weight)
+    per_batch: dict[int, tuple[float, float]] = {}
+    for batch, weight in traffic.batch_weights.items():
+        technique, depth = _choice(policy, batch, capacity)
+        per_seq = model.tokens_per_seq_mix(technique, depth, traffic.tenant_mix, policy.draft_vocab)
+        prefill = traffic.prefill_per_step.get(batch, 0.0)
+        ms = model.predict_step_ms(technique, depth, batch, prefill, policy.draft_vocab)
+        tokens += weight * batch * per_seq
+        time_ms += weight * ms
+        per_batch[batch] = (batch * per_seq, ms)
+        tpot.append((ms / per_seq, weight * batch * per_seq))
+    p95 = weighted_quantile(tpot, 0.95)
+    tenant_pages, tenant_need, spec_pages, spec_need = _pages(policy, traffic, capacity)
+    excess = max(0.0, p95 - tpot_target_ms) if tpot_target_ms > 0 else 0.0
+    return Evaluation(1000.0 * tokens / time_ms if time_ms > 0 else 0.0, p95,
+                      tenant_pages, tenant_need, spec_pages, spec_need, excess, per_batch)
+
+
+def _choice(policy: TunedPolicy, batch: int, capacity: Capacity) -> tuple[str, int]:
+    technique, depth = policy.choose(batch)
+    if batch > capacity.spec_max_batch or technique not in capacity.proposers:
+        return "none", 0
+    return technique, min(depth, capacity.max_depth)
+
+
+def _pages(policy: TunedPolicy, traffic: Traffic, capacity: Capacity) -> tuple[int, int, int, int]:
+    """(tenant pages, tenant pages needed, speculation pages, speculation pages needed)."""
+    total, page = capacity.total_pages, capacity.page_size
+    spec_pages = math.floor(total * policy.pool_split)
+    concurrency = math.ceil(traffic.required_concurrency)
+    tenant_need = concurrency * math.ceil(max(traffic.tokens_per_sequence, 1.0) / page)
+    speculating = min(concurrency, policy.crossover, capacity.spec_max_batch)
+    used = _speculating_rules(policy, capacity)
+    spec_need = 0
+    if speculating > 0 and used:
+        depth = max(used.values())
+        spec_bytes = sum(capacity.proposers[t][0] for t in used)
+        spec_bytes += speculating * depth * max(capacity.proposers[t][1] for t in used)
+        spec_need = math.ceil(speculating * depth / page)
+        if capacity.page_bytes > 0:
+            spec_need += math.ceil(spec_bytes / capacity.page_bytes)
+    return total - spec_pages, tenant_need, spec_pages, spec_need
+
+
+def _speculating_rules(policy: TunedPolicy, capacity: Capacity) -> dict[str, int]:
+    """Technique -> deepest depth over the rules that apply at or below the crossover."""
+    used: dict[str, int] = {}
+    lower = 0  # a rule covers batch sizes (lower, max_batch]
+    for rule in policy.rules:
+        if lower < policy.crossover and rule.technique in capacity.proposers:
+            depth = min(rule.depth, capacity.max_depth)
+            used[rule.technique] = max(used.get(rule.technique, 0), depth)
+        lower = rule.max_batch
+    return used
+
+
+def weighted_quantile(values: list[tuple[float, float]], q: float) -> float:
+    """The q-quantile of (value, weight) pairs (the smallest value covering q of the weight).
+
+    >>> weighted_quantile([(1.0, 1), (5.0, 1), (9.0, 8)], 0.15)
+    5.0
+    """
+    pairs = sorted(v for v in values if v[1] > 0)
+    total = sum(w for _, w in pairs)
+    if not pairs or total <= 0:
+        return 0.0
+    acc = 0.0
+    for value, weight in pairs:
+        acc += weight
+        if acc >= q * total:
+            return value
+    return pairs[-1][0]

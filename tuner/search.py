@@ -1,0 +1,289 @@
+"""One search: telemetry -> model -> Optuna ask/tell -> the best feasible policy.
+
+`run_search(job)` is a plain function of a picklable job, so the daemon can
+run it in another process (off the serving path, away from the engine's GIL)
+or a thread (tests). Data flow:
+
+1. Read the raw steps and finished requests of the fit window, and each
+   policy version's draft vocabulary, in one session.
+2. Fit the PerfModel (error measured on held-out steps) and observe Traffic.
+3. Open the study in the same database (RDB storage, `load_if_exists`), its
+   name carrying the space's fingerprint (and a generation number once a
+   study holds `max_study_trials`); the sampler's seed, when one is
+   configured, is offset by the trial count so a restart never repeats.
+4. Enqueue the current policy, a greedy policy built from the model (the
+   best (technique, depth) of each batch-size range on its own), and the
+   study's (or the previous generation's) best earlier parameters, so they
+   are scored under today's model and traffic and TPE starts from them.
+5. Ask/tell `trials` times: suggest a policy, evaluate it, store its
+   constraints (KV pages, TPOT) with `Trial.set_constraint`, which TPE honours.
+6. Pick the best feasible trial of this run (two-objective: the highest
+   goodput on this run's Pareto front) and return it with the evidence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+from sqlalchemy import event
+from optuna.trial import FrozenTrial, TrialState
+
+from engine.policy import BatchRule, TunedPolicy
+from store.db import is_sqlite, make_engine, resolve_url, session_scope
+from tuner.config import TunerConfig
+from tuner.data import draft_vocab_by_version, read_requests, read_steps
+from tuner.model import PerfModel
+from tuner.objective import Capacity, Evaluation, evaluate
+from tuner.space import SearchSpace
+from tuner.traffic import Traffic, observe
+
+CONSTRAINT_NAMES = ("tenant_kv_pages", "speculation_kv_pages", "p95_tpot_ms")
+REVISIT = 3
+"""Best earlier parameter sets re-scored in every run."""
+SQLITE_TIMEOUT_S = 30
+
+optuna.logging.set_verbosity(logging.WARNING)
+
+
+@dataclass(frozen=True)
+class SearchJob:
+    """Everything one search needs (picklable)."""
+
+    db_url: str
+    config: TunerConfig
+    capacity: Capacity
+    incumbent: dict[str, Any]
+    """The policy serving now (TunedPolicy.to_dict())."""
+    since: float
+    until: float
+    retune_id: int | None = None
+
+
+@dataclass
+class SearchOutcome:
+    """The chosen policy and the evidence behind it."""
+
+    study_name: str
+    best: dict[str, Any] | None
+    best_trial: int | None
+    predicted: dict[str, Any] | None
+    """The chosen policy's Evaluation.to_dict()."""
+    incumbent: dict[str, Any]
+    fit: dict[str, Any]
+    model: dict[str, Any]
+    traffic: dict[str, Any]
+    trials: list[int] = field(default_factory=list)
+    pareto: list[dict[str, Any]] = field(default_factory=list)
+    per_batch: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """The chosen policy's predicted (tokens per step, step ms) at each observed batch size."""
+
+
+def make_storage(db_url: str) -> optuna.storages.RDBStorage:
+    """Optuna's RDB storage on the project's database (its tables sit beside the xo_ ones).
+
+    On SQLite its connections get the store's settings (WAL, synchronous NORMAL,
+    a busy timeout): a trial is a dozen small commits, and a full fsync each
+    made them the search's main cost.
+    """
+    url = resolve_url(db_url)
+    if not is_sqlite(url):
+        return optuna.storages.RDBStorage(url)
+    storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {
+        "timeout": SQLITE_TIMEOUT_S}})
+    event.listen(storage.engine, "connect", _sqlite_pragmas)
+    storage.engine.dispose()  # connections opened while creating tables lack the pragmas
+    return storage
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cursor = dbapi_conn.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_TIMEOUT_S * 1000}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = NORMAL")
+    finally:
+        cursor.close()
+
+
+def open_study(storage: optuna.storages.RDBStorage, name: str, two_objective: bool,
+               seed: int | None) -> optuna.Study:
+    """Create or load the study (ask/tell; multivariate TPE, constraint-aware)."""
+    if seed is not None:
+        seed += _trial_count(storage, name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True)
+    directions = ["maximize", "minimize"] if two_objective else ["maximize"]
+    return optuna.create_study(storage=storage, sampler=sampler, study_name=name,
+                               directions=directions, load_if_exists=True)
+
+
+def trial_constraints(trial: FrozenTrial) -> list[float]:
+    """The trial's constraint values (<= 0 feasible), in CONSTRAINT_NAMES order."""
+    values = trial.constraints
+    return [values.get(name, 0.0) for name in CONSTRAINT_NAMES]
+
+
+def _trial_count(storage: optuna.storages.RDBStorage, name: str) -> int:
+    try:
+        return storage.get_n_trials(storage.get_study_id_from_name(name))
+    except KeyError:
+        return 0
+
+
+def generation(storage: optuna.storages.RDBStorage, name: str,
+               cap: int) -> tuple[str, str | None]:
+    """(the study generation with room, the full one before it): `name`, `name.2`, ...
+
+    TPE reads every trial of its study at each ask, so a study stops growing at
+    `cap` trials and the next generation starts from the last one's best.
+    """
+    previous, k = None, 1
+    while True:
+        current = name if k == 1 else f"{name}.{k}"
+        if _trial_count(storage, current) < cap:
+            return current, previous
+        previous, k = current, k + 1
+
+
+def run_search(job: SearchJob) -> SearchOutcome:
+    """See the module docstring."""
+    cfg = job.config
+    steps, requests, vocab_of = _read(job)
+    model, report = PerfModel.fit_with_report(steps, requests, vocab_of)
+    traffic = observe(steps, requests, cfg.concurrency_quantile)
+    space = SearchSpace.build(cfg, job.capacity)
+    storage = make_storage(job.db_url)
+    try:
+        name, previous = generation(storage, space.study_name(cfg.study_name),
+                                    cfg.max_study_trials)
+        study = open_study(storage, name, cfg.two_objective, cfg.seed)
+
+        def score(policy: TunedPolicy, on: Traffic = traffic) -> Evaluation:
+            return evaluate(policy, model, on, job.capacity, cfg.tpot_p95_ms)
+
+        incumbent = TunedPolicy.from_dict(job.incumbent)
+        donor = optuna.load_study(study_name=previous, storage=storage) if previous else study
+        _enqueue(study, donor, space, [incumbent, greedy_policy(space, score, traffic)])
+        told = [_one_trial(study, space, score, job.retune_id) for _ in range(cfg.trials)]
+        best, pareto = _choose(told, cfg.two_objective)
+        return SearchOutcome(
+            study_name=study.study_name,
+            best=best.user_attrs["policy"] if best else None,
+            best_trial=best.number if best else None,
+            predicted=best.user_attrs["evaluation"] if best else None,
+            incumbent=score(incumbent).to_dict(),
+            fit=report.to_dict(), model=model.summary(), traffic=traffic.summary(),
+            trials=[t.number for t in told],
+            pareto=[_front_entry(t) for t in pareto],
+            per_batch=_per_batch(best, score),
+        )  # fmt: skip
+    finally:
+        storage.engine.dispose()
+
+
+def _read(job: SearchJob) -> tuple[list, list, dict[int, int]]:
+    engine = make_engine(job.db_url)
+    try:
+        with session_scope(engine) as session:
+            steps = read_steps(session, job.since, job.until, limit=job.config.max_fit_rows)
+            requests = read_requests(session, job.since, job.until)
+            return steps, requests, draft_vocab_by_version(session)
+    finally:
+        engine.dispose()
+
+
+def greedy_policy(space: SearchSpace, score: Any, traffic: Traffic) -> TunedPolicy | None:
+    """Each range's best (technique, depth) scored on its own batch sizes; the crossover
+    after the last range that speculates; the smallest pool split that is feasible."""
+    cells = [("none", 0)] + [(t, d) for t in space.techniques if t != "none"
+                             for d in range(1, space.max_depth + 1)]
+    rules, lower, crossover = [], 0, 0
+    for i, upper in enumerate(space.ranges):
+        last = i == len(space.ranges) - 1
+        weights = {b: w for b, w in traffic.batch_weights.items()
+                   if b > lower and (last or b <= upper)}
+        best = ("none", 0)
+        if weights:
+            part = dataclasses.replace(traffic, batch_weights=weights)
+            best = max(cells, key=lambda c: score(_single(upper, c, space), part).goodput)
+        rules.append(BatchRule(upper, *best))
+        crossover = upper if best[0] != "none" else crossover
+        lower = upper
+    vocab = space.draft_vocabs[0] if space.draft_vocabs else 0
+    for split in space.pool_splits() if space.max_pool_split > 0 else [0.0]:
+        policy = TunedPolicy(tuple(rules), crossover, split, draft_vocab=vocab, source="tuner")
+        if score(policy, traffic).feasible:
+            return policy
+    return None
+
+
+def _single(upper: int, cell: tuple[str, int], space: SearchSpace) -> TunedPolicy:
+    vocab = space.draft_vocabs[0] if space.draft_vocabs else 0
+    return TunedPolicy((BatchRule(upper, *cell),), crossover=1 << 30,
+                       pool_split=space.max_pool_split, draft_vocab=vocab)
+
+
+def _enqueue(study: optuna.Study, donor: optuna.Study, space: SearchSpace,
+             policies: list[TunedPolicy | None]) -> None:
+    """Queue `policies` and the donor study's best feasible parameter sets (deduplicated)."""
+    queued = [p for p in (space.params_of(x) for x in policies if x is not None) if p is not None]
+    done = [t for t in donor.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if all(c <= 0 for c in trial_constraints(t))]
+    done.sort(key=lambda t: t.values[0], reverse=True)
+    for t in done[: REVISIT * 4]:
+        if len(queued) >= REVISIT + 2:
+            break
+        if t.params not in queued:
+            queued.append(t.params)
+    unique = [p for i, p in enumerate(queued) if p not in queued[:i]]
+    for p in unique:
+        study.enqueue_trial(p)
+
+
+def _one_trial(study: optuna.Study, space: SearchSpace, score: Any,
+               retune_id: int | None) -> FrozenTrial:
+    trial = study.ask()
+    policy = space.suggest(trial)
+    ev = score(policy)
+    trial.set_user_attr("policy", policy.to_dict())
+    trial.set_user_attr("evaluation", ev.to_dict())
+    for name, value in zip(CONSTRAINT_NAMES, ev.constraints(), strict=True):
+        trial.set_constraint(name, value)
+    if retune_id is not None:
+        trial.set_user_attr("retune_id", retune_id)
+    values = [ev.goodput, ev.p95_tpot_ms] if len(study.directions) == 2 else ev.goodput
+    return study.tell(trial, values)
+
+
+def _choose(told: list[FrozenTrial], two_objective: bool) -> tuple[FrozenTrial | None, list]:
+    """Best feasible trial of this run, and this run's feasible Pareto front (two objectives)."""
+    feasible = [t for t in told if t.state == TrialState.COMPLETE
+                and all(c <= 0 for c in trial_constraints(t))]
+    if not feasible:
+        return None, []
+    if not two_objective:
+        return max(feasible, key=lambda t: t.values[0]), []
+    front = [t for t in feasible if not any(_dominates(o, t) for o in feasible)]
+    front.sort(key=lambda t: (-t.values[0], t.values[1]))
+    return front[0], front
+
+
+def _dominates(a: FrozenTrial, b: FrozenTrial) -> bool:
+    """a is no worse in goodput (max) and TPOT (min) and better in one."""
+    (ga, ta), (gb, tb) = a.values, b.values
+    return ga >= gb and ta <= tb and (ga > gb or ta < tb)
+
+
+def _front_entry(t: FrozenTrial) -> dict[str, Any]:
+    return {"trial": t.number, "goodput": round(t.values[0], 3),
+            "p95_tpot_ms": round(t.values[1], 4), "policy": t.user_attrs["policy"]}
+
+
+def _per_batch(best: FrozenTrial | None, score: Any) -> dict[int, tuple[float, float]]:
+    return score(TunedPolicy.from_dict(best.user_attrs["policy"])).per_batch if best else {}

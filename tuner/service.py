@@ -1,0 +1,306 @@
+"""The Tuner: single-flight retunes, from a trigger to a validated policy.
+
+1. `trigger(source)` (an admin request, or `scheduled()` from the periodic
+   job) records a running retune (`store.history.start_retune`) and starts
+   one worker thread, unless a retune is running: then it returns that one's
+   handle (single-flight). A pinned policy makes it record a skip instead;
+   `scheduled()` also skips, recorded with its reason, when fewer than
+   `min_new_steps` steps arrived since the last retune that ran.
+2. The worker hands a `SearchJob` to the search runner (`run_search` in
+   this thread, or `ProcessSearch`: a spawned process, off the serving path
+   and the engine thread's GIL): fit the model, observe the traffic,
+   ask/tell the study (tuner.search).
+3. No feasible candidate, a candidate equal to the serving policy, or one
+   that does not beat the serving policy's predicted goodput by `min_gain`:
+   the retune ends "rejected" with that evidence.
+4. Otherwise the keeper applies it (next version, source "tuner").
+5. Validation window: every `validation_poll_s` the worker reads the new
+   version's steps until `validation_min_steps` of them (exploration left
+   out) or `validation_s` has passed, then compares them at matched batch
+   sizes with the previous policy's steps of the `baseline_s` before the
+   apply (tuner.validate).
+6. "rollback": the keeper serves the previous policy again, records why,
+   and the retune ends "rejected"; otherwise it ends "applied". Either way
+   `finish_retune` stores predicted and measured goodput (the prediction
+   taken at the batch sizes measured, weighted like the observed traffic, so
+   the two compare) and the details: the full-traffic prediction, fit error,
+   traffic, trials, Pareto front, verdict.
+Any exception ends the retune "failed" with its message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine
+
+from engine.policy import TunedPolicy
+from store.db import session_scope
+from store.history import finish_retune, start_retune
+from store.models import Retune
+from telemetry.queries import retune_history
+from tuner.config import TunerConfig
+from tuner.data import count_steps, last_real_retune_start, read_steps
+from tuner.keeper import PolicyKeeper, PolicyPinned
+from tuner.model import NotEnoughTelemetry
+from tuner.objective import Capacity
+from tuner.search import SearchJob, SearchOutcome, run_search
+from tuner.space import SearchSpace
+from tuner.validate import Verdict, compare, measured_goodput, own_steps, weighted_rate
+
+log = logging.getLogger("crossover.tuner")
+SearchRunner = Callable[[SearchJob], SearchOutcome]
+
+
+@dataclass
+class RetuneHandle:
+    """A retune this process started; `phase` moves while it runs."""
+
+    id: int
+    source: str
+    phase: str = "searching"
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class ProcessSearch:
+    """Runs `run_search` in one spawned worker process (created on first use)."""
+
+    def __init__(self) -> None:
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __call__(self, job: SearchJob) -> SearchOutcome:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        return self._pool.submit(run_search, job).result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Tuner:
+    """See the module docstring."""
+
+    def __init__(self, db: Engine, db_url: str, keeper: PolicyKeeper,
+                 capacity: Callable[[], Capacity], config: TunerConfig = TunerConfig(),
+                 search: SearchRunner = run_search) -> None:
+        self.db, self.db_url, self.keeper = db, db_url, keeper
+        self.config = config
+        self._capacity = capacity
+        self._search = search
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._running: RetuneHandle | None = None
+        self._thread: threading.Thread | None = None
+        self.last_outcome: SearchOutcome | None = None
+
+    # -- triggers --------------------------------------------------------------
+    def trigger(self, source: str = "admin") -> tuple[dict[str, Any], bool]:
+        """(the retune's view, whether this call started it); see step 1."""
+        with self._lock:
+            if self._running is not None:
+                return self._view(self._running.id), False
+            if self._stop.is_set():
+                raise RuntimeError("the tuner is closed")
+            if self.keeper.pinned:
+                return self._skip(source, f"policy v{self.keeper.current.version} is pinned by "
+                                          "an admin; unpin it to tune"), False
+            study = SearchSpace.build(self.config, self._capacity()).study_name(
+                self.config.study_name)
+            with session_scope(self.db) as session:
+                retune_id = start_retune(session, source, study).id
+            handle = self._running = RetuneHandle(retune_id, source)
+            self._thread = threading.Thread(target=self._work, args=(handle,),
+                                            name=f"retune-{retune_id}", daemon=True)
+            self._thread.start()
+            return self._view(retune_id), True
+
+    def scheduled(self) -> dict[str, Any] | None:
+        """The periodic job: skip (recorded, with the reason) on thin telemetry, else trigger."""
+        if self._stop.is_set():
+            return None
+        if self._running is None and not self.keeper.pinned:
+            with session_scope(self.db) as session:
+                since = last_real_retune_start(session) or 0.0
+                new = count_steps(session, since)
+            if new < self.config.min_new_steps:
+                return self._skip("schedule", f"only {new} new steps since the last retune "
+                                              f"(need {self.config.min_new_steps})")
+        return self.trigger("schedule")[0]
+
+    # -- reading -----------------------------------------------------------------
+    def get(self, retune_id: int) -> dict[str, Any] | None:
+        """One retune (in-memory phase added while it runs), or None."""
+        return self._view(retune_id)
+
+    def recent(self, limit: int = 20) -> list[dict[str, Any]]:
+        with session_scope(self.db) as session:
+            return [self._row_view(r) for r in retune_history(session, limit)]
+
+    def wait(self, retune_id: int, timeout: float | None = None) -> bool:
+        handle = self._running
+        if handle is None or handle.id != retune_id:
+            return True
+        return handle.done.wait(timeout)
+
+    def describe(self) -> dict[str, Any]:
+        """What /admin/tuner shows."""
+        last = self.last_outcome
+        return {
+            "config": dataclasses.asdict(self.config),
+            "policy": self.keeper.current.to_dict(), "pinned": self.keeper.pinned,
+            "running": self._running.id if self._running else None,
+            "last_search": None if last is None else {
+                "study_name": last.study_name, "best_trial": last.best_trial, "fit": last.fit,
+                "traffic": last.traffic, "pareto": last.pareto, "predicted": last.predicted},
+        }  # fmt: skip
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop waiting in a validation window and join the worker (bounded)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if hasattr(self._search, "close"):
+            self._search.close()
+
+    # -- the worker ----------------------------------------------------------------
+    def _work(self, handle: RetuneHandle) -> None:
+        try:
+            status, fields = self._retune(handle)
+        except NotEnoughTelemetry as exc:
+            status, fields = "failed", {"error": f"skipped: {exc}",
+                                        "details": {"skipped": True, "reason": str(exc)}}
+        except Exception as exc:
+            log.exception("retune %d failed", handle.id)
+            status, fields = "failed", {"error": f"{type(exc).__name__}: {exc}"}
+        log.info("retune %d %s: %s", handle.id, status,
+                 fields.get("error") or (fields.get("details") or {}).get("reason", ""))
+        try:
+            with session_scope(self.db) as session:
+                finish_retune(session, handle.id, status, **fields)
+        finally:
+            with self._lock:
+                self._running = None
+            handle.phase = "done"
+            handle.done.set()
+
+    def _retune(self, handle: RetuneHandle) -> tuple[str, dict[str, Any]]:
+        incumbent = self.keeper.current
+        now = time.time()
+        job = SearchJob(self.db_url, self.config, self._capacity(), incumbent.to_dict(),
+                        since=now - self.config.fit_window_s, until=now + 1.0, retune_id=handle.id)
+        outcome = self._search(job)
+        self.last_outcome = outcome
+        details = {"fit": outcome.fit, "traffic": outcome.traffic, "incumbent": outcome.incumbent,
+                   "predicted": outcome.predicted, "trials": len(outcome.trials),
+                   "pareto": outcome.pareto, "model": outcome.model}
+        common = {"trial_number": outcome.best_trial, "details": details}
+        candidate, reason = self._candidate(outcome, incumbent)
+        if candidate is None:
+            details["reason"] = reason
+            return "rejected", {**common, "predicted_goodput": _goodput(outcome.predicted)}
+        predicted = _goodput(outcome.predicted)
+        handle.phase = "validating"
+        try:
+            applied = self.keeper.apply(candidate, "tuner", {"retune_id": handle.id,
+                                                             "predicted_goodput": predicted})
+        except PolicyPinned as exc:
+            details["reason"] = f"{exc} (pinned during the search)"
+            return "rejected", {**common, "predicted_goodput": predicted}
+        verdict, measured, matched = self._validate(applied, incumbent, outcome)
+        details["validation"] = verdict.to_dict()
+        details["predicted_at_measured_batches"] = matched
+        fields = {**common, "predicted_goodput": predicted if matched is None else matched,
+                  "measured_goodput": measured, "chosen_policy_version": applied.version}
+        if verdict.decision == "rollback":
+            if self.keeper.rollback(applied, incumbent, verdict.reason):
+                return "rejected", fields
+            details["reason"] = "replaced (an admin pin) before it could be rolled back"
+        return "applied", fields
+
+    def _candidate(self, outcome: SearchOutcome,
+                   incumbent: TunedPolicy) -> tuple[TunedPolicy | None, str]:
+        if outcome.best is None:
+            return None, "no trial satisfied the constraints (KV capacity, p95 TPOT)"
+        candidate = TunedPolicy.from_dict(outcome.best)
+        best, current = _goodput(outcome.predicted) or 0.0, outcome.incumbent["goodput"]
+        if _shape(candidate) == _shape(incumbent):
+            return None, "the serving policy is still the best found"
+        if outcome.incumbent["feasible"] and best < current * (1 + self.config.min_gain):
+            return None, (f"best predicted goodput {best:.1f} does not beat the serving "
+                          f"policy's {current:.1f} by {self.config.min_gain:.0%}")
+        return candidate, ""
+
+    def _validate(self, applied: TunedPolicy, previous: TunedPolicy,
+                  outcome: SearchOutcome) -> tuple[Verdict, float | None, float | None]:
+        """The verdict, the measured goodput, and the model's prediction at the same batch sizes."""
+        cfg = self.config
+        start = time.time()
+        rows = self._steps(start, applied.version)
+        while (len(own_steps(rows, applied)) < cfg.validation_min_steps
+               and time.time() - start < cfg.validation_s
+               and self.keeper.current.version == applied.version
+               and not self._stop.wait(cfg.validation_poll_s)):
+            rows = self._steps(start, applied.version)
+        rows = self._steps(start, applied.version)
+        with session_scope(self.db) as session:
+            baseline = read_steps(session, start - cfg.baseline_s, start, version=previous.version)
+        verdict = compare(rows, baseline, applied, previous, cfg.rollback_margin, cfg.noise_z)
+        own = own_steps(rows, applied)
+        weights = {int(b): w for b, w in outcome.traffic.get("batch_weights", {}).items()}
+        served = {r.batch_size for r in own}
+        predicted = weighted_rate({b: v for b, v in outcome.per_batch.items() if b in served},
+                                  weights)
+        return verdict, measured_goodput(own, weights), predicted
+
+    def _steps(self, since: float, version: int) -> list:
+        with session_scope(self.db) as session:
+            return read_steps(session, since - 1.0, version=version)
+
+    # -- records -------------------------------------------------------------------
+    def _skip(self, source: str, reason: str) -> dict[str, Any]:
+        """Record a retune that did not run (status "failed", details.skipped)."""
+        with session_scope(self.db) as session:
+            retune = start_retune(session, source)
+            finish_retune(session, retune.id, "failed", error=f"skipped: {reason}",
+                          details={"skipped": True, "reason": reason})
+            return self._row_view(retune)
+
+    def _view(self, retune_id: int) -> dict[str, Any] | None:
+        with session_scope(self.db) as session:
+            row = session.get(Retune, retune_id)
+            view = None if row is None else self._row_view(row)
+        handle = self._running
+        if view is not None and handle is not None and handle.id == retune_id:
+            view["phase"] = handle.phase
+        return view
+
+    @staticmethod
+    def _row_view(r: Retune) -> dict[str, Any]:
+        return {
+            "id": r.id, "triggered_by": r.triggered_by, "status": r.status,
+            "phase": "done" if r.status != "running" else "running",
+            "skipped": bool((r.details or {}).get("skipped")),
+            "started_at": r.started_at, "finished_at": r.finished_at,
+            "study_name": r.study_name, "trial_number": r.trial_number,
+            "predicted_goodput": r.predicted_goodput, "measured_goodput": r.measured_goodput,
+            "chosen_policy_version": r.chosen_policy_version, "error": r.error,
+            "details": r.details,
+        }  # fmt: skip
+
+
+def _goodput(evaluation: dict[str, Any] | None) -> float | None:
+    return None if evaluation is None else float(evaluation["goodput"])
+
+
+def _shape(p: TunedPolicy) -> tuple:
+    """What a policy does, without its version, source and notes."""
+    return p.rules, p.crossover, round(p.pool_split, 6), p.draft_vocab

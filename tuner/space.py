@@ -1,0 +1,107 @@
+"""The search space: a TunedPolicy as Optuna parameters, and back.
+
+Parameters (static, so TPE sees the same space in every trial):
+
+    tech_<i>, depth_<i>   technique and depth for batch-size range i (depth unused with "none")
+    crossover             0 (never speculate) or a range's upper end
+    pool_split            share of the KV pool lent to speculation, on a grid
+    draft_vocab           MTP draft vocabulary, only when an MTP proposer is loaded
+
+The study name carries a fingerprint of the space, so a changed space
+(another proposer loaded, other ranges) starts a new study instead of
+confusing the old one; the same space continues the same study.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import optuna
+
+from engine.policy import BatchRule, TunedPolicy
+from tuner.config import TunerConfig
+from tuner.objective import Capacity
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    ranges: tuple[int, ...]
+    techniques: tuple[str, ...]
+    """"none" first, then the loaded proposers."""
+    max_depth: int
+    max_pool_split: float
+    pool_split_step: float
+    draft_vocabs: tuple[int, ...] = ()
+    """Empty unless "mtp" is among the techniques."""
+    two_objective: bool = False
+
+    @staticmethod
+    def build(config: TunerConfig, capacity: Capacity) -> SearchSpace:
+        techniques = capacity.techniques
+        return SearchSpace(
+            ranges=config.ranges, techniques=techniques,
+            max_depth=max(1, min(config.max_depth, capacity.max_depth)),
+            max_pool_split=config.max_pool_split, pool_split_step=config.pool_split_step,
+            draft_vocabs=config.draft_vocabs if "mtp" in techniques else (),
+            two_objective=config.two_objective,
+        )  # fmt: skip
+
+    def fingerprint(self) -> str:
+        """Eight hex digits that change whenever the space does."""
+        text = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+    def study_name(self, prefix: str) -> str:
+        return f"{prefix}-{self.fingerprint()}"
+
+    @property
+    def crossovers(self) -> tuple[int, ...]:
+        return (0, *self.ranges)
+
+    def pool_splits(self) -> list[float]:
+        n = int(round(self.max_pool_split / self.pool_split_step))
+        return [round(i * self.pool_split_step, 6) for i in range(n + 1)]
+
+    def suggest(self, trial: optuna.Trial) -> TunedPolicy:
+        """The policy of one trial (version 0, source "tuner")."""
+        rules = []
+        for i, upper in enumerate(self.ranges):
+            technique = trial.suggest_categorical(f"tech_{i}", self.techniques)
+            depth = trial.suggest_int(f"depth_{i}", 1, self.max_depth)
+            rules.append(BatchRule(upper, technique, 0 if technique == "none" else depth))
+        crossover = trial.suggest_categorical("crossover", self.crossovers)
+        split = trial.suggest_float("pool_split", 0.0, self.max_pool_split,
+                                    step=self.pool_split_step) if self.max_pool_split > 0 else 0.0
+        vocab = (trial.suggest_categorical("draft_vocab", self.draft_vocabs)
+                 if self.draft_vocabs else 0)
+        return TunedPolicy(rules=tuple(rules), crossover=int(crossover),
+                           pool_split=round(float(split), 6), draft_vocab=int(vocab),
+                           source="tuner")
+
+    def params_of(self, policy: TunedPolicy) -> dict[str, Any] | None:
+        """The trial parameters that give `policy`, or None when it lies outside the space."""
+        if tuple(r.max_batch for r in policy.rules) != self.ranges:
+            return None
+        params: dict[str, Any] = {}
+        for i, rule in enumerate(policy.rules):
+            if rule.technique not in self.techniques or rule.depth > self.max_depth:
+                return None
+            params[f"tech_{i}"] = rule.technique
+            params[f"depth_{i}"] = max(1, rule.depth)
+        if policy.crossover not in self.crossovers:
+            return None
+        params["crossover"] = policy.crossover
+        if self.max_pool_split > 0:
+            if round(policy.pool_split, 6) not in self.pool_splits():
+                return None
+            params["pool_split"] = round(policy.pool_split, 6)
+        elif policy.pool_split:
+            return None
+        if self.draft_vocabs:
+            if policy.draft_vocab not in self.draft_vocabs:
+                return None
+            params["draft_vocab"] = policy.draft_vocab
+        return params

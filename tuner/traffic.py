@@ -1,0 +1,104 @@
+"""The traffic actually observed: what the objective averages over and the KV pool must hold.
+
+    >>> from tuner.data import StepRow
+    >>> def row(b, q): return StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 10.0, q, 0)
+    >>> rows = [row(1, 0), row(3, 1)]
+    >>> t = observe(rows, [], quantile=1.0)
+    >>> t.batch_weights, t.concurrency
+    ({1: 0.5, 3: 0.5}, 4.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tuner.data import RequestRow, StepRow
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Observed load over the fit window."""
+
+    steps: int
+    batch_weights: dict[int, float]
+    """Batch size -> share of steps (sums to 1)."""
+    prefill_per_step: dict[int, float]
+    """Batch size -> mean prefill tokens per step (the same whatever the policy)."""
+    concurrency: float
+    """The configured quantile of running + waiting sequences per step."""
+    concurrency_max: int
+    arrival_rate: float = 0.0
+    """Requests per second over the requests' span."""
+    mean_latency_s: float = 0.0
+    """Mean arrival-to-finish time of finished requests."""
+    mean_prompt_tokens: float = 0.0
+    mean_output_tokens: float = 0.0
+    tenant_mix: dict[str, float] = field(default_factory=dict)
+    """Tenant -> share of output tokens (sums to 1; empty without requests)."""
+
+    @property
+    def required_concurrency(self) -> float:
+        """Sequences the pool must hold: the step quantile, or Little's law if larger."""
+        return max(self.concurrency, self.arrival_rate * self.mean_latency_s)
+
+    @property
+    def tokens_per_sequence(self) -> float:
+        """KV footprint of one sequence at its end (prompt + output)."""
+        return self.mean_prompt_tokens + self.mean_output_tokens
+
+    def summary(self) -> dict:
+        return {
+            "steps": self.steps,
+            "batch_weights": {str(b): round(w, 4) for b, w in self.batch_weights.items()},
+            "concurrency": round(self.concurrency, 2), "concurrency_max": self.concurrency_max,
+            "required_concurrency": round(self.required_concurrency, 2),
+            "arrival_rate": round(self.arrival_rate, 4),
+            "mean_latency_s": round(self.mean_latency_s, 4),
+            "mean_prompt_tokens": round(self.mean_prompt_tokens, 1),
+            "mean_output_tokens": round(self.mean_output_tokens, 1),
+            "tenant_mix": {t: round(w, 4) for t, w in self.tenant_mix.items()},
+        }
+
+
+def observe(steps: Sequence[StepRow], requests: Sequence[RequestRow],
+            quantile: float = 0.95) -> Traffic:
+    """Summarize steps (batch sizes, concurrency) and requests (rate, lengths, tenants)."""
+    if not steps:
+        raise ValueError("no steps to observe")
+    counts: dict[int, int] = {}
+    prefill: dict[int, int] = {}
+    for s in steps:
+        counts[s.batch_size] = counts.get(s.batch_size, 0) + 1
+        prefill[s.batch_size] = prefill.get(s.batch_size, 0) + s.prefill_tokens
+    n = len(steps)
+    load = np.array([s.batch_size + s.queue_len for s in steps], float)
+    return Traffic(
+        steps=n,
+        batch_weights={b: c / n for b, c in sorted(counts.items())},
+        prefill_per_step={b: prefill[b] / counts[b] for b in sorted(counts)},
+        concurrency=float(np.quantile(load, quantile)),
+        concurrency_max=int(load.max()),
+        **_request_figures(requests),
+    )
+
+
+def _request_figures(requests: Sequence[RequestRow]) -> dict:
+    if not requests:
+        return {}
+    arrivals = [r.arrival_time for r in requests]
+    span = max(r.finish_time for r in requests) - min(arrivals)
+    outputs = sum(r.output_tokens for r in requests)
+    mix: dict[str, float] = {}
+    for r in requests:
+        mix[r.tenant] = mix.get(r.tenant, 0.0) + r.output_tokens
+    n = len(requests)
+    return {
+        "arrival_rate": n / span if span > 0 else 0.0,
+        "mean_latency_s": sum(r.finish_time - r.arrival_time for r in requests) / n,
+        "mean_prompt_tokens": sum(r.prompt_tokens for r in requests) / n,
+        "mean_output_tokens": outputs / n,
+        "tenant_mix": {t: v / outputs for t, v in sorted(mix.items())} if outputs else {},
+    }

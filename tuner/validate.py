@@ -1,0 +1,147 @@
+"""Online validation: the new policy's measured goodput against the previous one's.
+
+Goodput is compared at matched batch sizes, because load, not the policy,
+decides most of the batch-size mix. For each batch size B seen at least
+MIN_PER_BATCH times under both policies, with per-step goodput means c_B
+(candidate) and b_B (baseline) and their standard errors,
+
+    w_B      = candidate steps at B / candidate steps at all matched B
+    change   = sum_B w_B (c_B - b_B) / sum_B w_B b_B
+    noise    = z * sqrt(sum_B w_B^2 (se_c^2 + se_b^2)) / sum_B w_B b_B
+
+and the candidate is rolled back when change < -max(margin, noise). Steps
+where the candidate's exploration departed from it are left out. Fewer than
+MIN_MATCHED matched candidate steps is "inconclusive" (the policy stays).
+
+    >>> from tuner.data import StepRow
+    >>> def s(b, tok, ms, v): return StepRow(0.0, b, 0, tok, "none", 0, 0, (), 0.0, ms, 0, v)
+    >>> old = [s(2, 2, 10.0 + i % 2, 1) for i in range(30)]
+    >>> new = [s(2, 2, 20.0 + i % 2, 2) for i in range(30)]
+    >>> compare(new, old, TunedPolicy(version=2)).decision
+    'rollback'
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from engine.policy import TunedPolicy
+from tuner.data import StepRow
+from tuner.explore import is_exploration
+
+MIN_PER_BATCH = 3
+MIN_MATCHED = 20
+
+
+@dataclass(frozen=True)
+class BatchComparison:
+    batch: int
+    candidate_steps: int
+    baseline_steps: int
+    candidate_goodput: float
+    baseline_goodput: float
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """keep, rollback or inconclusive, with the evidence."""
+
+    decision: str
+    reason: str
+    candidate_goodput: float | None = None
+    """Mean per-step goodput over matched batch sizes (weights w_B), tokens/s."""
+    baseline_goodput: float | None = None
+    change: float | None = None
+    threshold: float | None = None
+    matched_steps: int = 0
+    per_batch: list[BatchComparison] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for k in ("candidate_goodput", "baseline_goodput", "change", "threshold"):
+            d[k] = None if d[k] is None else round(d[k], 4)
+        return d
+
+
+def own_steps(rows: Sequence[StepRow], policy: TunedPolicy) -> list[StepRow]:
+    """The rows of `policy`'s version that were not exploration."""
+    return [r for r in rows if r.policy_version == policy.version
+            and not is_exploration(policy, r.batch_size, r.technique, r.depth)]
+
+
+def compare(candidate: Sequence[StepRow], baseline: Sequence[StepRow], policy: TunedPolicy,
+            previous: TunedPolicy | None = None, margin: float = 0.05, z: float = 2.0) -> Verdict:
+    """Judge `policy` from its steps against `previous`'s (all baseline rows without one)."""
+    cand = _by_batch(own_steps(candidate, policy))
+    base = _by_batch(own_steps(baseline, previous) if previous is not None else baseline)
+    matched = [b for b in sorted(cand) if len(cand[b]) >= MIN_PER_BATCH
+               and len(base.get(b, ())) >= MIN_PER_BATCH]
+    n = sum(len(cand[b]) for b in matched)
+    per = [BatchComparison(b, len(cand[b]), len(base[b]), _mean(cand[b]), _mean(base[b]))
+           for b in matched]
+    if n < MIN_MATCHED:
+        return Verdict("inconclusive", f"only {n} candidate steps at batch sizes the previous "
+                       f"policy also ran (need {MIN_MATCHED})", matched_steps=n, per_batch=per)
+    weights = {b: len(cand[b]) / n for b in matched}
+    c_mean = sum(weights[b] * _mean(cand[b]) for b in matched)
+    b_mean = sum(weights[b] * _mean(base[b]) for b in matched)
+    var = sum(weights[b] ** 2 * (_sem2(cand[b]) + _sem2(base[b])) for b in matched)
+    change = (c_mean - b_mean) / b_mean if b_mean > 0 else 0.0
+    threshold = max(margin, z * math.sqrt(var) / b_mean if b_mean > 0 else 0.0)
+    if change < -threshold:
+        decision = "rollback"
+        reason = (f"measured goodput {c_mean:.1f} tokens/s is {-change:.1%} below the previous "
+                  f"policy's {b_mean:.1f} at matched batch sizes (threshold {threshold:.1%})")
+    else:
+        decision = "keep"
+        reason = (f"measured goodput {c_mean:.1f} tokens/s vs the previous policy's {b_mean:.1f} "
+                  f"({change:+.1%}; rollback below -{threshold:.1%})")
+    return Verdict(decision, reason, c_mean, b_mean, change, threshold, n, per)
+
+
+def measured_goodput(rows: Sequence[StepRow], batch_weights: dict[int, float]) -> float | None:
+    """Tokens/s of `rows` in the predicted figure's form, over the batch sizes present:
+    1000 * sum_B w_B mean_tokens_B / sum_B w_B mean_ms_B (w: the observed traffic's weights)."""
+    tokens: dict[int, list[float]] = {}
+    ms: dict[int, list[float]] = {}
+    for r in rows:
+        tokens.setdefault(r.batch_size, []).append(r.decode_tokens)
+        ms.setdefault(r.batch_size, []).append(r.step_ms)
+    means = {b: (_mean(tokens[b]), _mean(ms[b])) for b in tokens}
+    return weighted_rate(means, batch_weights)
+
+
+def weighted_rate(per_batch: dict[int, tuple[float, float]],
+                  batch_weights: dict[int, float]) -> float | None:
+    """1000 * sum_B w_B tokens_B / sum_B w_B ms_B over the batch sizes in `per_batch`
+    (weight 1 for a size the traffic never showed).
+
+    >>> weighted_rate({1: (1.0, 10.0), 4: (4.0, 20.0)}, {1: 0.5, 4: 0.5, 8: 9.0})
+    166.66666666666666
+    """
+    if not per_batch:
+        return None
+    w = {b: batch_weights.get(b, 1.0) for b in per_batch}
+    time_ms = sum(w[b] * per_batch[b][1] for b in per_batch)
+    return 1000.0 * sum(w[b] * per_batch[b][0] for b in per_batch) / time_ms if time_ms else None
+
+
+def _by_batch(rows: Sequence[StepRow]) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for r in rows:
+        out.setdefault(r.batch_size, []).append(r.goodput)
+    return out
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _sem2(xs: list[float]) -> float:
+    """Squared standard error of the mean."""
+    if len(xs) < 2:
+        return 0.0
+    m = _mean(xs)
+    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)
