@@ -143,6 +143,7 @@ class EngineCore:
                 self._admit(arg)
             elif kind == "policy":
                 self.policy = arg
+                self.pool.set_split(arg.pool_split)
             elif (seq := self._seqs.get(arg)) is not None:
                 events.append(TokenEvent(seq.request_id, (), seq.text[seq.emitted:], None, True, "abort"))
                 finished.append(self._finish(seq, "abort"))
@@ -266,7 +267,7 @@ class EngineCore:
         return {
             "model": self.model_name,
             "kv_pages_used": self.pool.used, "kv_pages_free": self.pool.free,
-            "kv_pages_total": self.pool.total,
+            "kv_pages_total": self.pool.total, "kv_pages_reserved": self.pool.reserved,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "compile_count": compile_count(), "compiles_since_warmup": self.compiles_since_warmup(),
             "policy_version": self.policy.version, "warmed_up": self.warmed_up,

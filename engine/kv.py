@@ -133,24 +133,27 @@ class PageAllocator:
         if num_pages < 2:
             raise ValueError(f"a pool needs at least 2 pages (one is scratch), got {num_pages}")
         self.num_pages = num_pages
+        self.reserved = 0
+        """Pages lent to speculation (the policy's pool split): never handed to tenants."""
         self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages a tenant can still get (0 while usage exceeds a grown reservation)."""
+        return max(0, len(self._free) - self.reserved)
 
     @property
     def capacity(self) -> int:
-        """Pages that can be handed out (all but scratch)."""
-        return self.num_pages - 1
+        """Pages that can be handed out to tenants (all but scratch and the reservation)."""
+        return self.num_pages - 1 - self.reserved
 
     @property
     def num_used(self) -> int:
-        return self.capacity - self.num_free
+        return self.num_pages - 1 - len(self._free)
 
     def alloc(self, n: int) -> list[int] | None:
         """n pages, or None (and nothing taken) when fewer are free."""
-        if n > len(self._free):
+        if n > self.num_free:
             return None
         return [self._free.pop() for _ in range(n)]
 
@@ -194,6 +197,15 @@ class KVPool:
         pages.ring += self.local_alloc.alloc(l) or []
         return True
 
+    def set_split(self, share: float) -> None:
+        """Lend `share` of each pool to speculation (the policy's pool split).
+
+        Tenants keep the pages they hold; new pages come only from what is
+        left, so shrinking below current use preempts at the next growth.
+        """
+        for a in (self.global_alloc, self.local_alloc):
+            a.reserved = int((a.num_pages - 1) * share)
+
     def fits_alone(self, length: int) -> bool:
         """Whether one sequence of `length` tokens fits in the empty pool."""
         g, l = self.needed(SeqPages([], []), length)
@@ -214,6 +226,11 @@ class KVPool:
         g_row[:k] = pages.global_pages[:k]
         k = min(len(pages.ring), len(l_row))
         l_row[:k] = pages.ring[:k]
+
+    @property
+    def reserved(self) -> int:
+        """Pages lent to speculation by the pool split."""
+        return self.global_alloc.reserved + self.local_alloc.reserved
 
     @property
     def used(self) -> int:

@@ -114,3 +114,19 @@ def test_verify_rejection_sampling_preserves_the_distribution():
         np.testing.assert_allclose(freq, np.exp(logits), atol=0.01)
         assert abs(acc.mean() - np.exp(logits[d])) < 0.01
         assert (tok[acc] == d).all() and (tok[~acc] != d).all()
+
+
+def test_pool_split_lends_pages_to_speculation_and_tenants_see_fewer(tiny):
+    e = make_engine(tiny, **SPEC_RC)
+    total = e.status()["kv_pages_total"]
+    e.set_policy(TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=8, pool_split=0.25, version=3))
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    toks, stats = _run(e, PROMPTS[:2], sp)
+    st = e.status()
+    assert st["kv_pages_reserved"] == 2 * int(199 * 0.25)
+    assert st["kv_pages_total"] == total - st["kv_pages_reserved"]
+    assert all(s.kv_pages_used + s.kv_pages_free == st["kv_pages_total"] for s in stats)
+    assert e.pool.used == 0
+    e.set_policy(TunedPolicy(version=4))
+    _run(e, PROMPTS[:1], sp)
+    assert e.status()["kv_pages_total"] == total
