@@ -64,6 +64,8 @@ def parse_args() -> argparse.Namespace:
                    help="retry a measurement when other processes used more than this "
                         "share of the CPU during it")
     p.add_argument("--retries", type=int, default=2, help="retries per busy measurement")
+    p.add_argument("--max-wait", type=float, default=300,
+                   help="seconds to wait for a quiet machine before each measurement")
     p.add_argument("--skip-lookup", action="store_true", help="skip prompt-lookup runs")
     p.add_argument("--out", type=Path, help="write results here as JSON")
     return p.parse_args()
@@ -196,16 +198,34 @@ def bench_prefill(model, prompt_ids: list[int], repeats: int) -> dict:
             "other_processes_cpu_share": load.share}
 
 
+def wait_for_quiet(args: argparse.Namespace) -> float:
+    """Sleep while other processes keep more than --quiet-share of the CPU
+    busy (sampled over 3 s, while this process idles), at most --max-wait
+    seconds. Returns the seconds waited."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < args.max_wait:
+        with OtherLoad() as load:
+            time.sleep(3)
+        if load.share is None or load.share <= args.quiet_share:
+            break
+    return round(time.perf_counter() - t0, 1)
+
+
 def measure_quietly(fn, args: argparse.Namespace) -> dict:
-    """Run the measurement ``fn()`` (a result row); while other processes
-    took more than --quiet-share of the CPU during it, run it again, up to
-    --retries times. Returns the row measured on the quietest machine."""
+    """Run the measurement ``fn()`` (a result row) once the machine is quiet;
+    while other processes still took more than --quiet-share of the CPU
+    during it, run it again, up to --retries times. Returns the row measured
+    on the quietest machine."""
+    waited = wait_for_quiet(args)
+    if waited > 5:
+        print(f"  (waited {waited:.0f}s for other processes to quieten)", flush=True)
     rows = [fn()]
     while rows[-1]["other_processes_cpu_share"] is not None \
             and rows[-1]["other_processes_cpu_share"] > args.quiet_share \
             and len(rows) <= args.retries:
         print(f"  (machine busy: others used {rows[-1]['other_processes_cpu_share']:.0%} "
               f"of the CPU; measuring again)", flush=True)
+        wait_for_quiet(args)
         rows.append(fn())
     best = min(rows, key=lambda r: r["other_processes_cpu_share"] or 0.0)
     best["attempts"] = len(rows)
@@ -274,7 +294,7 @@ def main() -> int:
                        "threads": args.threads, "cpu_count": os.cpu_count(),
                        "machine": platform.processor() or platform.machine(),
                        "repeats": args.repeats, "quiet_share": args.quiet_share,
-                       "retries": args.retries, "gguf": args.gguf.name,
+                       "retries": args.retries, "max_wait_s": args.max_wait, "gguf": args.gguf.name,
                        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                        # other work on a shared machine skews timings: on record
                        "loadavg_start": [round(x, 2) for x in os.getloadavg()]},
