@@ -52,11 +52,14 @@ def make_engine(
     url = resolve_url(url)
     engine = create_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
-        _install_sqlite_pragmas(engine, busy_timeout_ms)
+        install_sqlite_pragmas(engine, busy_timeout_ms)
     return engine
 
 
-def _install_sqlite_pragmas(engine: Engine, busy_timeout_ms: int) -> None:
+def install_sqlite_pragmas(engine: Engine, busy_timeout_ms: int) -> None:
+    """WAL, busy timeout and synchronous=NORMAL on every new SQLite connection
+    (shared by the store's engine and the tuner's Optuna storage)."""
+
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         cursor = dbapi_conn.cursor()

@@ -30,11 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
-from sqlalchemy import event
 from optuna.trial import FrozenTrial, TrialState
 
 from engine.policy import BatchRule, TunedPolicy
-from store.db import is_sqlite, make_engine, resolve_url, session_scope
+from store.db import install_sqlite_pragmas, is_sqlite, make_engine, resolve_url, session_scope
 from tuner.config import TunerConfig
 from tuner.data import draft_vocab_by_version, read_requests, read_steps
 from tuner.model import PerfModel
@@ -95,19 +94,9 @@ def make_storage(db_url: str) -> optuna.storages.RDBStorage:
         return optuna.storages.RDBStorage(url)
     storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {
         "timeout": SQLITE_TIMEOUT_S}})
-    event.listen(storage.engine, "connect", _sqlite_pragmas)
+    install_sqlite_pragmas(storage.engine, SQLITE_TIMEOUT_S * 1000)
     storage.engine.dispose()  # connections opened while creating tables lack the pragmas
     return storage
-
-
-def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-    cursor = dbapi_conn.cursor()
-    try:
-        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_TIMEOUT_S * 1000}")
-        cursor.execute("PRAGMA journal_mode = WAL")
-        cursor.execute("PRAGMA synchronous = NORMAL")
-    finally:
-        cursor.close()
 
 
 def open_study(storage: optuna.storages.RDBStorage, name: str, two_objective: bool,
