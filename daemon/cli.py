@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from daemon.user_error import UserError
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("daemon.commands.serve", "run the HTTP inference daemon"),
@@ -49,10 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"crossover {args.command}: error: {exc}", file=sys.stderr)
         return 2
-
-
-class UserError(Exception):
-    """A bad value from the user; printed without a traceback, exit code 2."""
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from daemon.cli import UserError
+    from daemon.user_error import UserError
 
     if args.bench == "engine":
         from engine.bench import run_bench

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from daemon.cli import UserError
+    from daemon.user_error import UserError
     from store import migrate
     from store.db import default_url, resolve_url
 

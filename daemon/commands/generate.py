@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from daemon.cli import UserError
+    from daemon.user_error import UserError
     from engine.types import Request, SamplingParams
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(args):
-    from daemon.cli import UserError
+    from daemon.user_error import UserError
     from engine.loader import load_engine
 
     try:

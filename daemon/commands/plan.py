@@ -16,7 +16,7 @@ import json
 import re
 from decimal import Decimal
 
-from daemon.cli import UserError
+from daemon.user_error import UserError
 from engine import planner
 from engine.planner import Plan, format_bytes
 

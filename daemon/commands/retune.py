@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from daemon.cli import UserError
+    from daemon.user_error import UserError
 
     token = args.admin_token or os.environ.get(TOKEN_ENV)
     if not token:
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _follow(base: str, token: str, retune: dict[str, Any], args: argparse.Namespace) -> dict:
-    from daemon.cli import UserError
+    from daemon.user_error import UserError
 
     end = time.monotonic() + args.timeout
     phase = retune.get("phase")
@@ -94,7 +94,7 @@ def _call(method: str, url: str, token: str) -> dict[str, Any]:
     import urllib.error
     import urllib.request
 
-    from daemon.cli import UserError
+    from daemon.user_error import UserError
 
     req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None,
                                  headers={"Authorization": f"Bearer {token}"})

@@ -43,7 +43,7 @@ def test_default_database_comes_from_the_environment(
 
 
 def test_unreachable_database_is_a_user_error(tmp_path: Path) -> None:
-    from daemon.cli import UserError
+    from daemon.user_error import UserError
 
     with pytest.raises(UserError, match="unable to open"):
         _run("upgrade", "--db", str(tmp_path / "no" / "such" / "dir.db"))
