@@ -8,7 +8,8 @@ errors like the rest of the API.
 
     GET    /admin/status           model, pool, queue, compiles, uptime, policy, recorder
     GET    /admin/tenants          every tenant (revoked ones too), never key hashes
-    POST   /admin/tenants          {"name": ..., "max_concurrent": N} -> 201, with the new api_key
+    POST   /admin/tenants          {"name": ..., "max_concurrent": N, "max_queued": N,
+                                    "max_tokens": N} (limits optional) -> 201, with the new api_key
     DELETE /admin/tenants/{name}   revoke
     POST   /admin/retune           start a retune, or get the running one (202, single-flight)
     GET    /admin/retunes          recent retunes;  GET /admin/retunes/{id}: one, with its phase

@@ -151,8 +151,8 @@ def _spec(body: dict[str, Any], limits: Limits, prompt_ids: list[int], logprobs:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
         max_tokens = max_tokens if cap is None else min(max_tokens, cap)
     elif cap is not None and max_tokens > cap:
-        raise bad_request(f"{max_tokens_key}={max_tokens} is more than this API key's limit of "
-                          f"{cap} tokens per request", max_tokens_key, "max_tokens_exceeded")
+        raise bad_request(f"{max_tokens_key}={max_tokens} is more than this API key's max_tokens "
+                          f"limit of {cap} tokens per request", max_tokens_key, "max_tokens_exceeded")
     elif max_tokens > room:
         raise bad_request(
             f"{max_tokens_key}={max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds "

@@ -12,10 +12,18 @@ from typing import Any
 from daemon.settings import Settings
 
 LIMIT_FIELDS: dict[str, str] = {
-    "max_concurrent": "requests in flight at once; more wait (tenant_max_queued) or get 429",
+    "max_concurrent": "requests in flight at once; more wait (max_queued) or get 429 "
+                      "(default: no limit)",
+    "max_queued": "requests that may wait for a slot once max_concurrent are in flight; "
+                  "more get 429 (default: the daemon's tenant_max_queued)",
+    "max_tokens": "most completion tokens one request may ask for; more is a 400 "
+                  "(default: the daemon's max_tokens)",
 }
 """Limit name -> help: the nullable integer columns of xo_tenants that `crossover tenants
-add` and POST /admin/tenants may set (None = no limit)."""
+add` and POST /admin/tenants may set (None = no limit of the tenant's own)."""
+
+LIMIT_MINIMUMS: dict[str, int] = {"max_concurrent": 1, "max_queued": 0, "max_tokens": 1}
+"""The smallest value each limit takes (max_queued=0: never wait, 429 at once)."""
 
 
 @dataclass(frozen=True)
@@ -46,14 +54,11 @@ def default_limits(settings: Settings) -> TenantLimits:
 def limits_for(row: Any, settings: Settings) -> TenantLimits:
     """The limits of a `store.models.Tenant` row.
 
-    Schema revision 0002 stores only max_concurrent; `max_queued` and
-    `max_tokens` columns, once a migration adds them, override the
-    daemon-wide defaults (`tenant_max_queued`, `max_tokens`).
+    The row's `max_queued` and `max_tokens` (schema revision 0003) override the
+    daemon-wide defaults (`tenant_max_queued`, `max_tokens`); NULL keeps them.
     """
-    queued = getattr(row, "max_queued", None)
-    tokens = getattr(row, "max_tokens", None)
     return TenantLimits(
         max_concurrent=row.max_concurrent,
-        max_queued=settings.tenant_max_queued if queued is None else queued,
-        max_tokens=settings.max_tokens if tokens is None else tokens,
+        max_queued=settings.tenant_max_queued if row.max_queued is None else row.max_queued,
+        max_tokens=settings.max_tokens if row.max_tokens is None else row.max_tokens,
     )

@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from daemon.tenant_limits import LIMIT_FIELDS
+from daemon.tenant_limits import LIMIT_FIELDS, LIMIT_MINIMUMS
 from store.apikeys import generate_api_key
 from store.models import Tenant
 from store.tenants import add_tenant, revoke_tenant
@@ -37,13 +37,16 @@ def check_name(name: str) -> None:
 
 
 def check_limits(limits: dict[str, Any]) -> None:
-    """Raise ValueError naming the field unless every limit is known and a positive int or None."""
+    """Raise ValueError naming the field unless every limit is known and an int (at least
+    its LIMIT_MINIMUMS entry) or None."""
     for key, value in limits.items():
         if key not in LIMIT_FIELDS:
             raise ValueError(f"unknown tenant limit {key!r} (known: {', '.join(LIMIT_FIELDS)})")
+        low = LIMIT_MINIMUMS[key]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise ValueError(f"{key} must be a positive integer or null, got {value!r}")
+                                  or value < low):
+            what = "a positive integer" if low == 1 else f"an integer >= {low}"
+            raise ValueError(f"{key} must be {what} or null, got {value!r}")
 
 
 def create_tenant(session: Session, name: str, limits: dict[str, Any]) -> tuple[Tenant, str]:

@@ -69,6 +69,11 @@ class Tenant(Base):
     api_key_hash: Mapped[str] = mapped_column(String(200))
     """`store.apikeys.hash_api_key` output; the key itself is never stored."""
     max_concurrent: Mapped[int | None]
+    """Requests in flight at once."""
+    max_tokens: Mapped[int | None]
+    """Most completion tokens one request may ask for (NULL: the daemon's `max_tokens`)."""
+    max_queued: Mapped[int | None]
+    """Requests that may wait for a slot past max_concurrent (NULL: `tenant_max_queued`)."""
     requests_per_minute: Mapped[int | None]
     tokens_per_minute: Mapped[int | None]
     created_at: Mapped[float]

@@ -17,6 +17,8 @@ def add_tenant(
     api_key: str,
     *,
     max_concurrent: int | None = None,
+    max_tokens: int | None = None,
+    max_queued: int | None = None,
     requests_per_minute: int | None = None,
     tokens_per_minute: int | None = None,
     at: float | None = None,
@@ -24,6 +26,7 @@ def add_tenant(
     """Create a tenant; only the salted hash of `api_key` is stored."""
     tenant = Tenant(
         name=name, api_key_hash=hash_api_key(api_key), max_concurrent=max_concurrent,
+        max_tokens=max_tokens, max_queued=max_queued,
         requests_per_minute=requests_per_minute, tokens_per_minute=tokens_per_minute,
         created_at=_now(at),
     )  # fmt: skip

@@ -1,6 +1,7 @@
 """`crossover tenants add|list|revoke`: API keys and limits of the daemon's tenants.
 
-    crossover tenants add team-a --max-concurrent 8   # prints the new key, once
+    crossover tenants add team-a --max-concurrent 8 --max-queued 4 --max-tokens 512
+                                                      # prints the new key, once
     crossover tenants list
     crossover tenants revoke team-a
 
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if name == "add":
             for field, field_help in LIMIT_FIELDS.items():
                 p.add_argument("--" + field.replace("_", "-"), dest=field, type=int,
-                               metavar="N", default=None, help=field_help + " (default: no limit)")
+                               metavar="N", default=None, help=field_help)
         if name == "list":
             p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -47,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from daemon.cli import UserError
+    from daemon.user_error import UserError
     from store.db import default_url, make_engine, resolve_url, session_scope
     from store.migrate import SchemaError, check_schema
 

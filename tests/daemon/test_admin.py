@@ -92,13 +92,29 @@ def test_tenants_add_list_revoke_over_http(server: LiveServer) -> None:
     assert add(server, {"name": "team-a"})[0] == 409
     assert add(server, {"name": "bad name"})[0] == 400
     assert add(server, {"name": "team-b", "max_concurrent": 0})[0] == 400
+    assert add(server, {"name": "team-b", "max_tokens": 0})[0] == 400
+    assert add(server, {"name": "team-b", "max_queued": -1})[0] == 400
+    assert add(server, {"name": "team-b", "max_queued": True})[0] == 400
     assert add(server, {"name": "team-b", "flavour": 1})[0] == 400
     assert add(server, {"name": "default"})[0] == 400
     listing = server.get("/admin/tenants", ADMIN).json()["data"]
     assert [t["name"] for t in listing] == ["team-a"]
+    assert (listing[0]["max_tokens"], listing[0]["max_queued"]) == (None, None)
     assert "api_key" not in listing[0] and "api_key_hash" not in listing[0]
     assert complete(server, created["api_key"]) == 200  # cached as valid now
     r = server.delete("/admin/tenants/team-a", ADMIN)
     assert r.status == 200 and r.json()["active"] is False
     assert complete(server, created["api_key"]) == 401  # at once, not after the cache's TTL
     assert server.delete("/admin/tenants/nobody", ADMIN).status == 404
+
+
+def test_tenant_limits_set_over_http_apply_at_once(server: LiveServer) -> None:
+    status, created = add(server, {"name": "team-c", "max_concurrent": 1, "max_queued": 0,
+                                   "max_tokens": 4})
+    assert status == 201
+    assert [created[k] for k in ("max_concurrent", "max_queued", "max_tokens")] == [1, 0, 4]
+    body = {"model": MODEL, "prompt": "abcdef", "max_tokens": 5}
+    r = server.post("/v1/completions", body, as_bearer(created["api_key"]))
+    assert r.status == 400 and r.json()["error"]["code"] == "max_tokens_exceeded"
+    r = server.post("/v1/completions", {**body, "max_tokens": 4}, as_bearer(created["api_key"]))
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4

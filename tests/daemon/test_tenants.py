@@ -173,7 +173,89 @@ def test_over_the_tenant_max_tokens_is_400(db_url: str, capsys: pytest.CaptureFi
 
 def test_a_rows_own_limits_override_the_defaults() -> None:
     settings = Settings(max_tokens=100, tenant_max_queued=2)
-    plain = SimpleNamespace(max_concurrent=3)
+    plain = SimpleNamespace(max_concurrent=3, max_queued=None, max_tokens=None)
     assert limits_for(plain, settings) == TenantLimits(3, 2, 100)
     own = SimpleNamespace(max_concurrent=None, max_queued=0, max_tokens=10)
     assert limits_for(own, settings) == TenantLimits(None, 0, 10)
+
+
+def test_cli_sets_and_lists_the_token_and_queue_limits(
+        db_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["db", "upgrade", "--db", db_url]) == 0
+    add_tenant(db_url, "team-a", "--max-concurrent", "2", "--max-queued", "0", "--max-tokens",
+               "64", capsys=capsys)
+    add_tenant(db_url, "team-b", capsys=capsys)
+    assert cli(["tenants", "add", "team-c", "--max-tokens", "0", "--db", db_url]) == 2
+    assert "max_tokens must be a positive integer" in capsys.readouterr().err
+    assert cli(["tenants", "add", "team-c", "--max-queued", "-1", "--db", db_url]) == 2
+    assert "max_queued must be an integer >= 0" in capsys.readouterr().err
+    assert cli(["tenants", "list", "--db", db_url]) == 0
+    header, row_a, row_b = capsys.readouterr().out.splitlines()
+    assert header.split()[:5] == ["name", "active", "max_concurrent", "max_queued", "max_tokens"]
+    assert row_a.split()[:5] == ["team-a", "yes", "2", "0", "64"]
+    assert row_b.split()[:5] == ["team-b", "yes", "-", "-", "-"]
+    assert cli(["tenants", "list", "--json", "--db", db_url]) == 0
+    views = {v["name"]: v for v in json.loads(capsys.readouterr().out)}
+    assert (views["team-a"]["max_queued"], views["team-a"]["max_tokens"]) == (0, 64)
+    assert (views["team-b"]["max_queued"], views["team-b"]["max_tokens"]) == (None, None)
+
+
+def test_a_tenants_own_max_tokens_overrides_the_daemons(
+        db_url: str, capsys: pytest.CaptureFixture[str], live: Callable[..., LiveServer]) -> None:
+    server = live(db_url=db_url, open_mode=False, max_tokens=100)
+    small = add_tenant(db_url, "small", "--max-tokens", "8", capsys=capsys)
+    big = add_tenant(db_url, "big", capsys=capsys)
+    status, body = complete(server, small, max_tokens=9)
+    assert status == 400
+    error = body["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error", "max_tokens_exceeded", "max_tokens")
+    assert "max_tokens limit of 8" in error["message"]
+    status, body = complete(server, small, prompt="x" * 40, max_tokens=8)
+    assert status == 200 and body["usage"]["completion_tokens"] == 8
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 40}]}
+    r = http_request(server.port, "POST", "/v1/chat/completions", chat, bearer(small))
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 8  # unset: clamped
+    status, body = complete(server, big, prompt="x" * 40, max_tokens=9)  # the daemon's 100
+    assert status == 200 and body["usage"]["completion_tokens"] == 9
+    assert complete(server, big, max_tokens=101)[0] == 400
+
+
+def test_a_tenants_own_max_queued_overrides_the_daemons(
+        db_url: str, capsys: pytest.CaptureFixture[str], live: Callable[..., LiveServer]) -> None:
+    server = live(FakeEngine(step_delay_s=0.005), db_url=db_url, open_mode=False,
+                  tenant_max_queued=0)
+    queued = add_tenant(db_url, "queued", "--max-concurrent", "1", "--max-queued", "2",
+                        capsys=capsys)
+    plain = add_tenant(db_url, "plain", "--max-concurrent", "1", capsys=capsys)
+    gates = server.app[GATES]
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            async def post(key: str, **fields: object) -> aiohttp.ClientResponse:
+                return await session.post(server.url + C, json={**SLOW, **fields},
+                                          headers=bearer(key))
+
+            running = await post(queued)
+            await running.content.readline()
+            waiting = [asyncio.create_task(post(queued, stream=False)) for _ in range(2)]
+            while gates.in_flight().get("queued") != (1, 2):
+                await asyncio.sleep(0.01)
+            async with await post(queued) as refused:  # 1 runs, its 2 wait: the queue is full
+                assert refused.status == 429 and int(refused.headers["Retry-After"]) >= 1
+                error = (await refused.json())["error"]
+                assert error["code"] == "tenant_concurrency_limit" and "2 waiting" in error["message"]
+            other = await post(plain)
+            await other.content.readline()
+            async with await post(plain) as no_queue:  # the daemon's tenant_max_queued=0
+                assert no_queue.status == 429
+            other.close()
+            running.close()  # hands its slot to the first waiter, then the second
+            for task in waiting:
+                response = await task
+                assert response.status == 200
+                assert (await response.json())["usage"]["completion_tokens"] == 30
+
+    asyncio.run(main())
+    server.wait_idle()
+    assert gates.in_flight() == {}

@@ -13,8 +13,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 from store import migrate
-from store.db import make_engine
+from store.db import make_engine, session_scope
 from store.models import Base
+from store.tenants import add_tenant
 
 T0 = 1_700_000_000.0  # the fixture's clock (tests/fixtures/make_telemetry_rev1.py)
 
@@ -66,6 +67,30 @@ def test_first_revision_fixture_is_refused_then_upgraded(rev1_url: str) -> None:
     ]
     assert _sql(rev1_url, "PRAGMA journal_mode") == [("wal",)]
     assert _drift(rev1_url) == []
+
+
+def test_upgrade_adds_per_tenant_token_and_queue_limits(rev1_url: str) -> None:
+    migrate.upgrade(rev1_url, "0002")
+    columns = [name for (_, name, *_) in _sql(rev1_url, "PRAGMA table_info(xo_tenants)")]
+    assert "max_tokens" not in columns and "max_queued" not in columns
+    migrate.upgrade(rev1_url)
+    columns = {name: notnull for (_, name, _, notnull, *_) in
+               _sql(rev1_url, "PRAGMA table_info(xo_tenants)")}
+    assert columns["max_tokens"] == 0 and columns["max_queued"] == 0  # nullable
+    # the old tenant keeps its limit and gets none of the new ones (the daemon's defaults)
+    assert _sql(rev1_url, "SELECT name, max_concurrent, max_tokens, max_queued FROM xo_tenants") == [
+        ("acme", 4, None, None)
+    ]
+    engine = make_engine(rev1_url)
+    with session_scope(engine) as session:
+        add_tenant(session, "globex", "xo-key", max_concurrent=2, max_tokens=64, max_queued=0)
+    engine.dispose()
+    assert _sql(rev1_url, "SELECT max_concurrent, max_tokens, max_queued FROM xo_tenants "
+                          "WHERE name = 'globex'") == [(2, 64, 0)]
+    command.downgrade(migrate.alembic_config(rev1_url), "0002")  # and back: the rows survive
+    assert _sql(rev1_url, "SELECT name, max_concurrent FROM xo_tenants ORDER BY name") == [
+        ("acme", 4), ("globex", 2)
+    ]
 
 
 def test_models_match_the_migrations(db_url: str, rev1_url: str) -> None:
