@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible routes -> a validated `GenerationSpec`.
 
 Everything is checked here, before the engine sees the request; each
-failure is an ApiError whose `param` names the offending field.
+failure is an ApiError whose `param` names the offending field. One field
+beyond OpenAI's: `ignore_eos` (a boolean, as in vLLM) keeps generating past
+the model's stop tokens, so load tests get exactly max_tokens tokens.
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ def _spec(body: dict[str, Any], limits: Limits, prompt_ids: list[int], logprobs:
         seed=_opt_int(body, "seed", -(1 << 63), (1 << 64) - 1),
         stop=_stop_strings(body),
         logprobs=logprobs,
+        ignore_eos=_opt(body, "ignore_eos", bool, "a boolean") or False,  # vLLM's extension
     )
     try:
         sampling.validate(max_stop_strings=MAX_STOP_STRINGS)

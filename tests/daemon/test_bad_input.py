@@ -71,6 +71,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("best-of", C, comp(best_of=3), 400, "best_of"),
     ("logprobs-too-many", C, comp(logprobs=10), 400, "logprobs"),
     ("stream-not-bool", C, comp(stream="yes"), 400, "stream"),
+    ("ignore-eos-not-bool", C, comp(ignore_eos="yes"), 400, "ignore_eos"),
     ("stream-options-without-stream", C, comp(stream_options={"include_usage": True}), 400, "stream_options"),
     ("token-id-out-of-vocab", C, comp(prompt=[2, 99999]), 400, None),
     ("chat-missing-messages", CHAT, without(chat(), "messages"), 400, "messages"),
@@ -117,6 +118,16 @@ def test_nothing_reached_the_engine_and_a_good_request_still_works(server: LiveS
     assert r.status == 200 and r.json()["choices"][0]["message"]["content"] == "user: hi\nassistant: "[::-1]
     server.wait_idle()
     assert len(server.sink.results) == 2
+
+
+def test_ignore_eos_generates_exactly_max_tokens(server: LiveServer) -> None:
+    # the fake answers "hello" with "olleh" then EOS: 6 tokens, unless EOS is ignored
+    assert server.post(C, comp(max_tokens=20)).json()["usage"]["completion_tokens"] == 6
+    r = server.post(C, comp(max_tokens=20, ignore_eos=True)).json()
+    assert r["usage"]["completion_tokens"] == 20 and r["choices"][0]["finish_reason"] == "length"
+    assert r["choices"][0]["text"].startswith("ollehollehol")
+    r = server.post(CHAT, chat(max_tokens=9, ignore_eos=True)).json()
+    assert r["usage"]["completion_tokens"] == 9
 
 
 def test_unknown_route_and_method_are_json_errors(server: LiveServer) -> None:
