@@ -259,34 +259,45 @@ async def _stream(request: web.Request, stream: RequestStream, fmt: _Format,
 
 async def _stream_events(response: web.StreamResponse, stream: RequestStream, fmt: _Format,
                          out: _Output) -> None:
-    for chunk in fmt.first_chunks():
-        await _send(response, fmt, chunk)
+    """Write each engine event as one write of its SSE chunks (one syscall, not one per chunk)."""
+    first = b"".join(_encode(fmt, chunk) for chunk in fmt.first_chunks())
+    if first:
+        await response.write(first)
+    tail: list[bytes] = []
     try:
         async for event in stream:
             out.add(event)
-            await _send_event(response, fmt, event)
+            data = _event_chunks(fmt, event)
+            if event.finished:
+                tail.append(data)  # goes out with the usage chunk and [DONE]
+            elif data:
+                await response.write(data)
     except EngineError as exc:
         out.finish_reason = "error"
-        await _send(response, fmt, ApiError(500, str(exc), code="engine_error").body())
+        tail.append(_encode(fmt, ApiError(500, str(exc), code="engine_error").body()))
     if out.finish_reason == "abort":
-        await _send(response, fmt, _aborted().body())
+        tail.append(_encode(fmt, _aborted().body()))
     elif fmt.spec.include_usage and out.finish_reason != "error":
-        await _send(response, fmt, {**fmt.envelope(fmt.object_chunk, []), "usage": _usage(fmt, out)})
-    await response.write(b"data: [DONE]\n\n")
+        tail.append(_encode(fmt, {**fmt.envelope(fmt.object_chunk, []), "usage": _usage(fmt, out)}))
+    tail.append(b"data: [DONE]\n\n")
+    await response.write(b"".join(tail))
     await response.write_eof()
 
 
-async def _send_event(response: web.StreamResponse, fmt: _Format, event: TokenEvent) -> None:
+def _event_chunks(fmt: _Format, event: TokenEvent) -> bytes:
+    """The SSE chunks of one engine event: its text (if any), then its finish (if it ends)."""
+    data = b""
     if event.text or (event.logprobs and fmt.spec.sampling.logprobs):
-        await _send(response, fmt, fmt.envelope(fmt.object_chunk, [fmt.text_choice(event)]))
+        data = _encode(fmt, fmt.envelope(fmt.object_chunk, [fmt.text_choice(event)]))
     if event.finished and event.finish_reason != "abort":
-        await _send(response, fmt, fmt.envelope(fmt.object_chunk, [fmt.finish_choice(event.finish_reason)]))
+        data += _encode(fmt, fmt.envelope(fmt.object_chunk, [fmt.finish_choice(event.finish_reason)]))
+    return data
 
 
-async def _send(response: web.StreamResponse, fmt: _Format, payload: dict[str, Any]) -> None:
+def _encode(fmt: _Format, payload: dict[str, Any]) -> bytes:
     if fmt.spec.include_usage and "choices" in payload and "usage" not in payload:
         payload["usage"] = None
-    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
 def _usage(fmt: _Format, out: _Output) -> dict[str, int]:
