@@ -1,8 +1,11 @@
-"""`crossover bench engine|telemetry`: measure, print progress, write JSON."""
+"""`crossover bench engine|telemetry|serve`: measure, print progress, write JSON."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+from daemon.user_error import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,11 +23,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--out", default="bench-out/telemetry.json", help="JSON output file")
     t.add_argument("--seconds", type=float, default=5.0, help="duration of each phase")
     t.add_argument("--db", default=None, help="SQLAlchemy URL (default: a temporary SQLite file)")
+    _add_serve(sub.add_parser("serve", help="HTTP load test: throughput, TTFT/TPOT percentiles, "
+                                            "overhead over the bare engine"))
+
+
+def _add_serve(s: argparse.ArgumentParser) -> None:
+    add = s.add_argument
+    add("--out", default="bench-out/serve.json", help="JSON output file")
+    add("--concurrency", type=int, default=8,
+        help="closed loop: clients, each sending its next request when the last one finished")
+    add("--rate", type=float, default=None,
+        help="open loop instead: Poisson arrivals, requests per second")
+    add("--requests", type=int, default=64, help="requests to send")
+    add("--seconds", type=float, default=None, help="stop sending after this many seconds")
+    add("--max-tokens", type=int, default=64, help="output tokens per request (EOS is ignored)")
+    add("--mix", default="copy=1,code=1,chat=1,prose=1",
+        help="prompt kinds and weights (engine.workloads: copy, code, chat, prose)")
+    add("--seed", type=int, default=0, help="seed of the prompt draw and the arrivals")
+    add("--rounds", type=int, default=1,
+        help="run the HTTP and engine-only phases this many times, alternating; each reports "
+             "its fastest round (for a machine other processes share)")
+    add("--model", default=None, help="a .gguf file or a HF Gemma 3 directory (default: Gemma 3 270M)")
+    add("--dtype", default=None, choices=["float32", "bfloat16"])
+    add("--max-batch", type=int, default=32, help="the engine's most sequences decoded together")
+    add("--max-context", type=int, default=1024, help="the engine's context in tokens")
+    add("--fake", action="store_true", help="use the fake engine (no model; for tests)")
+    add("--fake-step-ms", type=float, default=10.0, help="the fake engine's time per step")
+    add("--url", default=None,
+        help="bench the daemon at this URL instead of one started here (no engine-only run)")
+    add("--api-key", default=None, help="bearer key for --url (default: $CROSSOVER_API_KEY)")
+    add("--db", default=None,
+        help="telemetry database of the daemon started here (default: a temporary SQLite file)")
+    add("--no-db", action="store_true", help="start the daemon without a telemetry database")
 
 
 def run(args: argparse.Namespace) -> int:
-    from daemon.user_error import UserError
-
     if args.bench == "engine":
         from engine.bench import run_bench
 
@@ -42,4 +75,40 @@ def run(args: argparse.Namespace) -> int:
         if args.seconds <= 0:
             raise UserError(f"--seconds must be positive, got {args.seconds}")
         tel_bench(args.out, args.seconds, args.db)
+    elif args.bench == "serve":
+        from daemon.bench_serve import run_bench as serve_bench
+
+        serve_bench(_serve_config(args), args.out)
     return 0
+
+
+def _serve_config(args: argparse.Namespace) -> Any:
+    """The bench serve config from flags; UserError naming a bad one."""
+    import os
+
+    from daemon.bench_serve import ServeBenchConfig
+    from engine.workloads import check_mix
+
+    for flag, value, low in (("--concurrency", args.concurrency, 1), ("--requests", args.requests, 1),
+                             ("--max-tokens", args.max_tokens, 1), ("--max-batch", args.max_batch, 1),
+                             ("--rounds", args.rounds, 1),
+                             ("--max-context", args.max_context, 2)):
+        if value < low:
+            raise UserError(f"{flag} must be >= {low}, got {value}")
+    for flag, value in (("--rate", args.rate), ("--seconds", args.seconds)):
+        if value is not None and not value > 0:
+            raise UserError(f"{flag} must be positive, got {value}")
+    if not args.fake_step_ms >= 0:
+        raise UserError(f"--fake-step-ms must be >= 0, got {args.fake_step_ms}")
+    try:
+        mix = {k.strip(): float(w) for k, w in (part.split("=") for part in args.mix.split(","))}
+        check_mix(mix)
+    except ValueError as exc:
+        raise UserError(f"--mix {args.mix!r}: {exc} (expected e.g. copy=1,chat=2)") from None
+    return ServeBenchConfig(
+        concurrency=args.concurrency, requests=args.requests, max_tokens=args.max_tokens,
+        rate=args.rate, seconds=args.seconds, mix=mix, seed=args.seed, rounds=args.rounds,
+        model=args.model, dtype=args.dtype, max_batch=args.max_batch,
+        max_context=args.max_context, fake=args.fake, fake_step_ms=args.fake_step_ms,
+        url=args.url, api_key=args.api_key or os.environ.get("CROSSOVER_API_KEY"), db=args.db,
+        no_db=args.no_db)
