@@ -1,4 +1,4 @@
-"""`crossover bench serve`: serving throughput and latency over HTTP, and its cost over the bare engine.
+"""`crossover bench serve`: throughput and latency over HTTP, and its cost over the bare engine.
 
 1. Load the engine (Gemma 3 270M unless --model; FakeEngine with --fake) and
    warm it up once; both phases below share it.
@@ -59,12 +59,17 @@ class ServeBenchConfig:
     mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
     """Prompt kind -> weight."""
     seed: int = 0
+    """Seed of the prompt draw and of the arrival times."""
     rounds: int = 1
     """Both phases this many times, alternating; each phase reports its fastest round."""
     model: str | None = None
+    """A .gguf file or a HF Gemma 3 directory; None: Gemma 3 270M."""
     dtype: str | None = None
+    """Compute dtype; None: the backend's default."""
     max_batch: int = 32
+    """The engine's most sequences decoded together."""
     max_context: int = 1024
+    """The engine's context in tokens; prompts that do not fit with max_tokens are not drawn."""
     fake: bool = False
     """FakeEngine instead of the model (fast; for tests)."""
     fake_step_ms: float = 10.0
@@ -72,6 +77,7 @@ class ServeBenchConfig:
     url: str | None = None
     """Bench a running daemon instead of one started here."""
     api_key: str | None = None
+    """Bearer key for `url` (never written to the JSON)."""
     db: str | None = None
     """Telemetry database of the in-process daemon; None: a temporary SQLite file."""
     no_db: bool = False
@@ -83,7 +89,8 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
     engine = None if cfg.url else _load_engine(cfg)
     prompts = _prompts(cfg, engine)
     jobs = make_jobs(prompts, cfg.max_tokens, cfg.rate, cfg.seed)
-    result: dict[str, Any] = {"bench": "serve", "config": asdict(cfg), **_describe(engine)}
+    shown = {**asdict(cfg), "api_key": "***" if cfg.api_key else None}
+    result: dict[str, Any] = {"bench": "serve", "config": shown, **_describe(engine)}
     mode = f"rate {cfg.rate}/s" if cfg.rate else f"concurrency {cfg.concurrency}"
     _log(f"{len(jobs)} requests of {cfg.max_tokens} tokens, {mode}, {cfg.rounds} round(s)")
     rounds = []
@@ -196,7 +203,8 @@ def distribution(seconds: list[float | None]) -> dict[str, float | None]:
     {'n': 3, 'mean': 2.0, 'p50': 2.0, 'p90': 2.8, 'p99': 2.98}
     """
     ms = sorted(v * 1000.0 for v in seconds if v is not None)
-    out: dict[str, float | None] = {"n": len(ms), "mean": round(sum(ms) / len(ms), 3) if ms else None}
+    mean = round(sum(ms) / len(ms), 3) if ms else None
+    out: dict[str, float | None] = {"n": len(ms), "mean": mean}
     out.update({f"p{q}": round(percentile(ms, q), 3) if ms else None for q in PERCENTILES})
     return out
 
@@ -271,7 +279,8 @@ def _prompts(cfg: ServeBenchConfig, engine: Any) -> list[Any]:
             if len(engine.tokenizer.encode(p.render(engine.tokenizer))) <= room][: cfg.requests]
     if len(fits) < cfg.requests:
         raise UserError(f"only {len(fits)} of {len(drawn)} prompts fit max_context "
-                         f"{engine.max_context} with max_tokens {cfg.max_tokens}; raise max_context")
+                        f"{engine.max_context} with max_tokens {cfg.max_tokens}; "
+                        "raise max_context")
     return fits
 
 

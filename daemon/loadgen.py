@@ -153,7 +153,7 @@ async def _stream_one(session: aiohttp.ClientSession, base: str, model: str, job
             async for line in response.content:
                 if _chunk(line, sample, time.perf_counter() - sent):
                     break
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:  # bad JSON too
         sample.error = f"{type(exc).__name__}: {exc}"
     sample.latency_s = time.perf_counter() - sent
     if sample.error is None and sample.last_token_s is None:

@@ -290,7 +290,8 @@ def _event_chunks(fmt: _Format, event: TokenEvent) -> bytes:
     if event.text or (event.logprobs and fmt.spec.sampling.logprobs):
         data = _encode(fmt, fmt.envelope(fmt.object_chunk, [fmt.text_choice(event)]))
     if event.finished and event.finish_reason != "abort":
-        data += _encode(fmt, fmt.envelope(fmt.object_chunk, [fmt.finish_choice(event.finish_reason)]))
+        finish = fmt.finish_choice(event.finish_reason)
+        data += _encode(fmt, fmt.envelope(fmt.object_chunk, [finish]))
     return data
 
 

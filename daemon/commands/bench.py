@@ -43,7 +43,8 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
     add("--rounds", type=int, default=1,
         help="run the HTTP and engine-only phases this many times, alternating; each reports "
              "its fastest round (for a machine other processes share)")
-    add("--model", default=None, help="a .gguf file or a HF Gemma 3 directory (default: Gemma 3 270M)")
+    add("--model", default=None,
+        help="a .gguf file or a HF Gemma 3 directory (default: Gemma 3 270M)")
     add("--dtype", default=None, choices=["float32", "bfloat16"])
     add("--max-batch", type=int, default=32, help="the engine's most sequences decoded together")
     add("--max-context", type=int, default=1024, help="the engine's context in tokens")
@@ -89,10 +90,10 @@ def _serve_config(args: argparse.Namespace) -> Any:
     from daemon.bench_serve import ServeBenchConfig
     from engine.workloads import check_mix
 
-    for flag, value, low in (("--concurrency", args.concurrency, 1), ("--requests", args.requests, 1),
-                             ("--max-tokens", args.max_tokens, 1), ("--max-batch", args.max_batch, 1),
-                             ("--rounds", args.rounds, 1),
-                             ("--max-context", args.max_context, 2)):
+    minimums = (("--concurrency", args.concurrency, 1), ("--requests", args.requests, 1),
+                ("--max-tokens", args.max_tokens, 1), ("--max-batch", args.max_batch, 1),
+                ("--rounds", args.rounds, 1), ("--max-context", args.max_context, 2))
+    for flag, value, low in minimums:
         if value < low:
             raise UserError(f"{flag} must be >= {low}, got {value}")
     for flag, value in (("--rate", args.rate), ("--seconds", args.seconds)):

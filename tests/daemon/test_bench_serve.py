@@ -43,11 +43,10 @@ def check_phase(phase: dict[str, Any], requests: int, max_tokens: int) -> None:
 def test_closed_loop_http_and_engine_only(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     result = bench(tmp_path, "--requests", "12", "--concurrency", "3", "--max-tokens", "8",
                    "--rounds", "2")
-    http, engine = result["http"], result["engine_only"]
-    assert len(result["rounds"]) == 2  # each phase reports its fastest round
-    assert http["output_tokens_per_s"] == max(r["http_output_tokens_per_s"] for r in result["rounds"])
-    assert engine["output_tokens_per_s"] == max(
-        r["engine_only_output_tokens_per_s"] for r in result["rounds"])
+    http, engine, rounds = result["http"], result["engine_only"], result["rounds"]
+    assert len(rounds) == 2  # each phase reports its fastest round
+    assert http["output_tokens_per_s"] == max(r["http_output_tokens_per_s"] for r in rounds)
+    assert engine["output_tokens_per_s"] == max(r["engine_only_output_tokens_per_s"] for r in rounds)
     check_phase(http, 12, 8)
     check_phase(engine, 12, 8)
     assert http["prompt_tokens"] == engine["prompt_tokens"] > 12  # the same prompts, both ways
@@ -80,8 +79,10 @@ def test_seconds_stop_the_sending_and_the_engine_gets_as_many(tmp_path: Path) ->
 def test_a_running_daemon_by_url(tmp_path: Path, live: Callable[..., LiveServer]) -> None:
     server = live(FakeEngine(step_delay_s=STEP_MS / 1000.0))
     result = bench(tmp_path, "--url", server.url, "--requests", "5", "--concurrency", "2",
-                   "--max-tokens", "4")
+                   "--max-tokens", "4", "--api-key", "xo-secret")  # open mode ignores it
     check_phase(result["http"], 5, 4)
+    assert result["config"]["api_key"] == "***"
+    assert "xo-secret" not in (tmp_path / "serve.json").read_text()
     assert "engine_only" not in result and result["http_over_engine"] is None
     assert server.sink.results[-1].output_tokens == 4
 

@@ -244,7 +244,8 @@ def test_a_tenants_own_max_queued_overrides_the_daemons(
             async with await post(queued) as refused:  # 1 runs, its 2 wait: the queue is full
                 assert refused.status == 429 and int(refused.headers["Retry-After"]) >= 1
                 error = (await refused.json())["error"]
-                assert error["code"] == "tenant_concurrency_limit" and "2 waiting" in error["message"]
+                assert error["code"] == "tenant_concurrency_limit"
+                assert "2 waiting" in error["message"]
             other = await post(plain)
             await other.content.readline()
             async with await post(plain) as no_queue:  # the daemon's tenant_max_queued=0
