@@ -70,11 +70,22 @@ class EngineCore:
         )
         self.stop_ids = frozenset(getattr(tokenizer, "stop_ids", (cfg.eos_id,)))
         self.policy: TunedPolicy = NEVER
-        self.proposers: dict[str, Proposer] = {"ngram": NgramProposer()}
+        self.proposers: dict[str, Proposer] = {}
+        self._keep_hidden = False
+        self.warmed_up = False
+        self.add_proposer(NgramProposer())
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
         self._step_id = 0
         self.warmed_up = False
+
+    def add_proposer(self, proposer: Proposer) -> None:
+        """Load a proposer under its technique name (before warmup and serving)."""
+        if self.warmed_up:
+            raise RuntimeError("add proposers before warmup: serving must not compile")
+        proposer.bind(self)
+        self.proposers[proposer.name] = proposer
+        self._keep_hidden = any(p.wants_hidden for p in self.proposers.values())
 
     # -- commands (thread-safe) -------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -106,6 +117,10 @@ class EngineCore:
         missing = policy.techniques() - set(self.proposers)
         if missing:
             raise ValueError(f"policy uses techniques without a loaded proposer: {sorted(missing)}")
+        mtp = self.proposers.get("mtp")
+        if policy.draft_vocab and "mtp" in policy.techniques() and policy.draft_vocab not in getattr(mtp, "vocab_sizes", ()):
+            raise ValueError(f"draft_vocab={policy.draft_vocab} is not one of the MTP proposer's compiled "
+                             f"draft vocabularies {getattr(mtp, 'vocab_sizes', ())}")
         if policy.max_depth + 1 > max(self.runner.rc.verify_tokens, default=1):
             raise ValueError(f"policy depth {policy.max_depth} exceeds the compiled verify buckets "
                              f"{self.runner.rc.verify_tokens}")
@@ -144,6 +159,8 @@ class EngineCore:
             elif kind == "policy":
                 self.policy = arg
                 self.pool.set_split(arg.pool_split)
+                for p in self.proposers.values():
+                    p.configure(arg)
             elif (seq := self._seqs.get(arg)) is not None:
                 events.append(TokenEvent(seq.request_id, (), seq.text[seq.emitted:], None, True, "abort"))
                 finished.append(self._finish(seq, "abort"))
@@ -160,6 +177,8 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: str) -> RequestResult:
         self.scheduler.remove(seq)
         del self._seqs[seq.request_id]
+        for p in self.proposers.values():
+            p.release(seq)
         return seq.result(reason)
 
     def _fill_row(self, c, row: int, seq: Sequence, n: int) -> None:
@@ -191,8 +210,11 @@ class EngineCore:
         for i, s in enumerate(seqs):
             self._fill_row(c, i, s, 1)
         tok, lp = self.runner.run(c)
+        hidden = self._hidden()
         for i, s in enumerate(seqs):
             s.num_cached += 1
+            if hidden is not None:
+                s.hidden = hidden[i, 0]
             self._emit(s, [int(tok[i, 0])], [float(lp[i, 0])], events, finished)
         return SpecResult()
 
@@ -210,6 +232,7 @@ class EngineCore:
             cand[i, : n - 1] = d
             c.counter[i] = s.num_cached + 1 + np.arange(c.counter.shape[1])
         tok, acc, lp = self.runner.run_verify(c, cand)
+        hidden = self._hidden()
         res = SpecResult(technique, depth, propose_ms, (time.perf_counter() - t0) * 1e3, [0] * depth)
         for i, (s, d) in enumerate(zip(seqs, drafts)):
             a = 0
@@ -222,6 +245,8 @@ class EngineCore:
             s.proposed += len(d)
             s.accepted += a
             s.num_cached += 1 + a  # the fed token and the accepted drafts are now valid cache
+            if hidden is not None:
+                s.hidden = hidden[i, a]
             self._emit(s, list(d[:a]) + [int(tok[i, a])], [float(x) for x in lp[i, : a + 1]], events, finished)
         return res
 
@@ -231,7 +256,13 @@ class EngineCore:
         tok, lp = self.runner.run(c)
         seq.num_cached += n
         if seq.remaining == 0:  # the chunk reached the newest token: its logits give the next one
+            hidden = self._hidden()
+            seq.hidden = None if hidden is None else hidden[0, 0]
             self._emit(seq, [int(tok[0, 0])], [float(lp[0, 0])], events, finished)
+
+    def _hidden(self) -> np.ndarray | None:
+        """The latest call's final hidden states [B, Tl, d] as numpy, when a proposer needs them."""
+        return np.asarray(self.runner.last_hidden, np.float32) if self._keep_hidden else None
 
     def _emit(self, seq: Sequence, toks, lps, events, finished) -> None:
         sp = seq.req.sampling
@@ -257,6 +288,9 @@ class EngineCore:
     # -- lifecycle and introspection ---------------------------------------
     def warmup(self, progress: bool = True) -> None:
         self.runner.warmup(progress)
+        for p in self.proposers.values():
+            p.warmup(progress)
+        self.runner.warm_compiles = compile_count()
         self.warmed_up = True
 
     def compiles_since_warmup(self) -> int | None:
@@ -271,4 +305,6 @@ class EngineCore:
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "compile_count": compile_count(), "compiles_since_warmup": self.compiles_since_warmup(),
             "policy_version": self.policy.version, "warmed_up": self.warmed_up,
+            "proposers": {n: {"resident_bytes": p.resident_bytes(), "max_depth": p.max_depth}
+                          for n, p in self.proposers.items()},
         }

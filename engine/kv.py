@@ -116,14 +116,16 @@ def write_new(kv: KVState, batch: Batch, new_kv: dict, ring_pages: int) -> KVSta
     l_page = jnp.take_along_axis(batch.local_table, l_idx, axis=1)
     g_page = jnp.where(real, g_page, SCRATCH_PAGE)
     l_page = jnp.where(real, l_page, SCRATCH_PAGE)
-    gk, gv = new_kv["global"]  # [Lg, B, T, KV, hd]
+    gk, gv = new_kv["global"]  # [Lg, B, T, KV, hd]; the first layers only for an early-exit draft
     lk, lv = new_kv["local"]
-    return KVState(
-        global_k=kv.global_k.at[:, g_page, off].set(gk.astype(kv.global_k.dtype)),
-        global_v=kv.global_v.at[:, g_page, off].set(gv.astype(kv.global_v.dtype)),
-        local_k=kv.local_k.at[:, l_page, off].set(lk.astype(kv.local_k.dtype)),
-        local_v=kv.local_v.at[:, l_page, off].set(lv.astype(kv.local_v.dtype)),
-    )
+
+    def put(pool, new, page):
+        if new.shape[0] == pool.shape[0]:
+            return pool.at[:, page, off].set(new.astype(pool.dtype))
+        return pool.at[: new.shape[0], page, off].set(new.astype(pool.dtype))
+
+    return KVState(put(kv.global_k, gk, g_page), put(kv.global_v, gv, g_page),
+                   put(kv.local_k, lk, l_page), put(kv.local_v, lv, l_page))
 
 
 class PageAllocator:

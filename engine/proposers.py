@@ -25,6 +25,23 @@ class Proposer(ABC):
     def propose(self, seqs: list[Sequence], depth: int) -> list[list[int]]:
         """Up to `depth` draft tokens per sequence (may be empty: no guess)."""
 
+    wants_hidden: bool = False
+    """Whether the core must keep each sequence's newest final hidden state (MTP heads)."""
+    max_depth: int = 8
+    """Most draft tokens this proposer can make per step."""
+
+    def bind(self, core) -> None:
+        """Called once when the engine core loads this proposer (model proposers take its runner)."""
+
+    def configure(self, policy) -> None:
+        """Called when a new policy takes effect (draft vocabulary, pool split)."""
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence finished or was aborted: free what the proposer holds for it."""
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile every shape `propose` may use."""
+
     def resident_bytes(self) -> int:
         """Accelerator memory held whatever the load (weights, tables)."""
         return 0

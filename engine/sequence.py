@@ -76,6 +76,8 @@ class Sequence:
     preemptions: int = 0
     proposed: int = 0
     accepted: int = 0
+    hidden: np.ndarray | None = None
+    """[d] final hidden state at the newest cached position (kept only for MTP heads)."""
 
     @property
     def request_id(self) -> str:
