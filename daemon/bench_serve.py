@@ -261,7 +261,7 @@ def _load_engine(cfg: ServeBenchConfig) -> Any:
 
     _log("loading the model")
     engine = load_engine(model=cfg.model, dtype=cfg.dtype, max_batch=cfg.max_batch,
-                         max_context=cfg.max_context)
+                         max_context=cfg.max_context, speculation=False)
     _log("warming up (every bucket compiles once; cached on disk for the next run)")
     engine.warmup(progress=True)
     return engine

@@ -51,6 +51,10 @@ class Settings:
     """Most sequences decoded together."""
     max_context: int = 4096
     """Longest prompt + completion, in tokens."""
+    speculation: bool = True
+    """Compile verification and load the proposers (n-gram; MTP, early exit, draft model from the heads file)."""
+    heads: str | None = None
+    """Draft heads file from `crossover train-heads`; None: the one shipped for the model."""
     db_url: str | None = None
     """SQLAlchemy URL or SQLite path of the telemetry database; None: $CROSSOVER_DB, ./crossover.db."""
     tuner: bool = True

@@ -88,7 +88,8 @@ def run_bench(out_path: str | None, model: str | None = None, dtype: str | None 
     from engine.loader import load_engine
 
     log = lambda msg: print(f"bench engine: {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    engine = load_engine(model=model, dtype=dtype, max_batch=max(batches), max_context=1024)
+    engine = load_engine(model=model, dtype=dtype, max_batch=max(batches), max_context=1024,
+                         speculation=False)
     log("measuring memory bandwidth")
     bw = memory_bandwidth()
     log("warming up (compiles every bucket once; cached on disk for the next run)")

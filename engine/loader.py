@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 import jax
+import jax.numpy as jnp
 
 from engine.config import ModelConfig
 from engine.core import EngineConfig, EngineCore
@@ -61,8 +62,15 @@ def batch_buckets(max_batch: int, smallest: int = 1) -> tuple[int, ...]:
     return tuple(out) + (max_batch,)
 
 
+VERIFY_TOKENS = (2, 3, 5, 9)
+"""Verify buckets (1 + depth) compiled when speculation is on: depths 1, 2, 3-4, 5-8."""
+SPEC_MAX_BATCH = 16
+"""Largest decode batch compiled for verification by default (speculation stops paying beyond)."""
+
+
 def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch: int,
-                  max_context: int, kv_dtype: str | None = None) -> RunnerConfig:
+                  max_context: int, kv_dtype: str | None = None, verify_tokens: tuple[int, ...] = (),
+                  spec_max_batch: int = SPEC_MAX_BATCH) -> RunnerConfig:
     """Size the pools with the memory planner and choose the compiled buckets."""
     kv_dtype = kv_dtype or dtype
     if kv_dtype not in KV_DTYPE_BYTES:
@@ -79,13 +87,21 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
         ring_pages=sizes.ring_pages,
         dtype=dtype,
         kv_dtype=kv_dtype,
+        verify_tokens=verify_tokens,
+        spec_max_batch=min(spec_max_batch, max_batch),
     )
 
 
 def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_bytes: int | None = None,
                 max_batch: int = 32, max_context: int = 4096, progress: bool = True,
-                token_budget: int = 512) -> EngineCore:
-    """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine."""
+                token_budget: int = 512, speculation: bool = True, heads: str | None = None,
+                verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH) -> EngineCore:
+    """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine.
+
+    With `speculation`, the verify buckets are compiled and the proposers load:
+    n-gram always; MTP heads, early exit and the draft model from `heads` (a
+    `crossover train-heads` file; default: the one shipped for the model, if any).
+    """
     from engine.gguf_file import default_gguf_path
     from engine.tokenizer import Tokenizer
     from engine.weights import load_model
@@ -99,10 +115,32 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     # Every Gemma 3 size shares one 262k vocabulary: a HF directory uses the default file's.
     tokenizer = Tokenizer.from_gguf(gguf or default_gguf_path(progress), progress=progress)
     budget = kv_budget_bytes or DEFAULT_KV_BUDGET.get(jax.default_backend(), 4 << 30)
-    rc = runner_config(cfg, dtype, budget, max_batch, max_context)
+    rc = runner_config(cfg, dtype, budget, max_batch, max_context,
+                       verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch)
     if progress:
         print(f"engine: {cfg.name} {dtype}, KV pool {rc.global_pages - 1} global + "
               f"{rc.local_pages - 1} local pages of {PAGE_SIZE} tokens, max batch {max_batch}, "
               f"context {rc.max_context}", file=sys.stderr, flush=True)
-    return EngineCore(cfg, params, tokenizer, EngineConfig(runner=rc, token_budget=token_budget),
-                      model_name=cfg.name)
+    engine = EngineCore(cfg, params, tokenizer, EngineConfig(runner=rc, token_budget=token_budget),
+                        model_name=cfg.name)
+    if speculation:
+        _load_heads(engine, heads, dtype, progress)
+    return engine
+
+
+def _load_heads(engine: EngineCore, heads: str | None, dtype: str, progress: bool) -> None:
+    """MTP / early-exit / draft-model proposers from a heads file (none shipped: n-gram only)."""
+    from engine.drafting import add_model_proposers
+    from engine.heads import DraftHeads, default_heads_path
+
+    path = heads or default_heads_path(engine.cfg)
+    if heads is None and not path.is_file():
+        if progress:
+            print(f"engine: no draft heads for {engine.cfg.name} ({path}): n-gram speculation only",
+                  file=sys.stderr, flush=True)
+        return
+    loaded = DraftHeads.load(path, dtype=jnp.dtype(dtype))
+    add_model_proposers(engine, loaded)
+    if progress:
+        names = ", ".join(n for n in engine.proposers if n != "ngram")
+        print(f"engine: draft heads {path} ({loaded.nbytes() / 2**20:.1f} MiB): {names}", file=sys.stderr, flush=True)

@@ -61,6 +61,7 @@ def _load(args):
     from engine.loader import load_engine
 
     try:
-        return load_engine(model=args.model, dtype=args.dtype, max_batch=1, max_context=args.max_context)
+        return load_engine(model=args.model, dtype=args.dtype, max_batch=1, max_context=args.max_context,
+                           speculation=False)
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None

@@ -32,7 +32,7 @@ SETTING_FLAGS = (
     "host", "port", "model", "dtype", "kv_budget_bytes", "max_batch", "max_context", "db_url",
     "tuner", "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
     "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
-    "tuner_interval_s",
+    "tuner_interval_s", "speculation", "heads",
 )
 SHUTDOWN_GRACE_S = 2.0
 """Runner shutdown timeout once draining is over (idle connections only)."""
@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--db", "--db-url", dest="db_url", metavar="URL",
         help="SQLAlchemy URL or SQLite path of the telemetry database "
              "(default: $CROSSOVER_DB or ./crossover.db)")
+    add("--speculation", action=argparse.BooleanOptionalAction, default=None,
+        help="compile verification and load the draft proposers (default on)")
+    add("--heads", metavar="FILE", help="draft heads file (default: the one shipped for the model)")
     add("--tuner", action=argparse.BooleanOptionalAction, default=None, help="run the policy tuner")
     add("--tuner-interval", dest="tuner_interval_s", type=float, metavar="SECONDS",
         help="seconds between scheduled retunes (default 600; other tuner_* settings: "
@@ -133,7 +136,8 @@ def _load_engine(settings: Any, args: argparse.Namespace) -> Any:
     log_event(log, "loading model", model=settings.model, dtype=settings.dtype)
     engine = load_engine(model=settings.model, dtype=settings.dtype,
                          kv_budget_bytes=settings.kv_budget_bytes, max_batch=settings.max_batch,
-                         max_context=settings.max_context, progress=True)
+                         max_context=settings.max_context, progress=True,
+                         speculation=settings.speculation, heads=settings.heads)
     log_event(log, "model loaded", model=engine.model_name, seconds=round(time.monotonic() - start, 1))
     return engine
 

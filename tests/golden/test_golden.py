@@ -30,7 +30,7 @@ def golden():
 def engine():
     from engine.loader import load_engine
 
-    return load_engine(dtype="float32", max_batch=16, max_context=1024, progress=False)
+    return load_engine(dtype="float32", max_batch=16, max_context=1024, progress=False, speculation=False)
 
 
 def _compared_steps(case: dict, near_tie: float) -> int:

@@ -1,0 +1,274 @@
+"""`crossover train-heads`: MTP heads and exit adapters by self-distillation.
+
+1. Generate: the frozen target continues workload prompts of every kind
+   (copy, code, chat, prose) greedily through the engine itself.
+2. Capture: one dense forward per sequence (prompt + continuation) keeps the
+   final hidden states, the states after each exit layer, and the target's
+   greedy prediction at every position (the labels).
+3. Rank the draft vocabulary by token frequency in the stdlib sources plus the
+   generated text.
+4. Train each head alone with Adam on cross-entropy over the first
+   `train_vocab` draft ids: MTP head k at position t learns the target's
+   prediction at t+1+k; an exit adapter at t learns the prediction at t.
+5. Measure held-out top-1 agreement with the target (by prompt, so no held-out
+   text was trained on) at each draft vocabulary, and save a safetensors file
+   with those figures in its metadata (engine/heads.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.heads import DraftHeads, Head, head_logits, init_head
+from engine.model import KVView, forward, logits, rms_norm
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What to generate and how to train."""
+
+    prompts_per_kind: int = 40
+    """Workload prompts continued per tenant kind."""
+    gen_tokens: int = 96
+    """Tokens the target generates per prompt."""
+    max_prompt: int = 640
+    """Prompts are cut to their last this many tokens."""
+    n_mtp: int = 4
+    """MTP heads (the deepest drafts position n_mtp)."""
+    exits: tuple[int, ...] = (4, 8)
+    """Layer counts after which an exit adapter is trained."""
+    train_vocab: int = 8192
+    """Softmax width during training (the most frequent draft ids)."""
+    keep_vocab: int = 32768
+    """Draft vocabulary ids kept in the file (most frequent first)."""
+    epochs: int = 3
+    batch: int = 512
+    lr: float = 2e-3
+    holdout: float = 0.1
+    """Share of prompts held out for the acceptance figures."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.train_vocab > self.keep_vocab:
+            raise ValueError(f"train_vocab={self.train_vocab} exceeds keep_vocab={self.keep_vocab}")
+        if not 0.0 < self.holdout < 0.5:
+            raise ValueError(f"holdout={self.holdout} must be in (0, 0.5)")
+
+
+def _log(msg: str, end: str = "\n") -> None:
+    print(msg, end=end, file=sys.stderr, flush=True)
+
+
+# -- 1. generate --------------------------------------------------------------
+
+def generate_corpus(engine, tc: TrainConfig, progress: bool = True) -> list[tuple[str, list[int], int]]:
+    """(kind, prompt + continuation ids, prompt length) per prompt, greedy."""
+    from engine.types import Request, SamplingParams
+    from engine.workloads import KINDS, prompts, to_request
+
+    reqs = []
+    for kind in KINDS:
+        for i, p in enumerate(prompts(kind, tc.prompts_per_kind, seed=tc.seed + 7919)):
+            r = to_request(p, engine.tokenizer, f"{kind}-{i}")
+            ids = r.prompt_ids[-tc.max_prompt :]
+            reqs.append((kind, Request(r.request_id, ids, SamplingParams(max_tokens=tc.gen_tokens))))
+    out = {r.request_id: [] for _, r in reqs}
+    for _, r in reqs:
+        engine.add_request(r)
+    t0, done = time.perf_counter(), 0
+    while engine.has_work():
+        o = engine.step()
+        for ev in o.events:
+            out[ev.request_id] += ev.token_ids
+        done += len(o.finished)
+        if progress:
+            n = sum(map(len, out.values()))
+            _log(f"\rtrain-heads: generating {done}/{len(reqs)} prompts, {n} tokens, "
+                 f"{time.perf_counter() - t0:.0f}s", end="")
+    if progress:
+        _log("")
+    return [(kind, list(r.prompt_ids) + out[r.request_id], len(r.prompt_ids)) for kind, r in reqs]
+
+
+# -- 2. capture ---------------------------------------------------------------
+
+@partial(jax.jit, static_argnames=("cfg", "capture"))
+def _capture(cfg, params, tokens, pos, capture: tuple[int, ...]):
+    """Dense forward over one padded sequence [1, T]: final states, exit states (final-normed)."""
+    B, T = tokens.shape
+
+    def empty(kind, idx):
+        z = jnp.zeros((B, 0, cfg.n_kv_heads, cfg.head_dim), params["embed"].dtype)
+        return KVView(z, z, jnp.zeros((B, 0), jnp.int32))
+
+    h, _, caught = forward(cfg, params, tokens, pos, empty, capture)
+    exits = tuple(rms_norm(x, params["final_norm"], cfg.rms_eps)[0] for x in caught)
+    return h[0], exits
+
+
+@jax.jit
+def _greedy(params, h):
+    return jnp.argmax(logits(params, h), axis=-1).astype(jnp.int32)
+
+
+def capture(engine, corpus, exits: tuple[int, ...], progress: bool = True):
+    """Per sequence: (final states [T, d], {L: exit states [T, d]}, target predictions [T])."""
+    cfg, params = engine.cfg, engine.runner.params
+    out, t0 = [], time.perf_counter()
+    for n, (_, ids, _) in enumerate(corpus):
+        T = len(ids)
+        Tp = 256 * -(-T // 256)
+        tok = np.zeros((1, Tp), np.int32)
+        tok[0, :T] = ids
+        pos = np.where(np.arange(Tp) < T, np.arange(Tp), -1).astype(np.int32)[None]
+        h, xs = _capture(cfg, params, tok, pos, tuple(L - 1 for L in exits))
+        pred = np.concatenate([np.asarray(_greedy(params, h[i : i + 256])) for i in range(0, Tp, 256)])[:T]
+        out.append((np.asarray(h[:T], np.float32), {L: np.asarray(x[:T], np.float32) for L, x in zip(exits, xs)},
+                    pred))
+        if progress:
+            _log(f"\rtrain-heads: capturing hidden states {n + 1}/{len(corpus)} {time.perf_counter() - t0:.0f}s", end="")
+    if progress:
+        _log("")
+    return out
+
+
+# -- 3. draft vocabulary ----------------------------------------------------------
+
+def rank_vocab(tokenizer, corpus, vocab_size: int, keep: int) -> np.ndarray:
+    """Token ids by frequency in the stdlib sources and the corpus (ties: lower id first)."""
+    from engine.workloads.sources import load_modules
+
+    counts = np.zeros(vocab_size, np.int64)
+    for mod in load_modules():
+        np.add.at(counts, np.asarray(tokenizer.encode(mod.text, add_bos=False), np.int64), 1)
+    for _, ids, _ in corpus:
+        np.add.at(counts, np.asarray(ids, np.int64), 4)  # generated text weighs more
+    order = np.lexsort((np.arange(vocab_size), -counts))
+    return order[:keep].astype(np.int32)
+
+
+# -- 4. train -----------------------------------------------------------------------
+
+def _loss(head: Head, x, y, emb):
+    lg = head_logits(head, x, emb)
+    lp = jax.nn.log_softmax(lg, axis=-1)
+    ok = y >= 0
+    nll = -jnp.take_along_axis(lp, jnp.maximum(y, 0)[:, None], axis=1)[:, 0]
+    return jnp.sum(jnp.where(ok, nll, 0.0)) / jnp.maximum(jnp.sum(ok), 1)
+
+
+@jax.jit
+def _adam_step(head: Head, m, v, t, x, y, emb, lr):
+    loss, g = jax.value_and_grad(_loss)(head, x, y, emb)
+    b1, b2 = 0.9, 0.999
+    m = jax.tree.map(lambda a, b: b1 * a + (1 - b1) * b, m, g)
+    v = jax.tree.map(lambda a, b: b2 * a + (1 - b2) * b * b, v, g)
+    mhat = jax.tree.map(lambda a: a / (1 - b1**t), m)
+    vhat = jax.tree.map(lambda a: a / (1 - b2**t), v)
+    head = jax.tree.map(lambda p, a, b: p - lr * a / (jnp.sqrt(b) + 1e-8), head, mhat, vhat)
+    return head, m, v, loss
+
+
+@jax.jit
+def _top1(head: Head, x, emb, ids):
+    return ids[jnp.argmax(head_logits(head, x, emb), axis=-1)]
+
+
+def train_one(x: np.ndarray, y: np.ndarray, emb, tc: TrainConfig, key, label: str, progress: bool) -> Head:
+    """Adam on one head: x [N, d] inputs, y [N] indices into emb (-1: outside the softmax)."""
+    head = init_head(key, x.shape[1], x.shape[1])
+    m = jax.tree.map(jnp.zeros_like, head)
+    v = jax.tree.map(jnp.zeros_like, head)
+    rng = np.random.default_rng(tc.seed)
+    steps = tc.epochs * max(1, len(x) // tc.batch)
+    t0, t = time.perf_counter(), 0
+    for epoch in range(tc.epochs):
+        order = rng.permutation(len(x))
+        for i in range(0, len(x) - tc.batch + 1, tc.batch):
+            idx = order[i : i + tc.batch]
+            t += 1
+            lr = tc.lr * min(1.0, t / 50) * 0.5 * (1 + np.cos(np.pi * t / steps))
+            head, m, v, loss = _adam_step(head, m, v, t, x[idx], y[idx], emb, lr)
+            if progress and t % 20 == 0:
+                _log(f"\rtrain-heads: {label} epoch {epoch + 1}/{tc.epochs} step {t}/{steps} "
+                     f"loss {float(loss):.3f} {time.perf_counter() - t0:.0f}s", end="")
+    if progress:
+        _log("")
+    return head
+
+
+def _pairs(caps, idx, shift: int, which):
+    """Inputs at t and the target's prediction at t + shift, over the sequences in idx."""
+    xs, ys = [], []
+    for i in idx:
+        h, ex, pred = caps[i]
+        x = h if which is None else ex[which]
+        n = len(pred) - shift
+        if n > 0:
+            xs.append(x[:n])
+            ys.append(pred[shift:])
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def _to_sub(y: np.ndarray, vocab: np.ndarray, n: int) -> np.ndarray:
+    lookup = np.full(max(int(vocab.max()), int(y.max())) + 1, -1, np.int32)
+    lookup[vocab[:n]] = np.arange(n, dtype=np.int32)
+    return lookup[y]
+
+
+def train_heads(engine, tc: TrainConfig = TrainConfig(), progress: bool = True) -> DraftHeads:
+    """The whole pipeline on a loaded (warmed-up) engine; see the module docstring."""
+    t_start = time.perf_counter()
+    corpus = generate_corpus(engine, tc, progress)
+    caps = capture(engine, corpus, tc.exits, progress)
+    vocab = rank_vocab(engine.tokenizer, corpus, engine.cfg.vocab_size, tc.keep_vocab)
+    rng = np.random.default_rng(tc.seed)
+    order = rng.permutation(len(corpus))
+    n_hold = max(1, int(len(corpus) * tc.holdout))
+    held, train = order[:n_hold], order[n_hold:]
+    embed = engine.runner.params["embed"]
+    emb_train = jnp.take(embed, jnp.asarray(vocab[: tc.train_vocab]), axis=0)
+    key = jax.random.PRNGKey(tc.seed)
+    jobs = [("mtp", k, k + 1, None) for k in range(tc.n_mtp)] + [("exit", L, 0, L) for L in tc.exits]
+    heads: dict[tuple[str, int], Head] = {}
+    acceptance: dict[str, dict[str, float]] = {}
+    for kind, idx, shift, which in jobs:
+        key, sub = jax.random.split(key)
+        label = f"{kind} {'head ' + str(idx) if kind == 'mtp' else 'after ' + str(idx) + ' layers'}"
+        x, y = _pairs(caps, train, shift, which)
+        heads[(kind, idx)] = train_one(x, _to_sub(y, vocab, tc.train_vocab), emb_train, tc, sub, label, progress)
+        xh, yh = _pairs(caps, held, shift, which)
+        acceptance[f"{kind}.{idx}"] = _heldout(heads[(kind, idx)], xh, yh, embed, vocab)
+        if progress:
+            _log(f"train-heads: {label}: held-out agreement with the target {acceptance[f'{kind}.{idx}']}")
+    meta = {
+        "model": engine.cfg.name, "train_config": asdict(tc),
+        "sequences": len(corpus), "heldout_sequences": int(n_hold),
+        "tokens": int(sum(len(ids) for _, ids, _ in corpus)),
+        "generated_tokens": int(sum(len(ids) - n for _, ids, n in corpus)),
+        "heldout_agreement": acceptance, "minutes": round((time.perf_counter() - t_start) / 60, 1),
+    }
+    out = DraftHeads(vocab, [heads[("mtp", k)] for k in range(tc.n_mtp)],
+                     {L: heads[("exit", L)] for L in tc.exits}, meta)
+    out.meta["bytes"] = out.nbytes()
+    return out
+
+
+def _heldout(head: Head, x: np.ndarray, y: np.ndarray, embed, vocab: np.ndarray) -> dict[str, float]:
+    """Top-1 agreement with the target's prediction at each draft vocabulary size."""
+    res = {}
+    for n in (8192, 32768, 0):
+        if n > len(vocab):
+            continue
+        ids = jnp.arange(embed.shape[0], dtype=jnp.int32) if n == 0 else jnp.asarray(vocab[:n])
+        emb = embed if n == 0 else jnp.take(embed, ids, axis=0)
+        got = np.concatenate([np.asarray(_top1(head, x[i : i + 256], emb, ids)) for i in range(0, len(x), 256)])
+        res[str(n or "full")] = round(float((got == y).mean()), 4)
+    return res
