@@ -373,6 +373,8 @@ class Plan:
     """One line: fits with how many tenants, or what does not fit and by how much."""
     notes: tuple[str, ...]
     """Assumptions behind the numbers (reserve formula, borrowed shapes, device)."""
+    techniques: tuple = ()
+    """engine.spec_memory.TechniqueCost per speculative technique (bytes, tenants displaced)."""
 
 
 def _verdict(
@@ -404,6 +406,7 @@ def make_plan(
     activation_reserve_bytes: int | None = None, speculation_bytes: int = 0,
 ) -> Plan:
     """Plan `model` on `device`; activation_reserve_bytes=None uses `activation_reserve`."""
+    from engine.spec_memory import technique_costs  # it builds on this module's formulas
     moe = model if isinstance(model, MoEConfig) else None
     cfg = moe.attention if moe else model
     total = moe.total_params if moe else cfg.param_count()
@@ -455,4 +458,6 @@ def make_plan(
         sequence_bytes=seq, naive_sequence_bytes=naive, tenants=tenants,
         naive_tenants=naive_tenants, tenant_ratio=ratio, tenants_displaced=displaced,
         fits=fits, shortfall_bytes=shortfall, verdict=verdict, notes=tuple(notes),
+        techniques=tuple(technique_costs(cfg, weight_dtype, kv_dtype, context_len, page_size,
+                                         max_spec_depth, seq)),
     )

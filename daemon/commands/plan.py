@@ -136,6 +136,10 @@ def format_plan(plan: Plan) -> str:
         ("tenants", f"{plan.tenants} paged + windowed vs {plan.naive_tenants} naive{ratio}"),
         ("verdict", plan.verdict),
     ]
+    for i, t in enumerate(plan.techniques):
+        rows.append(("per technique" if i == 0 else "", f"{t.technique:<10} resident {f(t.resident_bytes):>10} + "
+                     f"{f(t.per_sequence_bytes):>10}/sequence: displaces {t.tenants_displaced} tenants "
+                     f"with {t.speculating} speculating"))
     rows += [("notes" if i == 0 else "", note) for i, note in enumerate(plan.notes)]
     width = max(len(label) for label, _ in rows)
     head = f"memory plan: {plan.model} on {dev.name}, context {plan.context_len}"

@@ -91,3 +91,23 @@ def test_bad_values_exit_2_naming_the_value(capsys, argv, named, choices):
     assert out == ""
     assert err.startswith("crossover plan: error:")
     assert named in err and choices in err
+
+
+def test_per_technique_memory_and_tenants_displaced(capsys):
+    rc, out, _ = run_plan(capsys, "--device", "cpu", "--budget", "8GiB", "--dtype", "float32",
+                          "--kv-dtype", "float32", "--context", "4096", "--json")
+    assert rc == 0
+    plan = json.loads(out)
+    costs = {t["technique"]: t for t in plan["techniques"]}
+    assert set(costs) == {"ngram", "mtp", "early_exit", "draft"}
+    assert costs["ngram"]["resident_bytes"] == 0
+    # 4 heads of 2 x 640^2 + 640 float32 weights, slices of 8192 + 32768 embedding rows (+ int32 ids)
+    assert costs["mtp"]["resident_bytes"] == 4 * (2 * 640 * 640 + 640) * 4 + (8192 + 32768) * (640 * 4 + 4)
+    verify = 8 * 2 * 3 * 256 * 4  # 8 verify slots x K+V x 3 global layers x head_dim x float32
+    assert costs["ngram"]["per_sequence_bytes"] == verify
+    assert costs["draft"]["per_sequence_bytes"] > verify  # its own KV: 4 local layers over the window
+    for c in costs.values():
+        total = c["resident_bytes"] + c["speculating"] * c["per_sequence_bytes"]
+        assert c["tenants_displaced"] == -(-total // plan["sequence_bytes"])
+    rc, text, _ = run_plan(capsys, "--device", "cpu", "--budget", "8GiB")
+    assert "per technique" in text and "displaces" in text
