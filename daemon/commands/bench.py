@@ -1,4 +1,4 @@
-"""`crossover bench engine|telemetry|serve`: measure, print progress, write JSON."""
+"""`crossover bench engine|telemetry|serve|crossover`: measure, print progress, write JSON."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--db", default=None, help="SQLAlchemy URL (default: a temporary SQLite file)")
     _add_serve(sub.add_parser("serve", help="HTTP load test: throughput, TTFT/TPOT percentiles, "
                                             "overhead over the bare engine"))
+    _add_crossover(sub.add_parser("crossover", help="goodput of each speculative technique and depth vs batch "
+                                                    "size, acceptance per position, crossover batch; JSON + PNG"))
 
 
 def _add_serve(s: argparse.ArgumentParser) -> None:
@@ -58,6 +60,24 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
     add("--no-db", action="store_true", help="start the daemon without a telemetry database")
 
 
+def _add_crossover(c: argparse.ArgumentParser) -> None:
+    add = c.add_argument
+    add("--out", default="bench-out/crossover.json", help="JSON output file (the PNG plot goes next to it)")
+    add("--techniques", default=None, help="comma-separated proposers (default: every one loaded)")
+    add("--depths", default="1,2,4,8", help="comma-separated draft depths (1-8)")
+    add("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
+    add("--kinds", default="copy,code,chat,prose", help="comma-separated workload kinds")
+    add("--new-tokens", type=int, default=64, help="tokens each request decodes once all are decoding")
+    add("--prompt-tokens", type=int, default=256, help="longest prompt (longer ones keep their last tokens)")
+    add("--pool-split", type=float, default=0.25,
+        help="share of the KV pool lent to speculation in every run (the draft model needs > 0)")
+    add("--draft-vocab", type=int, default=None, help="MTP draft vocabulary (default: its smallest)")
+    add("--seed", type=int, default=0, help="seed of the prompt draw")
+    add("--model", default=None, help="a .gguf file or a HF Gemma 3 directory (default: Gemma 3 270M)")
+    add("--heads", default=None, help="a crossover train-heads file (default: the model's shipped one)")
+    add("--dtype", default=None, choices=["float32", "bfloat16"])
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench == "engine":
         from engine.bench import run_bench
@@ -80,7 +100,37 @@ def run(args: argparse.Namespace) -> int:
         from daemon.bench_serve import run_bench as serve_bench
 
         serve_bench(_serve_config(args), args.out)
+    elif args.bench == "crossover":
+        _run_crossover(args)
     return 0
+
+
+def _run_crossover(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from engine.bench_crossover import BenchConfigError, CrossoverGrid, run_bench
+
+    def ints(flag: str, text: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise UserError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+    def names(text: str | None) -> tuple[str, ...]:
+        return tuple(x.strip() for x in text.split(",") if x.strip()) if text else ()
+
+    for flag, path in (("--model", args.model), ("--heads", args.heads)):
+        if path and not Path(path).exists():
+            raise UserError(f"{flag} {path!r} does not exist")
+    try:
+        grid = CrossoverGrid(
+            techniques=names(args.techniques), depths=ints("--depths", args.depths),
+            batches=ints("--batches", args.batches), kinds=names(args.kinds), new_tokens=args.new_tokens,
+            prompt_tokens=args.prompt_tokens, pool_split=args.pool_split, draft_vocab=args.draft_vocab,
+            seed=args.seed)
+        run_bench(args.out, grid, model=args.model, heads=args.heads, dtype=args.dtype)
+    except BenchConfigError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _serve_config(args: argparse.Namespace) -> Any:

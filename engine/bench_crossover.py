@@ -1,0 +1,539 @@
+"""`crossover bench crossover`: goodput of each speculative technique against batch size.
+
+Everything is measured in one run, interleaved, so ratios are meaningful on a noisy machine:
+1. Prompts: per workload kind, the first max(batches) prompts of a seeded draw
+   that fit in `prompt_tokens` (too few fit: the rest keep BOS + their last tokens).
+2. For each kind and batch size B, runs in the order plain, t1@d1 .. t1@dn,
+   plain, t2@d1 .., plain: each run adds B greedy requests (EOS ignored),
+   prefills them under plain decoding, and switches to the run's policy once
+   all B decode; only steps where all B sequences decode (no prefill) count.
+   Goodput = output tokens emitted / step time. Every run, plain included,
+   has the same pool split (the draft model drafts only in a lent pool).
+3. Per technique: its best depth at each B, the speedup over plain (the plain
+   runs of that kind and B pooled), the crossover (the largest B where the
+   best depth beats plain; 0: never) and acceptance per draft position.
+4. JSON and a PNG plot next to it: one panel per kind, goodput vs batch size
+   (log2 axis), a line per technique at its best depth and one for plain,
+   each crossover a dashed vertical line in the technique's colour.
+
+Acceptance at position i is the share of sequence-steps (sequences times
+counted steps) whose position-i draft was accepted, so 1 + sum(per_pos) is
+the tokens each sequence emits per step; `conditional_per_pos[i]` is the
+rate given position i - 1 was accepted (None where never reached).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engine.policy import MAX_POOL_SPLIT, TECHNIQUES, BatchRule, TunedPolicy
+from engine.types import Request, SamplingParams
+from engine.workloads import KINDS, pool, prompts, to_request
+
+MAX_DEPTH = 8
+SPEC_TECHNIQUES = tuple(t for t in TECHNIQUES if t != "none")
+
+
+class BenchConfigError(ValueError):
+    """A grid value the bench cannot run (the CLI turns it into a UserError)."""
+
+
+@dataclass(frozen=True)
+class CrossoverGrid:
+    """What to measure."""
+
+    techniques: tuple[str, ...] = ()
+    """Proposers to measure (empty: every one the engine has loaded)."""
+    depths: tuple[int, ...] = (1, 2, 4, 8)
+    """Draft depths tried per technique (deeper than a proposer can draft: skipped)."""
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    """Concurrent requests per measurement."""
+    kinds: tuple[str, ...] = KINDS
+    """Workload kinds (engine.workloads)."""
+    new_tokens: int = 64
+    """Output tokens each request decodes after all B are decoding."""
+    prompt_tokens: int = 256
+    """Longest prompt in tokens."""
+    pool_split: float = 0.25
+    """Share of the KV pool lent to speculation in every run (plain included)."""
+    draft_vocab: int | None = None
+    """MTP's draft vocabulary (None: its smallest compiled one)."""
+    seed: int = 0
+    """Seed of the prompt draw."""
+
+    def __post_init__(self) -> None:
+        for name in ("depths", "batches"):
+            values = getattr(self, name)
+            if not values:
+                raise BenchConfigError(f"{name}: at least one value is needed")
+            object.__setattr__(self, name, tuple(sorted(set(values))))
+        if not all(1 <= d <= MAX_DEPTH for d in self.depths):
+            raise BenchConfigError(f"depths {list(self.depths)}: each must be in 1..{MAX_DEPTH}")
+        if self.batches[0] < 1:
+            raise BenchConfigError(f"batches {list(self.batches)}: each must be >= 1")
+        for name, values, known in (("kinds", self.kinds, KINDS), ("techniques", self.techniques, SPEC_TECHNIQUES)):
+            bad = [v for v in values if v not in known]
+            if bad or (name == "kinds" and not values):
+                raise BenchConfigError(f"{name} {list(values)}: {bad or 'none given'} not in {list(known)}")
+        for name, low in (("new_tokens", 2), ("prompt_tokens", 2)):
+            if getattr(self, name) < low:
+                raise BenchConfigError(f"{name}={getattr(self, name)} must be >= {low}")
+        if not 0.0 <= self.pool_split <= MAX_POOL_SPLIT:
+            raise BenchConfigError(f"pool_split={self.pool_split} must be in [0, {MAX_POOL_SPLIT}]")
+
+
+@dataclass
+class Tally:
+    """Counted steps of one or more runs."""
+
+    tokens: int = 0
+    """Output tokens emitted (one per sequence plus accepted drafts)."""
+    ms: float = 0.0
+    steps: int = 0
+    seq_steps: int = 0
+    """Sum of batch sizes over counted steps."""
+    drafting_steps: int = 0
+    """Counted steps in which some sequence drafted."""
+    proposed: int = 0
+    per_pos: list[int] = field(default_factory=list)
+    propose_ms: float = 0.0
+    runs: int = 0
+    preempted: int = 0
+
+    def add(self, st) -> None:
+        self.tokens += st.decode_tokens
+        self.ms += st.step_ms
+        self.steps += 1
+        self.seq_steps += st.batch_size
+        self.drafting_steps += st.technique != "none"
+        self.proposed += st.proposed
+        self.propose_ms += st.propose_ms
+        self.per_pos += [0] * (len(st.accepted_per_pos) - len(self.per_pos))
+        for i, a in enumerate(st.accepted_per_pos):
+            self.per_pos[i] += a
+
+    def merge(self, other: "Tally") -> None:
+        for name in ("tokens", "ms", "steps", "seq_steps", "drafting_steps", "proposed", "propose_ms", "runs",
+                     "preempted"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.per_pos += [0] * (len(other.per_pos) - len(self.per_pos))
+        for i, a in enumerate(other.per_pos):
+            self.per_pos[i] += a
+
+    @property
+    def goodput(self) -> float | None:
+        return self.tokens / (self.ms / 1e3) if self.ms > 0 else None
+
+    def acceptance(self) -> dict:
+        n = self.seq_steps
+        cond = [(a / prev if prev else None) for a, prev in zip(self.per_pos, [n, *self.per_pos])]
+        return {"per_pos": [a / n if n else 0.0 for a in self.per_pos], "conditional_per_pos": cond,
+                "tokens_per_seq_step": self.tokens / n if n else None,
+                "drafting_step_share": self.drafting_steps / self.steps if self.steps else None}
+
+    def summary(self) -> dict:
+        return {"goodput": self.goodput, "step_ms": self.ms / self.steps if self.steps else None,
+                "steps": self.steps, "tokens": self.tokens, "runs": self.runs, "preempted": self.preempted,
+                "propose_ms_per_step": self.propose_ms / self.steps if self.steps else None}
+
+
+# --- measuring -----------------------------------------------------------------
+
+def measure(engine, grid: CrossoverGrid, log=None) -> dict:
+    """Run the grid on an engine (warmed up here if it is not) and return the result dict."""
+    log = log or (lambda msg: None)
+    techniques, depths, vocab = _resolve(engine, grid)
+    if not engine.warmed_up:
+        log("warming up (compiles every bucket once; cached on disk for the next run)")
+        engine.warmup(progress=False)
+    kinds = {}
+    for kind in grid.kinds:
+        ids, truncated = prompt_ids(engine.tokenizer, kind, max(grid.batches), grid.prompt_tokens, grid.seed)
+        rows = []
+        for b in grid.batches:
+            max_tokens = grid.new_tokens + prefill_steps(engine.scheduler.cfg.token_budget, ids[:b])
+            rows += _measure_batch(engine, grid, kind, ids[:b], max_tokens, techniques, depths, vocab)
+            log(_progress_line(kind, b, rows))
+        kinds[kind] = _summarize_kind(rows, techniques, depths)
+        kinds[kind]["prompts"] = {"count": len(ids), "truncated": truncated,
+                                  "mean_tokens": sum(map(len, ids)) / len(ids)}
+    return {
+        "model": engine.model_name, "dtype": engine.runner.rc.dtype,
+        "grid": {"techniques": list(techniques), "depths": {t: list(depths[t]) for t in techniques},
+                 "batches": list(grid.batches), "kinds": list(grid.kinds), "new_tokens": grid.new_tokens,
+                 "prompt_tokens": grid.prompt_tokens, "pool_split": grid.pool_split, "mtp_draft_vocab": vocab,
+                 "seed": grid.seed},
+        "kinds": kinds,
+        "crossover": {k: {t: v["techniques"][t]["crossover"] for t in techniques} for k, v in kinds.items()},
+        "speedup_batch1": {k: v["speedup_batch1"] for k, v in kinds.items()},
+        "compiles_since_warmup": engine.compiles_since_warmup(),
+    }
+
+
+def _resolve(engine, grid: CrossoverGrid) -> tuple[tuple[str, ...], dict[str, tuple[int, ...]], int]:
+    """Techniques, depths per technique and MTP draft vocabulary; BenchConfigError when the engine cannot."""
+    loaded = tuple(t for t in SPEC_TECHNIQUES if t in engine.proposers)
+    missing = [t for t in grid.techniques if t not in loaded]
+    if missing:
+        raise BenchConfigError(f"techniques {missing} are not loaded (loaded: {list(loaded)}; the model-based "
+                               "ones need a heads file)")
+    techniques = grid.techniques or loaded
+    rc = engine.runner.rc
+    if grid.batches[-1] > min(engine.max_batch, rc.spec_max_batch):
+        raise BenchConfigError(f"batch {grid.batches[-1]} exceeds the engine's max batch {engine.max_batch} "
+                               f"or speculative max batch {rc.spec_max_batch}")
+    if grid.depths[-1] + 1 > max(rc.verify_tokens, default=1):
+        raise BenchConfigError(f"depth {grid.depths[-1]} exceeds the compiled verify buckets {rc.verify_tokens}")
+    _check_context(engine, grid)
+    depths = {t: tuple(d for d in grid.depths if d <= engine.proposers[t].max_depth) or grid.depths[:1]
+              for t in techniques}
+    sizes = tuple(getattr(engine.proposers.get("mtp"), "vocab_sizes", (0,)))
+    vocab = grid.draft_vocab if grid.draft_vocab is not None else min((v for v in sizes if v), default=0)
+    if "mtp" in techniques and vocab not in sizes:
+        raise BenchConfigError(f"draft_vocab={vocab} is not one of MTP's compiled vocabularies {list(sizes)}")
+    return techniques, depths, vocab if "mtp" in techniques else 0
+
+
+def _check_context(engine, grid: CrossoverGrid) -> None:
+    """The longest prompt, its output (new tokens plus what it decodes while others prefill) and the
+    verify lookahead must fit in the engine's context."""
+    top = grid.batches[-1]
+    worst = prefill_steps(engine.scheduler.cfg.token_budget, [[0] * grid.prompt_tokens] * top)
+    need = grid.prompt_tokens + grid.new_tokens + worst + engine.scheduler.cfg.lookahead
+    if need > engine.max_context:
+        raise BenchConfigError(f"prompt_tokens={grid.prompt_tokens} + new_tokens={grid.new_tokens} at batch {top} "
+                               f"need a {need}-token context, the engine has {engine.max_context}")
+
+
+def prompt_ids(tokenizer, kind: str, n: int, limit: int, seed: int) -> tuple[list[list[int]], int]:
+    """n prompts' token ids (BOS first): the first of a seeded draw that fit in `limit`
+    tokens, then, if too few fit, others cut to BOS + their last limit - 1 tokens.
+    Returns (ids, how many were cut); a pool smaller than n repeats."""
+    fit, long = [], []
+    for i, p in enumerate(prompts(kind, len(pool(kind)), seed)):
+        ids = to_request(p, tokenizer, f"{kind}-{i}").prompt_ids
+        (fit if len(ids) <= limit else long).append(ids)
+        if len(fit) == n:
+            break
+    cut = [ids[:1] + ids[len(ids) - limit + 1:] for ids in long[: n - len(fit)]]
+    chosen = fit + cut
+    return (chosen * -(-n // len(chosen)))[:n], len(cut)
+
+
+def prefill_steps(token_budget: int, ids: list[list[int]]) -> int:
+    """Most steps B prompts take to prefill (the early ones decode meanwhile).
+
+    Example: prefill_steps(512, [[1] * 100] * 4) == 2 (one step of prefill, one spare).
+    """
+    room = max(1, token_budget - len(ids))
+    return -(-sum(map(len, ids)) // room) + 1
+
+
+def _policy(grid: CrossoverGrid, technique: str | None, depth: int, vocab: int) -> TunedPolicy:
+    if technique is None:
+        return TunedPolicy(pool_split=grid.pool_split)
+    top = grid.batches[-1]
+    return TunedPolicy(rules=(BatchRule(top, technique, depth),), crossover=top, pool_split=grid.pool_split,
+                       draft_vocab=vocab if technique == "mtp" else 0)
+
+
+def _measure_batch(engine, grid, kind, ids, max_tokens, techniques, depths, vocab) -> list[dict]:
+    """Plain, each depth of the first technique, plain, ... plain: one row per run."""
+    order: list[tuple[str | None, int]] = [(None, 0)]
+    for t in techniques:
+        order += [(t, d) for d in depths[t]] + [(None, 0)]
+    rows = []
+    for i, (t, d) in enumerate(order):
+        tally = run_one(engine, ids, _policy(grid, t, d, vocab), max_tokens, f"{kind}-b{len(ids)}-{i}")
+        rows.append({"kind": kind, "batch": len(ids), "technique": t or "none", "depth": d, "tally": tally})
+    return rows
+
+
+def run_one(engine, ids: list[list[int]], policy: TunedPolicy, max_tokens: int, tag: str) -> Tally:
+    """B = len(ids) greedy requests: prefill under plain decoding, then `policy`; count all-B decode steps."""
+    b = len(ids)
+    engine.set_policy(TunedPolicy(pool_split=policy.pool_split))
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(ids):
+        engine.add_request(Request(f"{tag}-{i}", list(p), sp))
+    tally, started, switched = Tally(runs=1), set(), False
+    while engine.has_work():
+        out = engine.step()
+        st = out.stats
+        if st is not None:
+            tally.preempted += st.preempted
+        if switched and st is not None and st.prefill_tokens == 0 and st.batch_size == b:
+            tally.add(st)
+        elif not switched:
+            started.update(ev.request_id for ev in out.events if ev.token_ids)
+            if len(started) == b:
+                engine.set_policy(policy)
+                switched = True
+    return tally
+
+
+# --- summarizing -----------------------------------------------------------------
+
+def _best(values: dict[int, float | None]) -> tuple[int, float | None]:
+    """(depth, goodput) of the highest goodput; (0, None) when none was measured."""
+    known = [(g, -d) for d, g in values.items() if g is not None]
+    if not known:
+        return 0, None
+    g, d = max(known)
+    return -d, g
+
+
+def crossover(plain: dict[int, float | None], best: dict[int, float | None]) -> int:
+    """Largest batch where the technique's best goodput beats plain's (0: none).
+
+    Example: crossover({1: 10, 4: 30, 16: 80}, {1: 15, 4: 33, 16: 70}) == 4.
+    """
+    wins = [b for b, g in best.items() if g is not None and plain.get(b) is not None and g > plain[b]]
+    return max(wins, default=0)
+
+
+def _summarize_kind(rows: list[dict], techniques, depths) -> dict:
+    plain_t: dict[int, Tally] = {}
+    for r in rows:
+        if r["technique"] == "none":
+            plain_t.setdefault(r["batch"], Tally()).merge(r["tally"])
+    plain = {b: t.goodput for b, t in plain_t.items()}
+    out = {"plain": [{"batch": b, **t.summary()} for b, t in sorted(plain_t.items())], "techniques": {}}
+    for tech in techniques:
+        runs = [r for r in rows if r["technique"] == tech]
+        by_depth, pooled = {}, {}
+        for r in runs:
+            s = {"batch": r["batch"], **r["tally"].summary(), **r["tally"].acceptance()}
+            s["speedup"] = _ratio(s["goodput"], plain.get(r["batch"]))
+            by_depth.setdefault(r["depth"], []).append(s)
+            pooled.setdefault(r["depth"], Tally()).merge(r["tally"])
+        best = []
+        for b in sorted(plain):
+            d, g = _best({r["depth"]: r["tally"].goodput for r in runs if r["batch"] == b})
+            best.append({"batch": b, "depth": d, "goodput": g, "speedup": _ratio(g, plain[b])})
+        out["techniques"][tech] = {
+            "depths": {str(d): by_depth.get(d, []) for d in depths[tech]},
+            "acceptance": {str(d): t.acceptance() for d, t in sorted(pooled.items())},
+            "best": best,
+            "crossover": crossover(plain, {x["batch"]: x["goodput"] for x in best}),
+        }
+    out["speedup_batch1"] = _speedup_smallest(out)
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _speedup_smallest(kind: dict) -> dict | None:
+    """The best technique at the smallest batch measured (batch 1 by default) over plain."""
+    if not kind["plain"]:
+        return None
+    b, plain = kind["plain"][0]["batch"], kind["plain"][0]["goodput"]
+    cands = [(x["speedup"], t, x["depth"]) for t, v in kind["techniques"].items()
+             for x in v["best"] if x["batch"] == b and x["speedup"] is not None]
+    if not cands:
+        return None
+    s, t, d = max(cands)
+    return {"batch": b, "technique": t, "depth": d, "speedup": s, "plain_goodput": plain}
+
+
+def _progress_line(kind: str, b: int, rows: list[dict]) -> str:
+    mine = [r for r in rows if r["batch"] == b]
+    plain = Tally()
+    for r in mine:
+        if r["technique"] == "none":
+            plain.merge(r["tally"])
+    parts = [f"{kind:5s} B={b:3d}: plain {plain.goodput or 0:8.1f} tok/s"]
+    for t in dict.fromkeys(r["technique"] for r in mine if r["technique"] != "none"):
+        d, g = _best({r["depth"]: r["tally"].goodput for r in mine if r["technique"] == t})
+        parts.append(f"{t} {(_ratio(g, plain.goodput) or 0):.2f}x@{d}")
+    return " | ".join(parts)
+
+
+# --- the plot (no plotting library: a small rasterizer and PNG writer) -----------
+
+PLOT_COLORS = {"none": (60, 60, 60), "ngram": (31, 119, 180), "mtp": (255, 127, 14),
+               "early_exit": (44, 160, 44), "draft": (214, 39, 40)}
+PANEL_W, PANEL_H = 480, 340
+_GLYPHS = dict(zip(
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:=/()@ <", """
+    010101111101101 110101110101110 011100100100011 110101101101110 111100110100111 111100110100100
+    011100101101011 101101111101101 111010010010111 001001001101010 101101110101101 100100100100111
+    101111111101101 110101101101101 010101101101010 110101110100100 010101101110011 110101110101101
+    011100010001110 111010010010010 101101101101111 101101101101010 101101111111101 101101010101101
+    101101010010010 111001010100111 111101101101111 010110010010111 110001010100111 110001010001110
+    101101111001001 111100110001110 011100111101111 111001010010010 111101111101111 111101111001110
+    000000000000010 000000111000000 000000000000111 000010000010000 000111000111000 001001010100100
+    010100100100010 010001001001010 010101111100011 000000000000000 001010100010001""".split()))
+
+
+class Canvas:
+    """An RGB raster with lines, rectangles and 3x5-pixel text, written as PNG."""
+
+    def __init__(self, width: int, height: int):
+        self.px = np.full((height, width, 3), 255, np.uint8)
+
+    def rect(self, x0: int, y0: int, x1: int, y1: int, color) -> None:
+        self.px[max(y0, 0):max(y1, 0), max(x0, 0):max(x1, 0)] = color
+
+    def line(self, x0, y0, x1, y1, color, width: int = 2, dash: int = 0) -> None:
+        n = int(max(abs(x1 - x0), abs(y1 - y0)) * 2) + 2
+        t = np.linspace(0.0, 1.0, n)
+        xs, ys = x0 + (x1 - x0) * t, y0 + (y1 - y0) * t
+        if dash:
+            keep = (np.hypot(xs - x0, ys - y0) // dash) % 2 == 0
+            xs, ys = xs[keep], ys[keep]
+        h, w, _ = self.px.shape
+        for ox in range(width):
+            for oy in range(width):
+                x = np.clip(np.round(xs).astype(int) + ox - width // 2, 0, w - 1)
+                y = np.clip(np.round(ys).astype(int) + oy - width // 2, 0, h - 1)
+                self.px[y, x] = color
+
+    def text(self, x: int, y: int, s: str, color=(0, 0, 0), scale: int = 2) -> int:
+        """Draw `s` with its top-left at (x, y); returns the x after it."""
+        for ch in s.upper():
+            bits = _GLYPHS.get(ch, _GLYPHS["."])
+            for i, bit in enumerate(bits):
+                if bit == "1":
+                    cx, cy = x + (i % 3) * scale, y + (i // 3) * scale
+                    self.rect(cx, cy, cx + scale, cy + scale, color)
+            x += 4 * scale
+        return x
+
+    def png(self) -> bytes:
+        h, w, _ = self.px.shape
+        raw = np.concatenate([np.zeros((h, 1), np.uint8), self.px.reshape(h, w * 3)], axis=1)
+
+        def chunk(kind: bytes, body: bytes) -> bytes:
+            return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(raw.tobytes(), 9)) + chunk(b"IEND", b""))
+
+
+def _short(v: float) -> str:
+    return f"{v / 1000:g}K" if v >= 1000 else f"{v:g}"
+
+
+def _tick_step(top: float, ticks: int = 4) -> float:
+    """A round step (1, 2, 2.5 or 5 times a power of ten) giving about `ticks` ticks up to `top`.
+
+    Example: _tick_step(5400) == 2000.0; _tick_step(0.9) == 0.25.
+    """
+    raw = top / ticks
+    mag = 10 ** math.floor(math.log10(raw))
+    return next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+
+
+def plot(result: dict, path: Path) -> dict:
+    """Write the goodput-vs-batch PNG; returns {"path", "width", "height", "colors"}."""
+    kinds = list(result["kinds"])
+    cols = min(2, len(kinds))
+    rows = -(-len(kinds) // cols)
+    canvas = Canvas(cols * PANEL_W, rows * PANEL_H)
+    for i, kind in enumerate(kinds):
+        _panel(canvas, (i % cols) * PANEL_W, (i // cols) * PANEL_H, kind, result["kinds"][kind])
+    path.write_bytes(canvas.png())
+    colors = {t: list(PLOT_COLORS[t]) for t in ("none", *result["grid"]["techniques"])}
+    return {"path": str(path), "width": cols * PANEL_W, "height": rows * PANEL_H, "colors": colors}
+
+
+def _panel(c: Canvas, x0: int, y0: int, kind: str, data: dict) -> None:
+    """Axes (log2 batch, goodput from 0), a line per technique's best depth and plain, crossovers dashed."""
+    left, right, top, bottom = x0 + 64, x0 + PANEL_W - 16, y0 + 62, y0 + PANEL_H - 34
+    lines = {"none": [(p["batch"], p["goodput"]) for p in data["plain"]]}
+    lines |= {t: [(x["batch"], x["goodput"]) for x in v["best"]] for t, v in data["techniques"].items()}
+    batches = sorted({b for pts in lines.values() for b, _ in pts})
+    highest = max([g for pts in lines.values() for _, g in pts if g] or [1.0])
+    step = _tick_step(highest)
+    ymax = step * math.ceil(highest * 1.02 / step)
+    lo, hi = math.log2(batches[0]) - 0.3, math.log2(batches[-1]) + 0.3
+
+    def px(b: float, g: float) -> tuple[float, float]:
+        return (left + (math.log2(b) - lo) / (hi - lo) * (right - left), bottom - g / ymax * (bottom - top))
+
+    c.text(x0 + 10, y0 + 6, f"{kind}: goodput tok/s vs batch")
+    x = x0 + 10
+    for name in lines:
+        c.rect(x, y0 + 27, x + 14, y0 + 30, PLOT_COLORS[name])
+        x = c.text(x + 18, y0 + 24, "plain" if name == "none" else name, PLOT_COLORS[name]) + 10
+    x = c.text(x0 + 10, y0 + 42, "crossover B<=")
+    for t, v in data["techniques"].items():
+        x = c.text(x + 8, y0 + 42, str(v["crossover"]), PLOT_COLORS[t])
+    for k in range(round(ymax / step) + 1):
+        y = bottom - k * step / ymax * (bottom - top)
+        c.line(left, y, right, y, (225, 225, 225), width=1)
+        c.text(x0 + 6, int(y) - 5, _short(k * step))
+    for b in batches:
+        bx, _ = px(b, 0)
+        c.line(bx, bottom, bx, bottom + 4, (0, 0, 0), width=1)
+        c.text(int(bx) - 4 * len(str(b)), bottom + 10, str(b))
+    c.line(left, bottom, right, bottom, (0, 0, 0), width=1)
+    c.line(left, top, left, bottom, (0, 0, 0), width=1)
+    for t, v in data["techniques"].items():
+        if v["crossover"]:
+            bx, _ = px(v["crossover"], 0)
+            c.line(bx, top, bx, bottom, PLOT_COLORS[t], width=1, dash=4)
+    for name, pts in lines.items():
+        known = [px(b, g) for b, g in pts if g is not None]
+        for (ax, ay), (bx, by) in zip(known, known[1:]):
+            c.line(ax, ay, bx, by, PLOT_COLORS[name])
+        for ax, ay in known:
+            c.rect(int(ax) - 3, int(ay) - 3, int(ax) + 3, int(ay) + 3, PLOT_COLORS[name])
+
+
+# --- the command -------------------------------------------------------------------
+
+def write_result(result: dict, out_path: str) -> dict:
+    """Write the JSON and the PNG next to it (same name, .png); returns the result with its "plot" entry."""
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {**result, "plot": plot(result, out.with_suffix(".png"))}
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def verify_tokens_for(depths) -> tuple[int, ...]:
+    """The loader's verify buckets (1 + depth) the depths need: (1, 2, 4, 8) -> (2, 3, 5, 9)."""
+    from engine.loader import VERIFY_TOKENS
+
+    return tuple(sorted({min(v for v in VERIFY_TOKENS if v >= d + 1) for d in depths}))
+
+
+def run_bench(out_path: str | None, grid: CrossoverGrid, model: str | None = None, heads: str | None = None,
+              dtype: str | None = None) -> dict:
+    from engine.loader import load_engine
+
+    log = lambda msg: print(f"bench crossover: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    top = grid.batches[-1]
+    budget = max(512, top * (grid.prompt_tokens + 1))  # every prompt prefilled in one step
+    verify = verify_tokens_for(grid.depths)
+    context = grid.prompt_tokens + grid.new_tokens + 2 + verify[-1]
+    engine = load_engine(model=model, dtype=dtype, max_batch=top, max_context=context, token_budget=budget,
+                         speculation=True, heads=heads, verify_tokens=verify, spec_max_batch=top)
+    result = measure(engine, grid, log)
+    result["backend"] = _backend()
+    if out_path:
+        result = write_result(result, out_path)
+        log(f"wrote {out_path} and {result['plot']['path']}")
+    for kind, s in result["speedup_batch1"].items():
+        if s:
+            log(f"{kind}: best at batch {s['batch']}: {s['technique']}@{s['depth']} {s['speedup']:.2f}x; "
+                f"crossovers {result['crossover'][kind]}")
+    return result
+
+
+def _backend() -> str:
+    import jax
+
+    return jax.default_backend()
