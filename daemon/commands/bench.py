@@ -1,4 +1,4 @@
-"""`crossover bench engine|telemetry|serve|crossover`: measure, print progress, write JSON."""
+"""`crossover bench engine|telemetry|serve|crossover|tuner`: measure, print progress, write JSON."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                             "overhead over the bare engine"))
     _add_crossover(sub.add_parser("crossover", help="goodput of each speculative technique and depth vs batch "
                                                     "size, acceptance per position, crossover batch; JSON + PNG"))
+    _add_tuner(sub.add_parser("tuner", help="the autotuned daemon vs static policies on a shifting "
+                                            "trace: goodput per phase, ratios, ITL during retunes; JSON + PNG"))
 
 
 def _add_serve(s: argparse.ArgumentParser) -> None:
@@ -102,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
         serve_bench(_serve_config(args), args.out)
     elif args.bench == "crossover":
         _run_crossover(args)
+    elif args.bench == "tuner":
+        from daemon.bench_tuner import run_bench as tuner_bench
+
+        tuner_bench(_tuner_config(args), args.out)
     return 0
 
 
@@ -163,3 +169,68 @@ def _serve_config(args: argparse.Namespace) -> Any:
         max_context=args.max_context, fake=args.fake, fake_step_ms=args.fake_step_ms,
         url=args.url, api_key=args.api_key or os.environ.get("CROSSOVER_API_KEY"), db=args.db,
         no_db=args.no_db)
+
+
+def _add_tuner(t: argparse.ArgumentParser) -> None:
+    add = t.add_argument
+    add("--out", default="bench-out/tuner.json", help="JSON output file (the PNG plot goes next to it)")
+    add("--phase-seconds", type=float, default=60.0, help="length of each of the trace's three phases")
+    add("--rate-scale", type=float, default=1.0, help="factor on the trace's arrival rates")
+    add("--low-rate", type=float, default=0.5, help="arrivals/s of the low-load phases (before the scale)")
+    add("--high-rate", type=float, default=6.0, help="arrivals/s of the high-load phase (before the scale)")
+    add("--low-max-concurrency", type=int, default=None, help="most requests in flight in a low-load phase")
+    add("--max-tokens", type=int, default=None, help="cap on each request's max_tokens (default: its kind's)")
+    add("--ignore-eos", action="store_true", help="every request decodes exactly max_tokens tokens")
+    add("--seed", type=int, default=0, help="seed of the trace")
+    add("--runs", default="autotuned,never,fixed,table", help="policies to run (comma-separated)")
+    add("--techniques", default=None, help="techniques of the fixed policies (default: every one loaded)")
+    add("--depths", default="2,4", help="depths of the fixed policies")
+    add("--table", default="4:4,8:2", help="batch-size table BATCH:DEPTH,... (larger batches do not speculate)")
+    add("--table-technique", default="ngram", help="technique of the batch-size table")
+    add("--pool-split", type=float, default=0.25, help="pool split of static model-based policies")
+    add("--retune-interval", type=float, default=None, help="seconds between retunes (default: phase/6)")
+    add("--fit-window", type=float, default=None, help="tuner's telemetry window in s (default: a phase)")
+    add("--validation-seconds", type=float, default=None, help="longest validation (default: phase/6)")
+    add("--trials", type=int, default=48, help="Optuna trials per retune")
+    add("--min-new-steps", type=int, default=100, help="steps a scheduled retune needs")
+    add("--profile-steps", type=int, default=100, help="startup profile decisions")
+    add("--validation-min-steps", type=int, default=60, help="validation ends with this many steps")
+    add("--search-in-thread", action="store_true", help="search in a thread, not a spawned process")
+    add("--probe-retunes", type=int, default=3, help="retunes measured for inter-token latency (0: none)")
+    add("--probe-concurrency", type=int, default=4, help="closed-loop clients during the probe")
+    add("--probe-quiet", type=float, default=None, help="quiet seconds between probe retunes (default: phase/4)")
+    add("--model", default=None, help="a .gguf file or a HF Gemma 3 directory (default: Gemma 3 270M)")
+    add("--heads", default=None, help="a crossover train-heads file (default: the model's shipped one)")
+    add("--dtype", default=None, choices=["float32", "bfloat16"])
+    add("--max-batch", type=int, default=32, help="the engine's most sequences decoded together")
+    add("--max-context", type=int, default=1024, help="the engine's context in tokens")
+    add("--fake", action="store_true", help="use the fake engine (no model; for tests)")
+    add("--fake-time-scale", type=float, default=1.0, help="fake engine: real s per simulated s of step time")
+
+
+def _tuner_config(args: argparse.Namespace) -> Any:
+    """The bench tuner config from flags; UserError naming what is wrong."""
+    from daemon.bench_tuner import TunerBenchConfig
+
+    def items(text: str | None) -> tuple[str, ...]:
+        return tuple(x.strip() for x in (text or "").split(",") if x.strip())
+
+    try:
+        depths = tuple(int(d) for d in items(args.depths))
+        table = tuple((int(b), int(d)) for b, d in (x.split(":") for x in items(args.table)))
+        return TunerBenchConfig(
+            phase_s=args.phase_seconds, rate_scale=args.rate_scale, low_rate=args.low_rate,
+            high_rate=args.high_rate, low_max_concurrency=args.low_max_concurrency,
+            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed,
+            techniques=items(args.techniques), depths=depths, table=table,
+            table_technique=args.table_technique, pool_split=args.pool_split, runs=items(args.runs),
+            retune_interval_s=args.retune_interval, fit_window_s=args.fit_window,
+            validation_s=args.validation_seconds, trials=args.trials,
+            min_new_steps=args.min_new_steps, profile_steps=args.profile_steps,
+            validation_min_steps=args.validation_min_steps, search_process=not args.search_in_thread,
+            probe_retunes=args.probe_retunes, probe_concurrency=args.probe_concurrency,
+            probe_quiet_s=args.probe_quiet, model=args.model, heads=args.heads, dtype=args.dtype,
+            max_batch=args.max_batch, max_context=args.max_context, fake=args.fake,
+            fake_time_scale=args.fake_time_scale)
+    except ValueError as exc:
+        raise UserError(f"bench tuner: {exc}") from None

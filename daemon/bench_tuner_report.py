@@ -1,0 +1,326 @@
+"""The figures of `crossover bench tuner` (daemon.bench_tuner): JSON summary and PNG plot.
+
+1. Per policy and phase (a step belongs to the phase its start falls in; the
+   last phase runs until the trace's last request finished): goodput =
+   decode tokens x 1000 / sum of step_ms, the steps' mean batch and the
+   share of steps per (technique, depth) cell; per phase of arrival, the
+   clients' TTFT, TPOT and inter-token gaps (ms) and errors. "whole" is the
+   same over the three phases.
+2. Ratios, each with its target and whether it is met (ratios are rounded
+   to 4 digits from the goodputs in the JSON):
+   - per phase, autotuned over the best static policy of that phase (>= 0.95);
+   - whole trace, autotuned over the best fixed (technique, depth) (>= 1.15);
+   - whole trace, autotuned over the batch-size table (>= 1.05);
+   - p99 inter-token gap while a retune searches over p99 while none runs
+     (<= 1.10), from the probe after the autotuned trace.
+3. The autotuned run's history, read from its telemetry database: every
+   policy version (who made it, when, its rules) and every retune that ran
+   (skips are only counted).
+4. The PNG: goodput bars per phase and whole trace for every policy, then
+   the ratios as bars with their targets marked.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from daemon.bench_serve import distribution
+from engine.bench_crossover import Canvas
+
+TARGETS = {"phase": 0.95, "best_fixed": 1.15, "table": 1.05, "retune_itl": 1.10}
+
+
+# ---- the summary ---------------------------------------------------------------------
+def summarize(cfg: Any, engine: Any, phases: list[Any], arrivals: list[Any],
+              runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    from daemon.bench_tuner import PHASE_NAMES
+
+    policies = {name: _run_summary(run, phases) for name, run in runs.items()}
+    auto = runs.get("autotuned")
+    if auto is not None:
+        policies["autotuned"]["history"] = _history_summary(auto["history"])
+    counts = Counter(a.phase for a in arrivals)
+    trace = [{"phase": i, "name": PHASE_NAMES[i], "duration_s": p.duration_s,
+              "rate_per_s": p.rate_per_s, "mix": dict(p.mix), "max_concurrency": p.max_concurrency,
+              "requests": counts.get(i, 0)} for i, p in enumerate(phases)]
+    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()}
+    result: dict[str, Any] = {
+        "bench": "tuner", "config": config, "engine": _describe(engine), "trace": trace,
+        "goodput_unit": "decode tokens per second of engine step time", "policies": policies,
+        "ratios": ratios(policies)}
+    if auto is not None and auto["probe"] is not None:
+        result["retune_itl"] = retune_itl(auto["probe"])
+        result["ratios"]["retune_itl"] = {
+            "ratio": result["retune_itl"]["p99_ratio"], "target": TARGETS["retune_itl"],
+            "met": _met(result["retune_itl"]["p99_ratio"], TARGETS["retune_itl"], below=True)}
+    return result
+
+
+def _run_summary(run: dict[str, Any], phases: list[Any]) -> dict[str, Any]:
+    start, end = run["start"], run["trace_end"]
+    bounds, t = [], start
+    for p in phases:
+        bounds.append((t, t + p.duration_s))
+        t += p.duration_s
+    bounds[-1] = (bounds[-1][0], max(end, bounds[-1][1]))
+    out = []
+    for i, (lo, hi) in enumerate(bounds):
+        steps = [s for s in run["steps"] if lo <= s.time < hi]
+        streams = [s for s in run["streams"] if s.phase == i]
+        out.append({"phase": i, **_steps(steps), **_clients(streams)})
+    whole_steps = [s for s in run["steps"] if start <= s.time < bounds[-1][1]]
+    return {"policy": run["policy"], "phases": out,
+            "whole": {**_steps(whole_steps), **_clients(run["streams"]),
+                      "wall_s": round(end - start, 3)}}
+
+
+def _steps(steps: list[Any]) -> dict[str, Any]:
+    tokens = sum(s.decode_tokens for s in steps)
+    ms = sum(s.step_ms for s in steps)
+    cells = Counter(f"{s.technique}@{s.depth}" if s.depth else "none" for s in steps)
+    return {"goodput": round(tokens * 1000.0 / ms, 3) if ms else 0.0, "decode_tokens": tokens,
+            "step_s": round(ms / 1000.0, 3), "steps": len(steps),
+            "mean_batch": round(sum(s.batch_size for s in steps) / len(steps), 2) if steps else 0.0,
+            "cells": {k: round(v / len(steps), 3) for k, v in cells.most_common()}}
+
+
+def _clients(streams: list[Any]) -> dict[str, Any]:
+    ok = [s for s in streams if s.error is None and s.chunks]
+    tpot = [(s.chunks[-1] - s.chunks[0]) / (s.output_tokens - 1) for s in ok if s.output_tokens > 1]
+    return {"requests": len(streams), "errors": sum(s.error is not None for s in streams),
+            "output_tokens": sum(s.output_tokens for s in ok),
+            "ttft_ms": distribution([s.chunks[0] - s.sent for s in ok]),
+            "tpot_ms": distribution(tpot), "itl_ms": distribution(_gaps(ok))}
+
+
+def _gaps(streams: list[Any]) -> list[float]:
+    return [b - a for s in streams for a, b in zip(s.chunks, s.chunks[1:])]
+
+
+def _history_summary(history: dict[str, Any]) -> dict[str, Any]:
+    real = [r for r in history["retunes"] if not (r["note"] or "").startswith("skipped")]
+    return {"policies": [{**{k: v for k, v in p.items() if k != "body"}, "rules": describe(p["body"])}
+                         for p in history["policies"]],
+            "retunes": real, "skipped": len(history["retunes"]) - len(real),
+            "statuses": dict(Counter(r["status"] for r in real))}
+
+
+def describe(body: dict[str, Any]) -> str:
+    """A policy in one line: "<=4 ngram@4, <=8 ngram@2, rest none; crossover 8; split 0.0"."""
+    rules = body.get("rules") or [{"max_batch": 1 << 30, "technique": "none", "depth": 0}]
+    parts = [f"<={r['max_batch']} {r['technique']}@{r['depth']}" if r["depth"]
+             else f"<={r['max_batch']} none" for r in rules]
+    return f"{', '.join(parts)}; crossover {body.get('crossover', 0)}; split {body.get('pool_split', 0.0)}"
+
+
+def ratios(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Autotuned over the static policies (module doc, 2); empty without an autotuned run."""
+    auto = policies.get("autotuned")
+    static = {n: p for n, p in policies.items() if n != "autotuned"}
+    if auto is None or not static:
+        return {}
+    per_phase = []
+    for i, phase in enumerate(auto["phases"]):
+        best = max(static, key=lambda n: static[n]["phases"][i]["goodput"])
+        per_phase.append(_ratio(phase["goodput"], static[best]["phases"][i]["goodput"],
+                                TARGETS["phase"], phase=i, best_static=best))
+    out: dict[str, Any] = {"per_phase": per_phase}
+    whole = auto["whole"]["goodput"]
+    fixed = [n for n in static if n.startswith("fixed:")]
+    if fixed:
+        best = max(fixed, key=lambda n: static[n]["whole"]["goodput"])
+        out["whole_vs_best_fixed"] = _ratio(whole, static[best]["whole"]["goodput"],
+                                            TARGETS["best_fixed"], best_fixed=best)
+    if "table" in static:
+        out["whole_vs_table"] = _ratio(whole, static["table"]["whole"]["goodput"], TARGETS["table"])
+    if "never" in static:
+        out["whole_vs_never"] = _ratio(whole, static["never"]["whole"]["goodput"], None)
+    return out
+
+
+def _ratio(num: float, den: float, target: float | None, **extra: Any) -> dict[str, Any]:
+    ratio = round(num / den, 4) if den else None
+    return {**extra, "autotuned": num, "static": den, "ratio": ratio, "target": target,
+            "met": None if target is None else _met(ratio, target)}
+
+
+def _met(ratio: float | None, target: float, below: bool = False) -> bool | None:
+    if ratio is None:
+        return None
+    return ratio <= target if below else ratio >= target
+
+
+def retune_itl(probe: dict[str, Any]) -> dict[str, Any]:
+    """Inter-token gaps ending while a retune searched vs those overlapping no retune."""
+    windows = probe["windows"]
+    busy = [(probe["settle"]["start"], probe["settle"]["end"])] + [(w["start"], w["end"]) for w in windows]
+    after = probe["settle"]["end"]
+    during, without = [], []
+    for s in probe["streams"]:
+        for a, b in zip(s.chunks, s.chunks[1:]):
+            if a < after:
+                continue
+            if any(w["start"] <= b <= w["search_end"] for w in windows):
+                during.append(b - a)
+            elif not any(a <= hi and b >= lo for lo, hi in busy):
+                without.append(b - a)
+    d, w = distribution(during), distribution(without)
+    ratio = round(d["p99"] / w["p99"], 4) if d["p99"] and w["p99"] else None
+    t0 = probe["settle"]["start"]
+    shown = [{"id": x["id"], "status": x["status"], "version": x["version"], "note": x["note"],
+              "start_s": round(x["start"] - t0, 3), "search_s": round(x["search_end"] - x["start"], 3),
+              "total_s": round(x["end"] - x["start"], 3)} for x in [probe["settle"], *windows]]
+    return {"definition": "gap between two streamed chunks of one request; 'during' ends while "
+                          "a retune searches, 'without' overlaps no retune (the settling one included)",
+            "retunes": shown, "during_ms": d, "without_ms": w, "p99_ratio": ratio,
+            "requests": len(probe["streams"]), "seconds": round(probe["end"] - t0, 3)}
+
+
+def read_history(database: Any, start: float) -> dict[str, Any]:
+    """The policies and retunes of a run's database (times in seconds from the trace's start)."""
+    from sqlalchemy import select
+
+    from store.db import session_scope
+    from store.models import Policy
+    from telemetry.queries import retune_history
+
+    with session_scope(database.engine) as session:
+        policies = [{"version": p.version, "source": p.source, "created_s": _rel(p.created_at, start),
+                     "rolled_back_at_s": _rel(p.rolled_back_at, start), "body": p.body}
+                    for p in session.scalars(select(Policy).order_by(Policy.version))]
+        retunes = [{"id": r.id, "by": r.triggered_by, "status": r.status,
+                    "started_s": _rel(r.started_at, start), "finished_s": _rel(r.finished_at, start),
+                    "version": r.chosen_policy_version, "predicted_goodput": r.predicted_goodput,
+                    "measured_goodput": r.measured_goodput,
+                    "note": r.error or (r.details or {}).get("reason")
+                    or ((r.details or {}).get("validation") or {}).get("decision")}
+                   for r in reversed(retune_history(session, limit=10_000))]
+    return {"policies": policies, "retunes": retunes}
+
+
+def _rel(t: float | None, start: float) -> float | None:
+    return None if t is None else round(t - start, 3)
+
+
+def headline(result: dict[str, Any]) -> list[str]:
+    """The figures in a few lines for stderr."""
+    lines = []
+    for name, run in result["policies"].items():
+        per = ", ".join(f"{p['goodput']:.1f}" for p in run["phases"])
+        lines.append(f"{name}: goodput per phase {per}, whole {run['whole']['goodput']:.1f} tok/s")
+    ratios = result["ratios"]
+    rows = [(f"phase {r['phase'] + 1} vs best static ({r['best_static']})", r)
+            for r in ratios.get("per_phase", [])]
+    rows += [(key, r) for key, r in ratios.items() if key != "per_phase"]
+    for label, r in rows:
+        verdict = "" if r["target"] is None else f" (target {r['target']}: {'met' if r['met'] else 'missed'})"
+        lines.append(f"{label}: {r['ratio']}{verdict}")
+    return lines
+
+
+def _describe(engine: Any) -> dict[str, Any]:
+    info: dict[str, Any] = {"model": engine.model_name, "max_batch": engine.max_batch,
+                            "max_context": engine.max_context,
+                            "proposers": sorted(getattr(engine, "proposers", {}))}
+    if hasattr(engine, "runner"):
+        import jax
+
+        rc = engine.runner.rc
+        info.update(engine="EngineCore", dtype=rc.dtype, backend=jax.default_backend(),
+                    spec_max_batch=rc.spec_max_batch, verify_tokens=list(rc.verify_tokens))
+    else:
+        info.update(engine="FakeEngine", cost=vars(engine.cost) if engine.cost else None,
+                    tenant_acceptance=engine.tenant_acceptance,
+                    acceptance={n: list(p.acceptance) for n, p in engine.proposers.items()})
+    return info
+
+
+def write_result(result: dict[str, Any], out_path: str) -> dict[str, Any]:
+    """Write the PNG next to `out_path` (same name, .png), then the JSON naming it."""
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    png = out.with_suffix(".png")
+    result["plot"] = plot(result, png)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+# ---- the plot (engine.bench_crossover's Canvas: no plotting library) -------------------
+WIDTH, HEIGHT = 1000, 640
+MET, MISSED = (44, 160, 44), (214, 39, 40)
+COLORS = [(214, 39, 40), (60, 60, 60), (31, 119, 180), (255, 127, 14), (44, 160, 44),
+          (148, 103, 189), (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34),
+          (23, 190, 207), (174, 199, 232)]
+
+def plot(result: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Goodput bars (top) and ratio bars with targets (bottom); {"path", "width", "height", "colors"}."""
+    c = Canvas(WIDTH, HEIGHT)
+    names = list(result["policies"])
+    colors = {n: COLORS[i % len(COLORS)] for i, n in enumerate(names)}
+    groups = [p["name"] for p in result["trace"]] + ["whole"]
+    values = {n: [ph["goodput"] for ph in r["phases"]] + [r["whole"]["goodput"]]
+              for n, r in result["policies"].items()}
+    _bars(c, (60, 40, 760, 340), "goodput tok/s of step time", groups,
+          [(n, colors[n], values[n]) for n in names], {})
+    y = 40
+    for n in names:
+        c.rect(780, y + 2, 794, y + 10, colors[n])
+        c.text(800, y, n[:24], colors[n])
+        y += 16
+    labels, vals, targets, met = _ratio_bars(result)
+    if labels:
+        shades = [MET if ok else MISSED for ok in met]
+        _bars(c, (60, 420, 760, 600), "autotuned ratios (black: target; green: met)", labels,
+              [("ratio", shades, vals)], {i: t for i, t in enumerate(targets)})
+    path.write_bytes(c.png())
+    return {"path": str(path), "width": WIDTH, "height": HEIGHT,
+            "colors": {n: list(col) for n, col in colors.items()}}
+
+
+def _ratio_bars(result: dict[str, Any]) -> tuple[list[str], list[float], list[float], list[bool]]:
+    r = result["ratios"]
+    rows = [(f"p{x['phase'] + 1}/best", x) for x in r.get("per_phase", [])]
+    rows += [(label, r[key]) for label, key in (("all/fixed", "whole_vs_best_fixed"),
+                                                ("all/table", "whole_vs_table"),
+                                                ("itl retune", "retune_itl")) if key in r]
+    rows = [(label, x) for label, x in rows if x.get("ratio") is not None]
+    return ([lb for lb, _ in rows], [x["ratio"] for _, x in rows], [x["target"] for _, x in rows],
+            [bool(x["met"]) for _, x in rows])
+
+
+def _bars(c: Canvas, box: tuple[int, int, int, int], title: str, groups: list[str],
+          series: list[tuple[str, Any, list[float]]], marks: dict[int, float]) -> None:
+    """Grouped bars in `box` (x0, y0, x1, y1) from 0, `marks` as black lines; a series' colour
+    is one RGB tuple or a list of one per group. Values are written over the bars of one series."""
+    x0, y0, x1, y1 = box
+    top = max([v for _, _, vs in series for v in vs] + list(marks.values()) + [1e-9]) * 1.15
+
+    def y(v: float) -> int:
+        return round(y1 - v / top * (y1 - y0))
+
+    c.text(x0, y0 - 24, title)
+    for k in range(5):
+        c.rect(x0, y(top * k / 4), x1, y(top * k / 4) + 1, (225, 225, 225))
+        c.text(x0 - 56, y(top * k / 4) - 5, _short(top * k / 4))
+    slot = (x1 - x0) / len(groups)
+    width = slot * 0.8 / len(series)
+    for g, label in enumerate(groups):
+        gx = x0 + g * slot + slot * 0.1
+        for k, (_, color, vs) in enumerate(series):
+            bx = round(gx + k * width)
+            c.rect(bx, y(vs[g]), round(gx + (k + 1) * width) - 1, y1,
+                   color[g] if isinstance(color, list) else color)
+            if len(series) == 1:
+                c.text(bx, y(vs[g]) - 14, _short(vs[g]))
+        if g in marks:
+            c.rect(round(gx) - 4, y(marks[g]) - 1, round(gx + slot * 0.8) + 4, y(marks[g]) + 2, (0, 0, 0))
+        c.text(round(gx), y1 + 8, label[:int(slot // 8)])
+    c.rect(x0, y1, x1, y1 + 1, (0, 0, 0))
+    c.rect(x0, y0, x0 + 1, y1, (0, 0, 0))
+
+
+def _short(v: float) -> str:
+    return f"{v / 1000:.1f}K" if v >= 1000 else f"{v:.0f}" if v >= 10 else f"{v:.2f}"
