@@ -7,7 +7,9 @@
    follows the policy as on a real accelerator.
 2. The trace: `engine.workloads.shifting_trace` (low-load copy-heavy, high-load
    mixed, low-load prose), --phase-seconds each, rates times --rate-scale,
-   Poisson arrivals; each request is sent by its kind's tenant
+   Poisson arrivals, each phase starting once the previous one's requests
+   have finished (--no-drain: back to back, so a backlog carries over and
+   mixes with the next phase's traffic); each request is sent by its kind's tenant
    ("copy-tenant", ...) with that tenant's API key, so the tuner sees
    per-tenant acceptance as in production.
 3. One run per policy, each on a fresh daemon started in this process
@@ -16,9 +18,10 @@
    PUT /admin/policy/pin with the tuner off; the autotuned run has the tuner
    on with time-compressed settings (retune interval, fit window, validation
    window and baselines scaled to the phase length). The trace is replayed
-   open loop (a phase's max_concurrency holds later arrivals back); a sink on
-   the engine thread keeps every step's StepStats and the client keeps every
-   streamed chunk's time.
+   open loop (a phase's max_concurrency holds later arrivals back). A thin
+   wrapper around the engine keeps every step's StepStats and output tokens
+   per request id; the client keeps each request's id (X-Request-Id) and
+   every streamed chunk's time.
 4. Autotuned run only, after the trace: the retune probe. Closed-loop
    traffic of the mixed phase at --probe-concurrency, scheduled retunes off,
    one retune to settle on that traffic, then --probe-retunes admin retunes
@@ -26,10 +29,13 @@
    between two streamed chunks of one request) counts as "during" when it
    ends while a retune searches, as "without" when it overlaps no retune.
 5. Summary (`daemon.bench_tuner_report`): per policy and phase, goodput =
-   decode tokens per second of engine step time (the tuner's own measure; at
-   low load the client's throughput is the offered load whatever the policy),
-   and the clients' TTFT / TPOT / inter-token percentiles; the ratios against
-   their targets; JSON to --out, PNG next to it, progress on stderr.
+   output tokens per second of engine step time, of the requests that
+   arrived in the phase (each step's time split evenly over the requests it
+   emitted tokens for), so a backlog served later still counts where it
+   arrived; at low load the client's throughput is the offered load whatever
+   the policy, engine time is what a policy saves. Also the clients' TTFT /
+   TPOT / inter-token percentiles, and the ratios against their targets;
+   JSON to --out, PNG next to it, progress on stderr.
 """
 
 from __future__ import annotations
@@ -73,6 +79,8 @@ class TunerBenchConfig:
     """Ask for exactly max_tokens tokens (vLLM's ignore_eos)."""
     seed: int = 0
     """Seed of the trace (arrival times, kinds, prompts)."""
+    drain: bool = True
+    """Start each phase once the previous one's requests finished (no backlog carried over)."""
     techniques: tuple[str, ...] = ()
     """Techniques of the fixed policies (empty: every loaded proposer)."""
     depths: tuple[int, ...] = (2, 4)
@@ -168,6 +176,8 @@ class Stream:
 
     index: int
     phase: int
+    request_id: str = ""
+    """The daemon's id (X-Request-Id), which is the engine request's."""
     sent: float = 0.0
     chunks: list[float] = field(default_factory=list)
     """Arrival time of every chunk that carried text."""
@@ -176,20 +186,26 @@ class Stream:
     error: str | None = None
 
 
-class StepLog:
-    """A sink (daemon.bridge.Sink) keeping every step's stats; appended on the engine thread."""
+class RecordingEngine:
+    """The engine as the daemon sees it: every step's stats and output tokens per request
+    are kept (appended on the engine thread); everything else is the wrapped engine's."""
 
-    def __init__(self) -> None:
-        self.steps: list[StepStats] = []
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.steps: list[tuple[StepStats, dict[str, int]]] = []
 
-    def on_step(self, stats: StepStats) -> None:
-        self.steps.append(stats)
+    def step(self) -> Any:
+        out = self._engine.step()
+        if out.stats is not None:
+            tokens: dict[str, int] = {}
+            for event in out.events:
+                if event.token_ids:
+                    tokens[event.request_id] = tokens.get(event.request_id, 0) + len(event.token_ids)
+            self.steps.append((out.stats, tokens))
+        return out
 
-    def on_result(self, result: Any) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
 
 
 # ---- the bench ---------------------------------------------------------------------
@@ -324,13 +340,13 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
     from telemetry.recorder import RecorderConfig, RetentionConfig
 
     admin = secrets.token_hex(16)
-    log = StepLog()
+    recording = RecordingEngine(engine)
     with tempfile.TemporaryDirectory(prefix="crossover-bench-tuner-") as tmp:
         recorder = RecorderConfig(flush_interval_s=min(1.0, cfg.phase_s / 30),
                                   retention=RetentionConfig())
         database = open_database(f"sqlite:///{tmp}/telemetry.db", recorder_config=recorder)
         keys = _tenants(database, sorted({a.tenant for a in arrivals}))
-        app = make_app(_settings(cfg, engine, policy is None, admin, len(arrivals)), engine, log,
+        app = make_app(_settings(cfg, engine, policy is None, admin, len(arrivals)), recording,
                        database=database, warmup=False)
         tuner = app[TUNER]
         tuner.config = dataclasses.replace(tuner.config, fit_window_s=cfg.window,
@@ -350,15 +366,13 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
                     await client.admin("PUT", "/admin/policy/pin", policy.to_dict())
                 warm = dataclasses.replace(arrivals[0], body={**arrivals[0].body, "max_tokens": 2})
                 await client.stream(warm, Stream(-1, 0))
-                start = time.time()
-                streams = await replay(client, phases, arrivals, name)
-                trace_end = time.time()
+                streams, bounds = await replay(client, phases, arrivals, name, cfg.drain)
                 probe = (await _probe(client, cfg, tuner, arrivals)
                          if policy is None and cfg.probe_retunes else None)
-                history = await asyncio.to_thread(read_history, database, start)
+                history = await asyncio.to_thread(read_history, database, bounds[0][0])
         finally:
             await runner.cleanup()
-    return {"start": start, "trace_end": trace_end, "steps": log.steps, "streams": streams,
+    return {"bounds": bounds, "steps": recording.steps, "streams": streams,
             "probe": probe, "history": history, "policy": None if policy is None else policy.to_dict()}
 
 
@@ -408,6 +422,7 @@ class Client:
                 if response.status != 200:
                     s.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                     return s
+                s.request_id = response.headers.get("X-Request-Id", "")
                 async for line in response.content:
                     if _chunk(line, s):
                         break
@@ -436,33 +451,46 @@ def _chunk(line: bytes, s: Stream) -> bool:
     return False
 
 
-async def replay(client: Client, phases: list[Any], arrivals: list[Arrival],
-                 name: str) -> list[Stream]:
-    """Send every arrival at its time (open loop), honouring each phase's max_concurrency."""
-    gates = [asyncio.Semaphore(p.max_concurrency) if p.max_concurrency else None for p in phases]
+async def replay(client: Client, phases: list[Any], arrivals: list[Arrival], name: str,
+                 drain: bool = True) -> tuple[list[Stream], list[tuple[float, float]]]:
+    """Send every arrival at its time (open loop), honouring each phase's max_concurrency.
+
+    With `drain`, a phase starts once the previous one's requests have all finished (its
+    arrivals keep their offsets from the phase's start). Returns the streams and each
+    phase's (start, end) in unix seconds; the last ends when its last request finished.
+    """
     streams = [Stream(a.index, a.phase) for a in arrivals]
-
-    async def one(a: Arrival) -> None:
-        gate = gates[a.phase]
-        if gate is None:
-            await client.stream(a, streams[a.index])
-        else:
-            async with gate:
-                await client.stream(a, streams[a.index])
-
-    start, tasks, shown = time.time(), [], -1
-    for a in arrivals:
-        if a.phase != shown:
-            shown = a.phase
-            done = sum(s.done is not None for s in streams)
-            _log(f"{name}: phase {a.phase + 1}/3 ({PHASE_NAMES[a.phase]}), {done} requests done")
-        await asyncio.sleep(max(0.0, start + a.at_s - time.time()))
-        tasks.append(asyncio.create_task(one(a)))
-    await asyncio.sleep(max(0.0, start + sum(p.duration_s for p in phases) - time.time()))
+    tasks: list[asyncio.Task] = []
+    bounds: list[tuple[float, float]] = []
+    offset, start = 0.0, time.time()
+    for i, phase in enumerate(phases):
+        begin = time.time() if drain else start + offset
+        gate = asyncio.Semaphore(phase.max_concurrency) if phase.max_concurrency else None
+        done = sum(s.done is not None for s in streams)
+        _log(f"{name}: phase {i + 1}/{len(phases)} ({PHASE_NAMES[i]}), {done} requests done")
+        mine = []
+        for a in (a for a in arrivals if a.phase == i):
+            await asyncio.sleep(max(0.0, begin + a.at_s - offset - time.time()))
+            mine.append(asyncio.create_task(_send(client, a, streams[a.index], gate)))
+        await asyncio.sleep(max(0.0, begin + phase.duration_s - time.time()))
+        if drain:
+            await asyncio.gather(*mine)
+        tasks += mine
+        offset += phase.duration_s
+        bounds.append((begin, time.time() if drain else begin + phase.duration_s))
     await asyncio.gather(*tasks)
+    bounds[-1] = (bounds[-1][0], max(bounds[-1][1], time.time()))
     errors = sum(s.error is not None for s in streams)
     _log(f"{name}: trace done in {time.time() - start:.1f} s, {errors} errors")
-    return streams
+    return streams, bounds
+
+
+async def _send(client: Client, a: Arrival, s: Stream, gate: asyncio.Semaphore | None) -> None:
+    if gate is None:
+        await client.stream(a, s)
+        return
+    async with gate:
+        await client.stream(a, s)
 
 
 # ---- the retune probe -----------------------------------------------------------------

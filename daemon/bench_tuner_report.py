@@ -1,11 +1,14 @@
 """The figures of `crossover bench tuner` (daemon.bench_tuner): JSON summary and PNG plot.
 
-1. Per policy and phase (a step belongs to the phase its start falls in; the
-   last phase runs until the trace's last request finished): goodput =
-   decode tokens x 1000 / sum of step_ms, the steps' mean batch and the
-   share of steps per (technique, depth) cell; per phase of arrival, the
-   clients' TTFT, TPOT and inter-token gaps (ms) and errors. "whole" is the
-   same over the three phases.
+1. Per policy and phase: goodput = output tokens of the requests that
+   arrived in the phase / their engine time, where each step's step_ms is
+   split evenly over the requests it emitted tokens for (a backlog served in
+   the next phase, with --no-drain, counts where it arrived); the clients'
+   TTFT, TPOT and inter-token gaps (ms) and errors of those requests; and,
+   for the steps that started within the phase's time (drained: until its
+   last request finished), their count, mean batch and share per (technique,
+   depth) cell. "whole" is the same over the three phases; `wall_s` and
+   each phase's `wall_s` are its time on the clock.
 2. Ratios, each with its target and whether it is met (ratios are rounded
    to 4 digits from the goodputs in the JSON):
    - per phase, autotuned over the best static policy of that phase (>= 0.95);
@@ -38,7 +41,7 @@ def summarize(cfg: Any, engine: Any, phases: list[Any], arrivals: list[Any],
               runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     from daemon.bench_tuner import PHASE_NAMES
 
-    policies = {name: _run_summary(run, phases) for name, run in runs.items()}
+    policies = {name: _run_summary(run) for name, run in runs.items()}
     auto = runs.get("autotuned")
     if auto is not None:
         policies["autotuned"]["history"] = _history_summary(auto["history"])
@@ -49,7 +52,7 @@ def summarize(cfg: Any, engine: Any, phases: list[Any], arrivals: list[Any],
     config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()}
     result: dict[str, Any] = {
         "bench": "tuner", "config": config, "engine": _describe(engine), "trace": trace,
-        "goodput_unit": "decode tokens per second of engine step time", "policies": policies,
+        "goodput_unit": "output tokens per second of engine step time (module doc, 1)", "policies": policies,
         "ratios": ratios(policies)}
     if auto is not None and auto["probe"] is not None:
         result["retune_itl"] = retune_itl(auto["probe"])
@@ -59,30 +62,45 @@ def summarize(cfg: Any, engine: Any, phases: list[Any], arrivals: list[Any],
     return result
 
 
-def _run_summary(run: dict[str, Any], phases: list[Any]) -> dict[str, Any]:
-    start, end = run["start"], run["trace_end"]
-    bounds, t = [], start
-    for p in phases:
-        bounds.append((t, t + p.duration_s))
-        t += p.duration_s
-    bounds[-1] = (bounds[-1][0], max(end, bounds[-1][1]))
+def _run_summary(run: dict[str, Any]) -> dict[str, Any]:
+    bounds = run["bounds"]
+    start, end = bounds[0][0], bounds[-1][1]
+    tokens, ms = _attribute(run)
     out = []
     for i, (lo, hi) in enumerate(bounds):
-        steps = [s for s in run["steps"] if lo <= s.time < hi]
+        steps = [stats for stats, _ in run["steps"] if lo <= stats.time < hi]
         streams = [s for s in run["streams"] if s.phase == i]
-        out.append({"phase": i, **_steps(steps), **_clients(streams)})
-    whole_steps = [s for s in run["steps"] if start <= s.time < bounds[-1][1]]
+        out.append({"phase": i, **_goodput(tokens[i], ms[i]), **_steps(steps), **_clients(streams),
+                    "wall_s": round(hi - lo, 3)})
+    steps = [stats for stats, _ in run["steps"] if start <= stats.time < end]
+    whole = _goodput(sum(tokens.values()), sum(ms.values()))
     return {"policy": run["policy"], "phases": out,
-            "whole": {**_steps(whole_steps), **_clients(run["streams"]),
-                      "wall_s": round(end - start, 3)}}
+            "whole": {**whole, **_steps(steps), **_clients(run["streams"]), "wall_s": round(end - start, 3)}}
+
+
+def _attribute(run: dict[str, Any]) -> tuple[Counter, Counter]:
+    """Phase -> output tokens and engine ms of the requests that arrived in it (module doc, 1)."""
+    phase_of = {s.request_id: s.phase for s in run["streams"] if s.request_id}
+    tokens: Counter = Counter()
+    ms: Counter = Counter()
+    for stats, per_request in run["steps"]:
+        for request_id, n in per_request.items():
+            phase = phase_of.get(request_id)
+            if phase is not None:
+                tokens[phase] += n
+                ms[phase] += stats.step_ms / len(per_request)
+    return tokens, ms
+
+
+def _goodput(tokens: int, ms: float) -> dict[str, Any]:
+    return {"goodput": round(tokens * 1000.0 / ms, 3) if ms else 0.0, "engine_tokens": tokens,
+            "engine_s": round(ms / 1000.0, 4)}
 
 
 def _steps(steps: list[Any]) -> dict[str, Any]:
-    tokens = sum(s.decode_tokens for s in steps)
-    ms = sum(s.step_ms for s in steps)
+    """What the engine did in a stretch of time: steps, mean batch, share per cell."""
     cells = Counter(f"{s.technique}@{s.depth}" if s.depth else "none" for s in steps)
-    return {"goodput": round(tokens * 1000.0 / ms, 3) if ms else 0.0, "decode_tokens": tokens,
-            "step_s": round(ms / 1000.0, 3), "steps": len(steps),
+    return {"steps": len(steps),
             "mean_batch": round(sum(s.batch_size for s in steps) / len(steps), 2) if steps else 0.0,
             "cells": {k: round(v / len(steps), 3) for k, v in cells.most_common()}}
 
@@ -102,8 +120,7 @@ def _gaps(streams: list[Any]) -> list[float]:
 
 def _history_summary(history: dict[str, Any]) -> dict[str, Any]:
     real = [r for r in history["retunes"] if not (r["note"] or "").startswith("skipped")]
-    return {"policies": [{**{k: v for k, v in p.items() if k != "body"}, "rules": describe(p["body"])}
-                         for p in history["policies"]],
+    return {"policies": [{**p, "rules": describe(p["body"])} for p in history["policies"]],
             "retunes": real, "skipped": len(history["retunes"]) - len(real),
             "statuses": dict(Counter(r["status"] for r in real))}
 

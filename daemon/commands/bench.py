@@ -182,6 +182,8 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--max-tokens", type=int, default=None, help="cap on each request's max_tokens (default: its kind's)")
     add("--ignore-eos", action="store_true", help="every request decodes exactly max_tokens tokens")
     add("--seed", type=int, default=0, help="seed of the trace")
+    add("--no-drain", action="store_true",
+        help="replay the phases back to back (default: each starts once the last one's requests finished)")
     add("--runs", default="autotuned,never,fixed,table", help="policies to run (comma-separated)")
     add("--techniques", default=None, help="techniques of the fixed policies (default: every one loaded)")
     add("--depths", default="2,4", help="depths of the fixed policies")
@@ -221,7 +223,7 @@ def _tuner_config(args: argparse.Namespace) -> Any:
         return TunerBenchConfig(
             phase_s=args.phase_seconds, rate_scale=args.rate_scale, low_rate=args.low_rate,
             high_rate=args.high_rate, low_max_concurrency=args.low_max_concurrency,
-            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed,
+            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed, drain=not args.no_drain,
             techniques=items(args.techniques), depths=depths, table=table,
             table_technique=args.table_technique, pool_split=args.pool_split, runs=items(args.runs),
             retune_interval_s=args.retune_interval, fit_window_s=args.fit_window,

@@ -52,12 +52,17 @@ def test_every_policy_and_phase_is_there_with_positive_goodput(run: tuple) -> No
             assert phase["goodput"] > 0 and phase["steps"] > 0, (name, i)
             assert phase["errors"] == 0, (name, i)
             assert phase["requests"] == result["trace"][i]["requests"], (name, i)
-            assert phase["goodput"] == pytest.approx(phase["decode_tokens"] / phase["step_s"], rel=1e-3)
+            assert phase["goodput"] == pytest.approx(phase["engine_tokens"] / phase["engine_s"], rel=1e-3)
+            # the engine's events and the clients' usage count the same tokens
+            assert phase["engine_tokens"] == phase["output_tokens"] > 0, (name, i)
             assert 0 < phase["itl_ms"]["p50"] <= phase["itl_ms"]["p99"], (name, i)
         whole = policy["whole"]
-        assert whole["decode_tokens"] == sum(p["decode_tokens"] for p in policy["phases"])
+        assert whole["engine_tokens"] == sum(p["engine_tokens"] for p in policy["phases"])
+        assert whole["engine_s"] == pytest.approx(sum(p["engine_s"] for p in policy["phases"]), abs=1e-3)
         assert whole["steps"] == sum(p["steps"] for p in policy["phases"])
-        assert whole["goodput"] == pytest.approx(whole["decode_tokens"] / whole["step_s"], rel=1e-3)
+        assert whole["goodput"] == pytest.approx(whole["engine_tokens"] / whole["engine_s"], rel=1e-3)
+    # greedy and lossless: every policy serves the same tokens
+    assert len({p["whole"]["output_tokens"] for p in result["policies"].values()}) == 1
 
 
 def test_static_policies_were_pinned(run: tuple) -> None:
@@ -109,15 +114,16 @@ def test_retune_itl_comparison(run: tuple) -> None:
     assert result["ratios"]["retune_itl"]["target"] == TARGETS["retune_itl"]
 
 
-def test_the_tuner_learns_that_ngram_pays_on_copy_traffic(run: tuple) -> None:
-    """Copy prompts accept nearly every n-gram draft on the fake; at batch 1 ngram@4 gives
-    3.7 tokens per step for 1.45x the step time. The first policy the tuner makes (from
-    copy-heavy telemetry) must speculate at batch 1, and the copy phase must beat plain decoding."""
+def test_the_tuner_learns_that_speculation_pays_on_copy_traffic(run: tuple) -> None:
+    """Copy prompts accept most drafts on the fake: at batch 1 ngram@4 gives 3.7 tokens per
+    step for 1.45x the step time (mtp@2: 1.9 for 1.22x). The first policy the tuner makes
+    (from copy-heavy telemetry) must speculate at batch 1, and the copy phase must beat
+    plain decoding."""
     policies = run[0]["policies"]
     history = policies["autotuned"]["history"]
     assert history["statuses"].get("applied", 0) >= 1, history["retunes"]
     made = [p for p in history["policies"] if p["source"] == "tuner"]
-    assert made and made[0]["rules"].startswith("<=2 ngram@"), made[0]
+    assert made and TunedPolicy.from_dict(made[0]["body"]).choose(1)[0] != "none", made[0]
     copy = [policies[n]["phases"][0]["goodput"] for n in ("autotuned", "never")]
     assert copy[0] > 1.1 * copy[1], copy
 
