@@ -396,7 +396,7 @@ def add_model_proposers(core, heads: DraftHeads, techniques=("mtp", "early_exit"
     unless told otherwise. Example: add_model_proposers(core, DraftHeads.load(path)).
     """
     heads.check(core.cfg)
-    restricted = max(vocab_sizes)
+    restricted = min((v for v in vocab_sizes if v), default=0)  # adapters agree best at the trained width
     if "mtp" in techniques and heads.mtp:
         core.add_proposer(MtpProposer(heads, core.runner.params["embed"], vocab_sizes,
                                       draft_vocab=min((v for v in vocab_sizes if v), default=0)))

@@ -120,11 +120,12 @@ class DraftHeads:
     def save(self, path: str | Path) -> None:
         from safetensors.numpy import save_file
 
+        # float16 on disk (half the bytes of the repository copy); loads cast to the compute dtype
         tensors = {"vocab": np.asarray(self.vocab, np.int32)}
         for k, h in enumerate(self.mtp):
-            tensors |= {f"mtp.{k}.{n}": np.asarray(v, np.float32) for n, v in h.items()}
+            tensors |= {f"mtp.{k}.{n}": np.asarray(v, np.float16) for n, v in h.items()}
         for L, h in self.exits.items():
-            tensors |= {f"exit.{L}.{n}": np.asarray(v, np.float32) for n, v in h.items()}
+            tensors |= {f"exit.{L}.{n}": np.asarray(v, np.float16) for n, v in h.items()}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path), metadata={"crossover": json.dumps(self.meta, sort_keys=True)})
 

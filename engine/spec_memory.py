@@ -33,7 +33,7 @@ DRAFT_LAYERS = 4
 """Draft model: layers of the truncated copy (default)."""
 MTP_VOCABS = (8192, 32768)
 """Draft-vocabulary slices the MTP proposer keeps (plus the full table it shares)."""
-LAYER_VOCAB = 32768
+LAYER_VOCAB = 8192
 """Draft vocabulary of the early-exit and draft-model proposers."""
 
 

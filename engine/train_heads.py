@@ -139,6 +139,39 @@ def capture(engine, corpus, exits: tuple[int, ...], progress: bool = True):
     return out
 
 
+def _cached_data(engine, tc: TrainConfig, progress: bool):
+    """Generated corpus and captured states, kept on disk per model and data settings.
+
+    Steps 1-2 take most of the time; retraining with other epochs or learning
+    rates reuses them. The cache lives in $CROSSOVER_CACHE (~/.cache/crossover).
+    """
+    import hashlib
+    import json
+    import os
+    from pathlib import Path
+
+    key = json.dumps([engine.cfg.name, tc.prompts_per_kind, tc.gen_tokens, tc.max_prompt, list(tc.exits), tc.seed])
+    root = Path(os.environ.get("CROSSOVER_CACHE") or Path.home() / ".cache" / "crossover")
+    path = root / f"train-heads-{hashlib.sha256(key.encode()).hexdigest()[:12]}.npz"
+    if path.is_file():
+        if progress:
+            _log(f"train-heads: reusing generated text and hidden states from {path}")
+        z = np.load(path)
+        n = int(z["n"])
+        corpus = [(str(z[f"kind{i}"]), z[f"ids{i}"].tolist(), int(z[f"np{i}"])) for i in range(n)]
+        caps = [(z[f"h{i}"], {L: z[f"x{L}_{i}"] for L in tc.exits}, z[f"pred{i}"]) for i in range(n)]
+        return corpus, caps
+    corpus = generate_corpus(engine, tc, progress)
+    caps = capture(engine, corpus, tc.exits, progress)
+    arrays = {"n": np.asarray(len(corpus))}
+    for i, ((kind, ids, n_prompt), (h, xs, pred)) in enumerate(zip(corpus, caps)):
+        arrays |= {f"kind{i}": np.asarray(kind), f"ids{i}": np.asarray(ids, np.int32), f"np{i}": np.asarray(n_prompt),
+                   f"h{i}": h, f"pred{i}": pred, **{f"x{L}_{i}": x for L, x in xs.items()}}
+    root.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **arrays)
+    return corpus, caps
+
+
 # -- 3. draft vocabulary ----------------------------------------------------------
 
 def rank_vocab(tokenizer, corpus, vocab_size: int, keep: int) -> np.ndarray:
@@ -226,8 +259,7 @@ def _to_sub(y: np.ndarray, vocab: np.ndarray, n: int) -> np.ndarray:
 def train_heads(engine, tc: TrainConfig = TrainConfig(), progress: bool = True) -> DraftHeads:
     """The whole pipeline on a loaded (warmed-up) engine; see the module docstring."""
     t_start = time.perf_counter()
-    corpus = generate_corpus(engine, tc, progress)
-    caps = capture(engine, corpus, tc.exits, progress)
+    corpus, caps = _cached_data(engine, tc, progress)
     vocab = rank_vocab(engine.tokenizer, corpus, engine.cfg.vocab_size, tc.keep_vocab)
     rng = np.random.default_rng(tc.seed)
     order = rng.permutation(len(corpus))

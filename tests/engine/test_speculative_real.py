@@ -1,0 +1,92 @@
+"""Every technique at depths 1..8 on the real Gemma 3 270M: greedy output equals plain decoding.
+
+One batch of mixed-length prompts from all four workload kinds; the shipped
+heads (engine/data) load by default, so MTP, early exit and the draft model
+run with their trained weights. Also checks that serving compiled nothing,
+that every page came back, and that `crossover plan`'s per-technique memory
+formulas match what the loaded proposers really hold.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.policy import NEVER, BatchRule, TunedPolicy
+from engine.types import Request, SamplingParams
+
+pytestmark = pytest.mark.slow
+TECHNIQUES = ("ngram", "mtp", "early_exit", "draft")
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from engine.loader import load_engine
+
+    # one 128-token context bucket keeps warmup to ~20 full-model shapes
+    e = load_engine(dtype="float32", max_batch=4, max_context=128, progress=False, speculation=True,
+                    spec_max_batch=4)
+    e.warmup(progress=False)
+    return e
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    from engine.workloads import KINDS, prompts, to_request
+
+    out = []
+    for n, kind in zip((96, 64, 40, 16), KINDS):  # mixed lengths, one prompt per kind
+        ids = to_request(prompts(kind, 1, seed=3)[0], engine.tokenizer, kind).prompt_ids
+        out.append([ids[0]] + ids[-n:])
+    return out
+
+
+def _run(engine, prompts, policy):
+    engine.set_policy(policy)
+    sp = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", p, sp))
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    stats = []
+    while engine.has_work():
+        o = engine.step()
+        stats += [o.stats] if o.stats else []
+        for ev in o.events:
+            out[ev.request_id] += ev.token_ids
+    return [out[f"r{i}"] for i in range(len(prompts))], stats
+
+
+@pytest.fixture(scope="module")
+def plain(engine, prompts):
+    return _run(engine, prompts, NEVER)[0]
+
+
+def test_all_four_techniques_are_loaded(engine):
+    assert set(TECHNIQUES) <= set(engine.proposers)
+
+
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_greedy_speculation_equals_plain_on_the_real_model(engine, prompts, plain, technique):
+    accepted = 0
+    for depth in range(1, 9):
+        policy = TunedPolicy(rules=(BatchRule(4, technique, depth),), crossover=4, pool_split=0.25,
+                             version=depth)
+        out, stats = _run(engine, prompts, policy)
+        assert out == plain, f"{technique} depth {depth}"
+        spec = [s for s in stats if s.technique == technique]
+        assert spec, f"{technique} depth {depth} never speculated"
+        accepted += sum(s.accepted for s in spec)
+        assert engine.pool.used == 0
+    assert accepted > 0, f"{technique} never had a draft accepted"
+    assert engine.compiles_since_warmup() == 0
+
+
+def test_plan_memory_formulas_match_the_loaded_proposers(engine):
+    from engine.spec_memory import technique_costs
+
+    rc = engine.runner.rc
+    costs = {c.technique: c for c in technique_costs(engine.cfg, "float32", "float32", 128, rc.page_size,
+                                                     8, sequence_bytes=1)}
+    for name in TECHNIQUES:
+        real = engine.proposers[name].resident_bytes()
+        assert abs(real - costs[name].resident_bytes) <= 0.02 * max(real, 1), name
