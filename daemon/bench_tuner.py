@@ -306,7 +306,8 @@ def static_policies(cfg: TunerBenchConfig, engine: Any) -> dict[str, TunedPolicy
         out["never"] = TunedPolicy()
     if "fixed" in cfg.runs:
         for t in techniques:
-            for d in cfg.depths:
+            deepest = getattr(engine.proposers[t], "max_depth", 8)  # e.g. MTP: its heads
+            for d in (d for d in cfg.depths if d <= deepest):
                 out[f"fixed:{t}@{d}"] = TunedPolicy((BatchRule(top, t, d),), crossover=top,
                                                     **_memory(cfg, engine, t))
     if "table" in cfg.runs:
@@ -318,11 +319,12 @@ def static_policies(cfg: TunerBenchConfig, engine: Any) -> dict[str, TunedPolicy
 
 
 def _memory(cfg: TunerBenchConfig, engine: Any, technique: str) -> dict[str, Any]:
-    """Pool split (none for n-gram) and, for MTP, its smallest compiled draft vocabulary."""
+    """Pool split (none for n-gram) and, for MTP, its smallest compiled draft vocabulary
+    (as `crossover bench crossover` uses)."""
     if technique == "ngram":
         return {"pool_split": 0.0}
     vocabs = getattr(engine.proposers.get("mtp"), "vocab_sizes", ()) if technique == "mtp" else ()
-    return {"pool_split": cfg.pool_split, "draft_vocab": min(vocabs, default=0)}
+    return {"pool_split": cfg.pool_split, "draft_vocab": min((v for v in vocabs if v), default=0)}
 
 
 # ---- one run: a fresh daemon, the trace, the probe ----------------------------------

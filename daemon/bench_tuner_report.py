@@ -126,7 +126,12 @@ def _history_summary(history: dict[str, Any]) -> dict[str, Any]:
 
 
 def describe(body: dict[str, Any]) -> str:
-    """A policy in one line: "<=4 ngram@4, <=8 ngram@2, rest none; crossover 8; split 0.0"."""
+    """A policy in one line.
+
+    >>> describe({"rules": [{"max_batch": 4, "technique": "ngram", "depth": 4},
+    ...                     {"max_batch": 32, "technique": "none", "depth": 0}], "crossover": 4})
+    '<=4 ngram@4, <=32 none; crossover 4; split 0.0'
+    """
     rules = body.get("rules") or [{"max_batch": 1 << 30, "technique": "none", "depth": 0}]
     parts = [f"<={r['max_batch']} {r['technique']}@{r['depth']}" if r["depth"]
              else f"<={r['max_batch']} none" for r in rules]

@@ -152,3 +152,12 @@ def test_bad_flags_are_user_errors(capsys: pytest.CaptureFixture) -> None:
     assert "table=" in capsys.readouterr().err
     assert cli(["bench", "tuner", "--fake", "--runs", "never,sometimes"]) == 2
     assert "runs=" in capsys.readouterr().err
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    import daemon.bench_tuner_report
+
+    result = doctest.testmod(daemon.bench_tuner_report)
+    assert result.attempted > 0 and result.failed == 0
