@@ -89,6 +89,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
         kv_dtype=kv_dtype,
         verify_tokens=verify_tokens,
         spec_max_batch=min(spec_max_batch, max_batch),
+        fast_output=dtype == "float32" and jax.default_backend() == "cpu",
     )
 
 

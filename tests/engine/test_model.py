@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -32,7 +36,7 @@ def _paged_logits(runner: ModelRunner, tokens: list[int], chunks: list[int], pag
 
 def test_paged_attention_equals_dense_reference_past_the_window(tiny):
     cfg, params = tiny
-    runner = ModelRunner(cfg, params, TINY_RC)
+    runner = ModelRunner(cfg, params, dataclasses.replace(TINY_RC, fast_output=False))  # exact logits
     rng = np.random.default_rng(1)
     n = 50  # window is 8, ring holds 24 positions: pages are recycled many times
     tokens = [int(t) for t in rng.integers(3, cfg.vocab_size, n)]
@@ -82,3 +86,23 @@ def test_chunked_prefill_gives_the_same_tokens(tiny, chunk_budget):
     e = make_engine(tiny)
     e.scheduler.cfg = type(e.scheduler.cfg)(max_batch=8, token_budget=8, max_chunk=chunk_budget)
     assert _greedy(e, [prompt])[0] == ref
+
+
+def test_fast_output_rescores_the_top_candidates_exactly():
+    """bfloat16 scoring of the vocabulary, float32 for each row's top 16: the argmax and
+    the top logits are the float32 ones; the tail is off by bfloat16 rounding only."""
+    from engine.model import logits
+    from engine.runner import RESCORE, output_logits
+
+    rng = np.random.default_rng(0)
+    embed = jnp.asarray(rng.normal(size=(4096, 64)).astype(np.float32))
+    params = {"embed": embed, "embed_fast": embed.astype(jnp.bfloat16)}
+    hs = jnp.asarray(rng.normal(size=(4, 3, 64)).astype(np.float32))
+    fast, exact = np.asarray(jax.jit(output_logits)(params, hs)), np.asarray(logits(params, hs))
+    assert (fast.argmax(-1) == exact.argmax(-1)).all()
+    top = np.argsort(-exact, axis=-1)[..., :4]
+    np.testing.assert_allclose(np.take_along_axis(fast, top, -1), np.take_along_axis(exact, top, -1), rtol=1e-5)
+    assert 0 < np.abs(fast - exact).max() < 0.05 * np.abs(exact).max()  # the tail really is bfloat16
+    few = hs[:1, :1]  # under FAST_OUTPUT_MIN_ROWS rows: plain float32
+    np.testing.assert_array_equal(np.asarray(output_logits(params, few)), np.asarray(logits(params, few)))
+    assert RESCORE >= 4
