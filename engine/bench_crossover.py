@@ -148,12 +148,16 @@ class Tally:
 # --- measuring -----------------------------------------------------------------
 
 def measure(engine, grid: CrossoverGrid, log=None) -> dict:
-    """Run the grid on an engine (warmed up here if it is not) and return the result dict."""
-    log = log or (lambda msg: None)
+    """Run the grid on an engine (warmed up here if it is not) and return the result dict.
+
+    `log(line)` gets a progress line per kind and batch size (and warmup shows its progress);
+    without it the run is silent."""
     techniques, depths, vocab = _resolve(engine, grid)
     if not engine.warmed_up:
-        log("warming up (compiles every bucket once; cached on disk for the next run)")
-        engine.warmup(progress=False)
+        if log:
+            log("warming up (compiles every bucket once; cached on disk for the next run)")
+        engine.warmup(progress=log is not None)
+    log = log or (lambda msg: None)
     kinds = {}
     for kind in grid.kinds:
         ids, truncated = prompt_ids(engine.tokenizer, kind, max(grid.batches), grid.prompt_tokens, grid.seed)
@@ -480,9 +484,9 @@ def _panel(c: Canvas, x0: int, y0: int, kind: str, data: dict) -> None:
         c.text(int(bx) - 4 * len(str(b)), bottom + 10, str(b))
     c.line(left, bottom, right, bottom, (0, 0, 0), width=1)
     c.line(left, top, left, bottom, (0, 0, 0), width=1)
-    for t, v in data["techniques"].items():
+    for i, (t, v) in enumerate(data["techniques"].items()):
         if v["crossover"]:
-            bx, _ = px(v["crossover"], 0)
+            bx = px(v["crossover"], 0)[0] + 3 * i - 4  # apart when two techniques share a crossover
             c.line(bx, top, bx, bottom, PLOT_COLORS[t], width=1, dash=4)
     for name, pts in lines.items():
         known = [px(b, g) for b, g in pts if g is not None]
