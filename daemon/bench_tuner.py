@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import secrets
 import sys
 import tempfile
@@ -335,6 +336,7 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
     from aiohttp import web
 
     from daemon.app import make_app
+    from daemon.bench_serve import CpuMeter
     from daemon.bench_tuner_report import read_history
     from daemon.database import open_database
     from daemon.state import ENGINE_THREAD
@@ -368,14 +370,49 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
                     await client.admin("PUT", "/admin/policy/pin", policy.to_dict())
                 warm = dataclasses.replace(arrivals[0], body={**arrivals[0].body, "max_tokens": 2})
                 await client.stream(warm, Stream(-1, 0))
+                meter, compiles, children = CpuMeter(), _compiles(engine), _children_cpu()
+                wall = time.perf_counter()
                 streams, bounds = await replay(client, phases, arrivals, name, cfg.drain)
+                search_cpu = _children_cpu(children)
+                share = meter.share()
+                capacity = (time.perf_counter() - wall) * (os.cpu_count() or 1)
+                contention = {  # the search process is this bench's own, not "other"
+                    "other_processes_cpu_share":
+                        None if share is None else round(max(0.0, share - search_cpu / capacity), 3),
+                    "search_process_cpu_s": round(search_cpu, 2),
+                    "compiles_during_trace": _compiles(engine) - compiles}
+                if (contention["other_processes_cpu_share"] or 0.0) > 0.1:
+                    _log(f"{name}: other processes took {contention['other_processes_cpu_share']:.0%} "
+                         "of the CPU during the trace: its figures are not comparable")
                 probe = (await _probe(client, cfg, tuner, arrivals)
                          if policy is None and cfg.probe_retunes else None)
                 history = await asyncio.to_thread(read_history, database, bounds[0][0])
         finally:
             await runner.cleanup()
-    return {"bounds": bounds, "steps": recording.steps, "streams": streams,
+    return {"bounds": bounds, "steps": recording.steps, "streams": streams, **contention,
             "probe": probe, "history": history, "policy": None if policy is None else policy.to_dict()}
+
+
+def _children_cpu(since: dict[int, float] | None = None) -> Any:
+    """CPU seconds of this process's live children (the spawned search process), per pid;
+    with `since`, the total used since then."""
+    import multiprocessing
+
+    now = {}
+    for child in multiprocessing.active_children():
+        try:
+            fields = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            now[child.pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            continue
+    if since is None:
+        return now
+    return sum(t - since.get(pid, 0.0) for pid, t in now.items())
+
+
+def _compiles(engine: Any) -> int:
+    """XLA compilations so far (serving should add none; the fake has none)."""
+    return int(engine.status().get("compile_count") or 0)
 
 
 def _settings(cfg: TunerBenchConfig, engine: Any, tuned: bool, admin: str, requests: int) -> Any:

@@ -74,7 +74,9 @@ def _run_summary(run: dict[str, Any]) -> dict[str, Any]:
                     "wall_s": round(hi - lo, 3)})
     steps = [stats for stats, _ in run["steps"] if start <= stats.time < end]
     whole = _goodput(sum(tokens.values()), sum(ms.values()))
-    return {"policy": run["policy"], "phases": out,
+    return {"policy": run["policy"], "other_processes_cpu_share": run["other_processes_cpu_share"],
+            "search_process_cpu_s": run["search_process_cpu_s"],
+            "compiles_during_trace": run["compiles_during_trace"], "phases": out,
             "whole": {**whole, **_steps(steps), **_clients(run["streams"]), "wall_s": round(end - start, 3)}}
 
 
