@@ -126,6 +126,8 @@ class TunerBenchConfig:
     """The engine's most sequences decoded together."""
     max_context: int = 1024
     """The engine's context; prompts that do not fit with their max_tokens are dropped."""
+    keep_db: str | None = None
+    """Keep each run's telemetry database in this directory (as <policy>.db)."""
     fake: bool = False
     """FakeEngine (tests): ngram and mtp FakeProposers, a FakeCost it sleeps."""
     fake_time_scale: float = 1.0
@@ -348,7 +350,12 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
     with tempfile.TemporaryDirectory(prefix="crossover-bench-tuner-") as tmp:
         recorder = RecorderConfig(flush_interval_s=min(1.0, cfg.phase_s / 30),
                                   retention=RetentionConfig())
-        database = open_database(f"sqlite:///{tmp}/telemetry.db", recorder_config=recorder)
+        path = Path(tmp) / "telemetry.db"
+        if cfg.keep_db:  # each run's database, for a look at what the tuner saw
+            path = Path(cfg.keep_db) / f"{name.replace(':', '-').replace('@', '-')}.db"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)
+        database = open_database(f"sqlite:///{path}", recorder_config=recorder)
         keys = _tenants(database, sorted({a.tenant for a in arrivals}))
         app = make_app(_settings(cfg, engine, policy is None, admin, len(arrivals)), recording,
                        database=database, warmup=False)

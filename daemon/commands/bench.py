@@ -206,6 +206,7 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--dtype", default=None, choices=["float32", "bfloat16"])
     add("--max-batch", type=int, default=32, help="the engine's most sequences decoded together")
     add("--max-context", type=int, default=1024, help="the engine's context in tokens")
+    add("--keep-db", default=None, help="keep each run's telemetry database in this directory")
     add("--fake", action="store_true", help="use the fake engine (no model; for tests)")
     add("--fake-time-scale", type=float, default=1.0, help="fake engine: real s per simulated s of step time")
 
@@ -232,7 +233,7 @@ def _tuner_config(args: argparse.Namespace) -> Any:
             validation_min_steps=args.validation_min_steps, search_process=not args.search_in_thread,
             probe_retunes=args.probe_retunes, probe_concurrency=args.probe_concurrency,
             probe_quiet_s=args.probe_quiet, model=args.model, heads=args.heads, dtype=args.dtype,
-            max_batch=args.max_batch, max_context=args.max_context, fake=args.fake,
-            fake_time_scale=args.fake_time_scale)
+            max_batch=args.max_batch, max_context=args.max_context, keep_db=args.keep_db,
+            fake=args.fake, fake_time_scale=args.fake_time_scale)
     except ValueError as exc:
         raise UserError(f"bench tuner: {exc}") from None
