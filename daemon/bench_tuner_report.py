@@ -220,9 +220,19 @@ def read_history(database: Any, start: float) -> dict[str, Any]:
                     "version": r.chosen_policy_version, "predicted_goodput": r.predicted_goodput,
                     "measured_goodput": r.measured_goodput,
                     "note": r.error or (r.details or {}).get("reason")
-                    or ((r.details or {}).get("validation") or {}).get("decision")}
+                    or ((r.details or {}).get("validation") or {}).get("decision"),
+                    **_search_evidence(r.details or {})}
                    for r in reversed(retune_history(session, limit=10_000))]
     return {"policies": policies, "retunes": retunes}
+
+
+def _search_evidence(details: dict[str, Any]) -> dict[str, Any]:
+    """What a retune's model saw: its held-out fit error, acceptance and tenant factors."""
+    if "fit" not in details:
+        return {}
+    model = details.get("model") or {}
+    return {"fit": details["fit"], "acceptance": model.get("acceptance"),
+            "tenant_factor": model.get("tenant_factor")}
 
 
 def _rel(t: float | None, start: float) -> float | None:
