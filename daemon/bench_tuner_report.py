@@ -347,8 +347,8 @@ def _bars(c: Canvas, box: tuple[int, int, int, int], title: str, groups: list[st
             bx = round(gx + k * width)
             c.rect(bx, y(vs[g]), round(gx + (k + 1) * width) - 1, y1,
                    color[g] if isinstance(color, list) else color)
-            if len(series) == 1:
-                c.text(bx, y(vs[g]) - 14, _short(vs[g]))
+            if len(series) == 1:  # the value, above the bar and its mark
+                c.text(bx, min(y(vs[g]), y(marks.get(g, 0.0))) - 14, _short(vs[g]))
         if g in marks:
             c.rect(round(gx) - 4, y(marks[g]) - 1, round(gx + slot * 0.8) + 4, y(marks[g]) + 2, (0, 0, 0))
         c.text(round(gx), y1 + 8, label[:int(slot // 8)])
