@@ -57,3 +57,20 @@ def _compile_cache():
 
 
 SPEC_RC = dict(verify_tokens=(2, 3, 5, 9), spec_max_batch=8)
+
+
+def run_prompts(engine, prompts: list[str], sp, tokenizer=None):
+    """Submit each prompt (as request r<i>), step until idle: (token ids per prompt, step stats)."""
+    from engine.types import Request
+
+    tok = tokenizer or ByteTokenizer()
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", tok.encode(p), sp))
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    stats = []
+    while engine.has_work():
+        o = engine.step()
+        stats += [o.stats] if o.stats else []
+        for ev in o.events:
+            out[ev.request_id] += ev.token_ids
+    return [out[f"r{i}"] for i in range(len(prompts))], stats

@@ -23,7 +23,7 @@ from engine.policy import BatchRule, TunedPolicy
 from engine.runner import _verify
 from engine.sampling import SamplingArrays
 from engine.types import Request, SamplingParams
-from tests.engine.conftest import SPEC_RC, ByteTokenizer, LetterTokenizer, make_engine
+from tests.engine.conftest import SPEC_RC, ByteTokenizer, LetterTokenizer, make_engine, run_prompts
 from tests.engine.reference import dense_logits
 
 TOK = ByteTokenizer()
@@ -54,16 +54,7 @@ def _policy(technique, depth, split=0.2, vocab=0):
 
 
 def _run(engine, prompts, sp):
-    for i, p in enumerate(prompts):
-        engine.add_request(Request(f"r{i}", TOK.encode(p), sp))
-    out = {f"r{i}": [] for i in range(len(prompts))}
-    stats = []
-    while engine.has_work():
-        o = engine.step()
-        stats += [o.stats] if o.stats else []
-        for ev in o.events:
-            out[ev.request_id] += ev.token_ids
-    return [out[f"r{i}"] for i in range(len(prompts))], stats
+    return run_prompts(engine, prompts, sp, TOK)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from engine.policy import BatchRule, TunedPolicy
 from engine.proposers import NgramProposer
 from engine.sampling import SamplingArrays, verify
 from engine.types import Request, SamplingParams
-from tests.engine.conftest import SPEC_RC, ByteTokenizer, make_engine
+from tests.engine.conftest import SPEC_RC, ByteTokenizer, make_engine, run_prompts
 
 TOK = ByteTokenizer()
 PROMPTS = [
@@ -31,16 +31,7 @@ def _policy(depth: int, technique: str = "ngram") -> TunedPolicy:
 
 
 def _run(engine, prompts, sp):
-    for i, p in enumerate(prompts):
-        engine.add_request(Request(f"r{i}", TOK.encode(p), sp))
-    out = {f"r{i}": [] for i in range(len(prompts))}
-    stats = []
-    while engine.has_work():
-        o = engine.step()
-        stats += [o.stats] if o.stats else []
-        for ev in o.events:
-            out[ev.request_id] += ev.token_ids
-    return [out[f"r{i}"] for i in range(len(prompts))], stats
+    return run_prompts(engine, prompts, sp, TOK)
 
 
 def test_ngram_lookup_finds_latest_match():
