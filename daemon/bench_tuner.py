@@ -98,6 +98,8 @@ class TunerBenchConfig:
     """Scheduled retune interval (None: phase_s / 6, as 10 min is to the 1 h fit window)."""
     fit_window_s: float | None = None
     """Telemetry the tuner fits on (None: phase_s); its validation baseline is a sixth of it."""
+    traffic_window_s: float | None = None
+    """Recent traffic a retune optimizes for (None: phase_s / 3, two retune intervals)."""
     validation_s: float | None = None
     """Longest validation window (None: phase_s / 6)."""
     trials: int = 48
@@ -155,6 +157,10 @@ class TunerBenchConfig:
     @property
     def window(self) -> float:
         return self.fit_window_s or self.phase_s
+
+    @property
+    def traffic_window(self) -> float:
+        return self.traffic_window_s or self.phase_s / 3
 
     @property
     def quiet(self) -> float:
@@ -360,8 +366,6 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
         app = make_app(_settings(cfg, engine, policy is None, admin, len(arrivals)), recording,
                        database=database, warmup=False)
         tuner = app[TUNER]
-        tuner.config = dataclasses.replace(tuner.config, fit_window_s=cfg.window,
-                                           baseline_s=cfg.window / 6)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
         await runner.setup()
         try:
@@ -431,7 +435,9 @@ def _settings(cfg: TunerBenchConfig, engine: Any, tuned: bool, admin: str, reque
         tuner=tuned, tuner_interval_s=cfg.interval, tuner_min_new_steps=cfg.min_new_steps,
         tuner_trials=cfg.trials, tuner_profile_steps=cfg.profile_steps,
         tuner_validation_s=cfg.validation_s or cfg.phase_s / 6,
-        tuner_validation_min_steps=cfg.validation_min_steps, tuner_search_process=cfg.search_process)
+        tuner_validation_min_steps=cfg.validation_min_steps, tuner_search_process=cfg.search_process,
+        tuner_fit_window_s=cfg.window, tuner_baseline_s=cfg.window / 6,
+        tuner_traffic_window_s=cfg.traffic_window)
 
 
 def _tenants(database: Any, names: list[str]) -> dict[str, str]:

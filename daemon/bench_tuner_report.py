@@ -12,8 +12,13 @@
 2. Ratios, each with its target and whether it is met (ratios are rounded
    to 4 digits from the goodputs in the JSON):
    - per phase, autotuned over the best static policy of that phase (>= 0.95);
-   - whole trace, autotuned over the best fixed (technique, depth) (>= 1.15);
+   - whole trace, autotuned over the best fixed policy: never, or one
+     (technique, depth) at every batch size (>= 1.15);
    - whole trace, autotuned over the batch-size table (>= 1.05);
+   - for reference, no target: the static oracle (each phase served by that
+     phase's best static policy) over the best fixed policy, which bounds
+     what switching policies once per phase can gain on this trace, and
+     autotuned over that oracle;
    - p99 inter-token gap while a retune searches over p99 while none runs
      (<= 1.10), from the probe after the autotuned trace.
 3. The autotuned run's history, read from its telemetry database: every
@@ -153,16 +158,32 @@ def ratios(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
                                 TARGETS["phase"], phase=i, best_static=best))
     out: dict[str, Any] = {"per_phase": per_phase}
     whole = auto["whole"]["goodput"]
-    fixed = [n for n in static if n.startswith("fixed:")]
+    fixed = [n for n in static if n.startswith("fixed:") or n == "never"]
+    oracle = _oracle(static, len(auto["phases"]))
     if fixed:
         best = max(fixed, key=lambda n: static[n]["whole"]["goodput"])
         out["whole_vs_best_fixed"] = _ratio(whole, static[best]["whole"]["goodput"],
                                             TARGETS["best_fixed"], best_fixed=best)
+        # the most that switching among the static policies once per phase could gain
+        out["oracle_vs_best_fixed"] = {
+            **oracle, "best_fixed": best, "target": None, "met": None,
+            "ratio": round(oracle["goodput"] / static[best]["whole"]["goodput"], 4)
+            if static[best]["whole"]["goodput"] else None}
+    out["whole_vs_oracle"] = _ratio(whole, oracle["goodput"], None)
     if "table" in static:
         out["whole_vs_table"] = _ratio(whole, static["table"]["whole"]["goodput"], TARGETS["table"])
     if "never" in static:
         out["whole_vs_never"] = _ratio(whole, static["never"]["whole"]["goodput"], None)
     return out
+
+
+def _oracle(static: dict[str, dict[str, Any]], phases: int) -> dict[str, Any]:
+    """The whole-trace goodput of the best static policy of each phase (engine tokens over
+    engine time, summed over phases), and which policy that was per phase."""
+    picks = [max(static, key=lambda n: static[n]["phases"][i]["goodput"]) for i in range(phases)]
+    tokens = sum(static[n]["phases"][i]["engine_tokens"] for i, n in enumerate(picks))
+    seconds = sum(static[n]["phases"][i]["engine_s"] for i, n in enumerate(picks))
+    return {"goodput": round(tokens / seconds, 3) if seconds else 0.0, "per_phase": picks}
 
 
 def _ratio(num: float, den: float, target: float | None, **extra: Any) -> dict[str, Any]:

@@ -69,6 +69,12 @@ class Settings:
     """Constraint on the predicted p95 time per output token in ms (0: none)."""
     tuner_two_objective: bool = False
     """Search goodput vs p95 TPOT as two objectives (a Pareto front)."""
+    tuner_fit_window_s: float = 3600.0
+    """Telemetry the tuner's performance model is fitted on (seconds back from a retune)."""
+    tuner_traffic_window_s: float = 600.0
+    """Recent telemetry whose traffic (batch sizes, arrivals, tenant mix) a retune optimizes for."""
+    tuner_baseline_s: float = 600.0
+    """Telemetry of the previous policy that a new policy's validation compares against."""
     tuner_explore_share: float = 0.02
     """Share of decode steps that try a non-chosen depth, keeping the model fresh."""
     tuner_profile_steps: int = 200
@@ -116,6 +122,9 @@ class Settings:
         _check_range("tuner_min_new_steps", self.tuner_min_new_steps, 0, 1 << 30)
         _check_range("tuner_trials", self.tuner_trials, 1, 2000)
         _check_range("tuner_tpot_p95_ms", self.tuner_tpot_p95_ms, 0.0, 1e6)
+        _check_range("tuner_fit_window_s", self.tuner_fit_window_s, 0.01, 86400.0 * 30)
+        _check_range("tuner_traffic_window_s", self.tuner_traffic_window_s, 0.01, 86400.0 * 30)
+        _check_range("tuner_baseline_s", self.tuner_baseline_s, 0.01, 86400.0 * 30)
         _check_range("tuner_explore_share", self.tuner_explore_share, 0.0, 0.5)
         _check_range("tuner_profile_steps", self.tuner_profile_steps, 0, 1 << 30)
         _check_range("tuner_validation_s", self.tuner_validation_s, 0.0, 86400.0)

@@ -59,7 +59,8 @@ def tuner_config(settings: Settings) -> TunerConfig:
         validation_s=settings.tuner_validation_s,
         validation_min_steps=settings.tuner_validation_min_steps,
         validation_poll_s=max(0.05, min(2.0, settings.tuner_validation_s / 20)),
-        rollback_margin=settings.tuner_rollback_margin,
+        rollback_margin=settings.tuner_rollback_margin, fit_window_s=settings.tuner_fit_window_s,
+        traffic_window_s=settings.tuner_traffic_window_s, baseline_s=settings.tuner_baseline_s,
     )  # fmt: skip
 
 
@@ -88,12 +89,19 @@ def capacity_of(engine: Any) -> Capacity:
                     proposers=proposers)
 
 
+def _resident(proposer: Any) -> int:
+    resident = getattr(proposer, "resident_bytes", None)
+    return int(resident()) if callable(resident) else 0
+
+
 class Exploration:
     """Wraps the keeper's policies in ExploringPolicy; the first one also profiles the gaps."""
 
     def __init__(self, engine: Any, settings: Settings) -> None:
-        self.techniques = sorted(getattr(engine, "proposers", {}))
-        self.max_depth = engine_max_depth(engine)
+        proposers = getattr(engine, "proposers", {})
+        # cheapest first: what costs no memory is profiled (and can pay) soonest
+        self.techniques = sorted(proposers, key=lambda t: (_resident(proposers[t]), t))
+        self.max_depth = min(engine_max_depth(engine), tuner_config(settings).max_depth)
         self.share = settings.tuner_explore_share
         self.profile_steps = settings.tuner_profile_steps
         self.gaps: list[tuple[str, int]] = []
@@ -132,9 +140,10 @@ async def _tuner_ctx(app: web.Application, exploration: Exploration,
     tuner, settings = app[TUNER], app[st.SETTINGS]
     if exploration.enabled:
         await asyncio.to_thread(exploration.measure_gaps, database, tuner.config.fit_window_s)
+    profile_cells = list(exploration.gaps)
     policy = await asyncio.to_thread(tuner.keeper.restore)
     log_event(log, "policy restored", version=policy.version, pinned=tuner.keeper.pinned,
-              profile_cells=len(exploration.gaps))
+              profile=[f"{t}@{d}" for t, d in profile_cells])
     scheduler = None
     if settings.tuner:
         scheduler = AsyncIOScheduler()

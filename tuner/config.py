@@ -38,6 +38,10 @@ class TunerConfig:
     """Draft vocabulary sizes searched when an MTP proposer is loaded."""
     fit_window_s: float = 3600.0
     """Telemetry (raw steps and requests) that the model and traffic are read from."""
+    traffic_window_s: float = 600.0
+    """Recent telemetry whose batch sizes, arrivals and tenant mix the objective averages over,
+    so a policy follows the traffic of now while the model fits the whole fit window; with
+    fewer than 8 steps in it, the fit window's traffic is used."""
     max_fit_rows: int = 50_000
     """Most recent raw steps read for a fit."""
     min_new_steps: int = 500
@@ -79,6 +83,9 @@ class TunerConfig:
             raise ValueError(f"concurrency_quantile={self.concurrency_quantile} must be in (0, 1]")
         if self.tpot_p95_ms < 0 or self.min_gain < 0 or self.rollback_margin < 0:
             raise ValueError("tpot_p95_ms, min_gain and rollback_margin must be >= 0")
+        if not 0 < self.traffic_window_s or not 0 < self.fit_window_s:
+            raise ValueError(f"fit_window_s={self.fit_window_s} and traffic_window_s="
+                             f"{self.traffic_window_s} must be > 0")
         if self.validation_s < 0 or self.validation_poll_s <= 0 or self.baseline_s <= 0:
             raise ValueError(f"validation_s={self.validation_s} must be >= 0 and "
                              f"validation_poll_s={self.validation_poll_s}, "

@@ -26,14 +26,26 @@ from typing import Any
 from engine.policy import TunedPolicy
 
 
+def profile_depths(max_depth: int) -> tuple[int, ...]:
+    """The depths a startup profile measures: the deepest first (one such step measures every
+    draft position's acceptance and the largest verify shape), then 2 and 1 (shallow step
+    times, what the model interpolates between).
+
+    >>> profile_depths(4), profile_depths(1)
+    ((4, 2, 1), (1,))
+    """
+    return tuple(sorted({max_depth, min(2, max_depth), 1}, reverse=True))
+
+
 def gap_cells(coverage: Mapping[str, Mapping[int, int]], techniques: Sequence[str],
               max_depth: int, min_steps: int = 20) -> list[tuple[str, int]]:
-    """(technique, depth) cells measured fewer than `min_steps` times.
+    """(technique, depth) cells of the profile depths measured fewer than `min_steps` times,
+    technique by technique in the order given (cheapest first).
 
-    >>> gap_cells({"ngram": {1: 50}}, ["ngram"], 3)
-    [('ngram', 2), ('ngram', 3)]
+    >>> gap_cells({"ngram": {4: 50}}, ["ngram", "mtp"], 4)
+    [('ngram', 2), ('ngram', 1), ('mtp', 4), ('mtp', 2), ('mtp', 1)]
     """
-    return [(t, d) for t in techniques for d in range(1, max_depth + 1)
+    return [(t, d) for t in techniques for d in profile_depths(max_depth)
             if coverage.get(t, {}).get(d, 0) < min_steps]
 
 

@@ -16,11 +16,15 @@ so that steps of different depths mix correctly: a step of depth d with n
 speculating sequences (proposed / d) offers position 0 to n sequences and
 position i > 0 to those that accepted position i - 1 (accepted_per_pos[i-1]).
 MTP steps are keyed by their policy's draft vocabulary ("mtp@8192") when one
-was set. Per tenant, a factor (the tenant's accepted/proposed over everyone's,
-from requests) scales the odds of every rate (so a rate stays below 1 and the
-tenant mix the rates were measured on averages back to about them); a
-technique never measured has rate 0, so the search cannot prefer what nobody
-has seen.
+was set. Steps whose batch held one tenant also count under that tenant
+("ngram|copy"): a tenant with enough such offers (MIN_REACHED at position
+0) gets its own rates for the technique, since acceptance depends on the
+technique and the text together (n-gram lookups pay on copy-heavy tenants,
+not on prose). Otherwise a per-tenant factor (the tenant's accepted/proposed
+over everyone's, from requests) scales the odds of the pooled rates (so a
+rate stays below 1 and the tenant mix the rates were measured on averages
+back to about them). A technique never measured has rate 0, so the search
+cannot prefer what nobody has seen.
 
     >>> m = PerfModel(target=(1, 0, 0, 0, 0), acceptance={"ngram": (0.5, 0.5)})
     >>> m.expected_tokens_per_seq("ngram", 2)   # 1 + 0.5 + 0.25
@@ -121,8 +125,9 @@ class PerfModel:
     def rates(self, technique: str, depth: int, tenant: str | None = None,
               draft_vocab: int = 0) -> list[float]:
         """Conditional acceptance at positions 0..depth-1 (the last measured rate repeats)."""
-        known = self._lookup(self.acceptance, technique, draft_vocab) or ()
-        factor = self.tenant_factor.get(tenant, 1.0) if tenant is not None else 1.0
+        own = self._lookup(self.acceptance, technique, draft_vocab, tenant) if tenant else None
+        known = own or self._lookup(self.acceptance, technique, draft_vocab) or ()
+        factor = 1.0 if own or tenant is None else self.tenant_factor.get(tenant, 1.0)
         out = []
         for i in range(depth):
             base = known[min(i, len(known) - 1)] if known else 0.0
@@ -170,10 +175,12 @@ class PerfModel:
                            float(gp_a.mean()))
 
     @staticmethod
-    def _lookup(table: Mapping[str, tuple], technique: str, draft_vocab: int) -> tuple | None:
-        if technique == "mtp" and draft_vocab and f"mtp@{draft_vocab}" in table:
-            return table[f"mtp@{draft_vocab}"]
-        return table.get(technique)
+    def _lookup(table: Mapping[str, tuple], technique: str, draft_vocab: int,
+                tenant: str | None = None) -> tuple | None:
+        suffix = f"|{tenant}" if tenant else ""
+        if technique == "mtp" and draft_vocab and f"mtp@{draft_vocab}{suffix}" in table:
+            return table[f"mtp@{draft_vocab}{suffix}"]
+        return table.get(technique + suffix)
 
     def summary(self) -> dict:
         """A JSON-able description (for retune details and /admin/tuner)."""
@@ -242,6 +249,8 @@ def _fit_acceptance(steps: Sequence[StepRow], vocab_of: Mapping[int, int]) -> di
         if not s.depth or s.technique == "none" or not s.proposed:
             continue
         keys = {s.technique, technique_key(s.technique, s.policy_version, vocab_of)}
+        if len(s.tenants) == 1:
+            keys |= {f"{k}|{s.tenants[0]}" for k in keys}
         for key in keys:
             r, a = reached.setdefault(key, []), accepted.setdefault(key, [])
             while len(r) < s.depth:
@@ -249,7 +258,9 @@ def _fit_acceptance(steps: Sequence[StepRow], vocab_of: Mapping[int, int]) -> di
             for i in range(s.depth):
                 r[i] += s.speculating if i == 0 else s.accepted_per_pos[i - 1]
                 a[i] += s.accepted_per_pos[i] if i < len(s.accepted_per_pos) else 0
-    return {key: _rates(reached[key], accepted[key]) for key in reached}
+    out = {key: _rates(reached[key], accepted[key]) for key in reached}
+    return {key: rates for key, rates in out.items()  # a tenant's own rates need evidence
+            if "|" not in key or reached[key][0] >= MIN_REACHED}
 
 
 def _rates(reached: list[float], accepted: list[float]) -> tuple[float, ...]:

@@ -6,7 +6,8 @@ or a thread (tests). Data flow:
 
 1. Read the raw steps and finished requests of the fit window, and each
    policy version's draft vocabulary, in one session.
-2. Fit the PerfModel (error measured on held-out steps) and observe Traffic.
+2. Fit the PerfModel (error measured on held-out steps) on all of them, and
+   observe the Traffic of the last `traffic_window_s` (what to optimize for).
 3. Open the study in the same database (RDB storage, `load_if_exists`), its
    name carrying the space's fingerprint (and a generation number once a
    study holds `max_study_trials`); the sampler's seed, when one is
@@ -36,7 +37,7 @@ from engine.policy import BatchRule, TunedPolicy
 from store.db import install_sqlite_pragmas, is_sqlite, make_engine, resolve_url, session_scope
 from tuner.config import TunerConfig
 from tuner.data import draft_vocab_by_version, read_requests, read_steps
-from tuner.model import PerfModel
+from tuner.model import MIN_FIT_ROWS, PerfModel
 from tuner.objective import Capacity, Evaluation, evaluate
 from tuner.space import SearchSpace
 from tuner.traffic import Traffic, observe
@@ -145,7 +146,8 @@ def run_search(job: SearchJob) -> SearchOutcome:
     cfg = job.config
     steps, requests, vocab_of = _read(job)
     model, report = PerfModel.fit_with_report(steps, requests, vocab_of)
-    traffic = observe(steps, requests, cfg.concurrency_quantile)
+    traffic = observe_recent(steps, requests, job.until - cfg.traffic_window_s,
+                             cfg.concurrency_quantile)
     space = SearchSpace.build(cfg, job.capacity)
     storage = make_storage(job.db_url)
     try:
@@ -174,6 +176,15 @@ def run_search(job: SearchJob) -> SearchOutcome:
         )  # fmt: skip
     finally:
         storage.engine.dispose()
+
+
+def observe_recent(steps: list, requests: list, since: float, quantile: float) -> Traffic:
+    """The traffic of the steps and requests from `since` on, or of all of them when fewer
+    than MIN_FIT_ROWS steps are that recent."""
+    recent = [s for s in steps if s.time >= since]
+    if len(recent) < MIN_FIT_ROWS:
+        return observe(steps, requests, quantile)
+    return observe(recent, [r for r in requests if r.finish_time >= since], quantile)
 
 
 def _read(job: SearchJob) -> tuple[list, list, dict[int, int]]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -70,15 +71,26 @@ class RetuneHandle:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+def lower_priority(niceness: int = 19) -> None:
+    """Make this process yield the CPU to serving: a search on a machine with few cores
+    otherwise takes cycles from the engine thread and shows up in inter-token latency."""
+    try:
+        os.nice(niceness)
+    except (AttributeError, OSError):  # not on this OS, or not allowed: run at normal priority
+        pass
+
+
 class ProcessSearch:
-    """Runs `run_search` in one spawned worker process (created on first use)."""
+    """Runs `run_search` in one spawned worker process (created on first use), at the
+    lowest CPU priority (`lower_priority`)."""
 
     def __init__(self) -> None:
         self._pool: ProcessPoolExecutor | None = None
 
     def __call__(self, job: SearchJob) -> SearchOutcome:
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=lower_priority)
         return self._pool.submit(run_search, job).result()
 
     def close(self) -> None:

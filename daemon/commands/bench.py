@@ -192,6 +192,8 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--pool-split", type=float, default=0.25, help="pool split of static model-based policies")
     add("--retune-interval", type=float, default=None, help="seconds between retunes (default: phase/6)")
     add("--fit-window", type=float, default=None, help="tuner's telemetry window in s (default: a phase)")
+    add("--traffic-window", type=float, default=None,
+        help="recent traffic a retune optimizes for, in s (default: a third of a phase)")
     add("--validation-seconds", type=float, default=None, help="longest validation (default: phase/6)")
     add("--trials", type=int, default=48, help="Optuna trials per retune")
     add("--min-new-steps", type=int, default=100, help="steps a scheduled retune needs")
@@ -228,6 +230,7 @@ def _tuner_config(args: argparse.Namespace) -> Any:
             techniques=items(args.techniques), depths=depths, table=table,
             table_technique=args.table_technique, pool_split=args.pool_split, runs=items(args.runs),
             retune_interval_s=args.retune_interval, fit_window_s=args.fit_window,
+            traffic_window_s=args.traffic_window,
             validation_s=args.validation_seconds, trials=args.trials,
             min_new_steps=args.min_new_steps, profile_steps=args.profile_steps,
             validation_min_steps=args.validation_min_steps, search_process=not args.search_in_thread,

@@ -69,7 +69,7 @@ class Synth:
             decode_tokens=batch + sum(per_pos), technique=technique, depth=depth,
             proposed=batch * depth, accepted=sum(per_pos), accepted_per_pos=tuple(per_pos),
             propose_ms=propose, verify_ms=ms - propose, step_ms=ms, kv_pages_used=0,
-            kv_pages_free=0, queue_len=queue, policy_version=version, tenants=("chat",),
+            kv_pages_free=0, queue_len=queue, policy_version=version, tenants=("chat", "code"),
         )  # fmt: skip
 
     def explore(self, n: int, start: float = T0, every_s: float = 0.01, version: int = 0,

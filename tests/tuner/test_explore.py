@@ -8,7 +8,7 @@ from engine.fake import FakeCost, FakeEngine, FakeProposer
 from engine.policy import NEVER, BatchRule, TunedPolicy
 from engine.types import Request, SamplingParams, StepStats
 from tuner.data import StepRow
-from tuner.explore import ExploringPolicy, is_exploration, unwrap
+from tuner.explore import ExploringPolicy, gap_cells, is_exploration, unwrap
 from tuner.validate import own_steps
 
 POLICY = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4, version=3)
@@ -93,3 +93,21 @@ def test_tenant_acceptance_scales_the_fakes_drafts() -> None:
         return sum(s.accepted for s in run(engine)[1])
 
     assert accepted(2.0) > accepted(1.0) > accepted(0.2)
+
+
+def test_the_daemon_profiles_cheap_techniques_first_within_the_searched_depths() -> None:
+    """The startup profile measures what costs no memory first, and neither it nor later
+    exploration goes deeper than the search does (depths the tuner would never choose)."""
+    from daemon.settings import Settings
+    from daemon.tuning import Exploration
+
+    proposers = {"draft": FakeProposer("draft", resident=5 << 20),
+                 "mtp": FakeProposer("mtp", resident=1 << 20), "ngram": FakeProposer("ngram")}
+    engine = FakeEngine(proposers=proposers, cost=FakeCost(), max_depth=8)
+    exploration = Exploration(engine, Settings())
+    assert exploration.techniques == ["ngram", "mtp", "draft"] and exploration.max_depth == 4
+    exploration.gaps = gap_cells({}, exploration.techniques, exploration.max_depth)
+    assert exploration.gaps[:4] == [("ngram", 4), ("ngram", 2), ("ngram", 1), ("mtp", 4)]
+    wrapped = exploration(POLICY)
+    picks = [wrapped.choose(2) for _ in range(3000)]
+    assert max(d for _, d in picks) == 4 and wrapped.explored > 0

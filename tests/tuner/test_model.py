@@ -68,6 +68,27 @@ def test_tenant_factors_come_from_requests() -> None:
             > model.expected_tokens_per_seq("ngram", 3) > model.expected_tokens_per_seq("ngram", 3, "chat"))
 
 
+def test_single_tenant_steps_give_that_tenant_its_own_rates() -> None:
+    # n-gram accepts 9 of 10 first drafts on "copy", 1 of 10 on "prose"; steps mixing both
+    # tenants count only in the pooled rates, which every other tenant falls back to.
+    def spec(tenants: tuple[str, ...], accepted: int) -> StepRow:
+        return StepRow(0.0, 10, 0, 10 + accepted, "ngram", 1, 10, (accepted,), 0.1, 20.0, 0, 0,
+                       tenants)
+    rows = [spec(("copy",), 9), spec(("prose",), 1), spec(("copy", "prose"), 5)] * 3
+    rows += [StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 5.0 + b, 0, 0) for b in range(1, 9)]
+    model = PerfModel.fit(rows)
+    assert model.rates("ngram", 2, "copy") == pytest.approx([0.9, 0.9])
+    assert model.rates("ngram", 1, "prose") == pytest.approx([0.1])
+    assert model.rates("ngram", 1, "chat") == pytest.approx([0.5])  # pooled: 45 of 90
+    assert model.rates("ngram", 1) == pytest.approx([0.5])
+    # one step of a tenant (10 offers < MIN_REACHED... exactly 10 reach it) is evidence;
+    # fewer offers than MIN_REACHED are not
+    thin = PerfModel.fit(rows[:3] * 3 + [spec(("rare",), 5)] + rows[9:])
+    assert "ngram|rare" in thin.acceptance
+    sparse = [StepRow(0.0, 4, 0, 4, "ngram", 1, 4, (4,), 0.1, 9.0, 0, 0, ("few",))]
+    assert "ngram|few" not in PerfModel.fit(rows + sparse).acceptance
+
+
 def test_too_few_steps_is_an_error() -> None:
     with pytest.raises(NotEnoughTelemetry, match="at least"):
         PerfModel.fit(synth.rows(synth.Synth().explore(3)))
