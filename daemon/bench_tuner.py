@@ -84,7 +84,7 @@ class TunerBenchConfig:
     """Start each phase once the previous one's requests finished (no backlog carried over)."""
     techniques: tuple[str, ...] = ()
     """Techniques of the fixed policies (empty: every loaded proposer)."""
-    depths: tuple[int, ...] = (2, 4)
+    depths: tuple[int, ...] = (2, 4, 8)
     """Depths of the fixed policies."""
     table: tuple[tuple[int, int], ...] = ((4, 4), (8, 2))
     """The batch-size table: (up to batch, depth) ascending; larger batches do not speculate."""

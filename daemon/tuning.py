@@ -5,8 +5,9 @@ engine has `set_policy`) builds the PolicyKeeper and the Tuner and adds a
 cleanup context (STYLE 11) that, at startup:
 
 1. restores the database's active policy into the engine (or records the
-   default as version 0), measuring which (technique, depth) cells the
-   telemetry lacks so the first policy's exploration profiles them;
+   starter policy, `starter_policy`, as version 0), measuring which
+   (technique, depth) cells the telemetry lacks so the first policy's
+   exploration profiles them;
 2. with `settings.tuner`, starts an APScheduler AsyncIOScheduler on the app's
    loop with one interval job, `Tuner.scheduled` — a plain function, so it runs
    in the loop's thread pool, never on the loop;
@@ -36,7 +37,7 @@ from daemon import state as st
 from daemon.database import Database
 from daemon.jsonlog import log_event
 from daemon.settings import Settings
-from engine.policy import TunedPolicy
+from engine.policy import NEVER, BatchRule, TunedPolicy
 from store.db import session_scope
 from tuner.config import TunerConfig
 from tuner.data import coverage
@@ -72,6 +73,12 @@ def engine_max_depth(engine: Any) -> int:
     return max(buckets, default=1) - 1
 
 
+def engine_depths(engine: Any) -> tuple[int, ...]:
+    """Depths the engine verifies without padding (its verify buckets - 1; () when unknown)."""
+    buckets = getattr(getattr(getattr(engine, "runner", None), "rc", None), "verify_tokens", ())
+    return tuple(sorted(q - 1 for q in buckets if q > 1))
+
+
 def capacity_of(engine: Any) -> Capacity:
     """The engine's pool, proposers and limits, as the objective needs them."""
     total = int(engine.status().get("kv_pages_total", 0))
@@ -81,10 +88,12 @@ def capacity_of(engine: Any) -> Capacity:
     kv = getattr(runner, "kv", None)
     page_bytes = int(kv.nbytes() // total) if kv is not None and total else 0
     spec_max = getattr(getattr(runner, "rc", None), "spec_max_batch", None)
+    loaded = getattr(engine, "proposers", {})
     proposers = {name: (int(p.resident_bytes()), int(p.per_sequence_bytes(1)))
-                 for name, p in getattr(engine, "proposers", {}).items()}
+                 for name, p in loaded.items()}
     return Capacity(total_pages=total, page_size=page_size, page_bytes=page_bytes,
-                    max_depth=engine_max_depth(engine),
+                    max_depth=engine_max_depth(engine), depths=engine_depths(engine),
+                    proposer_depths={n: int(getattr(p, "max_depth", 1 << 10)) for n, p in loaded.items()},
                     spec_max_batch=int(spec_max or getattr(engine, "max_batch", 1 << 30)),
                     proposers=proposers)
 
@@ -92,6 +101,17 @@ def capacity_of(engine: Any) -> Capacity:
 def _resident(proposer: Any) -> int:
     resident = getattr(proposer, "resident_bytes", None)
     return int(resident()) if callable(resident) else 0
+
+
+def starter_policy(engine: Any) -> TunedPolicy:
+    """What a daemon without policy history serves until a retune replaces it: n-gram drafting
+    (it holds no memory and drafts only where a sequence repeats itself) at depth 4 up to
+    batch 4 and depth 2 up to batch 8, as users configure vLLM's dynamic speculation; never
+    speculating when the engine has no n-gram proposer or cannot verify 4 drafts."""
+    if "ngram" not in getattr(engine, "proposers", {}) or engine_max_depth(engine) < 4:
+        return NEVER
+    return TunedPolicy(rules=(BatchRule(4, "ngram", 4), BatchRule(8, "ngram", 2),
+                              BatchRule(NEVER.rules[-1].max_batch)), crossover=8)
 
 
 class Exploration:
@@ -102,6 +122,9 @@ class Exploration:
         # cheapest first: what costs no memory is profiled (and can pay) soonest
         self.techniques = sorted(proposers, key=lambda t: (_resident(proposers[t]), t))
         self.max_depth = min(engine_max_depth(engine), tuner_config(settings).max_depth)
+        self.depths = tuple(d for d in engine_depths(engine) if d <= self.max_depth) or None
+        self.proposer_depth = {t: min(self.max_depth, int(getattr(p, "max_depth", self.max_depth)))
+                               for t, p in proposers.items()}
         self.share = settings.tuner_explore_share
         self.profile_steps = settings.tuner_profile_steps
         self.gaps: list[tuple[str, int]] = []
@@ -110,14 +133,15 @@ class Exploration:
     def measure_gaps(self, database: Database, window_s: float) -> None:
         with session_scope(database.engine) as session:
             seen = coverage(session, time.time() - window_s)
-        self.gaps = gap_cells(seen, self.techniques, self.max_depth)
+        self.gaps = [cell for t in self.techniques
+                     for cell in gap_cells(seen, [t], self.proposer_depth[t])]
 
     def __call__(self, policy: TunedPolicy) -> Any:
         if not self.enabled:
             return policy
         profile, self.gaps = self.gaps, []  # only the first policy after startup profiles
         return ExploringPolicy(policy, share=self.share, techniques=self.techniques,
-                               max_depth=self.max_depth, profile=profile,
+                               max_depth=self.max_depth, depths=self.depths, profile=profile,
                                profile_steps=self.profile_steps if profile else 0,
                                seed=policy.version)
 
@@ -128,7 +152,7 @@ def install(app: web.Application, database: Database) -> None:
     if not hasattr(engine, "set_policy"):
         return
     exploration = Exploration(engine, settings)
-    keeper = PolicyKeeper(database.engine, engine, wrap=exploration)
+    keeper = PolicyKeeper(database.engine, engine, wrap=exploration, default=starter_policy(engine))
     search = ProcessSearch() if settings.tuner_search_process else run_search
     app[TUNER] = Tuner(database.engine, database.url, keeper, lambda: capacity_of(engine),
                        tuner_config(settings), search=search)

@@ -200,6 +200,7 @@ class EngineCore:
             return SpecResult()
         technique, depth = self.policy.choose(len(seqs))
         if technique != "none" and len(seqs) <= self.runner.rc.spec_max_batch:
+            depth = min(depth, self.proposers[technique].max_depth)  # e.g. 4 MTP heads
             t0 = time.perf_counter()
             drafts = self.proposers[technique].propose(seqs, depth)
             propose_ms = (time.perf_counter() - t0) * 1e3

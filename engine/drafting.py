@@ -4,10 +4,12 @@ All three draft greedily with small trained heads (engine/heads.py) over a
 draft vocabulary, so every proposal is a point mass and verification
 (engine/sampling.verify) stays lossless.
 
-- `MtpProposer`: Medusa-style. The target's final hidden state at its newest
-  position (kept per sequence by the core) goes through head k to draft the
-  token k+1 places ahead; all heads run in one call. Resident: the heads and
-  the draft-vocabulary slices of the tied embedding.
+- `MtpProposer`: the target's final hidden state at its newest position
+  (kept per sequence by the core) and the token the target sampled from it
+  go through chained heads, head k drafting the token k+1 places ahead from
+  the previous head's state and draft (engine/heads.py); the chain runs in
+  one call. Unchained (Medusa) heads all read the hidden state at once.
+  Resident: the heads and the draft-vocabulary slices of the tied embedding.
 - `EarlyExitProposer`: the first L target layers plus an exit adapter, run
   autoregressively. It reads the target's own KV pages (those layers' keys
   and values are the same) and writes its draft tokens' K/V into the slots
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import ModelConfig
-from engine.heads import DraftHeads, Head, apply_head, head_logits
+from engine.heads import DraftHeads, Head, apply_chain_head, apply_head, head_logits, token_features
 from engine.kv import Batch, KVPool, SeqPages, cache_reader
 from engine.model import Params, forward
 from engine.policy import MAX_POOL_SPLIT, TunedPolicy
@@ -80,6 +82,18 @@ def _mtp_draft(heads: tuple[Head, ...], h, embed_sub, ids):
     return ids[jnp.argmax(lg, axis=-1)].astype(jnp.int32)
 
 
+@jax.jit
+def _mtp_chain_draft(heads: tuple[Head, ...], h, last, embed, embed_sub, ids):
+    """Greedy draft of chained heads from h [B, d] and the newest tokens last [B]: [B, K]."""
+    s, tok, out = h, last, []
+    for hd in heads:
+        s = apply_chain_head(hd, s, token_features(embed, tok))
+        lg = jnp.einsum("bd,vd->bv", s, embed_sub, preferred_element_type=jnp.float32)
+        tok = ids[jnp.argmax(lg, axis=-1)].astype(jnp.int32)
+        out.append(tok)
+    return jnp.stack(out, axis=1)
+
+
 @partial(jax.jit, static_argnames=("cfg", "ring_pages"))
 def _layers_draft(cfg: ModelConfig, ring_pages: int, params: Params, head: Head, embed_sub, ids, kv, batch: Batch):
     """Run a layer stack over new tokens; greedy draft from each row's last new token.
@@ -99,19 +113,24 @@ def _spec_buckets(rc: RunnerConfig) -> tuple[int, ...]:
 
 
 class MtpProposer(Proposer):
-    """Medusa-style heads over the target's newest final hidden state."""
+    """MTP heads over the target's newest final hidden state (and, chained, its newest token)."""
 
     name = "mtp"
     wants_hidden = True
 
-    def __init__(self, heads: DraftHeads, embed: jax.Array, sizes: tuple[int, ...] = (0, *DRAFT_VOCABS),
-                 draft_vocab: int = DRAFT_VOCABS[0]):
+    def __init__(self, heads: DraftHeads, embed: jax.Array, sizes: tuple[int, ...] = DRAFT_VOCABS,
+                 draft_vocab: int = 0):
         if not heads.mtp:
             raise ValueError("the heads file has no MTP heads")
         self.heads = tuple(heads.mtp)
+        self.chained = heads.chained
+        self.embed = embed
         self.head_bytes = sum(heads.head_bytes(h) for h in self.heads)
         self.slices = _VocabSlices(embed, heads.vocab, sizes)
-        self.draft_vocab = draft_vocab if draft_vocab in self.slices.by_size else 0
+        self.default_vocab = min((n for n in self.slices.by_size if n), default=0)
+        """What a policy's draft_vocab 0 means: the smallest compiled vocabulary (drafting over
+        the full 262k ids costs as much as the target's own output layer)."""
+        self.draft_vocab = self._vocab(draft_vocab)
         self.max_depth = len(self.heads)
         self._buckets: tuple[int, ...] = (1,)
 
@@ -125,7 +144,10 @@ class MtpProposer(Proposer):
         self._dtype = core.runner.params["embed"].dtype
 
     def configure(self, policy: TunedPolicy) -> None:
-        self.draft_vocab = policy.draft_vocab if policy.draft_vocab in self.slices.by_size else 0
+        self.draft_vocab = self._vocab(policy.draft_vocab)
+
+    def _vocab(self, n: int) -> int:
+        return n if n and n in self.slices.by_size else self.default_vocab
 
     def propose(self, seqs: list[Sequence], depth: int) -> list[list[int]]:
         k = min(depth, self.max_depth)
@@ -133,17 +155,27 @@ class MtpProposer(Proposer):
         if not ready or k == 0:
             return [[] for _ in seqs]
         h = np.zeros((bucket(len(seqs), self._buckets), self._d), np.float32)
+        last = np.zeros((len(h),), np.int32)
         for i in ready:
             h[i] = seqs[i].hidden
+            last[i] = seqs[i].tokens[seqs[i].num_cached]
         emb, ids = self.slices.get(self.draft_vocab)
-        toks = np.asarray(_mtp_draft(self._heads_for(k), jnp.asarray(h, self._dtype), emb, ids))
+        toks = np.asarray(self._draft(self._heads_for(k), jnp.asarray(h, self._dtype), last, emb, ids))
         out = [[] for _ in seqs]
         for i in ready:
             out[i] = toks[i, :k].tolist()
         return out
 
+    def _draft(self, heads: tuple[Head, ...], h: jax.Array, last: np.ndarray, emb, ids) -> jax.Array:
+        if self.chained:
+            return _mtp_chain_draft(heads, h, last, self.embed, emb, ids)
+        return _mtp_draft(heads, h, emb, ids)
+
     def _heads_for(self, k: int) -> tuple[Head, ...]:
-        """Heads for depth k, rounded up to a power of two (fewer compiled shapes)."""
+        """Heads for depth k: chained, exactly k (each costs a step of the chain); else
+        rounded up to a power of two (one call either way, fewer compiled shapes)."""
+        if self.chained:
+            return self.heads[:k]
         n = 1
         while n < k:
             n *= 2
@@ -158,7 +190,8 @@ class MtpProposer(Proposer):
             for n in self.vocab_sizes:
                 emb, ids = self.slices.get(n)
                 for k in ks:
-                    _mtp_draft(self.heads[:k], jnp.zeros((b, self._d), self._dtype), emb, ids).block_until_ready()
+                    self._draft(self.heads[:k], jnp.zeros((b, self._d), self._dtype),
+                                np.zeros((b,), np.int32), emb, ids).block_until_ready()
 
 
 class _LayerDrafter(Proposer):
@@ -389,7 +422,7 @@ def _page_bytes(cfg: ModelConfig, page_size: int, kind: str | None, kv_dtype: st
 
 def add_model_proposers(core, heads: DraftHeads, techniques=("mtp", "early_exit", "draft"),
                         exit_layers: int | None = None, draft_layers: int | None = None,
-                        vocab_sizes: tuple[int, ...] = (0, *DRAFT_VOCABS)) -> None:
+                        vocab_sizes: tuple[int, ...] = DRAFT_VOCABS) -> None:
     """Load the heads-based proposers into an engine core (before its warmup).
 
     Early exit uses the deepest exit adapter, the draft model the shallowest,
@@ -398,8 +431,7 @@ def add_model_proposers(core, heads: DraftHeads, techniques=("mtp", "early_exit"
     heads.check(core.cfg)
     restricted = min((v for v in vocab_sizes if v), default=0)  # adapters agree best at the trained width
     if "mtp" in techniques and heads.mtp:
-        core.add_proposer(MtpProposer(heads, core.runner.params["embed"], vocab_sizes,
-                                      draft_vocab=min((v for v in vocab_sizes if v), default=0)))
+        core.add_proposer(MtpProposer(heads, core.runner.params["embed"], vocab_sizes))
     if "early_exit" in techniques and heads.exits:
         core.add_proposer(EarlyExitProposer(heads, exit_layers, restricted))
     if "draft" in techniques and heads.exits:

@@ -5,19 +5,27 @@ the target (engine/drafting.py), all trained by `crossover train-heads`
 (engine/train_heads.py) on the frozen target:
 
     vocab            [N] int32     draft vocabulary: token ids, most frequent first
-    mtp.{k}.w1       [d, r]        MTP head k (k = 0..K-1) predicts the token k+1
-    mtp.{k}.b1       [r]           places after the one the target just sampled,
-    mtp.{k}.w2       [r, d]        from the target's final hidden state
-    exit.{L}.w1/b1/w2              exit adapter after the first L layers
+    mtp.{k}.w1       [2d, r]       MTP head k (k = 0..K-1) predicts the token k+1
+    mtp.{k}.b1       [r]           places after the one the target just sampled
+    mtp.{k}.w2       [r, d]
+    exit.{L}.w1/b1/w2 [d, r] ...   exit adapter after the first L layers
 
-Every head and adapter is the same residual MLP on a final-normed hidden
-state, followed by the target's tied output embedding restricted to the
-first n ids of `vocab`:
+Every head and adapter is a residual MLP followed by the target's tied
+output embedding restricted to the first n ids of `vocab`. An exit adapter
+maps a final-normed hidden state h:
 
     z = h + silu(h @ w1 + b1) @ w2;  logits = z @ embed[vocab[:n]].T
 
-With w2 = 0 a head is the identity, so an untrained MTP head proposes the
-target's own next token and an untrained adapter is a plain early exit.
+MTP heads are chained (as in EAGLE and Hydra, but MLPs without attention):
+head k also sees the token drafted just before (head 0: the token the target
+sampled from h), as its embedding scaled to unit RMS, e(x):
+
+    s_0 = h;  s_{k+1} = s_k + silu([s_k, e(x_k)] @ w1 + b1) @ w2;
+    x_{k+1} = argmax s_{k+1} @ embed[vocab[:n]].T
+
+Knowing that token is what a head over h alone (Medusa, w1 [d, r]; such
+files still load) has to guess. With w2 = 0 an adapter is a plain early
+exit.
 Metadata records what training measured (held-out acceptance per head).
 """
 
@@ -48,16 +56,35 @@ def apply_head(head: Head, h: jax.Array) -> jax.Array:
     return h + u @ head["w2"]
 
 
+def token_features(embed: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Embedding rows of `tokens` scaled to unit RMS, in embed's dtype: [...] -> [..., d]."""
+    e = jnp.take(embed, tokens, axis=0).astype(jnp.float32)
+    e = e * jax.lax.rsqrt(jnp.mean(e * e, axis=-1, keepdims=True) + 1e-6)
+    return e.astype(embed.dtype)
+
+
+def apply_chain_head(head: Head, s: jax.Array, e: jax.Array) -> jax.Array:
+    """Chained MTP step: s + silu([s, e] @ w1 + b1) @ w2. s, e: [..., d]."""
+    u = jax.nn.silu(jnp.concatenate([s, e], axis=-1) @ head["w1"] + head["b1"])
+    return s + u @ head["w2"]
+
+
+def is_chained(head: Head) -> bool:
+    """Whether an MTP head takes [state, token embedding] (w1 twice as tall as w2 is wide)."""
+    return head["w1"].shape[0] == 2 * head["w2"].shape[1]
+
+
 def head_logits(head: Head, h: jax.Array, embed_sub: jax.Array) -> jax.Array:
     """Draft logits over a draft vocabulary: [..., d] -> [..., n] float32."""
     z = apply_head(head, h)
     return jnp.einsum("...d,vd->...v", z, embed_sub, preferred_element_type=jnp.float32)
 
 
-def init_head(key: jax.Array, d: int, r: int, dtype=jnp.float32) -> Head:
-    """A fresh head: random w1, zero w2 (so it starts as the identity)."""
+def init_head(key: jax.Array, d: int, r: int, dtype=jnp.float32, d_in: int | None = None) -> Head:
+    """A fresh head: random w1 [d_in (default d), r], zero w2 (so it starts as the identity)."""
+    d_in = d_in or d
     return {
-        "w1": (jax.random.normal(key, (d, r), jnp.float32) / math.sqrt(d)).astype(dtype),
+        "w1": (jax.random.normal(key, (d_in, r), jnp.float32) / math.sqrt(d_in)).astype(dtype),
         "b1": jnp.zeros((r,), dtype),
         "w2": jnp.zeros((r, d), dtype),
     }
@@ -81,6 +108,11 @@ class DraftHeads:
         leaves = [a for h in (*self.mtp, *self.exits.values()) for a in h.values()]
         return int(sum(np.asarray(a).nbytes for a in leaves)) + int(self.vocab.nbytes)
 
+    @property
+    def chained(self) -> bool:
+        """Whether the MTP heads are chained (see the module docstring)."""
+        return bool(self.mtp) and is_chained(self.mtp[0])
+
     def head_bytes(self, head: Head) -> int:
         return int(sum(np.asarray(a).nbytes for a in head.values()))
 
@@ -91,10 +123,13 @@ class DraftHeads:
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise ValueError when these heads do not fit the model config."""
+        if any(is_chained(h) != self.chained for h in self.mtp):
+            raise ValueError("the MTP heads mix chained and unchained heads")
         for name, h in [*(("mtp.%d" % k, h) for k, h in enumerate(self.mtp)),
                         *(("exit.%d" % L, h) for L, h in self.exits.items())]:
-            if h["w1"].shape[0] != cfg.d_model or h["w2"].shape[1] != cfg.d_model:
-                raise ValueError(f"head {name} has width {h['w1'].shape[0]}, the model has "
+            d_in = 2 * cfg.d_model if name.startswith("mtp") and self.chained else cfg.d_model
+            if h["w1"].shape[0] != d_in or h["w2"].shape[1] != cfg.d_model:
+                raise ValueError(f"head {name} has width {h['w2'].shape[1]}, the model has "
                                  f"d_model={cfg.d_model}")
         for L in self.exits:
             if not 1 <= L < cfg.n_layers:
@@ -104,13 +139,14 @@ class DraftHeads:
 
     @staticmethod
     def random(cfg: ModelConfig, n_mtp: int, exits: tuple[int, ...], n_vocab: int, seed: int = 0,
-               scale: float = 1.0) -> "DraftHeads":
+               scale: float = 1.0, chained: bool = True) -> "DraftHeads":
         """Random (not identity) heads for tests: w2 is random too, times `scale`."""
         key = jax.random.PRNGKey(seed)
         heads = []
-        for _ in range(n_mtp + len(exits)):
+        for i in range(n_mtp + len(exits)):
             key, k1, k2 = jax.random.split(key, 3)
-            h = init_head(k1, cfg.d_model, cfg.d_model)
+            d_in = 2 * cfg.d_model if chained and i < n_mtp else cfg.d_model
+            h = init_head(k1, cfg.d_model, cfg.d_model, d_in=d_in)
             h["w2"] = scale * jax.random.normal(k2, h["w2"].shape) / math.sqrt(cfg.d_model)
             heads.append(h)
         vocab = np.random.default_rng(seed).permutation(cfg.vocab_size)[:n_vocab].astype(np.int32)

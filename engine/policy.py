@@ -53,7 +53,8 @@ class TunedPolicy:
     version: int = 0
     """Increases with every policy the daemon applies."""
     draft_vocab: int = 0
-    """Output vocabulary of the MTP heads (0: the full vocabulary)."""
+    """Output vocabulary of the MTP heads, the N most frequent ids (0: the proposer's default,
+    its smallest compiled one)."""
     source: str = "default"
     """Who made it: default, tuner or admin."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)

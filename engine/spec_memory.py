@@ -9,7 +9,8 @@ Per technique, for a model of width d and a draft vocabulary of n ids:
 - every technique: verify slots, `depth` extra KV tokens per speculating
   sequence (global pages; the local ring already has the slack);
 - ngram: nothing else (host-side lookup);
-- mtp: K heads of 2 d^2 + d weights, plus the draft-vocabulary slices of the
+- mtp: K chained heads of 3 d^2 + d weights (w1 reads the state and a token
+  embedding: 2d x d; w2: d x d), plus the draft-vocabulary slices of the
   tied embedding (n x d for each compiled n) and their id lists;
 - early_exit: one adapter (2 d^2 + d) and one vocabulary slice; it reads the
   target's own KV, so nothing per sequence;
@@ -60,12 +61,13 @@ def technique_costs(cfg: ModelConfig, weight_dtype: str, kv_dtype: str, context_
                     depth: int, sequence_bytes: int, speculating: int = 16) -> list[TechniqueCost]:
     """Costs of ngram, mtp, early_exit and draft for `cfg` (see the module docstring).
 
-    Example: for gemma3-270m in float32, MTP holds 4 x (2 x 640^2 + 640) x 4 bytes of
-    heads plus (8192 + 32768) x 640 x 4 bytes of slices, about 111 MiB.
+    Example: for gemma3-270m in float32, MTP holds 4 x (3 x 640^2 + 640) x 4 bytes of
+    heads plus (8192 + 32768) x 640 x 4 bytes of slices, about 117 MiB.
     """
     d, item = cfg.d_model, _item(weight_dtype)
     kv_item = KV_DTYPE_BYTES[kv_dtype]
     head = (2 * d * d + d) * item
+    chained_head = (3 * d * d + d) * item
     ids = 4  # int32 per draft-vocabulary id
     verify = depth * 2 * len(cfg.global_layers) * cfg.n_kv_heads * cfg.head_dim * kv_item
     dcfg = cfg.replace(n_layers=min(DRAFT_LAYERS, cfg.n_layers - 1))
@@ -74,7 +76,7 @@ def technique_costs(cfg: ModelConfig, weight_dtype: str, kv_dtype: str, context_
     draft_kv = per_layer_page * (g * len(dcfg.global_layers) + l * len(dcfg.local_layers))
     rows = [
         ("ngram", 0, verify),
-        ("mtp", MTP_HEADS * head + sum(n * (d * item + ids) for n in MTP_VOCABS), verify),
+        ("mtp", MTP_HEADS * chained_head + sum(n * (d * item + ids) for n in MTP_VOCABS), verify),
         ("early_exit", head + LAYER_VOCAB * (d * item + ids), verify),
         ("draft", head + LAYER_VOCAB * (d * item + ids), verify + draft_kv),
     ]

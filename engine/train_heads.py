@@ -10,6 +10,9 @@
 4. Train each head alone with Adam on cross-entropy over the first
    `train_vocab` draft ids: MTP head k at position t learns the target's
    prediction at t+1+k; an exit adapter at t learns the prediction at t.
+   Chained MTP heads (engine/heads.py) train in order, teacher-forced: head
+   k reads the state head k-1 left at t and the target's own prediction at
+   t+k (the token the chain would have drafted had it been right).
 5. Measure held-out top-1 agreement with the target (by prompt, so no held-out
    text was trained on) at each draft vocabulary, and save a safetensors file
    with those figures in its metadata (engine/heads.py).
@@ -26,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.heads import DraftHeads, Head, head_logits, init_head
+from engine.heads import DraftHeads, Head, apply_chain_head, head_logits, init_head
 from engine.model import KVView, forward, logits, rms_norm
 
 
@@ -42,6 +45,8 @@ class TrainConfig:
     """Prompts are cut to their last this many tokens."""
     n_mtp: int = 4
     """MTP heads (the deepest drafts position n_mtp)."""
+    chained: bool = True
+    """Chained MTP heads (each sees the token drafted before it) instead of Medusa heads."""
     exits: tuple[int, ...] = (4, 8)
     """Layer counts after which an exit adapter is trained."""
     train_vocab: int = 8192
@@ -189,8 +194,15 @@ def rank_vocab(tokenizer, corpus, vocab_size: int, keep: int) -> np.ndarray:
 
 # -- 4. train -----------------------------------------------------------------------
 
-def _loss(head: Head, x, y, emb):
-    lg = head_logits(head, x, emb)
+def _logits(head: Head, x, f, emb):
+    """A head's logits over emb's rows; f: the chained heads' token features (None: unchained)."""
+    if f is None:
+        return head_logits(head, x, emb)
+    return jnp.einsum("nd,vd->nv", apply_chain_head(head, x, f), emb, preferred_element_type=jnp.float32)
+
+
+def _loss(head: Head, x, f, y, emb):
+    lg = _logits(head, x, f, emb)
     lp = jax.nn.log_softmax(lg, axis=-1)
     ok = y >= 0
     nll = -jnp.take_along_axis(lp, jnp.maximum(y, 0)[:, None], axis=1)[:, 0]
@@ -198,8 +210,8 @@ def _loss(head: Head, x, y, emb):
 
 
 @jax.jit
-def _adam_step(head: Head, m, v, t, x, y, emb, lr):
-    loss, g = jax.value_and_grad(_loss)(head, x, y, emb)
+def _adam_step(head: Head, m, v, t, x, f, y, emb, lr):
+    loss, g = jax.value_and_grad(_loss)(head, x, f, y, emb)
     b1, b2 = 0.9, 0.999
     m = jax.tree.map(lambda a, b: b1 * a + (1 - b1) * b, m, g)
     v = jax.tree.map(lambda a, b: b2 * a + (1 - b2) * b * b, v, g)
@@ -210,13 +222,27 @@ def _adam_step(head: Head, m, v, t, x, y, emb, lr):
 
 
 @jax.jit
-def _top1(head: Head, x, emb, ids):
-    return ids[jnp.argmax(head_logits(head, x, emb), axis=-1)]
+def _top1(head: Head, x, f, emb, ids):
+    return ids[jnp.argmax(_logits(head, x, f, emb), axis=-1)]
 
 
-def train_one(x: np.ndarray, y: np.ndarray, emb, tc: TrainConfig, key, label: str, progress: bool) -> Head:
-    """Adam on one head: x [N, d] inputs, y [N] indices into emb (-1: outside the softmax)."""
-    head = init_head(key, x.shape[1], x.shape[1])
+@jax.jit
+def _chain_step(head: Head, s, f):
+    return apply_chain_head(head, s, f)
+
+
+def _features(embed_np: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """heads.token_features on the host (no compile per sequence length)."""
+    e = embed_np[tokens]
+    return e / np.sqrt(np.mean(e * e, axis=-1, keepdims=True) + 1e-6)
+
+
+def train_one(x: np.ndarray, y: np.ndarray, emb, tc: TrainConfig, key, label: str, progress: bool,
+              f: np.ndarray | None = None) -> Head:
+    """Adam on one head: x [N, d] inputs, y [N] indices into emb (-1: outside the softmax);
+    f [N, d]: token features of a chained head."""
+    d = x.shape[1]
+    head = init_head(key, d, d, d_in=2 * d if f is not None else d)
     m = jax.tree.map(jnp.zeros_like, head)
     v = jax.tree.map(jnp.zeros_like, head)
     rng = np.random.default_rng(tc.seed)
@@ -228,7 +254,8 @@ def train_one(x: np.ndarray, y: np.ndarray, emb, tc: TrainConfig, key, label: st
             idx = order[i : i + tc.batch]
             t += 1
             lr = tc.lr * min(1.0, t / 50) * 0.5 * (1 + np.cos(np.pi * t / steps))
-            head, m, v, loss = _adam_step(head, m, v, t, x[idx], y[idx], emb, lr)
+            head, m, v, loss = _adam_step(head, m, v, t, x[idx], None if f is None else f[idx],
+                                          y[idx], emb, lr)
             if progress and t % 20 == 0:
                 _log(f"\rtrain-heads: {label} epoch {epoch + 1}/{tc.epochs} step {t}/{steps} "
                      f"loss {float(loss):.3f} {time.perf_counter() - t0:.0f}s", end="")
@@ -248,6 +275,38 @@ def _pairs(caps, idx, shift: int, which):
             xs.append(x[:n])
             ys.append(pred[shift:])
     return np.concatenate(xs), np.concatenate(ys)
+
+
+def _chain_pairs(states, caps, idx, k: int, embed):
+    """Chained head k: (states [N, d], token features [N, d], labels [N]) over the sequences
+    in idx; states[i] holds the chain's state at positions 0..T-k-1 of sequence i."""
+    xs, fs, ys = [], [], []
+    for i in idx:
+        pred = caps[i][2]
+        n = len(pred) - k - 1
+        if n > 0:
+            xs.append(states[i][:n])
+            fs.append(_features(embed, pred[k : k + n]))
+            ys.append(pred[k + 1 : k + 1 + n])
+    return np.concatenate(xs), np.concatenate(fs), np.concatenate(ys)
+
+
+def _advance(states, caps, head: Head, k: int, embed) -> None:
+    """Move every chain state past head k (teacher-forced with the target's predictions)."""
+    for i, s in states.items():
+        pred = caps[i][2]
+        n = len(pred) - k - 1
+        if n <= 0:
+            states[i] = s[:0]
+            continue
+        f = _features(embed, pred[k : k + n])
+        out = []
+        for j in range(0, n, 512):  # fixed 512-row chunks: one compiled shape
+            m = min(512, n - j)
+            sj, fj = np.zeros((512, s.shape[1]), np.float32), np.zeros((512, s.shape[1]), np.float32)
+            sj[:m], fj[:m] = s[j : j + m], f[j : j + m]
+            out.append(np.asarray(_chain_step(head, sj, fj))[:m])
+        states[i] = np.concatenate(out)
 
 
 def _to_sub(y: np.ndarray, vocab: np.ndarray, n: int) -> np.ndarray:
@@ -271,13 +330,24 @@ def train_heads(engine, tc: TrainConfig = TrainConfig(), progress: bool = True) 
     jobs = [("mtp", k, k + 1, None) for k in range(tc.n_mtp)] + [("exit", L, 0, L) for L in tc.exits]
     heads: dict[tuple[str, int], Head] = {}
     acceptance: dict[str, dict[str, float]] = {}
+    states = {int(i): caps[i][0] for i in order} if tc.chained else {}
+    embed_np = np.asarray(embed, np.float32) if tc.chained else None
     for kind, idx, shift, which in jobs:
         key, sub = jax.random.split(key)
         label = f"{kind} {'head ' + str(idx) if kind == 'mtp' else 'after ' + str(idx) + ' layers'}"
-        x, y = _pairs(caps, train, shift, which)
-        heads[(kind, idx)] = train_one(x, _to_sub(y, vocab, tc.train_vocab), emb_train, tc, sub, label, progress)
-        xh, yh = _pairs(caps, held, shift, which)
-        acceptance[f"{kind}.{idx}"] = _heldout(heads[(kind, idx)], xh, yh, embed, vocab)
+        chain = tc.chained and kind == "mtp"
+        if chain:
+            x, f, y = _chain_pairs(states, caps, train, idx, embed_np)
+            xh, fh, yh = _chain_pairs(states, caps, held, idx, embed_np)
+        else:
+            (x, y), f = _pairs(caps, train, shift, which), None
+            (xh, yh), fh = _pairs(caps, held, shift, which), None
+        heads[(kind, idx)] = train_one(x, _to_sub(y, vocab, tc.train_vocab), emb_train, tc, sub, label,
+                                       progress, f)
+        del x, f, y
+        acceptance[f"{kind}.{idx}"] = _heldout(heads[(kind, idx)], xh, yh, embed, vocab, fh)
+        if chain and idx + 1 < tc.n_mtp:
+            _advance(states, caps, heads[(kind, idx)], idx, embed_np)
         if progress:
             _log(f"train-heads: {label}: held-out agreement with the target {acceptance[f'{kind}.{idx}']}")
     meta = {
@@ -293,14 +363,17 @@ def train_heads(engine, tc: TrainConfig = TrainConfig(), progress: bool = True) 
     return out
 
 
-def _heldout(head: Head, x: np.ndarray, y: np.ndarray, embed, vocab: np.ndarray) -> dict[str, float]:
-    """Top-1 agreement with the target's prediction at each draft vocabulary size."""
+def _heldout(head: Head, x: np.ndarray, y: np.ndarray, embed, vocab: np.ndarray,
+             f: np.ndarray | None = None) -> dict[str, float]:
+    """Top-1 agreement with the target's prediction at each draft vocabulary size (chained heads:
+    given the right earlier tokens, i.e. the conditional acceptance of their position)."""
     res = {}
     for n in (8192, 32768, 0):
         if n > len(vocab):
             continue
         ids = jnp.arange(embed.shape[0], dtype=jnp.int32) if n == 0 else jnp.asarray(vocab[:n])
         emb = embed if n == 0 else jnp.take(embed, ids, axis=0)
-        got = np.concatenate([np.asarray(_top1(head, x[i : i + 256], emb, ids)) for i in range(0, len(x), 256)])
+        got = np.concatenate([np.asarray(_top1(head, x[i : i + 256], None if f is None else f[i : i + 256],
+                                               emb, ids)) for i in range(0, len(x), 256)])
         res[str(n or "full")] = round(float((got == y).mean()), 4)
     return res

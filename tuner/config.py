@@ -8,8 +8,9 @@ from engine.policy import MAX_POOL_SPLIT
 
 DEFAULT_RANGES = (2, 4, 8, 16, 64)
 """Upper ends of the batch-size ranges that get their own (technique, depth)."""
-DEFAULT_DRAFT_VOCABS = (0, 8192, 32768)
-"""MTP draft vocabularies offered to the search (0: the full vocabulary)."""
+DEFAULT_DRAFT_VOCABS = (8192, 32768)
+"""MTP draft vocabularies offered to the search (the engine compiles these; drafting over the
+full vocabulary would cost as much as the target's own output layer)."""
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class TunerConfig:
     """Constraint on the predicted p95 time per output token (ms); 0 turns it off."""
     ranges: tuple[int, ...] = DEFAULT_RANGES
     """Batch-size range upper ends; the last one also covers larger batches."""
-    max_depth: int = 4
+    max_depth: int = 8
     """Deepest speculation searched (the engine may allow less)."""
     max_pool_split: float = MAX_POOL_SPLIT
     """Largest share of the KV pool the search may lend to speculation."""

@@ -53,14 +53,17 @@ class ExploringPolicy:
     """`policy` plus exploration (see the module docstring)."""
 
     def __init__(self, policy: TunedPolicy, *, share: float, techniques: Sequence[str],
-                 max_depth: int, profile: Sequence[tuple[str, int]] = (),
-                 profile_steps: int = 0, seed: int = 0) -> None:
+                 max_depth: int, depths: Sequence[int] | None = None,
+                 profile: Sequence[tuple[str, int]] = (), profile_steps: int = 0,
+                 seed: int = 0) -> None:
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"share={share} must be in [0, 1]")
         self.policy = policy
         self.share = share
         self.explore_techniques = tuple(t for t in techniques if t != "none")
         self.explore_depth = max_depth
+        self.explore_depths = tuple(depths or range(1, max_depth + 1))
+        """The depths exploration tries (those verified without padding)."""
         self._profile = list(profile)
         self._profile_left = profile_steps if self._profile else 0
         self._rng = random.Random(seed)
@@ -98,7 +101,7 @@ class ExploringPolicy:
         technique, depth = chosen
         if technique == "none":
             technique = self.explore_techniques[self._next_turn(len(self.explore_techniques))]
-        others = [d for d in range(1, self.explore_depth + 1) if d != depth]
+        others = [d for d in self.explore_depths if d != depth]
         return technique, self._rng.choice(others) if others else depth
 
     def _next_turn(self, n: int) -> int:

@@ -11,9 +11,10 @@ names it again.
 A pinned policy (`extra["pinned"] = True`, source "admin") overrides the
 tuner until `unpin()`, which records the same rules again as a new, unpinned
 version. At startup `restore()` re-applies the active policy from the
-database (pin included); an empty history gets the engine's default recorded
-as version 0, and a policy this engine cannot run (a proposer it lacks) is
-logged and left in the history while the default serves, unrecorded.
+database (pin included); an empty history gets the default (the daemon's
+starter policy, or never speculating) recorded as version 0, and a policy
+this engine cannot run (a proposer it lacks) is logged and left in the
+history while the default serves, unrecorded.
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ class PolicyKeeper:
     """See the module docstring. Thread-safe: one lock around every change."""
 
     def __init__(self, db: Engine, host: PolicyHost,
-                 wrap: Callable[[TunedPolicy], Any] | None = None) -> None:
+                 wrap: Callable[[TunedPolicy], Any] | None = None,
+                 default: TunedPolicy = NEVER) -> None:
         self._db = db
+        self.default = default
+        """Served when the history is empty or its active policy cannot run here."""
         self._host = host
         self._wrap = wrap or (lambda p: p)
         self._lock = threading.RLock()
@@ -66,8 +70,8 @@ class PolicyKeeper:
         with self._lock, session_scope(self._db) as session:
             row = active_policy(session)
             if row is None and max_policy_version(session) is None:
-                self._host.set_policy(self._served(NEVER))  # exploration wraps even the default
-                return self._record(session, NEVER, "default")
+                self._host.set_policy(self._served(self.default))  # exploration wraps it too
+                return self._record(session, self.default, "default")
         if row is not None:
             try:
                 policy = TunedPolicy.from_dict(row.body)
@@ -77,9 +81,9 @@ class PolicyKeeper:
             except (TypeError, ValueError) as exc:  # e.g. this engine lacks its proposer
                 log.warning("cannot restore policy v%s (%s); serving the default, unrecorded",
                             row.version, exc)
-        self._host.set_policy(self._served(NEVER))
-        self.current = NEVER
-        return NEVER
+        self._host.set_policy(self._served(self.default))
+        self.current = self.default
+        return self.default
 
     def apply(self, policy: TunedPolicy, source: str, extra: dict | None = None) -> TunedPolicy:
         """Version, serve and record `policy`; if the engine refuses: ValueError, no record."""

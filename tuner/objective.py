@@ -35,6 +35,11 @@ class Capacity:
     """Bytes per page (0: unknown, proposer bytes are then not counted)."""
     max_depth: int = 4
     """Deepest speculation the engine can verify."""
+    depths: tuple[int, ...] = ()
+    """Depths verified without padding (1 + depth is a compiled verify size): a depth between
+    them costs the next one's step and drafts fewer tokens. Empty: every depth to max_depth."""
+    proposer_depths: Mapping[str, int] = field(default_factory=dict)
+    """Technique -> the deepest it drafts (e.g. its MTP heads); the engine verifies no deeper."""
     spec_max_batch: int = 1 << 30
     """Largest batch the engine speculates at."""
     proposers: Mapping[str, tuple[int, int]] = field(default_factory=dict)
@@ -114,7 +119,7 @@ def _choice(policy: TunedPolicy, batch: int, capacity: Capacity) -> tuple[str, i
     technique, depth = policy.choose(batch)
     if batch > capacity.spec_max_batch or technique not in capacity.proposers:
         return "none", 0
-    return technique, min(depth, capacity.max_depth)
+    return technique, min(depth, capacity.max_depth, capacity.proposer_depths.get(technique, depth))
 
 
 def _pages(policy: TunedPolicy, traffic: Traffic, capacity: Capacity) -> tuple[int, int, int, int]:
@@ -142,7 +147,8 @@ def _speculating_rules(policy: TunedPolicy, capacity: Capacity) -> dict[str, int
     lower = 0  # a rule covers batch sizes (lower, max_batch]
     for rule in policy.rules:
         if lower < policy.crossover and rule.technique in capacity.proposers:
-            depth = min(rule.depth, capacity.max_depth)
+            depth = min(rule.depth, capacity.max_depth,
+                        capacity.proposer_depths.get(rule.technique, rule.depth))
             used[rule.technique] = max(used.get(rule.technique, 0), depth)
         lower = rule.max_batch
     return used

@@ -202,7 +202,7 @@ def greedy_policy(space: SearchSpace, score: Any, traffic: Traffic) -> TunedPoli
     """Each range's best (technique, depth) scored on its own batch sizes; the crossover
     after the last range that speculates; the smallest pool split that is feasible."""
     cells = [("none", 0)] + [(t, d) for t in space.techniques if t != "none"
-                             for d in range(1, space.max_depth + 1)]
+                             for d in space.depths]
     rules, lower, crossover = [], 0, 0
     for i, upper in enumerate(space.ranges):
         last = i == len(space.ranges) - 1

@@ -2,7 +2,8 @@
 
 Parameters (static, so TPE sees the same space in every trial):
 
-    tech_<i>, depth_<i>   technique and depth for batch-size range i (depth unused with "none")
+    tech_<i>, depth_<i>   technique and depth for batch-size range i (depth unused with "none";
+                          one of the depths the engine verifies without padding)
     crossover             0 (never speculate) or a range's upper end
     pool_split            share of the KV pool lent to speculation, on a grid
     draft_vocab           MTP draft vocabulary, only when an MTP proposer is loaded
@@ -32,6 +33,8 @@ class SearchSpace:
     techniques: tuple[str, ...]
     """"none" first, then the loaded proposers."""
     max_depth: int
+    depths: tuple[int, ...]
+    """The depths offered (Capacity.depths up to max_depth)."""
     max_pool_split: float
     pool_split_step: float
     draft_vocabs: tuple[int, ...] = ()
@@ -41,9 +44,10 @@ class SearchSpace:
     @staticmethod
     def build(config: TunerConfig, capacity: Capacity) -> SearchSpace:
         techniques = capacity.techniques
+        deepest = max(1, min(config.max_depth, capacity.max_depth))
+        depths = tuple(d for d in capacity.depths or range(1, deepest + 1) if 1 <= d <= deepest)
         return SearchSpace(
-            ranges=config.ranges, techniques=techniques,
-            max_depth=max(1, min(config.max_depth, capacity.max_depth)),
+            ranges=config.ranges, techniques=techniques, max_depth=deepest, depths=depths or (1,),
             max_pool_split=config.max_pool_split, pool_split_step=config.pool_split_step,
             draft_vocabs=config.draft_vocabs if "mtp" in techniques else (),
             two_objective=config.two_objective,
@@ -70,7 +74,7 @@ class SearchSpace:
         rules = []
         for i, upper in enumerate(self.ranges):
             technique = trial.suggest_categorical(f"tech_{i}", self.techniques)
-            depth = trial.suggest_int(f"depth_{i}", 1, self.max_depth)
+            depth = trial.suggest_categorical(f"depth_{i}", self.depths)
             rules.append(BatchRule(upper, technique, 0 if technique == "none" else depth))
         crossover = trial.suggest_categorical("crossover", self.crossovers)
         split = trial.suggest_float("pool_split", 0.0, self.max_pool_split,
@@ -87,10 +91,10 @@ class SearchSpace:
             return None
         params: dict[str, Any] = {}
         for i, rule in enumerate(policy.rules):
-            if rule.technique not in self.techniques or rule.depth > self.max_depth:
+            if rule.technique not in self.techniques or (rule.depth and rule.depth not in self.depths):
                 return None
             params[f"tech_{i}"] = rule.technique
-            params[f"depth_{i}"] = max(1, rule.depth)
+            params[f"depth_{i}"] = rule.depth or self.depths[0]
         if policy.crossover not in self.crossovers:
             return None
         params["crossover"] = policy.crossover

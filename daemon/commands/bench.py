@@ -186,7 +186,7 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
         help="replay the phases back to back (default: each starts once the last one's requests finished)")
     add("--runs", default="autotuned,never,fixed,table", help="policies to run (comma-separated)")
     add("--techniques", default=None, help="techniques of the fixed policies (default: every one loaded)")
-    add("--depths", default="2,4", help="depths of the fixed policies")
+    add("--depths", default="2,4,8", help="depths of the fixed policies")
     add("--table", default="4:4,8:2", help="batch-size table BATCH:DEPTH,... (larger batches do not speculate)")
     add("--table-technique", default="ngram", help="technique of the batch-size table")
     add("--pool-split", type=float, default=0.25, help="pool split of static model-based policies")

@@ -101,8 +101,9 @@ def test_per_technique_memory_and_tenants_displaced(capsys):
     costs = {t["technique"]: t for t in plan["techniques"]}
     assert set(costs) == {"ngram", "mtp", "early_exit", "draft"}
     assert costs["ngram"]["resident_bytes"] == 0
-    # 4 heads of 2 x 640^2 + 640 float32 weights, slices of 8192 + 32768 embedding rows (+ int32 ids)
-    assert costs["mtp"]["resident_bytes"] == 4 * (2 * 640 * 640 + 640) * 4 + (8192 + 32768) * (640 * 4 + 4)
+    # 4 chained heads of 3 x 640^2 + 640 float32 weights, slices of 8192 + 32768 embedding rows
+    # (+ int32 ids)
+    assert costs["mtp"]["resident_bytes"] == 4 * (3 * 640 * 640 + 640) * 4 + (8192 + 32768) * (640 * 4 + 4)
     verify = 8 * 2 * 3 * 256 * 4  # 8 verify slots x K+V x 3 global layers x head_dim x float32
     assert costs["ngram"]["per_sequence_bytes"] == verify
     assert costs["draft"]["per_sequence_bytes"] > verify  # its own KV: 4 local layers over the window

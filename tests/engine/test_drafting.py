@@ -82,6 +82,18 @@ def test_greedy_drafts_equal_plain_decoding(spec_engine, plain, technique, depth
     assert e.proposers["draft"].pool.used == 0
 
 
+def test_a_policy_deeper_than_the_heads_verifies_only_what_they_draft(tiny, plain):
+    """Two MTP heads under an mtp@8 policy: every step verifies depth 2 (no padded slots
+    counted as rejected drafts), output still equal to plain decoding."""
+    e = _engine(tiny, heads=DraftHeads.random(tiny[0], 2, (3,), 128, seed=4, scale=0.3))
+    e.set_policy(_policy("mtp", 8))
+    out, stats = _run(e, PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert out == plain
+    steps = [s for s in stats if s.technique == "mtp"]
+    assert steps and all(s.depth == 2 and len(s.accepted_per_pos) == 2 for s in steps)
+    assert all(s.proposed % 2 == 0 and s.proposed > 0 for s in steps)  # 2 per drafting sequence
+
+
 @pytest.mark.parametrize("technique,layers", [("early_exit", 6), ("draft", 3)])
 def test_layer_drafts_equal_a_dense_truncated_model(tiny, technique, layers):
     """With identity adapters and the full vocabulary, each draft is the argmax of the

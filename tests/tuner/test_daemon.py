@@ -11,6 +11,7 @@ import pytest
 
 from daemon.cli import main
 from engine.fake import FakeCost, FakeEngine, FakeProposer
+from engine.policy import NEVER, TunedPolicy
 from tests.daemon.daemon_helpers import MODEL, LiveServer, http_request, wait_for
 
 TOKEN = "tuner-admin-token"
@@ -79,6 +80,11 @@ def test_tuner_routes_are_admin_only(server: LiveServer) -> None:
 def test_pin_over_http_overrides_the_tuner_until_unpinned(server: LiveServer) -> None:
     policy = server.get("/admin/policy", ADMIN).json()
     assert policy["policy"]["version"] == 0 and policy["pinned"] is False
+    # a fresh database starts on the starter policy: n-gram at small batches, recorded as v0
+    assert policy["policy"]["source"] == "default" and policy["policy"]["crossover"] == 8
+    starter = TunedPolicy.from_dict(policy["policy"])
+    assert [starter.choose(b) for b in (1, 4, 5, 8, 9)] == [
+        ("ngram", 4), ("ngram", 4), ("ngram", 2), ("ngram", 2), ("none", 0)]
     body = {"rules": [{"max_batch": 2, "technique": "ngram", "depth": 3}, {"max_batch": 64}],
             "crossover": 2}
     r = http_request(server.port, "PUT", "/admin/policy/pin", body, ADMIN)
@@ -147,3 +153,11 @@ def test_cli_names_the_url_it_cannot_reach(capsys: pytest.CaptureFixture[str]) -
     assert main(["retune", "--url", "http://127.0.0.1:9", "--admin-token", "x"]) == 2
     err = capsys.readouterr().err
     assert "cannot reach the daemon at http://127.0.0.1:9/admin/retune" in err
+
+
+def test_without_an_ngram_proposer_the_daemon_starts_never_speculating(
+        db_url: str, live: Callable[..., LiveServer]) -> None:
+    engine = FakeEngine(proposers={"mtp": FakeProposer("mtp")}, cost=FakeCost(), max_batch=8)
+    server = live(engine, db_url=db_url, **TUNER)
+    policy = TunedPolicy.from_dict(server.get("/admin/policy", ADMIN).json()["policy"])
+    assert policy.rules == NEVER.rules and policy.crossover == 0 and policy.version == 0

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from engine.fake import FakeCost, FakeEngine, FakeProposer
 from engine.policy import NEVER, BatchRule, TunedPolicy
 from engine.types import Request, SamplingParams, StepStats
 from tuner.data import StepRow
-from tuner.explore import ExploringPolicy, gap_cells, is_exploration, unwrap
+from tuner.explore import ExploringPolicy, is_exploration, unwrap
 from tuner.validate import own_steps
 
 POLICY = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4, version=3)
@@ -95,19 +97,30 @@ def test_tenant_acceptance_scales_the_fakes_drafts() -> None:
     assert accepted(2.0) > accepted(1.0) > accepted(0.2)
 
 
-def test_the_daemon_profiles_cheap_techniques_first_within_the_searched_depths() -> None:
-    """The startup profile measures what costs no memory first, and neither it nor later
-    exploration goes deeper than the search does (depths the tuner would never choose)."""
+def test_the_daemon_profiles_cheap_techniques_first_within_the_searched_depths(db) -> None:
+    """The startup profile measures what costs no memory first, at depths the technique can
+    draft; exploration tries only depths verified without padding (1 + depth a verify size)."""
+    from types import SimpleNamespace
+
     from daemon.settings import Settings
-    from daemon.tuning import Exploration
+    from daemon.tuning import Exploration, capacity_of
+
+    @dataclass(frozen=True)
+    class Heads(FakeProposer):
+        max_depth: int = 4
 
     proposers = {"draft": FakeProposer("draft", resident=5 << 20),
-                 "mtp": FakeProposer("mtp", resident=1 << 20), "ngram": FakeProposer("ngram")}
+                 "mtp": Heads("mtp", resident=1 << 20), "ngram": FakeProposer("ngram")}
     engine = FakeEngine(proposers=proposers, cost=FakeCost(), max_depth=8)
+    engine.runner = SimpleNamespace(rc=SimpleNamespace(verify_tokens=(2, 3, 5, 9), spec_max_batch=8))
     exploration = Exploration(engine, Settings())
-    assert exploration.techniques == ["ngram", "mtp", "draft"] and exploration.max_depth == 4
-    exploration.gaps = gap_cells({}, exploration.techniques, exploration.max_depth)
-    assert exploration.gaps[:4] == [("ngram", 4), ("ngram", 2), ("ngram", 1), ("mtp", 4)]
+    assert exploration.techniques == ["ngram", "mtp", "draft"] and exploration.max_depth == 8
+    assert exploration.depths == (1, 2, 4, 8)
+    exploration.measure_gaps(SimpleNamespace(engine=db), 3600.0)  # an empty telemetry database
+    assert exploration.gaps[:6] == [("ngram", 8), ("ngram", 2), ("ngram", 1),
+                                    ("mtp", 4), ("mtp", 2), ("mtp", 1)]
     wrapped = exploration(POLICY)
     picks = [wrapped.choose(2) for _ in range(3000)]
-    assert max(d for _, d in picks) == 4 and wrapped.explored > 0
+    assert {d for _, d in picks} == {1, 2, 4, 8} and wrapped.explored > 0
+    capacity = capacity_of(engine)
+    assert capacity.depths == (1, 2, 4, 8) and capacity.proposer_depths["mtp"] == 4

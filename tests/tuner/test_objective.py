@@ -64,3 +64,27 @@ def test_tpot_target_is_a_constraint() -> None:
     assert ev.p95_tpot_ms == pytest.approx(18.0)  # batch 8, plain: 18 ms per token
     assert ev.tpot_excess_ms == pytest.approx(13.0) and not ev.feasible
     assert evaluate(deep, MODEL, traffic(), CAP, tpot_target_ms=20.0).feasible
+
+
+def test_depths_between_verify_sizes_are_not_offered_and_a_technique_drafts_no_deeper_than_it_can() -> None:
+    import dataclasses
+
+    import optuna
+
+    from tuner.config import TunerConfig
+    from tuner.space import SearchSpace
+
+    cap = dataclasses.replace(CAP, max_depth=8, depths=(1, 2, 4, 8),
+                              proposers={"ngram": (0, 0), "mtp": (0, 0)}, proposer_depths={"mtp": 4})
+    space = SearchSpace.build(TunerConfig(), cap)
+    assert space.depths == (1, 2, 4, 8)
+    assert SearchSpace.build(TunerConfig(max_depth=4), cap).depths == (1, 2, 4)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = {r.depth for _ in range(60) for r in space.suggest(study.ask()).rules if r.depth}
+    assert seen == {1, 2, 4, 8}
+    assert space.params_of(TunedPolicy((BatchRule(64, "ngram", 3),), crossover=64)) is None
+    # mtp asked for 8 drafts gets 4 (its heads): predicted like depth 4, not like 8
+    model = PerfModel(target=(10.0, 0.0, 0.0, 1.0, 0.0), acceptance={"mtp": (0.5,)})
+    at = {d: evaluate(TunedPolicy((BatchRule(64, "mtp", d),), crossover=64), model, traffic(), cap)
+          for d in (4, 8)}
+    assert at[8].goodput == pytest.approx(at[4].goodput)

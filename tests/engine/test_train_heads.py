@@ -1,0 +1,65 @@
+"""`crossover train-heads` on the tiny model: the pipeline runs end to end, chained MTP heads
+learn in order, and what it writes loads back into a lossless MTP proposer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.drafting import MtpProposer, add_model_proposers
+from engine.heads import DraftHeads
+from engine.policy import BatchRule, TunedPolicy
+from engine.train_heads import TrainConfig, train_heads
+from engine.types import SamplingParams
+from tests.engine.conftest import SPEC_RC, ByteTokenizer, make_engine, run_prompts
+
+
+class ChatBytes(ByteTokenizer):
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<model>"
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tmp_path_factory):
+    import os
+
+    os.environ["CROSSOVER_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    engine = make_engine(tiny, ChatBytes())
+    tc = TrainConfig(prompts_per_kind=3, gen_tokens=12, max_prompt=48, n_mtp=2, exits=(2,),
+                     train_vocab=256, keep_vocab=256, epochs=2, batch=32, holdout=0.3)
+    return train_heads(engine, tc, progress=False), tc
+
+
+def test_chained_heads_train_and_report_heldout_agreement(trained, tiny):
+    heads, tc = trained
+    cfg = tiny[0]
+    assert heads.chained and len(heads.mtp) == 2 and set(heads.exits) == {2}
+    assert heads.mtp[0]["w1"].shape == (2 * cfg.d_model, cfg.d_model)
+    assert heads.exits[2]["w1"].shape == (cfg.d_model, cfg.d_model)
+    heads.check(cfg)
+    agreement = heads.meta["heldout_agreement"]
+    assert set(agreement) == {"mtp.0", "mtp.1", "exit.2"}
+    assert all(0.0 <= v <= 1.0 for a in agreement.values() for v in a.values())
+    assert heads.meta["sequences"] == 4 * tc.prompts_per_kind
+    # training moved the heads off their identity start (w2 = 0)
+    assert all(float(np.abs(np.asarray(h["w2"])).max()) > 0 for h in heads.mtp)
+
+
+def test_the_file_round_trips_into_a_lossless_proposer(trained, tiny, tmp_path):
+    heads, _ = trained
+    path = tmp_path / "heads.safetensors"
+    heads.save(path)
+    loaded = DraftHeads.load(path)
+    assert loaded.chained and loaded.meta["heldout_agreement"] == heads.meta["heldout_agreement"]
+    prompts = ["abcabcabc abc", "the cat sat on the mat. the cat"]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain = run_prompts(make_engine(tiny, **SPEC_RC), prompts, sp, ByteTokenizer())[0]
+    engine = make_engine(tiny, **SPEC_RC)
+    add_model_proposers(engine, loaded, vocab_sizes=(0, 128), techniques=("mtp",))
+    engine.warmup(progress=False)
+    assert isinstance(engine.proposers["mtp"], MtpProposer) and engine.proposers["mtp"].chained
+    engine.set_policy(TunedPolicy((BatchRule(64, "mtp", 2),), crossover=64, version=1))
+    out, stats = run_prompts(engine, prompts, sp, ByteTokenizer())
+    assert out == plain
+    assert sum(s.proposed for s in stats if s.technique == "mtp") > 0
+    assert engine.compiles_since_warmup() == 0
