@@ -68,6 +68,9 @@ class CrossoverGrid:
     """MTP's draft vocabulary (None: its smallest compiled one)."""
     seed: int = 0
     """Seed of the prompt draw."""
+    prompt_sets: int = 1
+    """Disjoint sets of prompts measured at each batch size, their counts pooled, so that one
+    prompt that happens to repeat itself (or not) does not decide the small batches."""
 
     def __post_init__(self) -> None:
         for name in ("depths", "batches"):
@@ -77,6 +80,8 @@ class CrossoverGrid:
             object.__setattr__(self, name, tuple(sorted(set(values))))
         if not all(1 <= d <= MAX_DEPTH for d in self.depths):
             raise BenchConfigError(f"depths {list(self.depths)}: each must be in 1..{MAX_DEPTH}")
+        if self.prompt_sets < 1:
+            raise BenchConfigError(f"prompt_sets {self.prompt_sets} must be >= 1")
         if self.batches[0] < 1:
             raise BenchConfigError(f"batches {list(self.batches)}: each must be >= 1")
         for name, values, known in (("kinds", self.kinds, KINDS), ("techniques", self.techniques, SPEC_TECHNIQUES)):
@@ -160,13 +165,16 @@ def measure(engine, grid: CrossoverGrid, log=None) -> dict:
     log = log or (lambda msg: None)
     kinds = {}
     for kind in grid.kinds:
-        ids, truncated = prompt_ids(engine.tokenizer, kind, max(grid.batches), grid.prompt_tokens, grid.seed)
+        n = max(grid.batches) * grid.prompt_sets
+        ids, truncated = prompt_ids(engine.tokenizer, kind, n, grid.prompt_tokens, grid.seed)
         rows = []
         for b in grid.batches:
-            max_tokens = grid.new_tokens + prefill_steps(engine.scheduler.cfg.token_budget, ids[:b])
-            rows += _measure_batch(engine, grid, kind, ids[:b], max_tokens, techniques, depths, vocab)
-            log(_progress_line(kind, b, rows))
-        kinds[kind] = _summarize_kind(rows, techniques, depths)
+            for k in range(grid.prompt_sets):
+                part = ids[k * b : (k + 1) * b]
+                max_tokens = grid.new_tokens + prefill_steps(engine.scheduler.cfg.token_budget, part)
+                rows += _measure_batch(engine, grid, kind, part, max_tokens, techniques, depths, vocab)
+            log(_progress_line(kind, b, _pool_sets(rows)))
+        kinds[kind] = _summarize_kind(_pool_sets(rows), techniques, depths)
         kinds[kind]["prompts"] = {"count": len(ids), "truncated": truncated,
                                   "mean_tokens": sum(map(len, ids)) / len(ids)}
     return {
@@ -174,7 +182,7 @@ def measure(engine, grid: CrossoverGrid, log=None) -> dict:
         "grid": {"techniques": list(techniques), "depths": {t: list(depths[t]) for t in techniques},
                  "batches": list(grid.batches), "kinds": list(grid.kinds), "new_tokens": grid.new_tokens,
                  "prompt_tokens": grid.prompt_tokens, "pool_split": grid.pool_split, "mtp_draft_vocab": vocab,
-                 "seed": grid.seed},
+                 "seed": grid.seed, "prompt_sets": grid.prompt_sets},
         "kinds": kinds,
         "crossover": {k: {t: v["techniques"][t]["crossover"] for t in techniques} for k, v in kinds.items()},
         "speedup_batch1": {k: v["speedup_batch1"] for k, v in kinds.items()},
@@ -302,6 +310,25 @@ def crossover(plain: dict[int, float | None], best: dict[int, float | None]) -> 
     """
     wins = [b for b, g in best.items() if g is not None and plain.get(b) is not None and g > plain[b]]
     return max(wins, default=0)
+
+
+def _pool_sets(rows: list[dict]) -> list[dict]:
+    """One row per (technique, depth, batch): the tallies of every prompt set merged (plain runs
+    stay separate rows; the summary pools them anyway)."""
+    out: list[dict] = []
+    index: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["kind"], r["technique"], r["depth"], r["batch"])
+        if r["technique"] == "none":
+            out.append(r)
+        elif key in index:
+            index[key]["tally"].merge(r["tally"])
+        else:
+            pooled = Tally()
+            pooled.merge(r["tally"])
+            index[key] = {**r, "tally": pooled}
+            out.append(index[key])
+    return out
 
 
 def _summarize_kind(rows: list[dict], techniques, depths) -> dict:

@@ -223,7 +223,8 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: Params, rc: RunnerConfig):
         self.cfg, self.params, self.rc = cfg, unstack_layers(params), rc
-        if rc.fast_output and self.params["embed"].dtype == jnp.float32 and rc.max_batch >= 2:
+        rows = max(rc.max_batch, max(rc.verify_tokens, default=1))  # a verify has 1 + depth rows
+        if rc.fast_output and self.params["embed"].dtype == jnp.float32 and rows >= 2:
             self.params = {**self.params, "embed_fast": self.params["embed"].astype(jnp.bfloat16)}
         self.kv = KVState.create(cfg, rc.global_pages, rc.local_pages, rc.page_size, jnp.dtype(rc.kv_dtype))
         self.warm_compiles: int | None = None

@@ -75,6 +75,8 @@ def _add_crossover(c: argparse.ArgumentParser) -> None:
         help="share of the KV pool lent to speculation in every run (the draft model needs > 0)")
     add("--draft-vocab", type=int, default=None, help="MTP draft vocabulary (default: its smallest)")
     add("--seed", type=int, default=0, help="seed of the prompt draw")
+    add("--prompt-sets", type=int, default=1,
+        help="disjoint prompt sets measured per batch size, pooled (more: steadier small batches)")
     add("--model", default=None, help="a .gguf file or a HF Gemma 3 directory (default: Gemma 3 270M)")
     add("--heads", default=None, help="a crossover train-heads file (default: the model's shipped one)")
     add("--dtype", default=None, choices=["float32", "bfloat16"])
@@ -133,7 +135,7 @@ def _run_crossover(args: argparse.Namespace) -> None:
             techniques=names(args.techniques), depths=ints("--depths", args.depths),
             batches=ints("--batches", args.batches), kinds=names(args.kinds), new_tokens=args.new_tokens,
             prompt_tokens=args.prompt_tokens, pool_split=args.pool_split, draft_vocab=args.draft_vocab,
-            seed=args.seed)
+            seed=args.seed, prompt_sets=args.prompt_sets)
         run_bench(args.out, grid, model=args.model, heads=args.heads, dtype=args.dtype)
     except BenchConfigError as exc:
         raise UserError(str(exc)) from None

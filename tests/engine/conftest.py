@@ -36,6 +36,14 @@ def tiny():
     return cfg, init_random_params(cfg, jax.random.PRNGKey(0))
 
 
+class ChatBytes(ByteTokenizer):
+    """The byte tokenizer with a trivial chat template (the workloads render chat prompts with one)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        turns = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return turns + ("<model>" if add_generation_prompt else "")
+
+
 class LetterTokenizer(ByteTokenizer):
     """Every id decodes to one lowercase letter: the tiny model's output is always text."""
 

@@ -19,18 +19,10 @@ from engine.bench_crossover import (
 from engine.drafting import add_model_proposers
 from engine.heads import DraftHeads
 from tests.daemon.png_pixels import read_png
-from tests.engine.conftest import SPEC_RC, ByteTokenizer, make_engine
+from tests.engine.conftest import SPEC_RC, ChatBytes, make_engine
 
 GRID = CrossoverGrid(techniques=("ngram",), depths=(1, 3), batches=(1, 2, 4), kinds=("copy", "chat"),
                      new_tokens=12, prompt_tokens=40)
-
-
-class ChatBytes(ByteTokenizer):
-    """The byte tokenizer with a trivial chat template (the workloads render chat prompts with one)."""
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        turns = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return turns + ("<model>" if add_generation_prompt else "")
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +152,22 @@ def test_model_based_proposers_are_measured_with_the_pool_split(tiny, tmp_path):
         if tech != "ngram":  # model proposers always draft (n-gram needs a match)
             assert all(r["drafting_step_share"] == 1.0 for r in rows), tech
     assert engine.pool.used == 0
+
+
+def test_prompt_sets_pool_disjoint_prompts_into_one_row_per_cell(tiny):
+    engine = make_engine(tiny, ChatBytes(), **SPEC_RC)
+    grid = CrossoverGrid(techniques=("ngram",), depths=(2,), batches=(1, 2), kinds=("copy",),
+                         new_tokens=8, prompt_tokens=40, prompt_sets=3)
+    result = measure(engine, grid)
+    kind = result["kinds"]["copy"]
+    assert result["grid"]["prompt_sets"] == 3 and kind["prompts"]["count"] == 2 * 3
+    rows = kind["techniques"]["ngram"]["depths"]["2"]
+    assert [r["batch"] for r in rows] == [1, 2]  # one pooled row per batch size
+    assert all(r["runs"] == 3 for r in rows)  # a run per prompt set
+    # plain decoding runs before and after the technique in every set
+    assert [p["runs"] for p in kind["plain"]] == [6, 6]
+    single = measure(make_engine(tiny, ChatBytes(), **SPEC_RC),
+                     CrossoverGrid(techniques=("ngram",), depths=(2,), batches=(1,), kinds=("copy",),
+                                   new_tokens=8, prompt_tokens=40))
+    one = single["kinds"]["copy"]["techniques"]["ngram"]["depths"]["2"][0]
+    assert rows[0]["steps"] > one["steps"]  # the other sets' steps are in the pooled row

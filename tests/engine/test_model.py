@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.kv import Batch
-from engine.runner import ModelRunner, forward_and_write
+from engine.runner import ModelRunner, RunnerConfig, forward_and_write
 from engine.types import Request, SamplingParams
 from tests.engine.conftest import TINY_RC, ByteTokenizer, make_engine
 from tests.engine.reference import dense_logits
@@ -106,3 +106,12 @@ def test_fast_output_rescores_the_top_candidates_exactly():
     few = hs[:1, :1]  # under FAST_OUTPUT_MIN_ROWS rows: plain float32
     np.testing.assert_array_equal(np.asarray(output_logits(params, few)), np.asarray(logits(params, few)))
     assert RESCORE >= 4
+
+
+def test_a_batch_one_runner_that_verifies_keeps_the_fast_output_table(tiny):
+    """Verification scores 1 + depth rows even when the runner never batches two sequences."""
+    cfg, params = tiny
+    single = dict(TINY_RC.__dict__, batch_buckets=(1,), fast_output=True)
+    assert "embed_fast" not in ModelRunner(cfg, params, RunnerConfig(**single)).params
+    verifying = RunnerConfig(**{**single, "verify_tokens": (2, 3), "spec_max_batch": 1})
+    assert ModelRunner(cfg, params, verifying).params["embed_fast"].dtype == jnp.bfloat16

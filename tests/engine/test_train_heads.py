@@ -11,12 +11,7 @@ from engine.heads import DraftHeads
 from engine.policy import BatchRule, TunedPolicy
 from engine.train_heads import TrainConfig, train_heads
 from engine.types import SamplingParams
-from tests.engine.conftest import SPEC_RC, ByteTokenizer, make_engine, run_prompts
-
-
-class ChatBytes(ByteTokenizer):
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<model>"
+from tests.engine.conftest import SPEC_RC, ByteTokenizer, ChatBytes, make_engine, run_prompts
 
 
 @pytest.fixture(scope="module")
