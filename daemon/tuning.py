@@ -98,11 +98,6 @@ def capacity_of(engine: Any) -> Capacity:
                     proposers=proposers)
 
 
-def _resident(proposer: Any) -> int:
-    resident = getattr(proposer, "resident_bytes", None)
-    return int(resident()) if callable(resident) else 0
-
-
 def starter_policy(engine: Any) -> TunedPolicy:
     """What a daemon without policy history serves until a retune replaces it: n-gram drafting
     (it holds no memory and drafts only where a sequence repeats itself) at depth 4 up to
@@ -117,14 +112,13 @@ def starter_policy(engine: Any) -> TunedPolicy:
 class Exploration:
     """Wraps the keeper's policies in ExploringPolicy; the first one also profiles the gaps."""
 
-    def __init__(self, engine: Any, settings: Settings) -> None:
-        proposers = getattr(engine, "proposers", {})
+    def __init__(self, capacity: Capacity, settings: Settings) -> None:
         # cheapest first: what costs no memory is profiled (and can pay) soonest
-        self.techniques = sorted(proposers, key=lambda t: (_resident(proposers[t]), t))
-        self.max_depth = min(engine_max_depth(engine), tuner_config(settings).max_depth)
-        self.depths = tuple(d for d in engine_depths(engine) if d <= self.max_depth) or None
-        self.proposer_depth = {t: min(self.max_depth, int(getattr(p, "max_depth", self.max_depth)))
-                               for t, p in proposers.items()}
+        self.techniques = sorted(capacity.proposers, key=lambda t: (capacity.proposers[t][0], t))
+        self.max_depth = min(capacity.max_depth, tuner_config(settings).max_depth)
+        self.depths = tuple(d for d in capacity.depths if d <= self.max_depth) or None
+        self.proposer_depth = {t: min(self.max_depth, capacity.proposer_depths.get(t, self.max_depth))
+                               for t in self.techniques}
         self.share = settings.tuner_explore_share
         self.profile_steps = settings.tuner_profile_steps
         self.gaps: list[tuple[str, int]] = []
@@ -151,7 +145,7 @@ def install(app: web.Application, database: Database) -> None:
     engine, settings = app[st.ENGINE], app[st.SETTINGS]
     if not hasattr(engine, "set_policy"):
         return
-    exploration = Exploration(engine, settings)
+    exploration = Exploration(capacity_of(engine), settings)
     keeper = PolicyKeeper(database.engine, engine, wrap=exploration, default=starter_policy(engine))
     search = ProcessSearch() if settings.tuner_search_process else run_search
     app[TUNER] = Tuner(database.engine, database.url, keeper, lambda: capacity_of(engine),

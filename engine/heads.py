@@ -129,8 +129,9 @@ class DraftHeads:
                         *(("exit.%d" % L, h) for L, h in self.exits.items())]:
             d_in = 2 * cfg.d_model if name.startswith("mtp") and self.chained else cfg.d_model
             if h["w1"].shape[0] != d_in or h["w2"].shape[1] != cfg.d_model:
-                raise ValueError(f"head {name} has width {h['w2'].shape[1]}, the model has "
-                                 f"d_model={cfg.d_model}")
+                raise ValueError(f"head {name} has w1 {tuple(h['w1'].shape)} and w2 "
+                                 f"{tuple(h['w2'].shape)}; the model (d_model={cfg.d_model}) "
+                                 f"needs w1 [{d_in}, r] and w2 [r, {cfg.d_model}]")
         for L in self.exits:
             if not 1 <= L < cfg.n_layers:
                 raise ValueError(f"exit adapter after {L} layers: the model has {cfg.n_layers}")

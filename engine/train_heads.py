@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.heads import DraftHeads, Head, apply_chain_head, head_logits, init_head
+from engine.heads import DraftHeads, Head, apply_chain_head, head_logits, init_head, token_features
 from engine.model import KVView, forward, logits, rms_norm
 
 
@@ -231,10 +231,19 @@ def _chain_step(head: Head, s, f):
     return apply_chain_head(head, s, f)
 
 
-def _features(embed_np: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """heads.token_features on the host (no compile per sequence length)."""
-    e = embed_np[tokens]
-    return e / np.sqrt(np.mean(e * e, axis=-1, keepdims=True) + 1e-6)
+_token_features = jax.jit(token_features)
+CHUNK = 512
+"""Rows per call of the jitted helpers below: one compiled shape whatever a sequence's length."""
+
+
+def _features(embed, tokens: np.ndarray) -> np.ndarray:
+    """heads.token_features (what the proposer computes) of `tokens`, as float32 numpy."""
+    out = []
+    for j in range(0, len(tokens), CHUNK):
+        part = np.zeros(CHUNK, np.int32)
+        part[: len(tokens[j : j + CHUNK])] = tokens[j : j + CHUNK]
+        out.append(np.asarray(_token_features(embed, part), np.float32))
+    return np.concatenate(out)[: len(tokens)] if out else np.zeros((0, embed.shape[1]), np.float32)
 
 
 def train_one(x: np.ndarray, y: np.ndarray, emb, tc: TrainConfig, key, label: str, progress: bool,
@@ -301,9 +310,9 @@ def _advance(states, caps, head: Head, k: int, embed) -> None:
             continue
         f = _features(embed, pred[k : k + n])
         out = []
-        for j in range(0, n, 512):  # fixed 512-row chunks: one compiled shape
-            m = min(512, n - j)
-            sj, fj = np.zeros((512, s.shape[1]), np.float32), np.zeros((512, s.shape[1]), np.float32)
+        for j in range(0, n, CHUNK):
+            m = min(CHUNK, n - j)
+            sj, fj = np.zeros((CHUNK, s.shape[1]), np.float32), np.zeros((CHUNK, s.shape[1]), np.float32)
             sj[:m], fj[:m] = s[j : j + m], f[j : j + m]
             out.append(np.asarray(_chain_step(head, sj, fj))[:m])
         states[i] = np.concatenate(out)
@@ -331,14 +340,13 @@ def train_heads(engine, tc: TrainConfig = TrainConfig(), progress: bool = True) 
     heads: dict[tuple[str, int], Head] = {}
     acceptance: dict[str, dict[str, float]] = {}
     states = {int(i): caps[i][0] for i in order} if tc.chained else {}
-    embed_np = np.asarray(embed, np.float32) if tc.chained else None
     for kind, idx, shift, which in jobs:
         key, sub = jax.random.split(key)
         label = f"{kind} {'head ' + str(idx) if kind == 'mtp' else 'after ' + str(idx) + ' layers'}"
         chain = tc.chained and kind == "mtp"
         if chain:
-            x, f, y = _chain_pairs(states, caps, train, idx, embed_np)
-            xh, fh, yh = _chain_pairs(states, caps, held, idx, embed_np)
+            x, f, y = _chain_pairs(states, caps, train, idx, embed)
+            xh, fh, yh = _chain_pairs(states, caps, held, idx, embed)
         else:
             (x, y), f = _pairs(caps, train, shift, which), None
             (xh, yh), fh = _pairs(caps, held, shift, which), None
@@ -347,7 +355,7 @@ def train_heads(engine, tc: TrainConfig = TrainConfig(), progress: bool = True) 
         del x, f, y
         acceptance[f"{kind}.{idx}"] = _heldout(heads[(kind, idx)], xh, yh, embed, vocab, fh)
         if chain and idx + 1 < tc.n_mtp:
-            _advance(states, caps, heads[(kind, idx)], idx, embed_np)
+            _advance(states, caps, heads[(kind, idx)], idx, embed)
         if progress:
             _log(f"train-heads: {label}: held-out agreement with the target {acceptance[f'{kind}.{idx}']}")
     meta = {

@@ -113,7 +113,7 @@ def test_the_daemon_profiles_cheap_techniques_first_within_the_searched_depths(d
                  "mtp": Heads("mtp", resident=1 << 20), "ngram": FakeProposer("ngram")}
     engine = FakeEngine(proposers=proposers, cost=FakeCost(), max_depth=8)
     engine.runner = SimpleNamespace(rc=SimpleNamespace(verify_tokens=(2, 3, 5, 9), spec_max_batch=8))
-    exploration = Exploration(engine, Settings())
+    exploration = Exploration(capacity_of(engine), Settings())
     assert exploration.techniques == ["ngram", "mtp", "draft"] and exploration.max_depth == 8
     assert exploration.depths == (1, 2, 4, 8)
     exploration.measure_gaps(SimpleNamespace(engine=db), 3600.0)  # an empty telemetry database
