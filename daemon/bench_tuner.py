@@ -1,12 +1,14 @@
 """`crossover bench tuner`: the autotuned daemon against static policies on a shifting trace.
 
-1. Load the engine once: Gemma 3 270M with speculation (n-gram, and the
-   heads-based proposers when a heads file exists), or with --fake a
+1. Load the engine once: Gemma 3 270M with speculation verified up to
+   --max-batch (n-gram, and those heads-based proposers of --techniques, all
+   by default, when a heads file exists), or with --fake a
    FakeEngine whose proposers' acceptance depends on the tenant (high for
    copy, low for prose) and which sleeps its FakeCost step time, so wall time
    follows the policy as on a real accelerator.
-2. The trace: `engine.workloads.shifting_trace` (low-load copy-heavy, high-load
-   mixed, low-load prose), --phase-seconds each, rates times --rate-scale,
+2. The trace: `engine.workloads.shifting_trace` (low-load copy-heavy at batch
+   1-2, high-load mixed beyond what the engine serves at --max-batch, low-load
+   prose at batch 1-2), --phase-seconds each, rates times --rate-scale,
    Poisson arrivals, each phase starting once the previous one's requests
    have finished (--no-drain: back to back, so a backlog carries over and
    mixes with the next phase's traffic); each request is sent by its kind's tenant
@@ -67,13 +69,14 @@ class TunerBenchConfig:
     phase_s: float = 60.0
     """Length of each of the trace's three phases."""
     rate_scale: float = 1.0
-    """Factor on the trace's arrival rates (0.5 and 6 requests/s by default)."""
-    low_rate: float = 0.5
+    """Factor on the trace's arrival rates (0.25 and 2 requests/s by default)."""
+    low_rate: float = 0.25
     """Arrivals per second of the low-load phases, before rate_scale."""
-    high_rate: float = 6.0
-    """Arrivals per second of the high-load phase, before rate_scale."""
-    low_max_concurrency: int | None = None
-    """Most requests in flight during a low-load phase (None: no cap)."""
+    high_rate: float = 2.0
+    """Arrivals per second of the high-load phase, before rate_scale (on a 2-core CPU, more
+    than the engine serves at batch 32: the batch fills up and a queue waits)."""
+    low_max_concurrency: int | None = 2
+    """Most requests in flight during a low-load phase, so it runs at batch 1-2 (None: no cap)."""
     max_tokens: int | None = None
     """Cap on each request's max_tokens (None: the kind's suggestion, 96-256)."""
     ignore_eos: bool = False
@@ -101,9 +104,10 @@ class TunerBenchConfig:
     traffic_window_s: float | None = None
     """Recent traffic a retune optimizes for (None: phase_s / 3, two retune intervals)."""
     validation_s: float | None = None
-    """Longest validation window (None: phase_s / 6)."""
+    """Longest validation window (None: half the retune interval, so validation ends before the
+    next scheduled retune and none is skipped as still running)."""
     trials: int = 48
-    """Optuna trials per retune."""
+    """Optuna trials per TPE search (an exact solve, the default, tells at most two)."""
     min_new_steps: int = 100
     """A scheduled retune needs this many new steps."""
     profile_steps: int = 100
@@ -153,6 +157,10 @@ class TunerBenchConfig:
     @property
     def interval(self) -> float:
         return self.retune_interval_s or self.phase_s / 6
+
+    @property
+    def validation(self) -> float:
+        return self.validation_s or self.interval / 2
 
     @property
     def window(self) -> float:
@@ -246,11 +254,19 @@ def load_engine(cfg: TunerBenchConfig) -> Any:
         engine = fake_engine(cfg)
         engine.warmup(progress=False)
         return engine
+    from engine.loader import MODEL_PROPOSERS
     from engine.loader import load_engine as load
 
+    # Verification is compiled up to the largest batch, so a fixed policy speculates at every
+    # batch size and the tuner's crossover ranges over all of them (`crossover serve` stops at
+    # SPEC_MAX_BATCH). Only the proposers the static policies use are loaded: the autotuned
+    # daemon chooses among the same techniques as the policies it is compared with.
+    wanted = set(cfg.techniques) | ({cfg.table_technique} if "table" in cfg.runs else set())
+    proposers = tuple(t for t in MODEL_PROPOSERS if not cfg.techniques or t in wanted)
     _log("loading the model with speculation")
     engine = load(model=cfg.model, dtype=cfg.dtype, max_batch=cfg.max_batch,
-                  max_context=cfg.max_context, speculation=True, heads=cfg.heads)
+                  max_context=cfg.max_context, speculation=True, heads=cfg.heads,
+                  spec_max_batch=cfg.max_batch, model_proposers=proposers)
     _log(f"proposers: {', '.join(sorted(engine.proposers)) or 'none'}; warming up")
     engine.warmup(progress=True)
     return engine
@@ -434,7 +450,7 @@ def _settings(cfg: TunerBenchConfig, engine: Any, tuned: bool, admin: str, reque
         max_waiting=max(256, requests), open_mode=False, admin_token=admin, log_level="warning",
         tuner=tuned, tuner_interval_s=cfg.interval, tuner_min_new_steps=cfg.min_new_steps,
         tuner_trials=cfg.trials, tuner_profile_steps=cfg.profile_steps,
-        tuner_validation_s=cfg.validation_s or cfg.phase_s / 6,
+        tuner_validation_s=cfg.validation,
         tuner_validation_min_steps=cfg.validation_min_steps, tuner_search_process=cfg.search_process,
         tuner_fit_window_s=cfg.window, tuner_baseline_s=cfg.window / 6,
         tuner_traffic_window_s=cfg.traffic_window)

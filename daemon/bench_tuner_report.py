@@ -16,16 +16,17 @@
      (technique, depth) at every batch size (>= 1.15);
    - whole trace, autotuned over the batch-size table (>= 1.05);
    - for reference, no target: the static oracle (each phase served by that
-     phase's best static policy) over the best fixed policy, which bounds
-     what switching policies once per phase can gain on this trace, and
-     autotuned over that oracle;
+     phase's best static policy) over the best fixed policy and over the
+     table, which bound what switching policies once per phase can gain on
+     this trace (a trace where they are near 1 cannot show a tuner's worth),
+     and autotuned over that oracle;
    - p99 inter-token gap while a retune searches over p99 while none runs
      (<= 1.10), from the probe after the autotuned trace.
 3. The autotuned run's history, read from its telemetry database: every
    policy version (who made it, when, its rules) and every retune that ran
-   (skips are only counted).
+   (skips are only counted), with how it searched and for how long.
 4. The PNG: goodput bars per phase and whole trace for every policy, then
-   the ratios as bars with their targets marked.
+   the ratios as bars with their targets marked (the oracle's in grey).
 """
 
 from __future__ import annotations
@@ -171,7 +172,10 @@ def ratios(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if static[best]["whole"]["goodput"] else None}
     out["whole_vs_oracle"] = _ratio(whole, oracle["goodput"], None)
     if "table" in static:
-        out["whole_vs_table"] = _ratio(whole, static["table"]["whole"]["goodput"], TARGETS["table"])
+        table = static["table"]["whole"]["goodput"]
+        out["whole_vs_table"] = _ratio(whole, table, TARGETS["table"])
+        out["oracle_vs_table"] = {**oracle, "target": None, "met": None,
+                                  "ratio": round(oracle["goodput"] / table, 4) if table else None}
     if "never" in static:
         out["whole_vs_never"] = _ratio(whole, static["never"]["whole"]["goodput"], None)
     return out
@@ -248,12 +252,13 @@ def read_history(database: Any, start: float) -> dict[str, Any]:
 
 
 def _search_evidence(details: dict[str, Any]) -> dict[str, Any]:
-    """What a retune's model saw: its held-out fit error, acceptance and tenant factors."""
+    """What a retune's model saw (held-out fit error, acceptance, tenant factors) and how it
+    searched: "exact" or "tpe", and its seconds from reading telemetry to the last trial."""
     if "fit" not in details:
         return {}
     model = details.get("model") or {}
     return {"fit": details["fit"], "acceptance": model.get("acceptance"),
-            "tenant_factor": model.get("tenant_factor")}
+            "tenant_factor": model.get("tenant_factor"), "search": details.get("search")}
 
 
 def _rel(t: float | None, start: float) -> float | None:
@@ -273,7 +278,28 @@ def headline(result: dict[str, Any]) -> list[str]:
     for label, r in rows:
         verdict = "" if r["target"] is None else f" (target {r['target']}: {'met' if r['met'] else 'missed'})"
         lines.append(f"{label}: {r['ratio']}{verdict}")
+    auto = result["policies"].get("autotuned")
+    if auto is not None:
+        lines.append(search_line(auto["history"]["retunes"]))
     return lines
+
+
+def search_line(retunes: list[dict[str, Any]]) -> str:
+    """How long the autotuned run's searches took.
+
+    >>> search_line([{"search": {"method": "exact", "seconds": 0.5}},
+    ...              {"search": {"method": "tpe", "seconds": 4.0}}, {"note": "no fit"}])
+    'autotuned searches: 2 (exact 1, tpe 1), median 2.25 s, max 4.0 s'
+    """
+    done = [r["search"] for r in retunes if r.get("search")]
+    if not done:
+        return "autotuned searches: none"
+    seconds = sorted(x["seconds"] for x in done)
+    mid = len(seconds) // 2
+    median = seconds[mid] if len(seconds) % 2 else (seconds[mid - 1] + seconds[mid]) / 2
+    methods = Counter(x["method"] for x in done)
+    return (f"autotuned searches: {len(done)} ({', '.join(f'{m} {n}' for m, n in sorted(methods.items()))}), "
+            f"median {median:.2f} s, max {seconds[-1]:.1f} s")
 
 
 def _describe(engine: Any) -> dict[str, Any]:
@@ -305,7 +331,7 @@ def write_result(result: dict[str, Any], out_path: str) -> dict[str, Any]:
 
 # ---- the plot (engine.bench_crossover's Canvas: no plotting library) -------------------
 WIDTH, HEIGHT = 1000, 640
-MET, MISSED = (44, 160, 44), (214, 39, 40)
+MET, MISSED, REFERENCE = (44, 160, 44), (214, 39, 40), (150, 150, 150)
 COLORS = [(214, 39, 40), (60, 60, 60), (31, 119, 180), (255, 127, 14), (44, 160, 44),
           (148, 103, 189), (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34),
           (23, 190, 207), (174, 199, 232)]
@@ -327,23 +353,27 @@ def plot(result: dict[str, Any], path: Path) -> dict[str, Any]:
         y += 16
     labels, vals, targets, met = _ratio_bars(result)
     if labels:
-        shades = [MET if ok else MISSED for ok in met]
-        _bars(c, (60, 420, 760, 600), "autotuned ratios (black: target; green: met)", labels,
-              [("ratio", shades, vals)], {i: t for i, t in enumerate(targets)})
+        shades = [REFERENCE if ok is None else MET if ok else MISSED for ok in met]
+        _bars(c, (60, 420, 760, 600), "ratios (black: target; green: met; grey: the static oracle)",
+              labels, [("ratio", shades, vals)],
+              {i: t for i, t in enumerate(targets) if t is not None})
     path.write_bytes(c.png())
     return {"path": str(path), "width": WIDTH, "height": HEIGHT,
             "colors": {n: list(col) for n, col in colors.items()}}
 
 
-def _ratio_bars(result: dict[str, Any]) -> tuple[list[str], list[float], list[float], list[bool]]:
+def _ratio_bars(result: dict[str, Any]) -> tuple[list[str], list[float], list[float | None],
+                                                 list[bool | None]]:
     r = result["ratios"]
     rows = [(f"p{x['phase'] + 1}/best", x) for x in r.get("per_phase", [])]
     rows += [(label, r[key]) for label, key in (("all/fixed", "whole_vs_best_fixed"),
                                                 ("all/table", "whole_vs_table"),
+                                                ("oracle/fix", "oracle_vs_best_fixed"),
+                                                ("oracle/tbl", "oracle_vs_table"),
                                                 ("itl retune", "retune_itl")) if key in r]
     rows = [(label, x) for label, x in rows if x.get("ratio") is not None]
     return ([lb for lb, _ in rows], [x["ratio"] for _, x in rows], [x["target"] for _, x in rows],
-            [bool(x["met"]) for _, x in rows])
+            [None if x["target"] is None else bool(x["met"]) for _, x in rows])
 
 
 def _bars(c: Canvas, box: tuple[int, int, int, int], title: str, groups: list[str],

@@ -64,7 +64,7 @@ class Settings:
     tuner_min_new_steps: int = 500
     """A scheduled retune is skipped (and recorded) with fewer new steps since the last one."""
     tuner_trials: int = 48
-    """Optuna trials per retune."""
+    """Optuna trials per TPE search (an exact solve, the default, tells at most two)."""
     tuner_tpot_p95_ms: float = 0.0
     """Constraint on the predicted p95 time per output token in ms (0: none)."""
     tuner_two_objective: bool = False

@@ -62,6 +62,8 @@ def batch_buckets(max_batch: int, smallest: int = 1) -> tuple[int, ...]:
     return tuple(out) + (max_batch,)
 
 
+MODEL_PROPOSERS = ("mtp", "early_exit", "draft")
+"""The proposers a heads file provides (n-gram needs none)."""
 VERIFY_TOKENS = (2, 3, 5, 9)
 """Verify buckets (1 + depth) compiled when speculation is on: depths 1, 2, 3-4, 5-8."""
 SPEC_MAX_BATCH = 16
@@ -96,12 +98,14 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
 def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_bytes: int | None = None,
                 max_batch: int = 32, max_context: int = 4096, progress: bool = True,
                 token_budget: int = 512, speculation: bool = True, heads: str | None = None,
-                verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH) -> EngineCore:
+                verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH,
+                model_proposers: tuple[str, ...] = MODEL_PROPOSERS) -> EngineCore:
     """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine.
 
     With `speculation`, the verify buckets are compiled and the proposers load:
-    n-gram always; MTP heads, early exit and the draft model from `heads` (a
-    `crossover train-heads` file; default: the one shipped for the model, if any).
+    n-gram always; those of `model_proposers` (MTP heads, early exit, the draft
+    model) from `heads` (a `crossover train-heads` file; default: the one shipped
+    for the model, if any; none read when `model_proposers` is empty).
     """
     from engine.gguf_file import default_gguf_path
     from engine.tokenizer import Tokenizer
@@ -124,12 +128,13 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
               f"context {rc.max_context}", file=sys.stderr, flush=True)
     engine = EngineCore(cfg, params, tokenizer, EngineConfig(runner=rc, token_budget=token_budget),
                         model_name=cfg.name)
-    if speculation:
-        _load_heads(engine, heads, dtype, progress)
+    if speculation and model_proposers:
+        _load_heads(engine, heads, dtype, progress, model_proposers)
     return engine
 
 
-def _load_heads(engine: EngineCore, heads: str | None, dtype: str, progress: bool) -> None:
+def _load_heads(engine: EngineCore, heads: str | None, dtype: str, progress: bool,
+                techniques: tuple[str, ...] = MODEL_PROPOSERS) -> None:
     """MTP / early-exit / draft-model proposers from a heads file (none shipped: n-gram only)."""
     from engine.drafting import add_model_proposers
     from engine.heads import DraftHeads, default_heads_path
@@ -141,7 +146,7 @@ def _load_heads(engine: EngineCore, heads: str | None, dtype: str, progress: boo
                   file=sys.stderr, flush=True)
         return
     loaded = DraftHeads.load(path, dtype=jnp.dtype(dtype))
-    add_model_proposers(engine, loaded)
+    add_model_proposers(engine, loaded, techniques)
     if progress:
         names = ", ".join(n for n in engine.proposers if n != "ngram")
         print(f"engine: draft heads {path} ({loaded.nbytes() / 2**20:.1f} MiB): {names}", file=sys.stderr, flush=True)

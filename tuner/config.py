@@ -20,11 +20,14 @@ class TunerConfig:
     study_name: str = "crossover-tuner"
     """Optuna study name prefix; the search space's fingerprint is appended."""
     trials: int = 48
-    """New trials asked and told per retune."""
+    """New trials asked and told per TPE search (an exact solve tells at most two)."""
     max_study_trials: int = 2000
     """A study this full is continued by a new generation (TPE reads every trial per ask)."""
     two_objective: bool = False
     """Maximize goodput and minimize p95 TPOT (a Pareto front) instead of goodput alone."""
+    exact: bool = True
+    """Solve for the best policy exactly and tell the study only it and the serving policy when
+    it meets every constraint (tuner.exact); False: always `trials` trials of TPE."""
     tpot_p95_ms: float = 0.0
     """Constraint on the predicted p95 time per output token (ms); 0 turns it off."""
     ranges: tuple[int, ...] = DEFAULT_RANGES

@@ -1,11 +1,19 @@
 """What a policy would do on the observed traffic: goodput, p95 TPOT and KV capacity.
 
-For each observed batch size B (weight w_B, the share of steps) the policy
-picks (technique, depth); the model gives the step time ms_B and the tokens
-one sequence emits e_B for the tenant mix. Then
+For each observed batch size B (u_B: its share of the output tokens) the
+policy picks (technique, depth); the model gives the step time ms_B and the
+tokens one sequence emits e_B for the tenant mix. The tokens served at each
+batch size are the work, whatever the policy, so a policy that emits more per
+step needs fewer steps there (u_B / (B e_B) of them, not the observed share):
 
-    goodput  = 1000 * sum_B w_B * B * e_B / sum_B w_B * ms_B      (tokens/s)
-    TPOT_B   = ms_B / e_B, and its p95 over output tokens (weight w_B * B * e_B)
+    goodput  = 1000 * sum_B u_B / sum_B u_B * ms_B / (B * e_B)     (tokens/s)
+    TPOT_B   = ms_B / e_B, and its p95 over output tokens (weight u_B)
+
+So each batch size favours its own fastest cell (most tokens per ms at B):
+holding the share of *steps* fixed instead would reward emitting more tokens
+per step wherever steps are slow and penalise longer steps wherever they are
+fast, whatever they emit (speculating at batch 32 and not at batch 1 as soon
+as the window holds both).
 
 Memory, in pages of the KV pool: speculation gets floor(total * pool_split)
 and must fit its proposers' resident bytes, their per-sequence bytes and
@@ -99,15 +107,17 @@ def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: 
     tokens = time_ms = 0.0
     tpot: list[tuple[float, float]] = []  # (TPOT ms, weight)
     per_batch: dict[int, tuple[float, float]] = {}
-    for batch, weight in traffic.batch_weights.items():
+    shares = traffic.token_shares()
+    for batch in traffic.batch_weights:
         technique, depth = _choice(policy, batch, capacity)
         per_seq = model.tokens_per_seq_mix(technique, depth, traffic.tenant_mix, policy.draft_vocab)
         prefill = traffic.prefill_per_step.get(batch, 0.0)
         ms = model.predict_step_ms(technique, depth, batch, prefill, policy.draft_vocab)
-        tokens += weight * batch * per_seq
-        time_ms += weight * ms
+        share, share_ms = goodput_terms(shares[batch], batch * per_seq, ms)
+        tokens += share
+        time_ms += share_ms
         per_batch[batch] = (batch * per_seq, ms)
-        tpot.append((ms / per_seq, weight * batch * per_seq))
+        tpot.append((ms / per_seq, share))
     p95 = weighted_quantile(tpot, 0.95)
     tenant_pages, tenant_need, spec_pages, spec_need = _pages(policy, traffic, capacity)
     excess = max(0.0, p95 - tpot_target_ms) if tpot_target_ms > 0 else 0.0
@@ -115,30 +125,60 @@ def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: 
                       tenant_pages, tenant_need, spec_pages, spec_need, excess, per_batch)
 
 
+def goodput_terms(share: float, tokens_per_step: float, step_ms: float) -> tuple[float, float]:
+    """One batch size's terms of the goodput sums: its share of the tokens and the step time
+    emitting them takes at `tokens_per_step` (module docstring).
+
+    >>> goodput_terms(0.25, 4.0, 20.0)  # a quarter of the tokens, 5 ms per token
+    (0.25, 1.25)
+    """
+    return share, share * step_ms / tokens_per_step
+
+
 def _choice(policy: TunedPolicy, batch: int, capacity: Capacity) -> tuple[str, int]:
     technique, depth = policy.choose(batch)
     if batch > capacity.spec_max_batch or technique not in capacity.proposers:
         return "none", 0
-    return technique, min(depth, capacity.max_depth, capacity.proposer_depths.get(technique, depth))
+    return technique, drafted_depth(technique, depth, capacity)
 
 
 def _pages(policy: TunedPolicy, traffic: Traffic, capacity: Capacity) -> tuple[int, int, int, int]:
     """(tenant pages, tenant pages needed, speculation pages, speculation pages needed)."""
-    total, page = capacity.total_pages, capacity.page_size
-    spec_pages = math.floor(total * policy.pool_split)
+    spec_pages = math.floor(capacity.total_pages * policy.pool_split)
+    spec_need = speculation_pages_needed(_speculating_rules(policy, capacity), policy.crossover,
+                                         traffic, capacity)
+    return (capacity.total_pages - spec_pages, tenant_pages_needed(traffic, capacity),
+            spec_pages, spec_need)
+
+
+def tenant_pages_needed(traffic: Traffic, capacity: Capacity) -> int:
+    """Pages that hold the observed concurrency at its mean footprint (prompt + output)."""
     concurrency = math.ceil(traffic.required_concurrency)
-    tenant_need = concurrency * math.ceil(max(traffic.tokens_per_sequence, 1.0) / page)
-    speculating = min(concurrency, policy.crossover, capacity.spec_max_batch)
-    used = _speculating_rules(policy, capacity)
-    spec_need = 0
-    if speculating > 0 and used:
-        depth = max(used.values())
-        spec_bytes = sum(capacity.proposers[t][0] for t in used)
-        spec_bytes += speculating * depth * max(capacity.proposers[t][1] for t in used)
-        spec_need = math.ceil(speculating * depth / page)
-        if capacity.page_bytes > 0:
-            spec_need += math.ceil(spec_bytes / capacity.page_bytes)
-    return total - spec_pages, tenant_need, spec_pages, spec_need
+    return concurrency * math.ceil(max(traffic.tokens_per_sequence, 1.0) / capacity.page_size)
+
+
+def speculation_pages_needed(used: Mapping[str, int], crossover: int, traffic: Traffic,
+                             capacity: Capacity) -> int:
+    """Pages speculation needs: the proposers' resident and per-sequence bytes and the verify
+    slots of every speculating sequence, for `used` (technique -> deepest depth it drafts)
+    at batch sizes up to `crossover`. It grows with each of the three and depends on the
+    traffic only through its concurrency."""
+    speculating = min(math.ceil(traffic.required_concurrency), crossover, capacity.spec_max_batch)
+    if speculating <= 0 or not used:
+        return 0
+    depth = max(used.values())
+    spec_bytes = sum(capacity.proposers[t][0] for t in used)
+    spec_bytes += speculating * depth * max(capacity.proposers[t][1] for t in used)
+    need = math.ceil(speculating * depth / capacity.page_size)
+    if capacity.page_bytes > 0:
+        need += math.ceil(spec_bytes / capacity.page_bytes)
+    return need
+
+
+def drafted_depth(technique: str, depth: int, capacity: Capacity) -> int:
+    """The depth the engine really drafts for a rule: no deeper than it verifies or than
+    the technique drafts (e.g. its MTP heads)."""
+    return min(depth, capacity.max_depth, capacity.proposer_depths.get(technique, depth))
 
 
 def _speculating_rules(policy: TunedPolicy, capacity: Capacity) -> dict[str, int]:
@@ -147,8 +187,7 @@ def _speculating_rules(policy: TunedPolicy, capacity: Capacity) -> dict[str, int
     lower = 0  # a rule covers batch sizes (lower, max_batch]
     for rule in policy.rules:
         if lower < policy.crossover and rule.technique in capacity.proposers:
-            depth = min(rule.depth, capacity.max_depth,
-                        capacity.proposer_depths.get(rule.technique, rule.depth))
+            depth = drafted_depth(rule.technique, rule.depth, capacity)
             used[rule.technique] = max(used.get(rule.technique, 0), depth)
         lower = rule.max_batch
     return used

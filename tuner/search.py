@@ -12,12 +12,21 @@ or a thread (tests). Data flow:
    name carrying the space's fingerprint (and a generation number once a
    study holds `max_study_trials`); the sampler's seed, when one is
    configured, is offset by the trial count so a restart never repeats.
-4. Enqueue the current policy, a greedy policy built from the model (the
-   best (technique, depth) of each batch-size range on its own), and the
-   study's (or the previous generation's) best earlier parameters, so they
-   are scored under today's model and traffic and TPE starts from them.
-5. Ask/tell `trials` times: suggest a policy, evaluate it, store its
-   constraints (KV pages, TPOT) with `Trial.set_constraint`, which TPE honours.
+4. Solve for the best policy exactly (`tuner.exact`: one Dinkelbach solve
+   per KV footprint, milliseconds). When it meets every constraint (the p95
+   TPOT target too) and one objective is asked for, it is the answer:
+   enqueue it and the current policy, and ask/tell only those two, so the
+   study records both under today's model (a trial costs 40-100 ms of
+   Optuna/SQL work, far more at nice 19 on a busy machine; sampling more
+   could not find better).
+5. Otherwise (two objectives, or the optimum misses the TPOT target) TPE
+   searches: enqueue the current policy, a greedy policy built from the model
+   (the best (technique, depth) of each batch-size range on its own), the
+   exact optimum and the study's (or the previous generation's) best earlier
+   parameters, so they are scored under today's model and traffic and TPE
+   starts from them; then ask/tell `trials` times: suggest a policy, evaluate
+   it, store its constraints (KV pages, TPOT) with `Trial.set_constraint`,
+   which TPE honours. `TunerConfig.exact = False` always takes this path.
 6. Pick the best feasible trial of this run (two-objective: the highest
    goodput on this run's Pareto front) and return it with the evidence.
 """
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +47,7 @@ from engine.policy import BatchRule, TunedPolicy
 from store.db import install_sqlite_pragmas, is_sqlite, make_engine, resolve_url, session_scope
 from tuner.config import TunerConfig
 from tuner.data import draft_vocab_by_version, read_requests, read_steps
+from tuner.exact import solve
 from tuner.model import MIN_FIT_ROWS, PerfModel
 from tuner.objective import Capacity, Evaluation, evaluate
 from tuner.space import SearchSpace
@@ -81,6 +92,10 @@ class SearchOutcome:
     pareto: list[dict[str, Any]] = field(default_factory=list)
     per_batch: dict[int, tuple[float, float]] = field(default_factory=dict)
     """The chosen policy's predicted (tokens per step, step ms) at each observed batch size."""
+    method: str = "tpe"
+    """"exact" (the solved optimum and the serving policy were told) or "tpe" (module doc, 4-5)."""
+    seconds: float = 0.0
+    """Wall time of the whole search: read, fit, solve, ask/tell."""
 
 
 def make_storage(db_url: str) -> optuna.storages.RDBStorage:
@@ -143,6 +158,7 @@ def generation(storage: optuna.storages.RDBStorage, name: str,
 
 def run_search(job: SearchJob) -> SearchOutcome:
     """See the module docstring."""
+    start = time.perf_counter()
     cfg = job.config
     steps, requests, vocab_of = _read(job)
     model, report = PerfModel.fit_with_report(steps, requests, vocab_of)
@@ -159,9 +175,15 @@ def run_search(job: SearchJob) -> SearchOutcome:
             return evaluate(policy, model, on, job.capacity, cfg.tpot_p95_ms)
 
         incumbent = TunedPolicy.from_dict(job.incumbent)
-        donor = optuna.load_study(study_name=previous, storage=storage) if previous else study
-        _enqueue(study, donor, space, [incumbent, greedy_policy(space, score, traffic)])
-        told = [_one_trial(study, space, score, job.retune_id) for _ in range(cfg.trials)]
+        exact = solve(space, model, traffic, job.capacity) if cfg.exact else None
+        if exact is not None and not cfg.two_objective and score(exact).feasible:
+            method, trials = "exact", _enqueue(study, None, space, [exact, incumbent], cfg.trials)
+        else:
+            donor = optuna.load_study(study_name=previous, storage=storage) if previous else study
+            _enqueue(study, donor, space, [incumbent, greedy_policy(space, score, traffic), exact],
+                     cfg.trials)
+            method, trials = "tpe", cfg.trials
+        told = [_one_trial(study, space, score, job.retune_id) for _ in range(trials)]
         best, pareto = _choose(told, cfg.two_objective)
         return SearchOutcome(
             study_name=study.study_name,
@@ -173,6 +195,7 @@ def run_search(job: SearchJob) -> SearchOutcome:
             trials=[t.number for t in told],
             pareto=[_front_entry(t) for t in pareto],
             per_batch=_per_batch(best, score),
+            method=method, seconds=round(time.perf_counter() - start, 3),
         )  # fmt: skip
     finally:
         storage.engine.dispose()
@@ -210,7 +233,9 @@ def greedy_policy(space: SearchSpace, score: Any, traffic: Traffic) -> TunedPoli
                    if b > lower and (last or b <= upper)}
         best = ("none", 0)
         if weights:
-            part = dataclasses.replace(traffic, batch_weights=weights)
+            shares = traffic.token_shares()
+            part = dataclasses.replace(traffic, batch_weights=weights,
+                                       token_weights={b: shares[b] for b in weights})
             best = max(cells, key=lambda c: score(_single(upper, c, space), part).goodput)
         rules.append(BatchRule(upper, *best))
         crossover = upper if best[0] != "none" else crossover
@@ -229,21 +254,21 @@ def _single(upper: int, cell: tuple[str, int], space: SearchSpace) -> TunedPolic
                        pool_split=space.max_pool_split, draft_vocab=vocab)
 
 
-def _enqueue(study: optuna.Study, donor: optuna.Study, space: SearchSpace,
-             policies: list[TunedPolicy | None]) -> None:
-    """Queue `policies` and the donor study's best feasible parameter sets (deduplicated)."""
-    queued = [p for p in (space.params_of(x) for x in policies if x is not None) if p is not None]
-    done = [t for t in donor.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if all(c <= 0 for c in trial_constraints(t))]
+def _enqueue(study: optuna.Study, donor: optuna.Study | None, space: SearchSpace,
+             policies: list[TunedPolicy | None], limit: int) -> int:
+    """Queue `policies` and the donor study's best feasible parameter sets (deduplicated, at
+    most `limit`, so none is left waiting for the next run); how many were queued."""
+    given = [p for p in (space.params_of(x) for x in policies if x is not None) if p is not None]
+    queued = [p for i, p in enumerate(given) if p not in given[:i]]
+    done = [] if donor is None else [
+        t for t in donor.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if all(c <= 0 for c in trial_constraints(t))]
     done.sort(key=lambda t: t.values[0], reverse=True)
-    for t in done[: REVISIT * 4]:
-        if len(queued) >= REVISIT + 2:
-            break
-        if t.params not in queued:
-            queued.append(t.params)
-    unique = [p for i, p in enumerate(queued) if p not in queued[:i]]
-    for p in unique:
+    revisits = [t.params for t in done[: REVISIT * 4] if t.params not in queued]
+    queued = (queued + [p for i, p in enumerate(revisits) if p not in revisits[:i]][:REVISIT])[:limit]
+    for p in queued:
         study.enqueue_trial(p)
+    return len(queued)
 
 
 def _one_trial(study: optuna.Study, space: SearchSpace, score: Any,

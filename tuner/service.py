@@ -172,6 +172,7 @@ class Tuner:
             "running": self._running.id if self._running else None,
             "last_search": None if last is None else {
                 "study_name": last.study_name, "best_trial": last.best_trial, "fit": last.fit,
+                "method": last.method, "seconds": last.seconds,
                 "traffic": last.traffic, "pareto": last.pareto, "predicted": last.predicted},
         }  # fmt: skip
 
@@ -213,6 +214,7 @@ class Tuner:
         self.last_outcome = outcome
         details = {"fit": outcome.fit, "traffic": outcome.traffic, "incumbent": outcome.incumbent,
                    "predicted": outcome.predicted, "trials": len(outcome.trials),
+                   "search": {"method": outcome.method, "seconds": outcome.seconds},
                    "pareto": outcome.pareto, "model": outcome.model}
         common = {"trial_number": outcome.best_trial, "details": details}
         candidate, reason = self._candidate(outcome, incumbent)

@@ -4,8 +4,8 @@
     >>> def row(b, q): return StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 10.0, q, 0)
     >>> rows = [row(1, 0), row(3, 1)]
     >>> t = observe(rows, [], quantile=1.0)
-    >>> t.batch_weights, t.concurrency
-    ({1: 0.5, 3: 0.5}, 4.0)
+    >>> t.batch_weights, t.token_weights, t.concurrency
+    ({1: 0.5, 3: 0.5}, {1: 0.25, 3: 0.75}, 4.0)
 """
 
 from __future__ import annotations
@@ -38,6 +38,16 @@ class Traffic:
     mean_output_tokens: float = 0.0
     tenant_mix: dict[str, float] = field(default_factory=dict)
     """Tenant -> share of output tokens (sums to 1; empty without requests)."""
+    token_weights: dict[int, float] = field(default_factory=dict)
+    """Batch size -> share of the output tokens emitted at that size (sums to 1; empty: taken
+    from batch_weights, one token per sequence and step)."""
+
+    def token_shares(self) -> dict[int, float]:
+        """token_weights, or batch_weights weighted by the batch size (one token per sequence)."""
+        if self.token_weights:
+            return self.token_weights
+        total = sum(b * w for b, w in self.batch_weights.items())
+        return {b: b * w / total for b, w in self.batch_weights.items()}
 
     @property
     def required_concurrency(self) -> float:
@@ -53,6 +63,7 @@ class Traffic:
         return {
             "steps": self.steps,
             "batch_weights": {str(b): round(w, 4) for b, w in self.batch_weights.items()},
+            "token_weights": {str(b): round(w, 4) for b, w in self.token_shares().items()},
             "concurrency": round(self.concurrency, 2), "concurrency_max": self.concurrency_max,
             "required_concurrency": round(self.required_concurrency, 2),
             "arrival_rate": round(self.arrival_rate, 4),
@@ -70,10 +81,12 @@ def observe(steps: Sequence[StepRow], requests: Sequence[RequestRow],
         raise ValueError("no steps to observe")
     counts: dict[int, int] = {}
     prefill: dict[int, int] = {}
+    emitted: dict[int, int] = {}
     for s in steps:
         counts[s.batch_size] = counts.get(s.batch_size, 0) + 1
         prefill[s.batch_size] = prefill.get(s.batch_size, 0) + s.prefill_tokens
-    n = len(steps)
+        emitted[s.batch_size] = emitted.get(s.batch_size, 0) + s.decode_tokens
+    n, total = len(steps), sum(emitted.values())
     load = np.array([s.batch_size + s.queue_len for s in steps], float)
     return Traffic(
         steps=n,
@@ -82,6 +95,7 @@ def observe(steps: Sequence[StepRow], requests: Sequence[RequestRow],
         concurrency=float(np.quantile(load, quantile)),
         concurrency_max=int(load.max()),
         **_request_figures(requests),
+        token_weights={b: emitted[b] / total for b in sorted(counts)} if total else {},
     )
 
 

@@ -178,9 +178,10 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--out", default="bench-out/tuner.json", help="JSON output file (the PNG plot goes next to it)")
     add("--phase-seconds", type=float, default=60.0, help="length of each of the trace's three phases")
     add("--rate-scale", type=float, default=1.0, help="factor on the trace's arrival rates")
-    add("--low-rate", type=float, default=0.5, help="arrivals/s of the low-load phases (before the scale)")
-    add("--high-rate", type=float, default=6.0, help="arrivals/s of the high-load phase (before the scale)")
-    add("--low-max-concurrency", type=int, default=None, help="most requests in flight in a low-load phase")
+    add("--low-rate", type=float, default=0.25, help="arrivals/s of the low-load phases (before the scale)")
+    add("--high-rate", type=float, default=2.0, help="arrivals/s of the high-load phase (before the scale)")
+    add("--low-max-concurrency", type=int, default=2,
+        help="most requests in flight in a low-load phase (0: no cap)")
     add("--max-tokens", type=int, default=None, help="cap on each request's max_tokens (default: its kind's)")
     add("--ignore-eos", action="store_true", help="every request decodes exactly max_tokens tokens")
     add("--seed", type=int, default=0, help="seed of the trace")
@@ -196,8 +197,9 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--fit-window", type=float, default=None, help="tuner's telemetry window in s (default: a phase)")
     add("--traffic-window", type=float, default=None,
         help="recent traffic a retune optimizes for, in s (default: a third of a phase)")
-    add("--validation-seconds", type=float, default=None, help="longest validation (default: phase/6)")
-    add("--trials", type=int, default=48, help="Optuna trials per retune")
+    add("--validation-seconds", type=float, default=None,
+        help="longest validation (default: half the retune interval)")
+    add("--trials", type=int, default=48, help="Optuna trials per TPE search (an exact solve tells at most two)")
     add("--min-new-steps", type=int, default=100, help="steps a scheduled retune needs")
     add("--profile-steps", type=int, default=100, help="startup profile decisions")
     add("--validation-min-steps", type=int, default=60, help="validation ends with this many steps")
@@ -227,7 +229,7 @@ def _tuner_config(args: argparse.Namespace) -> Any:
         table = tuple((int(b), int(d)) for b, d in (x.split(":") for x in items(args.table)))
         return TunerBenchConfig(
             phase_s=args.phase_seconds, rate_scale=args.rate_scale, low_rate=args.low_rate,
-            high_rate=args.high_rate, low_max_concurrency=args.low_max_concurrency,
+            high_rate=args.high_rate, low_max_concurrency=args.low_max_concurrency or None,
             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed, drain=not args.no_drain,
             techniques=items(args.techniques), depths=depths, table=table,
             table_technique=args.table_technique, pool_split=args.pool_split, runs=items(args.runs),

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from daemon.bench_tuner_report import TARGETS
+from daemon.bench_tuner_report import REFERENCE, TARGETS
 from daemon.cli import main as cli
 from engine.policy import TunedPolicy
 from tests.daemon.png_pixels import read_png
@@ -28,8 +28,9 @@ PROBE_RETUNES = 2
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, Path]:
     out = tmp_path_factory.mktemp("bench-tuner") / "tuner.json"
-    flags = ["--fake", "--phase-seconds", "2.5", "--rate-scale", "4", "--max-tokens", "32",
-             "--techniques", "ngram", "--depths", "4", "--retune-interval", "0.3", "--trials", "8",
+    flags = ["--fake", "--phase-seconds", "2.5", "--rate-scale", "4", "--low-rate", "0.5",
+             "--high-rate", "6", "--max-tokens", "32", "--techniques", "ngram", "--depths", "4",
+             "--retune-interval", "0.3", "--trials", "8",
              "--min-new-steps", "20", "--profile-steps", "30", "--validation-min-steps", "20",
              "--search-in-thread", "--probe-retunes", str(PROBE_RETUNES), "--probe-quiet", "0.5",
              "--out", str(out)]
@@ -102,6 +103,9 @@ def test_ratios_agree_with_the_goodputs(run: tuple) -> None:
     assert oracle["per_phase"] == [r["best_static"] for r in ratios["per_phase"]]
     assert oracle["ratio"] >= 1.0 - 1e-6 and oracle["target"] is None
     assert ratios["whole_vs_oracle"]["static"] == oracle["goodput"]
+    assert ratios["oracle_vs_table"]["ratio"] == pytest.approx(
+        oracle["goodput"] / static["table"]["whole"]["goodput"], abs=1e-4)
+    assert ratios["oracle_vs_table"]["ratio"] >= 1.0 - 1e-6 and ratios["oracle_vs_table"]["target"] is None
     table = ratios["whole_vs_table"]
     assert table["ratio"] == pytest.approx(
         auto["whole"]["goodput"] / static["table"]["whole"]["goodput"], abs=1e-4)
@@ -129,6 +133,9 @@ def test_the_tuner_learns_that_speculation_pays_on_copy_traffic(run: tuple) -> N
     policies = run[0]["policies"]
     history = policies["autotuned"]["history"]
     assert history["statuses"].get("applied", 0) >= 1, history["retunes"]
+    searched = [r for r in history["retunes"] if "fit" in r]
+    assert searched and all(r["search"]["method"] == "exact" and 0 < r["search"]["seconds"] < 30
+                            for r in searched)
     made = [p for p in history["policies"] if p["source"] == "tuner"]
     assert made and TunedPolicy.from_dict(made[0]["body"]).choose(1)[0] != "none", made[0]
     copy = [policies[n]["phases"][0]["goodput"] for n in ("autotuned", "never")]
@@ -145,6 +152,7 @@ def test_png_is_valid_and_shows_every_policy(run: tuple) -> None:
     flat = pixels.reshape(-1, pixels.shape[-1])[:, :3]
     for name, rgb in plot["colors"].items():
         assert np.all(flat == np.array(rgb, np.uint8), axis=1).sum() > 200, name  # its bars
+    assert np.all(flat == np.array(REFERENCE, np.uint8), axis=1).sum() > 100  # the oracle's ratios
 
 
 def test_progress_on_stderr(run: tuple) -> None:
@@ -152,6 +160,7 @@ def test_progress_on_stderr(run: tuple) -> None:
     for name in POLICIES:
         assert f"bench tuner: {name}: trace done" in err
     assert "phase 1 vs best static" in err and "whole_vs_table" in err and "wrote " in err
+    assert "oracle_vs_best_fixed" in err and "oracle_vs_table" in err and "autotuned searches: " in err
 
 
 def test_bad_flags_are_user_errors(capsys: pytest.CaptureFixture) -> None:
@@ -168,3 +177,27 @@ def test_docstring_examples() -> None:
 
     result = doctest.testmod(daemon.bench_tuner_report)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("techniques, proposers", [((), ("mtp", "early_exit", "draft")),
+                                                   (("ngram",), ()), (("ngram", "mtp"), ("mtp",))])
+def test_the_model_verifies_every_batch_size_with_the_compared_techniques(
+        monkeypatch: pytest.MonkeyPatch, techniques: tuple, proposers: tuple) -> None:
+    """The real engine: verification compiled up to max_batch (so "fixed" speculates at every
+    batch size and the tuner's crossover can reach it), and only the heads-based proposers
+    that the static policies use."""
+    import engine.loader
+    from daemon.bench_tuner import TunerBenchConfig, load_engine
+
+    asked: dict[str, Any] = {}
+
+    class Loaded:
+        proposers: dict = {}
+
+        def warmup(self, progress: bool) -> None:
+            asked["warmed"] = True
+
+    monkeypatch.setattr(engine.loader, "load_engine", lambda **kw: asked.update(kw) or Loaded())
+    load_engine(TunerBenchConfig(techniques=techniques, max_batch=48))
+    assert asked["spec_max_batch"] == 48 and asked["max_batch"] == 48
+    assert asked["model_proposers"] == proposers and asked["warmed"]

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["tuner.model", "tuner.traffic", "tuner.objective", "tuner.validate",
+MODULES = ["tuner.model", "tuner.traffic", "tuner.objective", "tuner.exact", "tuner.validate",
            "tuner.explore", "engine.fake"]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.policy import NEVER, BatchRule, TunedPolicy
@@ -29,10 +31,39 @@ def spec(split: float = 0.1, depth: int = 1, crossover: int = 4) -> TunedPolicy:
 def test_goodput_by_hand() -> None:
     # plain: B=2 -> 12 ms, 2 tokens; B=8 -> 18 ms, 8 tokens: 1000 * 5 / 15
     assert evaluate(NEVER, MODEL, traffic(), CAP).goodput == pytest.approx(1000 * 5 / 15)
-    # ngram depth 1 at B=2: 10 + 2*2 = 14 ms, 2 * 1.5 tokens; B=8 unchanged (above crossover)
+    # ngram depth 1 at B=2: 10 + 2*2 = 14 ms, 2 * 1.5 tokens; B=8 unchanged (above crossover).
+    # Token shares (one token per sequence and step as observed): B=2 0.2, B=8 0.8; each
+    # takes its step time per token emitted there
     ev = evaluate(spec(), MODEL, traffic(), CAP)
-    assert ev.goodput == pytest.approx(1000 * (0.5 * 3 + 0.5 * 8) / (0.5 * 14 + 0.5 * 18))
+    assert ev.goodput == pytest.approx(1000 / (0.2 * 14 / 3 + 0.8 * 18 / 8))
     assert ev.feasible
+    measured = dataclasses.replace(traffic(), token_weights={2: 0.5, 8: 0.5})
+    assert evaluate(spec(), MODEL, measured, CAP).goodput == pytest.approx(
+        1000 / (0.5 * 14 / 3 + 0.5 * 18 / 8))
+
+
+def test_each_batch_size_favours_its_own_fastest_cell() -> None:
+    """Mostly batch-1 steps with some at batch 32 (a shift in load, inside one window). At
+    batch 1 depth 1 is faster per token (1.5 tokens in 12 ms vs 1 in 11); at batch 32 slower
+    (48 in 74 ms vs 32 in 42) although it emits more per step. The best policy speculates at
+    batch 1 only; weighting by the share of steps would have preferred the opposite."""
+    from tuner.config import TunerConfig
+    from tuner.exact import solve
+    from tuner.space import SearchSpace
+
+    mix = Traffic(steps=100, batch_weights={1: 0.9, 32: 0.1}, prefill_per_step={},
+                  concurrency=8.0, concurrency_max=32)
+    small = TunedPolicy((BatchRule(1, "ngram", 1), BatchRule(64)), crossover=1)
+    large = TunedPolicy((BatchRule(1), BatchRule(64, "ngram", 1)), crossover=64)
+    both = TunedPolicy((BatchRule(64, "ngram", 1),), crossover=64)
+    score = {name: evaluate(p, MODEL, mix, CAP).goodput
+             for name, p in (("small", small), ("large", large), ("both", both), ("never", NEVER))}
+    assert max(score, key=score.get) == "small"
+    steps_weighted = {name: (0.9 * a + 0.1 * b) / (0.9 * c + 0.1 * d) for name, (a, b, c, d) in
+                      (("small", (1.5, 32, 12, 42)), ("large", (1, 48, 11, 74)))}
+    assert steps_weighted["large"] > steps_weighted["small"]  # the bias this weighting avoids
+    best = solve(SearchSpace.build(TunerConfig(ranges=(1, 64), max_depth=1), CAP), MODEL, mix, CAP)
+    assert best is not None and (best.choose(1), best.choose(32)) == (("ngram", 1), ("none", 0))
 
 
 def test_kv_constraint_excludes_a_split_that_cannot_hold_the_observed_concurrency() -> None:
@@ -67,8 +98,6 @@ def test_tpot_target_is_a_constraint() -> None:
 
 
 def test_depths_between_verify_sizes_are_not_offered_and_a_technique_drafts_no_deeper_than_it_can() -> None:
-    import dataclasses
-
     import optuna
 
     from tuner.config import TunerConfig

@@ -1,5 +1,6 @@
 """The Optuna study: persisted beside the project's tables, continued across restarts,
-constrained by KV capacity, and a Pareto front in two-objective mode."""
+constrained by KV capacity, and a Pareto front in two-objective mode. Most tests drive TPE
+(`exact=False`); tests/tuner/test_exact.py covers the exact solve."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import time
 
 import optuna
+import pytest
 from sqlalchemy import Engine, inspect
 
 from engine.policy import NEVER, TunedPolicy
@@ -20,7 +22,10 @@ from tuner.search import (REVISIT, SearchJob, make_storage, observe_recent, run_
 from tuner.space import SearchSpace
 
 
-def job(db_url: str, config=FAST, capacity: Capacity = CAPACITY) -> SearchJob:
+TPE = dataclasses.replace(FAST, exact=False)
+
+
+def job(db_url: str, config=TPE, capacity: Capacity = CAPACITY) -> SearchJob:
     now = time.time()
     return SearchJob(db_url, config, capacity, NEVER.to_dict(), since=now - 3600, until=now + 1)
 
@@ -29,7 +34,7 @@ def test_study_lives_in_the_project_database_and_continues_after_a_restart(
         db: Engine, db_url: str) -> None:
     history(db)
     first = run_search(job(db_url))
-    assert first.trials == list(range(FAST.trials))
+    assert first.trials == list(range(TPE.trials))
     # the project's schema is still at head with Optuna's tables beside it
     assert check_schema(db_url) == head_revision()
     tables = set(inspect(db).get_table_names())
@@ -37,9 +42,9 @@ def test_study_lives_in_the_project_database_and_continues_after_a_restart(
     # a "restart": nothing shared but the file
     second = run_search(job(db_url))
     assert second.study_name == first.study_name
-    assert second.trials == list(range(FAST.trials, 2 * FAST.trials))
+    assert second.trials == list(range(TPE.trials, 2 * TPE.trials))
     study = optuna.load_study(study_name=first.study_name, storage=make_storage(db_url))
-    assert len(study.trials) == 2 * FAST.trials
+    assert len(study.trials) == 2 * TPE.trials
     # the second run re-scored the first run's best parameters among its first (enqueued) trials
     best_params = study.trials[first.best_trial].params
     assert any(study.trials[n].params == best_params for n in second.trials[:REVISIT + 2])
@@ -47,7 +52,7 @@ def test_study_lives_in_the_project_database_and_continues_after_a_restart(
 
 def test_a_full_study_is_continued_by_a_new_generation(db: Engine, db_url: str) -> None:
     history(db, n=300)
-    config = dataclasses.replace(FAST, trials=6, max_study_trials=10)
+    config = dataclasses.replace(TPE, trials=6, max_study_trials=10)
     first, second, third = (run_search(job(db_url, config)) for _ in range(3))
     assert first.study_name == second.study_name and third.study_name == first.study_name + ".2"
     storage = make_storage(db_url)
@@ -59,9 +64,11 @@ def test_a_full_study_is_continued_by_a_new_generation(db: Engine, db_url: str) 
     assert any(t.params == best for t in new.trials[:REVISIT + 2])  # carried over
 
 
-def test_the_search_finds_speculation_where_it_pays(db: Engine, db_url: str) -> None:
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "tpe"])
+def test_the_search_finds_speculation_where_it_pays(db: Engine, db_url: str, exact: bool) -> None:
     history(db)
-    out = run_search(job(db_url, dataclasses.replace(FAST, trials=16)))
+    out = run_search(job(db_url, dataclasses.replace(FAST, trials=16, exact=exact)))
+    assert out.method == ("exact" if exact else "tpe")
     best = TunedPolicy.from_dict(out.best)
     assert best.choose(1)[0] in ("ngram", "mtp")  # acceptance 0.7-0.8 pays at batch 1
     assert out.predicted["goodput"] > out.incumbent["goodput"] * 1.2
@@ -76,9 +83,12 @@ def test_constraints_exclude_policies_that_starve_tenants(db: Engine, db_url: st
     out0 = run_search(job(db_url))
     need = out0.incumbent["tenant_pages_needed"]
     tight = dataclasses.replace(CAPACITY, total_pages=int(need / 0.9) + 1)
-    config = dataclasses.replace(FAST, trials=20, study_name="tight")
+    config = dataclasses.replace(TPE, trials=20, study_name="tight")
     out = run_search(job(db_url, config, tight))
     assert TunedPolicy.from_dict(out.best).pool_split <= 0.1
+    exact = run_search(job(db_url, dataclasses.replace(config, exact=True), tight))
+    assert exact.method == "exact" and exact.predicted["feasible"]
+    assert TunedPolicy.from_dict(exact.best).pool_split <= 0.1
     study = optuna.load_study(study_name=out.study_name, storage=make_storage(db_url))
     splits = [(t.params["pool_split"], trial_constraints(t)[0]) for t in study.trials]
     assert any(s > 0.1 for s, _ in splits), "the sampler never tried a large split"
@@ -87,9 +97,9 @@ def test_constraints_exclude_policies_that_starve_tenants(db: Engine, db_url: st
 
 def test_two_objective_mode_exposes_a_pareto_front(db: Engine, db_url: str) -> None:
     history(db)
-    config = dataclasses.replace(FAST, trials=24, two_objective=True)
+    config = dataclasses.replace(FAST, trials=24, two_objective=True)  # exact or not: TPE
     out = run_search(job(db_url, config))
-    assert out.pareto and out.best == out.pareto[0]["policy"]
+    assert out.method == "tpe" and out.pareto and out.best == out.pareto[0]["policy"]
     points = [(p["goodput"], p["p95_tpot_ms"]) for p in out.pareto]
     for g, t in points:  # nobody on the front dominates anybody else on it
         assert not any(g2 >= g and t2 <= t and (g2, t2) != (g, t) for g2, t2 in points)
@@ -105,12 +115,13 @@ def test_the_search_runs_in_a_spawned_process(db: Engine, db_url: str) -> None:
     history(db, n=300)
     search = ProcessSearch()
     try:
-        out = search(job(db_url, dataclasses.replace(FAST, trials=4)))
+        out = search(job(db_url, dataclasses.replace(FAST, trials=4)))  # exact
         # the worker runs at the lowest priority, so a search yields the CPU to serving
         assert search._pool.submit(os.nice, 0).result() == min(19, os.nice(0) + 19)
     finally:
         search.close()
-    assert out.trials == [0, 1, 2, 3] and out.best is not None and out.per_batch
+    # the optimum is the one trial: the serving policy (NEVER) is not a point of the space
+    assert out.trials == [0] and out.method == "exact" and out.best is not None and out.per_batch
 
 
 def test_the_traffic_optimized_for_is_the_recent_one() -> None:

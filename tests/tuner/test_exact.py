@@ -1,0 +1,177 @@
+"""The exact solve (tuner.exact) against brute force over a small space, and the search's
+use of it: the optimum and the serving policy are the only trials told."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import optuna
+import pytest
+from sqlalchemy import Engine
+
+from engine.policy import NEVER, BatchRule, TunedPolicy
+from tests.tuner import synth
+from tests.tuner.conftest import CAPACITY, FAST, history
+from tuner.config import TunerConfig
+from tuner.exact import solve
+from tuner.model import PerfModel
+from tuner.objective import Capacity, evaluate
+from tuner.search import SearchJob, make_storage, run_search
+from tuner.space import SearchSpace
+from tuner.traffic import Traffic, observe
+
+SMALL = TunerConfig(ranges=(2, 8, 64), max_depth=4, max_pool_split=0.2, pool_split_step=0.05,
+                    draft_vocabs=(8192, 32768))
+LOOSE = Capacity(total_pages=4096, page_size=16, page_bytes=1 << 16, max_depth=4, depths=(1, 2, 4),
+                 spec_max_batch=32, proposer_depths={"mtp": 2},
+                 proposers={"ngram": (0, 1 << 15), "mtp": (40 << 16, 1 << 14)})
+TIGHT = dataclasses.replace(LOOSE, total_pages=360)
+"""Tenants need 340 of the 360 pages, so speculation may borrow 18 (split 0.05): never MTP's
+40 resident pages, and n-gram at depth 4 only up to batch 8 (20 sequences at depth 2 need
+20 pages of drafts and 3 of verify slots)."""
+
+
+def brute_force(space: SearchSpace, model: PerfModel, traffic: Traffic,
+                capacity: Capacity) -> tuple[float, int]:
+    """The best feasible goodput over every policy of the space, and how many were feasible."""
+    cells = [("none", 0)] + [(t, d) for t in space.techniques if t != "none" for d in space.depths]
+    best, feasible = 0.0, 0
+    for rules in itertools.product(cells, repeat=len(space.ranges)):
+        for crossover in space.crossovers:
+            for split in space.pool_splits():
+                for vocab in space.draft_vocabs or (0,):
+                    policy = TunedPolicy(tuple(BatchRule(u, *c) for u, c in zip(space.ranges, rules)),
+                                         crossover, split, draft_vocab=vocab)
+                    ev = evaluate(policy, model, traffic, capacity)
+                    if ev.feasible:
+                        best, feasible = max(best, ev.goodput), feasible + 1
+    return best, feasible
+
+
+def fitted(seed: int, mean_batch: float) -> tuple[PerfModel, Traffic]:
+    gen = synth.Synth(seed=seed)
+    steps = synth.rows(gen.explore(600, mean_batch=mean_batch))
+    traffic = dataclasses.replace(observe(steps, []), concurrency=20.0, mean_prompt_tokens=200.0,
+                                  mean_output_tokens=60.0)  # 17 pages per sequence, 340 in all
+    return PerfModel.fit(steps), traffic
+
+
+@pytest.mark.parametrize("capacity", [LOOSE, TIGHT], ids=["loose", "tight"])
+@pytest.mark.parametrize("seed, mean_batch", [(1, 2.0), (2, 8.0), (3, 20.0)])
+def test_the_solve_matches_brute_force(capacity: Capacity, seed: int, mean_batch: float) -> None:
+    model, traffic = fitted(seed, mean_batch)
+    space = SearchSpace.build(SMALL, capacity)
+    best, feasible = brute_force(space, model, traffic, capacity)
+    policy = solve(space, model, traffic, capacity)
+    assert feasible > 0 and policy is not None
+    ev = evaluate(policy, model, traffic, capacity)
+    assert ev.feasible, ev.violations()
+    assert ev.goodput == pytest.approx(best, rel=1e-9)
+    assert space.params_of(policy) is not None  # a point of the space, so the study can hold it
+    # the smallest split that holds it: one step less would not
+    if policy.pool_split > 0:
+        less = dataclasses.replace(policy, pool_split=round(policy.pool_split - SMALL.pool_split_step, 6))
+        assert not evaluate(less, model, traffic, capacity).feasible
+
+
+def test_the_tight_pool_binds() -> None:
+    """In the tight pool the unconstrained optimum does not fit, so the constraint mattered."""
+    model, traffic = fitted(2, 8.0)
+    space = SearchSpace.build(SMALL, TIGHT)
+    free = solve(space, model, traffic, dataclasses.replace(TIGHT, total_pages=1 << 20))
+    tight = solve(space, model, traffic, TIGHT)
+    assert free is not None and tight is not None
+    assert not evaluate(dataclasses.replace(free, pool_split=0.2), model, traffic, TIGHT).feasible
+    assert evaluate(tight, model, traffic, TIGHT).goodput < evaluate(free, model, traffic, TIGHT).goodput
+
+
+def test_nothing_fits_gives_none() -> None:
+    model, traffic = fitted(1, 2.0)
+    crowded = dataclasses.replace(TIGHT, total_pages=100)  # tenants alone need more
+    assert solve(SearchSpace.build(SMALL, crowded), model, traffic, crowded) is None
+
+
+def test_ranges_without_traffic_do_not_speculate() -> None:
+    """Only batch 1 observed: speculation pays there; the ranges above stay "none" (the
+    objective cannot tell their cells apart) and the crossover ends at the first range."""
+    model, _ = fitted(1, 2.0)
+    traffic = Traffic(steps=100, batch_weights={1: 1.0}, prefill_per_step={}, concurrency=1.0,
+                      concurrency_max=1)
+    policy = solve(SearchSpace.build(SMALL, LOOSE), model, traffic, LOOSE)
+    assert policy is not None and policy.choose(1)[0] != "none"
+    assert [r.technique for r in policy.rules[1:]] == ["none", "none"] and policy.crossover == 2
+
+
+def job(db_url: str, config: TunerConfig, incumbent: TunedPolicy = NEVER) -> SearchJob:
+    now = time.time()
+    return SearchJob(db_url, config, CAPACITY, incumbent.to_dict(), since=now - 3600, until=now + 1)
+
+
+def test_an_exact_search_tells_the_optimum_and_the_serving_policy(db: Engine, db_url: str) -> None:
+    history(db)
+    tpe = run_search(job(db_url, dataclasses.replace(FAST, exact=False, trials=24, study_name="tpe")))
+    serving = TunedPolicy.from_dict(tpe.best)
+    exact = run_search(job(db_url, FAST, serving))
+    assert exact.method == "exact" and tpe.method == "tpe"
+    assert exact.predicted["goodput"] >= tpe.predicted["goodput"] * (1 - 1e-9)
+    study = optuna.load_study(study_name=exact.study_name, storage=make_storage(db_url))
+    told = [study.trials[n] for n in exact.trials]
+    policies = [TunedPolicy.from_dict(t.user_attrs["policy"]) for t in told]
+    assert exact.trials == list(range(len(told)))  # a fresh study, and nothing else asked
+    assert exact.best == told[0].user_attrs["policy"]  # the optimum first
+    same = (serving.rules, serving.crossover, serving.pool_split) == (
+        policies[0].rules, policies[0].crossover, policies[0].pool_split)
+    assert len(told) == (1 if same else 2)
+    if not same:
+        assert (policies[1].rules, policies[1].crossover) == (serving.rules, serving.crossover)
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in told)
+    assert 0 < exact.seconds < tpe.seconds
+
+
+def test_a_missed_tpot_target_falls_back_to_tpe(db: Engine, db_url: str) -> None:
+    """A TPOT target the optimum misses: TPE searches, starting from that optimum."""
+    history(db)
+    free = run_search(job(db_url, FAST))
+    tpot = free.predicted["p95_tpot_ms"]
+    config = dataclasses.replace(FAST, tpot_p95_ms=tpot * 0.9, study_name="tpot")
+    out = run_search(job(db_url, config))
+    assert out.method == "tpe" and len(out.trials) == FAST.trials
+    study = optuna.load_study(study_name=out.study_name, storage=make_storage(db_url))
+    first = [study.trials[n].params for n in out.trials[:3]]
+    assert SearchSpace.build(FAST, CAPACITY).params_of(TunedPolicy.from_dict(free.best)) in first
+    if out.best is not None:
+        assert out.predicted["p95_tpot_ms"] <= tpot * 0.9
+
+
+@pytest.mark.parametrize("spec_max_batch", [16, 32])
+def test_the_crossover_reaches_the_largest_verified_batch(spec_max_batch: int) -> None:
+    """Speculation pays at batch 32 in this model: an engine verifying up to batch 32 gets it
+    there (crossover 64, the last range); one verifying up to 16 gets none above 16 (the
+    objective cannot tell the cells of (16, 64] apart, so that range stays "none")."""
+    model = PerfModel(target=(10.0, 1.0, 0.0, 0.1, 0.0), acceptance={"ngram": (0.9, 0.9, 0.9, 0.9)})
+    traffic = Traffic(steps=100, batch_weights={1: 0.5, 32: 0.5}, prefill_per_step={},
+                      concurrency=32.0, concurrency_max=32)
+    capacity = dataclasses.replace(LOOSE, spec_max_batch=spec_max_batch, proposers={"ngram": (0, 0)})
+    policy = solve(SearchSpace.build(TunerConfig(), capacity), model, traffic, capacity)
+    assert policy is not None and policy.choose(1)[0] == "ngram"
+    if spec_max_batch == 32:
+        assert policy.choose(32)[0] == "ngram" and policy.crossover == 64
+    else:
+        assert policy.rules[-1].technique == "none" and policy.crossover <= 16
+
+
+def test_a_search_leaves_no_trial_waiting(db: Engine, db_url: str) -> None:
+    """With fewer trials than policies to re-score (the optimum, the serving policy, ...), only
+    as many are queued as are asked: a trial left waiting would be the next run's first."""
+    history(db)
+    ranges = SearchSpace.build(FAST, CAPACITY).ranges
+    serving = TunedPolicy(tuple(BatchRule(upper) for upper in ranges), draft_vocab=8192)  # in the space
+    for config in (dataclasses.replace(FAST, trials=1, study_name="one"),
+                   dataclasses.replace(FAST, trials=1, exact=False, study_name="tpe")):
+        assert SearchSpace.build(config, CAPACITY).params_of(serving) is not None
+        out = run_search(job(db_url, config, serving))
+        study = optuna.load_study(study_name=out.study_name, storage=make_storage(db_url))
+        states = [t.state for t in study.trials]
+        assert len(out.trials) == config.trials and states.count(optuna.trial.TrialState.WAITING) == 0

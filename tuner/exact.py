@@ -1,0 +1,171 @@
+"""The best policy of the search space for predicted goodput, solved exactly.
+
+The objective (tuner.objective) sums over the observed batch sizes, and a
+policy picks one cell (technique, depth) per batch-size range, so
+
+    goodput = 1000 (T0 + sum_r T[r, c_r]) / (M0 + sum_r M[r, c_r])
+
+where T[r, c] and M[r, c] are cell c's terms of the objective's two sums
+over range r's batch sizes (`objective.goodput_terms`; T0, M0: batch sizes
+above the last range, which never speculate). Steps:
+
+1. Score each cell once with `evaluate` (a one-rule policy speculating at
+   every batch size) and sum its per-batch figures per range.
+2. Maximize the ratio by Dinkelbach's method: with g the goodput of the
+   current choice, each range takes the cell maximizing T - g M / 1000 (for a
+   fixed g the ranges are independent); repeat until no range changes. Each
+   round raises g, and when none does, g is the maximum (a few rounds). On a
+   tie a range keeps its cell, so ranges without traffic stay "none".
+3. KV pages: what speculation needs grows with the techniques a policy uses,
+   its deepest draft and its crossover, and with nothing else; what tenants
+   need depends on none of them. So for every footprint (techniques S, depth
+   D, crossover X) that fits the pool at some split, step 2 runs over the
+   cells of S no deeper than D in the ranges up to X. The best of those
+   optima, at the smallest pool split that holds it, is the best feasible
+   policy: every feasible policy lies inside its own footprint, and every
+   policy inside a feasible footprint is feasible.
+4. One solve per MTP draft vocabulary (it changes MTP's cells only).
+
+The p95 TPOT constraint and the Pareto front of the two-objective mode are
+not sums over ranges: there the search (tuner.search) starts TPE from this
+optimum instead of stopping at it.
+
+    >>> from tuner.model import PerfModel
+    >>> from tuner.objective import Capacity
+    >>> from tuner.space import SearchSpace
+    >>> from tuner.traffic import Traffic
+    >>> from tuner.config import TunerConfig
+    >>> model = PerfModel(target=(10.0, 1.0, 0.0, 0.0, 0.0), acceptance={"ngram": (0.9, 0.9)})
+    >>> traffic = Traffic(steps=100, batch_weights={1: 0.5, 32: 0.5}, prefill_per_step={},
+    ...                   concurrency=4.0, concurrency_max=32)
+    >>> capacity = Capacity(total_pages=4096, page_size=16, max_depth=2, proposers={"ngram": (0, 0)})
+    >>> space = SearchSpace.build(TunerConfig(ranges=(2, 64)), capacity)
+    >>> best = solve(space, model, traffic, capacity)
+    >>> best.choose(1), best.choose(32), best.crossover
+    (('ngram', 2), ('ngram', 2), 64)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from engine.policy import BatchRule, TunedPolicy
+from tuner.model import PerfModel
+from tuner.objective import (Capacity, drafted_depth, evaluate, goodput_terms,
+                             speculation_pages_needed, tenant_pages_needed)
+from tuner.space import SearchSpace
+from tuner.traffic import Traffic
+
+EVERYWHERE = 1 << 30
+"""A crossover and range end above any batch size."""
+
+
+def solve(space: SearchSpace, model: PerfModel, traffic: Traffic,
+          capacity: Capacity) -> TunedPolicy | None:
+    """The feasible policy of `space` with the highest predicted goodput (KV pages only, no
+    TPOT target), or None when no policy fits the pool; see the module docstring."""
+    splits = _split_pages(space, capacity, tenant_pages_needed(traffic, capacity))
+    if not splits:
+        return None
+    cells = [("none", 0)] + [(t, d) for t in space.techniques if t != "none" for d in space.depths]
+    best: tuple[float, int, TunedPolicy] | None = None
+    for vocab in space.draft_vocabs or (0,):
+        tokens, ms, rest = _range_sums(space, cells, vocab, model, traffic, capacity)
+        for allowed in _footprints(space, cells, traffic, capacity, splits):
+            choice, goodput = _maximize(tokens, ms, rest, allowed)
+            policy = _policy(space, cells, choice, vocab)
+            pages, split = _smallest_split(policy, traffic, capacity, splits)
+            if best is None or goodput > best[0] * (1 + 1e-12) or (
+                    goodput >= best[0] * (1 - 1e-12) and pages < best[1]):
+                best = (goodput, pages, TunedPolicy(policy.rules, policy.crossover, split,
+                                                    draft_vocab=vocab, source="tuner"))
+    return None if best is None else best[2]
+
+
+def _range_sums(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, model: PerfModel,
+                traffic: Traffic, capacity: Capacity) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """T, M ([ranges, cells]) and (T0, M0), in the objective's units (module doc, 1)."""
+    owner = {b: next((i for i, upper in enumerate(space.ranges) if b <= upper), len(space.ranges))
+             for b in traffic.batch_weights}
+    n = len(space.ranges) + 1  # the last row: batch sizes above every range
+    tokens, ms = np.zeros((n, len(cells))), np.zeros((n, len(cells)))
+    shares = traffic.token_shares()
+    for c, (technique, depth) in enumerate(cells):
+        one = TunedPolicy((BatchRule(EVERYWHERE, technique, depth),), crossover=EVERYWHERE,
+                          draft_vocab=vocab)
+        for b, (per_step, step_ms) in evaluate(one, model, traffic, capacity).per_batch.items():
+            share, share_ms = goodput_terms(shares[b], per_step, step_ms)
+            tokens[owner[b], c] += share
+            ms[owner[b], c] += share_ms
+    return tokens[:-1], ms[:-1], (tokens[-1, 0], ms[-1, 0])
+
+
+def _maximize(tokens: np.ndarray, ms: np.ndarray, rest: tuple[float, float],
+              allowed: np.ndarray) -> tuple[np.ndarray, float]:
+    """Dinkelbach's method (module doc, 2): the best cell per range and its goodput."""
+    rows = np.arange(tokens.shape[0])
+    choice = np.zeros(tokens.shape[0], dtype=int)  # "none" is always allowed
+    scale = 1e-12 * max(1.0, float(np.abs(tokens).max()))
+    for _ in range(100):
+        rate = (rest[0] + tokens[rows, choice].sum()) / (rest[1] + ms[rows, choice].sum())
+        score = np.where(allowed, tokens - rate * ms, -np.inf)
+        better = score.argmax(axis=1)
+        changed = score[rows, better] > score[rows, choice] + scale
+        if not changed.any():
+            return choice, 1000.0 * rate
+        choice = np.where(changed, better, choice)
+    return choice, 1000.0 * rate  # not reached: each round raises the rate over a finite set
+
+
+def _footprints(space: SearchSpace, cells: list[tuple[str, int]], traffic: Traffic,
+                capacity: Capacity, splits: list[tuple[int, float]]) -> list[np.ndarray]:
+    """The allowed-cell masks ([ranges, cells]) of every footprint that fits (module doc, 3)."""
+    techniques = [t for t in space.techniques if t != "none"]
+    drafted = [drafted_depth(t, d, capacity) if t != "none" else 0 for t, d in cells]
+    depths = sorted(set(drafted) - {0})
+    room = splits[-1][0]  # the most pages a split lends while tenants still fit
+    out = []
+    for k in range(len(techniques) + 1):
+        for chosen in itertools.combinations(techniques, k):
+            for depth in depths if chosen else [0]:
+                used = {t: min(depth, max(drafted[c] for c, (u, _) in enumerate(cells) if u == t))
+                        for t in chosen}
+                for x, crossover in enumerate(space.ranges if chosen else [0]):
+                    if speculation_pages_needed(used, crossover, traffic, capacity) > room:
+                        break  # a larger crossover needs at least as many pages
+                    cell_ok = np.array([t == "none" or (t in chosen and drafted[c] <= depth)
+                                        for c, (t, _) in enumerate(cells)])
+                    range_ok = np.arange(len(space.ranges))[:, None] <= (x if chosen else -1)
+                    out.append(cell_ok[None, :] & range_ok | (np.arange(len(cells)) == 0))
+    return out
+
+
+def _policy(space: SearchSpace, cells: list[tuple[str, int]], choice: np.ndarray,
+            vocab: int) -> TunedPolicy:
+    """The rules of `choice`; the crossover at the end of the last range that speculates."""
+    rules = tuple(BatchRule(upper, *cells[c]) for upper, c in zip(space.ranges, choice))
+    crossover = max((r.max_batch for r in rules if r.technique != "none"), default=0)
+    return TunedPolicy(rules, crossover, draft_vocab=vocab, source="tuner")
+
+
+def _split_pages(space: SearchSpace, capacity: Capacity, tenant_need: int) -> list[tuple[int, float]]:
+    """(pages lent, split) of every split on the grid that leaves tenants their pages, ascending."""
+    grid = space.pool_splits() if space.max_pool_split > 0 else [0.0]
+    lent = [(math.floor(capacity.total_pages * s), s) for s in grid]
+    return [(p, s) for p, s in lent if capacity.total_pages - p >= tenant_need]
+
+
+def _smallest_split(policy: TunedPolicy, traffic: Traffic, capacity: Capacity,
+                    splits: list[tuple[int, float]]) -> tuple[int, float]:
+    """(pages speculation needs, the smallest split lending that many); the footprint that
+    produced `policy` fits, so one does."""
+    used: dict[str, int] = {}
+    for rule in policy.rules:
+        if rule.technique != "none":
+            depth = drafted_depth(rule.technique, rule.depth, capacity)
+            used[rule.technique] = max(used.get(rule.technique, 0), depth)
+    need = speculation_pages_needed(used, policy.crossover, traffic, capacity)
+    return need, next(s for p, s in splits if p >= need)
