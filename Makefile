@@ -18,10 +18,10 @@ serve: $(STAMP)
 	$(BIN)/crossover serve
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	CROSSOVER_JAX_CACHE=0 $(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	CROSSOVER_JAX_CACHE=0 $(BIN)/python -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
