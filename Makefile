@@ -18,10 +18,10 @@ serve: $(STAMP)
 	$(BIN)/crossover serve
 
 test: $(STAMP)
-	CROSSOVER_JAX_CACHE=0 $(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
-	CROSSOVER_JAX_CACHE=0 $(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -52,15 +52,10 @@ def compile_count() -> int:
 def enable_persistent_cache(path: str | None = None) -> str:
     """Keep compiled executables on disk so a restart (or the next test run) skips XLA.
 
-    Defaults to $CROSSOVER_CACHE/jax (or ~/.cache/crossover/jax). CROSSOVER_JAX_CACHE=0
-    leaves the cache off (returns ""): `make test` does, since jaxlib 0.10.2
-    crashed (SIGSEGV) serializing or reading back a cached executable late
-    in a full test run, while the same tests alone pass.
+    Defaults to $CROSSOVER_CACHE/jax (or ~/.cache/crossover/jax).
     """
     import os
 
-    if os.environ.get("CROSSOVER_JAX_CACHE") == "0":
-        return ""
     if path is None:
         root = os.environ.get("CROSSOVER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "crossover")
         path = os.path.join(root, "jax")
