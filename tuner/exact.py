@@ -54,7 +54,7 @@ import numpy as np
 
 from engine.policy import BatchRule, TunedPolicy
 from tuner.model import PerfModel
-from tuner.objective import (Capacity, drafted_depth, evaluate, goodput_terms,
+from tuner.objective import (Capacity, drafted_depth, evaluate, goodput_terms, speculating_rules,
                              speculation_pages_needed, tenant_pages_needed)
 from tuner.space import SearchSpace
 from tuner.traffic import Traffic
@@ -162,10 +162,6 @@ def _smallest_split(policy: TunedPolicy, traffic: Traffic, capacity: Capacity,
                     splits: list[tuple[int, float]]) -> tuple[int, float]:
     """(pages speculation needs, the smallest split lending that many); the footprint that
     produced `policy` fits, so one does."""
-    used: dict[str, int] = {}
-    for rule in policy.rules:
-        if rule.technique != "none":
-            depth = drafted_depth(rule.technique, rule.depth, capacity)
-            used[rule.technique] = max(used.get(rule.technique, 0), depth)
-    need = speculation_pages_needed(used, policy.crossover, traffic, capacity)
+    need = speculation_pages_needed(speculating_rules(policy, capacity), policy.crossover, traffic,
+                                    capacity)
     return need, next(s for p, s in splits if p >= need)

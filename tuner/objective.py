@@ -145,7 +145,7 @@ def _choice(policy: TunedPolicy, batch: int, capacity: Capacity) -> tuple[str, i
 def _pages(policy: TunedPolicy, traffic: Traffic, capacity: Capacity) -> tuple[int, int, int, int]:
     """(tenant pages, tenant pages needed, speculation pages, speculation pages needed)."""
     spec_pages = math.floor(capacity.total_pages * policy.pool_split)
-    spec_need = speculation_pages_needed(_speculating_rules(policy, capacity), policy.crossover,
+    spec_need = speculation_pages_needed(speculating_rules(policy, capacity), policy.crossover,
                                          traffic, capacity)
     return (capacity.total_pages - spec_pages, tenant_pages_needed(traffic, capacity),
             spec_pages, spec_need)
@@ -181,7 +181,7 @@ def drafted_depth(technique: str, depth: int, capacity: Capacity) -> int:
     return min(depth, capacity.max_depth, capacity.proposer_depths.get(technique, depth))
 
 
-def _speculating_rules(policy: TunedPolicy, capacity: Capacity) -> dict[str, int]:
+def speculating_rules(policy: TunedPolicy, capacity: Capacity) -> dict[str, int]:
     """Technique -> deepest depth over the rules that apply at or below the crossover."""
     used: dict[str, int] = {}
     lower = 0  # a rule covers batch sizes (lower, max_batch]
