@@ -16,13 +16,13 @@ from tests.engine.conftest import SPEC_RC, ByteTokenizer, ChatBytes, make_engine
 
 @pytest.fixture(scope="module")
 def trained(tiny, tmp_path_factory):
-    import os
-
-    os.environ["CROSSOVER_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     engine = make_engine(tiny, ChatBytes())
     tc = TrainConfig(prompts_per_kind=3, gen_tokens=12, max_prompt=48, n_mtp=2, exits=(2,),
                      train_vocab=256, keep_vocab=256, epochs=2, batch=32, holdout=0.3)
-    return train_heads(engine, tc, progress=False), tc
+    # The hidden-state cache goes to a temporary directory for this module only.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CROSSOVER_CACHE", str(tmp_path_factory.mktemp("cache")))
+        return train_heads(engine, tc, progress=False), tc
 
 
 def test_chained_heads_train_and_report_heldout_agreement(trained, tiny):
