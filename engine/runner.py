@@ -26,7 +26,7 @@ import numpy as np
 from engine.config import ModelConfig
 from engine.kv import Batch, KVState, cache_reader, write_new
 from engine.model import Params, forward, logits, unstack_layers
-from engine.sampling import SamplingArrays, sample, verify
+from engine.sampling import SamplingArrays, greedy, sample, top_candidates, verify
 
 _compiles = 0
 _compiles_lock = threading.Lock()
@@ -132,41 +132,57 @@ FAST_OUTPUT_MIN_ROWS = 2
 """Output rows (batch x logits per row) from which a float32 model scores the vocabulary in bfloat16."""
 RESCORE = 16
 """Candidates per row rescored exactly in float32 after the bfloat16 pass."""
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Scores:
+    """What the output layer hands to sampling for [B, Tl] positions."""
+
+    logits: jax.Array  # [B, Tl, V] float32
+    best: jax.Array  # [B, Tl] int32: the greedy token (lowest id on ties)
 
 
-def output_logits(params: Params, hs: jax.Array) -> jax.Array:
-    """Tied output layer [B, Tl, d] -> [B, Tl, V] float32.
+def output_scores(params: Params, hs: jax.Array) -> Scores:
+    """Tied output layer on [B, Tl, d]: logits [B, Tl, V] float32 and the greedy token.
 
     With a bfloat16 copy of the table (`params["embed_fast"]`, kept by a float32
     runner) and at least FAST_OUTPUT_MIN_ROWS rows, the 262k-row product runs
     in bfloat16 (XLA:CPU: 1.5-2x faster than float32 from 2 rows on, ~8x slower
-    for a single row) and the top RESCORE candidates of each row are recomputed in float32,
-    so the greedy choice is the float32 one unless the true best logit falls
-    outside the bfloat16 top 16; the tail keeps bfloat16-rounded inputs.
+    for a single row) and the top RESCORE candidates of each row are recomputed
+    in float32. The greedy token is the best float32-rescored candidate, so it
+    is the float32 argmax unless that falls outside the bfloat16 top 16, and no
+    second pass over the vocabulary is needed to find it; the logits' tail
+    keeps bfloat16-rounded inputs (sampling and logprobs read it).
     """
     fast = params.get("embed_fast")
     B, Tl, _ = hs.shape
     if fast is None or B * Tl < FAST_OUTPUT_MIN_ROWS:
-        return logits(params, hs)
+        lg = logits(params, hs)
+        return Scores(lg, greedy(lg.reshape(B * Tl, -1)).reshape(B, Tl))
     approx = jnp.einsum("btd,vd->btv", hs.astype(fast.dtype), fast, preferred_element_type=jnp.float32)
-    _, top = jax.lax.top_k(approx, RESCORE)  # [B, Tl, k]
+    top = jnp.sort(top_candidates(approx, RESCORE), axis=-1)  # [B, Tl, k], ascending ids: ties go low
     exact = jnp.einsum("btd,btkd->btk", hs, jnp.take(params["embed"], top, axis=0),
                        preferred_element_type=jnp.float32)
+    best = jnp.take_along_axis(top, jnp.argmax(exact, axis=-1)[..., None], axis=-1)[..., 0]
     b = jnp.arange(B)[:, None, None]
     t = jnp.arange(Tl)[None, :, None]
-    return approx.at[b, t, top].set(exact)
+    return Scores(approx.at[b, t, top].set(exact), best.astype(jnp.int32))
+
+
+def output_logits(params: Params, hs: jax.Array) -> jax.Array:
+    """The logits of output_scores, [B, Tl, V] float32."""
+    return output_scores(params, hs).logits
 
 
 @partial(jax.jit, static_argnames=("cfg", "ring_pages"))
 def _forward(cfg: ModelConfig, ring_pages: int, params: Params, kv: KVState, batch: Batch, logit_idx):
     """One forward over [B, T] new tokens reading the paged cache; logits at logit_idx [B, Tl].
 
-    Returns (logits [B, Tl, V], final hidden states there [B, Tl, d] for the MTP
-    proposer, the new tokens' K/V for `_write`).
+    Returns (Scores at logit_idx, final hidden states there [B, Tl, d] for the
+    MTP proposer, the new tokens' K/V for `_write`).
     """
     h, new_kv, _ = forward(cfg, params, batch.tokens, batch.positions(), cache_reader(kv, batch, ring_pages))
     hs = jnp.take_along_axis(h, logit_idx[:, :, None], axis=1)  # [B, Tl, d]
-    return output_logits(params, hs), hs, new_kv
+    return output_scores(params, hs), hs, new_kv
 
 
 @partial(jax.jit, static_argnames=("ring_pages",), donate_argnames=("kv",))
@@ -181,26 +197,27 @@ def _write(ring_pages: int, kv: KVState, batch: Batch, new_kv):
 
 
 def forward_and_write(cfg: ModelConfig, ring_pages: int, params: Params, kv: KVState, batch: Batch, logit_idx):
-    """(new kv, logits, hidden) for one call."""
-    lg, hs, new_kv = _forward(cfg, ring_pages, params, kv, batch, logit_idx)
-    return _write(ring_pages, kv, batch, new_kv), lg, hs
+    """(new kv, Scores, hidden) for one call."""
+    sc, hs, new_kv = _forward(cfg, ring_pages, params, kv, batch, logit_idx)
+    return _write(ring_pages, kv, batch, new_kv), sc, hs
 
 
 @jax.jit
-def _verify(lg, cand, samp: SamplingArrays, counter):
-    """Target tokens and acceptance at every verified position: lg [B, T, V], cand [B, T]."""
-    B, T, V = lg.shape
+def _verify(sc: Scores, cand, samp: SamplingArrays, counter):
+    """Target tokens and acceptance at every verified position: logits [B, T, V], cand [B, T]."""
+    B, T, V = sc.logits.shape
     rows = jax.tree.map(lambda a: jnp.repeat(a, T, axis=0), samp)
-    tok, acc, lp = verify(lg.reshape(B * T, V), cand.reshape(-1), rows, counter.reshape(-1))
+    tok, acc, lp = verify(sc.logits.reshape(B * T, V), cand.reshape(-1), rows, counter.reshape(-1),
+                          best=sc.best.reshape(-1))
     return tok.reshape(B, T), acc.reshape(B, T), lp.reshape(B, T)
 
 
 @jax.jit
-def _sample(lg, samp: SamplingArrays, counter):
+def _sample(sc: Scores, samp: SamplingArrays, counter):
     """Sampling is compiled apart from the forward: its shapes do not depend on context."""
-    B, Tl, V = lg.shape
+    B, Tl, V = sc.logits.shape
     rows = jax.tree.map(lambda a: jnp.repeat(a, Tl, axis=0), samp)
-    tok, lp = sample(lg.reshape(B * Tl, V), rows, counter.reshape(-1))
+    tok, lp = sample(sc.logits.reshape(B * Tl, V), rows, counter.reshape(-1), best=sc.best.reshape(-1))
     return tok.reshape(B, Tl), lp.reshape(B, Tl)
 
 
@@ -260,15 +277,15 @@ class ModelRunner:
     def run(self, c: CallArrays) -> tuple[np.ndarray, np.ndarray]:
         """Execute one call; returns (tokens [B, Tl], logprobs [B, Tl]) as numpy."""
         batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-        self.kv, lg, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch, c.logit_idx)
-        tok, lp = _sample(lg, SamplingArrays(**c.samp), c.counter)
+        self.kv, sc, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch, c.logit_idx)
+        tok, lp = _sample(sc, SamplingArrays(**c.samp), c.counter)
         return np.asarray(tok), np.asarray(lp)
 
     def run_verify(self, c: CallArrays, cand: np.ndarray):
         """Forward over [last token, drafts...] and verify: (tokens, accepted, logprobs) [B, T]."""
         batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-        self.kv, lg, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch, c.logit_idx)
-        tok, acc, lp = _verify(lg, cand, SamplingArrays(**c.samp), c.counter)
+        self.kv, sc, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch, c.logit_idx)
+        tok, acc, lp = _verify(sc, cand, SamplingArrays(**c.samp), c.counter)
         return np.asarray(tok), np.asarray(acc), np.asarray(lp)
 
     def shapes(self) -> list[tuple[int, int, int]]:

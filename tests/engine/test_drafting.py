@@ -20,7 +20,7 @@ from engine.drafting import add_model_proposers
 from engine.heads import DraftHeads
 from engine.model import init_random_params
 from engine.policy import BatchRule, TunedPolicy
-from engine.runner import _verify
+from engine.runner import Scores, _verify
 from engine.sampling import SamplingArrays
 from engine.types import Request, SamplingParams
 from tests.engine.conftest import SPEC_RC, ByteTokenizer, LetterTokenizer, make_engine, run_prompts
@@ -187,7 +187,8 @@ def test_sampling_with_drafts_matches_the_target_distribution(toy, technique):
     s["key"][:] = np.random.SeedSequence(11).generate_state(2, np.uint32)
     cand = np.tile(np.array(drafts + [-1], np.int32), (N_SAMPLES, 1))
     counter = np.tile(np.arange(3, dtype=np.int32), (N_SAMPLES, 1)) + 10_000 * np.arange(N_SAMPLES)[:, None]
-    tok, acc, _ = _verify(jnp.asarray(np.broadcast_to(lg, (N_SAMPLES, 3, TOY_VOCAB))), jnp.asarray(cand),
+    full = jnp.asarray(np.broadcast_to(lg, (N_SAMPLES, 3, TOY_VOCAB)))
+    tok, acc, _ = _verify(Scores(full, jnp.argmax(full, axis=-1).astype(jnp.int32)), jnp.asarray(cand),
                           SamplingArrays(**s), jnp.asarray(counter, jnp.int32))
     tok, acc = np.asarray(tok), np.asarray(acc)
     first = np.where(acc[:, 0], drafts[0], tok[:, 0])

@@ -28,8 +28,8 @@ def _paged_logits(runner: ModelRunner, tokens: list[int], chunks: list[int], pag
         c.local_table[0, :] = ring[: c.local_table.shape[1]]
         idx = np.minimum(np.arange(T), n - 1)[None, :].astype(np.int32)
         batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-        runner.kv, lg, _ = forward_and_write(runner.cfg, runner.rc.ring_pages, runner.params, runner.kv, batch, idx)
-        out.append(np.asarray(lg)[0, :n])
+        runner.kv, sc, _ = forward_and_write(runner.cfg, runner.rc.ring_pages, runner.params, runner.kv, batch, idx)
+        out.append(np.asarray(sc.logits)[0, :n])
         pos += n
     return np.concatenate(out)
 
@@ -89,22 +89,27 @@ def test_chunked_prefill_gives_the_same_tokens(tiny, chunk_budget):
 
 
 def test_fast_output_rescores_the_top_candidates_exactly():
-    """bfloat16 scoring of the vocabulary, float32 for each row's top 16: the argmax and
-    the top logits are the float32 ones; the tail is off by bfloat16 rounding only."""
+    """bfloat16 scoring of the vocabulary, float32 for each row's top 16: the greedy token
+    and the top logits are the float32 ones; the tail is off by bfloat16 rounding only."""
     from engine.model import logits
-    from engine.runner import RESCORE, output_logits
+    from engine.runner import RESCORE, output_scores
+    from engine.sampling import TOP_BLOCK
 
     rng = np.random.default_rng(0)
-    embed = jnp.asarray(rng.normal(size=(4096, 64)).astype(np.float32))
+    embed = jnp.asarray(rng.normal(size=(64 * TOP_BLOCK, 64)).astype(np.float32))  # blocked top-k
     params = {"embed": embed, "embed_fast": embed.astype(jnp.bfloat16)}
     hs = jnp.asarray(rng.normal(size=(4, 3, 64)).astype(np.float32))
-    fast, exact = np.asarray(jax.jit(output_logits)(params, hs)), np.asarray(logits(params, hs))
+    sc, exact = jax.jit(output_scores)(params, hs), np.asarray(logits(params, hs))
+    fast = np.asarray(sc.logits)
+    np.testing.assert_array_equal(np.asarray(sc.best), exact.argmax(-1))
     assert (fast.argmax(-1) == exact.argmax(-1)).all()
     top = np.argsort(-exact, axis=-1)[..., :4]
     np.testing.assert_allclose(np.take_along_axis(fast, top, -1), np.take_along_axis(exact, top, -1), rtol=1e-5)
     assert 0 < np.abs(fast - exact).max() < 0.05 * np.abs(exact).max()  # the tail really is bfloat16
     few = hs[:1, :1]  # under FAST_OUTPUT_MIN_ROWS rows: plain float32
-    np.testing.assert_array_equal(np.asarray(output_logits(params, few)), np.asarray(logits(params, few)))
+    plain = output_scores(params, few)
+    np.testing.assert_array_equal(np.asarray(plain.logits), np.asarray(logits(params, few)))
+    assert int(plain.best[0, 0]) == int(exact[0, 0].argmax())
     assert RESCORE >= 4
 
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.sampling import SamplingArrays, sample
+from engine.sampling import CANDIDATES, TOP_BLOCK, SamplingArrays, filtered_probs, greedy, sample, top_candidates, verify
 from engine.types import Request, SamplingParams
 from tests.engine.conftest import ByteTokenizer, make_engine
 
@@ -92,3 +92,72 @@ def test_engine_logprobs_are_log_probabilities(tiny):
         for ev in e.step().events:
             lps += ev.logprobs or ()
     assert len(lps) == 5 and all(lp <= 0 for lp in lps) and any(lp < 0 for lp in lps)
+
+
+def _wide_logits(seed=3):
+    """8 TOP_BLOCK blocks; the mass lies in scattered tokens, some alone in their block."""
+    V = 8 * TOP_BLOCK
+    lg = np.full(V, -30.0, np.float32)
+    hot = np.array([5, 300, 301, 777, 1100, 1535, 1536, 2047])
+    lg[hot] = np.log(np.array([0.3, 0.2, 0.1, 0.1, 0.1, 0.08, 0.07, 0.05], np.float32))
+    return lg, hot
+
+
+def test_blocked_draw_matches_the_distribution_across_blocks():
+    """The two-level inverse CDF (block by mass, then token in the block) is exact."""
+    lg, hot = _wide_logits()
+    n = 40000
+    s = SamplingArrays.host(n)
+    s["temperature"][:] = 1.0
+    s["key"][:] = np.random.SeedSequence(5).generate_state(2, np.uint32)
+    tok, _ = jax.jit(sample)(jnp.asarray(np.tile(lg, (n, 1))), SamplingArrays(**s), jnp.arange(n, dtype=jnp.int32))
+    freq = np.bincount(np.asarray(tok), minlength=lg.size) / n
+    p = np.exp(lg) / np.exp(lg).sum()
+    assert freq[np.setdiff1d(np.arange(lg.size), hot)].sum() < 0.002  # the -30 tail: ~2e-10 total
+    np.testing.assert_allclose(freq[hot], p[hot], atol=0.01)
+
+
+def test_rejection_redraw_removes_the_draft_even_alone_in_its_block():
+    """A rejected draft is redrawn from p without it; its block's mass is recounted exactly
+    (token 5 is alone in block 0, so that block must never be picked)."""
+    lg, hot = _wide_logits()
+    n = 40000
+    s = SamplingArrays.host(n)
+    s["temperature"][:] = 1.0
+    s["key"][:] = np.random.SeedSequence(6).generate_state(2, np.uint32)
+    rows = jnp.asarray(np.tile(lg, (n, 1)))
+    tok, acc, _ = jax.jit(verify)(rows, jnp.full(n, 5, jnp.int32), SamplingArrays(**s), jnp.arange(n, dtype=jnp.int32))
+    tok, acc = np.asarray(tok), np.asarray(acc)
+    p = np.exp(lg) / np.exp(lg).sum()
+    assert abs(acc.mean() - p[5]) < 0.01
+    redrawn = tok[~acc]
+    assert not (redrawn == 5).any() and not (redrawn < TOP_BLOCK).any()
+    freq = np.bincount(redrawn, minlength=lg.size) / redrawn.size
+    np.testing.assert_allclose(freq[hot[1:]], p[hot[1:]] / (1 - p[5]), atol=0.012)
+    # and the output as a whole is distributed as p
+    np.testing.assert_allclose(np.bincount(tok, minlength=lg.size)[hot] / n, p[hot], atol=0.01)
+
+
+def test_top_candidates_are_the_top_k_and_greedy_takes_the_lowest_id_on_ties():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6, 64 * TOP_BLOCK)).astype(np.float32)
+    x[2, [7, 9000, 12000]] = 50.0  # a three-way tie for the max
+    got = np.sort(np.asarray(jax.jit(top_candidates, static_argnums=1)(jnp.asarray(x), 16)), axis=-1)
+    want = np.sort(np.argsort(-x, axis=-1, kind="stable")[:, :16], axis=-1)
+    np.testing.assert_array_equal(got, want)
+    assert list(np.asarray(greedy(jnp.asarray(x)))) == list(np.argmax(x, axis=-1))
+    assert int(greedy(jnp.asarray(x))[2]) == 7
+
+
+def test_top_p_beyond_the_candidates_falls_back_to_bisection():
+    """A flat row whose nucleus needs more than CANDIDATES tokens still keeps the right set."""
+    V = 4 * TOP_BLOCK
+    lg = np.zeros((1, V), np.float32)
+    lg[0, : V // 2] = 1.0  # the top half holds e/(e+1) = 0.731 of the mass
+    s = SamplingArrays.host(1)
+    s["temperature"][:] = 1.0
+    s["top_p"][:] = 0.7
+    p = np.asarray(filtered_probs(jnp.asarray(lg), SamplingArrays(**s)))[0]
+    assert V // 2 > CANDIDATES
+    np.testing.assert_allclose(p[: V // 2], 2 / V, rtol=1e-4)
+    assert p[V // 2 :].sum() == 0

@@ -84,7 +84,7 @@ def test_prompt_logits_match_within_tolerance(engine, golden):
     c.local_table[0, :4] = [1, 2, 3, 4]
     c.logit_idx[0, 0] = len(ids) - 1
     batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-    r.kv, lg, _ = forward_and_write(r.cfg, r.rc.ring_pages, r.params, r.kv, batch, c.logit_idx)
+    r.kv, sc, _ = forward_and_write(r.cfg, r.rc.ring_pages, r.params, r.kv, batch, c.logit_idx)
     ref = case["prompt_last_logits_top20"]
-    ours = np.asarray(lg)[0, 0, ref["ids"]]
+    ours = np.asarray(sc.logits)[0, 0, ref["ids"]]
     np.testing.assert_allclose(ours, ref["logits"], atol=2e-3)
