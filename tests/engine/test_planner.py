@@ -198,3 +198,16 @@ def test_format_bytes():
     assert format_bytes(3 * 2**29) == "1.50 GiB"
     assert format_bytes(3072) == "3.00 KiB"
     assert format_bytes(12) == "12 B"
+
+
+def test_compiled_buckets_cover_every_length_up_to_the_limits():
+    from engine.loader import batch_buckets, context_buckets
+
+    for max_context in (50, 64, 100, 600, 1024, 4096):
+        cb = context_buckets(max_context)
+        assert list(cb) == sorted(set(cb)) and cb[-1] >= max_context and cb[-1] - max_context < 16
+        assert all(c % 16 == 0 for c in cb)
+        # a short chat gets a small bucket; each step up at most 4x
+        assert cb[0] == 64 and all(b <= 4 * a for a, b in zip(cb, cb[1:]))
+    assert context_buckets(4096) == (64, 128, 512, 2048, 4096)
+    assert batch_buckets(48) == (1, 2, 4, 8, 16, 32, 48) and batch_buckets(32, 2) == (2, 4, 8, 16, 32)
