@@ -108,8 +108,10 @@ class TunerBenchConfig:
     next scheduled retune and none is skipped as still running)."""
     trials: int = 48
     """Optuna trials per TPE search (an exact solve, the default, tells at most two)."""
-    min_new_steps: int = 100
-    """A scheduled retune needs this many new steps."""
+    min_new_steps: int = 10
+    """A scheduled retune needs this many new steps. The daemon's default, 500 per 10-minute
+    interval (a step per 1.2 s), compressed like the interval (phase_s / 6 = 10 s): ~10. More
+    would skip every retune while the batch is large and steps take a second."""
     profile_steps: int = 100
     """Startup profile decisions of the autotuned daemon."""
     validation_min_steps: int = 60

@@ -200,7 +200,8 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--validation-seconds", type=float, default=None,
         help="longest validation (default: half the retune interval)")
     add("--trials", type=int, default=48, help="Optuna trials per TPE search (an exact solve tells at most two)")
-    add("--min-new-steps", type=int, default=100, help="steps a scheduled retune needs")
+    add("--min-new-steps", type=int, default=10,
+        help="steps a scheduled retune needs (the daemon's 500 per 10 min, time-compressed)")
     add("--profile-steps", type=int, default=100, help="startup profile decisions")
     add("--validation-min-steps", type=int, default=60, help="validation ends with this many steps")
     add("--search-in-thread", action="store_true", help="search in a thread, not a spawned process")
