@@ -82,7 +82,7 @@ def finish_retune(
     details: dict[str, Any] | None = None,
     at: float | None = None,
 ) -> Retune:
-    """Close a retune with its outcome ("applied", "rejected" or "failed")."""
+    """Close a retune with its outcome ("applied", "rejected", "failed" or "skipped")."""
     if status not in RETUNE_STATUSES or status == "running":
         raise ValueError(f"status must be one of {RETUNE_STATUSES[1:]}, got {status!r}")
     retune = session.get(Retune, retune_id)

@@ -48,7 +48,7 @@ NAMING_CONVENTION = {
 
 POLICY_SOURCES = ("default", "tuner", "admin")
 RETUNE_TRIGGERS = ("schedule", "admin")
-RETUNE_STATUSES = ("running", "applied", "rejected", "failed")
+RETUNE_STATUSES = ("running", "applied", "rejected", "failed", "skipped")
 REQUEST_STATUSES = ("ok", "aborted", "error")
 
 

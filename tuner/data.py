@@ -121,11 +121,9 @@ def coverage(session: Session, since: float) -> dict[str, dict[int, int]]:
 
 def last_real_retune_start(session: Session) -> float | None:
     """Start of the newest retune that was not a recorded skip (None if there is none)."""
-    query = select(Retune.started_at, Retune.details).order_by(Retune.started_at.desc()).limit(200)
-    for started_at, details in session.execute(query):
-        if not (details or {}).get("skipped"):
-            return float(started_at)
-    return None
+    query = select(func.max(Retune.started_at)).where(Retune.status != "skipped")
+    started_at = session.execute(query).scalar()
+    return None if started_at is None else float(started_at)
 
 
 def draft_vocab_by_version(session: Session) -> dict[int, int]:

@@ -189,8 +189,8 @@ class Tuner:
         try:
             status, fields = self._retune(handle)
         except NotEnoughTelemetry as exc:
-            status, fields = "failed", {"error": f"skipped: {exc}",
-                                        "details": {"skipped": True, "reason": str(exc)}}
+            status, fields = "skipped", {"error": f"skipped: {exc}",
+                                         "details": {"skipped": True, "reason": str(exc)}}
         except Exception as exc:
             log.exception("retune %d failed", handle.id)
             status, fields = "failed", {"error": f"{type(exc).__name__}: {exc}"}
@@ -281,10 +281,10 @@ class Tuner:
 
     # -- records -------------------------------------------------------------------
     def _skip(self, source: str, reason: str) -> dict[str, Any]:
-        """Record a retune that did not run (status "failed", details.skipped)."""
+        """Record a retune that did not run (status "skipped", details.reason)."""
         with session_scope(self.db) as session:
             retune = start_retune(session, source)
-            finish_retune(session, retune.id, "failed", error=f"skipped: {reason}",
+            finish_retune(session, retune.id, "skipped", error=f"skipped: {reason}",
                           details={"skipped": True, "reason": reason})
             return self._row_view(retune)
 
@@ -302,7 +302,7 @@ class Tuner:
         return {
             "id": r.id, "triggered_by": r.triggered_by, "status": r.status,
             "phase": "done" if r.status != "running" else "running",
-            "skipped": bool((r.details or {}).get("skipped")),
+            "skipped": r.status == "skipped",
             "started_at": r.started_at, "finished_at": r.finished_at,
             "study_name": r.study_name, "trial_number": r.trial_number,
             "predicted_goodput": r.predicted_goodput, "measured_goodput": r.measured_goodput,

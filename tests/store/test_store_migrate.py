@@ -93,6 +93,23 @@ def test_upgrade_adds_per_tenant_token_and_queue_limits(rev1_url: str) -> None:
     ]
 
 
+def test_upgrade_gives_recorded_skips_the_skipped_status(rev1_url: str) -> None:
+    migrate.upgrade(rev1_url, "0003")
+    con = sqlite3.connect(rev1_url.removeprefix("sqlite:///"))
+    with con:
+        con.executemany(
+            "INSERT INTO xo_retunes (triggered_by, started_at, status, error) VALUES (?, ?, ?, ?)",
+            [("schedule", T0 + 1, "failed", "skipped: only 3 new steps since the last retune"),
+             ("admin", T0 + 2, "failed", "RuntimeError: boom")],
+        )  # fmt: skip
+    con.close()
+    statuses = "SELECT status FROM xo_retunes ORDER BY started_at"  # the fixture's is T0 + 100
+    migrate.upgrade(rev1_url)
+    assert _sql(rev1_url, statuses) == [("skipped",), ("failed",), ("rejected",)]
+    command.downgrade(migrate.alembic_config(rev1_url), "0003")
+    assert _sql(rev1_url, statuses) == [("failed",), ("failed",), ("rejected",)]
+
+
 def test_models_match_the_migrations(db_url: str, rev1_url: str) -> None:
     assert _drift(db_url) == []
     missing = _drift(rev1_url)  # the check has teeth: 0001 lacks the rollups table
