@@ -87,7 +87,8 @@ def capacity_of(engine: Any) -> Capacity:
     runner = getattr(engine, "runner", None)
     kv = getattr(runner, "kv", None)
     page_bytes = int(kv.nbytes() // total) if kv is not None and total else 0
-    spec_max = getattr(getattr(runner, "rc", None), "spec_max_batch", None)
+    rc = getattr(runner, "rc", None)
+    spec_max = getattr(rc, "spec_max_batch", None)
     loaded = getattr(engine, "proposers", {})
     proposers = {name: (int(p.resident_bytes()), int(p.per_sequence_bytes(1)))
                  for name, p in loaded.items()}
@@ -95,6 +96,7 @@ def capacity_of(engine: Any) -> Capacity:
                     max_depth=engine_max_depth(engine), depths=engine_depths(engine),
                     proposer_depths={n: int(getattr(p, "max_depth", 1 << 10)) for n, p in loaded.items()},
                     spec_max_batch=int(spec_max or getattr(engine, "max_batch", 1 << 30)),
+                    batch_buckets=tuple(int(b) for b in getattr(rc, "batch_buckets", ())),
                     proposers=proposers)
 
 

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from engine.policy import TunedPolicy
-from tuner.model import PerfModel
+from tuner.model import Padding, PerfModel
 from tuner.traffic import Traffic
 
 
@@ -50,6 +50,8 @@ class Capacity:
     """Technique -> the deepest it drafts (e.g. its MTP heads); the engine verifies no deeper."""
     spec_max_batch: int = 1 << 30
     """Largest batch the engine speculates at."""
+    batch_buckets: tuple[int, ...] = ()
+    """Batch sizes the engine compiles (a batch runs padded to the next one; empty: unpadded)."""
     proposers: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """Technique -> (resident bytes, bytes per speculating sequence per draft)."""
 
@@ -99,6 +101,17 @@ class Evaluation:
         d = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()
              if k != "per_batch"}
         return {**d, "feasible": self.feasible, "violations": self.violations()}
+
+
+def padding_of(capacity: Capacity) -> Padding:
+    """The shapes the engine pads steps to: its compiled batch sizes, and query lengths 1
+    (decode) and 1 + each verified depth.
+
+    >>> padding_of(Capacity(64, 16, depths=(1, 2, 4), batch_buckets=(1, 2, 4)))
+    Padding(batch=(1, 2, 4), query=(1, 2, 3, 5))
+    """
+    return Padding(capacity.batch_buckets,
+                   (1, *(1 + d for d in capacity.depths)) if capacity.depths else ())
 
 
 def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: Capacity,

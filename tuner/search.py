@@ -49,7 +49,7 @@ from tuner.config import TunerConfig
 from tuner.data import draft_vocab_by_version, read_requests, read_steps
 from tuner.exact import solve
 from tuner.model import MIN_FIT_ROWS, PerfModel
-from tuner.objective import Capacity, Evaluation, evaluate
+from tuner.objective import Capacity, Evaluation, evaluate, padding_of
 from tuner.space import SearchSpace
 from tuner.traffic import Traffic, observe
 
@@ -161,7 +161,8 @@ def run_search(job: SearchJob) -> SearchOutcome:
     start = time.perf_counter()
     cfg = job.config
     steps, requests, vocab_of = _read(job)
-    model, report = PerfModel.fit_with_report(steps, requests, vocab_of)
+    model, report = PerfModel.fit_with_report(steps, requests, vocab_of,
+                                              buckets=padding_of(job.capacity))
     traffic = observe_recent(steps, requests, job.until - cfg.traffic_window_s,
                              cfg.concurrency_quantile)
     space = SearchSpace.build(cfg, job.capacity)

@@ -11,6 +11,8 @@ from engine.policy import NEVER, BatchRule, TunedPolicy
 from engine.types import Request, SamplingParams, StepStats
 from tuner.data import StepRow
 from tuner.explore import ExploringPolicy, is_exploration, unwrap
+from tuner.model import Padding
+from tuner.objective import padding_of
 from tuner.validate import own_steps
 
 POLICY = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4, version=3)
@@ -112,7 +114,8 @@ def test_the_daemon_profiles_cheap_techniques_first_within_the_searched_depths(d
     proposers = {"draft": FakeProposer("draft", resident=5 << 20),
                  "mtp": Heads("mtp", resident=1 << 20), "ngram": FakeProposer("ngram")}
     engine = FakeEngine(proposers=proposers, cost=FakeCost(), max_depth=8)
-    engine.runner = SimpleNamespace(rc=SimpleNamespace(verify_tokens=(2, 3, 5, 9), spec_max_batch=8))
+    engine.runner = SimpleNamespace(rc=SimpleNamespace(verify_tokens=(2, 3, 5, 9), spec_max_batch=8,
+                                                       batch_buckets=(1, 2, 4, 8, 16)))
     exploration = Exploration(capacity_of(engine), Settings())
     assert exploration.techniques == ["ngram", "mtp", "draft"] and exploration.max_depth == 8
     assert exploration.depths == (1, 2, 4, 8)
@@ -124,3 +127,4 @@ def test_the_daemon_profiles_cheap_techniques_first_within_the_searched_depths(d
     assert {d for _, d in picks} == {1, 2, 4, 8} and wrapped.explored > 0
     capacity = capacity_of(engine)
     assert capacity.depths == (1, 2, 4, 8) and capacity.proposer_depths["mtp"] == 4
+    assert padding_of(capacity) == Padding((1, 2, 4, 8, 16), (1, 2, 3, 5, 9))

@@ -12,7 +12,7 @@ from store.db import session_scope
 from tests.tuner import synth
 from tuner.data import RequestRow, StepRow, read_requests, read_steps
 from tuner.explore import ExploringPolicy
-from tuner.model import NotEnoughTelemetry, PerfModel
+from tuner.model import NotEnoughTelemetry, Padding, PerfModel
 
 STATED_MEDIAN_APE = 0.10
 """The stated bound: median absolute % error of step time on held-out steps."""
@@ -87,6 +87,52 @@ def test_single_tenant_steps_give_that_tenant_its_own_rates() -> None:
     assert "ngram|rare" in thin.acceptance
     sparse = [StepRow(0.0, 4, 0, 4, "ngram", 1, 4, (4,), 0.1, 9.0, 0, 0, ("few",))]
     assert "ngram|few" not in PerfModel.fit(rows + sparse).acceptance
+
+
+def test_rows_that_find_no_draft_emit_one_token() -> None:
+    # batch 10 at depth 2: on "copy" every row drafts, on "prose" 5 rows of 10 do; the
+    # drafts that are offered are accepted alike (first 0.8, second 0.5), so the rates
+    # agree and only the share of drafting rows tells the tenants apart.
+    def spec(tenants: tuple[str, ...], drafting: int) -> StepRow:
+        first, second = 8 * drafting // 10, 4 * drafting // 10
+        return StepRow(0.0, 10, 0, 10 + first + second, "ngram", 2, 2 * drafting,
+                       (first, second), 0.1, 20.0, 0, 0, tenants)
+    copy, prose = spec(("copy",), 10), spec(("prose",), 5)
+    rows = [copy, prose] * 10
+    rows += [StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 5.0 + b, 0, 0) for b in range(1, 9)]
+    model = PerfModel.fit(rows)
+    assert model.rates("ngram", 2, "copy") == pytest.approx([0.8, 0.5])
+    assert model.rates("ngram", 2, "prose") == pytest.approx([0.8, 0.5])
+    assert model.share("ngram", "copy") == 1.0 and model.share("ngram", "prose") == 0.5
+    assert model.share("ngram") == pytest.approx(0.75)  # pooled: 150 drafting rows of 200
+    assert model.share("ngram", "chat") == pytest.approx(0.75)  # unmeasured tenant: pooled
+    assert model.share("mtp") == 1.0  # never measured: drafting rows are not discounted
+    # the tokens each step emitted, predicted exactly per tenant
+    assert 10 * model.expected_tokens_per_seq("ngram", 2, "copy") == pytest.approx(copy.decode_tokens)
+    assert 10 * model.expected_tokens_per_seq("ngram", 2, "prose") == pytest.approx(prose.decode_tokens)
+    # a step that is prefilling counts its prefill rows in batch_size: left out of the share
+    prefilling = StepRow(0.0, 10, 64, 10, "ngram", 2, 0, (0, 0), 0.1, 30.0, 0, 0, ("copy",))
+    assert PerfModel.fit(rows + [prefilling] * 5).share("ngram", "copy") == 1.0
+
+
+def test_step_time_follows_the_padded_shape() -> None:
+    # The engine runs batch 17 as batch 32 and a depth-3 verify as depth 4: a step costs
+    # 10 + 2 ms per padded row-token. Fitted on the padded shapes the model is exact; on
+    # the raw sizes it predicts batch 17 far cheaper than it runs.
+    pad = Padding(batch=(1, 2, 4, 8, 16, 32), query=(1, 2, 3, 5))
+
+    def ms(b: int, depth: int) -> float:
+        pb, q = pad.pad(b, 1 + depth)
+        return 10.0 + 2.0 * pb * q
+
+    rows = [StepRow(0.0, b, 0, b, "ngram" if d else "none", d, b * d, (0,) * d, 0.0, ms(b, d), 0, 0)
+            for b in (1, 2, 3, 5, 8, 12, 16, 17, 24, 32) for d in (0, 1, 2, 3, 4)]
+    padded, raw = PerfModel.fit(rows, buckets=pad), PerfModel.fit(rows)
+    assert padded.predict_step_ms("none", 0, 17) == pytest.approx(ms(32, 0), rel=1e-6)
+    assert padded.predict_step_ms("ngram", 3, 5) == pytest.approx(padded.predict_step_ms("ngram", 4, 8))
+    assert padded.error_report(rows).step_ms_mape < 1e-6
+    assert raw.predict_step_ms("none", 0, 17) < 0.8 * ms(17, 0)
+    assert raw.error_report(rows).step_ms_mape > 0.05
 
 
 def test_too_few_steps_is_an_error() -> None:
