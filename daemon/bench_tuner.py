@@ -83,6 +83,10 @@ class TunerBenchConfig:
     """Ask for exactly max_tokens tokens (vLLM's ignore_eos)."""
     seed: int = 0
     """Seed of the trace (arrival times, kinds, prompts)."""
+    temperatures: tuple[tuple[str, float], ...] = (("chat", 0.8), ("prose", 0.8))
+    """(kind, temperature) of the kinds whose requests are sampled, each with its own seed;
+    the other kinds are greedy. Chat clients sample (OpenAI's default temperature is 1); edits
+    and code run greedy. Sampled text quotes itself less, so n-gram drafts fewer tokens."""
     drain: bool = True
     """Start each phase once the previous one's requests finished (no backlog carried over)."""
     techniques: tuple[str, ...] = ()
@@ -152,6 +156,11 @@ class TunerBenchConfig:
             raise ValueError(f"table={self.table} needs ascending batch bounds and depths in 1-8")
         if any(not 1 <= d <= 8 for d in self.depths):
             raise ValueError(f"depths={self.depths} must be in 1-8")
+        from engine.workloads import KINDS
+
+        for kind, t in self.temperatures:
+            if kind not in KINDS or not 0.0 <= t <= 2.0:
+                raise ValueError(f"temperature {kind}:{t} needs a kind of {KINDS} and a value in [0, 2]")
         if self.probe_retunes < 0 or self.probe_concurrency < 1:
             raise ValueError(f"probe_retunes={self.probe_retunes} must be >= 0 and "
                              f"probe_concurrency={self.probe_concurrency} >= 1")
@@ -311,6 +320,9 @@ def build_trace(cfg: TunerBenchConfig, engine: Any) -> tuple[list[Any], list[Arr
             continue
         job = Job(len(arrivals), p, max_tokens, timed.at_s)
         body = {**job.body(engine.model_name), "ignore_eos": cfg.ignore_eos}
+        temperature = dict(cfg.temperatures).get(p.kind, 0.0)
+        if temperature > 0:
+            body.update(temperature=temperature, seed=cfg.seed * 100_003 + job.index)
         arrivals.append(Arrival(job.index, timed.at_s, timed.phase, timed.tenant, job.route(), body))
     if dropped:
         _log(f"{dropped} prompts do not fit max_context {engine.max_context} and are left out")

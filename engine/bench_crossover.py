@@ -68,6 +68,9 @@ class CrossoverGrid:
     """MTP's draft vocabulary (None: its smallest compiled one)."""
     seed: int = 0
     """Seed of the prompt draw."""
+    temperature: float = 0.0
+    """Sampling temperature of every request (0: greedy); each request has its own seed, so a run
+    repeats. Sampled output quotes itself less, which is what n-gram drafting feeds on."""
     prompt_sets: int = 1
     """Disjoint sets of prompts measured at each batch size, their counts pooled, so that one
     prompt that happens to repeat itself (or not) does not decide the small batches."""
@@ -80,6 +83,8 @@ class CrossoverGrid:
             object.__setattr__(self, name, tuple(sorted(set(values))))
         if not all(1 <= d <= MAX_DEPTH for d in self.depths):
             raise BenchConfigError(f"depths {list(self.depths)}: each must be in 1..{MAX_DEPTH}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise BenchConfigError(f"temperature={self.temperature} must be in [0, 2]")
         if self.prompt_sets < 1:
             raise BenchConfigError(f"prompt_sets {self.prompt_sets} must be >= 1")
         if self.batches[0] < 1:
@@ -182,7 +187,7 @@ def measure(engine, grid: CrossoverGrid, log=None) -> dict:
         "grid": {"techniques": list(techniques), "depths": {t: list(depths[t]) for t in techniques},
                  "batches": list(grid.batches), "kinds": list(grid.kinds), "new_tokens": grid.new_tokens,
                  "prompt_tokens": grid.prompt_tokens, "pool_split": grid.pool_split, "mtp_draft_vocab": vocab,
-                 "seed": grid.seed, "prompt_sets": grid.prompt_sets},
+                 "seed": grid.seed, "prompt_sets": grid.prompt_sets, "temperature": grid.temperature},
         "kinds": kinds,
         "crossover": {k: {t: v["techniques"][t]["crossover"] for t in techniques} for k, v in kinds.items()},
         "speedup_batch1": {k: v["speedup_batch1"] for k, v in kinds.items()},
@@ -264,17 +269,21 @@ def _measure_batch(engine, grid, kind, ids, max_tokens, techniques, depths, voca
         order += [(t, d) for d in depths[t]] + [(None, 0)]
     rows = []
     for i, (t, d) in enumerate(order):
-        tally = run_one(engine, ids, _policy(grid, t, d, vocab), max_tokens, f"{kind}-b{len(ids)}-{i}")
+        tally = run_one(engine, ids, _policy(grid, t, d, vocab), max_tokens, f"{kind}-b{len(ids)}-{i}",
+                        grid.temperature)
         rows.append({"kind": kind, "batch": len(ids), "technique": t or "none", "depth": d, "tally": tally})
     return rows
 
 
-def run_one(engine, ids: list[list[int]], policy: TunedPolicy, max_tokens: int, tag: str) -> Tally:
-    """B = len(ids) greedy requests: prefill under plain decoding, then `policy`; count all-B decode steps."""
+def run_one(engine, ids: list[list[int]], policy: TunedPolicy, max_tokens: int, tag: str,
+            temperature: float = 0.0) -> Tally:
+    """B = len(ids) requests (greedy, or sampled at `temperature` with seed i for the i-th): prefill
+    under plain decoding, then `policy`; count all-B decode steps."""
     b = len(ids)
     engine.set_policy(TunedPolicy(pool_split=policy.pool_split))
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(ids):
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature,
+                            seed=i if temperature > 0 else None)
         engine.add_request(Request(f"{tag}-{i}", list(p), sp))
     tally, started, switched = Tally(runs=1), set(), False
     while engine.has_work():

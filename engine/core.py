@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import queue
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -293,6 +294,13 @@ class EngineCore:
             p.warmup(progress)
         self.runner.warm_compiles = compile_count()
         self.warmed_up = True
+        if progress:
+            from engine.loader import map_limit
+
+            limit, used = map_limit(), memory_mappings()
+            if limit and used:
+                print(f"warmup: done, {compile_count()} executables compiled or loaded; {used} of this "
+                      f"process's {limit} memory mappings in use", file=sys.stderr, flush=True)
 
     def compiles_since_warmup(self) -> int | None:
         w = self.runner.warm_compiles
@@ -309,3 +317,12 @@ class EngineCore:
             "proposers": {n: {"resident_bytes": p.resident_bytes(), "max_depth": p.max_depth}
                           for n, p in self.proposers.items()},
         }
+
+
+def memory_mappings() -> int | None:
+    """Memory mappings of this process (Linux), None where unknown."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None

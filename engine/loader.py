@@ -52,6 +52,47 @@ def context_buckets(max_context: int, page_size: int = PAGE_SIZE) -> tuple[int, 
     return tuple(out) + (top,)
 
 
+# XLA:CPU maps each compiled kernel's code, constants and data as separate memory
+# mappings (~3 per kernel), and Linux stops a process at vm.max_map_count mappings
+# (65530 by default): past it the next compile fails with "Cannot allocate memory"
+# and the process dies. A forward of Gemma 3 (per-layer weights, so its layers are
+# unrolled) is ~110 kernels, and every compiled shape is its own executable.
+# Measured on Gemma 3 270M, mappings per compiled shape: decode 436, verify 424,
+# prefill 346; per speculative batch size, early exit and draft model 270 + 185.
+MAPS_PER_SHAPE = 440
+"""Mappings one compiled forward shape takes on XLA:CPU (with its KV write and sampling)."""
+MAPS_PER_DRAFTING_BATCH = 600
+"""Mappings the layer-chain proposers (early exit, draft model) take per batch size and context."""
+MAPS_RESERVE = 8000
+"""Mappings kept for everything else: the process itself, MTP heads, threads, sockets."""
+
+
+def map_limit() -> int | None:
+    """The mappings compiled code may take in this process (None: no known cap, or not XLA:CPU,
+    whose kernels live on the host)."""
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def context_buckets_within(ladder: tuple[int, ...], shapes_per_context: float,
+                           limit: int | None) -> tuple[int, ...]:
+    """The largest top part of `ladder` whose compiled shapes stay within `limit` mappings.
+
+    The smallest buckets go first (a short context then pads to the next one, costing attention
+    time only); the largest always stays.
+    Example: context_buckets_within((64, 128, 512, 2048, 4096), 35.5, 65530) == (512, 2048, 4096).
+    """
+    if limit is None:
+        return ladder
+    fits = int((limit - MAPS_RESERVE) // (MAPS_PER_SHAPE * shapes_per_context))
+    return ladder[-max(1, fits):]
+
+
 def batch_buckets(max_batch: int, smallest: int = 1) -> tuple[int, ...]:
     """Powers of two from `smallest` up to max_batch (which is always included).
 
@@ -74,18 +115,29 @@ SPEC_MAX_BATCH = 16
 
 def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch: int,
                   max_context: int, kv_dtype: str | None = None, verify_tokens: tuple[int, ...] = (),
-                  spec_max_batch: int = SPEC_MAX_BATCH) -> RunnerConfig:
-    """Size the pools with the memory planner and choose the compiled buckets."""
+                  spec_max_batch: int = SPEC_MAX_BATCH, drafting: bool = False,
+                  map_limit: int | None = None) -> RunnerConfig:
+    """Size the pools with the memory planner and choose the compiled buckets.
+
+    `drafting`: layer-chain proposers (early exit, draft model) will compile per context too.
+    `map_limit`: the process's memory-mapping cap (see MAPS_PER_SHAPE); the context buckets
+    are thinned so that every compiled shape fits under it.
+    """
     kv_dtype = kv_dtype or dtype
     if kv_dtype not in KV_DTYPE_BYTES:
         raise ValueError(f"kv dtype {kv_dtype!r} is not one of {sorted(KV_DTYPE_BYTES)}")
     sizes = size_pool(cfg, kv_budget_bytes, PAGE_SIZE, kv_dtype, max_context, MAX_SPEC_DEPTH)
     cap = sizes.ring_pages * PAGE_SIZE
+    batches = batch_buckets(max_batch, smallest_batch(dtype))
+    prefills = tuple(b for b in (32, 128, 512) if b <= cap) or (cap,)
+    spec_batches = sum(b <= spec_max_batch for b in batches) if verify_tokens else 0
+    per_context = (len(batches) + len(prefills) + spec_batches * len(verify_tokens)
+                   + (spec_batches * MAPS_PER_DRAFTING_BATCH / MAPS_PER_SHAPE if drafting else 0))
     return RunnerConfig(
         page_size=PAGE_SIZE,
-        batch_buckets=batch_buckets(max_batch, smallest_batch(dtype)),
-        prefill_buckets=tuple(b for b in (32, 128, 512) if b <= cap) or (cap,),
-        context_buckets=context_buckets(max_context),
+        batch_buckets=batches,
+        prefill_buckets=prefills,
+        context_buckets=context_buckets_within(context_buckets(max_context), per_context, map_limit),
         global_pages=sizes.num_global_pages + 1,  # + the scratch page
         local_pages=sizes.num_local_pages + 1,
         ring_pages=sizes.ring_pages,
@@ -122,8 +174,14 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     # Every Gemma 3 size shares one 262k vocabulary: a HF directory uses the default file's.
     tokenizer = Tokenizer.from_gguf(gguf or default_gguf_path(progress), progress=progress)
     budget = kv_budget_bytes or DEFAULT_KV_BUDGET.get(jax.default_backend(), 4 << 30)
+    drafting = speculation and bool({"early_exit", "draft"} & set(model_proposers))
     rc = runner_config(cfg, dtype, budget, max_batch, max_context,
-                       verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch)
+                       verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
+                       drafting=drafting, map_limit=map_limit())
+    if progress and rc.context_buckets != context_buckets(max_context):
+        print(f"engine: context buckets {list(rc.context_buckets)} (of {list(context_buckets(max_context))}): "
+              f"every compiled shape costs XLA:CPU ~{MAPS_PER_SHAPE} memory mappings and this host allows "
+              f"{map_limit()} (vm.max_map_count)", file=sys.stderr, flush=True)
     if progress:
         print(f"engine: {cfg.name} {dtype}, KV pool {rc.global_pages - 1} global + "
               f"{rc.local_pages - 1} local pages of {PAGE_SIZE} tokens, max batch {max_batch}, "

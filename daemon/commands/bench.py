@@ -75,6 +75,8 @@ def _add_crossover(c: argparse.ArgumentParser) -> None:
         help="share of the KV pool lent to speculation in every run (the draft model needs > 0)")
     add("--draft-vocab", type=int, default=None, help="MTP draft vocabulary (default: its smallest)")
     add("--seed", type=int, default=0, help="seed of the prompt draw")
+    add("--temperature", type=float, default=0.0,
+        help="sampling temperature of every request (0: greedy; each request seeded)")
     add("--prompt-sets", type=int, default=1,
         help="disjoint prompt sets measured per batch size, pooled (more: steadier small batches)")
     add("--model", default=None, help="a .gguf file or a HF Gemma 3 directory (default: Gemma 3 270M)")
@@ -135,7 +137,7 @@ def _run_crossover(args: argparse.Namespace) -> None:
             techniques=names(args.techniques), depths=ints("--depths", args.depths),
             batches=ints("--batches", args.batches), kinds=names(args.kinds), new_tokens=args.new_tokens,
             prompt_tokens=args.prompt_tokens, pool_split=args.pool_split, draft_vocab=args.draft_vocab,
-            seed=args.seed, prompt_sets=args.prompt_sets)
+            seed=args.seed, prompt_sets=args.prompt_sets, temperature=args.temperature)
         run_bench(args.out, grid, model=args.model, heads=args.heads, dtype=args.dtype)
     except BenchConfigError as exc:
         raise UserError(str(exc)) from None
@@ -185,6 +187,9 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--max-tokens", type=int, default=None, help="cap on each request's max_tokens (default: its kind's)")
     add("--ignore-eos", action="store_true", help="every request decodes exactly max_tokens tokens")
     add("--seed", type=int, default=0, help="seed of the trace")
+    add("--temperatures", default="chat:0.8,prose:0.8",
+        help="KIND:TEMPERATURE,... sampling of each kind's requests, seeded per request (unlisted "
+             "kinds: greedy; 'none': all greedy)")
     add("--no-drain", action="store_true",
         help="replay the phases back to back (default: each starts once the last one's requests finished)")
     add("--runs", default="autotuned,never,fixed,table", help="policies to run (comma-separated)")
@@ -228,10 +233,13 @@ def _tuner_config(args: argparse.Namespace) -> Any:
     try:
         depths = tuple(int(d) for d in items(args.depths))
         table = tuple((int(b), int(d)) for b, d in (x.split(":") for x in items(args.table)))
+        temps = () if args.temperatures == "none" else tuple(
+            _kind_value("--temperatures", x) for x in items(args.temperatures))
         return TunerBenchConfig(
             phase_s=args.phase_seconds, rate_scale=args.rate_scale, low_rate=args.low_rate,
             high_rate=args.high_rate, low_max_concurrency=args.low_max_concurrency or None,
             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed, drain=not args.no_drain,
+            temperatures=temps,
             techniques=items(args.techniques), depths=depths, table=table,
             table_technique=args.table_technique, pool_split=args.pool_split, runs=items(args.runs),
             retune_interval_s=args.retune_interval, fit_window_s=args.fit_window,
@@ -245,3 +253,12 @@ def _tuner_config(args: argparse.Namespace) -> Any:
             fake=args.fake, fake_time_scale=args.fake_time_scale)
     except ValueError as exc:
         raise UserError(f"bench tuner: {exc}") from None
+
+
+def _kind_value(flag: str, item: str) -> tuple[str, float]:
+    """"chat:0.8" -> ("chat", 0.8); UserError naming the item otherwise."""
+    kind, _, value = item.partition(":")
+    try:
+        return kind.strip(), float(value)
+    except ValueError:
+        raise UserError(f"{flag}: {item!r} is not KIND:NUMBER") from None

@@ -21,13 +21,32 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def engine():
+    from engine.core import memory_mappings
     from engine.loader import load_engine
 
+    before = memory_mappings()
     # one 128-token context bucket keeps warmup to ~20 full-model shapes
     e = load_engine(dtype="float32", max_batch=4, max_context=128, progress=False, speculation=True,
                     spec_max_batch=4)
     e.warmup(progress=False)
+    e.test_mappings_added = None if before is None else memory_mappings() - before
     return e
+
+
+def test_warmup_maps_no_more_memory_than_the_loader_budgets(engine):
+    """The mapping estimate that thins the context buckets (engine.loader.MAPS_PER_SHAPE) is an
+    upper bound on what loading and warming up every shape and proposer really maps."""
+    import jax
+
+    from engine.loader import MAPS_PER_DRAFTING_BATCH, MAPS_PER_SHAPE, MAPS_RESERVE
+
+    if engine.test_mappings_added is None or jax.default_backend() != "cpu":
+        pytest.skip("counts XLA:CPU's memory mappings in /proc/self/maps")
+    rc = engine.runner.rc
+    shapes = len(engine.runner.shapes()) + len(engine.runner.verify_shapes())
+    drafting = sum(b <= rc.spec_max_batch for b in rc.batch_buckets) * len(rc.context_buckets)
+    budget = MAPS_RESERVE + MAPS_PER_SHAPE * shapes + MAPS_PER_DRAFTING_BATCH * drafting
+    assert 0 < engine.test_mappings_added <= budget
 
 
 @pytest.fixture(scope="module")

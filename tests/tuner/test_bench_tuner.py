@@ -201,3 +201,28 @@ def test_the_model_verifies_every_batch_size_with_the_compared_techniques(
     load_engine(TunerBenchConfig(techniques=techniques, max_batch=48))
     assert asked["spec_max_batch"] == 48 and asked["max_batch"] == 48
     assert asked["model_proposers"] == proposers and asked["warmed"]
+
+
+def test_the_trace_samples_the_kinds_it_is_told_to_with_a_seed_each() -> None:
+    from daemon.bench_tuner import TunerBenchConfig, build_trace, fake_engine
+
+    cfg = TunerBenchConfig(fake=True, phase_s=20.0, rate_scale=4.0, temperatures=(("prose", 0.7),))
+    _, arrivals = build_trace(cfg, fake_engine(cfg))
+    kinds = {a.tenant.removesuffix("-tenant") for a in arrivals}
+    assert {"prose", "copy"} <= kinds
+    for a in arrivals:
+        if a.tenant == "prose-tenant":
+            assert a.body["temperature"] == 0.7 and isinstance(a.body["seed"], int)
+        else:
+            assert a.body["temperature"] == 0.0 and "seed" not in a.body
+    seeds = [a.body["seed"] for a in arrivals if "seed" in a.body]
+    assert len(seeds) == len(set(seeds)) > 1
+    greedy = TunerBenchConfig(fake=True, phase_s=20.0, rate_scale=4.0, temperatures=())
+    assert all(a.body["temperature"] == 0.0 for a in build_trace(greedy, fake_engine(greedy))[1])
+
+
+def test_bad_temperatures_are_user_errors(capsys: pytest.CaptureFixture) -> None:
+    assert cli(["bench", "tuner", "--fake", "--temperatures", "poetry:0.5"]) == 2
+    assert "poetry" in capsys.readouterr().err
+    assert cli(["bench", "tuner", "--fake", "--temperatures", "chat:hot"]) == 2
+    assert "hot" in capsys.readouterr().err
