@@ -13,7 +13,10 @@
    have finished (--no-drain: back to back, so a backlog carries over and
    mixes with the next phase's traffic); each request is sent by its kind's tenant
    ("copy-tenant", ...) with that tenant's API key, so the tuner sees
-   per-tenant acceptance as in production.
+   per-tenant acceptance as in production. Chat and prose requests sample
+   (temperature 0.8, a seed each; --temperatures), copy and code are greedy,
+   as their clients would ask: sampled text repeats itself less, so n-gram
+   drafts pay less there than on greedy output.
 3. One run per policy, each on a fresh daemon started in this process
    (`make_app`, a new temporary SQLite telemetry database, the kind tenants,
    an admin token), sharing the engine: static policies are pinned over

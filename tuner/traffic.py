@@ -37,7 +37,8 @@ class Traffic:
     mean_prompt_tokens: float = 0.0
     mean_output_tokens: float = 0.0
     tenant_mix: dict[str, float] = field(default_factory=dict)
-    """Tenant -> share of output tokens (sums to 1; empty without requests)."""
+    """Tenant -> share of output tokens (sums to 1): of the steps' batches where they name
+    their tenants, else of the finished requests; empty without either."""
     token_weights: dict[int, float] = field(default_factory=dict)
     """Batch size -> share of the output tokens emitted at that size (sums to 1; empty: taken
     from batch_weights, one token per sequence and step)."""
@@ -88,15 +89,39 @@ def observe(steps: Sequence[StepRow], requests: Sequence[RequestRow],
         emitted[s.batch_size] = emitted.get(s.batch_size, 0) + s.decode_tokens
     n, total = len(steps), sum(emitted.values())
     load = np.array([s.batch_size + s.queue_len for s in steps], float)
+    figures = _request_figures(requests)
+    served = _served_mix(steps)
+    if served:
+        figures["tenant_mix"] = served
     return Traffic(
         steps=n,
         batch_weights={b: c / n for b, c in sorted(counts.items())},
         prefill_per_step={b: prefill[b] / counts[b] for b in sorted(counts)},
         concurrency=float(np.quantile(load, quantile)),
         concurrency_max=int(load.max()),
-        **_request_figures(requests),
+        **figures,
         token_weights={b: emitted[b] / total for b in sorted(counts)} if total else {},
     )
+
+
+def _served_mix(steps: Sequence[StepRow]) -> dict[str, float]:
+    """Tenant -> share of the tokens the steps emitted, each step's split evenly over the
+    tenants in its batch (empty when no step names its tenants).
+
+    Finished requests lag: in a busy minute the window's requests are still running, and a
+    mix taken from them alone was empty or the previous phase's.
+
+    >>> from tuner.data import StepRow
+    >>> def row(n, *tenants): return StepRow(0.0, n, 0, n, "none", 0, 0, (), 0.0, 10.0, 0, 0, tenants)
+    >>> _served_mix([row(3, "a"), row(2, "a", "b")])
+    {'a': 0.8, 'b': 0.2}
+    """
+    mix: dict[str, float] = {}
+    for s in steps:
+        for t in s.tenants:
+            mix[t] = mix.get(t, 0.0) + s.decode_tokens / len(s.tenants)
+    total = sum(mix.values())
+    return {t: v / total for t, v in sorted(mix.items())} if total else {}
 
 
 def _request_figures(requests: Sequence[RequestRow]) -> dict:

@@ -7,6 +7,8 @@ Random weights make acceptance whatever it is; what must hold is the bookkeeping
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -115,6 +117,7 @@ def test_helpers_examples():
 @pytest.mark.parametrize("kw,word", [
     ({"depths": (0, 2)}, "depths"), ({"batches": ()}, "batches"), ({"kinds": ("poetry",)}, "poetry"),
     ({"techniques": ("magic",)}, "magic"), ({"new_tokens": 1}, "new_tokens"), ({"pool_split": 0.9}, "pool_split"),
+    ({"temperature": 2.5}, "temperature"),
 ])
 def test_bad_grid_values_are_named(kw, word):
     with pytest.raises(BenchConfigError, match=word):
@@ -171,3 +174,21 @@ def test_prompt_sets_pool_disjoint_prompts_into_one_row_per_cell(tiny):
                                    new_tokens=8, prompt_tokens=40))
     one = single["kinds"]["copy"]["techniques"]["ngram"]["depths"]["2"][0]
     assert rows[0]["steps"] > one["steps"]  # the other sets' steps are in the pooled row
+
+
+def test_sampled_runs_are_seeded_per_request_and_repeat(tiny):
+    """--temperature: every request samples with its own seed, so a run repeats exactly and its
+    acceptance differs from greedy decoding's."""
+    grid = CrossoverGrid(techniques=("ngram",), depths=(2,), batches=(2,), kinds=("copy",),
+                         new_tokens=10, prompt_tokens=40, temperature=1.0)
+
+    def accepted(result):
+        rows = result["kinds"]["copy"]["techniques"]["ngram"]["depths"]["2"]
+        return [(r["tokens"], r["steps"], r["per_pos"]) for r in rows]
+
+    first = measure(make_engine(tiny, ChatBytes(), **SPEC_RC), grid)
+    again = measure(make_engine(tiny, ChatBytes(), **SPEC_RC), grid)
+    greedy = measure(make_engine(tiny, ChatBytes(), **SPEC_RC), dataclasses.replace(grid, temperature=0.0))
+    assert first["grid"]["temperature"] == 1.0 and greedy["grid"]["temperature"] == 0.0
+    assert accepted(first) == accepted(again)
+    assert accepted(first) != accepted(greedy)

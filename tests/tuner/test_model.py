@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from sqlalchemy import Engine
 
@@ -163,3 +164,25 @@ def test_fit_on_the_fake_engines_own_telemetry() -> None:
     assert report.step_ms_median_ape < 0.01  # the fake's step time is exactly linear
     assert model.predict_step_ms("ngram", 3, 5) == pytest.approx(cost.times(5, 3)[0], rel=0.01)
     assert model.acceptance["ngram"][:2] == pytest.approx((0.8, 0.6), abs=0.08)
+
+
+def test_a_few_slow_collinear_steps_cannot_fit_negative_costs() -> None:
+    """A busy minute leaves few steps, almost all at batch 32 and one depth: an unconstrained
+    fit found negative per-row costs and predicted deep drafts far faster than plain decoding.
+    Every fitted cost is >= 0, so predicted step time never falls as batch or depth grows."""
+    pad = Padding(batch=(1, 2, 4, 8, 16, 32), query=(1, 2, 3, 5, 9))
+    rng = np.random.default_rng(0)
+
+    def row(b: int, d: int, ms: float) -> StepRow:
+        return StepRow(0.0, b, 0, b, "ngram" if d else "none", d, b * d, (0,) * d,
+                       0.3 + 0.05 * b * d, ms * rng.uniform(0.9, 1.1), 0, 0)
+
+    rows = [row(32, 8, 2350.0)] * 12 + [row(32, 0, 405.0)] * 10 + [row(b, 0, 60.0 + 11 * b) for b in (5, 9, 22)]
+    model = PerfModel.fit(rows, buckets=pad)
+    assert min(model.target) >= 0.0 and min(model.propose["ngram"]) >= 0.0
+    for depth in (0, 1, 4, 8):
+        times = [model.predict_step_ms("ngram" if depth else "none", depth, b) for b in (1, 2, 4, 8, 16, 32)]
+        assert times == sorted(times)
+    deep = [model.predict_step_ms("ngram", d, 32) for d in (1, 2, 4, 8)]
+    assert deep == sorted(deep) and deep[-1] > model.predict_step_ms("none", 0, 32)
+    assert model.error_report(rows).step_ms_median_ape < 0.25

@@ -117,3 +117,21 @@ def test_depths_between_verify_sizes_are_not_offered_and_a_technique_drafts_no_d
     at = {d: evaluate(TunedPolicy((BatchRule(64, "mtp", d),), crossover=64), model, traffic(), cap)
           for d in (4, 8)}
     assert at[8].goodput == pytest.approx(at[4].goodput)
+
+
+def test_the_tenant_mix_is_what_the_steps_served_not_only_what_finished() -> None:
+    """In a busy minute the window's requests are still running: the mix comes from the steps'
+    batches (each split over its tenants), and from finished requests only without them."""
+    from tuner.data import RequestRow, StepRow
+    from tuner.traffic import observe
+
+    def step(n: int, *tenants: str) -> StepRow:
+        return StepRow(0.0, n, 0, n, "none", 0, 0, (), 0.0, 100.0, 0, 0, tenants)
+
+    finished = [RequestRow("copy", 50, 200, 0.0, 10.0, 0, 0)]  # the previous phase's
+    busy = [step(32, "chat", "code", "copy", "prose")] * 9 + [step(2, "prose")]
+    mix = observe(busy, finished).tenant_mix
+    assert set(mix) == {"chat", "code", "copy", "prose"} and sum(mix.values()) == pytest.approx(1.0)
+    assert mix["prose"] == pytest.approx((9 * 8 + 2) / (9 * 32 + 2)) and mix["prose"] > mix["copy"]
+    assert observe([step(4)] * 3, finished).tenant_mix == {"copy": 1.0}  # steps name none
+    assert observe([step(4)] * 3, []).tenant_mix == {}
