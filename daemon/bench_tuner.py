@@ -315,6 +315,7 @@ def build_trace(cfg: TunerBenchConfig, engine: Any) -> tuple[list[Any], list[Arr
     phases = shifting_trace(cfg.phase_s, cfg.low_rate * cfg.rate_scale,
                             cfg.high_rate * cfg.rate_scale, cfg.low_max_concurrency)
     arrivals, dropped = [], 0
+    temperatures = dict(cfg.temperatures)
     for timed in trace(phases, cfg.seed):
         p = timed.prompt
         max_tokens = min(p.max_tokens, cfg.max_tokens or p.max_tokens)
@@ -323,7 +324,7 @@ def build_trace(cfg: TunerBenchConfig, engine: Any) -> tuple[list[Any], list[Arr
             continue
         job = Job(len(arrivals), p, max_tokens, timed.at_s)
         body = {**job.body(engine.model_name), "ignore_eos": cfg.ignore_eos}
-        temperature = dict(cfg.temperatures).get(p.kind, 0.0)
+        temperature = temperatures.get(p.kind, 0.0)
         if temperature > 0:
             body.update(temperature=temperature, seed=cfg.seed * 100_003 + job.index)
         arrivals.append(Arrival(job.index, timed.at_s, timed.phase, timed.tenant, job.route(), body))

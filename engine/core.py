@@ -24,7 +24,7 @@ from engine.kv import KVPool
 from engine.model import Params
 from engine.policy import NEVER, TunedPolicy
 from engine.proposers import NgramProposer, Proposer
-from engine.runner import ModelRunner, RunnerConfig, compile_count
+from engine.runner import ModelRunner, RunnerConfig, compile_count, map_limit, memory_mappings
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import Detokenizer, Sequence, append_tokens, request_key
 from engine.types import Request, RequestResult, StepOutput, StepStats, TokenEvent
@@ -295,8 +295,6 @@ class EngineCore:
         self.runner.warm_compiles = compile_count()
         self.warmed_up = True
         if progress:
-            from engine.loader import map_limit
-
             limit, used = map_limit(), memory_mappings()
             if limit and used:
                 print(f"warmup: done, {compile_count()} executables compiled or loaded; {used} of this "
@@ -318,11 +316,3 @@ class EngineCore:
                           for n, p in self.proposers.items()},
         }
 
-
-def memory_mappings() -> int | None:
-    """Memory mappings of this process (Linux), None where unknown."""
-    try:
-        with open("/proc/self/maps") as f:
-            return sum(1 for _ in f)
-    except OSError:
-        return None

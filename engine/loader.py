@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from engine.config import ModelConfig
 from engine.core import EngineConfig, EngineCore
 from engine.planner import KV_DTYPE_BYTES, size_pool
-from engine.runner import RunnerConfig, enable_persistent_cache
+from engine.runner import RunnerConfig, enable_persistent_cache, map_limit
 
 PAGE_SIZE = 16
 MAX_SPEC_DEPTH = 8
@@ -67,16 +67,20 @@ MAPS_RESERVE = 8000
 """Mappings kept for everything else: the process itself, MTP heads, threads, sockets."""
 
 
-def map_limit() -> int | None:
-    """The mappings compiled code may take in this process (None: no known cap, or not XLA:CPU,
-    whose kernels live on the host)."""
-    if jax.default_backend() != "cpu":
-        return None
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return None
+def shapes_per_context(batches: tuple[int, ...], prefills: tuple[int, ...],
+                       verify_tokens: tuple[int, ...], spec_max_batch: int, drafting: bool) -> float:
+    """Compiled shapes per context bucket, in units of MAPS_PER_SHAPE: decode, prefill and
+    verify shapes, plus the layer-chain proposers' (early exit, draft model) when `drafting`."""
+    spec_batches = sum(b <= spec_max_batch for b in batches) if verify_tokens else 0
+    return (len(batches) + len(prefills) + spec_batches * len(verify_tokens)
+            + (spec_batches * MAPS_PER_DRAFTING_BATCH / MAPS_PER_SHAPE if drafting else 0))
+
+
+def estimated_mappings(rc: RunnerConfig, drafting: bool) -> float:
+    """The mappings `runner_config` budgets for every shape of `rc` (MAPS_RESERVE included)."""
+    per_context = shapes_per_context(rc.batch_buckets, rc.prefill_buckets, rc.verify_tokens,
+                                     rc.spec_max_batch, drafting)
+    return MAPS_RESERVE + MAPS_PER_SHAPE * per_context * len(rc.context_buckets)
 
 
 def context_buckets_within(ladder: tuple[int, ...], shapes_per_context: float,
@@ -130,9 +134,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     cap = sizes.ring_pages * PAGE_SIZE
     batches = batch_buckets(max_batch, smallest_batch(dtype))
     prefills = tuple(b for b in (32, 128, 512) if b <= cap) or (cap,)
-    spec_batches = sum(b <= spec_max_batch for b in batches) if verify_tokens else 0
-    per_context = (len(batches) + len(prefills) + spec_batches * len(verify_tokens)
-                   + (spec_batches * MAPS_PER_DRAFTING_BATCH / MAPS_PER_SHAPE if drafting else 0))
+    per_context = shapes_per_context(batches, prefills, verify_tokens, spec_max_batch, drafting)
     return RunnerConfig(
         page_size=PAGE_SIZE,
         batch_buckets=batches,
@@ -175,13 +177,14 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     tokenizer = Tokenizer.from_gguf(gguf or default_gguf_path(progress), progress=progress)
     budget = kv_budget_bytes or DEFAULT_KV_BUDGET.get(jax.default_backend(), 4 << 30)
     drafting = speculation and bool({"early_exit", "draft"} & set(model_proposers))
+    limit, ladder = map_limit(), context_buckets(max_context)
     rc = runner_config(cfg, dtype, budget, max_batch, max_context,
                        verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
-                       drafting=drafting, map_limit=map_limit())
-    if progress and rc.context_buckets != context_buckets(max_context):
-        print(f"engine: context buckets {list(rc.context_buckets)} (of {list(context_buckets(max_context))}): "
+                       drafting=drafting, map_limit=limit)
+    if progress and rc.context_buckets != ladder:
+        print(f"engine: context buckets {list(rc.context_buckets)} (of {list(ladder)}): "
               f"every compiled shape costs XLA:CPU ~{MAPS_PER_SHAPE} memory mappings and this host allows "
-              f"{map_limit()} (vm.max_map_count)", file=sys.stderr, flush=True)
+              f"{limit} (vm.max_map_count)", file=sys.stderr, flush=True)
     if progress:
         print(f"engine: {cfg.name} {dtype}, KV pool {rc.global_pages - 1} global + "
               f"{rc.local_pages - 1} local pages of {PAGE_SIZE} tokens, max batch {max_batch}, "

@@ -49,6 +49,27 @@ def compile_count() -> int:
     return _compiles
 
 
+def memory_mappings() -> int | None:
+    """Memory mappings of this process (Linux), None where unknown."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def map_limit() -> int | None:
+    """The mappings compiled code may take in this process (None: no known cap, or not XLA:CPU,
+    whose kernels live on the host; see engine.loader.MAPS_PER_SHAPE)."""
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def enable_persistent_cache(path: str | None = None) -> str:
     """Keep compiled executables on disk so a restart (or the next test run) skips XLA.
 

@@ -213,20 +213,11 @@ def test_compiled_buckets_cover_every_length_up_to_the_limits():
     assert batch_buckets(48) == (1, 2, 4, 8, 16, 32, 48) and batch_buckets(32, 2) == (2, 4, 8, 16, 32)
 
 
-def _estimated_maps(rc, drafting: bool) -> float:
-    """What `runner_config` budgets for `rc`'s compiled shapes (see engine.loader.MAPS_PER_SHAPE)."""
-    from engine.loader import MAPS_PER_DRAFTING_BATCH, MAPS_PER_SHAPE, MAPS_RESERVE
-
-    spec = sum(b <= rc.spec_max_batch for b in rc.batch_buckets) if rc.verify_tokens else 0
-    shapes = len(rc.batch_buckets) + len(rc.prefill_buckets) + spec * len(rc.verify_tokens)
-    per_context = MAPS_PER_SHAPE * shapes + (MAPS_PER_DRAFTING_BATCH * spec if drafting else 0)
-    return MAPS_RESERVE + per_context * len(rc.context_buckets)
-
-
 def test_context_buckets_are_thinned_to_fit_the_hosts_memory_mappings():
     """XLA:CPU maps every compiled kernel separately; `crossover serve`'s defaults with all
     five context buckets crashed its warmup at Linux's default vm.max_map_count."""
-    from engine.loader import VERIFY_TOKENS, context_buckets, context_buckets_within, runner_config
+    from engine.loader import (VERIFY_TOKENS, context_buckets, context_buckets_within, estimated_mappings,
+                               runner_config)
 
     def serve_like(limit, drafting=True):
         return runner_config(GEMMA3_270M, "float32", 2 << 30, 32, 4096, verify_tokens=VERIFY_TOKENS,
@@ -240,9 +231,9 @@ def test_context_buckets_are_thinned_to_fit_the_hosts_memory_mappings():
             rc = serve_like(limit, drafting)
             cb = rc.context_buckets
             assert cb == full[-len(cb):] and cb[-1] == 4096  # the smallest go first
-            assert _estimated_maps(rc, drafting) <= limit
+            assert estimated_mappings(rc, drafting) <= limit
             if cb != full:  # one more bucket would not have fitted
                 wider = dataclasses.replace(rc, context_buckets=full[-len(cb) - 1:])
-                assert _estimated_maps(wider, drafting) > limit
+                assert estimated_mappings(wider, drafting) > limit
     assert len(serve_like(65530).context_buckets) == 3 and serve_like(262144).context_buckets == full
     assert context_buckets_within((64, 128), 10**6, 65530) == (128,)  # never fewer than one

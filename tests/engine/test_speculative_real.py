@@ -21,7 +21,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def engine():
-    from engine.core import memory_mappings
+    from engine.runner import memory_mappings
     from engine.loader import load_engine
 
     before = memory_mappings()
@@ -38,15 +38,12 @@ def test_warmup_maps_no_more_memory_than_the_loader_budgets(engine):
     upper bound on what loading and warming up every shape and proposer really maps."""
     import jax
 
-    from engine.loader import MAPS_PER_DRAFTING_BATCH, MAPS_PER_SHAPE, MAPS_RESERVE
+    from engine.loader import estimated_mappings
 
     if engine.test_mappings_added is None or jax.default_backend() != "cpu":
         pytest.skip("counts XLA:CPU's memory mappings in /proc/self/maps")
-    rc = engine.runner.rc
-    shapes = len(engine.runner.shapes()) + len(engine.runner.verify_shapes())
-    drafting = sum(b <= rc.spec_max_batch for b in rc.batch_buckets) * len(rc.context_buckets)
-    budget = MAPS_RESERVE + MAPS_PER_SHAPE * shapes + MAPS_PER_DRAFTING_BATCH * drafting
-    assert 0 < engine.test_mappings_added <= budget
+    assert {"early_exit", "draft"} <= set(engine.proposers)
+    assert 0 < engine.test_mappings_added <= estimated_mappings(engine.runner.rc, drafting=True)
 
 
 @pytest.fixture(scope="module")
