@@ -66,6 +66,9 @@ class TunerConfig:
     """Roll back when measured goodput is worse by more than this share (or the noise if larger)."""
     noise_z: float = 2.0
     """Standard errors of the goodput difference that count as noise."""
+    prediction_margin: float = 0.3
+    """With no matched steps of the previous policy, roll back when measured goodput is this
+    share below the model's prediction at the same batch sizes (tuner.validate.against_prediction)."""
     seed: int | None = None
     """Base sampler seed, offset by the study's trial count (no repeats); None: random."""
 
@@ -87,6 +90,8 @@ class TunerConfig:
             raise ValueError(f"concurrency_quantile={self.concurrency_quantile} must be in (0, 1]")
         if self.tpot_p95_ms < 0 or self.min_gain < 0 or self.rollback_margin < 0:
             raise ValueError("tpot_p95_ms, min_gain and rollback_margin must be >= 0")
+        if not 0.0 < self.prediction_margin <= 1.0:
+            raise ValueError(f"prediction_margin={self.prediction_margin} must be in (0, 1]")
         if not 0 < self.traffic_window_s or not 0 < self.fit_window_s:
             raise ValueError(f"fit_window_s={self.fit_window_s} and traffic_window_s="
                              f"{self.traffic_window_s} must be > 0")

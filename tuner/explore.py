@@ -6,9 +6,14 @@ engine thread). `ExploringPolicy` answers like the policy it wraps except:
 - during a short **profile** (its first `profile_steps` decisions), every
   other decision goes to the next unmeasured (technique, depth) cell in
   turn, so a fresh daemon measures each cell a few times on live traffic;
-- afterwards a share `share` of decisions picks a non-chosen depth (of the
-  chosen technique, or of a loaded technique in turn where the policy says
-  "none").
+- afterwards a share `share` of decisions tries a neighbouring depth: the
+  next shallower or deeper of the verified depths (the shallowest where the
+  policy says "none", with a loaded technique in turn). A neighbour is what a local decision needs
+  (should this batch size go one step deeper or shallower?) and it costs
+  little: a random depth once sent 2% of batch-32 steps to depth 4 and 8,
+  2-6x the cost of a plain step on CPU, ~7% of the busy phase's engine time.
+  Deep cells at large batches are still predicted, from the rows a step runs
+  (see tuner.model) and acceptance measured at any batch size.
 
 It exposes `version`, `max_depth`, `techniques()` and every other attribute
 of the wrapped TunedPolicy, so `EngineCore.set_policy` and the step records
@@ -27,14 +32,16 @@ from engine.policy import TunedPolicy
 
 
 def profile_depths(max_depth: int) -> tuple[int, ...]:
-    """The depths a startup profile measures: the deepest first (one such step measures every
-    draft position's acceptance and the largest verify shape), then 2 and 1 (shallow step
-    times, what the model interpolates between).
+    """The depths a startup profile measures: only the deepest. One such step measures every
+    draft position's acceptance and the largest verify shape; shallower step times follow
+    from the rows a step runs (tuner.model), and exploration visits them as neighbours.
+    Profiling depths 2 and 1 as well cost ~10% of a short copy-heavy phase at batch 1,
+    where they emit far less than the deepest draft.
 
     >>> profile_depths(4), profile_depths(1)
-    ((4, 2, 1), (1,))
+    ((4,), (1,))
     """
-    return tuple(sorted({max_depth, min(2, max_depth), 1}, reverse=True))
+    return (max_depth,)
 
 
 def gap_cells(coverage: Mapping[str, Mapping[int, int]], techniques: Sequence[str],
@@ -42,8 +49,8 @@ def gap_cells(coverage: Mapping[str, Mapping[int, int]], techniques: Sequence[st
     """(technique, depth) cells of the profile depths measured fewer than `min_steps` times,
     technique by technique in the order given (cheapest first).
 
-    >>> gap_cells({"ngram": {4: 50}}, ["ngram", "mtp"], 4)
-    [('ngram', 2), ('ngram', 1), ('mtp', 4), ('mtp', 2), ('mtp', 1)]
+    >>> gap_cells({"ngram": {4: 50}, "mtp": {4: 3}}, ["ngram", "mtp", "draft"], 4)
+    [('mtp', 4), ('draft', 4)]
     """
     return [(t, d) for t in techniques for d in profile_depths(max_depth)
             if coverage.get(t, {}).get(d, 0) < min_steps]
@@ -98,11 +105,15 @@ class ExploringPolicy:
 
     # -- helpers --------------------------------------------------------------
     def _alternative(self, chosen: tuple[str, int]) -> tuple[str, int]:
+        """A neighbouring cell of `chosen` (see the module docstring)."""
         technique, depth = chosen
-        if technique == "none":
-            technique = self.explore_techniques[self._next_turn(len(self.explore_techniques))]
-        others = [d for d in self.explore_depths if d != depth]
-        return technique, self._rng.choice(others) if others else depth
+        depths = self.explore_depths
+        if technique == "none" or not depth:
+            return self.explore_techniques[self._next_turn(len(self.explore_techniques))], depths[0]
+        lower = [d for d in depths if d < depth]
+        higher = [d for d in depths if d > depth]
+        options = [(technique, d) for d in (lower[-1:] + higher[:1]) if d <= self.explore_depth]
+        return self._rng.choice(options) if options else chosen
 
     def _next_turn(self, n: int) -> int:
         self._turn += 1

@@ -3,8 +3,17 @@
 Step time splits into the target model's forward and the proposer's work:
 
     step_ms = target(B, q, P) + propose(technique, B, depth)
-    target  = t0 + t1*B + t2*q + t3*B*q + t4*P        (q = 1 + depth, P = prefill tokens)
+    target  = t0 + t1*B + t3*B*q + t4*P               (q = 1 + depth, P = prefill tokens)
     propose = p0 + p1*B + p2*B*depth                  (one fit per technique; 0 for "none")
+
+B*q is the rows the forward runs (every row passes the layers and the
+262k-row output layer), B the sequences whose cache it reads. The fit has no
+q-only term (t2 is kept in the tuple for a caller's own model, fitted as 0):
+with one, a startup profile at batch 1-2 explained the cost of deeper
+verifies by q alone, and the model carried that to batch 32 as almost free
+(n-gram@8 there predicted ~2x faster than the 2.2 s it took). Per row, the
+forward costs about the same at batch 1 (a 9-row verify) as at batch 32
+(7.5-11 ms here), so the rows term carries across batch sizes.
 
 B and q are the shape the step ran at: the engine pads a batch to its next
 compiled batch size and a verify to its next compiled query length (the
@@ -32,7 +41,8 @@ technique and the text together (n-gram lookups pay on copy-heavy tenants,
 not on prose). Otherwise a per-tenant factor (the tenant's accepted/proposed
 over everyone's, from requests) scales the odds of the pooled rates (so a
 rate stays below 1 and the tenant mix the rates were measured on averages
-back to about them). A technique never measured has rate 0, so the search
+back to about them); a tenant with no finished requests yet gets the lowest
+measured factor (at most 1), not the pooled rates as they are. A technique never measured has rate 0, so the search
 cannot prefer what nobody has seen.
 
 Not every sequence drafts: an n-gram lookup finds nothing in most prose, and
@@ -173,12 +183,24 @@ class PerfModel:
         """Conditional acceptance at positions 0..depth-1 (the last measured rate repeats)."""
         own = self._lookup(self.acceptance, technique, draft_vocab, tenant) if tenant else None
         known = own or self._lookup(self.acceptance, technique, draft_vocab) or ()
-        factor = 1.0 if own or tenant is None else self.tenant_factor.get(tenant, 1.0)
+        factor = 1.0 if own or tenant is None else self.factor_of(tenant)
         out = []
         for i in range(depth):
             base = known[min(i, len(known) - 1)] if known else 0.0
             out.append(min(MAX_RATE, scale_odds(base, factor)))
         return out
+
+    def factor_of(self, tenant: str) -> float:
+        """The tenant's factor on the pooled odds; a tenant not yet measured gets the lowest
+        measured one (at most 1). With 1, the first busy retune after a copy-heavy phase
+        credited new chat and prose tenants with the copy tenant's rates and chose n-gram@8
+        at batch 32 (predicted 48 tokens/s, measured 23).
+
+        >>> PerfModel(target=(1, 0, 0, 0, 0), tenant_factor={"copy": 1.5, "code": 0.5}).factor_of("chat")
+        0.5
+        """
+        known = self.tenant_factor.get(tenant)
+        return known if known is not None else min([1.0, *self.tenant_factor.values()])
 
     def share(self, technique: str, tenant: str | None = None, draft_vocab: int = 0) -> float:
         """Share of decode rows that draft (the tenant's own when measured, else pooled, else 1)."""
@@ -283,9 +305,10 @@ def _fit_target(steps: Sequence[StepRow], buckets: Padding) -> tuple[float, ...]
     b = np.array([shape[0] for shape in shapes], float)
     q = np.array([shape[1] for shape in shapes], float)
     p = np.array([s.prefill_tokens for s in steps], float)
-    x = np.column_stack([np.ones_like(b), b, q, b * q, p])
+    x = np.column_stack([np.ones_like(b), b, b * q, p])
     y = np.array([max(s.step_ms - s.propose_ms, 1e-3) for s in steps], float)
-    return tuple(float(c) for c in _weighted_lstsq(x, y))
+    t0, t1, t3, t4 = (float(c) for c in _weighted_lstsq(x, y))
+    return (t0, t1, 0.0, t3, t4)
 
 
 def _fit_propose(steps: Sequence[StepRow], vocab_of: Mapping[int, int]) -> dict[str, tuple]:

@@ -55,7 +55,8 @@ from tuner.model import NotEnoughTelemetry
 from tuner.objective import Capacity
 from tuner.search import SearchJob, SearchOutcome, run_search
 from tuner.space import SearchSpace
-from tuner.validate import Verdict, compare, measured_goodput, own_steps, weighted_rate
+from tuner.validate import (Verdict, against_prediction, compare, measured_goodput, own_steps,
+                            weighted_rate)
 
 log = logging.getLogger("crossover.tuner")
 SearchRunner = Callable[[SearchJob], SearchOutcome]
@@ -273,7 +274,9 @@ class Tuner:
         served = {r.batch_size for r in own}
         predicted = weighted_rate({b: v for b, v in outcome.per_batch.items() if b in served},
                                   weights)
-        return verdict, measured_goodput(own, weights), predicted
+        measured = measured_goodput(own, weights)
+        verdict = against_prediction(verdict, len(own), measured, predicted, cfg.prediction_margin)
+        return verdict, measured, predicted
 
     def _steps(self, since: float, version: int) -> list:
         with session_scope(self.db) as session:

@@ -11,7 +11,10 @@ MIN_PER_BATCH times under both policies, with per-step goodput means c_B
 
 and the candidate is rolled back when change < -max(margin, noise). Steps
 where the candidate's exploration departed from it are left out. Fewer than
-MIN_MATCHED matched candidate steps is "inconclusive" (the policy stays).
+MIN_MATCHED matched candidate steps is "inconclusive" (the policy stays),
+unless `against_prediction` finds the policy far below what the model
+promised where the previous one has nothing to compare (a shift in load
+moved the batch sizes: the copy phase ran at batch 1-2, the busy one at 32).
 
     >>> from tuner.data import StepRow
     >>> def s(b, tok, ms, v): return StepRow(0.0, b, 0, tok, "none", 0, 0, (), 0.0, ms, 0, v)
@@ -99,6 +102,27 @@ def compare(candidate: Sequence[StepRow], baseline: Sequence[StepRow], policy: T
         reason = (f"measured goodput {c_mean:.1f} tokens/s vs the previous policy's {b_mean:.1f} "
                   f"({change:+.1%}; rollback below -{threshold:.1%})")
     return Verdict(decision, reason, c_mean, b_mean, change, threshold, n, per)
+
+
+def against_prediction(verdict: Verdict, own: int, measured: float | None,
+                       predicted: float | None, margin: float) -> Verdict:
+    """An inconclusive `verdict` turned into a rollback when the candidate's `own` steps
+    (at least MIN_MATCHED) measured `margin` or more below the model's prediction at the
+    batch sizes they ran: the model that chose it was wrong there, and the previous policy,
+    chosen where it was measured, is the safer one to serve until the next retune refits.
+
+    >>> v = Verdict("inconclusive", "no matched steps")
+    >>> against_prediction(v, 40, 23.0, 48.0, 0.3).decision, against_prediction(v, 40, 40.0, 48.0, 0.3).decision
+    ('rollback', 'inconclusive')
+    """
+    if (verdict.decision != "inconclusive" or own < MIN_MATCHED or not measured or not predicted
+            or measured >= (1.0 - margin) * predicted):
+        return verdict
+    change = measured / predicted - 1.0
+    return Verdict("rollback", f"measured goodput {measured:.1f} tokens/s is {-change:.1%} below "
+                   f"the model's {predicted:.1f} at the batch sizes served, where the previous "
+                   f"policy has no steps to compare (threshold {margin:.0%})",
+                   measured, None, change, margin, verdict.matched_steps, verdict.per_batch)
 
 
 def measured_goodput(rows: Sequence[StepRow], batch_weights: dict[int, float]) -> float | None:

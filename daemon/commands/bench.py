@@ -180,7 +180,7 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--out", default="bench-out/tuner.json", help="JSON output file (the PNG plot goes next to it)")
     add("--phase-seconds", type=float, default=60.0, help="length of each of the trace's three phases")
     add("--rate-scale", type=float, default=1.0, help="factor on the trace's arrival rates")
-    add("--low-rate", type=float, default=0.25, help="arrivals/s of the low-load phases (before the scale)")
+    add("--low-rate", type=float, default=0.5, help="arrivals/s of the low-load phases (before the scale)")
     add("--high-rate", type=float, default=2.0, help="arrivals/s of the high-load phase (before the scale)")
     add("--low-max-concurrency", type=int, default=2,
         help="most requests in flight in a low-load phase (0: no cap)")
@@ -210,7 +210,7 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--profile-steps", type=int, default=100, help="startup profile decisions")
     add("--validation-min-steps", type=int, default=60, help="validation ends with this many steps")
     add("--search-in-thread", action="store_true", help="search in a thread, not a spawned process")
-    add("--probe-retunes", type=int, default=3, help="retunes measured for inter-token latency (0: none)")
+    add("--probe-retunes", type=int, default=12, help="retunes measured for inter-token latency (0: none)")
     add("--probe-concurrency", type=int, default=4, help="closed-loop clients during the probe")
     add("--probe-quiet", type=float, default=None, help="quiet seconds between probe retunes (default: phase/4)")
     add("--model", default=None, help="a .gguf file or a HF Gemma 3 directory (default: Gemma 3 270M)")

@@ -20,8 +20,8 @@ from telemetry.records import RequestRecord, StepRecord
 from telemetry.writer import request_row, step_row, write_rows
 from tuner.data import StepRow
 
-TARGET = (6.0, 0.05, 0.5, 0.5, 0.01)
-"""t0 + t1*B + t2*q + t3*B*q + t4*P (ms)."""
+TARGET = (6.0, 0.05, 0.0, 0.55, 0.01)
+"""t0 + t1*B + t2*q + t3*B*q + t4*P (ms); the model fits no q-only term (t2 = 0)."""
 PROPOSE = {"ngram": (0.05, 0.02, 0.01), "mtp": (0.3, 0.05, 0.03)}
 """p0 + p1*B + p2*B*depth (ms)."""
 ACCEPT = {"ngram": (0.8, 0.7, 0.6, 0.5), "mtp": (0.7, 0.6, 0.5, 0.4)}

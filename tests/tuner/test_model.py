@@ -147,7 +147,8 @@ def test_fit_on_the_fake_engines_own_telemetry() -> None:
     proposer = FakeProposer("ngram", (0.8, 0.6))
     engine = FakeEngine(proposers={"ngram": proposer}, cost=cost, max_batch=8)
     base = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4)
-    engine.set_policy(ExploringPolicy(base, share=0.3, techniques=["ngram"], max_depth=4, seed=1))
+    engine.set_policy(ExploringPolicy(base, share=0.3, techniques=["ngram"], max_depth=4, seed=1,
+                                      profile=[("ngram", 4)], profile_steps=80))
     for i in range(24):
         engine.add_request(Request(f"r{i}", engine.tokenizer.encode("abcdefghij" * 3),
                                    SamplingParams(max_tokens=40, ignore_eos=True)))

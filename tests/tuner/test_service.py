@@ -59,6 +59,27 @@ def test_a_deliberately_bad_policy_is_rolled_back_with_its_evidence(
     assert host.policy.version == 0 and tuner.keeper.current.version == 0
 
 
+def test_a_policy_far_below_its_prediction_is_rolled_back_without_a_baseline(
+        db: Engine, host: Host, make_tuner: Callable[..., Tuner]) -> None:
+    """The previous policy has no steps in the baseline window (the load moved): the
+    candidate is judged against the model's own prediction at the batch sizes it served."""
+    history(db, end=time.time() - 120.0)
+    serve_when_applied(db, host, synth.Synth(seed=9, accept_scale=0.0, slowdown=1.3))
+    tuner = make_tuner(dataclasses.replace(FAST, baseline_s=30.0))
+    r = finished(tuner, tuner.trigger("admin")[0])
+    validation = r["details"]["validation"]
+    assert r["status"] == "rejected" and validation["decision"] == "rollback", validation
+    assert "model's" in validation["reason"] and validation["matched_steps"] == 0
+    assert r["measured_goodput"] < (1 - FAST.prediction_margin) * r["predicted_goodput"]
+    assert host.policy.version == 0
+    # the same world as the model's: nothing to compare, measured near the prediction, kept
+    history(db, end=time.time() - 120.0, seed=6)
+    serve_when_applied(db, host, synth.Synth(seed=9))
+    r = finished(tuner, tuner.trigger("admin")[0])
+    assert r["details"]["validation"]["decision"] == "inconclusive", r["details"]["validation"]
+    assert r["status"] == "applied"
+
+
 def test_a_good_policy_is_kept_and_measured_near_its_prediction(
         db: Engine, host: Host, make_tuner: Callable[..., Tuner]) -> None:
     history(db)
