@@ -74,9 +74,8 @@ class TunerBenchConfig:
     rate_scale: float = 1.0
     """Factor on the trace's arrival rates (0.5 and 2 requests/s by default)."""
     low_rate: float = 0.5
-    """Arrivals per second of the low-load phases, before rate_scale. At 0.25 a low phase held
-    13-16 requests, ~10% of the trace's tokens each: the static oracle was only 1.12x the
-    best fixed policy, below the 1.15x target (tuner/README.md)."""
+    """Arrivals per second of the low-load phases, before rate_scale: ~30 requests a low phase
+    (13-16 at 0.25, where one request more or less moved a phase's goodput by several %)."""
     high_rate: float = 2.0
     """Arrivals per second of the high-load phase, before rate_scale (on a 2-core CPU, more
     than the engine serves at batch 32: the batch fills up and a queue waits)."""
@@ -118,9 +117,9 @@ class TunerBenchConfig:
     trials: int = 48
     """Optuna trials per TPE search (an exact solve, the default, tells at most two)."""
     min_new_steps: int = 10
-    """A scheduled retune needs this many new steps. The daemon's default, 500 per 10-minute
-    interval (a step per 1.2 s), compressed like the interval (phase_s / 6 = 10 s): ~10. More
-    would skip every retune while the batch is large and steps take a second."""
+    """A scheduled retune needs this many new steps (counted per sequence, as in the daemon).
+    The daemon's default, 500 per 10-minute interval (a step per 1.2 s), compressed like the
+    interval (phase_s / 6 = 10 s): ~10."""
     profile_steps: int = 100
     """Startup profile decisions of the autotuned daemon."""
     validation_min_steps: int = 60
@@ -474,6 +473,7 @@ def _settings(cfg: TunerBenchConfig, engine: Any, tuned: bool, admin: str, reque
         tuner_validation_s=cfg.validation,
         tuner_validation_min_steps=cfg.validation_min_steps, tuner_search_process=cfg.search_process,
         tuner_fit_window_s=cfg.window, tuner_baseline_s=cfg.window / 6,
+        tuner_cost_window_s=cfg.window * 6,
         tuner_traffic_window_s=cfg.traffic_window)
 
 

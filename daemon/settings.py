@@ -62,7 +62,8 @@ class Settings:
     tuner_interval_s: float = 600.0
     """Seconds between scheduled retunes."""
     tuner_min_new_steps: int = 500
-    """A scheduled retune is skipped (and recorded) with fewer new steps since the last one."""
+    """A scheduled retune is skipped (and recorded) with fewer new steps since the last one,
+    each counted once per sequence it ran (a batch-32 step counts 32)."""
     tuner_trials: int = 48
     """Optuna trials per TPE search (an exact solve, the default, tells at most two)."""
     tuner_tpot_p95_ms: float = 0.0
@@ -71,6 +72,8 @@ class Settings:
     """Search goodput vs p95 TPOT as two objectives (a Pareto front)."""
     tuner_fit_window_s: float = 3600.0
     """Telemetry the tuner's performance model is fitted on (seconds back from a retune)."""
+    tuner_cost_window_s: float = 21600.0
+    """Older telemetry whose steps fill shapes the fit window lacks in the step-time fit."""
     tuner_traffic_window_s: float = 600.0
     """Recent telemetry whose traffic (batch sizes, arrivals, tenant mix) a retune optimizes for."""
     tuner_baseline_s: float = 600.0
@@ -123,6 +126,7 @@ class Settings:
         _check_range("tuner_trials", self.tuner_trials, 1, 2000)
         _check_range("tuner_tpot_p95_ms", self.tuner_tpot_p95_ms, 0.0, 1e6)
         _check_range("tuner_fit_window_s", self.tuner_fit_window_s, 0.01, 86400.0 * 30)
+        _check_range("tuner_cost_window_s", self.tuner_cost_window_s, 0.0, 86400.0 * 30)
         _check_range("tuner_traffic_window_s", self.tuner_traffic_window_s, 0.01, 86400.0 * 30)
         _check_range("tuner_baseline_s", self.tuner_baseline_s, 0.01, 86400.0 * 30)
         _check_range("tuner_explore_share", self.tuner_explore_share, 0.0, 0.5)

@@ -62,6 +62,7 @@ def tuner_config(settings: Settings) -> TunerConfig:
         validation_poll_s=max(0.05, min(2.0, settings.tuner_validation_s / 20)),
         rollback_margin=settings.tuner_rollback_margin, fit_window_s=settings.tuner_fit_window_s,
         traffic_window_s=settings.tuner_traffic_window_s, baseline_s=settings.tuner_baseline_s,
+        cost_window_s=settings.tuner_cost_window_s,
     )  # fmt: skip
 
 

@@ -48,8 +48,16 @@ class TunerConfig:
     fewer than 8 steps in it, the fit window's traffic is used."""
     max_fit_rows: int = 50_000
     """Most recent raw steps read for a fit."""
+    cost_window_s: float = 21600.0
+    """Older telemetry (before the fit window) whose steps fill the step-time fit's gaps: a
+    (batch, query length) shape with fewer than MIN_SHAPE_STEPS steps in the fit window takes
+    its newest ones from here (tuner.model.cost_history). Step times follow the machine and
+    the shapes, not the traffic; acceptance and traffic come from the fit window only."""
     min_new_steps: int = 500
-    """A scheduled retune is skipped (and recorded) with fewer new steps since the last one."""
+    """A scheduled retune is skipped (and recorded) with fewer new steps since the last one,
+    each counted once per sequence it ran (tuner.data.count_step_rows): a step of 32
+    sequences measures 32 of them. Counted as steps, a deep draft at batch 32 (2.7 s a step)
+    held off the retunes that would replace it for 30 s of a compressed trace."""
     min_gain: float = 0.02
     """A candidate must beat the current policy's predicted goodput by this share."""
     concurrency_quantile: float = 0.95
@@ -92,6 +100,8 @@ class TunerConfig:
             raise ValueError("tpot_p95_ms, min_gain and rollback_margin must be >= 0")
         if not 0.0 < self.prediction_margin <= 1.0:
             raise ValueError(f"prediction_margin={self.prediction_margin} must be in (0, 1]")
+        if self.cost_window_s < 0:
+            raise ValueError(f"cost_window_s={self.cost_window_s} must be >= 0")
         if not 0 < self.traffic_window_s or not 0 < self.fit_window_s:
             raise ValueError(f"fit_window_s={self.fit_window_s} and traffic_window_s="
                              f"{self.traffic_window_s} must be > 0")

@@ -102,10 +102,9 @@ def read_requests(session: Session, since: float, until: float | None = None) ->
             for t, p, o, a, f, pt, at in session.execute(query)]  # fmt: skip
 
 
-def count_steps(session: Session, since: float, version: int | None = None) -> int:
-    query = select(func.count()).select_from(Step).where(Step.time >= since)
-    if version is not None:
-        query = query.where(Step.policy_version == version)
+def count_step_rows(session: Session, since: float) -> int:
+    """Steps since `since`, each counted once per sequence in its batch."""
+    query = select(func.sum(Step.batch_size)).where(Step.time >= since)
     return int(session.scalar(query) or 0)
 
 

@@ -29,7 +29,8 @@ non-negative least squares: a busy minute of few, slow steps (26 steps at
 batch 4-32) once gave an unconstrained fit of t0 = 418, t1 = -44, t2 = -57,
 whose extrapolation to a deep draft predicted 1247 tokens/s where 66 came.
 
-Acceptance is a conditional rate per technique and draft position, counted
+Acceptance is a conditional rate per technique and draft position (deeper
+positions than any step measured have rate 0), counted
 so that steps of different depths mix correctly: a step of depth d with n
 speculating sequences (proposed / d) offers position 0 to n sequences and
 position i > 0 to those that accepted position i - 1 (accepted_per_pos[i-1]).
@@ -140,14 +141,17 @@ class PerfModel:
     # -- fitting ------------------------------------------------------------
     @staticmethod
     def fit(steps: Sequence[StepRow], requests: Sequence[RequestRow] = (),
-            vocab_of: Mapping[int, int] | None = None, buckets: Padding = Padding()) -> PerfModel:
-        """Fit on `steps` (and per-tenant acceptance on `requests`), steps padded by `buckets`."""
+            vocab_of: Mapping[int, int] | None = None, buckets: Padding = Padding(),
+            history: Sequence[StepRow] = ()) -> PerfModel:
+        """Fit on `steps` (and per-tenant acceptance on `requests`), steps padded by `buckets`;
+        `history` (older steps, see cost_history) joins the step-time fits only."""
         if len(steps) < MIN_FIT_ROWS:
             raise NotEnoughTelemetry(f"{len(steps)} steps; the model needs at least {MIN_FIT_ROWS}")
         vocab_of = vocab_of or {}
+        timed = [*history, *steps]
         return PerfModel(
-            target=_fit_target(steps, buckets),
-            propose=_fit_propose(steps, vocab_of),
+            target=_fit_target(timed, buckets),
+            propose=_fit_propose(timed, vocab_of),
             acceptance=_fit_acceptance(steps, vocab_of),
             tenant_factor=_tenant_factors(requests),
             coverage=_coverage(steps),
@@ -159,12 +163,14 @@ class PerfModel:
     @staticmethod
     def fit_with_report(steps: Sequence[StepRow], requests: Sequence[RequestRow] = (),
                         vocab_of: Mapping[int, int] | None = None, holdout_every: int = 5,
-                        buckets: Padding = Padding()) -> tuple[PerfModel, ErrorReport]:
+                        buckets: Padding = Padding(),
+                        history: Sequence[StepRow] = ()) -> tuple[PerfModel, ErrorReport]:
         """Fit without every `holdout_every`-th step, report the error on those, refit on all."""
         held = [s for i, s in enumerate(steps) if i % holdout_every == holdout_every - 1]
         train = [s for i, s in enumerate(steps) if i % holdout_every != holdout_every - 1]
-        report = PerfModel.fit(train, requests, vocab_of, buckets).error_report(held, vocab_of)
-        return PerfModel.fit(steps, requests, vocab_of, buckets), report
+        report = PerfModel.fit(train, requests, vocab_of, buckets, history).error_report(
+            held, vocab_of)
+        return PerfModel.fit(steps, requests, vocab_of, buckets, history), report
 
     # -- predictions ----------------------------------------------------------
     def predict_step_ms(self, technique: str, depth: int, batch: float, prefill: float = 0.0,
@@ -278,6 +284,36 @@ def scale_odds(rate: float, factor: float) -> float:
     return rate * factor / (1.0 - rate + rate * factor)
 
 
+MIN_SHAPE_STEPS = 10
+"""Steps of a (batch, query length) shape the fit window needs before older ones stay out."""
+
+
+def cost_history(recent: Sequence[StepRow], older: Sequence[StepRow],
+                 buckets: Padding = Padding()) -> list[StepRow]:
+    """The newest `older` steps of each padded (batch, query length) shape that `recent` holds
+    fewer than MIN_SHAPE_STEPS of, up to that many: what the step-time fit adds to the fit
+    window. A busy minute holds only batch-32 steps of one or two depths; fitted alone it once
+    found a constant 819 ms a step (no cost per row) and predicted n-gram@8 at batch 32 at
+    104 tokens/s, where the copy phase before had measured every depth at batch 1-2.
+
+    >>> def s(b, d): return StepRow(0.0, b, 0, b, "none", d, 0, (), 0.0, 10.0, 0, 0)
+    >>> len(cost_history([s(32, 1)] * 12, [s(32, 1)] * 5 + [s(1, 8)] * 30))
+    10
+    """
+    counts: dict[tuple, int] = {}
+    for s in recent:
+        shape = buckets.pad(s.batch_size, 1 + s.depth)
+        counts[shape] = counts.get(shape, 0) + 1
+    out = []
+    for s in reversed(older):  # newest first
+        shape = buckets.pad(s.batch_size, 1 + s.depth)
+        if counts.get(shape, 0) < MIN_SHAPE_STEPS:
+            counts[shape] = counts.get(shape, 0) + 1
+            out.append(s)
+    out.reverse()
+    return out
+
+
 def technique_key(technique: str, version: int, vocab_of: Mapping[int, int]) -> str:
     """"mtp@V" for MTP steps of a policy with draft vocabulary V, else the technique."""
     vocab = vocab_of.get(version, 0) if technique == "mtp" else 0
@@ -344,7 +380,10 @@ def _fit_acceptance(steps: Sequence[StepRow], vocab_of: Mapping[int, int]) -> di
             for i in range(s.depth):
                 r[i] += s.speculating if i == 0 else s.accepted_per_pos[i - 1]
                 a[i] += s.accepted_per_pos[i] if i < len(s.accepted_per_pos) else 0
-    out = {key: _rates(reached[key], accepted[key]) for key in reached}
+    # a trailing 0: positions deeper than any step measured earn nothing (rates() repeats the
+    # last entry; repeating the last measured rate once credited n-gram@8 at batch 32 with the
+    # second position's 0.85 from a window of depth-2 steps)
+    out = {key: _rates(reached[key], accepted[key]) + (0.0,) for key in reached}
     return {key: rates for key, rates in out.items()  # a tenant's own rates need evidence
             if "|" not in key or reached[key][0] >= MIN_REACHED}
 

@@ -48,7 +48,7 @@ from store.db import install_sqlite_pragmas, is_sqlite, make_engine, resolve_url
 from tuner.config import TunerConfig
 from tuner.data import draft_vocab_by_version, read_requests, read_steps
 from tuner.exact import solve
-from tuner.model import MIN_FIT_ROWS, PerfModel
+from tuner.model import MIN_FIT_ROWS, PerfModel, cost_history
 from tuner.objective import Capacity, Evaluation, evaluate, padding_of
 from tuner.space import SearchSpace
 from tuner.traffic import Traffic, observe
@@ -160,9 +160,10 @@ def run_search(job: SearchJob) -> SearchOutcome:
     """See the module docstring."""
     start = time.perf_counter()
     cfg = job.config
-    steps, requests, vocab_of = _read(job)
-    model, report = PerfModel.fit_with_report(steps, requests, vocab_of,
-                                              buckets=padding_of(job.capacity))
+    steps, requests, vocab_of, older = _read(job)
+    buckets = padding_of(job.capacity)
+    model, report = PerfModel.fit_with_report(steps, requests, vocab_of, buckets=buckets,
+                                              history=cost_history(steps, older, buckets))
     traffic = observe_recent(steps, requests, job.until - cfg.traffic_window_s,
                              cfg.concurrency_quantile)
     space = SearchSpace.build(cfg, job.capacity)
@@ -211,13 +212,18 @@ def observe_recent(steps: list, requests: list, since: float, quantile: float) -
     return observe(recent, [r for r in requests if r.finish_time >= since], quantile)
 
 
-def _read(job: SearchJob) -> tuple[list, list, dict[int, int]]:
+def _read(job: SearchJob) -> tuple[list, list, dict[int, int], list]:
+    """The fit window's steps and requests, draft vocabularies, and the steps of the
+    cost window before it."""
     engine = make_engine(job.db_url)
+    cfg = job.config
     try:
         with session_scope(engine) as session:
-            steps = read_steps(session, job.since, job.until, limit=job.config.max_fit_rows)
+            steps = read_steps(session, job.since, job.until, limit=cfg.max_fit_rows)
             requests = read_requests(session, job.since, job.until)
-            return steps, requests, draft_vocab_by_version(session)
+            older = (read_steps(session, job.since - cfg.cost_window_s, job.since,
+                                limit=cfg.max_fit_rows) if cfg.cost_window_s else [])
+            return steps, requests, draft_vocab_by_version(session), older
     finally:
         engine.dispose()
 

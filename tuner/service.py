@@ -5,7 +5,7 @@
    one worker thread, unless a retune is running: then it returns that one's
    handle (single-flight). A pinned policy makes it record a skip instead;
    `scheduled()` also skips, recorded with its reason, when fewer than
-   `min_new_steps` steps arrived since the last retune that ran.
+   `min_new_steps` steps (counted per sequence) arrived since the last retune that ran.
 2. The worker hands a `SearchJob` to the search runner (`run_search` in
    this thread, or `ProcessSearch`: a spawned process, off the serving path
    and the engine thread's GIL): fit the model, observe the traffic,
@@ -49,7 +49,7 @@ from store.history import finish_retune, start_retune
 from store.models import Retune
 from telemetry.queries import retune_history
 from tuner.config import TunerConfig
-from tuner.data import count_steps, last_real_retune_start, read_steps
+from tuner.data import count_step_rows, last_real_retune_start, read_steps
 from tuner.keeper import PolicyKeeper, PolicyPinned
 from tuner.model import NotEnoughTelemetry
 from tuner.objective import Capacity
@@ -143,10 +143,10 @@ class Tuner:
         if self._running is None and not self.keeper.pinned:
             with session_scope(self.db) as session:
                 since = last_real_retune_start(session) or 0.0
-                new = count_steps(session, since)
+                new = count_step_rows(session, since)
             if new < self.config.min_new_steps:
-                return self._skip("schedule", f"only {new} new steps since the last retune "
-                                              f"(need {self.config.min_new_steps})")
+                return self._skip("schedule", f"only {new} new steps (per sequence) since the "
+                                              f"last retune (need {self.config.min_new_steps})")
         return self.trigger("schedule")[0]
 
     # -- reading -----------------------------------------------------------------
@@ -275,7 +275,7 @@ class Tuner:
         predicted = weighted_rate({b: v for b, v in outcome.per_batch.items() if b in served},
                                   weights)
         measured = measured_goodput(own, weights)
-        verdict = against_prediction(verdict, len(own), measured, predicted, cfg.prediction_margin)
+        verdict = against_prediction(verdict, own, measured, predicted, cfg.prediction_margin)
         return verdict, measured, predicted
 
     def _steps(self, since: float, version: int) -> list:

@@ -104,18 +104,30 @@ def compare(candidate: Sequence[StepRow], baseline: Sequence[StepRow], policy: T
     return Verdict(decision, reason, c_mean, b_mean, change, threshold, n, per)
 
 
-def against_prediction(verdict: Verdict, own: int, measured: float | None,
+MIN_PREDICTION_STEPS = 8
+"""Steps of its own a candidate needs before its prediction is checked (and MIN_MATCHED
+sequences in them)."""
+
+
+def against_prediction(verdict: Verdict, own: Sequence[StepRow], measured: float | None,
                        predicted: float | None, margin: float) -> Verdict:
     """An inconclusive `verdict` turned into a rollback when the candidate's `own` steps
-    (at least MIN_MATCHED) measured `margin` or more below the model's prediction at the
-    batch sizes they ran: the model that chose it was wrong there, and the previous policy,
-    chosen where it was measured, is the safer one to serve until the next retune refits.
+    measured `margin` or more below the model's prediction at the batch sizes they ran: the
+    model that chose it was wrong there, and the previous policy, chosen where it was
+    measured, is the safer one to serve until the next retune refits. Evidence is counted
+    per sequence too: 8 steps of batch 32 are 256 sequences' drafts.
 
+    >>> from tuner.data import StepRow
+    >>> own = [StepRow(0.0, 4, 0, 4, "ngram", 8, 32, (0,) * 8, 1.0, 400.0, 0, 1)] * 8
     >>> v = Verdict("inconclusive", "no matched steps")
-    >>> against_prediction(v, 40, 23.0, 48.0, 0.3).decision, against_prediction(v, 40, 40.0, 48.0, 0.3).decision
+    >>> against_prediction(v, own, 23.0, 48.0, 0.3).decision, against_prediction(v, own, 40.0, 48.0, 0.3).decision
     ('rollback', 'inconclusive')
+    >>> against_prediction(v, own[:7], 23.0, 48.0, 0.3).decision
+    'inconclusive'
     """
-    if (verdict.decision != "inconclusive" or own < MIN_MATCHED or not measured or not predicted
+    enough = (len(own) >= MIN_PREDICTION_STEPS
+              and sum(s.batch_size for s in own) >= MIN_MATCHED)
+    if (verdict.decision != "inconclusive" or not enough or not measured or not predicted
             or measured >= (1.0 - margin) * predicted):
         return verdict
     change = measured / predicted - 1.0

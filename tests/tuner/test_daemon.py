@@ -132,7 +132,7 @@ def test_the_scheduler_skips_thin_telemetry_with_a_reason(
         return [r for r in server.get("/admin/retunes", ADMIN).json()["data"] if r["skipped"]]
 
     wait_for(lambda: len(skips()) >= 2, 20, "two scheduled skips")
-    assert all(r["triggered_by"] == "schedule" and "new steps since the last retune" in r["error"]
+    assert all(r["triggered_by"] == "schedule" and "new steps (per sequence) since the last retune" in r["error"]
                for r in skips())
 
 

@@ -150,13 +150,19 @@ def test_scheduled_retunes_skip_with_a_reason_when_telemetry_is_thin(
     tuner = make_tuner(NO_WAIT)
     skip = tuner.scheduled()
     assert skip["skipped"] and skip["triggered_by"] == "schedule"
-    assert skip["error"] == "skipped: only 0 new steps since the last retune (need 100)"
+    assert skip["error"] == "skipped: only 0 new steps (per sequence) since the last retune (need 100)"
     history(db, n=300)
     ran = tuner.scheduled()
     assert not ran["skipped"] and ran["status"] == "running"
     finished(tuner, ran)
     assert tuner.scheduled()["skipped"]  # nothing new since that one started
     assert [r["skipped"] for r in tuner.recent()] == [True, False, True]
+    # four slow steps of 32 sequences each are 128 sequence-steps of evidence: enough
+    gen = synth.Synth(seed=3)
+    synth.write(db, [gen.step(time.time() + i, "none", 0, 32) for i in range(4)])
+    ran = tuner.scheduled()
+    assert not ran["skipped"], ran
+    finished(tuner, ran)
 
 
 def test_an_admin_retune_without_telemetry_is_recorded_as_skipped(
