@@ -123,7 +123,7 @@ def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: 
     shares = traffic.token_shares()
     for batch in traffic.batch_weights:
         technique, depth = _choice(policy, batch, capacity)
-        per_seq = model.tokens_per_seq_mix(technique, depth, traffic.tenant_mix, policy.draft_vocab)
+        per_seq = model.tokens_per_seq_mix(technique, depth, traffic.mix_at(batch), policy.draft_vocab)
         prefill = traffic.prefill_per_step.get(batch, 0.0)
         ms = model.predict_step_ms(technique, depth, batch, prefill, policy.draft_vocab)
         share, share_ms = goodput_terms(shares[batch], batch * per_seq, ms)

@@ -135,3 +135,31 @@ def test_the_tenant_mix_is_what_the_steps_served_not_only_what_finished() -> Non
     assert mix["prose"] == pytest.approx((9 * 8 + 2) / (9 * 32 + 2)) and mix["prose"] > mix["copy"]
     assert observe([step(4)] * 3, finished).tenant_mix == {"copy": 1.0}  # steps name none
     assert observe([step(4)] * 3, []).tenant_mix == {}
+
+
+def test_each_batch_size_is_scored_on_the_tenants_it_served() -> None:
+    """A window at the turn of a copy phase into a busy mixed one: most steps serve the copy
+    tenant at batch 2, a few at batch 24 serve four tenants. Batch 24 is scored on its own
+    mix, where deep n-gram drafts do not pay; the window's mix would say they do."""
+    from tuner.data import StepRow
+    from tuner.traffic import observe
+
+    def row(b: int, *tenants: str) -> StepRow:
+        return StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 10.0, 0, 0, tenants)
+
+    steps = [row(2, "copy")] * 60 + [row(24, "copy", "code", "chat", "prose")] * 3
+    seen = observe(steps, [])
+    assert seen.mix_at(2) == {"copy": 1.0}
+    assert seen.mix_at(24) == pytest.approx({t: 0.25 for t in ("chat", "code", "copy", "prose")})
+    assert seen.tenant_mix["copy"] > 0.6
+    model = PerfModel(target=(20.0, 0.0, 0.0, 0.4, 0.0),
+                      acceptance={"ngram": (0.05, 0.0), "ngram|copy": (0.95,) * 8 + (0.0,)})
+    deep = TunedPolicy((BatchRule(64, "ngram", 8),), crossover=64)
+
+    def rate(policy: TunedPolicy, on: Traffic) -> float:  # tokens per ms at batch 24
+        tokens, ms = evaluate(policy, model, on, CAP).per_batch[24]
+        return tokens / ms
+
+    one_mix = dataclasses.replace(seen, bucket_mix={})
+    assert rate(deep, one_mix) > 1.3 * rate(NEVER, one_mix)  # the window's mix: deep pays
+    assert rate(deep, seen) < 0.85 * rate(NEVER, seen)  # batch 24's own mix: it does not

@@ -4,6 +4,7 @@ pins, recorded skips, and a restart that continues the study and the versions.""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -208,3 +209,21 @@ def test_a_pin_during_the_search_wins_over_the_tuner(
     assert r["status"] == "rejected" and "pinned" in r["details"]["reason"]
     assert r["chosen_policy_version"] is None
     assert host.policy.source == "admin" and tuner.keeper.pinned
+
+
+def _scheduling() -> tuple[int, int]:
+    return os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+def test_the_search_process_runs_only_on_idle_cores() -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from tuner.service import lower_priority
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=lower_priority) as pool:
+        niceness, policy = pool.submit(_scheduling).result(timeout=60)
+    assert niceness == 19 and policy == os.SCHED_IDLE
+    assert _scheduling()[1] != os.SCHED_IDLE  # the caller (the daemon) is untouched
