@@ -184,6 +184,10 @@ class PerfModel:
             ms += max(0.0, p[0] + p[1] * batch + p[2] * batch * depth)
         return max(ms, self.floor_ms)
 
+    def prefill_ms(self, prefill: float) -> float:
+        """The prefill part of a step's time: t4 per prefill token."""
+        return self.target[4] * prefill
+
     def rates(self, technique: str, depth: int, tenant: str | None = None,
               draft_vocab: int = 0) -> list[float]:
         """Conditional acceptance at positions 0..depth-1 (the last measured rate repeats)."""

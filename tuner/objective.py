@@ -124,8 +124,13 @@ def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: 
     for batch in traffic.batch_weights:
         technique, depth = _choice(policy, batch, capacity)
         per_seq = model.tokens_per_seq_mix(technique, depth, traffic.mix_at(batch), policy.draft_vocab)
-        prefill = traffic.prefill_per_step.get(batch, 0.0)
-        ms = model.predict_step_ms(technique, depth, batch, prefill, policy.draft_vocab)
+        # the observed prefill is paid per output token: a step that emits more carries more
+        # of it (fewer steps, the same prompts). Charged per step, deep drafts looked best at the
+        # start of a busy phase, where every step admitted ~500 prompt tokens
+        prefill_ms = model.prefill_ms(traffic.prefill_per_step.get(batch, 0.0))
+        seen = traffic.tokens_per_step.get(batch) or float(batch)
+        ms = (model.predict_step_ms(technique, depth, batch, 0.0, policy.draft_vocab)
+              + prefill_ms * batch * per_seq / seen)
         share, share_ms = goodput_terms(shares[batch], batch * per_seq, ms)
         tokens += share
         time_ms += share_ms

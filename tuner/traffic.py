@@ -26,7 +26,7 @@ class Traffic:
     batch_weights: dict[int, float]
     """Batch size -> share of steps (sums to 1)."""
     prefill_per_step: dict[int, float]
-    """Batch size -> mean prefill tokens per step (the same whatever the policy)."""
+    """Batch size -> mean prefill tokens per step, as observed."""
     concurrency: float
     """The configured quantile of running + waiting sequences per step."""
     concurrency_max: int
@@ -42,6 +42,10 @@ class Traffic:
     token_weights: dict[int, float] = field(default_factory=dict)
     """Batch size -> share of the output tokens emitted at that size (sums to 1; empty: taken
     from batch_weights, one token per sequence and step)."""
+    tokens_per_step: dict[int, float] = field(default_factory=dict)
+    """Batch size -> output tokens a step emitted, as observed (empty: one per sequence). The
+    prefill those steps carried is paid per output token, whatever the policy: a policy that
+    emits more per step takes fewer steps, not less prefill (tuner.objective.evaluate)."""
     bucket_mix: dict[int, dict[str, float]] = field(default_factory=dict)
     """Power-of-two batch bucket (1, 2, 4, 8, ...) -> the tenant mix the steps of batch sizes
     in (bucket/2, bucket] served; `mix_at` falls back to tenant_mix."""
@@ -120,6 +124,7 @@ def observe(steps: Sequence[StepRow], requests: Sequence[RequestRow],
         **figures,
         token_weights={b: emitted[b] / total for b in sorted(counts)} if total else {},
         bucket_mix=_bucket_mixes(steps),
+        tokens_per_step={b: emitted[b] / counts[b] for b in sorted(counts)},
     )
 
 

@@ -163,3 +163,21 @@ def test_each_batch_size_is_scored_on_the_tenants_it_served() -> None:
     one_mix = dataclasses.replace(seen, bucket_mix={})
     assert rate(deep, one_mix) > 1.3 * rate(NEVER, one_mix)  # the window's mix: deep pays
     assert rate(deep, seen) < 0.85 * rate(NEVER, seen)  # batch 24's own mix: it does not
+
+
+def test_the_observed_prefill_is_paid_per_output_token_not_per_step() -> None:
+    """Busy-phase steps at batch 32 each admit ~500 prompt tokens (1.5 s of prefill). A
+    policy that emits more per step takes fewer steps for the same prompts, so it saves no
+    prefill: charged per step, n-gram@8 (3.2 tokens a sequence, 1.85 s of decode) would have
+    looked 1.5x faster than plain decoding; per output token it is slower."""
+    model = PerfModel(target=(40.0, 0.0, 0.0, 6.3, 3.0), acceptance={"ngram": (0.7,) * 8 + (0.0,)})
+    busy = Traffic(steps=100, batch_weights={32: 1.0}, prefill_per_step={32: 500.0},
+                   concurrency=32, concurrency_max=32, tokens_per_step={32: 32.0})
+    deep = TunedPolicy((BatchRule(64, "ngram", 8),), crossover=64)
+    cap = dataclasses.replace(CAP, max_depth=8)
+    tokens, ms = evaluate(deep, model, busy, cap).per_batch[32]
+    per_seq = model.expected_tokens_per_seq("ngram", 8)
+    assert tokens == pytest.approx(32 * per_seq)
+    assert ms == pytest.approx(40 + 6.3 * 32 * 9 + 1500 * per_seq)  # prefill scales with tokens
+    assert tokens / (40 + 6.3 * 32 * 9 + 1500) > 1.5 * 32 / (40 + 6.3 * 32 + 1500)  # per step
+    assert evaluate(deep, model, busy, cap).goodput < evaluate(NEVER, model, busy, cap).goodput
