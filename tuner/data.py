@@ -71,15 +71,24 @@ def read_steps(
     *,
     version: int | None = None,
     limit: int | None = None,
+    per_shape: int | None = None,
 ) -> list[StepRow]:
-    """Raw steps in [since, until), optionally of one policy version: the newest `limit` of
-    them, oldest first."""
+    """Raw steps in [since, until), optionally of one policy version, and with `per_shape`
+    only the newest that many of each (batch size, depth): the newest `limit` of them,
+    oldest first."""
     query = select(*_STEP_COLUMNS).where(Step.time >= since, Step.step_ms > 0)
     if until is not None:
         query = query.where(Step.time < until)
     if version is not None:
         query = query.where(Step.policy_version == version)
-    query = query.order_by(Step.time.desc()).limit(limit)
+    if per_shape is not None:
+        rank = func.row_number().over(partition_by=(Step.batch_size, Step.depth),
+                                      order_by=Step.time.desc())
+        ranked = query.add_columns(rank.label("rank")).subquery()
+        query = select(*(ranked.c[c.key] for c in _STEP_COLUMNS)).where(ranked.c.rank <= per_shape)
+        query = query.order_by(ranked.c.time.desc()).limit(limit)
+    else:
+        query = query.order_by(Step.time.desc()).limit(limit)
     rows = [
         StepRow(float(t), int(b), int(pf), int(dt), str(tech), int(d), int(p),
                 tuple(int(a) for a in (app or ())), float(pm), float(sm), int(q), int(v),

@@ -48,7 +48,7 @@ from store.db import install_sqlite_pragmas, is_sqlite, make_engine, resolve_url
 from tuner.config import TunerConfig
 from tuner.data import draft_vocab_by_version, read_requests, read_steps
 from tuner.exact import solve
-from tuner.model import MIN_FIT_ROWS, PerfModel, cost_history
+from tuner.model import MIN_FIT_ROWS, MIN_SHAPE_STEPS, PerfModel, cost_history
 from tuner.objective import Capacity, Evaluation, evaluate, padding_of
 from tuner.space import SearchSpace
 from tuner.traffic import Traffic, observe
@@ -221,8 +221,11 @@ def _read(job: SearchJob) -> tuple[list, list, dict[int, int], list]:
         with session_scope(engine) as session:
             steps = read_steps(session, job.since, job.until, limit=cfg.max_fit_rows)
             requests = read_requests(session, job.since, job.until)
+            # cost_history keeps at most MIN_SHAPE_STEPS of a padded shape: the newest that
+            # many of each raw (batch, depth) hold them, and not a whole 6 h of steps
             older = (read_steps(session, job.since - cfg.cost_window_s, job.since,
-                                limit=cfg.max_fit_rows) if cfg.cost_window_s else [])
+                                limit=cfg.max_fit_rows, per_shape=MIN_SHAPE_STEPS)
+                     if cfg.cost_window_s else [])
             return steps, requests, draft_vocab_by_version(session), older
     finally:
         engine.dispose()

@@ -13,7 +13,7 @@ from store.db import session_scope
 from tests.tuner import synth
 from tuner.data import RequestRow, StepRow, read_requests, read_steps
 from tuner.explore import ExploringPolicy
-from tuner.model import NotEnoughTelemetry, Padding, PerfModel, cost_history
+from tuner.model import MIN_SHAPE_STEPS, NotEnoughTelemetry, Padding, PerfModel, cost_history
 
 STATED_MEDIAN_APE = 0.10
 """The stated bound: median absolute % error of step time on held-out steps."""
@@ -213,3 +213,24 @@ def test_older_steps_fill_the_shapes_a_busy_window_lacks() -> None:
     model = PerfModel.fit(busy, history=history)
     for depth in (0, 1, 4, 8):
         assert model.predict_step_ms("ngram", depth, 32) == pytest.approx(ms(32, 1 + depth), rel=0.1)
+
+
+def test_the_cost_window_is_read_as_the_newest_steps_of_each_shape(db: Engine) -> None:
+    """The search reads the 6 h cost window per_shape (see tuner.search._read): what it
+    returns is what cost_history would take from the whole window."""
+    gen = synth.Synth(seed=8)
+    synth.write(db, gen.explore(600, max_batch=4, max_depth=2, techniques=("none", "ngram")))
+    with session_scope(db) as s:
+        whole = read_steps(s, 0.0)
+        newest = read_steps(s, 0.0, per_shape=3)
+        enough = read_steps(s, 0.0, per_shape=MIN_SHAPE_STEPS)
+    shapes = {(r.batch_size, r.depth) for r in whole}
+    assert len(newest) == 3 * len(shapes) < len(whole)
+    for shape in shapes:
+        assert [r for r in newest if (r.batch_size, r.depth) == shape] == \
+            [r for r in whole if (r.batch_size, r.depth) == shape][-3:]
+    assert newest == sorted(newest, key=lambda r: r.time)
+    assert cost_history([], enough) == cost_history([], whole)
+    assert cost_history(whole[-50:], enough) == cost_history(whole[-50:], whole)
+    padded = Padding(batch=(2, 4), query=(1, 3))  # batches 1-2 and depths 1-2 share shapes
+    assert cost_history([], enough, padded) == cost_history([], whole, padded)
