@@ -55,6 +55,19 @@ probabilities. Without it, rates measured on the rows that drafted were
 applied to every row, and deep n-gram at batch 32 on mixed traffic was
 predicted ~1.5x what it measured.
 
+Rates counted per step do not carry across depths: a deep draft eats an
+easy (copyable) stretch in few steps, so a larger share of its steps fall
+where drafts fail. In one copy phase, position 0 was accepted 0.80 / 0.68 /
+0.59 of the time at n-gram@2 / @4 / @8 on mixed batches, and the draft share
+fell from 0.91 to 0.82; rates pooled over the window's depths (mostly the
+profile's @8 and the default @4, early and copy-rich) predicted @8 best at
+batch 2, where it measured 15% below @2. So each technique key gets a depth
+factor per measured depth: the drafted tokens its steps accepted over those
+the pooled rates and share predict for the same steps (at least MIN_REACHED
+drafting sequences). A depth not measured takes the nearest measured depth's
+factor (the deeper one on a tie), and the accepted draft never exceeds the
+depth.
+
     >>> m = PerfModel(target=(1, 0, 0, 0, 0), acceptance={"ngram": (0.5, 0.5)})
     >>> m.expected_tokens_per_seq("ngram", 2)   # 1 + 0.5 + 0.25
     1.75
@@ -74,6 +87,7 @@ MIN_REACHED = 10
 """Offers needed before a position's rate is trusted; rarer positions reuse the previous rate."""
 MAX_RATE = 0.99
 TENANT_FACTOR_RANGE = (0.25, 2.0)
+DEPTH_FACTOR_RANGE = (0.25, 4.0)
 
 
 class NotEnoughTelemetry(ValueError):
@@ -133,6 +147,8 @@ class PerfModel:
     """Technique -> depth -> steps measured."""
     draft_share: Mapping[str, float] = field(default_factory=dict)
     """Technique key -> share of decode rows that draft (1 when unknown)."""
+    depth_factor: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    """Technique key -> measured depth -> factor on the drafted tokens (see the module doc)."""
     floor_ms: float = 0.01
     """Predictions never go below this (a quarter of the fastest step seen)."""
     padding: Padding = Padding()
@@ -149,13 +165,16 @@ class PerfModel:
             raise NotEnoughTelemetry(f"{len(steps)} steps; the model needs at least {MIN_FIT_ROWS}")
         vocab_of = vocab_of or {}
         timed = [*history, *steps]
+        acceptance = _fit_acceptance(steps, vocab_of)
+        draft_share = _fit_draft_share(steps, vocab_of)
         return PerfModel(
             target=_fit_target(timed, buckets),
             propose=_fit_propose(timed, vocab_of),
-            acceptance=_fit_acceptance(steps, vocab_of),
+            acceptance=acceptance,
             tenant_factor=_tenant_factors(requests),
             coverage=_coverage(steps),
-            draft_share=_fit_draft_share(steps, vocab_of),
+            draft_share=draft_share,
+            depth_factor=_fit_depth_factors(steps, vocab_of, acceptance, draft_share),
             floor_ms=0.25 * min(s.step_ms for s in steps),
             padding=buckets,
         )
@@ -220,14 +239,30 @@ class PerfModel:
 
     def expected_tokens_per_seq(self, technique: str, depth: int, tenant: str | None = None,
                                 draft_vocab: int = 0) -> float:
-        """1 + share * sum_i prod_{j<=i} alpha_j: tokens one sequence emits per step."""
+        """1 + min(depth, factor * share * sum_i prod_{j<=i} alpha_j): tokens one sequence
+        emits per step (factor: see factor_at)."""
         drafted, reach = 0.0, 1.0
         if technique == "none" or not depth:
             return 1.0
         for rate in self.rates(technique, depth, tenant, draft_vocab):
             reach *= rate
             drafted += reach
-        return 1.0 + self.share(technique, tenant, draft_vocab) * drafted
+        drafted *= self.share(technique, tenant, draft_vocab)
+        return 1.0 + min(float(depth), drafted * self.factor_at(technique, depth, draft_vocab))
+
+    def factor_at(self, technique: str, depth: int, draft_vocab: int = 0) -> float:
+        """The depth factor on drafted tokens: the depth's own, else the nearest measured
+        depth's (the deeper on a tie), else 1.
+
+        >>> m = PerfModel(target=(1, 0, 0, 0, 0), depth_factor={"ngram": {2: 1.1, 8: 0.7}})
+        >>> m.factor_at("ngram", 2), m.factor_at("ngram", 5), m.factor_at("ngram", 4), m.factor_at("mtp", 4)
+        (1.1, 0.7, 1.1, 1.0)
+        """
+        per_depth = self._lookup(self.depth_factor, technique, draft_vocab)
+        if not per_depth:
+            return 1.0
+        nearest = min(per_depth, key=lambda d: (abs(d - depth), -d))
+        return float(per_depth[nearest])
 
     def tokens_per_seq_mix(self, technique: str, depth: int, mix: Mapping[str, float],
                            draft_vocab: int = 0) -> float:
@@ -273,6 +308,8 @@ class PerfModel:
                 "acceptance": {k: [round(r, 4) for r in v] for k, v in self.acceptance.items()},
                 "tenant_factor": {k: round(v, 4) for k, v in self.tenant_factor.items()},
                 "draft_share": {k: round(v, 4) for k, v in self.draft_share.items()},
+                "depth_factor": {k: {str(d): round(f, 4) for d, f in v.items()}
+                                 for k, v in self.depth_factor.items()},
                 "coverage": {k: {str(d): n for d, n in v.items()}
                              for k, v in self.coverage.items()}}
 
@@ -406,6 +443,37 @@ def _fit_draft_share(steps: Sequence[StepRow], vocab_of: Mapping[int, int]) -> d
             drafted[key] = drafted.get(key, 0.0) + s.speculating
     return {key: min(1.0, drafted[key] / n) for key, n in rows.items()
             if n >= MIN_REACHED or "|" not in key}
+
+
+def _fit_depth_factors(steps: Sequence[StepRow], vocab_of: Mapping[int, int],
+                       acceptance: Mapping[str, tuple[float, ...]],
+                       draft_share: Mapping[str, float]) -> dict[str, dict[int, float]]:
+    """Technique key -> depth -> accepted drafted tokens of its decode steps over what the
+    pooled rates and share predict for them (module doc); depths with fewer than MIN_REACHED
+    drafting sequences are left out."""
+    sums: dict[tuple[str, int], list[float]] = {}  # measured, rows, drafting sequences
+    for s in steps:
+        if not s.depth or s.technique == "none" or s.prefill_tokens or s.batch_size <= 0:
+            continue
+        for key in {s.technique, technique_key(s.technique, s.policy_version, vocab_of)}:
+            acc = sums.setdefault((key, s.depth), [0.0, 0.0, 0.0])
+            acc[0] += sum(s.accepted_per_pos)
+            acc[1] += s.batch_size
+            acc[2] += s.speculating
+    out: dict[str, dict[int, float]] = {}
+    for (key, depth), (measured, rows, drafting) in sums.items():
+        rates = acceptance.get(key, ())
+        if drafting < MIN_REACHED or not rates:
+            continue
+        reach, drafted = 1.0, 0.0
+        for i in range(depth):
+            reach *= rates[min(i, len(rates) - 1)]
+            drafted += reach
+        predicted = rows * draft_share.get(key, 1.0) * drafted
+        if predicted > 0:
+            lo, hi = DEPTH_FACTOR_RANGE
+            out.setdefault(key, {})[depth] = min(hi, max(lo, measured / predicted))
+    return out
 
 
 def _rates(reached: list[float], accepted: list[float]) -> tuple[float, ...]:

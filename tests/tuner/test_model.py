@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from sqlalchemy import Engine
@@ -116,6 +118,32 @@ def test_rows_that_find_no_draft_emit_one_token() -> None:
     # a step that is prefilling counts its prefill rows in batch_size: left out of the share
     prefilling = StepRow(0.0, 10, 64, 10, "ngram", 2, 0, (0, 0), 0.1, 30.0, 0, 0, ("copy",))
     assert PerfModel.fit(rows + [prefilling] * 5).share("ngram", "copy") == 1.0
+
+
+def test_each_measured_depth_is_predicted_as_measured_not_from_pooled_rates() -> None:
+    # A deep draft eats a copyable stretch in few steps, so more of its steps fall where
+    # drafts fail: at depth 2 every row drafts and accepts 0.8 then 0.875; at depth 8 only
+    # 5 rows of 10 draft and 3 of those accept position 0 (and the rest). Pooled per
+    # position, the depth-2 steps lift position 0 and the draft share, and the depth-8
+    # prediction with them (~1.45x what it measured), and the depth-8 steps lower depth 2.
+    shallow = StepRow(0.0, 10, 0, 10 + 8 + 7, "ngram", 2, 20, (8, 7), 0.1, 20.0, 0, 0)
+    deep = StepRow(0.0, 10, 0, 10 + 3 * 8, "ngram", 8, 40, (3,) * 8, 0.1, 40.0, 0, 0)
+    rows = [shallow, deep] * 10
+    rows += [StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 5.0 + b, 0, 0) for b in range(1, 9)]
+    model = PerfModel.fit(rows)
+    for step in (shallow, deep):
+        assert 10 * model.expected_tokens_per_seq("ngram", step.depth) == pytest.approx(
+            step.decode_tokens)
+    pooled = dataclasses.replace(model, depth_factor={})
+    assert 10 * pooled.expected_tokens_per_seq("ngram", 8) > 1.3 * deep.decode_tokens
+    assert 10 * pooled.expected_tokens_per_seq("ngram", 2) < 0.9 * shallow.decode_tokens
+    # a depth not measured takes the nearest measured depth's factor (the deeper on a tie)
+    factors = model.depth_factor["ngram"]
+    assert factors[2] > 1.0 > factors[8]
+    assert model.factor_at("ngram", 3) == factors[2] and model.factor_at("ngram", 5) == factors[8]
+    assert model.factor_at("mtp", 4) == 1.0
+    # never more accepted than drafted
+    assert model.expected_tokens_per_seq("ngram", 1) <= 2.0
 
 
 def test_step_time_follows_the_padded_shape() -> None:
