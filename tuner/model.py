@@ -42,8 +42,9 @@ technique and the text together (n-gram lookups pay on copy-heavy tenants,
 not on prose). Otherwise a per-tenant factor (the tenant's accepted/proposed
 over everyone's, from requests) scales the odds of the pooled rates (so a
 rate stays below 1 and the tenant mix the rates were measured on averages
-back to about them); a tenant with no finished requests yet gets the lowest
-measured factor (at most 1), not the pooled rates as they are. A technique never measured has rate 0, so the search
+back to about them); once any tenant is measured, a tenant with no finished
+requests yet gets factor 0 (no credit until its own requests show some), not
+the pooled rates of the tenants that were measured. A technique never measured has rate 0, so the search
 cannot prefer what nobody has seen.
 
 Not every sequence drafts: an n-gram lookup finds nothing in most prose, and
@@ -220,16 +221,24 @@ class PerfModel:
         return out
 
     def factor_of(self, tenant: str) -> float:
-        """The tenant's factor on the pooled odds; a tenant not yet measured gets the lowest
-        measured one (at most 1). With 1, the first busy retune after a copy-heavy phase
-        credited new chat and prose tenants with the copy tenant's rates and chose n-gram@8
-        at batch 32 (predicted 48 tokens/s, measured 23).
+        """The tenant's factor on the pooled odds. Once any tenant is measured, one not yet
+        measured gets 0: no credit from speculation until its own requests show some, as a
+        technique never measured earns nothing. With 1, the first busy retune after a
+        copy-heavy phase credited new chat and prose tenants with the copy tenant's rates
+        and chose n-gram@8 at batch 32 (predicted 48 tokens/s, measured 23); with the lowest
+        measured factor, a window whose only measured tenant was "copy" (factor 1) did the
+        same at n-gram@4 (s8b: predicted 118, measured 76). With no tenant measured at all,
+        the pooled rates are all there is about anyone: factor 1.
 
-        >>> PerfModel(target=(1, 0, 0, 0, 0), tenant_factor={"copy": 1.5, "code": 0.5}).factor_of("chat")
-        0.5
+        >>> PerfModel(target=(1, 0, 0, 0, 0), tenant_factor={"copy": 1.0}).factor_of("chat")
+        0.0
+        >>> PerfModel(target=(1, 0, 0, 0, 0)).factor_of("chat")
+        1.0
         """
         known = self.tenant_factor.get(tenant)
-        return known if known is not None else min([1.0, *self.tenant_factor.values()])
+        if known is not None:
+            return known
+        return 0.0 if self.tenant_factor else 1.0
 
     def share(self, technique: str, tenant: str | None = None, draft_vocab: int = 0) -> float:
         """Share of decode rows that draft (the tenant's own when measured, else pooled, else 1)."""

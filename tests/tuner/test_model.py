@@ -73,6 +73,22 @@ def test_tenant_factors_come_from_requests() -> None:
             > model.expected_tokens_per_seq("ngram", 3) > model.expected_tokens_per_seq("ngram", 3, "chat"))
 
 
+def test_a_tenant_not_yet_measured_earns_nothing_once_others_are() -> None:
+    # the busy phase's first retune: the fit window's drafts and finished requests are all
+    # the copy tenant's; chat and prose arrive unmeasured and must not inherit copy's rates
+    rows = [StepRow(0.0, 2, 0, 2 + 7, "ngram", 4, 8, (2, 2, 2, 1), 0.1, 20.0, 0, 0,
+                    ("copy",))] * 10
+    rows += [StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 5.0 + b, 0, 0) for b in range(1, 9)]
+    copy = [RequestRow("copy", 40, 60, 0.0, 1.0, 40, 35)]
+    model = PerfModel.fit(rows, copy)
+    assert model.expected_tokens_per_seq("ngram", 4, "copy") == pytest.approx(4.5)
+    assert model.expected_tokens_per_seq("ngram", 4, "chat") == 1.0
+    mix = {"copy": 0.25, "chat": 0.25, "prose": 0.5}
+    assert model.tokens_per_seq_mix("ngram", 4, mix) == pytest.approx(0.25 * 4.5 + 0.75)
+    # before any tenant is measured, the pooled rates are all there is about anyone
+    assert PerfModel.fit(rows).expected_tokens_per_seq("ngram", 4, "chat") == pytest.approx(4.5)
+
+
 def test_single_tenant_steps_give_that_tenant_its_own_rates() -> None:
     # n-gram accepts 9 of 10 first drafts on "copy", 1 of 10 on "prose"; steps mixing both
     # tenants count only in the pooled rates, which every other tenant falls back to.
