@@ -214,11 +214,7 @@ class PerfModel:
         own = self._lookup(self.acceptance, technique, draft_vocab, tenant) if tenant else None
         known = own or self._lookup(self.acceptance, technique, draft_vocab) or ()
         factor = 1.0 if own or tenant is None else self.factor_of(tenant)
-        out = []
-        for i in range(depth):
-            base = known[min(i, len(known) - 1)] if known else 0.0
-            out.append(min(MAX_RATE, scale_odds(base, factor)))
-        return out
+        return [min(MAX_RATE, scale_odds(base, factor)) for base in _to_depth(known, depth)]
 
     def factor_of(self, tenant: str) -> float:
         """The tenant's factor on the pooled odds. Once any tenant is measured, one not yet
@@ -250,13 +246,10 @@ class PerfModel:
                                 draft_vocab: int = 0) -> float:
         """1 + min(depth, factor * share * sum_i prod_{j<=i} alpha_j): tokens one sequence
         emits per step (factor: see factor_at)."""
-        drafted, reach = 0.0, 1.0
         if technique == "none" or not depth:
             return 1.0
-        for rate in self.rates(technique, depth, tenant, draft_vocab):
-            reach *= rate
-            drafted += reach
-        drafted *= self.share(technique, tenant, draft_vocab)
+        drafted = (_drafted(self.rates(technique, depth, tenant, draft_vocab))
+                   * self.share(technique, tenant, draft_vocab))
         return 1.0 + min(float(depth), drafted * self.factor_at(technique, depth, draft_vocab))
 
     def factor_at(self, technique: str, depth: int, draft_vocab: int = 0) -> float:
@@ -370,6 +363,35 @@ def technique_key(technique: str, version: int, vocab_of: Mapping[int, int]) -> 
     return f"mtp@{vocab}" if vocab else technique
 
 
+def _keys(s: StepRow, vocab_of: Mapping[int, int], per_tenant: bool = False) -> set[str]:
+    """The keys a step counts under: its technique (pooling every MTP vocabulary) and its
+    technique_key, and with `per_tenant` those with "|tenant" when its batch held one tenant."""
+    keys = {s.technique, technique_key(s.technique, s.policy_version, vocab_of)}
+    if per_tenant and len(s.tenants) == 1:
+        keys |= {f"{k}|{s.tenants[0]}" for k in keys}
+    return keys
+
+
+def _drafting_decode(s: StepRow) -> bool:
+    """A speculative step without prefill: a step with prefill counts its prefilling
+    sequences in batch_size, which never draft."""
+    return bool(s.depth) and s.technique != "none" and not s.prefill_tokens and s.batch_size > 0
+
+
+def _to_depth(rates: Sequence[float], depth: int) -> list[float]:
+    """`rates` at positions 0..depth-1, the last one repeating (none measured: 0)."""
+    return [rates[min(i, len(rates) - 1)] if rates else 0.0 for i in range(depth)]
+
+
+def _drafted(rates: Sequence[float]) -> float:
+    """Expected accepted drafts of one drafting sequence: sum_i prod_{j<=i} rates_j."""
+    reach, drafted = 1.0, 0.0
+    for rate in rates:
+        reach *= rate
+        drafted += reach
+    return drafted
+
+
 def _weighted_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares of relative error: rows scaled by 1 / y."""
     w = 1.0 / np.maximum(y, 1e-6)
@@ -401,7 +423,7 @@ def _fit_propose(steps: Sequence[StepRow], vocab_of: Mapping[int, int]) -> dict[
     groups: dict[str, list[StepRow]] = {}
     for s in steps:
         if s.depth and s.technique != "none":  # the plain key pools every MTP vocabulary
-            for key in {s.technique, technique_key(s.technique, s.policy_version, vocab_of)}:
+            for key in _keys(s, vocab_of):
                 groups.setdefault(key, []).append(s)
     out = {}
     for key, rows in groups.items():
@@ -420,10 +442,7 @@ def _fit_acceptance(steps: Sequence[StepRow], vocab_of: Mapping[int, int]) -> di
     for s in steps:
         if not s.depth or s.technique == "none" or not s.proposed:
             continue
-        keys = {s.technique, technique_key(s.technique, s.policy_version, vocab_of)}
-        if len(s.tenants) == 1:
-            keys |= {f"{k}|{s.tenants[0]}" for k in keys}
-        for key in keys:
+        for key in _keys(s, vocab_of, per_tenant=True):
             r, a = reached.setdefault(key, []), accepted.setdefault(key, [])
             while len(r) < s.depth:
                 r.append(0.0), a.append(0.0)
@@ -442,12 +461,9 @@ def _fit_draft_share(steps: Sequence[StepRow], vocab_of: Mapping[int, int]) -> d
     rows: dict[str, float] = {}
     drafted: dict[str, float] = {}
     for s in steps:
-        if not s.depth or s.technique == "none" or s.prefill_tokens or s.batch_size <= 0:
-            continue  # a step with prefill counts its prefilling sequences in batch_size
-        keys = {s.technique, technique_key(s.technique, s.policy_version, vocab_of)}
-        if len(s.tenants) == 1:
-            keys |= {f"{k}|{s.tenants[0]}" for k in keys}
-        for key in keys:
+        if not _drafting_decode(s):
+            continue
+        for key in _keys(s, vocab_of, per_tenant=True):
             rows[key] = rows.get(key, 0.0) + s.batch_size
             drafted[key] = drafted.get(key, 0.0) + s.speculating
     return {key: min(1.0, drafted[key] / n) for key, n in rows.items()
@@ -462,9 +478,9 @@ def _fit_depth_factors(steps: Sequence[StepRow], vocab_of: Mapping[int, int],
     drafting sequences are left out."""
     sums: dict[tuple[str, int], list[float]] = {}  # measured, rows, drafting sequences
     for s in steps:
-        if not s.depth or s.technique == "none" or s.prefill_tokens or s.batch_size <= 0:
+        if not _drafting_decode(s):
             continue
-        for key in {s.technique, technique_key(s.technique, s.policy_version, vocab_of)}:
+        for key in _keys(s, vocab_of):
             acc = sums.setdefault((key, s.depth), [0.0, 0.0, 0.0])
             acc[0] += sum(s.accepted_per_pos)
             acc[1] += s.batch_size
@@ -474,11 +490,7 @@ def _fit_depth_factors(steps: Sequence[StepRow], vocab_of: Mapping[int, int],
         rates = acceptance.get(key, ())
         if drafting < MIN_REACHED or not rates:
             continue
-        reach, drafted = 1.0, 0.0
-        for i in range(depth):
-            reach *= rates[min(i, len(rates) - 1)]
-            drafted += reach
-        predicted = rows * draft_share.get(key, 1.0) * drafted
+        predicted = rows * draft_share.get(key, 1.0) * _drafted(_to_depth(rates, depth))
         if predicted > 0:
             lo, hi = DEPTH_FACTOR_RANGE
             out.setdefault(key, {})[depth] = min(hi, max(lo, measured / predicted))
