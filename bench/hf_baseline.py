@@ -12,7 +12,8 @@ of other processes' work):
    on a copy-heavy and a prose prompt against plain greedy generate(),
    interleaved, best of --repeats: speedup ratios, forward-pass counts, and
    whether the outputs are identical.
-Results go to --out as JSON, rewritten after every measurement.
+Results go to --out as JSON, rewritten after every measurement; a progress
+bar over the measurements is drawn on stderr when it is a terminal.
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from functools import partial
 from pathlib import Path
 
 import torch
 import transformers
+from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer, DynamicCache, Gemma3ForCausalLM
 
-# Gemma 3 facts the GGUF does not carry (same pinning as tests/golden).
+# Gemma 3 facts the GGUF does not carry (same pinning as tests/engine/golden).
 GLOBAL_LAYERS = (5, 11, 17)
 LOCAL_ROPE_BASE = 10_000.0
 GLOBAL_ROPE_BASE = 1_000_000.0
@@ -198,6 +201,12 @@ def bench_prefill(model, prompt_ids: list[int], repeats: int) -> dict:
             "other_processes_cpu_share": load.share}
 
 
+def say(message: str) -> None:
+    """A line on stdout that does not break the progress bar."""
+    tqdm.write(message, file=sys.stdout)
+    sys.stdout.flush()
+
+
 def wait_for_quiet(args: argparse.Namespace) -> float:
     """Sleep while other processes keep more than --quiet-share of the CPU
     busy (sampled over 3 s, while this process idles), at most --max-wait
@@ -218,13 +227,13 @@ def measure_quietly(fn, args: argparse.Namespace) -> dict:
     on the quietest machine."""
     waited = wait_for_quiet(args)
     if waited > 5:
-        print(f"  (waited {waited:.0f}s for other processes to quieten)", flush=True)
+        say(f"  (waited {waited:.0f}s for other processes to quieten)")
     rows = [fn()]
     while rows[-1]["other_processes_cpu_share"] is not None \
             and rows[-1]["other_processes_cpu_share"] > args.quiet_share \
             and len(rows) <= args.retries:
-        print(f"  (machine busy: others used {rows[-1]['other_processes_cpu_share']:.0%} "
-              f"of the CPU; measuring again)", flush=True)
+        say(f"  (machine busy: others used {rows[-1]['other_processes_cpu_share']:.0%} "
+            f"of the CPU; measuring again)")
         wait_for_quiet(args)
         rows.append(fn())
     best = min(rows, key=lambda r: r["other_processes_cpu_share"] or 0.0)
@@ -305,24 +314,29 @@ def main() -> int:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
 
     decode_ids = tok(DECODE_PROMPT).input_ids
-    for batch in [int(b) for b in args.batches.split(",")]:
+    batches = [int(b) for b in args.batches.split(",")]
+    bar = tqdm(total=len(batches) + 1 + (0 if args.skip_lookup else 2), desc="hf baseline measurements",
+               file=sys.stderr, disable=not sys.stderr.isatty())
+    for batch in batches:
         row = measure_quietly(partial(bench_decode, model, decode_ids, batch,
                                       args.new_tokens, args.repeats), args)
         result["decode"].append(row)
         save()
-        print(f"decode batch {batch:3d}: {row['decode_tok_s']:8.2f} tok/s at the median step "
-              f"({row['ms_per_step_median']:.1f} ms; min {row['ms_per_step_min']:.1f}, "
-              f"mean {row['ms_per_step_mean']:.1f}; others' CPU share "
-              f"{row['other_processes_cpu_share']})", flush=True)
+        bar.update()
+        say(f"decode batch {batch:3d}: {row['decode_tok_s']:8.2f} tok/s at the median step "
+            f"({row['ms_per_step_median']:.1f} ms; min {row['ms_per_step_min']:.1f}, "
+            f"mean {row['ms_per_step_mean']:.1f}; others' CPU share "
+            f"{row['other_processes_cpu_share']})")
 
     prefill_ids = prefill_prompt(tok, args.prefill_tokens)
     result["prefill"] = measure_quietly(
         partial(bench_prefill, model, prefill_ids, max(args.repeats, 5)), args)
     save()
+    bar.update()
     pre = result["prefill"]
-    print(f"prefill {pre['prompt_tokens']} tokens: {pre['prefill_tok_s']:.1f} tok/s best, "
-          f"{pre['prefill_tok_s_median']:.1f} median; others' CPU share "
-          f"{pre['other_processes_cpu_share']})", flush=True)
+    say(f"prefill {pre['prompt_tokens']} tokens: {pre['prefill_tok_s']:.1f} tok/s best, "
+        f"{pre['prefill_tok_s_median']:.1f} median; others' CPU share "
+        f"{pre['other_processes_cpu_share']})")
 
     if not args.skip_lookup:
         counter = ForwardCounter(model)
@@ -332,11 +346,13 @@ def main() -> int:
                                           args.repeats), args)
             result["prompt_lookup"].append(row)
             save()
-            print(f"prompt lookup {name:10s}: {row['speedup']:.2f}x end-to-end, "
-                  f"plain {row['plain_tok_s']:.2f} "
-                  f"tok/s, forwards {row['plain_forward_passes']} -> "
-                  f"{row['lookup_forward_passes']}, identical={row['identical_output']}; "
-                  f"others' CPU share {row['other_processes_cpu_share']})", flush=True)
+            bar.update()
+            say(f"prompt lookup {name:10s}: {row['speedup']:.2f}x end-to-end, "
+                f"plain {row['plain_tok_s']:.2f} "
+                f"tok/s, forwards {row['plain_forward_passes']} -> "
+                f"{row['lookup_forward_passes']}, identical={row['identical_output']}; "
+                f"others' CPU share {row['other_processes_cpu_share']})")
+    bar.close()
     result["meta"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     save()
     if args.out:

@@ -32,11 +32,11 @@ from aiohttp.typedefs import Handler
 from sqlalchemy.orm import Session
 
 from daemon import state as st
-from daemon import tenant_ops
-from daemon.auth import bearer_token
 from daemon.database import Database
 from daemon.errors import ApiError, bad_request
 from daemon.openai_params import decode_json_object, read_body
+from daemon.tenants import admin_ops
+from daemon.tenants.auth import bearer_token
 from daemon.tuning import TUNER
 from store.db import session_scope
 from tuner.service import Tuner
@@ -106,7 +106,7 @@ async def admin_status(request: web.Request) -> web.Response:
 @routes.get("/admin/tenants")
 async def list_tenants(request: web.Request) -> web.Response:
     def work(session: Session) -> list[dict[str, Any]]:
-        return [tenant_ops.describe(t) for t in tenant_ops.list_tenants(session)]
+        return [admin_ops.describe(t) for t in admin_ops.list_tenants(session)]
 
     return web.json_response({"object": "list", "data": await _in_session(request, work)})
 
@@ -116,18 +116,18 @@ async def add_tenant(request: web.Request) -> web.Response:
     body = decode_json_object(await read_body(request, MAX_ADMIN_BODY))
     name = body.pop("name", None)
     try:
-        tenant_ops.check_name(name)
-        tenant_ops.check_limits(body)
+        admin_ops.check_name(name)
+        admin_ops.check_limits(body)
     except ValueError as exc:
         raise bad_request(str(exc), None, "invalid_value") from None
 
     def work(session: Session) -> dict[str, Any]:
-        tenant, key = tenant_ops.create_tenant(session, name, body)
-        return {**tenant_ops.describe(tenant), "api_key": key}
+        tenant, key = admin_ops.create_tenant(session, name, body)
+        return {**admin_ops.describe(tenant), "api_key": key}
 
     try:
         created = await _in_session(request, work)
-    except tenant_ops.TenantExists as exc:
+    except admin_ops.TenantExists as exc:
         raise ApiError(409, str(exc), param="name", code="tenant_exists") from None
     request.app[st.TENANTS].invalidate()
     return web.json_response(created, status=201)
@@ -138,7 +138,7 @@ async def revoke_tenant(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     try:
         revoked = await _in_session(
-            request, lambda session: tenant_ops.describe(tenant_ops.revoke(session, name)))
+            request, lambda session: admin_ops.describe(admin_ops.revoke(session, name)))
     except LookupError as exc:
         raise ApiError(404, str(exc), code="tenant_not_found") from None
     request.app[st.TENANTS].invalidate()  # the key stops working now, not at the cache's TTL

@@ -30,17 +30,16 @@ from daemon import dashboard, jsonlog, openai_api, tuning
 from daemon import state as st
 from daemon.admin import admin_middleware
 from daemon.admin import routes as admin_routes
-from daemon.auth import AUTH, Authenticator
 from daemon.bridge import Engine, EngineThread, Sink
 from daemon.database import Database
 from daemon.errors import error_middleware
-from daemon.metrics import metrics
-from daemon.metrics_sink import EngineMetrics
+from daemon.metrics import endpoint as metrics_endpoint
 from daemon.settings import Settings
 from daemon.telemetry_sink import FanoutSink, RecorderSink
-from daemon.tenancy import TenantDirectory
-from daemon.tenant_gate import TenantGates
-from daemon.tenant_limits import default_limits
+from daemon.tenants.auth import AUTH, Authenticator, TenantDirectory
+from daemon.tenants.gate import TenantGates
+from daemon.tenants.limits import default_limits
+from engine.progress import Reporter
 
 log = logging.getLogger("crossover.daemon")
 request_log = logging.getLogger("crossover.request")
@@ -56,7 +55,7 @@ def make_app(
     *,
     database: Database | None = None,
     warmup: bool = True,
-    warmup_progress: bool = False,
+    warmup_progress: Reporter = False,
 ) -> web.Application:
     """The daemon's application; the engine thread (and the recorder) start with the app.
 
@@ -69,7 +68,7 @@ def make_app(
         client_max_size=settings.max_body_bytes,
     )
     app[st.SETTINGS] = settings
-    app[st.METRICS] = EngineMetrics()
+    app[st.METRICS] = metrics_endpoint.install(app)
     sinks: list[Sink] = [app[st.METRICS], *_attach_database(app, database)]
     thread = EngineThread(engine, FanoutSink([*sinks, *([sink] if sink else [])]),
                           warmup=warmup, warmup_progress=warmup_progress)
@@ -102,7 +101,7 @@ def _add_routes(app: web.Application) -> None:
     dashboard.add_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", metrics_endpoint.metrics)
 
 
 async def _database_ctx(app: web.Application) -> AsyncIterator[None]:

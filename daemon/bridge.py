@@ -38,7 +38,9 @@ import threading
 import time
 from typing import Any, Protocol
 
-from engine.types import Request, RequestResult, StepStats, TokenEvent
+from engine.progress import Reporter
+from engine.policy import TunedPolicy
+from engine.types import EngineCapacity, Request, RequestResult, StepStats, TokenEvent
 
 log = logging.getLogger("crossover.bridge")
 
@@ -51,7 +53,7 @@ class EngineError(RuntimeError):
 
 
 class Engine(Protocol):
-    """The surface of `EngineCore` (and `FakeEngine`) the daemon uses."""
+    """The surface of `EngineCore` (and `FakeEngine`) the daemon and the tuner use."""
 
     tokenizer: Any
     model_name: str
@@ -61,8 +63,13 @@ class Engine(Protocol):
     def abort(self, request_id: str) -> None: ...
     def step(self) -> Any: ...
     def has_work(self) -> bool: ...
-    def warmup(self, progress: bool = True) -> None: ...
+    def warmup(self, progress: Reporter = True) -> None: ...
     def status(self) -> dict[str, Any]: ...
+    def capacity(self) -> EngineCapacity: ...
+    def set_policy(self, policy: TunedPolicy) -> None: ...
+
+    @property
+    def policy(self) -> TunedPolicy: ...
 
 
 class Sink(Protocol):
@@ -84,24 +91,6 @@ class NullSink:
 
     def flush(self) -> None:
         pass
-
-
-class MemorySink:
-    """Keeps everything in lists (tests, small benchmarks)."""
-
-    def __init__(self) -> None:
-        self.steps: list[StepStats] = []
-        self.results: list[RequestResult] = []
-        self.flushed = 0
-
-    def on_step(self, stats: StepStats) -> None:
-        self.steps.append(stats)
-
-    def on_result(self, result: RequestResult) -> None:
-        self.results.append(result)
-
-    def flush(self) -> None:
-        self.flushed += 1
 
 
 _Item = TokenEvent | BaseException
@@ -164,7 +153,7 @@ class EngineThread:
         sink: Sink | None = None,
         *,
         warmup: bool = True,
-        warmup_progress: bool = False,
+        warmup_progress: Reporter = False,
         idle_wait_s: float = 0.05,
     ) -> None:
         self.engine = engine

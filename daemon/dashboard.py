@@ -1,4 +1,8 @@
-"""`/dashboard`: one self-contained page (daemon/static, no CDN) and its JSON.
+"""`/dashboard`: one page (daemon/static) drawn with plotly.js, and its JSON.
+
+The charts are plotly.js, the bundle that the `plotly` Python package ships;
+the daemon serves it from the installed package, so the page needs no CDN
+and works offline.
 
 Who may look:
 - with `admin_token` set: whoever shows it — open `/dashboard?token=TOKEN`
@@ -11,6 +15,7 @@ Who may look:
 
     GET /dashboard                       the page
     GET /dashboard/static/*              its script and style (no data, no check)
+    GET /dashboard/lib/plotly.min.js     plotly.js from the installed `plotly` package (no check)
     GET /dashboard/api/status            as /admin/status
     GET /dashboard/api/acceptance        acceptance over time by technique, tenant; by position
     GET /dashboard/api/batch             batch-size histogram
@@ -22,8 +27,10 @@ The api routes take `?window_s=` (default 3600, at most 30 days).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
+import importlib.resources
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,12 +42,13 @@ from sqlalchemy.orm import Session
 from daemon import dashboard_data as data
 from daemon import state as st
 from daemon.admin import status_body, token_matches
-from daemon.auth import bearer_token
 from daemon.errors import ApiError, bad_request
 from daemon.settings import is_loopback
+from daemon.tenants.auth import bearer_token
 from store.db import session_scope
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
+PLOTLY_JS = "/dashboard/lib/plotly.min.js"
 COOKIE = "crossover_dashboard"
 DEFAULT_WINDOW_S = 3600.0
 MAX_WINDOW_S = 30 * 86400.0
@@ -91,6 +99,21 @@ def _refusal(status: int, message: str) -> web.Response:
     html = (f"<!doctype html><title>crossover dashboard</title>"
             f"<p>crossover dashboard: {message}</p>")
     return web.Response(status=status, text=html, content_type="text/html")
+
+
+@functools.cache
+def plotly_js_path() -> Path:
+    """Where the installed `plotly` package keeps its plotly.js bundle."""
+    path = Path(str(importlib.resources.files("plotly") / "package_data" / "plotly.min.js"))
+    if not path.is_file():
+        raise FileNotFoundError(f"the plotly package has no plotly.js bundle at {path}")
+    return path
+
+
+@routes.get(PLOTLY_JS)
+async def plotly_js(request: web.Request) -> web.StreamResponse:
+    """The chart library (code, no data: no check); revalidated by ETag on each load."""
+    return web.FileResponse(plotly_js_path(), headers={"Cache-Control": "no-cache"})
 
 
 @routes.get("/dashboard/api/status")

@@ -4,10 +4,11 @@ Each function takes a Session and a window `[since, until)` and returns
 JSON-ready dicts. Acceptance over time calls `telemetry.queries` once per
 bucket; buckets are whole minutes aligned to the epoch, so a per-minute
 rollup lands in exactly one bucket. Goodput against batch size reads the raw
-steps (like `queries.step_time_by`): output tokens per second of step time,
+steps (`queries.goodput_by_batch`): output tokens per second of step time,
 per technique and batch size. The crossover batch size is the `crossover`
 field of the active policy's body (`engine.policy.TunedPolicy.to_dict()`),
-else the newest policy's; 0 there means the policy never speculates.
+else the newest policy's; 0 there means the policy never speculates. Policy
+and retune history come from `store.history`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from store.models import Policy, Step
+from store import history
+from store.models import Policy
 from telemetry import queries
 
 BUCKET_CHOICES_S = (60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
@@ -75,26 +76,18 @@ def batch_histogram(session: Session, since: float, until: float) -> dict[str, A
 
 def goodput_by_batch(session: Session, since: float, until: float) -> dict[str, Any]:
     """Output tokens/s of step time per technique and batch size, and the crossover."""
-    keys = (Step.technique, Step.batch_size)
-    query = (
-        select(*keys, func.count(), func.sum(Step.decode_tokens), func.sum(Step.step_ms))
-        .where(Step.time >= since, Step.time < until)
-        .group_by(*keys)
-        .order_by(*keys)
-    )
     series: dict[str, list[dict[str, Any]]] = {}
-    for technique, batch, steps, tokens, step_ms in session.execute(query):
-        if step_ms:
-            series.setdefault(technique, []).append(
-                {"batch_size": batch, "steps": steps,
-                 "tokens_per_s": round(float(tokens or 0) / (float(step_ms) / 1000.0), 3)})
+    for row in queries.goodput_by_batch(session, since, until):
+        series.setdefault(row.technique, []).append(
+            {"batch_size": row.batch_size, "steps": row.steps,
+             "tokens_per_s": round(row.tokens_per_s, 3)})
     return {"since": since, "until": until, "series": _series(series, "technique"),
             "crossover": crossover(session)}
 
 
 def crossover(session: Session) -> dict[str, Any] | None:
     """{"batch_size", "policy_version"} from the active (else newest) policy, or None."""
-    policy = queries.active_policy(session) or next(iter(queries.policy_history(session, 1)), None)
+    policy = history.active_policy(session) or next(iter(history.policy_history(session, 1)), None)
     if policy is None:
         return None
     value = (policy.body or {}).get("crossover")
@@ -105,9 +98,9 @@ def crossover(session: Session) -> dict[str, Any] | None:
 
 def retunes(session: Session, limit: int = 20) -> dict[str, Any]:
     """The newest retunes, each with the policy it chose, and the policy history."""
-    policies = {p.version: p for p in queries.policy_history(session, limit=200)}
+    policies = {p.version: p for p in history.policy_history(session, limit=200)}
     rows = []
-    for r in queries.retune_history(session, limit=limit):
+    for r in history.retune_history(session, limit=limit):
         chosen = policies.get(r.chosen_policy_version) if r.chosen_policy_version else None
         rows.append({
             "id": r.id, "triggered_by": r.triggered_by, "status": r.status,

@@ -1,8 +1,8 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models.
 
-A handler authenticates the tenant (daemon.auth), reads and validates the
+A handler authenticates the tenant (daemon.tenants.auth), reads and validates the
 body against the tenant's limits (openai_params; 400 past its max_tokens),
-takes one of the tenant's slots (daemon.tenant_gate; 429 past its
+takes one of the tenant's slots (daemon.tenants.gate; 429 past its
 max_concurrent and max_queued), asks the admission check for room in the
 engine, submits one engine Request, tagged with the tenant, through the
 EngineThread and either collects the events into one JSON body or streams
@@ -24,7 +24,6 @@ from typing import Any
 from aiohttp import web
 
 from daemon import state as st
-from daemon.auth import authenticate
 from daemon.bridge import EngineError, RequestStream
 from daemon.errors import ApiError, bad_request
 from daemon.openai_params import (
@@ -35,7 +34,8 @@ from daemon.openai_params import (
     parse_completion,
     read_body,
 )
-from daemon.tenant_limits import TenantInfo
+from daemon.tenants.auth import authenticate
+from daemon.tenants.limits import TenantInfo
 from engine.types import Request, TokenEvent
 
 routes = web.RouteTableDef()

@@ -2,27 +2,42 @@
 
 Precedence, highest first: command-line flags > environment variables
 (`CROSSOVER_<FIELD>`, e.g. CROSSOVER_MAX_BATCH=16) > a TOML file
-(`--config file.toml` or CROSSOVER_CONFIG; flat `key = value` pairs named
-like the fields) > the defaults below. A bad value raises `SettingsError`
+(`--config file.toml` or CROSSOVER_CONFIG; `key = value` pairs named like
+the fields) > the defaults below. A bad value raises `SettingsError`
 naming the key, the value and where it came from.
+
+A section nests another package's config as one field: `Settings.tuner` is
+`tuner.config.TunerConfig`, defined once there. Its fields load through the
+same layers as `--tuner-<field>` flags (generated from the dataclass, help
+from each field's docstring), `CROSSOVER_TUNER_<FIELD>` variables and a
+`[tuner]` table in the TOML file; the tuner's switch is `enabled`
+(`--tuner/--no-tuner`, CROSSOVER_TUNER_ENABLED).
 
     >>> load_settings({"port": 9000}, env={"CROSSOVER_PORT": "9100"}).port
     9000
     >>> load_settings({}, env={"CROSSOVER_KV_BUDGET_BYTES": "2GiB"}).kv_budget_bytes
     2147483648
+    >>> load_settings({"tuner_trials": "8"}, env={"CROSSOVER_TUNER_ENABLED": "off"}).tuner.trials
+    8
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
+import inspect
 import ipaddress
 import os
 import re
+import textwrap
 import tomllib
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from tuner.config import TunerConfig
 
 ENV_PREFIX = "CROSSOVER_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -57,39 +72,8 @@ class Settings:
     """Draft heads file from `crossover train-heads`; None: the one shipped for the model."""
     db_url: str | None = None
     """SQLAlchemy URL or SQLite path of the telemetry database; None: $CROSSOVER_DB, ./crossover.db."""
-    tuner: bool = True
-    """Run the periodic tuner and its exploration (admin retunes and pins work either way)."""
-    tuner_interval_s: float = 600.0
-    """Seconds between scheduled retunes."""
-    tuner_min_new_steps: int = 500
-    """A scheduled retune is skipped (and recorded) with fewer new steps since the last one,
-    each counted once per sequence it ran (a batch-32 step counts 32)."""
-    tuner_trials: int = 48
-    """Optuna trials per TPE search (an exact solve, the default, tells at most two)."""
-    tuner_tpot_p95_ms: float = 0.0
-    """Constraint on the predicted p95 time per output token in ms (0: none)."""
-    tuner_two_objective: bool = False
-    """Search goodput vs p95 TPOT as two objectives (a Pareto front)."""
-    tuner_fit_window_s: float = 3600.0
-    """Telemetry the tuner's performance model is fitted on (seconds back from a retune)."""
-    tuner_cost_window_s: float = 21600.0
-    """Older telemetry whose steps fill shapes the fit window lacks in the step-time fit."""
-    tuner_traffic_window_s: float = 600.0
-    """Recent telemetry whose traffic (batch sizes, arrivals, tenant mix) a retune optimizes for."""
-    tuner_baseline_s: float = 600.0
-    """Telemetry of the previous policy that a new policy's validation compares against."""
-    tuner_explore_share: float = 0.02
-    """Share of decode steps that try a non-chosen depth, keeping the model fresh."""
-    tuner_profile_steps: int = 200
-    """Decisions at startup of which every other one measures an unmeasured (technique, depth)."""
-    tuner_validation_s: float = 120.0
-    """Longest validation window of a newly tuned policy."""
-    tuner_validation_min_steps: int = 200
-    """Validation ends once the new policy has this many steps."""
-    tuner_rollback_margin: float = 0.05
-    """Roll back when measured goodput drops by more than this share (or the noise, if larger)."""
-    tuner_search_process: bool = True
-    """Run the search in a separate process (off the engine thread's GIL)."""
+    tuner: TunerConfig = field(default_factory=TunerConfig)
+    """The tuner and its periodic job: the `[tuner]` section (tuner.config.TunerConfig)."""
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata=_SIZE)
     """Largest accepted request body; bigger ones get 413."""
     max_prompt_chars: int = 1_000_000
@@ -121,19 +105,6 @@ class Settings:
         _check_range("drain_deadline_s", self.drain_deadline_s, 0.0, 86400.0)
         _check_range("tenant_max_queued", self.tenant_max_queued, 0, 1 << 24)
         _check_range("tenant_cache_s", self.tenant_cache_s, 0.0, 3600.0)
-        _check_range("tuner_interval_s", self.tuner_interval_s, 0.01, 86400.0 * 7)
-        _check_range("tuner_min_new_steps", self.tuner_min_new_steps, 0, 1 << 30)
-        _check_range("tuner_trials", self.tuner_trials, 1, 2000)
-        _check_range("tuner_tpot_p95_ms", self.tuner_tpot_p95_ms, 0.0, 1e6)
-        _check_range("tuner_fit_window_s", self.tuner_fit_window_s, 0.01, 86400.0 * 30)
-        _check_range("tuner_cost_window_s", self.tuner_cost_window_s, 0.0, 86400.0 * 30)
-        _check_range("tuner_traffic_window_s", self.tuner_traffic_window_s, 0.01, 86400.0 * 30)
-        _check_range("tuner_baseline_s", self.tuner_baseline_s, 0.01, 86400.0 * 30)
-        _check_range("tuner_explore_share", self.tuner_explore_share, 0.0, 0.5)
-        _check_range("tuner_profile_steps", self.tuner_profile_steps, 0, 1 << 30)
-        _check_range("tuner_validation_s", self.tuner_validation_s, 0.0, 86400.0)
-        _check_range("tuner_validation_min_steps", self.tuner_validation_min_steps, 1, 1 << 30)
-        _check_range("tuner_rollback_margin", self.tuner_rollback_margin, 0.0, 1.0)
         if self.max_tokens is not None:
             _check_range("max_tokens", self.max_tokens, 1, 1 << 24)
         if self.kv_budget_bytes is not None:
@@ -168,33 +139,128 @@ def _check_range(key: str, value: float, lo: float, hi: float) -> None:
         raise SettingsError(f"{key} must be in [{lo}, {hi}], got {value!r}")
 
 
+@dataclass(frozen=True)
+class _Key:
+    """One setting as flags and the environment name it: `tuner_trials` is [tuner] trials."""
+
+    section: str | None
+    """The nested section holding it (a field of Settings), or None for a top-level field."""
+    name: str
+    """The field's name in Settings or in its section."""
+    kind: type
+    optional: bool
+    """Whether None is allowed."""
+    size: bool
+    """Whether "4GiB"-style strings are accepted."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.section}.{self.name}" if self.section else self.name
+
+
 def load_settings(
     flags: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
     config_path: str | None = None,
 ) -> Settings:
-    """Merge flags > env > TOML file > defaults (flags that are None are unset)."""
+    """Merge flags > env > TOML file > defaults (flags that are None are unset).
+
+    `flags` and the environment name a section's field `<section>_<field>`
+    (`tuner_trials`, CROSSOVER_TUNER_TRIALS); the TOML file puts it in a table
+    (`[tuner]` then `trials = 8`).
+    """
     flags = dict(flags or {})
     env = os.environ if env is None else env
     flag_path = flags.pop("config", None)
     path = config_path or flag_path or env.get(ENV_PREFIX + "CONFIG")
-    values: dict[str, Any] = {}
+    top: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+
+    def put(flat: str, raw: Any, source: str) -> None:
+        key = _KEYS[flat]
+        (nested[key.section] if key.section else top)[key.name] = _coerce(key, raw, source)
+
     if path:
-        for key, raw in _read_toml(path).items():
-            values[key] = _coerce(key, raw, source=path)
-    for key in _FIELDS:
-        name = ENV_PREFIX + key.upper()
-        if name in env:
-            values[key] = _coerce(key, env[name], source=name)
-    for key, raw in flags.items():
+        for flat, raw in _read_toml(path).items():
+            put(flat, raw, source=path)
+    for old, new in _RENAMED_ENV.items():
+        if ENV_PREFIX + old in env:
+            raise SettingsError(f"{ENV_PREFIX + old} is now {ENV_PREFIX + new}")
+    for flat in _KEYS:
+        if (name := ENV_PREFIX + flat.upper()) in env:
+            put(flat, env[name], source=name)
+    for flat, raw in flags.items():
         if raw is not None:
-            if key not in _FIELDS:
-                raise SettingsError(f"unknown setting {key!r}")
-            values[key] = _coerce(key, raw, source="--" + key.replace("_", "-"))
-    return Settings(**values)
+            if flat not in _KEYS:
+                raise SettingsError(f"unknown setting {flat!r}")
+            put(flat, raw, source="--" + flat.replace("_", "-"))
+    for name, cls in SECTIONS.items():
+        try:
+            top[name] = cls(**nested[name])
+        except ValueError as exc:
+            raise SettingsError(f"[{name}] {exc}") from None
+    return Settings(**top)
+
+
+def add_section_flags(parser: Any) -> None:
+    """Add a flag to `parser` (or an argument group) for every field of every section
+    (`--tuner-trials N`, `--tuner-two-objective` / `--no-tuner-two-objective`), help from the
+    field's docstring; their dests are SECTION_KEYS."""
+    for section, cls in SECTIONS.items():
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            flat = f"{section}_{f.name}"
+            key, default = _KEYS[flat], getattr(cls(), f.name)
+            names = _FLAG_NAMES.get(flat, ("--" + flat.replace("_", "-"),))
+            text = f"{docs.get(f.name, f.name)} (default {_show(default)})".replace("%", "%%")
+            if key.kind is bool:
+                parser.add_argument(*names, dest=flat, action=argparse.BooleanOptionalAction,
+                                    default=None, help=text)
+            else:
+                parser.add_argument(*names, dest=flat, metavar=_metavar(key), help=text)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the first sentence of its docstring (the string right after it).
+
+    >>> field_docs(TunerConfig)["trials"]
+    'New trials asked and told per TPE search (an exact solve tells at most two)'
+    """
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
+            docs[node.target.id] = _first_sentence(" ".join(str(after.value.value).split()))
+    return docs
+
+
+def _first_sentence(text: str) -> str:
+    """`text` up to its first ". ", "; " or ": " outside parentheses, without the stop."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and ch in ".;:" and text[i + 1 : i + 2] in (" ", ""):
+            return text[:i]
+    return text
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return "none" if value is None else str(value)
+
+
+def _metavar(key: _Key) -> str:
+    if key.name.endswith("_s"):
+        return "SECONDS"
+    return {int: "N", float: "X", tuple: "N,N,..."}.get(key.kind, key.name.upper())
 
 
 def _read_toml(path: str) -> dict[str, Any]:
+    """The file's settings by flat key (a section's table flattened to `<section>_<field>`)."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -202,20 +268,35 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise SettingsError(f"cannot read config file {path!r}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"config file {path!r} is not valid TOML: {exc}") from exc
-    unknown = sorted(set(data) - set(_FIELDS))
-    if unknown:
-        raise SettingsError(f"config file {path!r}: unknown setting {unknown[0]!r}")
-    return data
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise SettingsError(f"config file {path!r}: {key} = {value!r} must be a [{key}] "
+                                    f"table (the on/off switch is `enabled` in it)")
+            for name, raw in value.items():
+                if f"{key}_{name}" not in _KEYS:
+                    raise SettingsError(f"config file {path!r}: unknown setting {name!r} in [{key}]")
+                flat[f"{key}_{name}"] = raw
+        elif key in _KEYS and _KEYS[key].section is None:
+            flat[key] = value
+        else:
+            hint = next((f" (put {key[len(s) + 1:]!r} in a [{s}] table)" for s in SECTIONS
+                         if key in _KEYS and key.startswith(s + "_")), "")
+            raise SettingsError(f"config file {path!r}: unknown setting {key!r}{hint}")
+    return flat
 
 
-def _coerce(key: str, raw: Any, source: str) -> Any:
-    """Convert `raw` (a string from env, or a TOML/flag value) to the field's type."""
-    kind, optional = _FIELDS[key]
-    bad = SettingsError(f"{key} = {raw!r} (from {source}) is not a valid {_describe(key)}")
-    if optional and (raw is None or (isinstance(raw, str) and raw.lower() in ("", "none"))):
+def _coerce(key: _Key, raw: Any, source: str) -> Any:
+    """Convert `raw` (a string from env or a flag, or a TOML value) to the field's type."""
+    bad = SettingsError(f"{key.label} = {raw!r} (from {source}) is not a valid {_describe(key)}")
+    kind = key.kind
+    if key.optional and (raw is None or (isinstance(raw, str) and raw.lower() in ("", "none"))):
         return None
     if isinstance(raw, str) and kind is not str:
-        return _parse_str(key, kind, raw, bad)
+        return _parse_str(key, raw, bad)
+    if kind is tuple and isinstance(raw, (list, tuple)):
+        return _int_tuple([str(v) for v in raw], bad)
     if kind is bool and isinstance(raw, bool):
         return raw
     if kind is int and isinstance(raw, int) and not isinstance(raw, bool):
@@ -227,18 +308,28 @@ def _coerce(key: str, raw: Any, source: str) -> Any:
     raise bad
 
 
-def _parse_str(key: str, kind: type, raw: str, bad: SettingsError) -> Any:
+def _parse_str(key: _Key, raw: str, bad: SettingsError) -> Any:
     text = raw.strip().lower()
-    if kind is bool:
+    if key.kind is bool:
         if text in ("1", "true", "yes", "on"):
             return True
         if text in ("0", "false", "no", "off"):
             return False
         raise bad
-    if kind is int and _is_size(key):
+    if key.kind is tuple:
+        return _int_tuple(text.split(","), bad)
+    if key.kind is int and key.size:
         return _parse_size(text, bad)
     try:
-        return kind(text)
+        return key.kind(text)
+    except ValueError:
+        raise bad from None
+
+
+def _int_tuple(parts: list[str], bad: SettingsError) -> tuple[int, ...]:
+    """Integers from "2,4,8" (or a TOML array), each a whole number."""
+    try:
+        return tuple(int(p.strip()) for p in parts if p.strip())
     except ValueError:
         raise bad from None
 
@@ -255,26 +346,35 @@ def _parse_size(text: str, bad: SettingsError) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def _is_size(key: str) -> bool:
-    return bool(_FIELD_META[key].get("size"))
+def _describe(key: _Key) -> str:
+    names = {tuple: "comma-separated list of integers"}
+    name = "size (bytes, or e.g. 2GiB)" if key.size else names.get(key.kind, key.kind.__name__)
+    return f"{name}{' or none' if key.optional else ''}"
 
 
-def _describe(key: str) -> str:
-    kind, optional = _FIELDS[key]
-    name = "size (bytes, or e.g. 2GiB)" if _is_size(key) else kind.__name__
-    return f"{name}{' or none' if optional else ''}"
+def _keys(cls: type, section: str | None = None) -> dict[str, _Key]:
+    """Flat key -> _Key for the fields of `cls` (a section's fields prefixed with its name)."""
+    hints = typing.get_type_hints(cls)
+    keys: dict[str, _Key] = {}
+    for f in dataclasses.fields(cls):
+        if section is None and f.name in SECTIONS:
+            continue
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        optional = type(None) in args
+        kind = next(a for a in args if a is not type(None)) if optional else hint
+        kind = typing.get_origin(kind) or kind  # tuple[int, ...] -> tuple
+        flat = f"{section}_{f.name}" if section else f.name
+        keys[flat] = _Key(section, f.name, kind, optional, bool(f.metadata.get("size")))
+    return keys
 
 
-def _field_kinds() -> dict[str, tuple[type, bool]]:
-    """field name -> (base type, whether None is allowed)."""
-    hints = typing.get_type_hints(Settings)
-    kinds: dict[str, tuple[type, bool]] = {}
-    for f in dataclasses.fields(Settings):
-        args = typing.get_args(hints[f.name])
-        base = next((a for a in args if a is not type(None)), hints[f.name])
-        kinds[f.name] = (base, type(None) in args)
-    return kinds
-
-
-_FIELDS = _field_kinds()
-_FIELD_META = {f.name: dict(f.metadata) for f in dataclasses.fields(Settings)}
+SECTIONS: dict[str, type] = {"tuner": TunerConfig}
+"""Nested sections: a field of Settings, a TOML table, CROSSOVER_<SECTION>_<FIELD>, --<section>-<field>."""
+_KEYS = {**_keys(Settings), **{k: v for s, cls in SECTIONS.items() for k, v in _keys(cls, s).items()}}
+SECTION_KEYS = tuple(flat for flat, key in _KEYS.items() if key.section)
+"""The flat keys of every section's fields: the dests of add_section_flags."""
+_FLAG_NAMES = {"tuner_enabled": ("--tuner",), "tuner_interval_s": ("--tuner-interval", "--tuner-interval-s")}
+"""Flags whose names are not `--<flat key>`: the tuner's switch and its interval keep their names."""
+_RENAMED_ENV = {"TUNER": "TUNER_ENABLED"}
+"""Environment variables that moved (an old one set is an error, not silently ignored)."""

@@ -11,10 +11,10 @@ from aiohttp import web
 from daemon.bridge import Engine, EngineThread, Sink
 from daemon.database import Database
 from daemon.errors import ApiError
-from daemon.metrics_sink import EngineMetrics
+from daemon.metrics.sink import EngineMetrics
 from daemon.settings import Settings
-from daemon.tenancy import TenantDirectory
-from daemon.tenant_gate import TenantGates
+from daemon.tenants.auth import TenantDirectory
+from daemon.tenants.gate import TenantGates
 
 
 @dataclass

@@ -7,7 +7,7 @@ argument of `jax.jit` (STYLE 2). Per-step values never live here.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -118,14 +118,3 @@ GEMMA3_27B = ModelConfig(
 PRESETS: dict[str, ModelConfig] = {
     c.name: c for c in (GEMMA3_270M, GEMMA3_1B, GEMMA3_4B, GEMMA3_12B, GEMMA3_27B)
 }
-
-
-def tiny_config(**kw) -> ModelConfig:
-    """A small random-weight config for fast unit tests (7 layers: 2 groups of local, local, global, then one trailing local)."""
-    base = dict(
-        name="tiny", vocab_size=512, d_model=64, n_layers=7, n_heads=4, n_kv_heads=2, global_every=3,
-        head_dim=16, ffn_dim=128, sliding_window=8, query_pre_attn_scalar=16.0,
-        max_position=4096,
-    )
-    base.update(kw)
-    return ModelConfig(**base)

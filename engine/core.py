@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import queue
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -22,12 +21,21 @@ import numpy as np
 from engine.config import ModelConfig
 from engine.kv import KVPool
 from engine.model import Params
-from engine.policy import NEVER, TunedPolicy
+from engine.policy import StepChooser, TunedPolicy
+from engine.progress import Reporter, note
 from engine.proposers import NgramProposer, Proposer
 from engine.runner import ModelRunner, RunnerConfig, compile_count, map_limit, memory_mappings
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import Detokenizer, Sequence, append_tokens, request_key
-from engine.types import Request, RequestResult, StepOutput, StepStats, TokenEvent
+from engine.types import (
+    EngineCapacity,
+    ProposerCapacity,
+    Request,
+    RequestResult,
+    StepOutput,
+    StepStats,
+    TokenEvent,
+)
 
 
 @dataclass
@@ -56,7 +64,7 @@ class EngineCore:
     """The engine one daemon thread drives."""
 
     def __init__(self, cfg: ModelConfig, params: Params, tokenizer, ecfg: EngineConfig = EngineConfig(),
-                 model_name: str | None = None):
+                 model_name: str | None = None, seed: int = 0):
         rc = ecfg.runner
         self.cfg, self.tokenizer, self.ecfg = cfg, tokenizer, ecfg
         self.model_name = model_name or cfg.name
@@ -70,7 +78,7 @@ class EngineCore:
             self.pool,
         )
         self.stop_ids = frozenset(getattr(tokenizer, "stop_ids", (cfg.eos_id,)))
-        self.policy: TunedPolicy = NEVER
+        self._chooser = StepChooser(np.random.default_rng(seed))  # serving policy; exploration's rng
         self.proposers: dict[str, Proposer] = {}
         self._keep_hidden = False
         self.warmed_up = False
@@ -114,18 +122,41 @@ class EngineCore:
         self._inbox.put(("abort", request_id))
 
     def set_policy(self, policy: TunedPolicy) -> None:
-        """Swap the decode policy; it takes effect at the start of the next step."""
-        missing = policy.techniques() - set(self.proposers)
+        """Swap the decode policy; it takes effect at the start of the next step. ValueError
+        when it uses a technique, depth or draft vocabulary this engine did not load or compile."""
+        cap = self.capacity()
+        missing = policy.techniques() - set(cap.proposers)
         if missing:
             raise ValueError(f"policy uses techniques without a loaded proposer: {sorted(missing)}")
-        mtp = self.proposers.get("mtp")
-        if policy.draft_vocab and "mtp" in policy.techniques() and policy.draft_vocab not in getattr(mtp, "vocab_sizes", ()):
+        vocabs = cap.proposers["mtp"].draft_vocabs if "mtp" in cap.proposers else ()
+        if policy.draft_vocab and "mtp" in policy.techniques() and policy.draft_vocab not in vocabs:
             raise ValueError(f"draft_vocab={policy.draft_vocab} is not one of the MTP proposer's compiled "
-                             f"draft vocabularies {getattr(mtp, 'vocab_sizes', ())}")
-        if policy.max_depth + 1 > max(self.runner.rc.verify_tokens, default=1):
+                             f"draft vocabularies {vocabs}")
+        if policy.max_depth > cap.max_depth:
             raise ValueError(f"policy depth {policy.max_depth} exceeds the compiled verify buckets "
                              f"{self.runner.rc.verify_tokens}")
         self._inbox.put(("policy", policy))
+
+    @property
+    def policy(self) -> TunedPolicy:
+        """The policy serving now (a new one takes effect at the next step)."""
+        return self._chooser.policy
+
+    def capacity(self) -> EngineCapacity:
+        """The pool, the compiled shapes and the loaded proposers (for the daemon and tuner)."""
+        rc, pool = self.runner.rc, self.pool
+        total = pool.total + pool.reserved
+        return EngineCapacity(
+            total_pages=total, usable_pages=pool.total, page_size=pool.page_size,
+            page_bytes=int(self.runner.kv.nbytes() // total) if total else 0,
+            max_depth=max(rc.verify_tokens, default=1) - 1,
+            verify_depths=tuple(sorted(q - 1 for q in rc.verify_tokens if q > 1)),
+            max_batch=rc.max_batch, spec_max_batch=rc.spec_max_batch,
+            batch_buckets=tuple(rc.batch_buckets),
+            proposers={n: ProposerCapacity(p.resident_bytes(), p.per_sequence_bytes(1), p.max_depth,
+                                           tuple(getattr(p, "vocab_sizes", ())))  # MTP heads only
+                       for n, p in self.proposers.items()},
+        )
 
     # -- the loop ------------------------------------------------------------
     def has_work(self) -> bool:
@@ -158,7 +189,7 @@ class EngineCore:
             if kind == "add":
                 self._admit(arg)
             elif kind == "policy":
-                self.policy = arg
+                self._chooser.start(arg)
                 self.pool.set_split(arg.pool_split)
                 for p in self.proposers.values():
                     p.configure(arg)
@@ -199,7 +230,7 @@ class EngineCore:
         seqs = plan.decode
         if not seqs:
             return SpecResult()
-        technique, depth = self.policy.choose(len(seqs))
+        technique, depth = self._chooser.choose(len(seqs))
         if technique != "none" and len(seqs) <= self.runner.rc.spec_max_batch:
             depth = min(depth, self.proposers[technique].max_depth)  # e.g. 4 MTP heads
             t0 = time.perf_counter()
@@ -288,7 +319,8 @@ class EngineCore:
         )
 
     # -- lifecycle and introspection ---------------------------------------
-    def warmup(self, progress: bool = True) -> None:
+    def warmup(self, progress: Reporter = True) -> None:
+        """Compile every shape of the runner and the proposers; `progress`: engine/progress.py."""
         self.runner.warmup(progress)
         for p in self.proposers.values():
             p.warmup(progress)
@@ -297,8 +329,8 @@ class EngineCore:
         if progress:
             limit, used = map_limit(), memory_mappings()
             if limit and used:
-                print(f"warmup: done, {compile_count()} executables compiled or loaded; {used} of this "
-                      f"process's {limit} memory mappings in use", file=sys.stderr, flush=True)
+                note(progress, f"warmup: done, {compile_count()} executables compiled or loaded; {used} of "
+                               f"this process's {limit} memory mappings in use")
 
     def compiles_since_warmup(self) -> int | None:
         w = self.runner.warm_compiles

@@ -28,7 +28,6 @@ dD. Positions >= p are invisible to later reads (slot validity follows
 
 from __future__ import annotations
 
-import sys
 import time
 from functools import partial
 
@@ -41,6 +40,7 @@ from engine.heads import DraftHeads, Head, apply_chain_head, apply_head, head_lo
 from engine.kv import Batch, KVPool, SeqPages, cache_reader
 from engine.model import Params, forward
 from engine.policy import MAX_POOL_SPLIT, TunedPolicy
+from engine.progress import Reporter, Steps, note
 from engine.proposers import Proposer
 from engine.runner import ModelRunner, RunnerConfig, _write, bucket
 from engine.sequence import Sequence
@@ -224,22 +224,19 @@ class _LayerDrafter(Proposer):
             out.append(tokens)
         return np.concatenate([np.asarray(t) for t in out], axis=1)[:n]
 
-    def _warm_chain(self, runner: ModelRunner, progress: bool, label: str) -> None:
+    def _warm_chain(self, runner: ModelRunner, progress: Reporter, label: str) -> None:
         shapes = [(b, c) for b in self._buckets for c in runner.rc.context_buckets]
         t0 = time.perf_counter()
-        for i, (b, c) in enumerate(shapes):
-            if progress:
-                print(f"\rwarmup: {label} {i + 1}/{len(shapes)} (batch {b}, context {c})"
-                      f" {time.perf_counter() - t0:.0f}s", end="", file=sys.stderr, flush=True)
-            call = runner.new_call(b, 1, c)
-            batch = Batch(call.tokens, call.start, call.n_new, call.global_table, call.local_table)
-            tok, new_kv = _layers_draft(self.dcfg, runner.rc.ring_pages, self.dparams, self.head, self.emb,
-                                        self.ids, runner.kv, batch)
-            runner.kv = _write(runner.rc.ring_pages, runner.kv, batch, new_kv)
-            tok.block_until_ready()
-        if progress:
-            print(f"\rwarmup: {label}: {len(shapes)} shapes in {time.perf_counter() - t0:.1f}s" + " " * 20,
-                  file=sys.stderr, flush=True)
+        with Steps(progress, f"warmup: {label}", len(shapes)) as bar:
+            for b, c in shapes:
+                call = runner.new_call(b, 1, c)
+                batch = Batch(call.tokens, call.start, call.n_new, call.global_table, call.local_table)
+                tok, new_kv = _layers_draft(self.dcfg, runner.rc.ring_pages, self.dparams, self.head, self.emb,
+                                            self.ids, runner.kv, batch)
+                runner.kv = _write(runner.rc.ring_pages, runner.kv, batch, new_kv)
+                tok.block_until_ready()
+                bar.advance()
+        note(progress, f"warmup: {label}: {len(shapes)} shapes in {time.perf_counter() - t0:.1f}s")
 
 
 class EarlyExitProposer(_LayerDrafter):
@@ -379,16 +376,9 @@ class DraftModelProposer(_LayerDrafter):
         if st is not None:
             self.pool.release(st[0])
 
-    def pages_in_use(self) -> int:
-        return self.pool.used
-
     def resident_bytes(self) -> int:
         own = 0 if self.shares_weights else _tree_bytes(self._params)
         return own + _tree_bytes(self._head) + self.slices.nbytes()
-
-    def kv_bytes_per_token(self) -> int:
-        """Draft KV per cached token of one sequence (global layers; local ones stop at the window)."""
-        return _page_bytes(self._cfg, 1, None, self.runner.rc.kv_dtype)
 
     def warmup(self, progress: bool = True) -> None:
         label = f"draft model ({self._cfg.n_layers} layers)"
@@ -401,8 +391,7 @@ class DraftModelProposer(_LayerDrafter):
                 tok, new_kv = _layers_draft(self.dcfg, self.runner.rc.ring_pages, self.dparams, self.head,
                                             self.emb, self.ids, self.runner.kv, batch)
                 self.runner.kv = _write(self.runner.rc.ring_pages, self.runner.kv, batch, new_kv)
-        if progress:
-            print(f"warmup: {label} catch-up prefill in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        note(progress, f"warmup: {label} catch-up prefill in {time.perf_counter() - t0:.1f}s")
 
 
 def _identity_head(d: int, dtype) -> Head:
@@ -413,10 +402,10 @@ def _tree_bytes(tree) -> int:
     return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
 
 
-def _page_bytes(cfg: ModelConfig, page_size: int, kind: str | None, kv_dtype: str) -> int:
-    """K+V bytes of one page of one pool kind (all layers when kind is None)."""
+def _page_bytes(cfg: ModelConfig, page_size: int, kind: str, kv_dtype: str) -> int:
+    """K+V bytes of one page of one pool kind ("global" or "local")."""
     item = jnp.dtype(kv_dtype).itemsize
-    n = {"global": len(cfg.global_layers), "local": len(cfg.local_layers), None: cfg.n_layers}[kind]
+    n = {"global": len(cfg.global_layers), "local": len(cfg.local_layers)}[kind]
     return 2 * n * page_size * cfg.n_kv_heads * cfg.head_dim * item
 
 

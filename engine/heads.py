@@ -2,7 +2,7 @@
 
 One small safetensors file holds everything the model-based proposers add to
 the target (engine/drafting.py), all trained by `crossover train-heads`
-(engine/train_heads.py) on the frozen target:
+(training/heads.py) on the frozen target:
 
     vocab            [N] int32     draft vocabulary: token ids, most frequent first
     mtp.{k}.w1       [2d, r]       MTP head k (k = 0..K-1) predicts the token k+1

@@ -186,10 +186,6 @@ class KVPool:
         return (max(0, want - len(pages.global_pages)),
                 max(0, min(want, self.ring_pages) - len(pages.ring)))
 
-    def can_grow(self, pages: SeqPages, length: int) -> bool:
-        g, l = self.needed(pages, length)
-        return g <= self.global_alloc.num_free and l <= self.local_alloc.num_free
-
     def grow(self, pages: SeqPages, length: int) -> bool:
         """Allocate so that positions [0, length) have pages; False (no change) if full."""
         g, l = self.needed(pages, length)

@@ -9,14 +9,15 @@ half the bytes to read, so bf16 is faster there.
 
 from __future__ import annotations
 
-import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from engine.config import ModelConfig
 from engine.core import EngineConfig, EngineCore
-from engine.planner import KV_DTYPE_BYTES, size_pool
+from engine.memory import KV_DTYPE_BYTES, size_pool
+from engine.progress import Reporter, note
 from engine.runner import RunnerConfig, enable_persistent_cache, map_limit
 
 PAGE_SIZE = 16
@@ -152,7 +153,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
 
 
 def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_bytes: int | None = None,
-                max_batch: int = 32, max_context: int = 4096, progress: bool = True,
+                max_batch: int = 32, max_context: int = 4096, progress: Reporter = True,
                 token_budget: int = 512, speculation: bool = True, heads: str | None = None,
                 verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH,
                 model_proposers: tuple[str, ...] = MODEL_PROPOSERS) -> EngineCore:
@@ -160,8 +161,10 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
 
     With `speculation`, the verify buckets are compiled and the proposers load:
     n-gram always; those of `model_proposers` (MTP heads, early exit, the draft
-    model) from `heads` (a `crossover train-heads` file; default: the one shipped
-    for the model, if any; none read when `model_proposers` is empty).
+    model) from a `crossover train-heads` file (`find_heads`; none read when
+    `model_proposers` is empty).
+    `progress` (engine/progress.py): False is silent; True prints what was loaded;
+    a callback also sees assembling, hashing and converting the model file.
     """
     from engine.gguf_file import default_gguf_path
     from engine.tokenizer import Tokenizer
@@ -181,14 +184,13 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     rc = runner_config(cfg, dtype, budget, max_batch, max_context,
                        verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
                        drafting=drafting, map_limit=limit)
-    if progress and rc.context_buckets != ladder:
-        print(f"engine: context buckets {list(rc.context_buckets)} (of {list(ladder)}): "
-              f"every compiled shape costs XLA:CPU ~{MAPS_PER_SHAPE} memory mappings and this host allows "
-              f"{limit} (vm.max_map_count)", file=sys.stderr, flush=True)
-    if progress:
-        print(f"engine: {cfg.name} {dtype}, KV pool {rc.global_pages - 1} global + "
-              f"{rc.local_pages - 1} local pages of {PAGE_SIZE} tokens, max batch {max_batch}, "
-              f"context {rc.max_context}", file=sys.stderr, flush=True)
+    if rc.context_buckets != ladder:
+        note(progress, f"engine: context buckets {list(rc.context_buckets)} (of {list(ladder)}): every "
+                       f"compiled shape costs XLA:CPU ~{MAPS_PER_SHAPE} memory mappings and this host allows "
+                       f"{limit} (vm.max_map_count)")
+    note(progress, f"engine: {cfg.name} {dtype}, KV pool {rc.global_pages - 1} global + "
+                   f"{rc.local_pages - 1} local pages of {PAGE_SIZE} tokens, max batch {max_batch}, "
+                   f"context {rc.max_context}")
     engine = EngineCore(cfg, params, tokenizer, EngineConfig(runner=rc, token_budget=token_budget),
                         model_name=cfg.name)
     if speculation and model_proposers:
@@ -196,20 +198,40 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     return engine
 
 
-def _load_heads(engine: EngineCore, heads: str | None, dtype: str, progress: bool,
-                techniques: tuple[str, ...] = MODEL_PROPOSERS) -> None:
-    """MTP / early-exit / draft-model proposers from a heads file (none shipped: n-gram only)."""
-    from engine.drafting import add_model_proposers
-    from engine.heads import DraftHeads, default_heads_path
+def heads_cache_path(model_name: str) -> Path:
+    """Where `crossover train-heads` writes a model's heads by default: the user cache,
+    `<cache_dir()>/heads/<model>.safetensors` (never the installed package)."""
+    from engine.gguf_file import cache_dir
 
-    path = heads or default_heads_path(engine.cfg)
-    if heads is None and not path.is_file():
-        if progress:
-            print(f"engine: no draft heads for {engine.cfg.name} ({path}): n-gram speculation only",
-                  file=sys.stderr, flush=True)
+    return cache_dir() / "heads" / f"{model_name}.safetensors"
+
+
+def find_heads(heads: str | Path | None, cfg: ModelConfig) -> tuple[Path | None, str]:
+    """The heads file to load and where it came from, in this order: `heads` (given: used even if
+    missing, so that loading names it), the user cache's file for the model (`heads_cache_path`),
+    the file shipped in engine/data/. (None, "none") when neither default exists."""
+    from engine.heads import default_heads_path
+
+    if heads is not None:
+        return Path(heads), "given"
+    for path, source in ((heads_cache_path(cfg.name), "user cache"), (default_heads_path(cfg), "packaged")):
+        if path.is_file():
+            return path, source
+    return None, "none"
+
+
+def _load_heads(engine: EngineCore, heads: str | None, dtype: str, progress: Reporter,
+                techniques: tuple[str, ...] = MODEL_PROPOSERS) -> None:
+    """MTP / early-exit / draft-model proposers from a heads file (`find_heads`; none: n-gram only)."""
+    from engine.drafting import add_model_proposers
+    from engine.heads import DraftHeads
+
+    path, source = find_heads(heads, engine.cfg)
+    if path is None:
+        note(progress, f"engine: no draft heads for {engine.cfg.name} (none given, none in "
+                       f"{heads_cache_path(engine.cfg.name).parent}, none shipped): n-gram speculation only")
         return
     loaded = DraftHeads.load(path, dtype=jnp.dtype(dtype))
     add_model_proposers(engine, loaded, techniques)
-    if progress:
-        names = ", ".join(n for n in engine.proposers if n != "ngram")
-        print(f"engine: draft heads {path} ({loaded.nbytes() / 2**20:.1f} MiB): {names}", file=sys.stderr, flush=True)
+    names = ", ".join(n for n in engine.proposers if n != "ngram")
+    note(progress, f"engine: draft heads {path} ({source}, {loaded.nbytes() / 2**20:.1f} MiB): {names}")

@@ -40,35 +40,6 @@ Params = dict[str, Any]
 _NEG = -1e30  # finite "minus infinity": fully masked rows stay NaN-free
 
 
-def init_random_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
-    """Random weights with Gemma 3's shapes, for tests (norm multipliers near 1)."""
-    L, d, f = cfg.n_layers, cfg.d_model, cfg.ffn_dim
-    ks = iter(jax.random.split(key, 16))
-
-    def mat(*shape, fan_in):
-        return (jax.random.normal(next(ks), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
-
-    def norm(*shape):
-        return (1.0 + 0.1 * jax.random.normal(next(ks), shape, jnp.float32)).astype(dtype)
-
-    return {
-        "embed": mat(cfg.vocab_size, d, fan_in=d),
-        "final_norm": norm(d),
-        "layers": {
-            "attn_norm": norm(L, d),
-            "qkv": mat(L, d, cfg.q_dim + 2 * cfg.kv_dim, fan_in=d),
-            "q_norm": norm(L, cfg.head_dim),
-            "k_norm": norm(L, cfg.head_dim),
-            "o": mat(L, cfg.q_dim, d, fan_in=cfg.q_dim),
-            "post_attn_norm": norm(L, d),
-            "pre_ffw_norm": norm(L, d),
-            "gate_up": mat(L, d, 2 * f, fan_in=d),
-            "down": mat(L, f, d, fan_in=f),
-            "post_ffw_norm": norm(L, d),
-        },
-    }
-
-
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm in float32 with a multiplier weight; returns x's dtype."""
     x32 = x.astype(jnp.float32)

@@ -13,7 +13,6 @@ after `warmup()` compiles nothing.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import numpy as np
 from engine.config import ModelConfig
 from engine.kv import Batch, KVState, cache_reader, write_new
 from engine.model import Params, forward, logits, unstack_layers
+from engine.progress import Reporter, Steps, note
 from engine.sampling import SamplingArrays, greedy, sample, top_candidates, verify
 
 _compiles = 0
@@ -322,21 +322,18 @@ class ModelRunner:
         bs = [b for b in rc.batch_buckets if b <= rc.spec_max_batch]
         return [(b, t, c) for b in bs for t in rc.verify_tokens for c in rc.context_buckets]
 
-    def warmup(self, progress: bool = True) -> None:
-        """Compile (and run once, harmlessly on scratch) every bucketed shape."""
+    def warmup(self, progress: Reporter = True) -> None:
+        """Compile (and run once, harmlessly on scratch) every bucketed shape; `progress`
+        (engine/progress.py) sees each shape compiled."""
         shapes = [(s, False) for s in self.shapes()] + [(s, True) for s in self.verify_shapes()]
         t0 = time.perf_counter()
-        for i, ((b, t, c), is_verify) in enumerate(shapes):
-            if progress:
-                what = "verify" if is_verify else "tokens"
-                print(f"\rwarmup: compiling {i + 1}/{len(shapes)} (batch {b}, {what} {t}, context {c})"
-                      f" {time.perf_counter() - t0:.0f}s", end="", file=sys.stderr, flush=True)
-            if is_verify:
-                call = self.new_verify_call(b, t - 1, c)
-                self.run_verify(call, np.full(call.tokens.shape, -1, np.int32))
-            else:
-                self.run(self.new_call(b, t, c))
-        if progress:
-            print(f"\rwarmup: {len(shapes)} shapes compiled in {time.perf_counter() - t0:.1f}s" + " " * 20,
-                  file=sys.stderr, flush=True)
+        with Steps(progress, "warmup: compiling shapes", len(shapes)) as bar:
+            for (b, t, c), is_verify in shapes:
+                if is_verify:
+                    call = self.new_verify_call(b, t - 1, c)
+                    self.run_verify(call, np.full(call.tokens.shape, -1, np.int32))
+                else:
+                    self.run(self.new_call(b, t, c))
+                bar.advance()
+        note(progress, f"warmup: {len(shapes)} shapes compiled in {time.perf_counter() - t0:.1f}s")
         self.warm_compiles = compile_count()

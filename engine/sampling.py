@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 
 CANDIDATES = 256  # top-k / top-p thresholds are looked up among this many best logits
-MAX_TOP_K = CANDIDATES
 
 
 @jax.tree_util.register_dataclass
@@ -161,14 +160,6 @@ def kept(logits, s: SamplingArrays) -> Kept:
         lambda: jnp.where(exact, tau, _threshold_bisect(Kept(logits / temp[:, None], vals[:, 0], tau_k),
                                                         tau_k, s.top_p, lse_k)))
     return Kept(logits / temp[:, None], vals[:, 0], tau)
-
-
-def filtered_probs(logits, s: SamplingArrays):
-    """The distribution each sampled row draws from, as p [N, V] f32 summing to 1 per row
-    (zero outside the kept set). For tests and inspection; sampling uses `kept`."""
-    k = kept(logits, s)
-    p = k.weights(k.scaled)
-    return p / jnp.sum(p, axis=-1, keepdims=True)
 
 
 def _uniforms(s: SamplingArrays, counter, n: int):

@@ -24,12 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import ModelConfig
-from engine.planner import KV_DTYPE_BYTES, WEIGHT_BITS, pages_per_sequence
+from engine.memory import KV_DTYPE_BYTES, WEIGHT_BITS, pages_per_sequence
 
 MTP_HEADS = 4
 """Heads `crossover train-heads` trains by default."""
-EXIT_LAYERS = 8
-"""Early exit: layers before the adapter (default)."""
 DRAFT_LAYERS = 4
 """Draft model: layers of the truncated copy (default)."""
 MTP_VOCABS = (8192, 32768)

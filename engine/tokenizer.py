@@ -22,7 +22,6 @@ from __future__ import annotations
 import codecs
 import os
 from collections.abc import Iterable, Sequence
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,8 @@ from gguf.constants import TokenType
 from tokenizers import AddedToken, Tokenizer as _Backend, decoders, models, normalizers
 
 from engine.chat import apply_chat_template
-from engine.gguf_file import GGUFFile, Progress, WeightsError, cache_dir, default_gguf_path, file_sha256
+from engine.gguf_file import GGUFFile, WeightsError, cache_dir, default_gguf_path, file_sha256
+from engine.progress import Reporter, Steps
 
 __all__ = ["Tokenizer", "IncrementalDecoder", "apply_chat_template", "build_backend"]
 
@@ -80,7 +80,7 @@ def build_backend(pieces: Sequence[str], types: np.ndarray, unk: str = "<unk>") 
     return backend
 
 
-def _load_backend(gf: GGUFFile, pieces: list[str], types: np.ndarray, progress: bool) -> _Backend:
+def _load_backend(gf: GGUFFile, pieces: list[str], types: np.ndarray, progress: Reporter) -> _Backend:
     sha = file_sha256(gf.path, progress=progress)
     cached = cache_dir() / f"tokenizer-{sha[:24]}-{CACHE_FORMAT}.json"
     if cached.is_file():
@@ -88,7 +88,7 @@ def _load_backend(gf: GGUFFile, pieces: list[str], types: np.ndarray, progress: 
             return _Backend.from_file(str(cached))
         except Exception:  # a damaged cache file: build it again
             cached.unlink(missing_ok=True)
-    with Progress(f"building tokenizer from {gf.path.name}", 2, progress) as bar:
+    with Steps(progress, f"building tokenizer from {gf.path.name}", 2) as bar:
         backend = build_backend(pieces, types)
         bar.advance()
         tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
@@ -110,7 +110,6 @@ class Tokenizer:
 
     def __init__(self, backend: _Backend, pieces: list[str], types: np.ndarray, bos_id: int, eos_id: int) -> None:
         self._backend = backend
-        self._pieces = pieces
         self.bos_id, self.eos_id = bos_id, eos_id
         self.end_of_turn_id = backend.token_to_id("<end_of_turn>")
         self.start_of_turn_id = backend.token_to_id("<start_of_turn>")
@@ -124,7 +123,7 @@ class Tokenizer:
         self._text = [p if s else p.replace(SPACE, " ") for p, s in zip(pieces, self._special)]
 
     @classmethod
-    def from_gguf(cls, path: str | Path | None = None, progress: bool = True) -> "Tokenizer":
+    def from_gguf(cls, path: str | Path | None = None, progress: Reporter = True) -> "Tokenizer":
         """The tokenizer of a GGUF file (default: the bundled Gemma 3 270M)."""
         gf = GGUFFile.open(default_gguf_path(progress) if path is None else path)
         meta = gf.metadata
@@ -142,28 +141,12 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return len(self._pieces)
-
-    def id_to_piece(self, token_id: int) -> str:
-        """The vocabulary piece as stored in the file, e.g. "▁world" or "<0x0A>"."""
-        return self._pieces[self._checked(token_id)]
-
-    def piece_to_id(self, piece: str) -> int | None:
-        """Inverse of `id_to_piece`; None for a piece not in the vocabulary."""
-        return self._piece_ids.get(piece)
-
-    @cached_property
-    def _piece_ids(self) -> dict[str, int]:
-        return {p: i for i, p in enumerate(self._pieces)}
+        return len(self._text)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of `text`; control pieces written in it (e.g. <end_of_turn>) become their ids."""
         ids = self._backend.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos else ids
-
-    def encode_batch(self, texts: Sequence[str], add_bos: bool = True) -> list[list[int]]:
-        encodings = self._backend.encode_batch(list(texts), add_special_tokens=False)
-        return [[self.bos_id, *e.ids] if add_bos else e.ids for e in encodings]
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         """Text of `ids`; invalid UTF-8 from byte pieces becomes U+FFFD."""
@@ -174,8 +157,8 @@ class Tokenizer:
         return apply_chat_template(messages, add_generation_prompt)
 
     def _checked(self, token_id: int) -> int:
-        if not 0 <= token_id < len(self._pieces):
-            raise ValueError(f"token id {token_id} is outside the vocabulary [0, {len(self._pieces)})")
+        if not 0 <= token_id < len(self._text):
+            raise ValueError(f"token id {token_id} is outside the vocabulary [0, {len(self._text)})")
         return int(token_id)
 
 

@@ -98,32 +98,50 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class StepStats:
-    """What one engine step did (one row of telemetry)."""
+    """What one engine step did: the one definition of a step's record.
 
-    step_id: int
-    time: float
+    Telemetry stores it as one `xo_steps` row (store.models.Step mirrors these
+    fields, a test checks) and the tuner reads those rows back as StepStats.
+    The engine fills every field; the zero defaults let tests and examples
+    name only what matters to them.
+    """
+
+    step_id: int = 0
+    time: float = 0.0
     """Wall-clock start of the step (unix seconds)."""
-    batch_size: int
+    batch_size: int = 0
     """Sequences that produced or consumed tokens this step."""
-    prefill_tokens: int
-    decode_tokens: int
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
     """Output tokens the decode batch emitted (one per sequence plus accepted drafts)."""
-    technique: str
+    technique: str = "none"
     """"none" for plain decode, else the proposer's name."""
-    depth: int
-    proposed: int
-    accepted: int
-    accepted_per_pos: tuple[int, ...]
+    depth: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
     """accepted_per_pos[i]: drafts accepted at draft position i (len == depth)."""
-    propose_ms: float
-    verify_ms: float
-    step_ms: float
-    kv_pages_used: int
-    kv_pages_free: int
-    queue_len: int
-    policy_version: int
+    propose_ms: float = 0.0
+    verify_ms: float = 0.0
+    step_ms: float = 0.0
+    kv_pages_used: int = 0
+    kv_pages_free: int = 0
+    queue_len: int = 0
+    policy_version: int = 0
     preempted: int = 0
+    """Sequences preempted (pages taken back) this step."""
     tenants: tuple[str, ...] = ()
+    """Tenants with a sequence in this step's batch."""
+
+    @property
+    def speculating(self) -> float:
+        """Sequences that drafted: each offers one draft per position (proposed / depth)."""
+        return self.proposed / self.depth if self.depth else 0.0
+
+    @property
+    def goodput(self) -> float:
+        """Output tokens per second of this step."""
+        return self.decode_tokens * 1000.0 / self.step_ms if self.step_ms > 0 else 0.0
 
 
 @dataclass
@@ -134,3 +152,44 @@ class StepOutput:
     stats: StepStats | None
     """None when the step had nothing to do."""
     finished: list[RequestResult]
+
+
+@dataclass(frozen=True)
+class ProposerCapacity:
+    """One loaded proposer, as the tuner prices it."""
+
+    resident_bytes: int
+    """Accelerator memory it holds whatever the load."""
+    bytes_per_draft: int
+    """Memory each speculating sequence adds per draft token."""
+    max_depth: int
+    """Most draft tokens it makes per step (e.g. its MTP heads)."""
+    draft_vocabs: tuple[int, ...] = ()
+    """Compiled draft vocabularies (MTP heads; empty for the others)."""
+
+
+@dataclass(frozen=True)
+class EngineCapacity:
+    """What an engine can run and hold: `capacity()` of EngineCore and FakeEngine."""
+
+    total_pages: int
+    """KV pool pages, the share lent to speculation included."""
+    usable_pages: int
+    """Pages tenants may use under the current pool split."""
+    page_size: int
+    """Tokens per page."""
+    page_bytes: int
+    """Accelerator bytes per page (0: unknown)."""
+    max_depth: int
+    """Deepest draft the engine verifies."""
+    verify_depths: tuple[int, ...]
+    """Depths verified without padding (1 + depth is a compiled verify size); empty: every
+    depth up to max_depth."""
+    max_batch: int
+    """Most sequences decoded together."""
+    spec_max_batch: int
+    """Largest batch the engine speculates at."""
+    batch_buckets: tuple[int, ...]
+    """Compiled batch sizes (a batch runs padded to the next one); empty: unpadded."""
+    proposers: dict[str, ProposerCapacity] = field(default_factory=dict)
+    """Technique name -> the loaded proposer."""

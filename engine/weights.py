@@ -7,7 +7,8 @@ Data flow:
 2. GGUF: the header (fast parser) gives the `ModelConfig`; on first use every
    tensor is dequantized, transposed to (in, out), fused (qkv, gate_up) and
    stacked over layers, one leaf at a time, into a cache folder keyed by the
-   file's sha256 (one .npy per leaf; a bfloat16 copy is derived on demand).
+   file's sha256 (engine/weights_cache.py: one .npy per leaf; a bfloat16 copy
+   is derived on demand).
    Loads memory-map that folder: on CPU `jax.device_put` aliases read-only
    maps, so a cached load copies nothing (~0.5 s) and processes share pages.
 3. HF directory: `config.json` gives the `ModelConfig`; each leaf is built
@@ -25,7 +26,6 @@ The pytree (matrices (in, out), the model computes `x @ W`):
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -39,7 +39,9 @@ import numpy as np
 from safetensors import safe_open
 
 from engine.config import PRESETS, ModelConfig
-from engine.gguf_file import GGUFFile, Progress, WeightsError, cache_dir, default_gguf_path, file_sha256
+from engine.gguf_file import GGUFFile, WeightsError, default_gguf_path, file_sha256
+from engine.progress import Reporter, Steps
+from engine.weights_cache import cache_folder, read_cache, write_cache
 
 __all__ = ["WeightsError", "load_model", "load_gguf", "load_hf_dir", "gguf_config", "convert_gguf"]
 
@@ -47,7 +49,6 @@ Params = dict[str, Any]
 Fetch = Callable[[str, int], np.ndarray]
 """fetch(role, layer) -> float32 tensor in the checkpoint's (out, in) orientation."""
 
-CACHE_FORMAT = "v1"
 _DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 _LAYER_LEAVES: dict[str, tuple[str, ...]] = {
     "attn_norm": ("attn_norm",), "qkv": ("q", "k", "v"), "q_norm": ("q_norm",), "k_norm": ("k_norm",),
@@ -193,7 +194,7 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
     return _make_config({k: int(v) for k, v in dims.items()}, extra, gf.path.stem, gf.path)
 
 
-def _gguf_fetch(gf: GGUFFile, cfg: ModelConfig, bar: Progress) -> Fetch:
+def _gguf_fetch(gf: GGUFFile, cfg: ModelConfig, bar: Steps) -> Fetch:
     shapes = role_shapes(cfg)
 
     def fetch(role: str, layer: int) -> np.ndarray:
@@ -206,55 +207,29 @@ def _gguf_fetch(gf: GGUFFile, cfg: ModelConfig, bar: Progress) -> Fetch:
     return fetch
 
 
-def convert_gguf(gf: GGUFFile, cfg: ModelConfig, progress: bool = True) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (flat name, float32 host array) for every leaf, one at a time."""
-    with Progress(f"converting {gf.path.name}", 2 + 13 * cfg.n_layers, progress) as bar:
+def convert_gguf(gf: GGUFFile, cfg: ModelConfig,
+                 progress: Reporter = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (flat name, float32 host array) for every leaf, one at a time; `progress` sees
+    each tensor dequantized (engine/progress.py)."""
+    with Steps(progress, f"converting {gf.path.name}", 2 + 13 * cfg.n_layers) as bar:
         fetch = _gguf_fetch(gf, cfg, bar)
         for name in leaf_names():
             yield name, build_leaf(name, cfg, fetch, 0.0, _DTYPES["float32"])
 
 
-def _cache_dir(sha: str, dtype: np.dtype) -> Path:
-    return cache_dir() / f"params-{sha[:24]}-{CACHE_FORMAT}" / dtype.name
-
-
-def _write_cache(target: Path, leaves: Iterator[tuple[str, np.ndarray]], dtype: np.dtype) -> None:
-    """One .npy per leaf (bfloat16 stored as its uint16 bits); the dir appears atomically."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        for name, arr in leaves:
-            arr = arr.astype(dtype, copy=False)
-            np.save(tmp / f"{name}.npy", arr.view(np.uint16) if dtype == _DTYPES["bfloat16"] else arr)
-            del arr
-        os.rename(tmp, target)
-    except OSError:
-        if not target.is_dir():  # not a lost race with another process: a real failure
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _read_cache(folder: Path, dtype: np.dtype) -> Iterator[tuple[str, np.ndarray]]:
-    """Read-only memory maps: `jax.device_put` aliases them on CPU instead of copying."""
-    for name in leaf_names():
-        arr = np.load(folder / f"{name}.npy", mmap_mode="r")
-        yield name, arr.view(dtype) if dtype == _DTYPES["bfloat16"] else arr
-
-
-def _ensure_cache(gf: GGUFFile, cfg: ModelConfig, sha: str, dtype: np.dtype, progress: bool) -> Path:
+def _ensure_cache(gf: GGUFFile, cfg: ModelConfig, sha: str, dtype: np.dtype, progress: Reporter) -> Path:
     """The cache folder for `dtype`, built if needed (bfloat16 from the float32 one)."""
-    f32 = _cache_dir(sha, _DTYPES["float32"])
+    f32 = cache_folder(sha, _DTYPES["float32"])
     if not f32.is_dir():
-        _write_cache(f32, convert_gguf(gf, cfg, progress), _DTYPES["float32"])
-    folder = _cache_dir(sha, dtype)
+        write_cache(f32, convert_gguf(gf, cfg, progress), _DTYPES["float32"])
+    folder = cache_folder(sha, dtype)
     if not folder.is_dir():
-        _write_cache(folder, _read_cache(f32, _DTYPES["float32"]), dtype)
+        write_cache(folder, read_cache(f32, leaf_names(), _DTYPES["float32"]), dtype)
     return folder
 
 
-def load_gguf(path: str | Path, dtype: Any = "float32", progress: bool = True) -> tuple[ModelConfig, Params]:
+def load_gguf(path: str | Path, dtype: Any = "float32",
+              progress: Reporter = True) -> tuple[ModelConfig, Params]:
     """(config, params) from a Gemma 3 GGUF; converted once, then memory-mapped from the cache."""
     np_dtype = _dtype(dtype)
     gf = GGUFFile.open(path)
@@ -263,12 +238,12 @@ def load_gguf(path: str | Path, dtype: Any = "float32", progress: bool = True) -
     for attempt in range(2):
         try:
             folder = _ensure_cache(gf, cfg, sha, np_dtype, progress)
-            return cfg, _to_device(_read_cache(folder, np_dtype), np_dtype)
+            return cfg, _to_device(read_cache(folder, leaf_names(), np_dtype), np_dtype)
         except WeightsError:
             raise
         except (OSError, ValueError) as exc:  # a damaged cache: drop it and build it again, once
             with suppress(OSError):
-                shutil.rmtree(_cache_dir(sha, np_dtype).parent, ignore_errors=True)
+                shutil.rmtree(cache_folder(sha, np_dtype).parent, ignore_errors=True)
             if attempt:  # still failing: the cache is unwritable
                 sys.stderr.write(f"warning: cannot cache converted weights ({exc}); converting in memory\n")
     return cfg, _to_device(convert_gguf(gf, cfg, progress), np_dtype)
@@ -412,7 +387,7 @@ def _hf_names(root: Path, keys: dict[str, Path], n_layers: int) -> Callable[[str
     return lambda role, layer: prefix + _HF_NAMES[role].format(i=layer)
 
 
-def load_hf_dir(path: str | Path, dtype: Any = "float32", progress: bool = True) -> tuple[ModelConfig, Params]:
+def load_hf_dir(path: str | Path, dtype: Any = "float32", progress: Reporter = True) -> tuple[ModelConfig, Params]:
     """(config, params) from a Hugging Face Gemma 3 checkpoint directory (norms get +1)."""
     np_dtype = _dtype(dtype)
     root = Path(path)
@@ -422,7 +397,7 @@ def load_hf_dir(path: str | Path, dtype: Any = "float32", progress: bool = True)
     shapes = role_shapes(cfg)
     with ExitStack() as stack:
         files = {f: stack.enter_context(_open_safetensors(f)) for f in sorted(set(shards.values()))}
-        bar = stack.enter_context(Progress(f"loading {root.name}", len(leaf_names()), progress))
+        bar = stack.enter_context(Steps(progress, f"loading {root.name}", len(leaf_names())))
 
         def fetch(role: str, layer: int) -> np.ndarray:
             name = names(role, layer)
@@ -440,9 +415,11 @@ def load_hf_dir(path: str | Path, dtype: Any = "float32", progress: bool = True)
 
 
 def load_model(
-    spec: str | Path | None = None, dtype: Any = "float32", progress: bool = True
+    spec: str | Path | None = None, dtype: Any = "float32", progress: Reporter = True
 ) -> tuple[ModelConfig, Params]:
-    """None -> the default GGUF; a `.gguf` path -> `load_gguf`; a directory -> `load_hf_dir`."""
+    """None -> the default GGUF; a `.gguf` path -> `load_gguf`; a directory -> `load_hf_dir`.
+
+    `progress` (engine/progress.py) sees assembling, hashing and converting the file."""
     if spec is None:
         return load_gguf(default_gguf_path(progress), dtype, progress)
     path = Path(spec).expanduser()

@@ -1,16 +1,19 @@
 """Alembic environment for crossover's telemetry schema.
 
 store.migrate builds the Config in code and passes either an open connection
-(`attributes["connection"]`) or a URL (`attributes["url"]`).
+(`attributes["connection"]`) or a URL (`attributes["url"]`). This module reads
+only the store's models and version-table names, never store.migrate, which
+runs it.
 """
 
 from __future__ import annotations
 
 from alembic import context
+from sqlalchemy import create_engine
+from sqlalchemy.pool import NullPool
 
-from store.db import make_engine
-from store.migrate import VERSION_TABLE, include_object
 from store.models import Base
+from store.versioning import VERSION_TABLE, include_object
 
 config = context.config
 
@@ -36,7 +39,9 @@ def run_online() -> None:
         with context.begin_transaction():
             context.run_migrations()
         return
-    engine = make_engine(config.attributes["url"])
+    # Only a URL (e.g. a downgrade run through alembic.command): one connection,
+    # no pool. SQLite's WAL mode is a property of the file, set when it was created.
+    engine = create_engine(config.attributes["url"], poolclass=NullPool)
     try:
         with engine.begin() as conn:
             context.configure(connection=conn, **OPTIONS)

@@ -1,7 +1,8 @@
-"""Writers for policy and retune history (the tuner and /admin call these).
+"""Every read and write of the policy and retune history (`xo_policies`, `xo_retunes`).
 
-Readers live in telemetry/queries.py. Every function takes the Session
-explicitly; the caller commits (`store.db.session_scope`).
+The tuner, /admin, /metrics and the dashboard all come here; nothing else
+queries these two tables. Every function takes the Session explicitly; the
+caller commits (`store.db.session_scope`).
 """
 
 from __future__ import annotations
@@ -9,10 +10,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from store.models import POLICY_SOURCES, RETUNE_STATUSES, RETUNE_TRIGGERS, Policy, Retune
+from store.models import (
+    POLICY_SOURCES,
+    RETUNE_STATUSES,
+    RETUNE_TRIGGERS,
+    Policy,
+    Retune,
+)
 
 
 def save_policy(
@@ -85,7 +92,7 @@ def finish_retune(
     """Close a retune with its outcome ("applied", "rejected", "failed" or "skipped")."""
     if status not in RETUNE_STATUSES or status == "running":
         raise ValueError(f"status must be one of {RETUNE_STATUSES[1:]}, got {status!r}")
-    retune = session.get(Retune, retune_id)
+    retune = get_retune(session, retune_id)
     if retune is None:
         raise LookupError(f"no retune {retune_id}")
     retune.finished_at = _now(at)
@@ -98,6 +105,60 @@ def finish_retune(
     retune.error = error
     retune.details = details
     return retune
+
+
+def policy_history(session: Session, limit: int = 50) -> list[Policy]:
+    """The newest policies first."""
+    return list(session.scalars(select(Policy).order_by(Policy.version.desc()).limit(limit)))
+
+
+def active_policy(session: Session) -> Policy | None:
+    """The most recently applied policy that was not rolled back."""
+    query = (
+        select(Policy)
+        .where(Policy.applied_at.is_not(None), Policy.rolled_back_at.is_(None))
+        .order_by(Policy.applied_at.desc(), Policy.version.desc())
+        .limit(1)
+    )
+    return session.scalars(query).first()
+
+
+def max_policy_version(session: Session) -> int | None:
+    """The highest policy version recorded (None before the first)."""
+    value = session.scalar(select(func.max(Policy.version)))
+    return None if value is None else int(value)
+
+
+def draft_vocab_by_version(session: Session) -> dict[int, int]:
+    """Policy version -> its draft vocabulary (0: full), for keying MTP measurements."""
+    return {int(v): int((body or {}).get("draft_vocab", 0) or 0)
+            for v, body in session.execute(select(Policy.version, Policy.body))}
+
+
+def get_retune(session: Session, retune_id: int) -> Retune | None:
+    """One retune by id (None when there is none)."""
+    return session.get(Retune, retune_id)
+
+
+def retune_history(session: Session, limit: int = 50, since: float | None = None) -> list[Retune]:
+    """The newest retunes first."""
+    query = select(Retune).order_by(Retune.started_at.desc(), Retune.id.desc()).limit(limit)
+    if since is not None:
+        query = query.where(Retune.started_at >= since)
+    return list(session.scalars(query))
+
+
+def retune_counts(session: Session) -> dict[str, int]:
+    """Retunes recorded, by status."""
+    rows = session.execute(select(Retune.status, func.count()).group_by(Retune.status))
+    return {str(status): int(n) for status, n in rows}
+
+
+def last_real_retune_start(session: Session) -> float | None:
+    """Start of the newest retune that was not a recorded skip (None if there is none)."""
+    query = select(func.max(Retune.started_at)).where(Retune.status != "skipped")
+    started_at = session.execute(query).scalar()
+    return None if started_at is None else float(started_at)
 
 
 def _now(at: float | None) -> float:

@@ -3,7 +3,8 @@
 The scripts live in the `migrations` package, found next to its
 `__init__.py`, so this works from any working directory and from an installed
 wheel. The project's Alembic keeps its own version table, `xo_alembic_version`,
-because Optuna's RDB storage uses `alembic_version` in the same file.
+because Optuna's RDB storage uses `alembic_version` in the same file
+(store/versioning.py, which migrations/env.py reads too).
 
     upgrade(url)          bring a database to head (what `crossover db upgrade` runs)
     check_schema(url)     raise SchemaOutOfDate unless the database is at head
@@ -12,9 +13,9 @@ because Optuna's RDB storage uses `alembic_version` in the same file.
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 from pathlib import Path
-from typing import Any
 
 from alembic import command
 from alembic.config import Config
@@ -24,9 +25,8 @@ from sqlalchemy import inspect
 from sqlalchemy.engine import make_url
 
 from store.db import make_engine, resolve_url
-from store.models import TABLE_PREFIX, VIEW_PREFIX
-
-VERSION_TABLE = "xo_alembic_version"
+from store.models import TABLE_PREFIX
+from store.versioning import VERSION_TABLE
 
 
 class SchemaError(RuntimeError):
@@ -42,15 +42,19 @@ class SchemaTooNew(SchemaError):
 
 
 def script_location() -> Path:
-    """The folder holding env.py and versions/ (inside the `migrations` package)."""
-    import migrations
+    """The folder holding env.py and versions/: the `migrations` package's.
 
-    # __path__ rather than __file__: an editable install made before the
-    # package had its __init__.py still imports it as a namespace package.
-    for entry in migrations.__path__:
+    It is located, not imported: Alembic loads env.py from the folder, and
+    env.py imports the store, so the store importing `migrations` would close a
+    circle. The search locations (rather than a file) also cover an editable
+    install made before the package had its __init__.py (a namespace package).
+    """
+    spec = importlib.util.find_spec("migrations")
+    entries = list(spec.submodule_search_locations or []) if spec else []
+    for entry in entries:
         if (Path(entry) / "env.py").is_file():
             return Path(entry).resolve()
-    raise RuntimeError(f"no env.py in the migrations package ({list(migrations.__path__)})")
+    raise RuntimeError(f"no env.py in the migrations package ({entries})")
 
 
 def alembic_config(url: str | None = None) -> Config:
@@ -60,18 +64,6 @@ def alembic_config(url: str | None = None) -> Config:
     if url is not None:
         cfg.attributes["url"] = resolve_url(url)
     return cfg
-
-
-def include_object(
-    obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
-) -> bool:
-    """Alembic filter: only crossover's `xo_` tables (never Optuna's, never views)."""
-    if type_ != "table":
-        return True
-    name = name or ""
-    return (
-        name.startswith(TABLE_PREFIX) and not name.startswith(VIEW_PREFIX) and name != VERSION_TABLE
-    )
 
 
 def head_revision() -> str:

@@ -1,9 +1,9 @@
 """crossover telemetry: record types, the buffered recorder, retention and queries.
 
-    records    StepRecord / RequestRecord (field names of engine StepStats / RequestResult)
+    records    RequestRecord and its status rule (a step is the engine's StepStats itself)
+    writer     records -> rows, with the step columns read off store.models.Step
     recorder   Recorder: O(1) record_*, batched writes from its own thread
     retention  raw steps -> per-minute rollups; pruning
-    queries    aggregates shared by the tuner, /metrics and dashboards
-    bench      `crossover bench telemetry`
+    queries    aggregates that dashboards read (policy/retune history: store.history)
 See README.md beside this file for the schema, the views and example SQL.
 """

@@ -19,7 +19,7 @@ from typing import Literal
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from store.models import Policy, Request, Retune, Step, StepRollup
+from store.models import Request, Step, StepRollup
 from telemetry.retention import add_positions
 from telemetry.sql import bucket_start
 
@@ -71,6 +71,16 @@ class StepTime:
     steps: int
     mean_ms: float
     max_ms: float
+
+
+@dataclass(frozen=True)
+class BatchGoodput:
+    """Output tokens per second of step time for one (technique, batch size), raw window."""
+
+    technique: str
+    batch_size: int
+    steps: int
+    tokens_per_s: float
 
 
 @dataclass(frozen=True)
@@ -230,6 +240,22 @@ def step_time_by(
     ]
 
 
+def goodput_by_batch(session: Session, since: float, until: float | None = None) -> list[BatchGoodput]:
+    """Output tokens/s of step time per (technique, batch size); steps of zero time are left out."""
+    keys = (Step.technique, Step.batch_size)
+    query = (
+        select(*keys, func.count(), func.sum(Step.decode_tokens), func.sum(Step.step_ms))
+        .where(*_window(Step.time, since, until))
+        .group_by(*keys)
+        .order_by(*keys)
+    )
+    return [
+        BatchGoodput(str(t), int(b), int(n), float(tokens or 0) / (float(ms) / 1000.0))
+        for t, b, n, tokens, ms in session.execute(query)
+        if ms
+    ]
+
+
 def goodput_over_time(
     session: Session, bucket_s: int, since: float, until: float | None = None
 ) -> list[GoodputPoint]:
@@ -252,27 +278,3 @@ def goodput_over_time(
         GoodputPoint(start, s, tok, tok / bucket_s, b / s if s else 0.0)
         for start, (s, tok, b) in sorted(sums.items())
     ]
-
-
-def policy_history(session: Session, limit: int = 50) -> list[Policy]:
-    """The newest policies first."""
-    return list(session.scalars(select(Policy).order_by(Policy.version.desc()).limit(limit)))
-
-
-def active_policy(session: Session) -> Policy | None:
-    """The most recently applied policy that was not rolled back."""
-    query = (
-        select(Policy)
-        .where(Policy.applied_at.is_not(None), Policy.rolled_back_at.is_(None))
-        .order_by(Policy.applied_at.desc(), Policy.version.desc())
-        .limit(1)
-    )
-    return session.scalars(query).first()
-
-
-def retune_history(session: Session, limit: int = 50, since: float | None = None) -> list[Retune]:
-    """The newest retunes first."""
-    query = select(Retune).order_by(Retune.started_at.desc(), Retune.id.desc()).limit(limit)
-    if since is not None:
-        query = query.where(Retune.started_at >= since)
-    return list(session.scalars(query))

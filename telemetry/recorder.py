@@ -118,7 +118,7 @@ class Recorder:
     # -- the caller's side: O(1), never blocks on I/O ---------------------
 
     def record_step(self, rec: Any) -> bool:
-        """Queue one step record (a StepRecord or engine StepStats); False if dropped."""
+        """Queue one step record (the engine's StepStats); False if dropped."""
         with self._lock:
             if self._pending >= self._max_buffer or not self._accepting:
                 self._dropped_steps += 1

@@ -1,14 +1,17 @@
 """Turning records into rows and writing a batch of them in one transaction.
 
-Runs on the recorder's thread (never on the caller's): records may be
-`StepRecord`/`RequestRecord` or any object with the same attributes.
+Runs on the recorder's thread (never on the caller's). A step record is the
+engine's `StepStats` (or any object with its attributes); the `xo_steps`
+columns, and the conversion each needs, are read off the table model, so
+the one definition of a step (`StepStats`, mirrored by `store.models.Step`)
+is the only list of its fields.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy import JSON, Connection, Table, insert
@@ -17,49 +20,74 @@ from store.models import Request, Step
 from telemetry.records import request_status
 
 Row = dict[str, Any]
-
-
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-# (field, converter): numpy scalars and other number-likes become plain Python
-# values here, on the writer's thread, so any driver accepts them.
-_STEP_SCALARS = (
-    ("step_id", int), ("time", float), ("batch_size", int), ("prefill_tokens", int),
-    ("decode_tokens", int), ("technique", str), ("depth", int), ("proposed", int),
-    ("accepted", int), ("propose_ms", float), ("verify_ms", float), ("step_ms", float),
-    ("kv_pages_used", int), ("kv_pages_free", int), ("queue_len", int),
-    ("policy_version", int),
-)  # fmt: skip
-_REQUEST_SCALARS = (
-    ("request_id", str), ("tenant", str), ("prompt_tokens", int), ("output_tokens", int),
-    ("arrival_time", float), ("first_token_time", _opt_float), ("finish_time", float),
-    ("finish_reason", str),
-)  # fmt: skip
+Converter = Callable[[Any], Any]
+_REQUIRED = object()
 
 STEP_TABLE = Step.__table__
 REQUEST_TABLE = Request.__table__
+_FILLED_BY_WRITER = frozenset({"id", "instance", "status"})
+"""Columns a record does not carry: the row id, the recorder's instance, the derived status."""
+
+
+def _json_list(value: Any) -> list[Any]:
+    """A JSON column's list: ints stay ints (numpy ints too), anything else becomes a string."""
+    return [int(v) if isinstance(v, int) or hasattr(v, "__index__") else str(v) for v in value or ()]
+
+
+def _optional(convert: Converter) -> Converter:
+    return lambda value: None if value is None else convert(value)
+
+
+def _converter(column: Any) -> Converter:
+    """Plain Python values for a column: numpy scalars become int/float/str here, on the
+    writer's thread, so any driver accepts them."""
+    if isinstance(column.type, JSON):
+        return _json_list
+    convert = column.type.python_type
+    return _optional(convert) if column.nullable else convert
+
+
+@functools.cache
+def _plan(table: Table) -> tuple[tuple[str, Converter, Any], ...]:
+    """(column, converter, default when the record lacks the attribute) per record column."""
+    plan = []
+    for column in table.columns:
+        if column.name in _FILLED_BY_WRITER:
+            continue
+        default = column.default.arg if column.default is not None else _REQUIRED
+        plan.append((column.name, _converter(column), default))
+    return tuple(plan)
+
+
+def _row(table: Table, rec: Any, instance: str) -> Row:
+    row: Row = {"instance": instance}
+    for name, convert, default in _plan(table):
+        value = getattr(rec, name, default)
+        if value is _REQUIRED:
+            raise AttributeError(f"{type(rec).__name__} has no {name!r} for {table.name}")
+        row[name] = convert(value)
+    return row
 
 
 def step_row(rec: Any, instance: str = "") -> Row:
-    """The `xo_steps` row for a step record (raises AttributeError if one is missing)."""
-    row = {name: conv(getattr(rec, name)) for name, conv in _STEP_SCALARS}
-    row["accepted_per_pos"] = [int(a) for a in rec.accepted_per_pos]
-    row["preempted"] = int(getattr(rec, "preempted", 0))
-    row["tenants"] = [str(t) for t in getattr(rec, "tenants", ())]
-    row["instance"] = instance
-    return row
+    """The `xo_steps` row for a step record (raises AttributeError if a field is missing).
+
+    >>> from engine.types import StepStats
+    >>> s = StepStats(step_id=1, time=2.0, batch_size=2, prefill_tokens=0, decode_tokens=3,
+    ...               technique="ngram", depth=2, proposed=4, accepted=1, accepted_per_pos=(1, 0),
+    ...               propose_ms=0.1, verify_ms=5.0, step_ms=5.5, kv_pages_used=3, kv_pages_free=5,
+    ...               queue_len=0, policy_version=1, tenants=("acme",))
+    >>> row = step_row(s, "a")
+    >>> row["accepted_per_pos"], row["tenants"], row["instance"], row["preempted"]
+    ([1, 0], ['acme'], 'a', 0)
+    """
+    return _row(STEP_TABLE, rec, instance)
 
 
 def request_row(rec: Any, instance: str = "") -> Row:
     """The `xo_requests` row for a request record."""
-    row = {name: conv(getattr(rec, name)) for name, conv in _REQUEST_SCALARS}
-    row["proposed_tokens"] = int(getattr(rec, "proposed_tokens", 0))
-    row["accepted_tokens"] = int(getattr(rec, "accepted_tokens", 0))
-    row["preemptions"] = int(getattr(rec, "preemptions", 0))
+    row = _row(REQUEST_TABLE, rec, instance)
     row["status"] = request_status(rec.finish_reason, getattr(rec, "status", None))
-    row["instance"] = instance
     return row
 
 

@@ -14,8 +14,18 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from sqlalchemy import Engine
+
+from store.db import make_engine
+from store.migrate import upgrade
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+"""Committed data files the tests read (old databases, golden outputs)."""
 
 MAPS_BEFORE_CLEARING = 20_000
 """Clear the compilation caches after a module once the process has this many mappings."""
@@ -37,3 +47,27 @@ def _release_compiled_code():
 
         jax.clear_caches()
         gc.collect()
+
+
+@pytest.fixture
+def db_url(tmp_path: Path) -> str:
+    """A fresh SQLite database file, migrated to head."""
+    url = f"sqlite:///{tmp_path / 'telemetry.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Engine]:
+    """A SQLAlchemy engine on `db_url`, disposed after the test."""
+    engine = make_engine(db_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def rev1_url(tmp_path: Path) -> str:
+    """A copy of the committed database at schema revision 0001 (older than head)."""
+    path = tmp_path / "rev1.db"
+    shutil.copyfile(FIXTURES / "telemetry_rev1.sqlite", path)
+    return f"sqlite:///{path}"

@@ -1,14 +1,15 @@
 """crossover tuner: telemetry -> performance model -> Optuna -> a validated TunedPolicy.
 
-    data       the tuner's reads of xo_steps / xo_requests / history (StepRow, RequestRow)
-    model      PerfModel: step time by batch and query length, proposer cost, acceptance
-               by technique, draft position and tenant; its error on held-out steps
+    data       the tuner's reads of xo_steps (as StepStats) and xo_requests (RequestRow)
+    model      PerfModel: step time by batch and query length, proposer cost; its error on
+               held-out steps
+    acceptance the model's acceptance fits: by technique, draft position, tenant and depth
     traffic    Traffic: batch-size mix, concurrency, arrival rate, lengths, tenant mix
     objective  Capacity, evaluate(): predicted goodput, p95 TPOT, KV page budgets
     space      SearchSpace: a TunedPolicy as Optuna parameters and back
     search     run_search(SearchJob): one ask/tell search in the project's database
     validate   compare(): measured goodput at matched batch sizes; rollback verdict
-    explore    ExploringPolicy: a share of steps tries other depths; startup profile
+    explore    ExplorationPlan: the exploration each served policy carries; startup profile
     keeper     PolicyKeeper: versions, applies, records, rolls back and pins policies
     service    Tuner: single-flight retunes from trigger to validated policy
 See README.md beside this file.

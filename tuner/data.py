@@ -1,47 +1,21 @@
-"""The tuner's reads of the telemetry database (raw `xo_steps`, `xo_requests`, history).
+"""The tuner's reads of raw telemetry: steps (as the engine's StepStats) and requests.
 
-These complement telemetry/queries.py with the per-row detail the model
-needs. Every function takes the Session explicitly (STYLE 12).
+Aggregates for dashboards are in telemetry/queries.py and the policy and
+retune history in store/history.py. Every function takes the Session
+explicitly (STYLE 12).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from store.models import Policy, Request, Retune, Step
-
-
-@dataclass(frozen=True, slots=True)
-class StepRow:
-    """The columns of one `xo_steps` row the tuner uses."""
-
-    time: float
-    batch_size: int
-    prefill_tokens: int
-    decode_tokens: int
-    """Tokens the step emitted, accepted drafts included."""
-    technique: str
-    depth: int
-    proposed: int
-    accepted_per_pos: tuple[int, ...]
-    propose_ms: float
-    step_ms: float
-    queue_len: int
-    policy_version: int
-    tenants: tuple[str, ...] = ()
-
-    @property
-    def speculating(self) -> float:
-        """Sequences that drafted: each offers one draft per position (proposed / depth)."""
-        return self.proposed / self.depth if self.depth else 0.0
-
-    @property
-    def goodput(self) -> float:
-        """Output tokens per second of this step."""
-        return self.decode_tokens * 1000.0 / self.step_ms if self.step_ms > 0 else 0.0
+from engine.types import StepStats
+from store.models import Request, Step
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,11 +31,18 @@ class RequestRow:
     accepted_tokens: int
 
 
-_STEP_COLUMNS = (
-    Step.time, Step.batch_size, Step.prefill_tokens, Step.decode_tokens, Step.technique,
-    Step.depth, Step.proposed, Step.accepted_per_pos, Step.propose_ms, Step.step_ms,
-    Step.queue_len, Step.policy_version, Step.tenants,
-)  # fmt: skip
+_STEP_COLUMNS = tuple(Step.__table__.c[f.name] for f in fields(StepStats))
+"""The `xo_steps` columns that hold a StepStats, in its field order."""
+_FIELD_NAMES = tuple(c.name for c in _STEP_COLUMNS)
+_TUPLE_FIELDS = ("accepted_per_pos", "tenants")
+
+
+def _stats(values: Sequence[Any]) -> StepStats:
+    """One row of _STEP_COLUMNS as a StepStats (JSON lists become tuples)."""
+    row = dict(zip(_FIELD_NAMES, values))
+    for name in _TUPLE_FIELDS:
+        row[name] = tuple(row[name] or ())
+    return StepStats(**row)
 
 
 def read_steps(
@@ -72,10 +53,10 @@ def read_steps(
     version: int | None = None,
     limit: int | None = None,
     per_shape: int | None = None,
-) -> list[StepRow]:
+) -> list[StepStats]:
     """Raw steps in [since, until), optionally of one policy version, and with `per_shape`
     only the newest that many of each (batch size, depth): the newest `limit` of them,
-    oldest first."""
+    oldest first. The one typed accessor through which the tuner reads steps."""
     query = select(*_STEP_COLUMNS).where(Step.time >= since, Step.step_ms > 0)
     if until is not None:
         query = query.where(Step.time < until)
@@ -89,12 +70,7 @@ def read_steps(
         query = query.order_by(ranked.c.time.desc()).limit(limit)
     else:
         query = query.order_by(Step.time.desc()).limit(limit)
-    rows = [
-        StepRow(float(t), int(b), int(pf), int(dt), str(tech), int(d), int(p),
-                tuple(int(a) for a in (app or ())), float(pm), float(sm), int(q), int(v),
-                tuple(str(x) for x in (tenants or ())))
-        for t, b, pf, dt, tech, d, p, app, pm, sm, q, v, tenants in session.execute(query)
-    ]  # fmt: skip
+    rows = [_stats(values) for values in session.execute(query)]
     rows.reverse()
     return rows
 
@@ -125,21 +101,3 @@ def coverage(session: Session, since: float) -> dict[str, dict[int, int]]:
     for technique, depth, n in session.execute(query):
         out.setdefault(str(technique), {})[int(depth)] = int(n)
     return out
-
-
-def last_real_retune_start(session: Session) -> float | None:
-    """Start of the newest retune that was not a recorded skip (None if there is none)."""
-    query = select(func.max(Retune.started_at)).where(Retune.status != "skipped")
-    started_at = session.execute(query).scalar()
-    return None if started_at is None else float(started_at)
-
-
-def draft_vocab_by_version(session: Session) -> dict[int, int]:
-    """Policy version -> its draft vocabulary (0: full), for keying MTP measurements."""
-    return {int(v): int((body or {}).get("draft_vocab", 0) or 0)
-            for v, body in session.execute(select(Policy.version, Policy.body))}
-
-
-def max_policy_version(session: Session) -> int | None:
-    value = session.scalar(select(func.max(Policy.version)))
-    return None if value is None else int(value)

@@ -54,8 +54,15 @@ import numpy as np
 
 from engine.policy import BatchRule, TunedPolicy
 from tuner.model import PerfModel
-from tuner.objective import (Capacity, drafted_depth, evaluate, goodput_terms, speculating_rules,
-                             speculation_pages_needed, tenant_pages_needed)
+from tuner.objective import (
+    Capacity,
+    drafted_depth,
+    evaluate,
+    goodput_terms,
+    speculating_rules,
+    speculation_pages_needed,
+    tenant_pages_needed,
+)
 from tuner.space import SearchSpace
 from tuner.traffic import Traffic
 

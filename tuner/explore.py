@@ -1,42 +1,46 @@
-"""Exploration: a policy wrapper that keeps the model's estimates fresh.
+"""Exploration: what the daemon adds to each policy it serves to keep the model's estimates fresh.
 
-The engine asks its policy `choose(batch)` once per decode step (on the
-engine thread). `ExploringPolicy` answers like the policy it wraps except:
+A served policy carries an `engine.policy.Exploration`, which the engine
+applies with its own random stream (`engine.policy.StepChooser`):
 
-- during a short **profile** (its first `profile_steps` decisions), every
-  other decision goes to the next unmeasured (technique, depth) cell in
-  turn, so a fresh daemon measures each cell a few times on live traffic;
-- afterwards a share `share` of decisions tries a neighbouring depth: the
-  next shallower or deeper of the verified depths (the shallowest where the
-  policy says "none", with a loaded technique in turn). A neighbour is what a local decision needs
-  (should this batch size go one step deeper or shallower?) and it costs
-  little: a random depth once sent 2% of batch-32 steps to depth 4 and 8,
-  2-6x the cost of a plain step on CPU, ~7% of the busy phase's engine time.
-  Deep cells at large batches are still predicted, from the rows a step runs
-  (see tuner.model) and acceptance measured at any batch size.
+- during a short **profile** (the first `profile_steps` decisions of the
+  first policy served after startup), every other decision goes to the next
+  (technique, depth) cell the telemetry lacks, so a fresh daemon measures
+  each cell a few times on live traffic;
+- afterwards a share `explore_share` of decisions tries a neighbouring
+  depth: the next shallower or deeper of the depths the engine verifies
+  without padding (the shallowest where the policy says "none", with a
+  loaded technique in turn). A neighbour is what a local decision needs
+  (should this batch size go one step deeper or shallower?) and costs far
+  less than a random depth, which at a large batch can take several times a
+  plain step. Deep cells at large batches are still predicted, from the
+  rows a step runs (tuner.model) and acceptance measured at any batch size.
 
-It exposes `version`, `max_depth`, `techniques()` and every other attribute
-of the wrapped TunedPolicy, so `EngineCore.set_policy` and the step records
-treat it as that policy; the validator tells exploration steps apart
-because their (technique, depth) is not what the wrapped policy chooses.
-Its random stream is seeded and only the engine thread draws from it.
+`ExplorationPlan` builds those values from the engine's capacity and the
+tuner's config; the validator tells exploration steps apart because their
+(technique, depth) is not what the policy's rules choose (`is_exploration`).
 """
 
 from __future__ import annotations
 
-import random
+import dataclasses
+import time
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-from engine.policy import TunedPolicy
+from sqlalchemy import Engine
+
+from engine.policy import Exploration, TunedPolicy
+from store.db import session_scope
+from tuner.config import TunerConfig
+from tuner.data import coverage
+from tuner.objective import Capacity
 
 
 def profile_depths(max_depth: int) -> tuple[int, ...]:
     """The depths a startup profile measures: only the deepest. One such step measures every
     draft position's acceptance and the largest verify shape; shallower step times follow
-    from the rows a step runs (tuner.model), and exploration visits them as neighbours.
-    Profiling depths 2 and 1 as well cost ~10% of a short copy-heavy phase at batch 1,
-    where they emit far less than the deepest draft.
+    from the rows a step runs (tuner.model), and exploration visits them as neighbours, so
+    profiling shallower depths too would spend steps where they emit far less.
 
     >>> profile_depths(4), profile_depths(1)
     ((4,), (1,))
@@ -44,7 +48,7 @@ def profile_depths(max_depth: int) -> tuple[int, ...]:
     return (max_depth,)
 
 
-def gap_cells(coverage: Mapping[str, Mapping[int, int]], techniques: Sequence[str],
+def gap_cells(seen: Mapping[str, Mapping[int, int]], techniques: Sequence[str],
               max_depth: int, min_steps: int = 20) -> list[tuple[str, int]]:
     """(technique, depth) cells of the profile depths measured fewer than `min_steps` times,
     technique by technique in the order given (cheapest first).
@@ -53,83 +57,63 @@ def gap_cells(coverage: Mapping[str, Mapping[int, int]], techniques: Sequence[st
     [('mtp', 4), ('draft', 4)]
     """
     return [(t, d) for t in techniques for d in profile_depths(max_depth)
-            if coverage.get(t, {}).get(d, 0) < min_steps]
-
-
-class ExploringPolicy:
-    """`policy` plus exploration (see the module docstring)."""
-
-    def __init__(self, policy: TunedPolicy, *, share: float, techniques: Sequence[str],
-                 max_depth: int, depths: Sequence[int] | None = None,
-                 profile: Sequence[tuple[str, int]] = (), profile_steps: int = 0,
-                 seed: int = 0) -> None:
-        if not 0.0 <= share <= 1.0:
-            raise ValueError(f"share={share} must be in [0, 1]")
-        self.policy = policy
-        self.share = share
-        self.explore_techniques = tuple(t for t in techniques if t != "none")
-        self.explore_depth = max_depth
-        self.explore_depths = tuple(depths or range(1, max_depth + 1))
-        """The depths exploration tries (those verified without padding)."""
-        self._profile = list(profile)
-        self._profile_left = profile_steps if self._profile else 0
-        self._rng = random.Random(seed)
-        self._turn = 0
-        self.explored = 0
-        """Decisions that departed from the policy (read for tests and status)."""
-
-    # -- what the engine calls -------------------------------------------------
-    def choose(self, batch_size: int) -> tuple[str, int]:
-        chosen = self.policy.choose(batch_size)
-        if not self.explore_techniques:
-            return chosen
-        if self._profile_left > 0:
-            self._profile_left -= 1
-            if self._profile_left % 2 == 0:
-                return self._departed(self._profile[self._next_turn(len(self._profile))])
-        if self.share and self._rng.random() < self.share:
-            return self._departed(self._alternative(chosen))
-        return chosen
-
-    @property
-    def max_depth(self) -> int:
-        return max(self.policy.max_depth, self.explore_depth)
-
-    def techniques(self) -> set[str]:
-        return self.policy.techniques() | set(self.explore_techniques)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "policy":  # not yet set (never recurse)
-            raise AttributeError(name)
-        return getattr(self.policy, name)
-
-    # -- helpers --------------------------------------------------------------
-    def _alternative(self, chosen: tuple[str, int]) -> tuple[str, int]:
-        """A neighbouring cell of `chosen` (see the module docstring)."""
-        technique, depth = chosen
-        depths = self.explore_depths
-        if technique == "none" or not depth:
-            return self.explore_techniques[self._next_turn(len(self.explore_techniques))], depths[0]
-        lower = [d for d in depths if d < depth]
-        higher = [d for d in depths if d > depth]
-        options = [(technique, d) for d in (lower[-1:] + higher[:1]) if d <= self.explore_depth]
-        return self._rng.choice(options) if options else chosen
-
-    def _next_turn(self, n: int) -> int:
-        self._turn += 1
-        return self._turn % n
-
-    def _departed(self, cell: tuple[str, int]) -> tuple[str, int]:
-        self.explored += 1
-        return cell
-
-
-def unwrap(policy: Any) -> TunedPolicy:
-    """The TunedPolicy under any exploration wrapper."""
-    return policy.policy if isinstance(policy, ExploringPolicy) else policy
+            if seen.get(t, {}).get(d, 0) < min_steps]
 
 
 def is_exploration(policy: TunedPolicy, batch: int, technique: str, depth: int) -> bool:
-    """Whether a step departed from `policy` on purpose (a "none" step never counts:
-    the engine also falls back to plain decoding when a proposer has no drafts)."""
+    """Whether a step departed from `policy`'s rules on purpose (a "none" step never counts:
+    the engine also falls back to plain decoding when a proposer has no drafts).
+
+    >>> from engine.policy import BatchRule
+    >>> p = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4)
+    >>> is_exploration(p, 2, "ngram", 4), is_exploration(p, 2, "ngram", 2), is_exploration(p, 2, "none", 0)
+    (True, False, False)
+    """
     return technique != "none" and (technique, depth) != policy.choose(batch)
+
+
+class ExplorationPlan:
+    """Adds exploration to each policy the keeper serves; the first one also profiles the gaps.
+
+    >>> cap = Capacity(64, 16, max_depth=8, depths=(1, 2, 4, 8), proposer_depths={"mtp": 4},
+    ...                proposers={"mtp": (1 << 20, 0), "ngram": (0, 0)})
+    >>> plan = ExplorationPlan(cap, TunerConfig(explore_share=0.05))
+    >>> plan.techniques, plan.depths, plan.gaps_of({"ngram": {8: 99}})
+    (['ngram', 'mtp'], (1, 2, 4, 8), [('mtp', 4)])
+    >>> plan(TunedPolicy(version=3)).explore.share
+    0.05
+    """
+
+    def __init__(self, capacity: Capacity, config: TunerConfig) -> None:
+        # cheapest first: what costs no memory is profiled (and can pay) soonest
+        self.techniques = sorted(capacity.proposers, key=lambda t: (capacity.proposers[t][0], t))
+        self.max_depth = min(capacity.max_depth, config.max_depth)
+        verified = tuple(d for d in capacity.depths if d <= self.max_depth)
+        self.depths = verified or tuple(range(1, self.max_depth + 1))
+        """The depths exploration tries (those verified without padding)."""
+        self.proposer_depth = {t: min(self.max_depth, capacity.proposer_depths.get(t, self.max_depth))
+                               for t in self.techniques}
+        self.share = config.explore_share
+        self.profile_steps = config.profile_steps
+        self.gaps: list[tuple[str, int]] = []
+        """Cells the first served policy profiles (measure_gaps fills it)."""
+        self.enabled = config.enabled and bool(self.techniques) and self.max_depth >= 1
+
+    def gaps_of(self, seen: Mapping[str, Mapping[int, int]]) -> list[tuple[str, int]]:
+        """The cells to profile, given technique -> depth -> steps measured."""
+        return [cell for t in self.techniques for cell in gap_cells(seen, [t], self.proposer_depth[t])]
+
+    def measure_gaps(self, db: Engine, window_s: float) -> None:
+        """Find the cells the last `window_s` of telemetry lacks."""
+        with session_scope(db) as session:
+            seen = coverage(session, time.time() - window_s)
+        self.gaps = self.gaps_of(seen)
+
+    def __call__(self, policy: TunedPolicy) -> TunedPolicy:
+        """`policy` as served: with exploration (and, the first time, the profile)."""
+        if not self.enabled:
+            return policy
+        profile, self.gaps = tuple(self.gaps), []  # only the first policy after startup profiles
+        return dataclasses.replace(policy, explore=Exploration(
+            share=self.share, techniques=tuple(self.techniques), depths=self.depths,
+            profile=profile, profile_steps=self.profile_steps if profile else 0))

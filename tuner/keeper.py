@@ -5,7 +5,7 @@ admin: it gets the next version (above every recorded one and the serving
 one), is handed to the engine (whose `set_policy` may refuse it with
 ValueError, before anything is recorded), then saved with its whole body and
 marked applied. A rollback re-applies the previous policy under its own
-version and re-stamps its `applied_at`, so `telemetry.queries.active_policy`
+version and re-stamps its `applied_at`, so `store.history.active_policy`
 names it again.
 
 A pinned policy (`extra["pinned"] = True`, source "admin") overrides the
@@ -29,9 +29,13 @@ from sqlalchemy import Engine
 
 from engine.policy import NEVER, TunedPolicy
 from store.db import session_scope
-from store.history import mark_applied, mark_rolled_back, save_policy
-from telemetry.queries import active_policy
-from tuner.data import max_policy_version
+from store.history import (
+    active_policy,
+    mark_applied,
+    mark_rolled_back,
+    max_policy_version,
+    save_policy,
+)
 
 log = logging.getLogger("crossover.tuner")
 
@@ -43,23 +47,24 @@ class PolicyPinned(RuntimeError):
 class PolicyHost(Protocol):
     """The engine surface the keeper needs (EngineCore and FakeEngine have it)."""
 
-    def set_policy(self, policy: Any) -> None: ...
+    def set_policy(self, policy: TunedPolicy) -> None: ...
 
 
 class PolicyKeeper:
     """See the module docstring. Thread-safe: one lock around every change."""
 
     def __init__(self, db: Engine, host: PolicyHost,
-                 wrap: Callable[[TunedPolicy], Any] | None = None,
+                 wrap: Callable[[TunedPolicy], TunedPolicy] | None = None,
                  default: TunedPolicy = NEVER) -> None:
         self._db = db
         self.default = default
         """Served when the history is empty or its active policy cannot run here."""
         self._host = host
         self._wrap = wrap or (lambda p: p)
+        """What the engine is given for a policy (the daemon adds exploration)."""
         self._lock = threading.RLock()
         self.current: TunedPolicy = NEVER
-        """The policy serving now (without any exploration wrapper)."""
+        """The policy serving now, as recorded (without the exploration it is served with)."""
 
     @property
     def pinned(self) -> bool:
@@ -70,7 +75,7 @@ class PolicyKeeper:
         with self._lock, session_scope(self._db) as session:
             row = active_policy(session)
             if row is None and max_policy_version(session) is None:
-                self._host.set_policy(self._served(self.default))  # exploration wraps it too
+                self._host.set_policy(self._served(self.default))  # served with exploration too
                 return self._record(session, self.default, "default")
         if row is not None:
             try:
@@ -123,8 +128,8 @@ class PolicyKeeper:
             return self.apply(dataclasses.replace(self.current, extra=extra), "admin",
                               {"unpinned_from": self.current.version})
 
-    def _served(self, policy: TunedPolicy) -> Any:
-        """What the engine gets: the policy itself when pinned, else the wrapper's view."""
+    def _served(self, policy: TunedPolicy) -> TunedPolicy:
+        """What the engine gets: the policy itself when pinned, else `wrap(policy)`."""
         return policy if policy.extra.get("pinned") else self._wrap(policy)
 
     def _record(self, session: Any, policy: TunedPolicy, source: str) -> TunedPolicy:

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from engine.policy import TunedPolicy
+from engine.types import EngineCapacity
 from tuner.model import Padding, PerfModel
 from tuner.traffic import Traffic
 
@@ -54,10 +55,26 @@ class Capacity:
     """Batch sizes the engine compiles (a batch runs padded to the next one; empty: unpadded)."""
     proposers: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """Technique -> (resident bytes, bytes per speculating sequence per draft)."""
+    draft_vocabs: tuple[int, ...] = ()
+    """The MTP proposer's compiled draft vocabularies (empty: unknown, the config's are searched)."""
 
     @property
     def techniques(self) -> tuple[str, ...]:
         return ("none", *sorted(self.proposers))
+
+    @staticmethod
+    def from_engine(cap: EngineCapacity) -> Capacity:
+        """The objective's view of an engine's `capacity()`: the whole pool (the pool split
+        divides it), its compiled shapes and its proposers' memory."""
+        mtp = cap.proposers.get("mtp")
+        return Capacity(
+            total_pages=cap.total_pages, page_size=cap.page_size, page_bytes=cap.page_bytes,
+            max_depth=cap.max_depth, depths=cap.verify_depths,
+            proposer_depths={n: p.max_depth for n, p in cap.proposers.items()},
+            spec_max_batch=cap.spec_max_batch, batch_buckets=cap.batch_buckets,
+            proposers={n: (p.resident_bytes, p.bytes_per_draft) for n, p in cap.proposers.items()},
+            draft_vocabs=mtp.draft_vocabs if mtp else (),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -125,8 +142,8 @@ def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: 
         technique, depth = _choice(policy, batch, capacity)
         per_seq = model.tokens_per_seq_mix(technique, depth, traffic.mix_at(batch), policy.draft_vocab)
         # the observed prefill is paid per output token: a step that emits more carries more
-        # of it (fewer steps, the same prompts). Charged per step, deep drafts looked best at the
-        # start of a busy phase, where every step admitted ~500 prompt tokens
+        # of it (fewer steps, the same prompts). Charged per step, it would make deep drafts
+        # look best wherever steps admit many prompt tokens
         prefill_ms = model.prefill_ms(traffic.prefill_per_step.get(batch, 0.0))
         seen = traffic.tokens_per_step.get(batch) or float(batch)
         ms = (model.predict_step_ms(technique, depth, batch, 0.0, policy.draft_vocab)

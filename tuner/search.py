@@ -16,9 +16,8 @@ or a thread (tests). Data flow:
    per KV footprint, milliseconds). When it meets every constraint (the p95
    TPOT target too) and one objective is asked for, it is the answer:
    enqueue it and the current policy, and ask/tell only those two, so the
-   study records both under today's model (a trial costs 40-100 ms of
-   Optuna/SQL work, far more at nice 19 on a busy machine; sampling more
-   could not find better).
+   study records both under today's model (each trial is a dozen small
+   database commits; sampling more could not find better).
 5. Otherwise (two objectives, or the optimum misses the TPOT target) TPE
    searches: enqueue the current policy, a greedy policy built from the model
    (the best (technique, depth) of each batch-size range on its own), the
@@ -44,9 +43,16 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from engine.policy import BatchRule, TunedPolicy
-from store.db import install_sqlite_pragmas, is_sqlite, make_engine, resolve_url, session_scope
+from store.db import (
+    install_sqlite_pragmas,
+    is_sqlite,
+    make_engine,
+    resolve_url,
+    session_scope,
+)
+from store.history import draft_vocab_by_version
 from tuner.config import TunerConfig
-from tuner.data import draft_vocab_by_version, read_requests, read_steps
+from tuner.data import read_requests, read_steps
 from tuner.exact import solve
 from tuner.model import MIN_FIT_ROWS, MIN_SHAPE_STEPS, PerfModel, cost_history
 from tuner.objective import Capacity, Evaluation, evaluate, padding_of
@@ -68,8 +74,8 @@ class SearchJob:
     db_url: str
     config: TunerConfig
     capacity: Capacity
-    incumbent: dict[str, Any]
-    """The policy serving now (TunedPolicy.to_dict())."""
+    incumbent: TunedPolicy
+    """The policy serving now."""
     since: float
     until: float
     retune_id: int | None = None
@@ -80,7 +86,8 @@ class SearchOutcome:
     """The chosen policy and the evidence behind it."""
 
     study_name: str
-    best: dict[str, Any] | None
+    best: TunedPolicy | None
+    """The chosen policy (version 0, source "tuner"), None when no trial was feasible."""
     best_trial: int | None
     predicted: dict[str, Any] | None
     """The chosen policy's Evaluation.to_dict()."""
@@ -176,7 +183,7 @@ def run_search(job: SearchJob) -> SearchOutcome:
         def score(policy: TunedPolicy, on: Traffic = traffic) -> Evaluation:
             return evaluate(policy, model, on, job.capacity, cfg.tpot_p95_ms)
 
-        incumbent = TunedPolicy.from_dict(job.incumbent)
+        incumbent = job.incumbent
         exact = solve(space, model, traffic, job.capacity) if cfg.exact else None
         if exact is not None and not cfg.two_objective and score(exact).feasible:
             method, trials = "exact", _enqueue(study, None, space, [exact, incumbent], cfg.trials)
@@ -187,16 +194,17 @@ def run_search(job: SearchJob) -> SearchOutcome:
             method, trials = "tpe", cfg.trials
         told = [_one_trial(study, space, score, job.retune_id) for _ in range(trials)]
         best, pareto = _choose(told, cfg.two_objective)
+        chosen = TunedPolicy.from_dict(best.user_attrs["policy"]) if best else None
         return SearchOutcome(
             study_name=study.study_name,
-            best=best.user_attrs["policy"] if best else None,
+            best=chosen,
             best_trial=best.number if best else None,
             predicted=best.user_attrs["evaluation"] if best else None,
             incumbent=score(incumbent).to_dict(),
             fit=report.to_dict(), model=model.summary(), traffic=traffic.summary(),
             trials=[t.number for t in told],
             pareto=[_front_entry(t) for t in pareto],
-            per_batch=_per_batch(best, score),
+            per_batch=score(chosen).per_batch if chosen else {},
             method=method, seconds=round(time.perf_counter() - start, 3),
         )  # fmt: skip
     finally:
@@ -318,7 +326,3 @@ def _dominates(a: FrozenTrial, b: FrozenTrial) -> bool:
 def _front_entry(t: FrozenTrial) -> dict[str, Any]:
     return {"trial": t.number, "goodput": round(t.values[0], 3),
             "p95_tpot_ms": round(t.values[1], 4), "policy": t.user_attrs["policy"]}
-
-
-def _per_batch(best: FrozenTrial | None, score: Any) -> dict[int, tuple[float, float]]:
-    return score(TunedPolicy.from_dict(best.user_attrs["policy"])).per_batch if best else {}

@@ -14,7 +14,7 @@
    that does not beat the serving policy's predicted goodput by `min_gain`:
    the retune ends "rejected" with that evidence.
 4. Otherwise the keeper applies it (next version, source "tuner").
-5. Validation window: every `validation_poll_s` the worker reads the new
+5. Validation window: every `poll_s` the worker reads the new
    version's steps until `validation_min_steps` of them (exploration left
    out) or `validation_s` has passed, then compares them at matched batch
    sizes with the previous policy's steps of the `baseline_s` before the
@@ -45,18 +45,29 @@ from sqlalchemy import Engine
 
 from engine.policy import TunedPolicy
 from store.db import session_scope
-from store.history import finish_retune, start_retune
+from store.history import (
+    finish_retune,
+    get_retune,
+    last_real_retune_start,
+    retune_history,
+    start_retune,
+)
 from store.models import Retune
-from telemetry.queries import retune_history
 from tuner.config import TunerConfig
-from tuner.data import count_step_rows, last_real_retune_start, read_steps
+from tuner.data import count_step_rows, read_steps
 from tuner.keeper import PolicyKeeper, PolicyPinned
 from tuner.model import NotEnoughTelemetry
 from tuner.objective import Capacity
 from tuner.search import SearchJob, SearchOutcome, run_search
 from tuner.space import SearchSpace
-from tuner.validate import (Verdict, against_prediction, compare, measured_goodput, own_steps,
-                            weighted_rate)
+from tuner.validate import (
+    Verdict,
+    against_prediction,
+    compare,
+    measured_goodput,
+    own_steps,
+    weighted_rate,
+)
 
 log = logging.getLogger("crossover.tuner")
 SearchRunner = Callable[[SearchJob], SearchOutcome]
@@ -77,8 +88,8 @@ def lower_priority(niceness: int = 19) -> None:
     otherwise takes cycles from the engine thread and shows up in inter-token latency.
 
     On Linux the process also becomes SCHED_IDLE: it runs only on a core nothing else
-    wants. At nice 19 alone, a search still ran between the engine's XLA threads on a
-    2-core CPU: mean inter-token gap +18% while it searched (p50 +6%).
+    wants. At nice 19 alone, a search still runs between the engine's XLA threads when
+    the machine has few cores.
     """
     try:
         os.nice(niceness)
@@ -218,7 +229,7 @@ class Tuner:
     def _retune(self, handle: RetuneHandle) -> tuple[str, dict[str, Any]]:
         incumbent = self.keeper.current
         now = time.time()
-        job = SearchJob(self.db_url, self.config, self._capacity(), incumbent.to_dict(),
+        job = SearchJob(self.db_url, self.config, self._capacity(), incumbent,
                         since=now - self.config.fit_window_s, until=now + 1.0, retune_id=handle.id)
         outcome = self._search(job)
         self.last_outcome = outcome
@@ -254,7 +265,7 @@ class Tuner:
                    incumbent: TunedPolicy) -> tuple[TunedPolicy | None, str]:
         if outcome.best is None:
             return None, "no trial satisfied the constraints (KV capacity, p95 TPOT)"
-        candidate = TunedPolicy.from_dict(outcome.best)
+        candidate = outcome.best
         best, current = _goodput(outcome.predicted) or 0.0, outcome.incumbent["goodput"]
         if _shape(candidate) == _shape(incumbent):
             return None, "the serving policy is still the best found"
@@ -272,7 +283,7 @@ class Tuner:
         while (len(own_steps(rows, applied)) < cfg.validation_min_steps
                and time.time() - start < cfg.validation_s
                and self.keeper.current.version == applied.version
-               and not self._stop.wait(cfg.validation_poll_s)):
+               and not self._stop.wait(cfg.poll_s)):
             rows = self._steps(start, applied.version)
         rows = self._steps(start, applied.version)
         with session_scope(self.db) as session:
@@ -302,7 +313,7 @@ class Tuner:
 
     def _view(self, retune_id: int) -> dict[str, Any] | None:
         with session_scope(self.db) as session:
-            row = session.get(Retune, retune_id)
+            row = get_retune(session, retune_id)
             view = None if row is None else self._row_view(row)
         handle = self._running
         if view is not None and handle is not None and handle.id == retune_id:

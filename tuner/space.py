@@ -38,7 +38,8 @@ class SearchSpace:
     max_pool_split: float
     pool_split_step: float
     draft_vocabs: tuple[int, ...] = ()
-    """Empty unless "mtp" is among the techniques."""
+    """The config's draft vocabularies the engine compiled; empty unless "mtp" is among the
+    techniques (or the engine compiled none of them: its default then serves)."""
     two_objective: bool = False
 
     @staticmethod
@@ -46,10 +47,12 @@ class SearchSpace:
         techniques = capacity.techniques
         deepest = max(1, min(config.max_depth, capacity.max_depth))
         depths = tuple(d for d in capacity.depths or range(1, deepest + 1) if 1 <= d <= deepest)
+        compiled = [v for v in config.draft_vocabs if v in capacity.draft_vocabs]
+        vocabs = tuple(compiled) if capacity.draft_vocabs else config.draft_vocabs
         return SearchSpace(
             ranges=config.ranges, techniques=techniques, max_depth=deepest, depths=depths or (1,),
             max_pool_split=config.max_pool_split, pool_split_step=config.pool_split_step,
-            draft_vocabs=config.draft_vocabs if "mtp" in techniques else (),
+            draft_vocabs=vocabs if "mtp" in techniques else (),
             two_objective=config.two_objective,
         )  # fmt: skip
 

@@ -1,7 +1,7 @@
 """The traffic actually observed: what the objective averages over and the KV pool must hold.
 
-    >>> from tuner.data import StepRow
-    >>> def row(b, q): return StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 10.0, q, 0)
+    >>> from engine.types import StepStats
+    >>> def row(b, q): return StepStats(batch_size=b, decode_tokens=b, step_ms=10.0, queue_len=q)
     >>> rows = [row(1, 0), row(3, 1)]
     >>> t = observe(rows, [], quantile=1.0)
     >>> t.batch_weights, t.token_weights, t.concurrency
@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tuner.data import RequestRow, StepRow
+from engine.types import StepStats
+from tuner.data import RequestRow
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,9 @@ class Traffic:
         """The tenant mix served at `batch`'s bucket, else the whole window's.
 
         Tenants do not share batch sizes evenly: as a copy-heavy phase gives way to a busy
-        mixed one, the window's mix is mostly the copy tenant's, while its few batch-24 steps
-        already serve all four kinds. With one mix for all sizes, a retune chose n-gram@8
-        for batch 17-64 from copy acceptance, and the next 16 batch-32 steps took 2.5 s each.
+        mixed one, the window's mix is mostly the copy tenant's while its few large batches
+        already serve every kind. One mix for all sizes would credit those large batches
+        with the copy tenant's acceptance.
 
         >>> Traffic(1, {1: 1.0}, {}, 1.0, 1, tenant_mix={"a": 1.0}, bucket_mix={4: {"b": 1.0}}).mix_at(3)
         {'b': 1.0}
@@ -97,7 +98,7 @@ class Traffic:
         }
 
 
-def observe(steps: Sequence[StepRow], requests: Sequence[RequestRow],
+def observe(steps: Sequence[StepStats], requests: Sequence[RequestRow],
             quantile: float = 0.95) -> Traffic:
     """Summarize steps (batch sizes, concurrency) and requests (rate, lengths, tenants)."""
     if not steps:
@@ -133,23 +134,23 @@ def _bucket(batch: int) -> int:
     return 1 << max(0, int(batch) - 1).bit_length()
 
 
-def _bucket_mixes(steps: Sequence[StepRow]) -> dict[int, dict[str, float]]:
-    groups: dict[int, list[StepRow]] = {}
+def _bucket_mixes(steps: Sequence[StepStats]) -> dict[int, dict[str, float]]:
+    groups: dict[int, list[StepStats]] = {}
     for s in steps:
         groups.setdefault(_bucket(s.batch_size), []).append(s)
     mixes = {b: _served_mix(rows) for b, rows in sorted(groups.items())}
     return {b: mix for b, mix in mixes.items() if mix}
 
 
-def _served_mix(steps: Sequence[StepRow]) -> dict[str, float]:
+def _served_mix(steps: Sequence[StepStats]) -> dict[str, float]:
     """Tenant -> share of the tokens the steps emitted, each step's split evenly over the
     tenants in its batch (empty when no step names its tenants).
 
     Finished requests lag: in a busy minute the window's requests are still running, and a
     mix taken from them alone was empty or the previous phase's.
 
-    >>> from tuner.data import StepRow
-    >>> def row(n, *tenants): return StepRow(0.0, n, 0, n, "none", 0, 0, (), 0.0, 10.0, 0, 0, tenants)
+    >>> from engine.types import StepStats
+    >>> def row(n, *tenants): return StepStats(batch_size=n, decode_tokens=n, step_ms=10.0, tenants=tenants)
     >>> _served_mix([row(3, "a"), row(2, "a", "b")])
     {'a': 0.8, 'b': 0.2}
     """

@@ -14,10 +14,10 @@ where the candidate's exploration departed from it are left out. Fewer than
 MIN_MATCHED matched candidate steps is "inconclusive" (the policy stays),
 unless `against_prediction` finds the policy far below what the model
 promised where the previous one has nothing to compare (a shift in load
-moved the batch sizes: the copy phase ran at batch 1-2, the busy one at 32).
+moved the batch sizes, e.g. from batch 1-2 to batch 32).
 
-    >>> from tuner.data import StepRow
-    >>> def s(b, tok, ms, v): return StepRow(0.0, b, 0, tok, "none", 0, 0, (), 0.0, ms, 0, v)
+    >>> from engine.types import StepStats
+    >>> def s(b, tok, ms, v): return StepStats(batch_size=b, decode_tokens=tok, step_ms=ms, policy_version=v)
     >>> old = [s(2, 2, 10.0 + i % 2, 1) for i in range(30)]
     >>> new = [s(2, 2, 20.0 + i % 2, 2) for i in range(30)]
     >>> compare(new, old, TunedPolicy(version=2)).decision
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from engine.policy import TunedPolicy
-from tuner.data import StepRow
+from engine.types import StepStats
 from tuner.explore import is_exploration
 
 MIN_PER_BATCH = 3
@@ -68,13 +68,13 @@ class Verdict:
         return d
 
 
-def own_steps(rows: Sequence[StepRow], policy: TunedPolicy) -> list[StepRow]:
+def own_steps(rows: Sequence[StepStats], policy: TunedPolicy) -> list[StepStats]:
     """The rows of `policy`'s version that were not exploration."""
     return [r for r in rows if r.policy_version == policy.version
             and not is_exploration(policy, r.batch_size, r.technique, r.depth)]
 
 
-def compare(candidate: Sequence[StepRow], baseline: Sequence[StepRow], policy: TunedPolicy,
+def compare(candidate: Sequence[StepStats], baseline: Sequence[StepStats], policy: TunedPolicy,
             previous: TunedPolicy | None = None, margin: float = 0.05, z: float = 2.0) -> Verdict:
     """Judge `policy` from its steps against `previous`'s (all baseline rows without one)."""
     cand = _by_batch(own_steps(candidate, policy))
@@ -109,7 +109,7 @@ MIN_PREDICTION_STEPS = 8
 sequences in them)."""
 
 
-def against_prediction(verdict: Verdict, own: Sequence[StepRow], measured: float | None,
+def against_prediction(verdict: Verdict, own: Sequence[StepStats], measured: float | None,
                        predicted: float | None, margin: float) -> Verdict:
     """An inconclusive `verdict` turned into a rollback when the candidate's `own` steps
     measured `margin` or more below the model's prediction at the batch sizes they ran: the
@@ -117,8 +117,8 @@ def against_prediction(verdict: Verdict, own: Sequence[StepRow], measured: float
     measured, is the safer one to serve until the next retune refits. Evidence is counted
     per sequence too: 8 steps of batch 32 are 256 sequences' drafts.
 
-    >>> from tuner.data import StepRow
-    >>> own = [StepRow(0.0, 4, 0, 4, "ngram", 8, 32, (0,) * 8, 1.0, 400.0, 0, 1)] * 8
+    >>> from engine.types import StepStats
+    >>> own = [StepStats(batch_size=4, decode_tokens=4, technique="ngram", depth=8, proposed=32, accepted_per_pos=(0,) * 8, propose_ms=1.0, step_ms=400.0, policy_version=1)] * 8
     >>> v = Verdict("inconclusive", "no matched steps")
     >>> against_prediction(v, own, 23.0, 48.0, 0.3).decision, against_prediction(v, own, 40.0, 48.0, 0.3).decision
     ('rollback', 'inconclusive')
@@ -137,7 +137,7 @@ def against_prediction(verdict: Verdict, own: Sequence[StepRow], measured: float
                    measured, None, change, margin, verdict.matched_steps, verdict.per_batch)
 
 
-def measured_goodput(rows: Sequence[StepRow], batch_weights: dict[int, float]) -> float | None:
+def measured_goodput(rows: Sequence[StepStats], batch_weights: dict[int, float]) -> float | None:
     """Tokens/s of `rows` in the predicted figure's form, over the batch sizes present:
     1000 * sum_B w_B mean_tokens_B / sum_B w_B mean_ms_B (w: the observed traffic's weights)."""
     tokens: dict[int, list[float]] = {}
@@ -164,7 +164,7 @@ def weighted_rate(per_batch: dict[int, tuple[float, float]],
     return 1000.0 * sum(w[b] * per_batch[b][0] for b in per_batch) / time_ms if time_ms else None
 
 
-def _by_batch(rows: Sequence[StepRow]) -> dict[int, list[float]]:
+def _by_batch(rows: Sequence[StepStats]) -> dict[int, list[float]]:
     out: dict[int, list[float]] = {}
     for r in rows:
         out.setdefault(r.batch_size, []).append(r.goodput)

@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     e.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
     e.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per request")
-    e.add_argument("--hf-baseline", default="bench/hf_baseline_result.json",
+    e.add_argument("--hf-baseline", default="bench/results/hf_baseline.json",
                    help="JSON from bench/hf_baseline.py to compare with (skipped if missing)")
     t = sub.add_parser("telemetry", help="recorder throughput and caller-side cost")
     t.add_argument("--out", default="bench-out/telemetry.json", help="JSON output file")
@@ -42,7 +42,7 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
     add("--seconds", type=float, default=None, help="stop sending after this many seconds")
     add("--max-tokens", type=int, default=64, help="output tokens per request (EOS is ignored)")
     add("--mix", default="copy=1,code=1,chat=1,prose=1",
-        help="prompt kinds and weights (engine.workloads: copy, code, chat, prose)")
+        help="prompt kinds and weights (bench.workloads: copy, code, chat, prose)")
     add("--seed", type=int, default=0, help="seed of the prompt draw and the arrivals")
     add("--rounds", type=int, default=1,
         help="run the HTTP and engine-only phases this many times, alternating; each reports "
@@ -80,13 +80,14 @@ def _add_crossover(c: argparse.ArgumentParser) -> None:
     add("--prompt-sets", type=int, default=1,
         help="disjoint prompt sets measured per batch size, pooled (more: steadier small batches)")
     add("--model", default=None, help="a .gguf file or a HF Gemma 3 directory (default: Gemma 3 270M)")
-    add("--heads", default=None, help="a crossover train-heads file (default: the model's shipped one)")
+    add("--heads", default=None, help="a crossover train-heads file (default: the one train-heads wrote "
+                                      "to the user cache, else the model's shipped one)")
     add("--dtype", default=None, choices=["float32", "bfloat16"])
 
 
 def run(args: argparse.Namespace) -> int:
     if args.bench == "engine":
-        from engine.bench import run_bench
+        from bench.engine import run_bench
 
         try:
             batches = tuple(int(b) for b in args.batches.split(","))
@@ -97,19 +98,19 @@ def run(args: argparse.Namespace) -> int:
         run_bench(args.out, model=args.model, dtype=args.dtype, batches=batches,
                   new_tokens=args.new_tokens, hf_baseline=args.hf_baseline)
     elif args.bench == "telemetry":
-        from telemetry.bench import run_bench as tel_bench
+        from bench.telemetry import run_bench as tel_bench
 
         if args.seconds <= 0:
             raise UserError(f"--seconds must be positive, got {args.seconds}")
         tel_bench(args.out, args.seconds, args.db)
     elif args.bench == "serve":
-        from daemon.bench_serve import run_bench as serve_bench
+        from bench.serve import run_bench as serve_bench
 
         serve_bench(_serve_config(args), args.out)
     elif args.bench == "crossover":
         _run_crossover(args)
     elif args.bench == "tuner":
-        from daemon.bench_tuner import run_bench as tuner_bench
+        from bench.tuner import run_bench as tuner_bench
 
         tuner_bench(_tuner_config(args), args.out)
     return 0
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_crossover(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from engine.bench_crossover import BenchConfigError, CrossoverGrid, run_bench
+    from bench.crossover import BenchConfigError, CrossoverGrid, run_bench
 
     def ints(flag: str, text: str) -> tuple[int, ...]:
         try:
@@ -147,8 +148,8 @@ def _serve_config(args: argparse.Namespace) -> Any:
     """The bench serve config from flags; UserError naming a bad one."""
     import os
 
-    from daemon.bench_serve import ServeBenchConfig
-    from engine.workloads import check_mix
+    from bench.serve import ServeBenchConfig
+    from bench.workloads import check_mix
 
     minimums = (("--concurrency", args.concurrency, 1), ("--requests", args.requests, 1),
                 ("--max-tokens", args.max_tokens, 1), ("--max-batch", args.max_batch, 1),
@@ -214,7 +215,8 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--probe-concurrency", type=int, default=4, help="closed-loop clients during the probe")
     add("--probe-quiet", type=float, default=None, help="quiet seconds between probe retunes (default: phase/4)")
     add("--model", default=None, help="a .gguf file or a HF Gemma 3 directory (default: Gemma 3 270M)")
-    add("--heads", default=None, help="a crossover train-heads file (default: the model's shipped one)")
+    add("--heads", default=None, help="a crossover train-heads file (default: the one train-heads wrote "
+                                      "to the user cache, else the model's shipped one)")
     add("--dtype", default=None, choices=["float32", "bfloat16"])
     add("--max-batch", type=int, default=32, help="the engine's most sequences decoded together")
     add("--max-context", type=int, default=1024, help="the engine's context in tokens")
@@ -225,7 +227,7 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
 
 def _tuner_config(args: argparse.Namespace) -> Any:
     """The bench tuner config from flags; UserError naming what is wrong."""
-    from daemon.bench_tuner import TunerBenchConfig
+    from bench.tuner import TunerBenchConfig
 
     def items(text: str | None) -> tuple[str, ...]:
         return tuple(x.strip() for x in (text or "").split(",") if x.strip())

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from daemon.commands import database_actions, database_url
+
 ACTIONS = {
     "upgrade": "bring the database to the newest schema (creates it when empty)",
     "current": "print the database's schema revision and head; exit 1 unless at head",
@@ -12,21 +14,9 @@ ACTIONS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="db_action", metavar="ACTION")
-    sub.required = True
-    for name, help_text in ACTIONS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument(
-            "--db",
-            metavar="URL",
-            default=None,
-            help="SQLAlchemy URL or SQLite file path (default: $CROSSOVER_DB or ./crossover.db)",
-        )
-        if name == "revision":
-            p.add_argument("-m", "--message", required=True, help="what the migration does")
-            p.add_argument(
-                "--empty", action="store_true", help="an empty revision (no autogenerate)"
-            )
+    revision = database_actions(parser, "db_action", ACTIONS)["revision"]
+    revision.add_argument("-m", "--message", required=True, help="what the migration does")
+    revision.add_argument("--empty", action="store_true", help="an empty revision (no autogenerate)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,9 +24,8 @@ def run(args: argparse.Namespace) -> int:
 
     from daemon.user_error import UserError
     from store import migrate
-    from store.db import default_url, resolve_url
 
-    url = resolve_url(args.db) if args.db else default_url()
+    url = database_url(args)
     try:
         if args.db_action == "upgrade":
             before = migrate.current_revision(url)

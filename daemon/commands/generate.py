@@ -57,11 +57,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(args):
+    from daemon.progress import reporter
     from daemon.user_error import UserError
     from engine.loader import load_engine
 
     try:
         return load_engine(model=args.model, dtype=args.dtype, max_batch=1, max_context=args.max_context,
-                           speculation=False)
+                           speculation=False, progress=reporter())
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None

@@ -17,8 +17,9 @@ import re
 from decimal import Decimal
 
 from daemon.user_error import UserError
-from engine import planner
-from engine.planner import Plan, format_bytes
+from engine import memory, planner
+from engine.memory import format_bytes
+from engine.planner import Plan
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -60,9 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"{models}, or TOTAL/ACTIVE parameters of a mixture of experts "
                         "(e.g. 26B/4B) (default: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16",
-                        help=f"weight dtype: {', '.join(planner.WEIGHT_BITS)} (default: %(default)s)")
+                        help=f"weight dtype: {', '.join(memory.WEIGHT_BITS)} (default: %(default)s)")
     parser.add_argument("--kv-dtype", default="bfloat16",
-                        help=f"KV dtype: {', '.join(planner.KV_DTYPE_BYTES)} (default: %(default)s)")
+                        help=f"KV dtype: {', '.join(memory.KV_DTYPE_BYTES)} (default: %(default)s)")
     parser.add_argument("--context", default="8192", help="tokens per tenant (default: %(default)s)")
     parser.add_argument("--page-size", default="16", help="tokens per KV page (default: %(default)s)")
     parser.add_argument("--spec-depth", default="8",

@@ -6,7 +6,8 @@ defaults (daemon.settings). Lifecycle:
 1. open the telemetry database (--db, else $CROSSOVER_DB or ./crossover.db):
    an empty one gets the schema; one at an older schema revision is refused
    (exit 2) with the `crossover db upgrade --db URL` command to run;
-2. load the engine (progress on stderr), build the app, start listening;
+2. load the engine (progress on stderr: a bar on a terminal, else JSON log
+   events), build the app, start listening;
    the engine thread warms up meanwhile (/ready is 503 until it is done);
 3. on SIGTERM or SIGINT: stop admitting (new requests get 503), let
    in-flight requests finish until --drain-deadline, abort the rest;
@@ -28,11 +29,13 @@ import sys
 import time
 from typing import Any
 
+from daemon.settings import SECTION_KEYS, add_section_flags
+
 SETTING_FLAGS = (
     "host", "port", "model", "dtype", "kv_budget_bytes", "max_batch", "max_context", "db_url",
-    "tuner", "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
+    "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
     "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
-    "tuner_interval_s", "speculation", "heads",
+    "speculation", "heads", *SECTION_KEYS,
 )
 SHUTDOWN_GRACE_S = 2.0
 """Runner shutdown timeout once draining is over (idle connections only)."""
@@ -42,7 +45,8 @@ log = logging.getLogger("crossover.serve")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add = p.add_argument
-    add("--config", metavar="FILE", help="TOML file of settings (key = value, named like the fields)")
+    add("--config", metavar="FILE",
+        help="TOML file of settings (key = value, named like the fields; a [tuner] table)")
     add("--host", help="address to bind (default 127.0.0.1)")
     add("--port", type=int, help="TCP port (default 8000; 0 picks a free one)")
     add("--model", help="model id or path (default: the engine's)")
@@ -55,11 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "(default: $CROSSOVER_DB or ./crossover.db)")
     add("--speculation", action=argparse.BooleanOptionalAction, default=None,
         help="compile verification and load the draft proposers (default on)")
-    add("--heads", metavar="FILE", help="draft heads file (default: the one shipped for the model)")
-    add("--tuner", action=argparse.BooleanOptionalAction, default=None, help="run the policy tuner")
-    add("--tuner-interval", dest="tuner_interval_s", type=float, metavar="SECONDS",
-        help="seconds between scheduled retunes (default 600; other tuner_* settings: "
-             "CROSSOVER_TUNER_* or the config file)")
+    add("--heads", metavar="FILE", help="draft heads file (default: the one train-heads wrote to the user "
+                                        "cache, else the one shipped for the model)")
     add("--max-body-bytes", metavar="BYTES", help="largest request body (default 4MiB)")
     add("--max-prompt-chars", type=int, help="longest prompt in characters")
     add("--max-waiting", type=int, help="queued requests beyond max-batch before 429 (default 256)")
@@ -75,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="requests of one tenant that may wait past its max-concurrent (default 0)")
     add("--tenant-cache-s", type=float, metavar="SECONDS",
         help="how long API key lookups are cached (default 5)")
+    add_section_flags(p.add_argument_group(
+        "tuner", "the [tuner] section of the config file; also CROSSOVER_TUNER_<FIELD>"))
     add("--fake-engine", action="store_true", help=argparse.SUPPRESS)
     add("--fake-step-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     add("--fake-warmup-s", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -130,13 +133,14 @@ def _load_engine(settings: Any, args: argparse.Namespace) -> Any:
         return FakeEngine(max_batch=settings.max_batch, max_context=settings.max_context,
                           step_delay_s=args.fake_step_ms / 1000.0,
                           warmup_delay_s=args.fake_warmup_s, **spec)
+    from daemon.progress import reporter
     from engine.loader import load_engine  # heavy (jax): only here
 
     start = time.monotonic()
     log_event(log, "loading model", model=settings.model, dtype=settings.dtype)
     engine = load_engine(model=settings.model, dtype=settings.dtype,
                          kv_budget_bytes=settings.kv_budget_bytes, max_batch=settings.max_batch,
-                         max_context=settings.max_context, progress=True,
+                         max_context=settings.max_context, progress=reporter(json_events=True),
                          speculation=settings.speculation, heads=settings.heads)
     log_event(log, "model loaded", model=engine.model_name, seconds=round(time.monotonic() - start, 1))
     return engine
@@ -148,9 +152,11 @@ async def serve(settings: Any, engine: Any, sink: Any = None, database: Any = No
 
     from daemon.app import drain, make_app
     from daemon.jsonlog import log_event
+    from daemon.progress import reporter
     from daemon.state import ENGINE_THREAD
 
-    app = make_app(settings, engine, sink, database=database, warmup_progress=True)
+    # warmup's progress: a terminal bar, else JSON log events (stderr stays one object per line)
+    app = make_app(settings, engine, sink, database=database, warmup_progress=reporter(json_events=True))
     runner = web.AppRunner(app, handle_signals=False, access_log=None,
                            handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()

@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Any
 
+from daemon.commands import database_actions, database_url
+
 ACTIONS = {
     "add": "add a tenant and print its new API key (shown only this once)",
     "list": "list tenants with their limits (revoked ones too)",
@@ -26,15 +28,9 @@ ACTIONS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from daemon.tenant_limits import LIMIT_FIELDS
+    from daemon.tenants.limits import LIMIT_FIELDS
 
-    sub = parser.add_subparsers(dest="tenants_action", metavar="ACTION")
-    sub.required = True
-    for name, help_text in ACTIONS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("--db", metavar="URL", default=None,
-                       help="SQLAlchemy URL or SQLite path "
-                            "(default: $CROSSOVER_DB or ./crossover.db)")
+    for name, p in database_actions(parser, "tenants_action", ACTIONS).items():
         if name in ("add", "revoke"):
             p.add_argument("name", help="tenant name: letters, digits, '.', '_', '-'")
         if name == "add":
@@ -49,10 +45,10 @@ def run(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
     from daemon.user_error import UserError
-    from store.db import default_url, make_engine, resolve_url, session_scope
+    from store.db import make_engine, session_scope
     from store.migrate import SchemaError, check_schema
 
-    url = resolve_url(args.db) if args.db else default_url()
+    url = database_url(args)
     try:
         check_schema(url)
         engine = make_engine(url)
@@ -68,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _add(session: Any, args: argparse.Namespace) -> int:
-    from daemon.tenant_limits import LIMIT_FIELDS
-    from daemon.tenant_ops import create_tenant
+    from daemon.tenants.admin_ops import create_tenant
+    from daemon.tenants.limits import LIMIT_FIELDS
 
     limits = {field: getattr(args, field) for field in LIMIT_FIELDS}
     tenant, key = create_tenant(session, args.name, limits)
@@ -79,8 +75,8 @@ def _add(session: Any, args: argparse.Namespace) -> int:
 
 
 def _list(session: Any, args: argparse.Namespace) -> int:
-    from daemon.tenant_limits import LIMIT_FIELDS
-    from daemon.tenant_ops import describe, list_tenants
+    from daemon.tenants.admin_ops import describe, list_tenants
+    from daemon.tenants.limits import LIMIT_FIELDS
 
     views = [describe(t) for t in list_tenants(session)]
     if args.json:
@@ -94,7 +90,7 @@ def _list(session: Any, args: argparse.Namespace) -> int:
 
 
 def _revoke(session: Any, args: argparse.Namespace) -> int:
-    from daemon.tenant_ops import revoke
+    from daemon.tenants.admin_ops import revoke
 
     tenant = revoke(session, args.name)
     print(f"revoked tenant {tenant.name} at {_when(tenant.revoked_at)}")

@@ -9,7 +9,9 @@ import sys
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face Gemma 3 directory (default: Gemma 3 270M)")
-    p.add_argument("--out", default=None, help="heads file to write (default: the one shipped for the model)")
+    p.add_argument("--out", default=None,
+                   help="heads file to write (default: the user cache, $XDG_CACHE_HOME/crossover/heads/"
+                        "<model>.safetensors, which serve and the benches then load first)")
     p.add_argument("--prompts-per-kind", type=int, default=40, help="workload prompts continued per kind (default 40)")
     p.add_argument("--gen-tokens", type=int, default=96, help="tokens generated per prompt (default 96)")
     p.add_argument("--mtp-heads", type=int, default=4, help="MTP heads to train (default 4)")
@@ -33,24 +35,17 @@ def run(args: argparse.Namespace) -> int:
     if args.mtp_heads < 0 or args.mtp_heads > 8:
         raise UserError(f"--mtp-heads {args.mtp_heads} must be in [0, 8]")
 
-    from engine.heads import default_heads_path
-    from engine.loader import load_engine
-    from engine.train_heads import TrainConfig, train_heads
+    from daemon.progress import reporter
+    from training.heads import TrainConfig, load_target, train_to_file
 
+    progress = reporter()
     try:
         tc = TrainConfig(prompts_per_kind=args.prompts_per_kind, gen_tokens=args.gen_tokens,
                          n_mtp=args.mtp_heads, chained=not args.medusa, exits=exits, epochs=args.epochs, seed=args.seed)
-        engine = load_engine(model=args.model, dtype="float32", max_batch=32, max_context=1024,
-                             speculation=False)
+        engine = load_target(args.model, exits, progress)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    bad = [L for L in exits if not 1 <= L < engine.cfg.n_layers]
-    if bad:
-        raise UserError(f"--exits {bad[0]} must be between 1 and {engine.cfg.n_layers - 1} (the model's layers - 1)")
-    engine.warmup(progress=True)
-    heads = train_heads(engine, tc)
-    out = args.out or default_heads_path(engine.cfg)
-    heads.save(out)
+    out, heads = train_to_file(engine, tc, args.out, progress)
     print(f"train-heads: wrote {out} ({heads.nbytes() / 2**20:.1f} MiB) in {heads.meta['minutes']} min",
           file=sys.stderr)
     print(json.dumps({"path": str(out), **heads.meta}, indent=2))

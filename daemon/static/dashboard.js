@@ -1,9 +1,17 @@
 // The crossover dashboard: fetches /dashboard/api/* (same origin, cookie or open loopback)
-// and draws them with charts.js. Refreshes every 15 s; <body data-loaded> is set after
-// the first complete load ("ok" or "error").
+// and draws them with plotly.js, which the daemon serves from the installed `plotly` Python
+// package (/dashboard/lib/plotly.min.js), so the page works offline. Refreshes every 15 s;
+// <body data-loaded> is set after the first complete load ("ok" or "error"). Each chart's
+// element carries data-chart, data-series and data-points (the traces and points Plotly
+// holds), so tests can check what was drawn.
 "use strict";
 
 const REFRESH_MS = 15000;
+const PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
+                 "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];  // series colours, in order
+const MARKER = "#e15759";  // the crossover line
+const FONT = '"DejaVu Sans", "Liberation Sans", Arial, sans-serif';
+const PLOT_CONFIG = {displayModeBar: false, responsive: true};  // drag zooms, double-click resets
 const $ = id => document.getElementById(id);
 
 async function getJSON(path) {
@@ -17,7 +25,6 @@ async function getJSON(path) {
 
 const pct = v => `${Math.round(v * 100)}%`;
 const num = v => v >= 1000 ? `${(v / 1000).toFixed(v >= 10000 ? 0 : 1)}k` : `${+v.toFixed(2)}`;
-const clock = t => new Date(t * 1000).toTimeString().slice(0, 5);
 const stamp = t => {
   if (t == null) return "";
   const d = new Date(t * 1000), pad = n => String(n).padStart(2, "0");
@@ -53,65 +60,103 @@ function formatUptime(sec) {
   return h ? `${h}h ${m}m` : `${m}m ${Math.floor(sec % 60)}s`;
 }
 
-function acceptanceSeries(list) {
+// A Plotly layout with titled axes (with units) and a legend above the plot.
+function layout(xTitle, yTitle, more = {}) {
+  const axis = title => ({title: {text: title, standoff: 6}, gridcolor: "#e3e6eb",
+                          linecolor: "#9aa3af", zeroline: false, automargin: true});
+  return {
+    height: 260, margin: {l: 56, r: 12, t: 30, b: 44}, autosize: true,
+    paper_bgcolor: "#ffffff", plot_bgcolor: "#ffffff", colorway: PALETTE,
+    font: {family: FONT, size: 11, color: "#1f2430"}, hovermode: "closest", showlegend: true,
+    legend: {orientation: "h", x: 0, xanchor: "left", y: 1.02, yanchor: "bottom"},
+    ...more,
+    xaxis: {...axis(xTitle), ...more.xaxis},
+    yaxis: {...axis(yTitle), rangemode: "tozero", ...more.yaxis},
+  };
+}
+
+// Draw `traces` into the element `id` (an "empty" note when no trace has a point).
+async function plot(id, traces, lay) {
+  const el = $(id);
+  const points = traces.reduce((n, t) => n + t.x.length, 0);
+  if (!points) {
+    Plotly.purge(el);
+    el.innerHTML = '<div class="empty">no data in this window</div>';
+    Object.assign(el.dataset, {chart: id, series: "0", points: "0"});
+    return;
+  }
+  if (el.querySelector(".empty")) el.replaceChildren();
+  await Plotly.react(el, traces, lay, PLOT_CONFIG);
+  Object.assign(el.dataset, {chart: id, series: String(el.data.length),
+                             points: String(el.data.reduce((n, t) => n + t.x.length, 0))});
+}
+
+const LINE = {type: "scatter", mode: "lines+markers", line: {width: 2.5}, marker: {size: 7}};
+
+function acceptanceTraces(list) {
   return list.map(s => ({
-    name: s.key,
-    points: s.points.map(p => ({x: p.t, y: p.rate, title: `${pct(p.rate)} of ${p.proposed}`})),
+    ...LINE, name: s.key,
+    x: s.points.map(p => new Date(p.t * 1000)), y: s.points.map(p => p.rate),
+    text: s.points.map(p => `${pct(p.rate)} of ${p.proposed} proposed`),
+    hovertemplate: "%{x|%H:%M}: %{text}",
   }));
 }
 
 function drawAcceptance(a) {
-  const common = {xFormat: clock, xTicks: timeTicks, yFormat: pct, yMax: 1};
-  Charts.line($("acceptance-technique"),
-              {...common, name: "acceptance-technique", series: acceptanceSeries(a.by_technique)});
-  Charts.line($("acceptance-tenant"),
-              {...common, name: "acceptance-tenant", series: acceptanceSeries(a.by_tenant)});
+  const lay = () => layout("time (local, HH:MM)", "acceptance (% of proposed tokens)",
+                           {yaxis: {range: [0, 1.02], tickformat: ".0%"},
+                            xaxis: {type: "date", tickformat: "%H:%M"}});
   const techniques = [...new Set(a.by_position.map(p => p.technique))];
-  Charts.bars($("positions"), {
-    name: "positions", yFormat: pct, legend: techniques,
-    bars: a.by_position.map(p => ({
-      label: `${p.technique} #${p.position}`, value: p.rate || 0,
-      color: Charts.PALETTE[techniques.indexOf(p.technique) % Charts.PALETTE.length],
-    })),
+  const positions = techniques.map(name => {
+    const rows = a.by_position.filter(p => p.technique === name);
+    return {type: "bar", name, x: rows.map(p => p.position), y: rows.map(p => p.rate || 0),
+            hovertemplate: "position %{x}: %{y:.0%}"};
   });
+  return Promise.all([
+    plot("acceptance-technique", acceptanceTraces(a.by_technique), lay()),
+    plot("acceptance-tenant", acceptanceTraces(a.by_tenant), lay()),
+    plot("positions", positions,
+         layout("draft position (0 = first drafted token)", "acceptance (% of drafts)",
+                {barmode: "group", yaxis: {range: [0, 1.02], tickformat: ".0%"},
+                 xaxis: {dtick: 1}})),
+  ]);
 }
 
 function drawBatch(b) {
-  Charts.bars($("batch"), {name: "batch", yFormat: num,
-                           bars: b.bins.map(x => ({label: String(x.batch_size), value: x.steps}))});
+  const steps = {type: "bar", name: "engine steps", marker: {color: PALETTE[0]},
+                 x: b.bins.map(x => x.batch_size), y: b.bins.map(x => x.steps),
+                 hovertemplate: "batch %{x}: %{y} steps"};
+  return plot("batch", [steps], layout("batch size (sequences per step)", "steps"));
 }
 
 function drawGoodput(g) {
   const c = g.crossover;
-  Charts.line($("goodput"), {
-    name: "goodput", xFormat: v => String(Math.round(v)), yFormat: num,
-    xTicks: integerTicks,
-    marker: c && c.batch_size > 0
-      ? {x: c.batch_size, label: `crossover ${c.batch_size} (policy v${c.policy_version})`} : null,
-    series: g.series.map(s => ({
-      name: s.technique,
-      points: s.points.map(p => ({x: p.batch_size, y: p.tokens_per_s,
-                                  title: `${num(p.tokens_per_s)} tok/s over ${p.steps} steps`})),
-    })),
-  });
-  const note = !c ? "no crossover in any policy yet"
-    : c.batch_size > 0 ? "" : `policy v${c.policy_version} never speculates (crossover 0)`;
-  if (note) $("goodput").insertAdjacentHTML("beforeend", `<div class="note">${esc(note)}</div>`);
-}
-
-function timeTicks(t0, t1) {  // on round minutes or hours, at most 6
-  const steps = [60, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400];
-  const step = steps.find(s => (t1 - t0) / s <= 6) || 86400;
-  const out = [];
-  for (let t = Math.ceil(t0 / step) * step; t <= t1; t += step) out.push(t);
-  return out;
-}
-
-function integerTicks(x0, x1) {
-  const step = Math.max(1, Math.ceil((x1 - x0) / 8));
-  const out = [];
-  for (let v = Math.ceil(x0); v <= x1; v += step) out.push(v);
-  return out;
+  const traces = g.series.map(s => ({
+    ...LINE, name: s.technique,
+    x: s.points.map(p => p.batch_size), y: s.points.map(p => p.tokens_per_s),
+    text: s.points.map(p => `${num(p.tokens_per_s)} tok/s over ${p.steps} steps`),
+    hovertemplate: "batch %{x}: %{text}",
+  }));
+  const more = {shapes: [], annotations: []};
+  const el = $("goodput");
+  delete el.dataset.marker;
+  if (c && c.batch_size > 0) {
+    const label = `crossover ${c.batch_size} (policy v${c.policy_version})`;
+    el.dataset.marker = label;
+    more.shapes.push({type: "line", xref: "x", yref: "paper", x0: c.batch_size, x1: c.batch_size,
+                      y0: 0, y1: 1, line: {color: MARKER, width: 2, dash: "dash"}});
+    more.annotations.push({xref: "x", yref: "paper", x: c.batch_size, y: 1, xanchor: "left",
+                           yanchor: "top", showarrow: false, text: ` ${label}`,
+                           font: {color: MARKER, size: 11}});
+  } else {
+    const note = c ? `policy v${c.policy_version} never speculates (crossover 0)`
+                   : "no crossover in any policy yet";
+    more.annotations.push({xref: "paper", yref: "paper", x: 1, y: 1, xanchor: "right",
+                           yanchor: "top", showarrow: false, text: note,
+                           font: {color: "#6b7280"}});
+  }
+  return plot("goodput", traces,
+              layout("batch size (sequences per step)", "goodput (output tokens/s)", more));
 }
 
 function drawRetunes(r) {

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,18 +27,7 @@ def live() -> Iterator[Callable[..., LiveServer]]:
         server.close()
 
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-
-
 @pytest.fixture
 def db_url(tmp_path: Path) -> str:
     """A new, empty SQLite file (the daemon creates the schema)."""
     return f"sqlite:///{tmp_path / 'telemetry.db'}"
-
-
-@pytest.fixture
-def rev1_url(tmp_path: Path) -> str:
-    """A copy of the committed database at schema revision 0001 (older than head)."""
-    path = tmp_path / "rev1.db"
-    shutil.copyfile(FIXTURES / "telemetry_rev1.sqlite", path)
-    return f"sqlite:///{path}"

@@ -17,11 +17,11 @@ from typing import Any
 from aiohttp import web
 
 from daemon.app import make_app
-from daemon.bridge import MemorySink
 from daemon.database import Database, open_database
 from daemon.settings import Settings
 from daemon.state import ENGINE_THREAD, STATE
 from engine.fake import FakeEngine
+from tests.daemon.memory_sink import MemorySink
 from telemetry.recorder import RecorderConfig
 
 MODEL = "fake-reverse"

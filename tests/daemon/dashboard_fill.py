@@ -19,11 +19,18 @@ from dataclasses import replace
 
 from sqlalchemy.orm import Session
 
+from engine.types import StepStats
 from store.db import make_engine, session_scope
-from store.history import finish_retune, mark_applied, mark_rolled_back, save_policy, start_retune
+from store.history import (
+    finish_retune,
+    mark_applied,
+    mark_rolled_back,
+    save_policy,
+    start_retune,
+)
 from store.migrate import ensure_schema
 from telemetry.recorder import Recorder
-from telemetry.records import RequestRecord, StepRecord
+from telemetry.records import RequestRecord
 
 MINUTES = 40
 TECHNIQUES = {  # name: (depth, P(accept at position i | accepted before), base ms, ms per seq)
@@ -62,7 +69,7 @@ def _times(start: float, end: float, every_s: float) -> list[float]:
     return [start + k * every_s for k in range(int((end - start) / every_s))]
 
 
-def _step(i: int, t: float, rng: random.Random, progress: float) -> StepRecord:
+def _step(i: int, t: float, rng: random.Random, progress: float) -> StepStats:
     batch = max(1, min(32, round(rng.triangular(1, 32, 9))))
     explore = rng.random() < 0.3
     technique = rng.choice(list(TECHNIQUES)) if explore else (
@@ -74,7 +81,7 @@ def _step(i: int, t: float, rng: random.Random, progress: float) -> StepRecord:
         reach *= min(0.97, p * drift * rng.uniform(0.9, 1.1))
         per_pos.append(round(reach))
     step_ms = (base_ms + per_seq_ms * batch * (1 + depth) * 0.25) * rng.uniform(0.95, 1.05)
-    return StepRecord(
+    return StepStats(
         step_id=i, time=t, batch_size=batch, prefill_tokens=rng.choice((0, 0, 0, 128)),
         decode_tokens=batch + sum(per_pos), technique=technique, depth=depth,
         proposed=batch * depth, accepted=sum(per_pos), accepted_per_pos=tuple(per_pos),

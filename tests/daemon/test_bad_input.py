@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from daemon.auth import AUTH
-from daemon.tenant_limits import TenantInfo, TenantLimits
+from daemon.tenants.auth import AUTH
+from daemon.tenants.limits import TenantInfo, TenantLimits
 from engine.fake import FakeEngine
 from tests.daemon.daemon_helpers import MODEL, LiveServer, http_request
 

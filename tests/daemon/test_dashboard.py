@@ -10,16 +10,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
-from daemon.dashboard import COOKIE, cookie_value
+from daemon.dashboard import COOKIE, PLOTLY_JS, cookie_value
 from tests.daemon.daemon_helpers import LiveServer
 from tests.daemon.dashboard_fill import CROSSOVER, TENANTS, fill
-from tests.daemon.png_pixels import read_png
 
 TOKEN = "dash-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 CHROMIUM = shutil.which("chromium")
-SERIES_COLOURS = (0x4E79A7, 0xF28E2B, 0x59A14F)  # the first three of charts.js's palette
+SERIES_COLOURS = (0x4E79A7, 0xF28E2B, 0x59A14F)  # the first three of dashboard.js's PALETTE
 MARKER_RED = 0xE15759
 
 
@@ -43,14 +43,16 @@ def test_the_token_buys_a_cookie_that_cannot_call_the_admin_api(filled: LiveServ
     assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
     with_cookie = {"Cookie": f"{COOKIE}={cookie_value(TOKEN)}"}
     page = filled.get("/dashboard", with_cookie)
-    assert page.status == 200 and b"charts.js" in page.data
+    assert page.status == 200 and PLOTLY_JS.encode() in page.data
     assert filled.get("/dashboard/api/batch", with_cookie).status == 200
     assert filled.get("/dashboard/api/batch").status == 401
     assert filled.get("/dashboard/api/batch", ADMIN).status == 200
     assert filled.get("/admin/status", with_cookie).status == 401
     cookie_as_bearer = {"Authorization": f"Bearer {cookie_value(TOKEN)}"}
     assert filled.get("/admin/status", cookie_as_bearer).status == 403
-    assert filled.get("/dashboard/static/charts.js").status == 200  # code, no data
+    assert filled.get("/dashboard/static/dashboard.js").status == 200  # code, no data
+    library = filled.get(PLOTLY_JS)  # from the installed plotly package
+    assert library.status == 200 and b"plotly.js v" in library.data[:200]
 
 
 def test_without_a_token_only_open_loopback_shows_it(live: Callable[..., LiveServer]) -> None:
@@ -103,8 +105,9 @@ def test_headless_chromium_draws_every_chart(filled: LiveServer, tmp_path: Path)
     url = f"{filled.url}/dashboard?token={TOKEN}"
     png = tmp_path / "dashboard.png"
     chromium(tmp_path, url, f"--screenshot={png}")
-    width, height, pixels = read_png(png)
-    assert (width, height) == (1280, 1000)
+    with Image.open(png) as image:
+        assert image.size == (1280, 1000)
+        pixels = np.asarray(image.convert("RGB"))
     packed = (pixels[..., 0].astype(np.int32) << 16) | (pixels[..., 1].astype(np.int32) << 8) \
         | pixels[..., 2]
     colours, counts = np.unique(packed, return_counts=True)
@@ -116,10 +119,17 @@ def test_headless_chromium_draws_every_chart(filled: LiveServer, tmp_path: Path)
 
     dom = chromium(tmp_path, url, "--dump-dom")
     assert 'data-loaded="ok"' in dom
-    drawn = {m[0]: (int(m[1]), int(m[2])) for m in re.findall(
-        r'<svg [^>]*data-chart="([a-z-]+)" data-series="(\d+)" data-points="(\d+)"', dom)}
+    drawn = {}
+    for tag in re.findall(r'<div [^>]*data-chart="[^>]*>', dom):
+        attrs = dict(re.findall(r'([a-z-]+)="([^"]*)"', tag))
+        drawn[attrs["data-chart"]] = (int(attrs["data-series"]), int(attrs["data-points"]))
     assert drawn["acceptance-technique"][0] == 2 and drawn["acceptance-tenant"][0] == 3
-    assert drawn["goodput"][0] == 3 and drawn["positions"][1] == 5
+    assert drawn["goodput"][0] == 3 and drawn["positions"] == (2, 5)
     assert all(points >= 5 for _, points in drawn.values()) and len(drawn) == 5
+    assert dom.count('class="main-svg"') >= 5  # Plotly drew its SVG in every chart
+    assert len(re.findall(r'class="trace scatter', dom)) == 2 + 3 + 3  # one per line series
     assert f'data-marker="crossover {CROSSOVER} (policy v4)"' in dom
+    assert f"crossover {CROSSOVER} (policy v4)</text>" in dom  # the marker's label
+    for title in ("batch size (sequences per step)", "goodput (output tokens/s)", "steps"):
+        assert f">{title}</text>" in dom, f"axis title {title!r} is missing"
     assert re.search(r'<table data-chart="retunes" data-points="4">', dom)

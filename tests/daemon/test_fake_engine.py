@@ -155,3 +155,24 @@ def test_duplicate_request_id_rejected_until_finished() -> None:
         engine.add_request(req("a", "x"))
     run(engine)
     engine.add_request(req("a", "x"))  # finished ids may be reused
+
+
+def test_capacity_and_policy_follow_the_real_engines_surface() -> None:
+    from engine.fake import FakeProposer
+    from engine.policy import NEVER, BatchRule, TunedPolicy
+
+    engine = FakeEngine(max_batch=8, num_pages=100, page_size=8, max_depth=3,
+                        proposers={"mtp": FakeProposer("mtp", resident=1 << 20, per_draft=64,
+                                                       max_depth=2, draft_vocabs=(512,))})
+    cap = engine.capacity()
+    assert (cap.total_pages, cap.usable_pages, cap.page_size, cap.max_depth) == (100, 100, 8, 3)
+    assert (cap.max_batch, cap.spec_max_batch, cap.verify_depths, cap.batch_buckets) == (8, 8, (), ())
+    mtp = cap.proposers["mtp"]
+    assert (mtp.resident_bytes, mtp.bytes_per_draft, mtp.max_depth, mtp.draft_vocabs) == (
+        1 << 20, 64, 2, (512,))
+    policy = TunedPolicy((BatchRule(8, "mtp", 2),), crossover=8, version=5)
+    engine.set_policy(policy)
+    assert engine.policy is NEVER  # until the next step, as in EngineCore
+    engine.add_request(req("a", "hello"))
+    engine.step()
+    assert engine.policy is policy and engine.status()["policy_version"] == 5

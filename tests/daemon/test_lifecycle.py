@@ -20,7 +20,13 @@ from daemon.app import drain
 from daemon.state import ENGINE_THREAD
 from engine.fake import FakeEngine
 from engine.types import StepOutput
-from tests.daemon.daemon_helpers import MODEL, LiveServer, http_request, parse_sse, wait_for
+from tests.daemon.daemon_helpers import (
+    MODEL,
+    LiveServer,
+    http_request,
+    parse_sse,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 SLOW_BODY = {"model": MODEL, "prompt": "s" * 40, "max_tokens": 40, "stream": True}

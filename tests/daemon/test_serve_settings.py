@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.settings import Settings, SettingsError, load_settings
+from daemon.settings import Settings, SettingsError, field_docs, load_settings
+from tuner.config import TunerConfig
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -39,11 +40,11 @@ def test_config_path_from_flags_or_env(tmp_path: Path) -> None:
 
 
 def test_env_parsing_of_bools_sizes_floats_and_none() -> None:
-    env = {"CROSSOVER_TUNER": "off", "CROSSOVER_KV_BUDGET_BYTES": "1.5GiB",
+    env = {"CROSSOVER_TUNER_ENABLED": "off", "CROSSOVER_KV_BUDGET_BYTES": "1.5GiB",
            "CROSSOVER_MAX_BODY_BYTES": "64KiB", "CROSSOVER_DRAIN_DEADLINE_S": "2.5",
            "CROSSOVER_OPEN_MODE": "none", "CROSSOVER_DTYPE": "bfloat16"}
     s = load_settings({}, env=env)
-    assert s.tuner is False
+    assert s.tuner.enabled is False
     assert s.kv_budget_bytes == int(1.5 * (1 << 30))
     assert s.max_body_bytes == 64 * 1024
     assert s.drain_deadline_s == 2.5
@@ -54,13 +55,20 @@ def test_env_parsing_of_bools_sizes_floats_and_none() -> None:
     "flags,env,toml,words",
     [
         ({}, {"CROSSOVER_PORT": "eighty"}, None, ["port", "'eighty'", "CROSSOVER_PORT"]),
-        ({}, {"CROSSOVER_TUNER": "maybe"}, None, ["tuner", "'maybe'"]),
+        ({}, {"CROSSOVER_TUNER_ENABLED": "maybe"}, None, ["tuner.enabled", "'maybe'"]),
+        ({}, {"CROSSOVER_TUNER": "off"}, None, ["CROSSOVER_TUNER_ENABLED"]),  # renamed
+        ({}, {"CROSSOVER_TUNER_TRIALS": "0"}, None, ["[tuner]", "trials=0"]),
+        ({"tuner_explore_share": "0.9"}, {}, None, ["explore_share=0.9", "0.5"]),
+        ({}, {"CROSSOVER_TUNER_RANGES": "2,x"}, None, ["tuner.ranges", "'2,x'", "integers"]),
         ({}, {"CROSSOVER_KV_BUDGET_BYTES": "lots"}, None, ["kv_budget_bytes", "'lots'"]),
         ({"port": 70000}, {}, None, ["port", "70000"]),
         ({"max_batch": 0}, {}, None, ["max_batch", "0"]),
         ({"log_level": "loud"}, {}, None, ["log_level", "'loud'"]),
         ({}, {}, 'max_batch = "many"\n', ["max_batch", "'many'", "crossover.toml"]),
-        ({}, {}, "tuner = 1\n", ["tuner", "1"]),
+        ({}, {}, "tuner = 1\n", ["tuner", "1", "[tuner] table", "enabled"]),
+        ({}, {}, "tuner_trials = 8\n", ["tuner_trials", "[tuner] table"]),
+        ({}, {}, "[tuner]\ntrails = 8\n", ["trails", "[tuner]"]),
+        ({}, {}, '[tuner]\ntrials = "many"\n', ["tuner.trials", "'many'", "crossover.toml"]),
         ({}, {}, "prot = 1\n", ["prot"]),
         ({}, {}, "port = \n", ["not valid TOML"]),
     ],
@@ -102,12 +110,49 @@ def test_serve_flags_map_onto_settings_and_bad_values_exit_2(capsys: pytest.Capt
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    args = parser.parse_args(["--kv-budget", "2GiB", "--no-tuner", "--drain-deadline", "3", "--open"])
+    args = parser.parse_args(["--kv-budget", "2GiB", "--no-tuner", "--drain-deadline", "3", "--open",
+                              "--tuner-interval", "5", "--tuner-trials", "9", "--tuner-ranges", "4,64",
+                              "--no-tuner-search-process"])
     flags = {k: getattr(args, k) for k in serve.SETTING_FLAGS}
     s = load_settings(flags, env={})
-    assert (s.kv_budget_bytes, s.tuner, s.drain_deadline_s, s.open_mode) == (2 << 30, False, 3.0, True)
+    assert (s.kv_budget_bytes, s.tuner.enabled, s.drain_deadline_s, s.open_mode) == (2 << 30, False, 3.0, True)
+    assert (s.tuner.interval_s, s.tuner.trials, s.tuner.ranges) == (5.0, 9, (4, 64))
+    assert s.tuner.search_process is False and s.tuner.min_new_steps == TunerConfig().min_new_steps
     assert "--fake-engine" not in parser.format_help()
 
     bad = parser.parse_args(["--max-batch", "0"])
     assert serve.run(bad) == 2
     assert "max_batch" in capsys.readouterr().err
+
+
+def test_the_tuner_section_loads_through_every_layer(tmp_path: Path) -> None:
+    path = write(tmp_path, "port = 7000\n[tuner]\ntrials = 10\nvalidation_s = 30\nranges = [2, 16]\n"
+                           "seed = 3\nenabled = false\n")
+    env = {"CROSSOVER_TUNER_TRIALS": "11", "CROSSOVER_TUNER_FIT_WINDOW_S": "900",
+           "CROSSOVER_TUNER_SEED": "none"}
+    s = load_settings({"tuner_validation_s": "45", "tuner_trials": None}, env=env, config_path=path)
+    assert s.port == 7000 and s.tuner.trials == 11  # env over file
+    assert s.tuner.validation_s == 45.0  # flag over file
+    assert s.tuner.fit_window_s == 900.0 and s.tuner.seed is None  # env only, "none" for an optional
+    assert s.tuner.ranges == (2, 16) and s.tuner.enabled is False  # file only
+    assert s.tuner.baseline_s == TunerConfig().baseline_s  # default
+    assert Settings(tuner=TunerConfig(trials=5)).tuner.trials == 5
+
+
+def test_every_tuner_field_has_a_flag_with_its_docstring_as_help() -> None:
+    import argparse
+    import dataclasses
+
+    from daemon.commands import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    text = " ".join(parser.format_help().split())
+    for f in dataclasses.fields(TunerConfig):
+        flag = {"enabled": "--tuner", "interval_s": "--tuner-interval"}.get(
+            f.name, "--tuner-" + f.name.replace("_", "-"))
+        assert flag in text and "tuner_" + f.name in serve.SETTING_FLAGS
+    docs = field_docs(TunerConfig)
+    assert docs["interval_s"] == "Seconds between scheduled retunes"
+    assert docs["min_new_steps"].endswith("(tuner.data.count_step_rows)")  # cut at ": " outside ()
+    assert f"{docs['trials']} (default 48)" in text

@@ -10,13 +10,13 @@ from typing import cast
 import pytest
 from sqlalchemy import Table
 
-from daemon.bridge import MemorySink
 from daemon.telemetry_sink import DROP_LOG_INTERVAL_S, FanoutSink, RecorderSink
 from engine.types import RequestResult, StepStats
 from store.db import make_engine
 from store.models import Request
 from telemetry.recorder import Recorder
 from tests.daemon.daemon_helpers import MODEL, LiveServer, wait_for
+from tests.daemon.memory_sink import MemorySink
 
 STEP = StepStats(1, 0.0, 1, 0, 1, "none", 0, 0, 0, (), 0.0, 0.0, 1.0, 1, 9, 0, 0)
 RESULT = RequestResult("r1", "team-a", 3, 2, 0.0, 0.1, 0.2, "stop")

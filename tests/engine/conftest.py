@@ -5,10 +5,9 @@ from __future__ import annotations
 import jax
 import pytest
 
-from engine.config import tiny_config
 from engine.core import EngineConfig, EngineCore
-from engine.model import init_random_params
 from engine.runner import RunnerConfig
+from tests.engine.tiny import init_random_params, tiny_config
 
 
 class ByteTokenizer:

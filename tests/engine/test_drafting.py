@@ -15,16 +15,21 @@ import numpy as np
 import pytest
 from scipy import stats as sstats
 
-from engine.config import tiny_config
 from engine.drafting import add_model_proposers
 from engine.heads import DraftHeads
-from engine.model import init_random_params
 from engine.policy import BatchRule, TunedPolicy
 from engine.runner import Scores, _verify
 from engine.sampling import SamplingArrays
 from engine.types import Request, SamplingParams
-from tests.engine.conftest import SPEC_RC, ByteTokenizer, LetterTokenizer, make_engine, run_prompts
+from tests.engine.conftest import (
+    SPEC_RC,
+    ByteTokenizer,
+    LetterTokenizer,
+    make_engine,
+    run_prompts,
+)
 from tests.engine.reference import dense_logits
+from tests.engine.tiny import init_random_params, tiny_config
 
 TOK = ByteTokenizer()
 PROMPTS = [

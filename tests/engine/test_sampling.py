@@ -6,9 +6,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.sampling import CANDIDATES, TOP_BLOCK, SamplingArrays, filtered_probs, greedy, sample, top_candidates, verify
+from engine.sampling import (
+    CANDIDATES,
+    TOP_BLOCK,
+    SamplingArrays,
+    greedy,
+    kept,
+    sample,
+    top_candidates,
+    verify,
+)
 from engine.types import Request, SamplingParams
 from tests.engine.conftest import ByteTokenizer, make_engine
+
+
+def filtered_probs(logits, s: SamplingArrays):
+    """The distribution each sampled row draws from: p [N, V] summing to 1 (0 outside the kept set)."""
+    k = kept(logits, s)
+    p = k.weights(k.scaled)
+    return p / jnp.sum(p, axis=-1, keepdims=True)
+
 
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005], np.float32))
 

@@ -121,3 +121,36 @@ def test_pool_split_lends_pages_to_speculation_and_tenants_see_fewer(tiny):
     e.set_policy(TunedPolicy(version=4))
     _run(e, PROMPTS[:1], sp)
     assert e.status()["kv_pages_total"] == total
+
+
+def test_capacity_names_what_the_engine_compiled_and_holds(tiny):
+    e = make_engine(tiny, **SPEC_RC)
+    cap = e.capacity()
+    assert (cap.max_depth, cap.verify_depths, cap.spec_max_batch) == (8, (1, 2, 4, 8), 8)
+    assert cap.batch_buckets == e.runner.rc.batch_buckets and cap.max_batch == e.max_batch
+    assert cap.total_pages == cap.usable_pages == e.status()["kv_pages_total"] and cap.page_bytes > 0
+    assert set(cap.proposers) == {"ngram"} and cap.proposers["ngram"].draft_vocabs == ()
+    e.set_policy(TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=8, pool_split=0.25))
+    _run(e, PROMPTS[:1], SamplingParams(max_tokens=2))
+    split = e.capacity()
+    assert split.total_pages == cap.total_pages and split.usable_pages < cap.total_pages
+
+
+def test_exploration_is_checked_and_stamped_like_the_rules(tiny):
+    """A policy's exploration may not go deeper than the compiled verify sizes; its steps carry
+    the depth they ran and the policy's version, and stay lossless."""
+    from engine.policy import Exploration
+
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = _run(make_engine(tiny, **SPEC_RC), PROMPTS, sp)[0]
+    e = make_engine(tiny, verify_tokens=(2, 3, 5), spec_max_batch=8)
+    with pytest.raises(ValueError, match="verify"):
+        e.set_policy(TunedPolicy((BatchRule(64, "ngram", 2),), crossover=64,
+                                 explore=Exploration(0.5, ("ngram",), (1, 2, 8))))
+    e.set_policy(TunedPolicy((BatchRule(64, "ngram", 2),), crossover=64, version=7,
+                             explore=Exploration(0.5, ("ngram",), (1, 2, 4))))
+    spec, stats = _run(e, PROMPTS, sp)
+    assert spec == plain
+    ran = {(s.technique, s.depth) for s in stats if s.technique != "none"}
+    assert ran <= {("ngram", 1), ("ngram", 2), ("ngram", 4)} and len(ran) > 1
+    assert {s.policy_version for s in stats} == {7}

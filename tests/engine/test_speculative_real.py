@@ -21,8 +21,8 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def engine():
-    from engine.runner import memory_mappings
     from engine.loader import load_engine
+    from engine.runner import memory_mappings
 
     before = memory_mappings()
     # one 128-token context bucket keeps warmup to ~20 full-model shapes
@@ -48,7 +48,7 @@ def test_warmup_maps_no_more_memory_than_the_loader_budgets(engine):
 
 @pytest.fixture(scope="module")
 def prompts(engine):
-    from engine.workloads import KINDS, prompts, to_request
+    from bench.workloads import KINDS, prompts, to_request
 
     out = []
     for n, kind in zip((96, 64, 40, 16), KINDS):  # mixed lengths, one prompt per kind

@@ -8,7 +8,7 @@ import pytest
 from gguf.constants import TokenType as TT
 
 from engine.chat import apply_chat_template
-from engine.gguf_file import WeightsError, cache_dir, default_gguf_path, file_sha256
+from engine.gguf_file import GGUFFile, WeightsError, cache_dir, default_gguf_path, file_sha256
 from engine.tokenizer import IncrementalDecoder, Tokenizer, build_backend
 
 ROUND_TRIP = [
@@ -41,6 +41,17 @@ def tok() -> Tokenizer:
     return Tokenizer.from_gguf(default_gguf_path(progress=False), progress=False)
 
 
+@pytest.fixture(scope="session")
+def pieces() -> list[str]:
+    """The vocabulary as stored in the GGUF file: piece i is token id i."""
+    return list(GGUFFile.open(default_gguf_path(progress=False)).metadata["tokenizer.ggml.tokens"])
+
+
+@pytest.fixture(scope="session")
+def piece_id(pieces) -> dict[str, int]:
+    return {p: i for i, p in enumerate(pieces)}
+
+
 # -------------------------------------------------------------- real vocab ---
 
 
@@ -51,14 +62,11 @@ def test_round_trip(tok, text):
     assert tok.decode(ids) == text
 
 
-def test_batch_matches_single(tok):
-    assert tok.encode_batch(ROUND_TRIP[:5]) == [tok.encode(t) for t in ROUND_TRIP[:5]]
-
-
-def test_special_ids(tok):
+def test_special_ids(tok, pieces):
     assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.end_of_turn_id) == (262_144, 2, 1, 106)
-    assert tok.stop_ids == (1, 106)
-    assert tok.id_to_piece(105) == "<start_of_turn>" and tok.id_to_piece(106) == "<end_of_turn>"
+    assert tok.start_of_turn_id == 105 and tok.stop_ids == (1, 106)
+    assert (pieces[105], pieces[106]) == ("<start_of_turn>", "<end_of_turn>")
+    assert tok.decode([105, 106], skip_special=False) == "<start_of_turn><end_of_turn>"
 
 
 def test_bos_only_when_asked(tok):
@@ -67,29 +75,29 @@ def test_bos_only_when_asked(tok):
     assert tok.encode("") == [2]
 
 
-def test_whole_words_are_single_pieces(tok):
-    hello, world = tok.piece_to_id("Hello"), tok.piece_to_id("▁world")
-    assert hello is not None and world is not None
+def test_whole_words_are_single_pieces(tok, piece_id):
+    hello, world = piece_id["Hello"], piece_id["▁world"]
     assert tok.encode("Hello", add_bos=False) == [hello]
     assert tok.encode(" world", add_bos=False) == [world]
     assert tok.encode("Hello world", add_bos=False) == [hello, world]
 
 
-def test_whitespace_runs_use_user_defined_pieces(tok):
+def test_whitespace_runs_use_user_defined_pieces(tok, pieces, piece_id):
     # 2..31 spaces are single pieces 138..167 (stored with real spaces);
     # newline runs 107..137 and tab runs 255968.. likewise.
-    assert tok.id_to_piece(138) == "  " and tok.id_to_piece(167) == " " * 31
+    assert pieces[138] == "  " and pieces[167] == " " * 31
+    assert tok.decode([138]) == "  " and tok.decode([167]) == " " * 31
     assert tok.encode("  ", add_bos=False) == [138]
     assert tok.encode("a" + " " * 40 + "b", add_bos=False) == [
-        tok.piece_to_id("a"), 167, 145, tok.piece_to_id("b")  # 31 + 9 spaces, longest match first
+        piece_id["a"], 167, 145, piece_id["b"]  # 31 + 9 spaces, longest match first
     ]
     assert tok.encode("\n\n", add_bos=False) == [108]
     assert tok.encode("\t\t", add_bos=False) == [255969]
 
 
-def test_byte_fallback(tok):
+def test_byte_fallback(tok, pieces):
     ids = tok.encode("⨌", add_bos=False)  # U+2A0C is not in the vocabulary
-    assert [tok.id_to_piece(i) for i in ids] == ["<0xE2>", "<0xA8>", "<0x8C>"]
+    assert [pieces[i] for i in ids] == ["<0xE2>", "<0xA8>", "<0x8C>"]
     assert tok.decode(ids) == "⨌"
 
 
@@ -99,23 +107,23 @@ def test_decode_specials(tok):
     assert tok.decode(ids, skip_special=False) == "<bos>Hello<end_of_turn>"
 
 
-def test_invalid_utf8_becomes_replacement(tok):
-    x = tok.piece_to_id("x")
-    assert tok.decode([tok.piece_to_id("<0xE2>"), x]) == "\ufffdx"
-    assert tok.decode([tok.piece_to_id("<0xFF>")]) == "\ufffd"
+def test_invalid_utf8_becomes_replacement(tok, piece_id):
+    x = piece_id["x"]
+    assert tok.decode([piece_id["<0xE2>"], x]) == "\ufffdx"
+    assert tok.decode([piece_id["<0xFF>"]]) == "\ufffd"
 
 
 def test_out_of_range_id(tok):
     with pytest.raises(ValueError, match="token id 262144 is outside"):
         tok.decode([5, 262_144])
     with pytest.raises(ValueError, match="token id -1"):
-        tok.id_to_piece(-1)
+        tok.decode([-1])
 
 
-def test_chat_template_ids(tok):
+def test_chat_template_ids(tok, piece_id):
     text = apply_chat_template([{"role": "user", "content": "Hi"}])
     ids = tok.encode(text)
-    user, model, hi = (tok.piece_to_id(p) for p in ("user", "model", "Hi"))
+    user, model, hi = (piece_id[p] for p in ("user", "model", "Hi"))
     assert ids == [2, 105, user, 107, hi, 106, 107, 105, model, 107]
 
 
@@ -127,12 +135,12 @@ def test_tokenizer_json_is_cached(tok):
 # ------------------------------------------------------- incremental decode ---
 
 
-def test_incremental_holds_back_partial_characters(tok):
-    e2, a8, x8c = (tok.piece_to_id(f"<0x{b:02X}>") for b in (0xE2, 0xA8, 0x8C))
+def test_incremental_holds_back_partial_characters(tok, piece_id):
+    e2, a8, x8c = (piece_id[f"<0x{b:02X}>"] for b in (0xE2, 0xA8, 0x8C))
     dec = IncrementalDecoder(tok)
-    assert dec.push([tok.piece_to_id("Hello"), e2]) == "Hello"
+    assert dec.push([piece_id["Hello"], e2]) == "Hello"
     assert dec.push([a8]) == ""
-    assert dec.push([x8c, tok.piece_to_id("▁world")]) == "⨌ world"
+    assert dec.push([x8c, piece_id["▁world"]]) == "⨌ world"
     assert dec.flush() == ""
 
 
@@ -257,8 +265,6 @@ def test_template_errors(messages, match):
 
 def test_fresh_build_matches_cached(tok):
     """Rebuilding from the vocabulary gives the same encodings as the cached tokenizer.json."""
-    from engine.gguf_file import GGUFFile
-
     meta = GGUFFile.open(default_gguf_path(progress=False)).metadata
     fresh = build_backend(meta["tokenizer.ggml.tokens"], np.asarray(meta["tokenizer.ggml.token_type"]))
     for text in ROUND_TRIP:

@@ -16,9 +16,15 @@ from gguf.constants import GGMLQuantizationType as QT
 from safetensors.numpy import save_file
 
 from engine import gguf_file, weights
-from engine.config import GEMMA3_270M, tiny_config
-from engine.gguf_file import GGUFFile, Progress, WeightsError, default_gguf_path, file_sha256
+from engine.config import GEMMA3_270M
+from engine.gguf_file import (
+    GGUFFile,
+    WeightsError,
+    default_gguf_path,
+    file_sha256,
+)
 from engine.weights import load_gguf, load_hf_dir, load_model
+from tests.engine.tiny import tiny_config
 
 CFG = tiny_config()
 ROLES_GGUF = weights._GGUF_NAMES
@@ -371,10 +377,29 @@ def test_assemble_checks_sha(tmp_path, tmp_cache):
     assert not list(tmp_cache.glob("*bad*"))
 
 
-def test_progress_prints_final_line(capsys):
-    with Progress("work", total=3) as bar:
-        bar.advance(3)
-    assert "work: 100%" in capsys.readouterr().err
+def test_conversion_reports_progress_to_a_callback_and_draws_nothing(tiny_gguf, capsys):
+    """The engine reports (label, done, total) and prints no bar; each label ends at its total."""
+    path, _ = tiny_gguf
+    seen: dict[str, list[tuple[int, int]]] = {}
+    load_gguf(path, progress=lambda label, done, total: seen.setdefault(label, []).append((done, total)))
+    assert set(seen) == {f"sha256 {path.name}", f"converting {path.name}"}
+    for label, calls in seen.items():
+        dones = [d for d, _ in calls]
+        assert dones == sorted(dones) and dones[0] == 0, label
+        assert calls[-1][0] == calls[-1][1] > 0 and dones.count(calls[-1][1]) == 1, label
+    assert seen[f"converting {path.name}"][-1][1] == 2 + 13 * CFG.n_layers  # one per tensor read
+    assert capsys.readouterr().err == ""
+    seen.clear()
+    load_gguf(path, progress=lambda *a: seen.setdefault(a[0], []).append(a[1:]))
+    assert seen == {}  # hashed and converted already: nothing long to report
+
+
+def test_cache_dir_honours_crossover_cache_then_xdg(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("CROSSOVER_CACHE", str(tmp_path / "own"))
+    assert gguf_file.cache_dir() == tmp_path / "own"
+    monkeypatch.delenv("CROSSOVER_CACHE")
+    assert gguf_file.cache_dir() == tmp_path / "xdg" / "crossover" and (tmp_path / "xdg" / "crossover").is_dir()
 
 
 # ------------------------------------------------------------- real file ---

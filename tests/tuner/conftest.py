@@ -5,18 +5,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import Engine
 
 from engine.policy import TunedPolicy
-from store.db import make_engine
-from store.migrate import upgrade
 from tests.tuner import synth
 from tuner.config import TunerConfig
-from tuner.explore import unwrap
 from tuner.keeper import PolicyKeeper
 from tuner.objective import Capacity
 from tuner.service import Tuner
@@ -27,41 +23,27 @@ FAST = TunerConfig(trials=12, seed=7, validation_s=5.0, validation_min_steps=60,
                    validation_poll_s=0.05, min_new_steps=100)
 
 
-@pytest.fixture
-def db_url(tmp_path: Path) -> str:
-    url = f"sqlite:///{tmp_path / 'tuner.db'}"
-    upgrade(url)
-    return url
-
-
-@pytest.fixture
-def db(db_url: str) -> Iterator[Engine]:
-    engine = make_engine(db_url)
-    yield engine
-    engine.dispose()
-
-
 class Host:
     """Stands in for the engine: records every policy; `on_apply` simulates serving it."""
 
     def __init__(self, proposers: tuple[str, ...] = ("ngram", "mtp")) -> None:
-        self.applied: list[Any] = []
+        self.applied: list[TunedPolicy] = []
         self.proposers = proposers
         self.on_apply: Callable[[TunedPolicy], None] | None = None
         self.lock = threading.Lock()
 
-    def set_policy(self, policy: Any) -> None:
+    def set_policy(self, policy: TunedPolicy) -> None:
         missing = policy.techniques() - set(self.proposers)
         if missing:
             raise ValueError(f"no proposer for {sorted(missing)}")
         with self.lock:
             self.applied.append(policy)
         if self.on_apply is not None:
-            self.on_apply(unwrap(policy))
+            self.on_apply(policy)
 
     @property
     def policy(self) -> TunedPolicy:
-        return unwrap(self.applied[-1])
+        return self.applied[-1]
 
 
 def history(db: Engine, n: int = 1500, seed: int = 5, end: float | None = None) -> float:

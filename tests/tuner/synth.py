@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from sqlalchemy import Engine
 
 from engine.policy import TunedPolicy
-from telemetry.records import RequestRecord, StepRecord
+from engine.types import StepStats
+from telemetry.records import RequestRecord
 from telemetry.writer import request_row, step_row, write_rows
-from tuner.data import StepRow
 
 TARGET = (6.0, 0.05, 0.0, 0.55, 0.01)
 """t0 + t1*B + t2*q + t3*B*q + t4*P (ms); the model fits no q-only term (t2 = 0)."""
@@ -54,7 +54,7 @@ class Synth:
         self.rng = random.Random(self.seed)
 
     def step(self, t: float, technique: str, depth: int, batch: int, version: int = 0,
-             prefill: int = 0, queue: int = 0) -> StepRecord:
+             prefill: int = 0, queue: int = 0) -> StepStats:
         per_pos = [0] * depth
         if depth:
             for _ in range(batch):
@@ -64,7 +64,7 @@ class Synth:
                     per_pos[i] += 1
         ms, propose = true_step_ms(technique, depth, batch, prefill)
         ms *= self.slowdown * self.rng.uniform(1 - self.noise, 1 + self.noise)
-        return StepRecord(
+        return StepStats(
             step_id=0, time=t, batch_size=batch, prefill_tokens=prefill,
             decode_tokens=batch + sum(per_pos), technique=technique, depth=depth,
             proposed=batch * depth, accepted=sum(per_pos), accepted_per_pos=tuple(per_pos),
@@ -74,7 +74,7 @@ class Synth:
 
     def explore(self, n: int, start: float = T0, every_s: float = 0.01, version: int = 0,
                 techniques: Sequence[str] = ("none", "ngram", "mtp"), max_batch: int = 32,
-                max_depth: int = 4, mean_batch: float | None = None) -> list[StepRecord]:
+                max_depth: int = 4, mean_batch: float | None = None) -> list[StepStats]:
         """Steps at random techniques, depths and batch sizes (a profiled history): batch
         sizes uniform up to max_batch, or geometric-like around `mean_batch` (light load)."""
         out = []
@@ -89,7 +89,7 @@ class Synth:
         return out
 
     def serve(self, policy: TunedPolicy, n: int, start: float, every_s: float = 0.01,
-              batches: Sequence[int] = (1, 2, 4, 8, 16)) -> list[StepRecord]:
+              batches: Sequence[int] = (1, 2, 4, 8, 16)) -> list[StepStats]:
         """Steps of `policy` (its version) at the given batch sizes in turn."""
         out = []
         for k in range(n):
@@ -111,14 +111,7 @@ class Synth:
         return out
 
 
-def rows(records: Sequence[StepRecord]) -> list[StepRow]:
-    """StepRows as tuner.data.read_steps would return them."""
-    return [StepRow(r.time, r.batch_size, r.prefill_tokens, r.decode_tokens, r.technique, r.depth,
-                    r.proposed, tuple(r.accepted_per_pos), r.propose_ms, r.step_ms, r.queue_len,
-                    r.policy_version, tuple(r.tenants)) for r in records]
-
-
-def write(engine: Engine, steps: Sequence[StepRecord] = (),
+def write(engine: Engine, steps: Sequence[StepStats] = (),
           requests: Sequence[RequestRecord] = ()) -> None:
     with engine.begin() as conn:
         write_rows(conn, [step_row(s) for s in steps], [request_row(r) for r in requests])

@@ -13,11 +13,12 @@ from daemon.cli import main
 from engine.fake import FakeCost, FakeEngine, FakeProposer
 from engine.policy import NEVER, TunedPolicy
 from tests.daemon.daemon_helpers import MODEL, LiveServer, http_request, wait_for
+from tuner.config import TunerConfig
 
 TOKEN = "tuner-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
-TUNER = {"admin_token": TOKEN, "tuner_search_process": False, "tuner_trials": 8,
-         "tuner_validation_s": 3.0, "tuner_validation_min_steps": 30}
+FAST = {"search_process": False, "trials": 8, "validation_s": 3.0, "validation_min_steps": 30}
+TUNER = {"admin_token": TOKEN, "tuner": TunerConfig(**FAST)}
 
 
 def speculating_engine() -> FakeEngine:
@@ -125,8 +126,8 @@ def test_cli_retune_waits_for_a_single_flight_retune_that_tunes_the_fake(
 
 def test_the_scheduler_skips_thin_telemetry_with_a_reason(
         db_url: str, live: Callable[..., LiveServer]) -> None:
-    server = live(speculating_engine(), db_url=db_url, tuner_interval_s=0.2,
-                  tuner_min_new_steps=10**6, **TUNER)
+    server = live(speculating_engine(), db_url=db_url, admin_token=TOKEN,
+                  tuner=TunerConfig(interval_s=0.2, min_new_steps=10**6, **FAST))
 
     def skips() -> list[dict]:
         return [r for r in server.get("/admin/retunes", ADMIN).json()["data"] if r["skipped"]]
@@ -138,8 +139,8 @@ def test_the_scheduler_skips_thin_telemetry_with_a_reason(
 
 def test_the_scheduler_fires_a_retune_once_telemetry_arrives(
         db_url: str, live: Callable[..., LiveServer]) -> None:
-    server = live(speculating_engine(), db_url=db_url, tuner_interval_s=0.3,
-                  tuner_min_new_steps=200, **TUNER)
+    server = live(speculating_engine(), db_url=db_url, admin_token=TOKEN,
+                  tuner=TunerConfig(interval_s=0.3, min_new_steps=200, **FAST))
 
     def ran() -> list[dict]:
         return [r for r in server.get("/admin/retunes", ADMIN).json()["data"] if not r["skipped"]]

@@ -52,7 +52,7 @@ def brute_force(space: SearchSpace, model: PerfModel, traffic: Traffic,
 
 def fitted(seed: int, mean_batch: float) -> tuple[PerfModel, Traffic]:
     gen = synth.Synth(seed=seed)
-    steps = synth.rows(gen.explore(600, mean_batch=mean_batch))
+    steps = gen.explore(600, mean_batch=mean_batch)
     traffic = dataclasses.replace(observe(steps, []), concurrency=20.0, mean_prompt_tokens=200.0,
                                   mean_output_tokens=60.0)  # 17 pages per sequence, 340 in all
     return PerfModel.fit(steps), traffic
@@ -106,13 +106,13 @@ def test_ranges_without_traffic_do_not_speculate() -> None:
 
 def job(db_url: str, config: TunerConfig, incumbent: TunedPolicy = NEVER) -> SearchJob:
     now = time.time()
-    return SearchJob(db_url, config, CAPACITY, incumbent.to_dict(), since=now - 3600, until=now + 1)
+    return SearchJob(db_url, config, CAPACITY, incumbent, since=now - 3600, until=now + 1)
 
 
 def test_an_exact_search_tells_the_optimum_and_the_serving_policy(db: Engine, db_url: str) -> None:
     history(db)
     tpe = run_search(job(db_url, dataclasses.replace(FAST, exact=False, trials=24, study_name="tpe")))
-    serving = TunedPolicy.from_dict(tpe.best)
+    serving = tpe.best
     exact = run_search(job(db_url, FAST, serving))
     assert exact.method == "exact" and tpe.method == "tpe"
     assert exact.predicted["goodput"] >= tpe.predicted["goodput"] * (1 - 1e-9)
@@ -120,7 +120,7 @@ def test_an_exact_search_tells_the_optimum_and_the_serving_policy(db: Engine, db
     told = [study.trials[n] for n in exact.trials]
     policies = [TunedPolicy.from_dict(t.user_attrs["policy"]) for t in told]
     assert exact.trials == list(range(len(told)))  # a fresh study, and nothing else asked
-    assert exact.best == told[0].user_attrs["policy"]  # the optimum first
+    assert exact.best == TunedPolicy.from_dict(told[0].user_attrs["policy"])  # the optimum first
     same = (serving.rules, serving.crossover, serving.pool_split) == (
         policies[0].rules, policies[0].crossover, policies[0].pool_split)
     assert len(told) == (1 if same else 2)
@@ -140,7 +140,7 @@ def test_a_missed_tpot_target_falls_back_to_tpe(db: Engine, db_url: str) -> None
     assert out.method == "tpe" and len(out.trials) == FAST.trials
     study = optuna.load_study(study_name=out.study_name, storage=make_storage(db_url))
     first = [study.trials[n].params for n in out.trials[:3]]
-    assert SearchSpace.build(FAST, CAPACITY).params_of(TunedPolicy.from_dict(free.best)) in first
+    assert SearchSpace.build(FAST, CAPACITY).params_of(free.best) in first
     if out.best is not None:
         assert out.predicted["p95_tpot_ms"] <= tpot * 0.9
 

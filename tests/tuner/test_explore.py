@@ -2,52 +2,95 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import pickle
 
+import numpy as np
 import pytest
 
 from engine.fake import FakeCost, FakeEngine, FakeProposer
-from engine.policy import NEVER, BatchRule, TunedPolicy
+from engine.policy import NEVER, BatchRule, Exploration, StepChooser, TunedPolicy
 from engine.types import Request, SamplingParams, StepStats
-from tuner.data import StepRow
-from tuner.explore import ExploringPolicy, is_exploration, unwrap
+from tuner.config import TunerConfig
+from tuner.explore import ExplorationPlan, is_exploration
 from tuner.model import Padding
-from tuner.objective import padding_of
+from tuner.objective import Capacity, padding_of
 from tuner.validate import own_steps
 
 POLICY = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4, version=3)
 
 
+def chooser(policy: TunedPolicy, seed: int = 1) -> StepChooser:
+    c = StepChooser(np.random.default_rng(seed))
+    c.start(policy)
+    return c
+
+
+def explored(share: float, depths: tuple[int, ...] = (1, 2, 3, 4), **kw: object) -> TunedPolicy:
+    return dataclasses.replace(POLICY, explore=Exploration(share, ("ngram",), depths, **kw))
+
+
 def test_a_share_of_decisions_explores_other_depths() -> None:
-    wrapped = ExploringPolicy(POLICY, share=0.1, techniques=["ngram"], max_depth=4, seed=1)
-    picks = [wrapped.choose(2) for _ in range(2000)]
+    served = explored(0.1)
+    steps = chooser(served)
+    picks = [steps.choose(2) for _ in range(2000)]
     departed = [p for p in picks if p != ("ngram", 2)]
-    assert 150 < len(departed) < 250 and wrapped.explored == len(departed)
+    assert 150 < len(departed) < 250
     assert {d for _, d in departed} == {1, 3}  # the neighbours of depth 2, never a far one
-    big = [wrapped.choose(32) for _ in range(2000)]  # above the crossover: try speculation there
+    big = [steps.choose(32) for _ in range(2000)]  # above the crossover: try speculation there
     assert 150 < sum(p != ("none", 0) for p in big) < 250
     assert {p for p in big if p != ("none", 0)} == {("ngram", 1)}  # the shallowest draft
-    verified = ExploringPolicy(POLICY, share=1.0, techniques=["ngram"], max_depth=8,
-                               depths=(1, 2, 4, 8))
+    verified = chooser(explored(1.0, depths=(1, 2, 4, 8)))
     assert {verified.choose(2) for _ in range(200)} == {("ngram", 1), ("ngram", 4)}
-    assert wrapped.version == 3 and wrapped.crossover == 4 and wrapped.max_depth == 4
-    assert unwrap(wrapped) is POLICY and wrapped.techniques() == {"ngram"}
-    plain = ExploringPolicy(POLICY, share=0.0, techniques=["ngram"], max_depth=4)
+    plain = chooser(explored(0.0))
     assert {plain.choose(2) for _ in range(200)} == {("ngram", 2)}
 
 
+def test_exploration_is_a_field_of_an_immutable_policy() -> None:
+    served = explored(0.1, depths=(1, 2, 4, 8), profile=(("ngram", 8),), profile_steps=10)
+    assert (served.version, served.crossover, served.rules) == (3, 4, POLICY.rules)
+    assert served.choose(2) == POLICY.choose(2) and served.max_depth == 8  # exploration counts
+    assert served.techniques() == {"ngram"} and POLICY.max_depth == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        served.explore.share = 0.5  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(served)) == served  # crosses a process boundary as is
+    assert TunedPolicy.from_dict(served.to_dict()) == served
+    assert "explore" not in POLICY.to_dict()  # a stored policy's body is unchanged
+    with pytest.raises(ValueError, match="share"):
+        Exploration(1.5)
+    with pytest.raises(ValueError, match="depth"):
+        Exploration(0.1, ("ngram",), ())
+
+
 def test_the_startup_profile_visits_every_gap_then_stops() -> None:
-    gaps = [("ngram", 1), ("ngram", 3), ("mtp", 2)]
-    wrapped = ExploringPolicy(NEVER, share=0.0, techniques=["ngram", "mtp"], max_depth=4,
-                              profile=gaps, profile_steps=12)
-    picks = [wrapped.choose(1) for _ in range(40)]
+    gaps = (("ngram", 1), ("ngram", 3), ("mtp", 2))
+    steps = chooser(dataclasses.replace(NEVER, explore=Exploration(
+        0.0, ("ngram", "mtp"), (1, 2, 3, 4), profile=gaps, profile_steps=12)))
+    picks = [steps.choose(1) for _ in range(40)]
     assert set(picks[:12]) == {("none", 0), *gaps} and picks[:12].count(("none", 0)) == 6
     assert set(picks[12:]) == {("none", 0)}
 
 
+def test_the_engine_applies_exploration_with_its_own_seeded_stream() -> None:
+    """Steps are stamped with the cell they ran and the policy's version; the engine's random
+    stream is seeded once, so the same seed explores the same steps."""
+    def stamps(seed: int) -> list[tuple[str, int, int]]:
+        engine = FakeEngine(proposers={"ngram": FakeProposer("ngram", (0.9, 0.8))},
+                            cost=FakeCost(), seed=seed)
+        engine.set_policy(explored(0.3))
+        stats = run(engine, n=4, prompt="abcdefghijkl" * 3)[1]
+        return [(s.technique, s.depth, s.policy_version) for s in stats]
+
+    first = stamps(1)
+    assert {v for _, _, v in first} == {3}
+    cells = {(t, d) for t, d, _ in first}  # the rule's cell and some of its neighbours
+    assert ("ngram", 2) in cells and len(cells) > 1 and cells <= {("ngram", d) for d in (1, 2, 3)}
+    assert stamps(1) == first and stamps(2) != first
+
+
 def test_validation_leaves_exploration_steps_out() -> None:
-    def row(technique: str, depth: int) -> StepRow:
-        return StepRow(0.0, 2, 0, 2, technique, depth, 2 * depth, (0,) * depth, 0.0, 10.0, 0, 3)
+    def row(technique: str, depth: int) -> StepStats:
+        return StepStats(batch_size=2, decode_tokens=2, technique=technique, depth=depth, proposed=2 * depth, accepted_per_pos=(0,) * depth, step_ms=10.0, policy_version=3)
 
     rows = [row("ngram", 2), row("ngram", 4), row("none", 0), row("mtp", 2)]
     assert [(r.technique, r.depth) for r in own_steps(rows, POLICY)] == [("ngram", 2), ("none", 0)]
@@ -106,29 +149,26 @@ def test_tenant_acceptance_scales_the_fakes_drafts() -> None:
 def test_the_daemon_profiles_cheap_techniques_first_within_the_searched_depths(db) -> None:
     """The startup profile measures what costs no memory first, at depths the technique can
     draft; exploration tries only depths verified without padding (1 + depth a verify size)."""
-    from types import SimpleNamespace
-
-    from daemon.settings import Settings
-    from daemon.tuning import Exploration, capacity_of
-
-    @dataclass(frozen=True)
-    class Heads(FakeProposer):
-        max_depth: int = 4
-
     proposers = {"draft": FakeProposer("draft", resident=5 << 20),
-                 "mtp": Heads("mtp", resident=1 << 20), "ngram": FakeProposer("ngram")}
+                 "mtp": FakeProposer("mtp", resident=1 << 20, max_depth=4),
+                 "ngram": FakeProposer("ngram")}
     engine = FakeEngine(proposers=proposers, cost=FakeCost(), max_depth=8)
-    engine.runner = SimpleNamespace(rc=SimpleNamespace(verify_tokens=(2, 3, 5, 9), spec_max_batch=8,
-                                                       batch_buckets=(1, 2, 4, 8, 16)))
-    exploration = Exploration(capacity_of(engine), Settings())
-    assert exploration.techniques == ["ngram", "mtp", "draft"] and exploration.max_depth == 8
-    assert exploration.depths == (1, 2, 4, 8)
-    exploration.measure_gaps(SimpleNamespace(engine=db), 3600.0)  # an empty telemetry database
-    assert exploration.gaps == [("ngram", 8), ("mtp", 4), ("draft", 8)]
-    wrapped = exploration(POLICY)
-    picks = [wrapped.choose(2) for _ in range(3000)]
+    compiled = dataclasses.replace(engine.capacity(), verify_depths=(1, 2, 4, 8), spec_max_batch=8,
+                                   batch_buckets=(1, 2, 4, 8, 16))
+    capacity = Capacity.from_engine(compiled)
+    plan = ExplorationPlan(capacity, TunerConfig())
+    assert plan.techniques == ["ngram", "mtp", "draft"] and plan.max_depth == 8
+    assert plan.depths == (1, 2, 4, 8)
+    gaps = [("ngram", 8), ("mtp", 4), ("draft", 8)]
+    plan.measure_gaps(db, 3600.0)  # an empty telemetry database
+    assert plan.gaps == gaps
+    served = plan(POLICY)
+    assert served.explore is not None and list(served.explore.profile) == gaps and not plan.gaps
+    assert plan(POLICY).explore.profile == ()  # only the first policy profiles
+    steps = chooser(served)
+    picks = [steps.choose(2) for _ in range(3000)]
     # the profile's deepest cells, the policy's depth 2 and its verified neighbours 1 and 4
-    assert {d for _, d in picks} == {1, 2, 4, 8} and wrapped.explored > 0
-    capacity = capacity_of(engine)
+    assert {d for _, d in picks} == {1, 2, 4, 8} and set(gaps) <= set(picks)
     assert capacity.depths == (1, 2, 4, 8) and capacity.proposer_depths["mtp"] == 4
     assert padding_of(capacity) == Padding((1, 2, 4, 8, 16), (1, 2, 3, 5, 9))
+    assert ExplorationPlan(capacity, TunerConfig(enabled=False))(POLICY) is POLICY

@@ -9,13 +9,18 @@ import pytest
 from sqlalchemy import Engine
 
 from engine.fake import FakeCost, FakeEngine, FakeProposer
-from engine.policy import BatchRule, TunedPolicy
-from engine.types import Request, SamplingParams
+from engine.policy import BatchRule, Exploration, TunedPolicy
+from engine.types import Request, SamplingParams, StepStats
 from store.db import session_scope
 from tests.tuner import synth
-from tuner.data import RequestRow, StepRow, read_requests, read_steps
-from tuner.explore import ExploringPolicy
-from tuner.model import MIN_SHAPE_STEPS, NotEnoughTelemetry, Padding, PerfModel, cost_history
+from tuner.data import RequestRow, read_requests, read_steps
+from tuner.model import (
+    MIN_SHAPE_STEPS,
+    NotEnoughTelemetry,
+    Padding,
+    PerfModel,
+    cost_history,
+)
 
 STATED_MEDIAN_APE = 0.10
 """The stated bound: median absolute % error of step time on held-out steps."""
@@ -40,7 +45,7 @@ def test_fit_on_recorded_steps_predicts_within_the_stated_error(db: Engine) -> N
 
 def test_acceptance_is_conditional_per_position_and_mixes_depths() -> None:
     gen = synth.Synth(seed=3)
-    model = PerfModel.fit(synth.rows(gen.explore(3000)))
+    model = PerfModel.fit(gen.explore(3000))
     for technique, truth in synth.ACCEPT.items():
         assert model.acceptance[technique][:-1] == pytest.approx(truth, abs=0.04), technique
         assert model.acceptance[technique][-1] == 0.0  # deeper than any step: no credit
@@ -55,9 +60,9 @@ def test_acceptance_is_conditional_per_position_and_mixes_depths() -> None:
 def test_position_counts_by_hand() -> None:
     # depth 2: 4 sequences, 3 accept position 0, 1 of those accepts position 1;
     # depth 1: 4 sequences, 2 accept. Position 0: 5/8; position 1: 1/3 (reached by 3 only).
-    rows = [StepRow(0.0, 4, 0, 8, "ngram", 2, 8, (3, 1), 0.1, 10.0, 0, 0),
-            StepRow(0.0, 4, 0, 6, "ngram", 1, 4, (2,), 0.1, 9.0, 0, 0)]
-    rows += [StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 5.0 + b, 0, 0) for b in range(1, 9)]
+    rows = [StepStats(batch_size=4, decode_tokens=8, technique="ngram", depth=2, proposed=8, accepted_per_pos=(3, 1), propose_ms=0.1, step_ms=10.0),
+            StepStats(batch_size=4, decode_tokens=6, technique="ngram", depth=1, proposed=4, accepted_per_pos=(2,), propose_ms=0.1, step_ms=9.0)]
+    rows += [StepStats(batch_size=b, decode_tokens=b, step_ms=5.0 + b) for b in range(1, 9)]
     rows[0:2] = [r for r in rows[0:2] for _ in range(5)]  # 5 copies each: past MIN_REACHED
     model = PerfModel.fit(rows)
     assert model.acceptance["ngram"] == pytest.approx((5 / 8, 1 / 3, 0.0))
@@ -66,7 +71,7 @@ def test_position_counts_by_hand() -> None:
 def test_tenant_factors_come_from_requests() -> None:
     reqs = [RequestRow(r.tenant, 40, 60, r.arrival_time, r.finish_time, r.proposed_tokens,
                        r.accepted_tokens) for r in synth.Synth(seed=2).requests(200)]
-    model = PerfModel.fit(synth.rows(synth.Synth(seed=2).explore(400)), reqs)
+    model = PerfModel.fit(synth.Synth(seed=2).explore(400), reqs)
     ratio = model.tenant_factor["code"] / model.tenant_factor["chat"]
     assert ratio == pytest.approx(synth.TENANT_RATE["code"] / synth.TENANT_RATE["chat"], rel=0.1)
     assert (model.expected_tokens_per_seq("ngram", 3, "code")
@@ -76,9 +81,8 @@ def test_tenant_factors_come_from_requests() -> None:
 def test_a_tenant_not_yet_measured_earns_nothing_once_others_are() -> None:
     # the busy phase's first retune: the fit window's drafts and finished requests are all
     # the copy tenant's; chat and prose arrive unmeasured and must not inherit copy's rates
-    rows = [StepRow(0.0, 2, 0, 2 + 7, "ngram", 4, 8, (2, 2, 2, 1), 0.1, 20.0, 0, 0,
-                    ("copy",))] * 10
-    rows += [StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 5.0 + b, 0, 0) for b in range(1, 9)]
+    rows = [StepStats(batch_size=2, decode_tokens=2 + 7, technique="ngram", depth=4, proposed=8, accepted_per_pos=(2, 2, 2, 1), propose_ms=0.1, step_ms=20.0, tenants=("copy",))] * 10
+    rows += [StepStats(batch_size=b, decode_tokens=b, step_ms=5.0 + b) for b in range(1, 9)]
     copy = [RequestRow("copy", 40, 60, 0.0, 1.0, 40, 35)]
     model = PerfModel.fit(rows, copy)
     assert model.expected_tokens_per_seq("ngram", 4, "copy") == pytest.approx(4.5)
@@ -92,11 +96,10 @@ def test_a_tenant_not_yet_measured_earns_nothing_once_others_are() -> None:
 def test_single_tenant_steps_give_that_tenant_its_own_rates() -> None:
     # n-gram accepts 9 of 10 first drafts on "copy", 1 of 10 on "prose"; steps mixing both
     # tenants count only in the pooled rates, which every other tenant falls back to.
-    def spec(tenants: tuple[str, ...], accepted: int) -> StepRow:
-        return StepRow(0.0, 10, 0, 10 + accepted, "ngram", 1, 10, (accepted,), 0.1, 20.0, 0, 0,
-                       tenants)
+    def spec(tenants: tuple[str, ...], accepted: int) -> StepStats:
+        return StepStats(batch_size=10, decode_tokens=10 + accepted, technique="ngram", depth=1, proposed=10, accepted_per_pos=(accepted,), propose_ms=0.1, step_ms=20.0, tenants=tenants)
     rows = [spec(("copy",), 9), spec(("prose",), 1), spec(("copy", "prose"), 5)] * 3
-    rows += [StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 5.0 + b, 0, 0) for b in range(1, 9)]
+    rows += [StepStats(batch_size=b, decode_tokens=b, step_ms=5.0 + b) for b in range(1, 9)]
     model = PerfModel.fit(rows)
     assert model.rates("ngram", 2, "copy") == pytest.approx([0.9, 0.0])  # never drafted 2 deep
     assert model.rates("ngram", 1, "prose") == pytest.approx([0.1])
@@ -106,7 +109,7 @@ def test_single_tenant_steps_give_that_tenant_its_own_rates() -> None:
     # fewer offers than MIN_REACHED are not
     thin = PerfModel.fit(rows[:3] * 3 + [spec(("rare",), 5)] + rows[9:])
     assert "ngram|rare" in thin.acceptance
-    sparse = [StepRow(0.0, 4, 0, 4, "ngram", 1, 4, (4,), 0.1, 9.0, 0, 0, ("few",))]
+    sparse = [StepStats(batch_size=4, decode_tokens=4, technique="ngram", depth=1, proposed=4, accepted_per_pos=(4,), propose_ms=0.1, step_ms=9.0, tenants=("few",))]
     assert "ngram|few" not in PerfModel.fit(rows + sparse).acceptance
 
 
@@ -114,13 +117,12 @@ def test_rows_that_find_no_draft_emit_one_token() -> None:
     # batch 10 at depth 2: on "copy" every row drafts, on "prose" 5 rows of 10 do; the
     # drafts that are offered are accepted alike (first 0.8, second 0.5), so the rates
     # agree and only the share of drafting rows tells the tenants apart.
-    def spec(tenants: tuple[str, ...], drafting: int) -> StepRow:
+    def spec(tenants: tuple[str, ...], drafting: int) -> StepStats:
         first, second = 8 * drafting // 10, 4 * drafting // 10
-        return StepRow(0.0, 10, 0, 10 + first + second, "ngram", 2, 2 * drafting,
-                       (first, second), 0.1, 20.0, 0, 0, tenants)
+        return StepStats(batch_size=10, decode_tokens=10 + first + second, technique="ngram", depth=2, proposed=2 * drafting, accepted_per_pos=(first, second), propose_ms=0.1, step_ms=20.0, tenants=tenants)
     copy, prose = spec(("copy",), 10), spec(("prose",), 5)
     rows = [copy, prose] * 10
-    rows += [StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 5.0 + b, 0, 0) for b in range(1, 9)]
+    rows += [StepStats(batch_size=b, decode_tokens=b, step_ms=5.0 + b) for b in range(1, 9)]
     model = PerfModel.fit(rows)
     assert model.rates("ngram", 2, "copy") == pytest.approx([0.8, 0.5])
     assert model.rates("ngram", 2, "prose") == pytest.approx([0.8, 0.5])
@@ -132,7 +134,7 @@ def test_rows_that_find_no_draft_emit_one_token() -> None:
     assert 10 * model.expected_tokens_per_seq("ngram", 2, "copy") == pytest.approx(copy.decode_tokens)
     assert 10 * model.expected_tokens_per_seq("ngram", 2, "prose") == pytest.approx(prose.decode_tokens)
     # a step that is prefilling counts its prefill rows in batch_size: left out of the share
-    prefilling = StepRow(0.0, 10, 64, 10, "ngram", 2, 0, (0, 0), 0.1, 30.0, 0, 0, ("copy",))
+    prefilling = StepStats(batch_size=10, prefill_tokens=64, decode_tokens=10, technique="ngram", depth=2, accepted_per_pos=(0, 0), propose_ms=0.1, step_ms=30.0, tenants=("copy",))
     assert PerfModel.fit(rows + [prefilling] * 5).share("ngram", "copy") == 1.0
 
 
@@ -142,10 +144,10 @@ def test_each_measured_depth_is_predicted_as_measured_not_from_pooled_rates() ->
     # 5 rows of 10 draft and 3 of those accept position 0 (and the rest). Pooled per
     # position, the depth-2 steps lift position 0 and the draft share, and the depth-8
     # prediction with them (~1.45x what it measured), and the depth-8 steps lower depth 2.
-    shallow = StepRow(0.0, 10, 0, 10 + 8 + 7, "ngram", 2, 20, (8, 7), 0.1, 20.0, 0, 0)
-    deep = StepRow(0.0, 10, 0, 10 + 3 * 8, "ngram", 8, 40, (3,) * 8, 0.1, 40.0, 0, 0)
+    shallow = StepStats(batch_size=10, decode_tokens=10 + 8 + 7, technique="ngram", depth=2, proposed=20, accepted_per_pos=(8, 7), propose_ms=0.1, step_ms=20.0)
+    deep = StepStats(batch_size=10, decode_tokens=10 + 3 * 8, technique="ngram", depth=8, proposed=40, accepted_per_pos=(3,) * 8, propose_ms=0.1, step_ms=40.0)
     rows = [shallow, deep] * 10
-    rows += [StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 5.0 + b, 0, 0) for b in range(1, 9)]
+    rows += [StepStats(batch_size=b, decode_tokens=b, step_ms=5.0 + b) for b in range(1, 9)]
     model = PerfModel.fit(rows)
     for step in (shallow, deep):
         assert 10 * model.expected_tokens_per_seq("ngram", step.depth) == pytest.approx(
@@ -172,7 +174,7 @@ def test_step_time_follows_the_padded_shape() -> None:
         pb, q = pad.pad(b, 1 + depth)
         return 10.0 + 2.0 * pb * q
 
-    rows = [StepRow(0.0, b, 0, b, "ngram" if d else "none", d, b * d, (0,) * d, 0.0, ms(b, d), 0, 0)
+    rows = [StepStats(batch_size=b, decode_tokens=b, technique="ngram" if d else "none", depth=d, proposed=b * d, accepted_per_pos=(0,) * d, step_ms=ms(b, d))
             for b in (1, 2, 3, 5, 8, 12, 16, 17, 24, 32) for d in (0, 1, 2, 3, 4)]
     padded, raw = PerfModel.fit(rows, buckets=pad), PerfModel.fit(rows)
     assert padded.predict_step_ms("none", 0, 17) == pytest.approx(ms(32, 0), rel=1e-6)
@@ -184,7 +186,7 @@ def test_step_time_follows_the_padded_shape() -> None:
 
 def test_too_few_steps_is_an_error() -> None:
     with pytest.raises(NotEnoughTelemetry, match="at least"):
-        PerfModel.fit(synth.rows(synth.Synth().explore(3)))
+        PerfModel.fit(synth.Synth().explore(3))
 
 
 def test_fit_on_the_fake_engines_own_telemetry() -> None:
@@ -193,8 +195,8 @@ def test_fit_on_the_fake_engines_own_telemetry() -> None:
     proposer = FakeProposer("ngram", (0.8, 0.6))
     engine = FakeEngine(proposers={"ngram": proposer}, cost=cost, max_batch=8)
     base = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4)
-    engine.set_policy(ExploringPolicy(base, share=0.3, techniques=["ngram"], max_depth=4, seed=1,
-                                      profile=[("ngram", 4)], profile_steps=80))
+    engine.set_policy(dataclasses.replace(base, explore=Exploration(
+        0.3, ("ngram",), (1, 2, 3, 4), profile=(("ngram", 4),), profile_steps=80)))
     for i in range(24):
         engine.add_request(Request(f"r{i}", engine.tokenizer.encode("abcdefghij" * 3),
                                    SamplingParams(max_tokens=40, ignore_eos=True)))
@@ -203,9 +205,7 @@ def test_fit_on_the_fake_engines_own_telemetry() -> None:
         out = engine.step()
         if out.stats is not None:
             stats.append(out.stats)
-    rows = [StepRow(s.time, s.batch_size, s.prefill_tokens, s.decode_tokens, s.technique, s.depth,
-                    s.proposed, s.accepted_per_pos, s.propose_ms, s.step_ms, s.queue_len,
-                    s.policy_version) for s in stats]
+    rows = stats  # what the engine records is what the tuner reads
     assert {r.technique for r in rows} == {"none", "ngram"}
     model, report = PerfModel.fit_with_report(rows)
     assert report.step_ms_median_ape < 0.01  # the fake's step time is exactly linear
@@ -220,9 +220,8 @@ def test_a_few_slow_collinear_steps_cannot_fit_negative_costs() -> None:
     pad = Padding(batch=(1, 2, 4, 8, 16, 32), query=(1, 2, 3, 5, 9))
     rng = np.random.default_rng(0)
 
-    def row(b: int, d: int, ms: float) -> StepRow:
-        return StepRow(0.0, b, 0, b, "ngram" if d else "none", d, b * d, (0,) * d,
-                       0.3 + 0.05 * b * d, ms * rng.uniform(0.9, 1.1), 0, 0)
+    def row(b: int, d: int, ms: float) -> StepStats:
+        return StepStats(batch_size=b, decode_tokens=b, technique="ngram" if d else "none", depth=d, proposed=b * d, accepted_per_pos=(0,) * d, propose_ms=0.3 + 0.05 * b * d, step_ms=ms * rng.uniform(0.9, 1.1))
 
     rows = [row(32, 8, 2350.0)] * 12 + [row(32, 0, 405.0)] * 10 + [row(b, 0, 60.0 + 11 * b) for b in (5, 9, 22)]
     model = PerfModel.fit(rows, buckets=pad)
@@ -243,9 +242,8 @@ def test_older_steps_fill_the_shapes_a_busy_window_lacks() -> None:
     def ms(b: int, q: int) -> float:  # this CPU's form: 200 ms fixed at batch 32, 6.5 a row
         return 30 + 5.3 * b + 6.5 * b * q
 
-    def row(t: float, b: int, d: int) -> StepRow:
-        return StepRow(t, b, 0, b, "ngram" if d else "none", d, b * d, (0,) * d, 0.0,
-                       ms(b, 1 + d) * (1 + (int(t) % 5 - 2) / 100), 0, 0)
+    def row(t: float, b: int, d: int) -> StepStats:
+        return StepStats(time=t, batch_size=b, decode_tokens=b, technique="ngram" if d else "none", depth=d, proposed=b * d, accepted_per_pos=(0,) * d, step_ms=ms(b, 1 + d) * (1 + (int(t) % 5 - 2) / 100))
 
     busy = [row(100.0 + i, 32, 2) for i in range(40)]
     copy_phase = [row(float(i), b, d) for i, (b, d) in

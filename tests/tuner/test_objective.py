@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from engine.policy import NEVER, BatchRule, TunedPolicy
-from tuner.objective import Capacity, evaluate
 from tuner.model import PerfModel
+from tuner.objective import Capacity, evaluate
 from tuner.traffic import Traffic
 
 # step_ms = 10 + 1 * B * q; ngram accepts every position with 0.5
@@ -122,11 +122,12 @@ def test_depths_between_verify_sizes_are_not_offered_and_a_technique_drafts_no_d
 def test_the_tenant_mix_is_what_the_steps_served_not_only_what_finished() -> None:
     """In a busy minute the window's requests are still running: the mix comes from the steps'
     batches (each split over its tenants), and from finished requests only without them."""
-    from tuner.data import RequestRow, StepRow
+    from engine.types import StepStats
+    from tuner.data import RequestRow
     from tuner.traffic import observe
 
-    def step(n: int, *tenants: str) -> StepRow:
-        return StepRow(0.0, n, 0, n, "none", 0, 0, (), 0.0, 100.0, 0, 0, tenants)
+    def step(n: int, *tenants: str) -> StepStats:
+        return StepStats(batch_size=n, decode_tokens=n, step_ms=100.0, tenants=tenants)
 
     finished = [RequestRow("copy", 50, 200, 0.0, 10.0, 0, 0)]  # the previous phase's
     busy = [step(32, "chat", "code", "copy", "prose")] * 9 + [step(2, "prose")]
@@ -141,11 +142,11 @@ def test_each_batch_size_is_scored_on_the_tenants_it_served() -> None:
     """A window at the turn of a copy phase into a busy mixed one: most steps serve the copy
     tenant at batch 2, a few at batch 24 serve four tenants. Batch 24 is scored on its own
     mix, where deep n-gram drafts do not pay; the window's mix would say they do."""
-    from tuner.data import StepRow
+    from engine.types import StepStats
     from tuner.traffic import observe
 
-    def row(b: int, *tenants: str) -> StepRow:
-        return StepRow(0.0, b, 0, b, "none", 0, 0, (), 0.0, 10.0, 0, 0, tenants)
+    def row(b: int, *tenants: str) -> StepStats:
+        return StepStats(batch_size=b, decode_tokens=b, step_ms=10.0, tenants=tenants)
 
     steps = [row(2, "copy")] * 60 + [row(24, "copy", "code", "chat", "prose")] * 3
     seen = observe(steps, [])

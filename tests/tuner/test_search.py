@@ -17,17 +17,22 @@ from store.migrate import check_schema, head_revision
 from tests.tuner import synth
 from tests.tuner.conftest import CAPACITY, FAST, history
 from tuner.objective import Capacity
-from tuner.search import (REVISIT, SearchJob, make_storage, observe_recent, run_search,
-                          trial_constraints)
+from tuner.search import (
+    REVISIT,
+    SearchJob,
+    make_storage,
+    observe_recent,
+    run_search,
+    trial_constraints,
+)
 from tuner.space import SearchSpace
-
 
 TPE = dataclasses.replace(FAST, exact=False)
 
 
 def job(db_url: str, config=TPE, capacity: Capacity = CAPACITY) -> SearchJob:
     now = time.time()
-    return SearchJob(db_url, config, capacity, NEVER.to_dict(), since=now - 3600, until=now + 1)
+    return SearchJob(db_url, config, capacity, NEVER, since=now - 3600, until=now + 1)
 
 
 def test_study_lives_in_the_project_database_and_continues_after_a_restart(
@@ -69,7 +74,8 @@ def test_the_search_finds_speculation_where_it_pays(db: Engine, db_url: str, exa
     history(db)
     out = run_search(job(db_url, dataclasses.replace(FAST, trials=16, exact=exact)))
     assert out.method == ("exact" if exact else "tpe")
-    best = TunedPolicy.from_dict(out.best)
+    best = out.best
+    assert isinstance(best, TunedPolicy) and best.source == "tuner"
     assert best.choose(1)[0] in ("ngram", "mtp")  # acceptance 0.7-0.8 pays at batch 1
     assert out.predicted["goodput"] > out.incumbent["goodput"] * 1.2
     assert out.fit["step_ms_median_ape"] < 0.10
@@ -85,10 +91,10 @@ def test_constraints_exclude_policies_that_starve_tenants(db: Engine, db_url: st
     tight = dataclasses.replace(CAPACITY, total_pages=int(need / 0.9) + 1)
     config = dataclasses.replace(TPE, trials=20, study_name="tight")
     out = run_search(job(db_url, config, tight))
-    assert TunedPolicy.from_dict(out.best).pool_split <= 0.1
+    assert out.best.pool_split <= 0.1
     exact = run_search(job(db_url, dataclasses.replace(config, exact=True), tight))
     assert exact.method == "exact" and exact.predicted["feasible"]
-    assert TunedPolicy.from_dict(exact.best).pool_split <= 0.1
+    assert exact.best.pool_split <= 0.1
     study = optuna.load_study(study_name=out.study_name, storage=make_storage(db_url))
     splits = [(t.params["pool_split"], trial_constraints(t)[0]) for t in study.trials]
     assert any(s > 0.1 for s, _ in splits), "the sampler never tried a large split"
@@ -99,7 +105,7 @@ def test_two_objective_mode_exposes_a_pareto_front(db: Engine, db_url: str) -> N
     history(db)
     config = dataclasses.replace(FAST, trials=24, two_objective=True)  # exact or not: TPE
     out = run_search(job(db_url, config))
-    assert out.method == "tpe" and out.pareto and out.best == out.pareto[0]["policy"]
+    assert out.method == "tpe" and out.pareto and out.best == TunedPolicy.from_dict(out.pareto[0]["policy"])
     points = [(p["goodput"], p["p95_tpot_ms"]) for p in out.pareto]
     for g, t in points:  # nobody on the front dominates anybody else on it
         assert not any(g2 >= g and t2 <= t and (g2, t2) != (g, t) for g2, t2 in points)
@@ -122,14 +128,15 @@ def test_the_search_runs_in_a_spawned_process(db: Engine, db_url: str) -> None:
         search.close()
     # the optimum is the one trial: the serving policy (NEVER) is not a point of the space
     assert out.trials == [0] and out.method == "exact" and out.best is not None and out.per_batch
+    assert isinstance(out.best, TunedPolicy) and out.best.source == "tuner"  # a value, not a dict
 
 
 def test_the_traffic_optimized_for_is_the_recent_one() -> None:
     """An hour of batch-16 steps, then the traffic window's batch-1 steps: the objective
     averages over batch 1 only; with too few recent steps, over everything."""
     gen = synth.Synth(seed=5)
-    old = synth.rows(gen.serve(NEVER, 200, start=synth.T0, batches=(16,)))
-    new = synth.rows(gen.serve(NEVER, 50, start=synth.T0 + 3600, batches=(1,)))
+    old = gen.serve(NEVER, 200, start=synth.T0, batches=(16,))
+    new = gen.serve(NEVER, 50, start=synth.T0 + 3600, batches=(1,))
     recent = observe_recent(old + new, [], synth.T0 + 3000, 0.95)
     assert recent.batch_weights == {1: 1.0} and recent.steps == 50
     thin = observe_recent(old + new[:3], [], synth.T0 + 3000, 0.95)

@@ -15,8 +15,7 @@ from sqlalchemy import Engine
 
 from engine.policy import TunedPolicy
 from store.db import session_scope
-from store.history import get_policy
-from telemetry.queries import active_policy
+from store.history import active_policy, get_policy
 from tests.tuner import synth
 from tests.tuner.conftest import FAST, Host, history
 from tuner.search import SearchJob, SearchOutcome, make_storage, run_search

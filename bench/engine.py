@@ -1,0 +1,137 @@
+"""`crossover bench engine`: decode/prefill throughput against the memory roofline.
+
+Everything is measured in one run, so ratios are meaningful on a noisy machine:
+1. Memory bandwidth: an XLA copy (read + write) and an XLA reduction (read)
+   over 512 MiB; the larger figure is the roofline bandwidth.
+2. Decode tokens/s per batch size: B identical-length requests, greedy,
+   ignore EOS; only steps that did no prefill count.
+3. Prefill tokens/s on one long prompt.
+4. Peak RSS, weight bytes read per decode step, roofline fraction at batch 1.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from engine.progress import Steps
+from engine.types import Request, SamplingParams
+
+
+def memory_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> dict:
+    """Best-of-reps bandwidth of an XLA copy and an XLA read (bytes/s)."""
+    x = jnp.ones(nbytes // 4, jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0001)
+    read = jax.jit(lambda a: jnp.sum(a))
+    out = {}
+    for name, fn, moved in (("copy", copy, 2 * nbytes), ("read", read, nbytes)):
+        fn(x).block_until_ready()
+        best = min(_timed(lambda: fn(x).block_until_ready()) for _ in range(reps))
+        out[f"{name}_bytes_per_s"] = moved / best
+    out["roofline_bytes_per_s"] = max(out["copy_bytes_per_s"], out["read_bytes_per_s"])
+    return out
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _prompt(tok, n: int, salt: int) -> list[int]:
+    """A deterministic prompt of exactly n tokens (n >= 2)."""
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
+    text = " ".join(words[(i * 7 + salt) % len(words)] for i in range(n * 2))
+    return tok.encode(text)[:n]
+
+
+def decode_throughput(engine, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    """Decode tokens/s with `batch` concurrent greedy requests."""
+    sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(Request(f"b{batch}-{i}", _prompt(engine.tokenizer, prompt_len, i), sp))
+    tokens, ms, steps = 0, 0.0, 0
+    while engine.has_work():
+        st = engine.step().stats
+        if st and st.prefill_tokens == 0 and st.batch_size == batch:
+            tokens += st.decode_tokens
+            ms += st.step_ms
+            steps += 1
+    return {"batch": batch, "tokens_per_s": tokens / (ms / 1e3), "step_ms": ms / max(steps, 1), "steps": steps}
+
+
+def prefill_throughput(engine, prompt_len: int) -> dict:
+    engine.add_request(Request("prefill", _prompt(engine.tokenizer, prompt_len, 3), SamplingParams(max_tokens=1)))
+    tokens, ms = 0, 0.0
+    while engine.has_work():
+        st = engine.step().stats
+        if st:
+            tokens += st.prefill_tokens
+            ms += st.step_ms
+    return {"prompt_tokens": tokens, "tokens_per_s": tokens / (ms / 1e3)}
+
+
+def weight_bytes(params) -> int:
+    """Bytes of weights one decode step streams (all of them; the tied table twice is not counted)."""
+    return int(sum(a.nbytes for a in jax.tree.leaves(params)))
+
+
+def run_bench(out_path: str | None, model: str | None = None, dtype: str | None = None,
+              batches=(1, 2, 4, 8, 16, 32, 64), prompt_len: int = 32, new_tokens: int = 32,
+              prefill_len: int = 512, hf_baseline: str | None = None) -> dict:
+    from daemon.progress import reporter, say
+    from engine.loader import load_engine
+
+    log = lambda msg: say(f"bench engine: {msg}")  # noqa: E731
+    progress = reporter()
+    engine = load_engine(model=model, dtype=dtype, max_batch=max(batches), max_context=1024,
+                         speculation=False, progress=progress)
+    log("measuring memory bandwidth")
+    bw = memory_bandwidth()
+    log("warming up (compiles every bucket once; cached on disk for the next run)")
+    engine.warmup(progress=progress)
+    wbytes = weight_bytes(engine.runner.params)
+    decode = []
+    with Steps(progress, "bench engine: decode batch sizes", len(batches)) as bar:
+        for b in batches:
+            r = decode_throughput(engine, b, prompt_len, new_tokens)
+            log(f"batch {b:3d}: {r['tokens_per_s']:8.1f} tok/s ({r['step_ms']:.1f} ms/step)")
+            decode.append(r)
+            bar.advance()
+    prefill = prefill_throughput(engine, prefill_len)
+    log(f"prefill: {prefill['tokens_per_s']:.0f} tok/s")
+    by_b = {r["batch"]: r["tokens_per_s"] for r in decode}
+    roof_tps = bw["roofline_bytes_per_s"] / wbytes
+    result = {
+        "model": engine.model_name, "dtype": engine.runner.rc.dtype, "backend": jax.default_backend(),
+        "decode": decode, "prefill": prefill,
+        "weight_bytes_per_decode_step": wbytes, "memory": bw,
+        "roofline_tokens_per_s_batch1": roof_tps,
+        "roofline_fraction_batch1": by_b.get(1, float("nan")) / roof_tps,
+        "speedup_batch32_over_batch1": by_b.get(32, float("nan")) / by_b.get(1, float("nan")),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "compiles_since_warmup": engine.compiles_since_warmup(),
+    }
+    if hf_baseline and Path(hf_baseline).exists():
+        result["vs_hf_transformers"] = _versus(by_b, json.loads(Path(hf_baseline).read_text()))
+    if out_path:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps(result, indent=2))
+        log(f"wrote {out_path}")
+    return result
+
+
+def _versus(ours: dict[int, float], hf: dict) -> dict:
+    """Our decode tokens/s over Hugging Face transformers' at each batch both measured."""
+    theirs = {int(r["batch"]): float(r.get("decode_tok_s", r.get("tokens_per_s", 0))) for r in hf.get("decode", [])}
+    return {str(b): ours[b] / theirs[b] for b in sorted(ours) if b in theirs and theirs[b] > 0}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run_bench(sys.argv[1] if len(sys.argv) > 1 else None)

@@ -1,0 +1,231 @@
+"""Load for `crossover bench serve`: one list of jobs, sent over HTTP or straight to the engine.
+
+1. `Job`s come from bench.workloads prompts: chat prompts go to
+   /v1/chat/completions as messages, the rest to /v1/completions as text;
+   every job asks for exactly `max_tokens` tokens (`ignore_eos`), greedy.
+2. A schedule says when each job starts: closed loop (`rate` None: N
+   clients, each sends its next job when the previous one finished) or open
+   loop (job i starts at its Poisson arrival `Job.at_s`, whatever is running).
+3. `run_http` streams every job (SSE, `include_usage`) with aiohttp and
+   times it: TTFT at the first chunk carrying text, the last token at the
+   chunk carrying finish_reason, the token count from the usage chunk.
+4. `run_engine` sends the same jobs, as `engine.types.Request`s encoded up
+   front, to `EngineCore.step()` called in a loop on this thread: no HTTP,
+   no event loop, no thread hop; TTFT at the first event carrying tokens.
+5. Both return one `Sample` per job sent and the wall time from the first
+   send to the last finish; `bench.serve` summarizes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from bench.workloads import Prompt, to_request
+from engine.types import Request
+
+Progress = Callable[[int], None]
+"""Called with the number of jobs finished so far."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request of the workload."""
+
+    index: int
+    prompt: Prompt
+    max_tokens: int
+    at_s: float = 0.0
+    """Open loop: start offset from the beginning of the run (seconds)."""
+
+    def route(self) -> str:
+        return "/v1/chat/completions" if self.prompt.chat else "/v1/completions"
+
+    def body(self, model: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model, "max_tokens": self.max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        }
+        if self.prompt.chat:
+            body["messages"] = self.prompt.as_messages()
+        else:
+            body["prompt"] = self.prompt.text
+        return body
+
+    def request(self, tokenizer: Any, request_id: str) -> Request:
+        """The engine Request the daemon would build from `body()` (same ids, same sampling)."""
+        req = to_request(self.prompt, tokenizer, request_id, self.max_tokens, tenant="default")
+        req.sampling = dataclasses.replace(req.sampling, ignore_eos=True)
+        return req
+
+
+@dataclass
+class Sample:
+    """What one job measured; times are seconds from its send."""
+
+    index: int
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    last_token_s: float | None = None
+    latency_s: float | None = None
+    error: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (None with fewer than two tokens)."""
+        if self.ttft_s is None or self.last_token_s is None or self.output_tokens < 2:
+            return None
+        return (self.last_token_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def make_jobs(prompts: list[Prompt], max_tokens: int, rate: float | None, seed: int) -> list[Job]:
+    """Jobs in send order; with `rate` (requests/s) their Poisson arrival offsets."""
+    rng = random.Random(f"crossover-bench-serve:{seed}")
+    jobs, t = [], 0.0
+    for i, p in enumerate(prompts):
+        jobs.append(Job(i, p, max_tokens, t if rate else 0.0))
+        if rate:
+            t += rng.expovariate(rate)
+    return jobs
+
+
+# ---- over HTTP --------------------------------------------------------------
+async def run_http(url: str, model: str, jobs: list[Job], concurrency: int, rate: float | None,
+                   api_key: str | None = None, deadline_s: float | None = None,
+                   progress: Progress | None = None) -> tuple[list[Sample], float]:
+    """Send `jobs` to the daemon at `url`; (samples of the jobs sent, wall seconds)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    samples: list[Sample] = []
+
+    def done(sample: Sample) -> None:
+        samples.append(sample)
+        if progress is not None:
+            progress(len(samples))
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                     headers=headers) as session:
+        start = time.perf_counter()
+        end = None if deadline_s is None else start + deadline_s
+
+        async def one(job: Job) -> None:
+            done(await _stream_one(session, url.rstrip("/"), model, job))
+
+        if rate is None:
+            pending = deque(jobs)
+
+            async def client() -> None:
+                while pending and (end is None or time.perf_counter() < end):
+                    await one(pending.popleft())
+
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+        else:
+            tasks = []
+            for job in jobs:
+                if end is not None and start + job.at_s >= end:
+                    break
+                await asyncio.sleep(max(0.0, start + job.at_s - time.perf_counter()))
+                tasks.append(asyncio.create_task(one(job)))
+            await asyncio.gather(*tasks)
+        return samples, time.perf_counter() - start
+
+
+async def _stream_one(session: aiohttp.ClientSession, base: str, model: str, job: Job) -> Sample:
+    sample = Sample(job.index)
+    sent = time.perf_counter()
+    try:
+        async with session.post(base + job.route(), json=job.body(model)) as response:
+            if response.status != 200:
+                text = await response.text()
+                sample.error = f"HTTP {response.status}: {text[:200]}"
+                return sample
+            async for line in response.content:
+                if _chunk(line, sample, time.perf_counter() - sent):
+                    break
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:  # bad JSON too
+        sample.error = f"{type(exc).__name__}: {exc}"
+    sample.latency_s = time.perf_counter() - sent
+    if sample.error is None and sample.last_token_s is None:
+        sample.error = "the stream ended without a finish_reason"
+    return sample
+
+
+def _chunk(line: bytes, sample: Sample, now_s: float) -> bool:
+    """Account one SSE line; True at `data: [DONE]`."""
+    if not line.startswith(b"data: "):
+        return False
+    payload = line[6:].strip()
+    if payload == b"[DONE]":
+        return True
+    chunk = json.loads(payload)
+    if "error" in chunk:
+        sample.error = str(chunk["error"].get("message"))
+    usage = chunk.get("usage")
+    if usage:
+        sample.prompt_tokens = usage["prompt_tokens"]
+        sample.output_tokens = usage["completion_tokens"]
+    for choice in chunk.get("choices", ()):
+        text = choice.get("text") if "text" in choice else choice.get("delta", {}).get("content")
+        if text and sample.ttft_s is None:
+            sample.ttft_s = now_s
+        if choice.get("finish_reason"):
+            sample.last_token_s = now_s
+    return False
+
+
+# ---- straight to the engine -------------------------------------------------
+def run_engine(engine: Any, jobs: list[Job], concurrency: int, rate: float | None,
+               progress: Progress | None = None, tag: str = "") -> tuple[list[Sample], float]:
+    """Step `engine` on this thread through `jobs`; (samples, wall seconds).
+
+    Request ids are "bench-engine-{tag}-{index}".
+    """
+    requests = [job.request(engine.tokenizer, f"bench-engine-{tag}-{job.index}") for job in jobs]
+    samples = {job.index: Sample(job.index, len(r.prompt_ids)) for job, r in zip(jobs, requests)}
+    by_id = {r.request_id: job for job, r in zip(jobs, requests)}
+    pending = deque(zip(jobs, requests))
+    sent: dict[int, float] = {}
+    finished = 0
+    start = time.perf_counter()
+
+    def send() -> None:
+        job, req = pending.popleft()
+        sent[job.index] = time.perf_counter()
+        engine.add_request(req)
+
+    for _ in range(min(concurrency, len(pending)) if rate is None else 0):
+        send()
+    while pending or engine.has_work():
+        if rate is not None:
+            while pending and start + pending[0][0].at_s <= time.perf_counter():
+                send()
+            if not engine.has_work():
+                time.sleep(max(0.0, start + pending[0][0].at_s - time.perf_counter()))
+                continue
+        out = engine.step()
+        now = time.perf_counter()
+        for event in out.events:
+            job = by_id[event.request_id]
+            sample, since = samples[job.index], now - sent[job.index]
+            sample.output_tokens += len(event.token_ids)
+            if event.token_ids and sample.ttft_s is None:
+                sample.ttft_s = since
+            if event.finished:
+                sample.last_token_s = sample.latency_s = since
+                finished += 1
+                if progress is not None:
+                    progress(finished)
+                if rate is None and pending:
+                    send()
+    return [samples[i] for i in sorted(sent)], time.perf_counter() - start

@@ -1,0 +1,334 @@
+"""The figures of `crossover bench tuner` (bench.tuner): JSON summary and PNG plot.
+
+1. Per policy and phase: goodput = output tokens of the requests that
+   arrived in the phase / their engine time, where each step's step_ms is
+   split evenly over the requests it emitted tokens for (a backlog served in
+   the next phase, with --no-drain, counts where it arrived); the clients'
+   TTFT, TPOT and inter-token gaps (ms) and errors of those requests; and,
+   for the steps that started within the phase's time (drained: until its
+   last request finished), their count, mean batch and share per (technique,
+   depth) cell. "whole" is the same over the three phases; `wall_s` and
+   each phase's `wall_s` are its time on the clock.
+2. Ratios, each with its target and whether it is met (ratios are rounded
+   to 4 digits from the goodputs in the JSON):
+   - per phase, autotuned over the best static policy of that phase (>= 0.95);
+   - whole trace, autotuned over the best fixed policy: never, or one
+     (technique, depth) at every batch size (>= 1.15);
+   - whole trace, autotuned over the batch-size table (>= 1.05);
+   - for reference, no target: the static oracle (each phase served by that
+     phase's best static policy) over the best fixed policy and over the
+     table, which bound what switching policies once per phase can gain on
+     this trace (a trace where they are near 1 cannot show a tuner's worth),
+     and autotuned over that oracle;
+   - p99 inter-token gap while a retune searches over p99 while none runs
+     (<= 1.10), from the probe after the autotuned trace.
+3. The autotuned run's history, read from its telemetry database: every
+   policy version (who made it, when, its rules) and every retune that ran
+   (skips are only counted), with how it searched and for how long.
+4. The PNG (bench.plots.tuner_plot): goodput bars per phase and whole trace
+   for every policy, then the ratios as bars with their targets marked (the
+   oracle's in grey).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.serve import distribution
+
+TARGETS = {"phase": 0.95, "best_fixed": 1.15, "table": 1.05, "retune_itl": 1.10}
+
+
+# ---- the summary ---------------------------------------------------------------------
+def summarize(cfg: Any, engine: Any, phases: list[Any], arrivals: list[Any],
+              runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    from bench.workloads.trace import PHASE_NAMES
+
+    policies = {name: _run_summary(run) for name, run in runs.items()}
+    auto = runs.get("autotuned")
+    if auto is not None:
+        policies["autotuned"]["history"] = _history_summary(auto["history"])
+    counts = Counter(a.phase for a in arrivals)
+    trace = [{"phase": i, "name": PHASE_NAMES[i], "duration_s": p.duration_s,
+              "rate_per_s": p.rate_per_s, "mix": dict(p.mix), "max_concurrency": p.max_concurrency,
+              "requests": counts.get(i, 0)} for i, p in enumerate(phases)]
+    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()}
+    result: dict[str, Any] = {
+        "bench": "tuner", "config": config, "engine": _describe(engine), "trace": trace,
+        "goodput_unit": "output tokens per second of engine step time (module doc, 1)", "policies": policies,
+        "ratios": ratios(policies)}
+    if auto is not None and auto["probe"] is not None:
+        result["retune_itl"] = retune_itl(auto["probe"])
+        result["ratios"]["retune_itl"] = {
+            "ratio": result["retune_itl"]["p99_ratio"], "target": TARGETS["retune_itl"],
+            "met": _met(result["retune_itl"]["p99_ratio"], TARGETS["retune_itl"], below=True)}
+    return result
+
+
+def _run_summary(run: dict[str, Any]) -> dict[str, Any]:
+    bounds = run["bounds"]
+    start, end = bounds[0][0], bounds[-1][1]
+    tokens, ms = _attribute(run)
+    out = []
+    for i, (lo, hi) in enumerate(bounds):
+        steps = [stats for stats, _ in run["steps"] if lo <= stats.time < hi]
+        streams = [s for s in run["streams"] if s.phase == i]
+        out.append({"phase": i, **_goodput(tokens[i], ms[i]), **_steps(steps), **_clients(streams),
+                    "wall_s": round(hi - lo, 3)})
+    steps = [stats for stats, _ in run["steps"] if start <= stats.time < end]
+    whole = _goodput(sum(tokens.values()), sum(ms.values()))
+    return {"policy": run["policy"], "other_processes_cpu_share": run["other_processes_cpu_share"],
+            "search_process_cpu_s": run["search_process_cpu_s"],
+            "compiles_during_trace": run["compiles_during_trace"], "phases": out,
+            "whole": {**whole, **_steps(steps), **_clients(run["streams"]), "wall_s": round(end - start, 3)}}
+
+
+def _attribute(run: dict[str, Any]) -> tuple[Counter, Counter]:
+    """Phase -> output tokens and engine ms of the requests that arrived in it (module doc, 1)."""
+    phase_of = {s.request_id: s.phase for s in run["streams"] if s.request_id}
+    tokens: Counter = Counter()
+    ms: Counter = Counter()
+    for stats, per_request in run["steps"]:
+        for request_id, n in per_request.items():
+            phase = phase_of.get(request_id)
+            if phase is not None:
+                tokens[phase] += n
+                ms[phase] += stats.step_ms / len(per_request)
+    return tokens, ms
+
+
+def _goodput(tokens: int, ms: float) -> dict[str, Any]:
+    return {"goodput": round(tokens * 1000.0 / ms, 3) if ms else 0.0, "engine_tokens": tokens,
+            "engine_s": round(ms / 1000.0, 4)}
+
+
+def _steps(steps: list[Any]) -> dict[str, Any]:
+    """What the engine did in a stretch of time: steps, mean batch, share per cell."""
+    cells = Counter(f"{s.technique}@{s.depth}" if s.depth else "none" for s in steps)
+    return {"steps": len(steps),
+            "mean_batch": round(sum(s.batch_size for s in steps) / len(steps), 2) if steps else 0.0,
+            "cells": {k: round(v / len(steps), 3) for k, v in cells.most_common()}}
+
+
+def _clients(streams: list[Any]) -> dict[str, Any]:
+    ok = [s for s in streams if s.error is None and s.chunks]
+    tpot = [(s.chunks[-1] - s.chunks[0]) / (s.output_tokens - 1) for s in ok if s.output_tokens > 1]
+    return {"requests": len(streams), "errors": sum(s.error is not None for s in streams),
+            "output_tokens": sum(s.output_tokens for s in ok),
+            "ttft_ms": distribution([s.chunks[0] - s.sent for s in ok]),
+            "tpot_ms": distribution(tpot), "itl_ms": distribution(_gaps(ok))}
+
+
+def _gaps(streams: list[Any]) -> list[float]:
+    return [b - a for s in streams for a, b in zip(s.chunks, s.chunks[1:])]
+
+
+def _history_summary(history: dict[str, Any]) -> dict[str, Any]:
+    real = [r for r in history["retunes"] if not (r["note"] or "").startswith("skipped")]
+    return {"policies": [{**p, "rules": describe(p["body"])} for p in history["policies"]],
+            "retunes": real, "skipped": len(history["retunes"]) - len(real),
+            "statuses": dict(Counter(r["status"] for r in real))}
+
+
+def describe(body: dict[str, Any]) -> str:
+    """A policy in one line.
+
+    >>> describe({"rules": [{"max_batch": 4, "technique": "ngram", "depth": 4},
+    ...                     {"max_batch": 32, "technique": "none", "depth": 0}], "crossover": 4})
+    '<=4 ngram@4, <=32 none; crossover 4; split 0.0'
+    """
+    rules = body.get("rules") or [{"max_batch": 1 << 30, "technique": "none", "depth": 0}]
+    parts = [f"<={r['max_batch']} {r['technique']}@{r['depth']}" if r["depth"]
+             else f"<={r['max_batch']} none" for r in rules]
+    return f"{', '.join(parts)}; crossover {body.get('crossover', 0)}; split {body.get('pool_split', 0.0)}"
+
+
+def ratios(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Autotuned over the static policies (module doc, 2); empty without an autotuned run."""
+    auto = policies.get("autotuned")
+    static = {n: p for n, p in policies.items() if n != "autotuned"}
+    if auto is None or not static:
+        return {}
+    per_phase = []
+    for i, phase in enumerate(auto["phases"]):
+        best = max(static, key=lambda n: static[n]["phases"][i]["goodput"])
+        per_phase.append(_ratio(phase["goodput"], static[best]["phases"][i]["goodput"],
+                                TARGETS["phase"], phase=i, best_static=best))
+    out: dict[str, Any] = {"per_phase": per_phase}
+    whole = auto["whole"]["goodput"]
+    fixed = [n for n in static if n.startswith("fixed:") or n == "never"]
+    oracle = _oracle(static, len(auto["phases"]))
+    if fixed:
+        best = max(fixed, key=lambda n: static[n]["whole"]["goodput"])
+        out["whole_vs_best_fixed"] = _ratio(whole, static[best]["whole"]["goodput"],
+                                            TARGETS["best_fixed"], best_fixed=best)
+        # the most that switching among the static policies once per phase could gain
+        out["oracle_vs_best_fixed"] = {
+            **oracle, "best_fixed": best, "target": None, "met": None,
+            "ratio": round(oracle["goodput"] / static[best]["whole"]["goodput"], 4)
+            if static[best]["whole"]["goodput"] else None}
+    out["whole_vs_oracle"] = _ratio(whole, oracle["goodput"], None)
+    if "table" in static:
+        table = static["table"]["whole"]["goodput"]
+        out["whole_vs_table"] = _ratio(whole, table, TARGETS["table"])
+        out["oracle_vs_table"] = {**oracle, "target": None, "met": None,
+                                  "ratio": round(oracle["goodput"] / table, 4) if table else None}
+    if "never" in static:
+        out["whole_vs_never"] = _ratio(whole, static["never"]["whole"]["goodput"], None)
+    return out
+
+
+def _oracle(static: dict[str, dict[str, Any]], phases: int) -> dict[str, Any]:
+    """The whole-trace goodput of the best static policy of each phase (engine tokens over
+    engine time, summed over phases), and which policy that was per phase."""
+    picks = [max(static, key=lambda n: static[n]["phases"][i]["goodput"]) for i in range(phases)]
+    tokens = sum(static[n]["phases"][i]["engine_tokens"] for i, n in enumerate(picks))
+    seconds = sum(static[n]["phases"][i]["engine_s"] for i, n in enumerate(picks))
+    return {"goodput": round(tokens / seconds, 3) if seconds else 0.0, "per_phase": picks}
+
+
+def _ratio(num: float, den: float, target: float | None, **extra: Any) -> dict[str, Any]:
+    ratio = round(num / den, 4) if den else None
+    return {**extra, "autotuned": num, "static": den, "ratio": ratio, "target": target,
+            "met": None if target is None else _met(ratio, target)}
+
+
+def _met(ratio: float | None, target: float, below: bool = False) -> bool | None:
+    if ratio is None:
+        return None
+    return ratio <= target if below else ratio >= target
+
+
+def retune_itl(probe: dict[str, Any]) -> dict[str, Any]:
+    """Inter-token gaps ending while a retune searched vs those overlapping no retune."""
+    windows = probe["windows"]
+    busy = [(probe["settle"]["start"], probe["settle"]["end"])] + [(w["start"], w["end"]) for w in windows]
+    after = probe["settle"]["end"]
+    during, without = [], []
+    for s in probe["streams"]:
+        for a, b in zip(s.chunks, s.chunks[1:]):
+            if a < after:
+                continue
+            if any(w["start"] <= b <= w["search_end"] for w in windows):
+                during.append(b - a)
+            elif not any(a <= hi and b >= lo for lo, hi in busy):
+                without.append(b - a)
+    d, w = distribution(during), distribution(without)
+    ratio = round(d["p99"] / w["p99"], 4) if d["p99"] and w["p99"] else None
+    t0 = probe["settle"]["start"]
+    shown = [{"id": x["id"], "status": x["status"], "version": x["version"], "note": x["note"],
+              "start_s": round(x["start"] - t0, 3), "search_s": round(x["search_end"] - x["start"], 3),
+              "total_s": round(x["end"] - x["start"], 3)} for x in [probe["settle"], *windows]]
+    return {"definition": "gap between two streamed chunks of one request; 'during' ends while "
+                          "a retune searches, 'without' overlaps no retune (the settling one included)",
+            "retunes": shown, "during_ms": d, "without_ms": w, "p99_ratio": ratio,
+            "requests": len(probe["streams"]), "seconds": round(probe["end"] - t0, 3)}
+
+
+def read_history(database: Any, start: float) -> dict[str, Any]:
+    """The policies and retunes of a run's database (times in seconds from the trace's start)."""
+    from sqlalchemy import select
+
+    from store.db import session_scope
+    from store.history import retune_history
+    from store.models import Policy
+
+    with session_scope(database.engine) as session:
+        policies = [{"version": p.version, "source": p.source, "created_s": _rel(p.created_at, start),
+                     "rolled_back_at_s": _rel(p.rolled_back_at, start), "body": p.body}
+                    for p in session.scalars(select(Policy).order_by(Policy.version))]
+        retunes = [{"id": r.id, "by": r.triggered_by, "status": r.status,
+                    "started_s": _rel(r.started_at, start), "finished_s": _rel(r.finished_at, start),
+                    "version": r.chosen_policy_version, "predicted_goodput": r.predicted_goodput,
+                    "measured_goodput": r.measured_goodput,
+                    "note": r.error or (r.details or {}).get("reason")
+                    or ((r.details or {}).get("validation") or {}).get("decision"),
+                    **_search_evidence(r.details or {})}
+                   for r in reversed(retune_history(session, limit=10_000))]
+    return {"policies": policies, "retunes": retunes}
+
+
+def _search_evidence(details: dict[str, Any]) -> dict[str, Any]:
+    """What a retune's model saw (held-out fit error, acceptance, tenant factors) and how it
+    searched: "exact" or "tpe", and its seconds from reading telemetry to the last trial."""
+    if "fit" not in details:
+        return {}
+    model = details.get("model") or {}
+    return {"fit": details["fit"], "acceptance": model.get("acceptance"),
+            "tenant_factor": model.get("tenant_factor"), "search": details.get("search")}
+
+
+def _rel(t: float | None, start: float) -> float | None:
+    return None if t is None else round(t - start, 3)
+
+
+def headline(result: dict[str, Any]) -> list[str]:
+    """The figures in a few lines for stderr."""
+    lines = []
+    for name, run in result["policies"].items():
+        per = ", ".join(f"{p['goodput']:.1f}" for p in run["phases"])
+        lines.append(f"{name}: goodput per phase {per}, whole {run['whole']['goodput']:.1f} tok/s")
+    ratios = result["ratios"]
+    rows = [(f"phase {r['phase'] + 1} vs best static ({r['best_static']})", r)
+            for r in ratios.get("per_phase", [])]
+    rows += [(key, r) for key, r in ratios.items() if key != "per_phase"]
+    for label, r in rows:
+        verdict = "" if r["target"] is None else f" (target {r['target']}: {'met' if r['met'] else 'missed'})"
+        lines.append(f"{label}: {r['ratio']}{verdict}")
+    auto = result["policies"].get("autotuned")
+    if auto is not None:
+        lines.append(search_line(auto["history"]["retunes"]))
+    return lines
+
+
+def search_line(retunes: list[dict[str, Any]]) -> str:
+    """How long the autotuned run's searches took.
+
+    >>> search_line([{"search": {"method": "exact", "seconds": 0.5}},
+    ...              {"search": {"method": "tpe", "seconds": 4.0}}, {"note": "no fit"}])
+    'autotuned searches: 2 (exact 1, tpe 1), median 2.25 s, max 4.0 s'
+    """
+    done = [r["search"] for r in retunes if r.get("search")]
+    if not done:
+        return "autotuned searches: none"
+    seconds = [x["seconds"] for x in done]
+    methods = Counter(x["method"] for x in done)
+    return (f"autotuned searches: {len(done)} ({', '.join(f'{m} {n}' for m, n in sorted(methods.items()))}), "
+            f"median {np.median(seconds):.2f} s, max {max(seconds):.1f} s")
+
+
+def _describe(engine: Any) -> dict[str, Any]:
+    from engine.fake import FakeEngine
+
+    capacity = engine.capacity()
+    info: dict[str, Any] = {"model": engine.model_name, "max_batch": engine.max_batch,
+                            "max_context": engine.max_context,
+                            "proposers": sorted(capacity.proposers)}
+    if isinstance(engine, FakeEngine):
+        info.update(engine="FakeEngine", cost=vars(engine.cost) if engine.cost else None,
+                    tenant_acceptance=engine.tenant_acceptance,
+                    acceptance={n: list(p.acceptance) for n, p in engine.proposers.items()})
+    else:
+        import jax
+
+        rc = engine.runner.rc
+        info.update(engine="EngineCore", dtype=rc.dtype, backend=jax.default_backend(),
+                    spec_max_batch=capacity.spec_max_batch, verify_tokens=list(rc.verify_tokens))
+    return info
+
+
+def write_result(result: dict[str, Any], out_path: str) -> dict[str, Any]:
+    """Write the PNG next to `out_path` (same name, .png), then the JSON naming it."""
+    from bench.plots import tuner_plot
+
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    png = out.with_suffix(".png")
+    result["plot"] = tuner_plot(result, png)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result

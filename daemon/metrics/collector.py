@@ -1,0 +1,88 @@
+"""`DaemonCollector`: the /metrics values read from the app when it is scraped.
+
+The engine's `status()` gives the gauges (KV pages, queue, running, policy
+version) and the compile counters; the app's state gives the requests in
+flight, per tenant from the tenant gates; the recorder gives its dropped rows.
+Retunes by status come from the database (`store.history.retune_counts`),
+which is blocking: the /metrics route refreshes `retunes` in a worker thread
+before each scrape, and `collect()` reports the last counts it was given.
+`collect()` runs on the event loop, which owns the state it reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import Engine
+
+from daemon import state as st
+from daemon.metrics.sink import P
+from store import history
+from store.db import session_scope
+from store.models import RETUNE_STATUSES
+
+ENGINE_GAUGES = (  # (status() key, metric, help)
+    ("kv_pages_used", "kv_pages_used", "KV pool pages in use."),
+    ("kv_pages_free", "kv_pages_free", "KV pool pages free."),
+    ("kv_pages_total", "kv_pages_total", "KV pool pages in all."),
+    ("waiting", "num_requests_waiting", "Requests queued in the engine."),
+    ("running", "num_requests_running", "Requests being decoded."),
+    ("policy_version", "policy_version", "Version of the runtime policy in use."),
+)
+
+
+def retune_counts(db: Engine) -> dict[str, int]:
+    """Retunes recorded in the database, by status (blocking: run in a thread)."""
+    with session_scope(db) as session:
+        return history.retune_counts(session)
+
+
+def engine_metrics(status: dict[str, Any]) -> list[Metric]:
+    """Gauges from `engine.status()`; the compile count is a counter."""
+    out: list[Metric] = [GaugeMetricFamily(P + name, text, value=status.get(key) or 0)
+                         for key, name, text in ENGINE_GAUGES]
+    out.append(CounterMetricFamily(P + "compiles", "XLA compilations since the start.",
+                                   value=status.get("compile_count") or 0))
+    if status.get("compiles_since_warmup") is not None:
+        out.append(GaugeMetricFamily(
+            P + "compiles_since_warmup",
+            "XLA compilations after warmup (serving should never compile).",
+            value=status["compiles_since_warmup"]))
+    return out
+
+
+class DaemonCollector(Collector):
+    """Scrape-time values of one app (register it in that app's registry)."""
+
+    def __init__(self, app: web.Application) -> None:
+        self._app = app
+        self.retunes: dict[str, int] = {}
+        """Retunes by status, as last read from the database by the /metrics route."""
+
+    def collect(self) -> Iterator[Metric]:
+        app = self._app
+        yield from engine_metrics(app[st.ENGINE].status())
+        yield GaugeMetricFamily(P + "http_requests_in_flight", "Generation requests being handled.",
+                                value=app[st.STATE].in_flight)
+        tenants = GaugeMetricFamily(
+            P + "tenant_requests_in_flight",
+            "Requests of each tenant running in the daemon or waiting for a slot.",
+            labels=["tenant", "state"])
+        for tenant, (running, waiting) in sorted(app[st.GATES].in_flight().items()):
+            tenants.add_metric([tenant, "running"], running)
+            tenants.add_metric([tenant, "waiting"], waiting)
+        yield tenants
+        db = app.get(st.DATABASE)
+        yield CounterMetricFamily(P + "recorder_dropped_rows",
+                                  "Telemetry rows that never reached the database.",
+                                  value=db.recorder.stats()["dropped"] if db is not None else 0)
+        retunes = CounterMetricFamily(P + "retunes", "Policy retunes recorded, by status.",
+                                      labels=["status"])
+        for status in RETUNE_STATUSES:
+            retunes.add_metric([status], self.retunes.get(status, 0))
+        yield retunes

@@ -1,0 +1,48 @@
+"""The app's metrics registry and the `GET /metrics` route.
+
+1. `install(app)` (from `make_app`) builds one `CollectorRegistry` for the app: the engine
+   thread's `EngineMetrics` (returned, to be wired in as a Sink), the app's
+   `DaemonCollector`, and prometheus_client's process and platform collectors
+   (CPU seconds, resident memory, open fds, start time; Python version).
+2. A scrape reads the retune counts from the database in a worker thread,
+   then renders the registry on the event loop with the encoder that
+   `prometheus_client.exposition.choose_encoder` picks from the Accept header:
+   OpenMetrics (`application/openmetrics-text`) when the scraper asks for it,
+   else the Prometheus text format (version 0.0.4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+from prometheus_client.exposition import choose_encoder
+
+from daemon import state as st
+from daemon.metrics.collector import DaemonCollector, retune_counts
+from daemon.metrics.sink import EngineMetrics
+
+REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
+COLLECTOR = web.AppKey("metrics_collector", DaemonCollector)
+
+
+def install(app: web.Application) -> EngineMetrics:
+    """Give `app` its registry (serve it with `metrics`); return the engine-thread sink."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    sink = EngineMetrics(registry)
+    app[COLLECTOR] = DaemonCollector(app)
+    registry.register(app[COLLECTOR])
+    app[REGISTRY] = registry
+    return sink
+
+
+async def metrics(request: web.Request) -> web.Response:
+    app = request.app
+    db = app.get(st.DATABASE)
+    if db is not None:
+        app[COLLECTOR].retunes = await asyncio.to_thread(retune_counts, db.engine)
+    encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+    return web.Response(body=encode(app[REGISTRY]), headers={"Content-Type": content_type})

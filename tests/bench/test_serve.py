@@ -1,0 +1,110 @@
+"""`crossover bench serve` on the fake engine: the JSON's numbers are consistent."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.serve import distribution
+from daemon.cli import main as cli
+from engine.fake import FakeEngine
+from tests.daemon.daemon_helpers import LiveServer
+
+STEP_MS = 4.0
+
+
+def bench(tmp_path: Path, *flags: str) -> dict[str, Any]:
+    out = tmp_path / "serve.json"
+    assert cli(["bench", "serve", "--fake", "--fake-step-ms", str(STEP_MS), "--out", str(out),
+                *flags]) == 0
+    return json.loads(out.read_text())
+
+
+def check_phase(phase: dict[str, Any], requests: int, max_tokens: int) -> None:
+    assert (phase["requests"], phase["errors"]) == (requests, 0), phase["error_examples"]
+    assert phase["output_tokens"] == requests * max_tokens  # ignore_eos: exactly what was asked
+    assert phase["output_tokens_per_s"] == pytest.approx(
+        phase["output_tokens"] / phase["duration_s"], rel=1e-3)
+    assert phase["requests_per_s"] == pytest.approx(requests / phase["duration_s"], rel=1e-3)
+    for name in ("ttft_ms", "tpot_ms", "latency_ms"):
+        d = phase[name]
+        assert d["n"] == requests
+        assert 0 < d["p50"] <= d["p90"] <= d["p99"], (name, d)
+    assert phase["ttft_ms"]["p99"] <= phase["latency_ms"]["p99"]
+    assert phase["tpot_ms"]["p50"] >= STEP_MS * 0.5  # one fake step (a sleep) per token
+    # every token after the first takes a TPOT: latency covers them all
+    assert phase["latency_ms"]["mean"] >= phase["tpot_ms"]["mean"] * (max_tokens - 1)
+
+
+def test_closed_loop_http_and_engine_only(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    result = bench(tmp_path, "--requests", "12", "--concurrency", "3", "--max-tokens", "8",
+                   "--rounds", "2")
+    http, engine, rounds = result["http"], result["engine_only"], result["rounds"]
+    assert len(rounds) == 2  # each phase reports its fastest round
+    assert http["output_tokens_per_s"] == max(r["http_output_tokens_per_s"] for r in rounds)
+    assert engine["output_tokens_per_s"] == max(r["engine_only_output_tokens_per_s"] for r in rounds)
+    check_phase(http, 12, 8)
+    check_phase(engine, 12, 8)
+    assert http["prompt_tokens"] == engine["prompt_tokens"] > 12  # the same prompts, both ways
+    assert result["http_over_engine"] == pytest.approx(
+        http["output_tokens_per_s"] / engine["output_tokens_per_s"], rel=1e-3)
+    assert 0 < result["http_over_engine"] < 2
+    assert result["engine"] == "FakeEngine" and result["config"]["concurrency"] == 3
+    err = capsys.readouterr().err
+    assert "http: 12/12 requests done" in err and "round 2 engine only" in err
+    assert "http_over_engine" in err
+
+
+def test_open_loop_sends_every_request(tmp_path: Path) -> None:
+    result = bench(tmp_path, "--requests", "10", "--rate", "200", "--max-tokens", "6",
+                   "--mix", "chat=1,code=1", "--no-db")
+    check_phase(result["http"], 10, 6)
+    check_phase(result["engine_only"], 10, 6)
+    assert result["config"]["rate"] == 200 and result["http_over_engine"] > 0
+
+
+def test_seconds_stop_the_sending_and_the_engine_gets_as_many(tmp_path: Path) -> None:
+    result = bench(tmp_path, "--requests", "400", "--concurrency", "2", "--max-tokens", "10",
+                   "--seconds", "0.3", "--no-db")
+    sent = result["http"]["requests"]
+    assert 2 <= sent < 400  # each request takes ~10 steps of 4 ms: far fewer fit in 0.3 s
+    check_phase(result["http"], sent, 10)
+    check_phase(result["engine_only"], sent, 10)
+
+
+def test_a_running_daemon_by_url(tmp_path: Path, live: Callable[..., LiveServer]) -> None:
+    server = live(FakeEngine(step_delay_s=STEP_MS / 1000.0))
+    result = bench(tmp_path, "--url", server.url, "--requests", "5", "--concurrency", "2",
+                   "--max-tokens", "4", "--api-key", "xo-secret")  # open mode ignores it
+    check_phase(result["http"], 5, 4)
+    assert result["config"]["api_key"] == "***"
+    assert "xo-secret" not in (tmp_path / "serve.json").read_text()
+    assert "engine_only" not in result and result["http_over_engine"] is None
+    assert server.sink.results[-1].output_tokens == 4
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--mix", "copy=1,poetry=2"], "unknown prompt kind"),
+    (["--concurrency", "0"], "--concurrency must be >= 1"),
+    (["--rate", "-1"], "--rate must be positive"),
+    (["--max-context", "40"], "prompts fit max_context 40"),
+])
+def test_bad_flags_are_user_errors(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                   flags: list[str], message: str) -> None:
+    out = tmp_path / "x.json"
+    assert cli(["bench", "serve", "--fake", "--requests", "2", "--out", str(out), *flags]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_percentiles_interpolate_linearly_between_ranks() -> None:
+    seconds = [v / 1000.0 for v in (7, 1, 10, 4, 2, 9, 3, 8, 5, 6)]  # 1..10 ms, unsorted
+    got = distribution(seconds + [None])
+    assert got == pytest.approx({"n": 10, "mean": 5.5, "p50": 5.5, "p90": 9.1, "p99": 9.91})
+    assert all(type(v) in (int, float) for v in got.values())  # plain numbers for the JSON
+    assert distribution([0.004]) == {"n": 1, "mean": 4.0, "p50": 4.0, "p90": 4.0, "p99": 4.0}
+    assert distribution([None, None]) == {"n": 0, "mean": None, "p50": None, "p90": None,
+                                          "p99": None}

@@ -1,0 +1,246 @@
+"""`crossover bench tuner --fake`: the JSON is complete and consistent, the PNG is real, and
+on the fake engine (known acceptance and costs) the tuner learns what pays.
+
+One short run (2.5 s phases, in-thread searches) serves every test in this module.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+
+from bench.plots import MET, MISSED, REFERENCE, ratio_bars, tuner_figure
+from bench.tuner_report import TARGETS
+from daemon.cli import main as cli
+from engine.policy import TunedPolicy
+
+POLICIES = {"autotuned", "never", "fixed:ngram@4", "table"}
+PHASES = ["low-copy", "high-mixed", "low-prose"]
+PROBE_RETUNES = 2
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, Path]:
+    out = tmp_path_factory.mktemp("bench-tuner") / "tuner.json"
+    flags = ["--fake", "--phase-seconds", "2.5", "--rate-scale", "4", "--low-rate", "0.5",
+             "--high-rate", "6", "--max-tokens", "32", "--techniques", "ngram", "--depths", "4",
+             "--retune-interval", "0.3", "--trials", "8",
+             "--min-new-steps", "20", "--profile-steps", "30", "--validation-min-steps", "20",
+             "--search-in-thread", "--probe-retunes", str(PROBE_RETUNES), "--probe-quiet", "0.5",
+             "--out", str(out)]
+    err = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:  # capsys is per test; progress goes to stderr
+        patch.setattr(sys, "stderr", err)
+        assert cli(["bench", "tuner", *flags]) == 0
+    return json.loads(out.read_text()), err.getvalue(), out
+
+
+def test_every_policy_and_phase_is_there_with_positive_goodput(run: tuple) -> None:
+    result, _, _ = run
+    assert result["bench"] == "tuner" and result["engine"]["engine"] == "FakeEngine"
+    assert [p["name"] for p in result["trace"]] == PHASES
+    assert all(p["requests"] > 0 for p in result["trace"])
+    assert set(result["policies"]) == POLICIES
+    for name, policy in result["policies"].items():
+        assert [p["phase"] for p in policy["phases"]] == [0, 1, 2], name
+        for i, phase in enumerate(policy["phases"]):
+            assert phase["goodput"] > 0 and phase["steps"] > 0, (name, i)
+            assert phase["errors"] == 0, (name, i)
+            assert phase["requests"] == result["trace"][i]["requests"], (name, i)
+            assert phase["goodput"] == pytest.approx(phase["engine_tokens"] / phase["engine_s"], rel=1e-3)
+            # the engine's events and the clients' usage count the same tokens
+            assert phase["engine_tokens"] == phase["output_tokens"] > 0, (name, i)
+            assert 0 < phase["itl_ms"]["p50"] <= phase["itl_ms"]["p99"], (name, i)
+        whole = policy["whole"]
+        assert whole["engine_tokens"] == sum(p["engine_tokens"] for p in policy["phases"])
+        assert whole["engine_s"] == pytest.approx(sum(p["engine_s"] for p in policy["phases"]), abs=1e-3)
+        assert whole["steps"] == sum(p["steps"] for p in policy["phases"])
+        assert whole["goodput"] == pytest.approx(whole["engine_tokens"] / whole["engine_s"], rel=1e-3)
+    # greedy and lossless: every policy serves the same tokens
+    assert len({p["whole"]["output_tokens"] for p in result["policies"].values()}) == 1
+
+
+def test_static_policies_were_pinned(run: tuple) -> None:
+    """The engine ran what each static policy says (the fake always has drafts)."""
+    policies = run[0]["policies"]
+    for phase in policies["never"]["phases"]:
+        assert set(phase["cells"]) == {"none"}
+    for phase in policies["fixed:ngram@4"]["phases"]:
+        assert set(phase["cells"]) == {"ngram@4"}
+    table = TunedPolicy.from_dict(policies["table"]["policy"])
+    assert [table.choose(b) for b in (1, 4, 5, 8, 9)] == [
+        ("ngram", 4), ("ngram", 4), ("ngram", 2), ("ngram", 2), ("none", 0)]
+    assert set().union(*(p["cells"] for p in policies["table"]["phases"])) <= {"ngram@4", "ngram@2", "none"}
+    assert policies["table"]["phases"][0]["cells"].get("ngram@4", 0) > 0.5  # low load: small batches
+
+
+def test_ratios_agree_with_the_goodputs(run: tuple) -> None:
+    result = run[0]
+    policies, ratios = result["policies"], result["ratios"]
+    auto = policies["autotuned"]
+    static = {n: p for n, p in policies.items() if n != "autotuned"}
+    for i, r in enumerate(ratios["per_phase"]):
+        best = max(static, key=lambda n: static[n]["phases"][i]["goodput"])
+        assert r["phase"] == i and r["best_static"] == best
+        expected = auto["phases"][i]["goodput"] / static[best]["phases"][i]["goodput"]
+        assert r["ratio"] == pytest.approx(expected, abs=1e-4)
+        assert r["target"] == TARGETS["phase"] and r["met"] == (r["ratio"] >= TARGETS["phase"])
+    fixed = ratios["whole_vs_best_fixed"]
+    candidates = [n for n in static if n == "never" or n.startswith("fixed:")]
+    best_fixed = max(candidates, key=lambda n: static[n]["whole"]["goodput"])
+    assert fixed["best_fixed"] == best_fixed and "never" in candidates
+    assert fixed["ratio"] == pytest.approx(
+        auto["whole"]["goodput"] / static[best_fixed]["whole"]["goodput"], abs=1e-4)
+    assert fixed["met"] == (fixed["ratio"] >= TARGETS["best_fixed"])
+    # the static oracle takes each phase's best static policy: never below the best fixed one
+    oracle = ratios["oracle_vs_best_fixed"]
+    assert oracle["per_phase"] == [r["best_static"] for r in ratios["per_phase"]]
+    assert oracle["ratio"] >= 1.0 - 1e-6 and oracle["target"] is None
+    assert ratios["whole_vs_oracle"]["static"] == oracle["goodput"]
+    assert ratios["oracle_vs_table"]["ratio"] == pytest.approx(
+        oracle["goodput"] / static["table"]["whole"]["goodput"], abs=1e-4)
+    assert ratios["oracle_vs_table"]["ratio"] >= 1.0 - 1e-6 and ratios["oracle_vs_table"]["target"] is None
+    table = ratios["whole_vs_table"]
+    assert table["ratio"] == pytest.approx(
+        auto["whole"]["goodput"] / static["table"]["whole"]["goodput"], abs=1e-4)
+    assert table["met"] == (table["ratio"] >= TARGETS["table"])
+
+
+def test_retune_itl_comparison(run: tuple) -> None:
+    result = run[0]
+    itl = result["retune_itl"]
+    assert len(itl["retunes"]) == PROBE_RETUNES + 1  # the settling one, then the measured ones
+    assert all(r["search_s"] > 0 and r["total_s"] >= r["search_s"] for r in itl["retunes"])
+    assert all(r["status"] in ("applied", "rejected", "failed") for r in itl["retunes"])
+    during, without = itl["during_ms"], itl["without_ms"]
+    assert during["n"] > 0 and without["n"] > 0
+    assert itl["p99_ratio"] == pytest.approx(during["p99"] / without["p99"], abs=1e-4)
+    assert result["ratios"]["retune_itl"]["ratio"] == itl["p99_ratio"]
+    assert result["ratios"]["retune_itl"]["target"] == TARGETS["retune_itl"]
+
+
+def test_the_tuner_learns_that_speculation_pays_on_copy_traffic(run: tuple) -> None:
+    """Copy prompts accept most drafts on the fake: at batch 1 ngram@4 gives 3.7 tokens per
+    step for 1.45x the step time (mtp@2: 1.9 for 1.22x). The first policy the tuner makes
+    (from copy-heavy telemetry) must speculate at batch 1, and the copy phase must beat
+    plain decoding."""
+    policies = run[0]["policies"]
+    history = policies["autotuned"]["history"]
+    assert history["statuses"].get("applied", 0) >= 1, history["retunes"]
+    searched = [r for r in history["retunes"] if "fit" in r]
+    assert searched and all(r["search"]["method"] == "exact" and 0 < r["search"]["seconds"] < 30
+                            for r in searched)
+    made = [p for p in history["policies"] if p["source"] == "tuner"]
+    assert made and TunedPolicy.from_dict(made[0]["body"]).choose(1)[0] != "none", made[0]
+    copy = [policies[n]["phases"][0]["goodput"] for n in ("autotuned", "never")]
+    assert copy[0] > 1.1 * copy[1], copy
+
+
+def test_png_is_valid_and_shows_every_policy(run: tuple) -> None:
+    result, _, out = run
+    plot = result["plot"]
+    assert Path(plot["path"]) == out.with_suffix(".png")
+    rgb = np.round(imread(plot["path"])[..., :3] * 255)  # [height, width, 3]
+    assert rgb.shape[1::-1] == (plot["width"], plot["height"]) == (1200, 800)
+    assert len(np.unique(rgb.reshape(-1, 3), axis=0)) > 50, "the image looks blank"
+    assert set(plot["colors"]) == POLICIES
+    flat = rgb.reshape(-1, 3)
+    for name, colour in plot["colors"].items():
+        assert (flat == colour).all(axis=1).sum() > 200, name  # its bars
+    # a ratio bar covers thousands of pixels, a legend patch under 200
+    assert (flat == REFERENCE).all(axis=1).sum() > 2000  # the oracle's ratios
+    verdicts = ratio_bars(result)[3]  # met / missed / None per ratio bar, from the JSON
+    for colour, shown in ((MET, True in verdicts), (MISSED, False in verdicts)):
+        assert ((flat == colour).all(axis=1).sum() > 2000) == shown, colour
+
+
+def test_png_axes_are_labelled_with_units_and_legends(run: tuple) -> None:
+    result = run[0]
+    goodput, ratios = tuner_figure(result).axes
+    assert "tokens/s" in goodput.get_ylabel() and goodput.get_title()
+    assert {t.get_text() for t in goodput.get_legend().get_texts()} == POLICIES
+    assert [t.get_text() for t in goodput.get_xticklabels()] == [
+        f"phase {i + 1}\n{name}" for i, name in enumerate(PHASES)] + ["whole trace"]
+    assert ratios.get_ylabel() == "ratio"
+    assert "target" in [t.get_text() for t in ratios.get_legend().get_texts()]
+    assert len(ratios.patches) == len(ratios.get_xticklabels()) >= len(PHASES)  # a bar per ratio
+
+
+def test_progress_on_stderr(run: tuple) -> None:
+    err = run[1]
+    for name in POLICIES:
+        assert f"bench tuner: {name}: trace done" in err
+    assert "phase 1 vs best static" in err and "whole_vs_table" in err and "wrote " in err
+    assert "oracle_vs_best_fixed" in err and "oracle_vs_table" in err and "autotuned searches: " in err
+
+
+def test_bad_flags_are_user_errors(capsys: pytest.CaptureFixture) -> None:
+    assert cli(["bench", "tuner", "--fake", "--table", "8:2,4:4"]) == 2
+    assert "table=" in capsys.readouterr().err
+    assert cli(["bench", "tuner", "--fake", "--runs", "never,sometimes"]) == 2
+    assert "runs=" in capsys.readouterr().err
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    import bench.tuner_report
+
+    result = doctest.testmod(bench.tuner_report)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("techniques, proposers", [((), ("mtp", "early_exit", "draft")),
+                                                   (("ngram",), ()), (("ngram", "mtp"), ("mtp",))])
+def test_the_model_verifies_every_batch_size_with_the_compared_techniques(
+        monkeypatch: pytest.MonkeyPatch, techniques: tuple, proposers: tuple) -> None:
+    """The real engine: verification compiled up to max_batch (so "fixed" speculates at every
+    batch size and the tuner's crossover can reach it), and only the heads-based proposers
+    that the static policies use."""
+    import engine.loader
+    from bench.tuner import TunerBenchConfig, load_engine
+
+    asked: dict[str, Any] = {}
+
+    class Loaded:
+        proposers: dict = {}
+
+        def warmup(self, progress: bool) -> None:
+            asked["warmed"] = True
+
+    monkeypatch.setattr(engine.loader, "load_engine", lambda **kw: asked.update(kw) or Loaded())
+    load_engine(TunerBenchConfig(techniques=techniques, max_batch=48))
+    assert asked["spec_max_batch"] == 48 and asked["max_batch"] == 48
+    assert asked["model_proposers"] == proposers and asked["warmed"]
+
+
+def test_the_trace_samples_the_kinds_it_is_told_to_with_a_seed_each() -> None:
+    from bench.tuner import TunerBenchConfig, build_trace, fake_engine
+
+    cfg = TunerBenchConfig(fake=True, phase_s=20.0, rate_scale=4.0, temperatures=(("prose", 0.7),))
+    _, arrivals = build_trace(cfg, fake_engine(cfg))
+    kinds = {a.tenant.removesuffix("-tenant") for a in arrivals}
+    assert {"prose", "copy"} <= kinds
+    for a in arrivals:
+        if a.tenant == "prose-tenant":
+            assert a.body["temperature"] == 0.7 and isinstance(a.body["seed"], int)
+        else:
+            assert a.body["temperature"] == 0.0 and "seed" not in a.body
+    seeds = [a.body["seed"] for a in arrivals if "seed" in a.body]
+    assert len(seeds) == len(set(seeds)) > 1
+    greedy = TunerBenchConfig(fake=True, phase_s=20.0, rate_scale=4.0, temperatures=())
+    assert all(a.body["temperature"] == 0.0 for a in build_trace(greedy, fake_engine(greedy))[1])
+
+
+def test_bad_temperatures_are_user_errors(capsys: pytest.CaptureFixture) -> None:
+    assert cli(["bench", "tuner", "--fake", "--temperatures", "poetry:0.5"]) == 2
+    assert "poetry" in capsys.readouterr().err
+    assert cli(["bench", "tuner", "--fake", "--temperatures", "chat:hot"]) == 2
+    assert "hot" in capsys.readouterr().err

@@ -1,0 +1,367 @@
+"""The tree keeps the shape ../shared/DESIGN.md gives it, read from the source with `ast`.
+
+Nothing is imported: every module of the project's packages is parsed, its
+imports of the project's own modules are collected (at module level, inside
+functions, under `if TYPE_CHECKING:`), and three rules are checked:
+
+1. no import cycle between modules, nor between packages;
+2. every import goes in a direction DESIGN.md allows (`ALLOWED` below);
+3. no Python file of a serving package is longer than `MAX_LINES`.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("daemon", "engine", "tuner", "telemetry", "store", "migrations", "bench", "training")
+OURS = (*PACKAGES, "tests")  # a production module importing tests/ is an error too
+SERVING = ("daemon", "engine", "tuner", "telemetry", "store")
+MAX_LINES = 450
+
+ALLOWED: dict[str, tuple[str, ...]] = {
+    # importer package -> what it may import besides itself: a package or a module (and its submodules)
+    "daemon": ("engine", "tuner", "telemetry", "store"),
+    "tuner": ("store", "engine.policy", "engine.types", "engine.config"),
+    "telemetry": ("store",),
+    "store": (),
+    "migrations": ("store.models", "store.versioning"),
+    "engine": (),
+    "bench": PACKAGES,
+    "training": ("engine", "bench.workloads"),
+}
+"""Import directions from DESIGN.md (`EXCEPTIONS` adds single modules' permissions)."""
+
+EXCEPTIONS: dict[str, tuple[tuple[str, bool], ...]] = {
+    # importer module -> (target, must the import sit inside a function?)
+    "daemon.commands.bench": (("bench", True),),  # `crossover bench` parses flags and calls in
+    "daemon.commands.train_heads": (("training", True),),  # `crossover train-heads` likewise
+}
+"""Single modules allowed one more direction. Both are tools around the daemon, so they are
+left out of the package graph's cycle check (serving code never loads them). store.migrate
+is not here: it points Alembic at the migrations folder without importing the package."""
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str
+    """Importing module, e.g. "engine.planner"."""
+    target: str
+    """Imported module of ours (the longest dotted prefix that is a module)."""
+    path: str
+    """Importing file, relative to the repository root."""
+    line: int
+    lazy: bool
+    """Inside a function (runs when called, not when the module loads)."""
+    type_only: bool
+    """Under `if TYPE_CHECKING:` (never runs)."""
+
+    def __str__(self) -> str:
+        how = " (type-checking only)" if self.type_only else " (inside a function)" if self.lazy else ""
+        return f"{self.path}:{self.line} {self.source} -> {self.target}{how}"
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    """engine/planner.py -> "engine.planner"; store/__init__.py -> "store"."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_files(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
+    """Module name -> file, for every .py file under the packages."""
+    return {module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))
+            if "__pycache__" not in p.parts}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool,
+                    modules: set[str]) -> set[str]:
+    """Modules of ours an import statement loads: `from a import b` loads a.b when that is a module."""
+    if isinstance(node, ast.Import):
+        return {t for t in (_resolve(alias.name, modules) for alias in node.names) if t}
+    base = node.module or ""
+    if node.level:  # relative: resolve against the importing module's package
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        package = package[: len(package) - (node.level - 1)]
+        base = ".".join([*package, base] if base else package)
+    targets = {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else _resolve(base, modules)
+               for alias in node.names}
+    return {t for t in targets if t}
+
+
+def _resolve(name: str, modules: set[str]) -> str | None:
+    """The longest dotted prefix of `name` that is a module of ours (None: not ours)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in modules:
+            return ".".join(parts[:n])
+    return None
+
+
+def collect_imports(files: dict[str, Path], root: Path = ROOT) -> list[Import]:
+    """Every import of one of our modules by one of our modules."""
+    modules = set(files) | set(OURS)
+    found: list[Import] = []
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        is_package = path.name == "__init__.py"
+
+        def visit(node: ast.AST, lazy: bool, type_only: bool) -> None:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in sorted(_import_targets(node, module, is_package, modules) - {module}):
+                    found.append(Import(module, target, str(path.relative_to(root)), node.lineno,
+                                        lazy, type_only))
+                return
+            for child in ast.iter_child_nodes(node):
+                if isinstance(node, ast.If) and _is_type_checking(node.test) and child in node.body:
+                    visit(child, lazy, True)
+                else:
+                    visit(child, lazy or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                           ast.Lambda)), type_only)
+
+        visit(tree, False, False)
+    return found
+
+
+def top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def within(module: str, prefix: str) -> bool:
+    """Whether `module` is `prefix` or one of its submodules."""
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def direction_violations(imports: list[Import]) -> list[str]:
+    """Imports that go against ALLOWED / EXCEPTIONS, one message each."""
+    out = []
+    for imp in imports:
+        src, dst = top(imp.source), top(imp.target)
+        if src == dst or any(within(imp.target, a) for a in ALLOWED[src]):
+            continue
+        granted = [lazy for t, lazy in EXCEPTIONS.get(imp.source, ()) if within(imp.target, t)]
+        if granted and (imp.lazy or not granted[0]):
+            continue
+        if granted:
+            out.append(f"{imp}: must be imported inside the function that calls it, not at module level")
+        else:
+            allowed = ", ".join(ALLOWED[src]) or "nothing of ours"
+            out.append(f"{imp}: {src}/ may import {allowed}")
+    return out
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan), each sorted.
+
+    >>> cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}})
+    [['a', 'b', 'c']]
+    >>> cycles({"a": {"b"}, "b": set()})
+    []
+    """
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    nodes = sorted(set(edges) | {d for ds in edges.values() for d in ds})
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in nodes:
+        if v not in index:
+            connect(v)
+    return sorted(found)
+
+
+def module_cycle_violations(imports: list[Import]) -> list[str]:
+    """One message per cycle between modules, naming the imports that close it."""
+    runtime = [i for i in imports if not i.type_only]
+    edges: dict[str, set[str]] = defaultdict(set)
+    for imp in runtime:
+        edges[imp.source].add(imp.target)
+    out = []
+    for component in cycles(edges):
+        members = set(component)
+        links = [str(i) for i in runtime if i.source in members and i.target in members]
+        out.append("import cycle between modules " + ", ".join(component) + ":\n    "
+                   + "\n    ".join(links))
+    return out
+
+
+def _tool_entry_point(imp: Import) -> bool:
+    """A lazy import that EXCEPTIONS sanctions for a command calling into a tool package."""
+    return imp.lazy and any(lazy and within(imp.target, t) for t, lazy in EXCEPTIONS.get(imp.source, ()))
+
+
+def package_cycle_violations(imports: list[Import]) -> list[str]:
+    """One message per cycle between top-level packages, naming the imports that close it."""
+    runtime = [i for i in imports if not i.type_only and not _tool_entry_point(i)
+               and top(i.source) != top(i.target)]
+    edges: dict[str, set[str]] = defaultdict(set)
+    for imp in runtime:
+        edges[top(imp.source)].add(top(imp.target))
+    out = []
+    for component in cycles(edges):
+        members = set(component)
+        links = [str(i) for i in runtime if top(i.source) in members and top(i.target) in members]
+        out.append("import cycle between packages " + ", ".join(component) + ":\n    "
+                   + "\n    ".join(links))
+    return out
+
+
+def long_files(root: Path = ROOT, packages: tuple[str, ...] = SERVING, limit: int = MAX_LINES) -> list[str]:
+    out = []
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            n = len(path.read_text(encoding="utf-8").splitlines())
+            if n > limit:
+                out.append(f"{path.relative_to(root)}: {n} lines (limit {limit}): split it by what it does")
+    return out
+
+
+# ------------------------------------------------------------------ the tree ---
+
+
+@pytest.fixture(scope="module")
+def imports() -> list[Import]:
+    return collect_imports(project_files())
+
+
+def test_the_walk_sees_the_tree(imports):
+    files = project_files()
+    assert {"engine.core", "daemon.cli", "store.models", "migrations.env", "bench", "training"} <= set(files)
+    pairs = {(i.source, i.target) for i in imports}
+    assert ("migrations.env", "store.models") in pairs
+    assert any(top(s) == "daemon" and top(t) == "engine" for s, t in pairs)
+
+
+def test_no_import_cycle_between_modules(imports):
+    problems = module_cycle_violations(imports)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_cycle_between_packages(imports):
+    problems = package_cycle_violations(imports)
+    assert not problems, "\n".join(problems)
+
+
+def test_imports_follow_the_design_directions(imports):
+    problems = direction_violations(imports)
+    assert not problems, "\n".join(problems)
+
+
+def test_serving_files_stay_short():
+    problems = long_files()
+    assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------- the checker, on toy trees ---
+
+
+def _toy(tmp_path: Path, sources: dict[str, str]) -> list[Import]:
+    for rel, text in sources.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return collect_imports(project_files(tmp_path), tmp_path)
+
+
+def test_checker_finds_a_module_cycle_through_a_lazy_import(tmp_path):
+    imports = _toy(tmp_path, {
+        "engine/__init__.py": "",
+        "engine/a.py": "from engine.b import X\n",
+        "engine/b.py": "def f():\n    from engine import a\n",
+    })
+    (problem,) = module_cycle_violations(imports)
+    assert "engine.a, engine.b" in problem and "engine/b.py:2" in problem and "inside a function" in problem
+
+
+def test_checker_resolves_relative_and_submodule_imports(tmp_path):
+    imports = _toy(tmp_path, {
+        "store/__init__.py": "",
+        "store/models.py": "",
+        "store/db.py": "from . import models\nfrom .models import Base\n",
+        "daemon/__init__.py": "",
+        "daemon/x.py": "import store.db\nfrom store import db, models\n",
+    })
+    got = sorted((i.source, i.target, i.line) for i in imports)
+    assert got == [("daemon.x", "store.db", 1), ("daemon.x", "store.db", 2), ("daemon.x", "store.models", 2),
+                   ("store.db", "store.models", 1), ("store.db", "store.models", 2)]
+
+
+def test_checker_flags_wrong_directions_and_eager_tool_imports(tmp_path):
+    imports = _toy(tmp_path, {
+        "engine/__init__.py": "",
+        "engine/core.py": "from store import db\n",
+        "store/__init__.py": "",
+        "store/db.py": "",
+        "tuner/__init__.py": "",
+        "tuner/x.py": "from engine.policy import P\nfrom engine.core import C\n",
+        "engine/policy.py": "",
+        "bench/__init__.py": "",
+        "daemon/__init__.py": "",
+        "daemon/commands/__init__.py": "",
+        "daemon/commands/bench.py": "import bench\n\ndef run():\n    import bench\n",
+        "daemon/other.py": "def f():\n    import bench\n",
+    })
+    problems = direction_violations(imports)
+    assert len(problems) == 4, problems
+    assert any(p.startswith("engine/core.py:1 engine.core -> store.db") and "nothing of ours" in p
+               for p in problems)
+    assert any(p.startswith("tuner/x.py:2 tuner.x -> engine.core") for p in problems)
+    assert any(p.startswith("daemon/commands/bench.py:1") and "inside the function" in p for p in problems)
+    assert any(p.startswith("daemon/other.py:2") for p in problems)
+
+
+def test_checker_finds_package_cycles_but_not_through_tool_commands(tmp_path):
+    imports = _toy(tmp_path, {
+        "daemon/__init__.py": "",
+        "daemon/commands/__init__.py": "",
+        "daemon/commands/bench.py": "def run():\n    import bench.serve\n",
+        "bench/__init__.py": "",
+        "bench/serve.py": "import daemon.app\n",
+        "daemon/app.py": "",
+        "telemetry/__init__.py": "import store\n",
+        "store/__init__.py": "def f():\n    import telemetry\n",
+    })
+    (problem,) = package_cycle_violations(imports)
+    assert "packages store, telemetry" in problem and "store/__init__.py:2" in problem
+
+
+def test_checker_measures_file_length(tmp_path):
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "big.py").write_text("x = 1\n" * 451)
+    (tmp_path / "engine" / "ok.py").write_text("x = 1\n" * 450)
+    assert long_files(tmp_path, ("engine",)) == [
+        "engine/big.py: 451 lines (limit 450): split it by what it does"
+    ]

@@ -1,0 +1,211 @@
+"""The acceptance side of the performance model, fitted from recorded steps and requests.
+
+Acceptance is a conditional rate per technique and draft position (deeper
+positions than any step measured have rate 0), counted so that steps of
+different depths mix correctly: a step of depth d with n speculating
+sequences (proposed / d) offers position 0 to n sequences and position
+i > 0 to those that accepted position i - 1 (accepted_per_pos[i-1]). MTP
+steps are keyed by their policy's draft vocabulary ("mtp@8192") when one was
+set; the plain technique key pools every vocabulary.
+
+Tenants. Steps whose batch held one tenant also count under that tenant
+("ngram|copy"): a tenant with enough such offers (MIN_REACHED at position 0)
+gets its own rates for the technique, since acceptance depends on the
+technique and the text together (n-gram lookups pay on copy-heavy tenants,
+not on prose). Otherwise a per-tenant factor (the tenant's
+accepted/proposed over everyone's, from requests) scales the odds of the
+pooled rates, so a rate stays below 1 and the tenant mix the rates were
+measured on averages back to about them. Once any tenant is measured, a
+tenant with no finished requests yet gets factor 0 (no credit until its
+own requests show some) rather than the rates of the tenants that were
+measured, which may be far easier to draft for. A technique never measured
+has rate 0, so the search cannot prefer what nobody has seen.
+
+Draft share. Not every sequence drafts: an n-gram lookup finds nothing in
+most prose, and a row without a draft verifies nothing and emits one token.
+The draft share (equivalent full drafts, proposed / depth, over the decode
+rows of steps without prefill) is fitted per technique key and single-tenant
+key like the rates, and scales the drafted tokens: 1 + share * the sum of
+the reach probabilities. Rates measured only on the rows that drafted would
+otherwise be applied to every row.
+
+Depth factors. Rates counted per step do not carry across depths: a deep
+draft eats an easy (copyable) stretch in few steps, so a larger share of
+its steps fall where drafts fail, and its position-0 rate and draft share
+come out lower than a shallow draft's on the same text. Rates pooled over
+the window's depths would then favour whichever depth ran on the easiest
+stretch. So each technique key gets a depth factor per measured depth: the
+drafted tokens its steps accepted over those the pooled rates and share
+predict for the same steps (at least MIN_REACHED drafting sequences). A
+depth not measured takes the nearest measured depth's factor (the deeper
+one on a tie); tuner.model caps the accepted draft at the depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from engine.types import StepStats
+from tuner.data import RequestRow
+
+MIN_REACHED = 10
+"""Offers needed before a position's rate is trusted; rarer positions reuse the previous rate."""
+MAX_RATE = 0.99
+TENANT_FACTOR_RANGE = (0.25, 2.0)
+DEPTH_FACTOR_RANGE = (0.25, 4.0)
+
+
+def scale_odds(rate: float, factor: float) -> float:
+    """`rate` with its odds multiplied by `factor` (stays in [0, 1]).
+
+    >>> round(scale_odds(0.8, 2.0), 4), scale_odds(0.5, 1.0)
+    (0.8889, 0.5)
+    """
+    if rate <= 0.0 or rate >= 1.0:
+        return rate
+    return rate * factor / (1.0 - rate + rate * factor)
+
+
+def technique_key(technique: str, version: int, vocab_of: Mapping[int, int]) -> str:
+    """"mtp@V" for MTP steps of a policy with draft vocabulary V, else the technique.
+
+    >>> technique_key("mtp", 3, {3: 8192}), technique_key("ngram", 3, {3: 8192})
+    ('mtp@8192', 'ngram')
+    """
+    vocab = vocab_of.get(version, 0) if technique == "mtp" else 0
+    return f"mtp@{vocab}" if vocab else technique
+
+
+def step_keys(s: StepStats, vocab_of: Mapping[int, int], per_tenant: bool = False) -> set[str]:
+    """The keys a step counts under: its technique (pooling every MTP vocabulary) and its
+    technique_key, and with `per_tenant` those with "|tenant" when its batch held one tenant."""
+    keys = {s.technique, technique_key(s.technique, s.policy_version, vocab_of)}
+    if per_tenant and len(s.tenants) == 1:
+        keys |= {f"{k}|{s.tenants[0]}" for k in keys}
+    return keys
+
+
+def to_depth(rates: Sequence[float], depth: int) -> list[float]:
+    """`rates` at positions 0..depth-1, the last one repeating (none measured: 0).
+
+    >>> to_depth((0.8, 0.5), 3), to_depth((), 2)
+    ([0.8, 0.5, 0.5], [0.0, 0.0])
+    """
+    return [rates[min(i, len(rates) - 1)] if rates else 0.0 for i in range(depth)]
+
+
+def drafted(rates: Sequence[float]) -> float:
+    """Expected accepted drafts of one drafting sequence: sum_i prod_{j<=i} rates_j.
+
+    >>> drafted([0.5, 0.5])
+    0.75
+    """
+    reach, total = 1.0, 0.0
+    for rate in rates:
+        reach *= rate
+        total += reach
+    return total
+
+
+def _drafting_decode(s: StepStats) -> bool:
+    """A speculative step without prefill: a step with prefill counts its prefilling
+    sequences in batch_size, which never draft."""
+    return bool(s.depth) and s.technique != "none" and not s.prefill_tokens and s.batch_size > 0
+
+
+def fit_acceptance(steps: Sequence[StepStats], vocab_of: Mapping[int, int]) -> dict[str, tuple]:
+    """Technique key (and technique|tenant key) -> conditional rate per draft position."""
+    reached: dict[str, list[float]] = {}
+    accepted: dict[str, list[float]] = {}
+    for s in steps:
+        if not s.depth or s.technique == "none" or not s.proposed:
+            continue
+        for key in step_keys(s, vocab_of, per_tenant=True):
+            r, a = reached.setdefault(key, []), accepted.setdefault(key, [])
+            while len(r) < s.depth:
+                r.append(0.0), a.append(0.0)
+            for i in range(s.depth):
+                r[i] += s.speculating if i == 0 else s.accepted_per_pos[i - 1]
+                a[i] += s.accepted_per_pos[i] if i < len(s.accepted_per_pos) else 0
+    # a trailing 0: positions deeper than any step measured earn nothing (rates are repeated
+    # past their last entry, and the last measured rate says nothing about deeper positions)
+    out = {key: _rates(reached[key], accepted[key]) + (0.0,) for key in reached}
+    return {key: rates for key, rates in out.items()  # a tenant's own rates need evidence
+            if "|" not in key or reached[key][0] >= MIN_REACHED}
+
+
+def fit_draft_share(steps: Sequence[StepStats], vocab_of: Mapping[int, int]) -> dict[str, float]:
+    """Technique key (and technique|tenant key) -> share of decode rows that draft."""
+    rows: dict[str, float] = {}
+    drafting: dict[str, float] = {}
+    for s in steps:
+        if not _drafting_decode(s):
+            continue
+        for key in step_keys(s, vocab_of, per_tenant=True):
+            rows[key] = rows.get(key, 0.0) + s.batch_size
+            drafting[key] = drafting.get(key, 0.0) + s.speculating
+    return {key: min(1.0, drafting[key] / n) for key, n in rows.items()
+            if n >= MIN_REACHED or "|" not in key}
+
+
+def fit_depth_factors(steps: Sequence[StepStats], vocab_of: Mapping[int, int],
+                      acceptance: Mapping[str, tuple[float, ...]],
+                      draft_share: Mapping[str, float]) -> dict[str, dict[int, float]]:
+    """Technique key -> depth -> accepted drafted tokens of its decode steps over what the
+    pooled rates and share predict for them (module doc); depths with fewer than MIN_REACHED
+    drafting sequences are left out."""
+    sums: dict[tuple[str, int], list[float]] = {}  # measured, rows, drafting sequences
+    for s in steps:
+        if not _drafting_decode(s):
+            continue
+        for key in step_keys(s, vocab_of):
+            acc = sums.setdefault((key, s.depth), [0.0, 0.0, 0.0])
+            acc[0] += sum(s.accepted_per_pos)
+            acc[1] += s.batch_size
+            acc[2] += s.speculating
+    out: dict[str, dict[int, float]] = {}
+    for (key, depth), (measured, rows, drafting) in sums.items():
+        rates = acceptance.get(key, ())
+        if drafting < MIN_REACHED or not rates:
+            continue
+        predicted = rows * draft_share.get(key, 1.0) * drafted(to_depth(rates, depth))
+        if predicted > 0:
+            lo, hi = DEPTH_FACTOR_RANGE
+            out.setdefault(key, {})[depth] = min(hi, max(lo, measured / predicted))
+    return out
+
+
+def _rates(reached: list[float], accepted: list[float]) -> tuple[float, ...]:
+    """Conditional rates; positions offered fewer than MIN_REACHED times reuse the previous rate."""
+    out: list[float] = []
+    for r, a in zip(reached, accepted):
+        if r >= MIN_REACHED or (r > 0 and not out):
+            out.append(min(MAX_RATE, a / r))
+        elif out:
+            out.append(out[-1])
+    return tuple(out)
+
+
+def tenant_factors(requests: Sequence[RequestRow]) -> dict[str, float]:
+    """Tenant -> its accepted/proposed over everyone's (tenants with MIN_REACHED drafts)."""
+    proposed = sum(r.proposed_tokens for r in requests)
+    if not proposed:
+        return {}
+    overall = sum(r.accepted_tokens for r in requests) / proposed
+    totals: dict[str, list[int]] = {}
+    for r in requests:
+        t = totals.setdefault(r.tenant, [0, 0])
+        t[0] += r.proposed_tokens
+        t[1] += r.accepted_tokens
+    lo, hi = TENANT_FACTOR_RANGE
+    return {tenant: min(hi, max(lo, (a / p) / overall)) if overall > 0 else 1.0
+            for tenant, (p, a) in totals.items() if p >= MIN_REACHED}
+
+
+def step_coverage(steps: Sequence[StepStats]) -> dict[str, dict[int, int]]:
+    """Technique -> depth -> steps measured."""
+    out: dict[str, dict[int, int]] = {}
+    for s in steps:
+        per = out.setdefault(s.technique, {})
+        per[s.depth] = per.get(s.depth, 0) + 1
+    return out
