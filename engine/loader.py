@@ -187,7 +187,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     if rc.context_buckets != ladder:
         note(progress, f"engine: context buckets {list(rc.context_buckets)} (of {list(ladder)}): every "
                        f"compiled shape costs XLA:CPU ~{MAPS_PER_SHAPE} memory mappings and this host allows "
-                       f"{limit} (vm.max_map_count)")
+                       f"{limit} (vm.max_map_count); ~{estimated_mappings(rc, drafting):,.0f} budgeted")
     note(progress, f"engine: {cfg.name} {dtype}, KV pool {rc.global_pages - 1} global + "
                    f"{rc.local_pages - 1} local pages of {PAGE_SIZE} tokens, max batch {max_batch}, "
                    f"context {rc.max_context}")

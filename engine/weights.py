@@ -430,8 +430,3 @@ def load_model(
     if not path.exists():
         raise WeightsError(f"model not found: {path}")
     raise WeightsError(f"{path}: expected a .gguf file or a Hugging Face checkpoint directory")
-
-
-def param_shapes(params: Params) -> dict[str, tuple[int, ...]]:
-    """Flat name -> shape, handy in tests and logs."""
-    return {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(params)}

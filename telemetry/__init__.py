@@ -1,6 +1,6 @@
 """crossover telemetry: record types, the buffered recorder, retention and queries.
 
-    records    RequestRecord and its status rule (a step is the engine's StepStats itself)
+    records    a request's stored status (records are the engine's StepStats / RequestResult)
     writer     records -> rows, with the step columns read off store.models.Step
     recorder   Recorder: O(1) record_*, batched writes from its own thread
     retention  raw steps -> per-minute rollups; pruning

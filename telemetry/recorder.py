@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import Engine
@@ -79,6 +79,16 @@ class RecorderConfig:
             self.retention.validate()
 
 
+@dataclass
+class _Intake:
+    """Records of one kind (steps or requests) waiting for the writer thread, and counts of
+    those taken and refused; guarded by the recorder's lock."""
+
+    records: deque[Any] = field(default_factory=deque)
+    recorded: int = 0
+    dropped: int = 0
+
+
 class Recorder:
     """Buffers step and request records and writes them from its own thread."""
 
@@ -100,14 +110,11 @@ class Recorder:
         )
         self._clock = clock
         self._lock = threading.Lock()
-        self._steps: deque[Any] = deque()
-        self._requests: deque[Any] = deque()
+        self._steps, self._requests = _Intake(), _Intake()
         self._pending = 0
         self._accepting = True
         self._max_buffer = self.config.max_buffer
         self._wake_at = self.config.max_batch
-        self._recorded_steps = self._recorded_requests = 0
-        self._dropped_steps = self._dropped_requests = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._progress = threading.Condition()
@@ -119,27 +126,22 @@ class Recorder:
 
     def record_step(self, rec: Any) -> bool:
         """Queue one step record (the engine's StepStats); False if dropped."""
-        with self._lock:
-            if self._pending >= self._max_buffer or not self._accepting:
-                self._dropped_steps += 1
-                return False
-            self._steps.append(rec)
-            self._pending += 1
-            self._recorded_steps += 1
-            full = self._pending == self._wake_at
-        if full:
-            self._wake.set()
-        return True
+        return self._record(self._steps, rec)
 
     def record_request(self, rec: Any) -> bool:
         """Queue one finished-request record; False if dropped."""
+        return self._record(self._requests, rec)
+
+    def _record(self, intake: _Intake, rec: Any) -> bool:
+        """Queue `rec` on `intake`, or count it dropped when the buffer is full or closed; wake
+        the writer when the pending rows reach a batch."""
         with self._lock:
             if self._pending >= self._max_buffer or not self._accepting:
-                self._dropped_requests += 1
+                intake.dropped += 1
                 return False
-            self._requests.append(rec)
+            intake.records.append(rec)
             self._pending += 1
-            self._recorded_requests += 1
+            intake.recorded += 1
             full = self._pending == self._wake_at
         if full:
             self._wake.set()
@@ -149,15 +151,15 @@ class Recorder:
     def dropped(self) -> int:
         """Rows that never reached the database: buffer full, rejected, or lost at close."""
         with self._lock:
-            counted = self._dropped_steps + self._dropped_requests
+            counted = self._steps.dropped + self._requests.dropped
         return counted + self._writer.invalid + self._writer.lost
 
     def stats(self) -> dict[str, Any]:
         """Counters for /metrics and logs (a snapshot)."""
         with self._lock:
             out: dict[str, Any] = dict(
-                recorded_steps=self._recorded_steps, recorded_requests=self._recorded_requests,
-                dropped_steps=self._dropped_steps, dropped_requests=self._dropped_requests,
+                recorded_steps=self._steps.recorded, recorded_requests=self._requests.recorded,
+                dropped_steps=self._steps.dropped, dropped_requests=self._requests.dropped,
                 pending=self._pending,
             )  # fmt: skip
         w = self._writer
@@ -200,7 +202,7 @@ class Recorder:
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything recorded so far is written (or dropped); False on timeout."""
         with self._lock:
-            target = self._recorded_steps + self._recorded_requests
+            target = self._steps.recorded + self._requests.recorded
         deadline = time.monotonic() + timeout
         self._wake.set()  # flush now rather than at the next interval
         with self._progress:
@@ -267,8 +269,8 @@ class Recorder:
     def _take(self) -> None:
         """Move queued records into the writer's own lists, as rows."""
         with self._lock:
-            steps, self._steps = self._steps, deque()
-            requests, self._requests = self._requests, deque()
+            steps, self._steps.records = self._steps.records, deque()
+            requests, self._requests.records = self._requests.records, deque()
         w, instance = self._writer, self.config.instance
         for queue, rows, to_row in (
             (steps, w.steps, step_row),

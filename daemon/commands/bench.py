@@ -47,12 +47,7 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
     add("--rounds", type=int, default=1,
         help="run the HTTP and engine-only phases this many times, alternating; each reports "
              "its fastest round (for a machine other processes share)")
-    add("--model", default=None,
-        help="a .gguf file or a HF Gemma 3 directory (default: Gemma 3 270M)")
-    add("--dtype", default=None, choices=["float32", "bfloat16"])
-    add("--max-batch", type=int, default=32, help="the engine's most sequences decoded together")
-    add("--max-context", type=int, default=1024, help="the engine's context in tokens")
-    add("--fake", action="store_true", help="use the fake engine (no model; for tests)")
+    _add_engine(add, heads=False, sized=True)
     add("--fake-step-ms", type=float, default=10.0, help="the fake engine's time per step")
     add("--url", default=None,
         help="bench the daemon at this URL instead of one started here (no engine-only run)")
@@ -65,24 +60,43 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
 def _add_crossover(c: argparse.ArgumentParser) -> None:
     add = c.add_argument
     add("--out", default="bench-out/crossover.json", help="JSON output file (the PNG plot goes next to it)")
-    add("--techniques", default=None, help="comma-separated proposers (default: every one loaded)")
-    add("--depths", default="1,2,4,8", help="comma-separated draft depths (1-8)")
+    _add_policies(add, techniques="comma-separated proposers", depths="1,2,4,8",
+                  depths_help="comma-separated draft depths (1-8)",
+                  pool_split_help="share of the KV pool lent to speculation in every run "
+                                  "(the draft model needs > 0)")
     add("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
     add("--kinds", default="copy,code,chat,prose", help="comma-separated workload kinds")
     add("--new-tokens", type=int, default=64, help="tokens each request decodes once all are decoding")
     add("--prompt-tokens", type=int, default=256, help="longest prompt (longer ones keep their last tokens)")
-    add("--pool-split", type=float, default=0.25,
-        help="share of the KV pool lent to speculation in every run (the draft model needs > 0)")
     add("--draft-vocab", type=int, default=None, help="MTP draft vocabulary (default: its smallest)")
     add("--seed", type=int, default=0, help="seed of the prompt draw")
     add("--temperature", type=float, default=0.0,
         help="sampling temperature of every request (0: greedy; each request seeded)")
     add("--prompt-sets", type=int, default=1,
         help="disjoint prompt sets measured per batch size, pooled (more: steadier small batches)")
+    _add_engine(add, heads=True, sized=False)
+
+
+def _add_engine(add: Any, *, heads: bool, sized: bool) -> None:
+    """The engine flags of `bench serve|crossover|tuner`: --model, --heads (with `heads`), --dtype
+    and, with `sized`, --max-batch, --max-context, --fake."""
     add("--model", default=None, help="a .gguf file or a HF Gemma 3 directory (default: Gemma 3 270M)")
-    add("--heads", default=None, help="a crossover train-heads file (default: the one train-heads wrote "
-                                      "to the user cache, else the model's shipped one)")
+    if heads:
+        add("--heads", default=None, help="a crossover train-heads file (default: the one train-heads "
+                                          "wrote to the user cache, else the model's shipped one)")
     add("--dtype", default=None, choices=["float32", "bfloat16"])
+    if sized:
+        add("--max-batch", type=int, default=32, help="the engine's most sequences decoded together")
+        add("--max-context", type=int, default=1024, help="the engine's context in tokens")
+        add("--fake", action="store_true", help="use the fake engine (no model; for tests)")
+
+
+def _add_policies(add: Any, *, techniques: str, depths: str, depths_help: str, pool_split_help: str) -> None:
+    """--techniques, --depths, --pool-split: the policies `bench crossover` and `bench tuner` run
+    (`techniques` says what the techniques are for; default: every proposer loaded)."""
+    add("--techniques", default=None, help=f"{techniques} (default: every one loaded)")
+    add("--depths", default=depths, help=depths_help)
+    add("--pool-split", type=float, default=0.25, help=pool_split_help)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -194,11 +208,11 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--no-drain", action="store_true",
         help="replay the phases back to back (default: each starts once the last one's requests finished)")
     add("--runs", default="autotuned,never,fixed,table", help="policies to run (comma-separated)")
-    add("--techniques", default=None, help="techniques of the fixed policies (default: every one loaded)")
-    add("--depths", default="2,4,8", help="depths of the fixed policies")
+    _add_policies(add, techniques="techniques of the fixed policies", depths="2,4,8",
+                  depths_help="depths of the fixed policies",
+                  pool_split_help="pool split of static model-based policies")
     add("--table", default="4:4,8:2", help="batch-size table BATCH:DEPTH,... (larger batches do not speculate)")
     add("--table-technique", default="ngram", help="technique of the batch-size table")
-    add("--pool-split", type=float, default=0.25, help="pool split of static model-based policies")
     add("--retune-interval", type=float, default=None, help="seconds between retunes (default: phase/6)")
     add("--fit-window", type=float, default=None, help="tuner's telemetry window in s (default: a phase)")
     add("--traffic-window", type=float, default=None,
@@ -214,14 +228,8 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--probe-retunes", type=int, default=12, help="retunes measured for inter-token latency (0: none)")
     add("--probe-concurrency", type=int, default=4, help="closed-loop clients during the probe")
     add("--probe-quiet", type=float, default=None, help="quiet seconds between probe retunes (default: phase/4)")
-    add("--model", default=None, help="a .gguf file or a HF Gemma 3 directory (default: Gemma 3 270M)")
-    add("--heads", default=None, help="a crossover train-heads file (default: the one train-heads wrote "
-                                      "to the user cache, else the model's shipped one)")
-    add("--dtype", default=None, choices=["float32", "bfloat16"])
-    add("--max-batch", type=int, default=32, help="the engine's most sequences decoded together")
-    add("--max-context", type=int, default=1024, help="the engine's context in tokens")
+    _add_engine(add, heads=True, sized=True)
     add("--keep-db", default=None, help="keep each run's telemetry database in this directory")
-    add("--fake", action="store_true", help="use the fake engine (no model; for tests)")
     add("--fake-time-scale", type=float, default=1.0, help="fake engine: real s per simulated s of step time")
 
 

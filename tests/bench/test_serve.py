@@ -12,7 +12,7 @@ import pytest
 from bench.serve import distribution
 from daemon.cli import main as cli
 from engine.fake import FakeEngine
-from tests.daemon.daemon_helpers import LiveServer
+from tests.daemon.helpers import LiveServer
 
 STEP_MS = 4.0
 
@@ -108,3 +108,29 @@ def test_percentiles_interpolate_linearly_between_ranks() -> None:
     assert distribution([0.004]) == {"n": 1, "mean": 4.0, "p50": 4.0, "p90": 4.0, "p99": 4.0}
     assert distribution([None, None]) == {"n": 0, "mean": None, "p50": None, "p90": None,
                                           "p99": None}
+
+
+def test_read_sse_yields_each_data_chunk_up_to_done() -> None:
+    """The SSE parser bench serve and bench tuner share: non-data lines skipped, text counted from
+    completions' `text` and chat's `delta.content`, finish, usage and errors kept, [DONE] ends it."""
+    import asyncio
+
+    from bench.loadgen import SseChunk, read_sse
+
+    lines = [b": keep-alive\n", b"\n",
+             b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n',
+             b'data: {"choices": [{"delta": {"content": ""}}, {"delta": {"content": "b"}}]}\n',
+             b'data: {"choices": [{"text": "", "finish_reason": "length"}]}\n',
+             b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n',
+             b'data: {"error": {"message": "boom", "code": "aborted"}}\n',
+             b"data: [DONE]\n", b'data: {"choices": [{"text": "after done"}]}\n']
+
+    async def collect() -> list[SseChunk]:
+        async def source():
+            for line in lines:
+                yield line
+        return [c async for c in read_sse(source())]
+
+    assert asyncio.run(collect()) == [
+        SseChunk(texts=1), SseChunk(texts=1), SseChunk(finished=True),
+        SseChunk(usage={"prompt_tokens": 3, "completion_tokens": 2}), SseChunk(error="boom")]

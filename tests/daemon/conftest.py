@@ -1,4 +1,4 @@
-"""Fixtures for the daemon tests (helpers live in daemon_helpers.py)."""
+"""Fixtures for the daemon tests (helpers live in helpers.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from engine.fake import FakeEngine
-from tests.daemon.daemon_helpers import LiveServer
+from tests.daemon.helpers import LiveServer
 
 
 @pytest.fixture

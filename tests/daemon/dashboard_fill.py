@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from sqlalchemy.orm import Session
 
-from engine.types import StepStats
+from engine.types import RequestResult, StepStats
 from store.db import make_engine, session_scope
 from store.history import (
     finish_retune,
@@ -30,7 +30,6 @@ from store.history import (
 )
 from store.migrate import ensure_schema
 from telemetry.recorder import Recorder
-from telemetry.records import RequestRecord
 
 MINUTES = 40
 TECHNIQUES = {  # name: (depth, P(accept at position i | accepted before), base ms, ms per seq)
@@ -99,12 +98,12 @@ def _version_at(minutes_ago: float) -> int:
     return 1
 
 
-def _request(i: int, t: float, rng: random.Random) -> RequestRecord:
+def _request(i: int, t: float, rng: random.Random) -> RequestResult:
     tenant = rng.choice(sorted(TENANTS))
     proposed = rng.randint(40, 200)
     rate = min(0.95, TENANTS[tenant] * rng.uniform(0.85, 1.15))
     output = rng.randint(20, 300)
-    return RequestRecord(
+    return RequestResult(
         request_id=f"cmpl-{i}", tenant=tenant, prompt_tokens=rng.randint(10, 900),
         output_tokens=output, arrival_time=t - 3.0, first_token_time=t - 2.8, finish_time=t,
         finish_reason=rng.choice(("stop", "stop", "length")), proposed_tokens=proposed,

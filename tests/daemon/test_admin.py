@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 import daemon.admin
-from tests.daemon.daemon_helpers import MODEL, LiveServer, http_request
+from tests.daemon.helpers import MODEL, LiveServer, http_request
 
 TOKEN = "admin-secret-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}

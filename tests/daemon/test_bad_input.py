@@ -12,7 +12,7 @@ import pytest
 from daemon.tenants.auth import AUTH
 from daemon.tenants.limits import TenantInfo, TenantLimits
 from engine.fake import FakeEngine
-from tests.daemon.daemon_helpers import MODEL, LiveServer, http_request
+from tests.daemon.helpers import MODEL, LiveServer, http_request
 
 CTX = 256
 C, CHAT = "/v1/completions", "/v1/chat/completions"

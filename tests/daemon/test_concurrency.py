@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 
 from engine.fake import FakeEngine, FakeTokenizer
-from tests.daemon.daemon_helpers import MODEL, LiveServer, parse_sse, wait_for
+from tests.daemon.helpers import MODEL, LiveServer, parse_sse, wait_for
 
 TOK = FakeTokenizer()
 N_REQUESTS = 100

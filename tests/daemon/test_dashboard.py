@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from daemon.dashboard import COOKIE, PLOTLY_JS, cookie_value
-from tests.daemon.daemon_helpers import LiveServer
+from tests.daemon.helpers import LiveServer
 from tests.daemon.dashboard_fill import CROSSOVER, TENANTS, fill
 
 TOKEN = "dash-token"

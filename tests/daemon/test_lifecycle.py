@@ -20,7 +20,7 @@ from daemon.app import drain
 from daemon.state import ENGINE_THREAD
 from engine.fake import FakeEngine
 from engine.types import StepOutput
-from tests.daemon.daemon_helpers import (
+from tests.daemon.helpers import (
     MODEL,
     LiveServer,
     http_request,
@@ -157,22 +157,30 @@ def _sigterm_then_probe(proc: subprocess.Popen[bytes], port: int, n: int) -> lis
     return asyncio.run(main())
 
 
-def test_sigterm_lets_in_flight_streams_finish_and_exits_zero(tmp_path: Path) -> None:
-    proc, port, log_path = _start_daemon(tmp_path, "--fake-step-ms", "20", "--drain-deadline", "10")
+def _serve_then_sigterm(tmp_path: Path, n: int, within_s: float, *flags: str) -> tuple[list[bytes], Path]:
+    """Start `crossover serve --fake-engine` with `flags`, open n slow streams, SIGTERM it and probe
+    once more (_sigterm_then_probe); require exit status 0 within `within_s` of the signal. The
+    stream bodies and the log file; the process is killed if anything fails on the way."""
+    proc, port, log_path = _start_daemon(tmp_path, *flags)
     try:
         signalled = time.monotonic()
-        bodies = _sigterm_then_probe(proc, port, 3)
-        for body in bodies:
-            events = parse_sse(body)
-            assert events[-1] == "[DONE]"
-            text = "".join(e["choices"][0]["text"] for e in events[:-1])
-            assert text == "s" * 40 and events[-2]["choices"][0]["finish_reason"] == "length"
+        bodies = _sigterm_then_probe(proc, port, n)
         assert proc.wait(timeout=10) == 0
-        assert time.monotonic() - signalled < 10
+        assert time.monotonic() - signalled < within_s
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    return bodies, log_path
+
+
+def test_sigterm_lets_in_flight_streams_finish_and_exits_zero(tmp_path: Path) -> None:
+    bodies, log_path = _serve_then_sigterm(tmp_path, 3, 10, "--fake-step-ms", "20", "--drain-deadline", "10")
+    for body in bodies:
+        events = parse_sse(body)
+        assert events[-1] == "[DONE]"
+        text = "".join(e["choices"][0]["text"] for e in events[:-1])
+        assert text == "s" * 40 and events[-2]["choices"][0]["finish_reason"] == "length"
     msgs = [line.get("msg") for line in _json_lines(log_path)]
     assert "draining" in msgs and "telemetry recorder closed" in msgs and msgs[-1] == "stopped"
     statuses = [line["status"] for line in _json_lines(log_path) if line.get("msg") == "request"]
@@ -198,18 +206,10 @@ def test_serve_refuses_an_old_schema_and_names_the_upgrade(tmp_path: Path, rev1_
 
 
 def test_sigterm_past_the_deadline_aborts_and_still_exits_zero(tmp_path: Path) -> None:
-    proc, port, _ = _start_daemon(tmp_path, "--fake-step-ms", "200", "--drain-deadline", "0.3")
-    try:
-        signalled = time.monotonic()
-        for body in _sigterm_then_probe(proc, port, 2):
-            events = parse_sse(body)
-            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "aborted"
-        assert proc.wait(timeout=10) == 0
-        assert time.monotonic() - signalled < 5
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    bodies, _ = _serve_then_sigterm(tmp_path, 2, 5, "--fake-step-ms", "200", "--drain-deadline", "0.3")
+    for body in bodies:
+        events = parse_sse(body)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "aborted"
 
 
 def test_engine_thread_exposed_on_app(live: Callable[..., LiveServer]) -> None:

@@ -15,7 +15,7 @@ from daemon.metrics.sink import EngineMetrics
 from engine.types import RequestResult, StepStats
 from store.db import make_engine, session_scope
 from store.history import finish_retune, start_retune
-from tests.daemon.daemon_helpers import MODEL, LiveServer
+from tests.daemon.helpers import MODEL, LiveServer
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from engine.fake import FakeEngine, FakeTokenizer, fake_logprob
-from tests.daemon.daemon_helpers import MODEL, LiveServer
+from tests.daemon.helpers import MODEL, LiveServer
 
 TOK = FakeTokenizer()
 

@@ -9,7 +9,7 @@ import openai
 import pytest
 from sqlalchemy import text
 
-from tests.daemon.daemon_helpers import LiveServer
+from tests.daemon.helpers import LiveServer
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from engine.types import RequestResult, StepStats
 from store.db import make_engine
 from store.models import Request
 from telemetry.recorder import Recorder
-from tests.daemon.daemon_helpers import MODEL, LiveServer, wait_for
+from tests.daemon.helpers import MODEL, LiveServer, wait_for
 from tests.daemon.memory_sink import MemorySink
 
 STEP = StepStats(1, 0.0, 1, 0, 1, "none", 0, 0, 0, (), 0.0, 0.0, 1.0, 1, 9, 0, 0)

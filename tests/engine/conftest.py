@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import jax
 import pytest
 
@@ -64,20 +66,57 @@ def _compile_cache():
 
 
 SPEC_RC = dict(verify_tokens=(2, 3, 5, 9), spec_max_batch=8)
+SPEC_PROMPTS = [
+    "abcabcabcabcabc abc",
+    "the cat sat on the mat. the cat sat on the",
+    "x",
+    "def f(x):\n    return x\ndef f(x):\n    return",
+    "one two three one two three one two",
+]
+"""Prompts of the speculation tests: repetitive text (n-gram drafts match), prose, one byte."""
 
 
 def run_prompts(engine, prompts: list[str], sp, tokenizer=None):
     """Submit each prompt (as request r<i>), step until idle: (token ids per prompt, step stats)."""
+    tok = tokenizer or ByteTokenizer()
+    return run_requests(engine, [tok.encode(p) for p in prompts], sp)
+
+
+def run_requests(engine, prompt_ids: list[list[int]], sp):
+    """Submit each prompt's token ids (as request r<i>), step until idle: (token ids per prompt,
+    step stats)."""
     from engine.types import Request
 
-    tok = tokenizer or ByteTokenizer()
-    for i, p in enumerate(prompts):
-        engine.add_request(Request(f"r{i}", tok.encode(p), sp))
-    out = {f"r{i}": [] for i in range(len(prompts))}
+    for i, ids in enumerate(prompt_ids):
+        engine.add_request(Request(f"r{i}", ids, sp))
+    out = {f"r{i}": [] for i in range(len(prompt_ids))}
     stats = []
     while engine.has_work():
         o = engine.step()
         stats += [o.stats] if o.stats else []
         for ev in o.events:
             out[ev.request_id] += ev.token_ids
-    return [out[f"r{i}"] for i in range(len(prompts))], stats
+    return [out[f"r{i}"] for i in range(len(prompt_ids))], stats
+
+
+def churn_with_aborts(engine, n: int, seed: int, policy_at=None) -> set[str]:
+    """Submit n short random requests (greedy and sampled, a fifth with a stop string) and step
+    until idle, aborting a random live request on about one step in twenty; the ids of the
+    requests that finished. `policy_at(i)`, when given, may return a policy to set before
+    request i."""
+    from engine.types import Request, SamplingParams
+
+    rng, tok = random.Random(seed), ByteTokenizer()
+    for i in range(n):
+        if policy_at is not None and (policy := policy_at(i)) is not None:
+            engine.set_policy(policy)
+        prompt = " ".join(rng.choice(["ab", "cd", "ab cd", "x"]) for _ in range(rng.randint(1, 10)))
+        sp = SamplingParams(max_tokens=rng.randint(1, 20), temperature=rng.choice([0.0, 1.0]),
+                            stop=("cd",) if rng.random() < 0.2 else (), seed=i)
+        engine.add_request(Request(f"r{i}", tok.encode(prompt), sp))
+    done = set()
+    while engine.has_work():
+        if rng.random() < 0.05 and engine._seqs:
+            engine.abort(rng.choice(sorted(engine._seqs)))
+        done |= {r.request_id for r in engine.step().finished}
+    return done

@@ -7,8 +7,6 @@ follows the target distribution, serving compiles nothing, and pages return.
 
 from __future__ import annotations
 
-import random
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,10 +19,12 @@ from engine.policy import BatchRule, TunedPolicy
 from engine.runner import Scores, _verify
 from engine.sampling import SamplingArrays
 from engine.types import Request, SamplingParams
+from tests.engine.conftest import SPEC_PROMPTS as PROMPTS
 from tests.engine.conftest import (
     SPEC_RC,
     ByteTokenizer,
     LetterTokenizer,
+    churn_with_aborts,
     make_engine,
     run_prompts,
 )
@@ -32,13 +32,6 @@ from tests.engine.reference import dense_logits
 from tests.engine.tiny import init_random_params, tiny_config
 
 TOK = ByteTokenizer()
-PROMPTS = [
-    "abcabcabcabcabc abc",
-    "the cat sat on the mat. the cat sat on the",
-    "x",
-    "def f(x):\n    return x\ndef f(x):\n    return",
-    "one two three one two three one two",
-]
 TECHNIQUES = ("mtp", "early_exit", "draft")
 
 
@@ -134,22 +127,15 @@ def test_draft_model_pool_follows_the_split(tiny):
 
 
 def test_leak_with_model_drafts_and_random_aborts(tiny):
-    rng = random.Random(7)
-    e = _engine(tiny, global_pages=60, local_pages=60)
-    for i in range(90):
-        technique = TECHNIQUES[i % 3]
+    def policy_at(i):
         if i % 30 == 0:
-            e.set_policy(TunedPolicy(rules=(BatchRule(2, technique, 8), BatchRule(64, technique, 3)),
-                                     crossover=6, pool_split=0.2, version=i))
-        prompt = " ".join(rng.choice(["ab", "cd", "ab cd", "x"]) for _ in range(rng.randint(1, 10)))
-        sp = SamplingParams(max_tokens=rng.randint(1, 20), temperature=rng.choice([0.0, 1.0]),
-                            stop=("cd",) if rng.random() < 0.2 else (), seed=i)
-        e.add_request(Request(f"r{i}", TOK.encode(prompt), sp))
-    done = set()
-    while e.has_work():
-        if rng.random() < 0.05 and e._seqs:
-            e.abort(rng.choice(sorted(e._seqs)))
-        done |= {r.request_id for r in e.step().finished}
+            technique = TECHNIQUES[i // 30 % 3]
+            return TunedPolicy(rules=(BatchRule(2, technique, 8), BatchRule(64, technique, 3)),
+                               crossover=6, pool_split=0.2, version=i)
+        return None
+
+    e = _engine(tiny, global_pages=60, local_pages=60)
+    done = churn_with_aborts(e, 90, seed=7, policy_at=policy_at)
     assert len(done) == 90
     assert e.pool.used == 0 and e.pool.free == e.pool.total
     assert e.proposers["draft"].pool.used == 0 and not e.proposers["draft"]._state

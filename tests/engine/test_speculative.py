@@ -3,8 +3,6 @@ sampled output distributed as the target, pages all returned."""
 
 from __future__ import annotations
 
-import random
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,17 +11,11 @@ import pytest
 from engine.policy import BatchRule, TunedPolicy
 from engine.proposers import NgramProposer
 from engine.sampling import SamplingArrays, verify
-from engine.types import Request, SamplingParams
-from tests.engine.conftest import SPEC_RC, ByteTokenizer, make_engine, run_prompts
+from engine.types import SamplingParams
+from tests.engine.conftest import SPEC_PROMPTS as PROMPTS
+from tests.engine.conftest import SPEC_RC, ByteTokenizer, churn_with_aborts, make_engine, run_prompts
 
 TOK = ByteTokenizer()
-PROMPTS = [
-    "abcabcabcabcabc abc",
-    "the cat sat on the mat. the cat sat on the",
-    "x",
-    "def f(x):\n    return x\ndef f(x):\n    return",
-    "one two three one two three one two",
-]
 
 
 def _policy(depth: int, technique: str = "ngram") -> TunedPolicy:
@@ -73,19 +65,9 @@ def test_speculation_accepts_on_repetitive_text_and_saves_steps(tiny):
 
 
 def test_leak_with_speculation_and_random_aborts(tiny):
-    rng = random.Random(5)
     e = make_engine(tiny, global_pages=60, local_pages=60, **SPEC_RC)
     e.set_policy(TunedPolicy(rules=(BatchRule(2, "ngram", 8), BatchRule(64, "ngram", 3)), crossover=6))
-    for i in range(150):
-        prompt = " ".join(rng.choice(["ab", "cd", "ab cd", "x"]) for _ in range(rng.randint(1, 10)))
-        sp = SamplingParams(max_tokens=rng.randint(1, 20), temperature=rng.choice([0.0, 1.0]),
-                            stop=("cd",) if rng.random() < 0.2 else (), seed=i)
-        e.add_request(Request(f"r{i}", TOK.encode(prompt), sp))
-    done = set()
-    while e.has_work():
-        if rng.random() < 0.05 and e._seqs:
-            e.abort(rng.choice(sorted(e._seqs)))
-        done |= {r.request_id for r in e.step().finished}
+    done = churn_with_aborts(e, 150, seed=5)
     assert len(done) == 150
     assert e.pool.used == 0 and e.pool.free == e.pool.total
 

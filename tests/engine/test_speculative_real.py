@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from engine.policy import NEVER, BatchRule, TunedPolicy
-from engine.types import Request, SamplingParams
+from engine.types import SamplingParams
+from tests.engine.conftest import run_requests
 
 pytestmark = pytest.mark.slow
 TECHNIQUES = ("ngram", "mtp", "early_exit", "draft")
@@ -59,17 +60,7 @@ def prompts(engine):
 
 def _run(engine, prompts, policy):
     engine.set_policy(policy)
-    sp = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(Request(f"r{i}", p, sp))
-    out = {f"r{i}": [] for i in range(len(prompts))}
-    stats = []
-    while engine.has_work():
-        o = engine.step()
-        stats += [o.stats] if o.stats else []
-        for ev in o.events:
-            out[ev.request_id] += ev.token_ids
-    return [out[f"r{i}"] for i in range(len(prompts))], stats
+    return run_requests(engine, prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
 
 
 @pytest.fixture(scope="module")

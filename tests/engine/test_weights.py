@@ -309,26 +309,19 @@ def test_hf_new_style_rope_parameters(tmp_path):
     assert (cfg.rope_base_global, cfg.rope_base_local, cfg.rope_scale_global) == (5e5, 2e4, 4.0)
 
 
-def test_hf_missing_config(tmp_path):
-    write_hf_dir(tmp_path / "c", shards=1)
-    (tmp_path / "c" / "config.json").unlink()
-    with pytest.raises(WeightsError, match="has no config.json"):
-        load_hf_dir(tmp_path / "c")
-
-
-def test_hf_missing_safetensors(tmp_path):
-    write_hf_dir(tmp_path / "s", shards=1)
-    for f in (tmp_path / "s").glob("*.safetensors"):
+@pytest.mark.parametrize("shards,removed,match", [
+    (1, "config.json", "has no config.json"),
+    (1, "*.safetensors", r"has no \*\.safetensors files"),
+    (2, "model-00002-of-00002.safetensors", "shard model-00002-of-00002.safetensors .* is missing"),
+], ids=["config", "safetensors", "shard"])
+def test_hf_missing_file(tmp_path, shards, removed, match):
+    write_hf_dir(tmp_path / "d", shards=shards)
+    gone = list((tmp_path / "d").glob(removed))
+    assert gone
+    for f in gone:
         f.unlink()
-    with pytest.raises(WeightsError, match=r"has no \*\.safetensors files"):
-        load_hf_dir(tmp_path / "s")
-
-
-def test_hf_missing_shard(tmp_path):
-    write_hf_dir(tmp_path / "sh", shards=2)
-    (tmp_path / "sh" / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(WeightsError, match="shard model-00002-of-00002.safetensors .* is missing"):
-        load_hf_dir(tmp_path / "sh")
+    with pytest.raises(WeightsError, match=match):
+        load_hf_dir(tmp_path / "d")
 
 
 def test_hf_missing_key_names_first(tmp_path):
@@ -429,7 +422,8 @@ def test_real_config_is_gemma3_270m(real_model):
 
 def test_real_params_shapes_and_values(real_model, real_gguf):
     cfg, params = real_model
-    shapes = weights.param_shapes(params)
+    shapes = {jax.tree_util.keystr(k): tuple(v.shape)
+              for k, v in jax.tree_util.tree_leaves_with_path(params)}
     assert shapes["['layers']['qkv']"] == (18, 640, 1024 + 2 * 256)
     assert shapes["['layers']['gate_up']"] == (18, 640, 4096) and shapes["['embed']"] == (262_144, 640)
     assert sum(int(np.prod(s)) for s in shapes.values()) == 268_098_176  # FACTS.md

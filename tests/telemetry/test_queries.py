@@ -9,9 +9,9 @@ import pytest
 from sqlalchemy import Engine
 
 from bench.telemetry import sample_step
+from engine.types import RequestResult
 from store.db import session_scope
 from telemetry import queries
-from telemetry.records import RequestRecord
 from telemetry.retention import RetentionConfig, apply_retention
 from telemetry.writer import request_row, step_row, write_rows
 
@@ -37,9 +37,9 @@ STEPS = [
     _step(T0 + 70, "ngram", 3, (1, 0, 0), batch=2, step_ms=14.0, decode=3),
 ]
 REQUESTS = [
-    RequestRecord("a1", "acme", 10, 20, T0, T0 + 0.5, T0 + 2, "stop", 10, 6),
-    RequestRecord("a2", "acme", 10, 20, T0, T0 + 0.25, T0 + 3, "length", 10, 2),
-    RequestRecord("g1", "globex", 5, 8, T0, None, T0 + 70, "abort", 0, 0),
+    RequestResult("a1", "acme", 10, 20, T0, T0 + 0.5, T0 + 2, "stop", 10, 6),
+    RequestResult("a2", "acme", 10, 20, T0, T0 + 0.25, T0 + 3, "length", 10, 2),
+    RequestResult("g1", "globex", 5, 8, T0, None, T0 + 70, "abort", 0, 0),
 ]
 
 

@@ -11,11 +11,11 @@ import pytest
 from sqlalchemy import Engine, func, select
 
 from bench.telemetry import sample_step
+from engine.types import RequestResult
 from store.db import session_scope
 from store.models import Request, Step, StepRollup
 from telemetry import queries
 from telemetry.recorder import Recorder
-from telemetry.records import RequestRecord
 from telemetry.retention import RetentionConfig, apply_retention
 from telemetry.writer import request_row, step_row, write_rows
 
@@ -95,7 +95,7 @@ def test_late_steps_merge_into_existing_rollups(db: Engine) -> None:
 
 
 def test_old_rollups_and_requests_are_pruned(db: Engine) -> None:
-    reqs = [request_row(RequestRecord(f"r{i}", "acme", 1, 1, T0 + i, None, T0 + i, "stop"))
+    reqs = [request_row(RequestResult(f"r{i}", "acme", 1, 1, T0 + i, None, T0 + i, "stop"))
             for i in range(0, 7200, 600)]  # fmt: skip
     _insert(db, _steps(120, T0, rate=1 / 60), reqs)  # two hours, a step a minute
     config = RetentionConfig(raw_steps_s=600.0, rollups_s=3600.0, requests_s=1800.0)

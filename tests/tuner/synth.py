@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from sqlalchemy import Engine
 
 from engine.policy import TunedPolicy
-from engine.types import StepStats
-from telemetry.records import RequestRecord
+from engine.types import RequestResult, StepStats
 from telemetry.writer import request_row, step_row, write_rows
 
 TARGET = (6.0, 0.05, 0.0, 0.55, 0.01)
@@ -99,19 +98,19 @@ class Synth:
         return out
 
     def requests(self, n: int, start: float = T0, every_s: float = 0.05,
-                 tenants: Sequence[str] = ("chat", "code")) -> list[RequestRecord]:
+                 tenants: Sequence[str] = ("chat", "code")) -> list[RequestResult]:
         out = []
         for k in range(n):
             tenant = tenants[k % len(tenants)]
             proposed = 100
             accepted = round(proposed * TENANT_RATE[tenant] * self.rng.uniform(0.9, 1.1))
             t = start + k * every_s
-            out.append(RequestRecord(f"r{k}-{self.seed}", tenant, 40, 60, t, t + 0.05, t + 0.5,
+            out.append(RequestResult(f"r{k}-{self.seed}", tenant, 40, 60, t, t + 0.05, t + 0.5,
                                      "stop", proposed, accepted))
         return out
 
 
 def write(engine: Engine, steps: Sequence[StepStats] = (),
-          requests: Sequence[RequestRecord] = ()) -> None:
+          requests: Sequence[RequestResult] = ()) -> None:
     with engine.begin() as conn:
         write_rows(conn, [step_row(s) for s in steps], [request_row(r) for r in requests])

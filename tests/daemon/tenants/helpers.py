@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from daemon.cli import main as cli
-from tests.daemon.daemon_helpers import MODEL, LiveServer, http_request
+from tests.daemon.helpers import MODEL, LiveServer, http_request
 
 C = "/v1/completions"
 SLOW = {"model": MODEL, "prompt": "s" * 30, "max_tokens": 30, "stream": True}

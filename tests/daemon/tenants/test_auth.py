@@ -10,7 +10,7 @@ import pytest
 
 from daemon.cli import main as cli
 from daemon.state import TENANTS
-from tests.daemon.daemon_helpers import LiveServer
+from tests.daemon.helpers import LiveServer
 from tests.daemon.tenants.helpers import add_tenant, complete
 
 

