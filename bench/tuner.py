@@ -221,7 +221,7 @@ class RecordingEngine:
         self.steps: list[tuple[StepStats, dict[str, int]]] = []
         self.add_request, self.abort, self.has_work = engine.add_request, engine.abort, engine.has_work
         self.warmup, self.status, self.capacity = engine.warmup, engine.status, engine.capacity
-        self.set_policy = engine.set_policy
+        self.set_policy, self.recover = engine.set_policy, engine.recover
 
     @property
     def policy(self) -> Any:

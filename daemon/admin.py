@@ -15,7 +15,8 @@ errors like the rest of the API.
     GET    /admin/retunes          recent retunes;  GET /admin/retunes/{id}: one, with its phase
     GET    /admin/tuner            tuner config, serving policy, last search (fit error, Pareto)
     GET    /admin/policy           the serving policy and whether it is pinned
-    PUT    /admin/policy/pin       serve this TunedPolicy dict over the tuner (400 if invalid)
+    PUT    /admin/policy/pin       serve this TunedPolicy dict over the tuner (400 invalid_policy
+                                    naming the field in `param`: every type and range is checked)
     DELETE /admin/policy/pin       hand control back to the tuner (409 when nothing is pinned)
 """
 
@@ -219,8 +220,8 @@ async def pin_policy(request: web.Request) -> web.Response:
     body = decode_json_object(await read_body(request, MAX_ADMIN_BODY))
     try:
         policy = await asyncio.to_thread(keeper.pin, body)
-    except ValueError as exc:
-        raise bad_request(str(exc), None, "invalid_policy") from None
+    except ValueError as exc:  # engine.policy.PolicyError names the field (e.g. rules[0].depth)
+        raise bad_request(str(exc), getattr(exc, "field", None), "invalid_policy") from None
     return web.json_response({"policy": policy.to_dict(), "pinned": True})
 
 

@@ -68,10 +68,12 @@ def make_app(
         client_max_size=settings.max_body_bytes,
     )
     app[st.SETTINGS] = settings
-    app[st.METRICS] = metrics_endpoint.install(app)
+    app[st.METRICS] = metrics_endpoint.install(app, engine.model_name)
     sinks: list[Sink] = [app[st.METRICS], *_attach_database(app, database)]
     thread = EngineThread(engine, FanoutSink([*sinks, *([sink] if sink else [])]),
-                          warmup=warmup, warmup_progress=warmup_progress)
+                          warmup=warmup, warmup_progress=warmup_progress,
+                          max_restarts=settings.engine_max_restarts,
+                          restart_backoff_s=settings.engine_restart_backoff_s)
     app[st.ENGINE] = engine
     app[st.ENGINE_THREAD] = thread
     app[st.SINK] = thread.sink
@@ -119,11 +121,14 @@ async def _engine_thread_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while the engine thread is alive; 503 once it has failed."""
+    """200 while the engine thread is alive ("restarting" while it waits out a fault's backoff);
+    503 once it has failed for good. `engine_restarts` counts the loop's restarts after faults."""
     thread = request.app[st.ENGINE_THREAD]
     if thread.failed is not None:
-        return web.json_response({"status": "failed", "error": repr(thread.failed)}, status=503)
-    return web.json_response({"status": "ok"})
+        return web.json_response({"status": "failed", "error": "the engine thread failed; see the server log",
+                                  "engine_restarts": thread.restarts}, status=503)
+    status = "restarting" if thread.restarting else "ok"
+    return web.json_response({"status": status, "engine_restarts": thread.restarts})
 
 
 async def ready(request: web.Request) -> web.Response:

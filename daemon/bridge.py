@@ -25,8 +25,20 @@ Data flow of one request:
    work until the deadline, aborts the rest, steps until idle, joins the
    thread and flushes the sink.
 
-If `step()` raises, every waiting stream raises `EngineError`, submits are
-refused and `failed` is set; the daemon's /health turns 503.
+Faults. An event with finish_reason "error" (the engine failed that request
+alone, engine/faults.py) makes its stream raise `EngineError`; the engine
+goes on serving the others. If `step()` itself raises (a fault no request
+owns), `engine.recover()` ends every request in the engine, every stream in
+flight raises `EngineError`, and the loop restarts after a backoff
+(`restart_backoff_s`, doubling per restart in a row; a run of
+`restart_reset_s` without a fault starts the count again). `restarts`
+counts them for /health and /metrics. The fault after `max_restarts`
+restarts in a row (or one in warmup or recovery) is final: every waiting
+stream raises `EngineError`, submits are refused and `failed` is set; the
+daemon's /health turns 503 and `crossover serve` exits 1. A step that makes
+no progress (no stats, no events) waits for a wake-up like an idle one, so
+work that cannot run yet never spins the thread. Streams never see engine
+exception text (it is logged here).
 """
 
 from __future__ import annotations
@@ -49,7 +61,11 @@ ABORT_GRACE_S = 5.0
 
 
 class EngineError(RuntimeError):
-    """The engine thread died or is stopping; the request cannot be served."""
+    """The engine thread died or is stopping, or failed this request; it cannot be served."""
+
+
+REQUEST_FAILED = "the engine failed while serving this request"
+"""What a stream's EngineError says after a fault (the exception text goes to the log only)."""
 
 
 class Engine(Protocol):
@@ -62,6 +78,7 @@ class Engine(Protocol):
     def add_request(self, req: Request) -> None: ...
     def abort(self, request_id: str) -> None: ...
     def step(self) -> Any: ...
+    def recover(self) -> list[RequestResult]: ...
     def has_work(self) -> bool: ...
     def warmup(self, progress: Reporter = True) -> None: ...
     def status(self) -> dict[str, Any]: ...
@@ -122,10 +139,14 @@ class RequestStream:
             raise
         if isinstance(item, BaseException):
             self._done = True
-            raise EngineError(f"engine failed: {item!r}") from item
+            if isinstance(item, EngineError):
+                raise item
+            raise EngineError(REQUEST_FAILED) from item
         if item.finished:
             self._done = True
             self._owner._release(self.request_id)
+            if item.finish_reason == "error":
+                raise EngineError(REQUEST_FAILED)
         return item
 
     def close(self) -> None:
@@ -155,8 +176,18 @@ class EngineThread:
         warmup: bool = True,
         warmup_progress: Reporter = False,
         idle_wait_s: float = 0.05,
+        max_restarts: int = 3,
+        restart_backoff_s: float = 0.5,
+        restart_reset_s: float = 60.0,
     ) -> None:
         self.engine = engine
+        self._max_restarts = max_restarts
+        self._restart_backoff_s = restart_backoff_s
+        self._restart_reset_s = restart_reset_s
+        self.restarts = 0
+        """Times the step loop was restarted after a fault (for /health and /metrics)."""
+        self.restarting = False
+        """True while the loop waits out a restart's backoff."""
         self.sink: Sink = sink or NullSink()
         self._warmup = warmup
         self._warmup_progress = warmup_progress
@@ -199,15 +230,14 @@ class EngineThread:
             raise ValueError(f"duplicate request_id {rid!r}")
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._queues[rid] = queue
-        with self._lock:
+        with self._lock:  # with _live, atomically: a recovery fails exactly the requests it ended
             self._live.add(rid)
-        try:
-            self.engine.add_request(request)
-        except BaseException:
-            self._release(rid)
-            with self._lock:
+            try:
+                self.engine.add_request(request)
+            except BaseException:
+                self._release(rid)
                 self._live.discard(rid)
-            raise
+                raise
         self._wake.set()
         return RequestStream(self, rid, queue)
 
@@ -255,17 +285,53 @@ class EngineThread:
             queue.put_nowait(exc)
         self._queues.clear()
 
+    def _fail_ids(self, ids: list[str]) -> None:
+        for rid in ids:
+            queue = self._queues.pop(rid, None)
+            if queue is not None:
+                queue.put_nowait(EngineError(REQUEST_FAILED))
+
     # ---- engine thread ------------------------------------------------
     def _run(self) -> None:
         try:
             if self._warmup:
                 self.engine.warmup(progress=self._warmup_progress)
             self._ready.set()
-            self._loop_steps()
+            self._serve()
         except BaseException as exc:  # the thread must report, never vanish
             log.exception("engine thread failed")
             self.failed = exc
             self._post(self._fail_all, exc)
+
+    def _serve(self) -> None:
+        """Run the step loop; after a fault, recover and restart it (see the module doc)."""
+        in_a_row, last_fault = 0, float("-inf")
+        while True:
+            try:
+                return self._loop_steps()
+            except Exception:
+                now = time.monotonic()
+                in_a_row = 1 if now - last_fault > self._restart_reset_s else in_a_row + 1
+                last_fault = now
+                if in_a_row > self._max_restarts or not hasattr(self.engine, "recover"):
+                    raise
+                log.exception("engine step failed; failing the requests in flight and restarting "
+                              "(%d of %d in a row)", in_a_row, self._max_restarts)
+                self._recover()
+            self.restarts += 1
+            self.restarting = True
+            self._stopping.wait(self._restart_backoff_s * 2 ** (in_a_row - 1))
+            self.restarting = False
+
+    def _recover(self) -> None:
+        """End every request the engine holds and fail every stream in flight."""
+        with self._lock:
+            results = self.engine.recover()
+            ids = list(self._live)
+            self._live.clear()
+        for result in results:
+            self._to_sink(self.sink.on_result, result)
+        self._post(self._fail_ids, ids)
 
     def _loop_steps(self) -> None:
         aborted = False
@@ -279,12 +345,11 @@ class EngineThread:
                 if now >= self._abort_at and not aborted:
                     aborted = True
                     log.warning("drain deadline passed; aborting %d requests", self.abort_all())
-            if not busy:
+            if not busy or not self._step_once():  # no progress: wait, never spin
                 self._wake.wait(self._idle_wait_s)
-                continue
-            self._step_once()
 
-    def _step_once(self) -> None:
+    def _step_once(self) -> bool:
+        """One step, its telemetry and its events; whether it did anything."""
         out = self.engine.step()
         if out.stats is not None:
             self._to_sink(self.sink.on_step, out.stats)
@@ -294,6 +359,7 @@ class EngineThread:
             with self._lock:
                 self._live.difference_update(e.request_id for e in out.events if e.finished)
             self._post(self._dispatch, out.events)
+        return out.stats is not None or bool(out.events or out.finished)
 
     def _post(self, fn: Any, arg: Any) -> None:
         loop = self._loop

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -26,19 +27,23 @@ from aiohttp import web
 from daemon import state as st
 from daemon.bridge import EngineError, RequestStream
 from daemon.errors import ApiError, bad_request
+from daemon.jsonlog import log_event
 from daemon.openai_params import (
     GenerationSpec,
     Limits,
     decode_json_object,
     parse_chat,
     parse_completion,
+    param_error,
     read_body,
 )
+from daemon.stream_guard import StreamGuard, StreamStalled
 from daemon.tenants.auth import authenticate
 from daemon.tenants.limits import TenantInfo
-from engine.types import Request, TokenEvent
+from engine.types import ParamError, Request, TokenEvent
 
 routes = web.RouteTableDef()
+log = logging.getLogger("crossover.api")
 
 OFFLOAD_BYTES = 64 * 1024
 """Bodies larger than this are parsed and tokenized in a worker thread."""
@@ -185,7 +190,7 @@ async def _generate(request: web.Request, parse: Parser, fmt_cls: type[_Format])
     engine, settings = app[st.ENGINE], app[st.SETTINGS]
     raw = await read_body(request, settings.max_body_bytes)
     limits = Limits(engine.model_name, engine.max_context, settings.max_prompt_chars,
-                    tenant.limits.max_tokens)
+                    tenant.limits.max_tokens, getattr(engine.tokenizer, "vocab_size", None))
     work = functools.partial(_parse, raw, parse, limits, engine.tokenizer)
     # big bodies are decoded and tokenized off the loop, so other streams keep flowing
     spec = await asyncio.to_thread(work) if len(raw) > OFFLOAD_BYTES else work()
@@ -193,6 +198,8 @@ async def _generate(request: web.Request, parse: Parser, fmt_cls: type[_Format])
     record = st.request_record(request)
     record.update(request_id=fmt.id, tenant=tenant.name, prompt_tokens=len(spec.prompt_ids),
                   stream=spec.stream)
+    if spec.user is not None:  # the client's end-user label goes to the log line, nowhere else
+        record["user"] = spec.user
     req = Request(fmt.id, spec.prompt_ids, spec.sampling, tenant.name, arrival)
     try:
         return await _serve(request, tenant, req, fmt, out)
@@ -206,7 +213,7 @@ async def _serve(request: web.Request, tenant: TenantInfo, req: Request, fmt: _F
     """Hold a tenant slot while the engine serves `req`; answer in one body or as SSE."""
     app = request.app
     async with app[st.GATES].slot(tenant):
-        stream = _submit(app, req)
+        stream = _submit(app, req, fmt.spec)
         async with aclosing(stream):
             if fmt.spec.stream:
                 return await _stream(request, stream, fmt, out)
@@ -217,19 +224,31 @@ def _parse(raw: bytes, parse: Parser, limits: Limits, tok: Any) -> GenerationSpe
     return parse(decode_json_object(raw), limits, tok)
 
 
-def _submit(app: web.Application, req: Request) -> RequestStream:
+def _submit(app: web.Application, req: Request, spec: GenerationSpec) -> RequestStream:
     st.check_admission(app)  # again: draining may have begun while the body was read
     st.check_capacity(app)
     try:
         return app[st.ENGINE_THREAD].submit(req)
+    except ParamError as exc:  # the engine's rules (Request.validate), named as the body spells them
+        raise param_error(exc, spec.names) from None
     except ValueError as exc:
         raise bad_request(str(exc), None, "invalid_value") from None
     except EngineError as exc:
-        raise ApiError(503, str(exc), code="engine_unavailable") from None
+        log_event(log, "engine refused a request", level=logging.WARNING, request_id=req.request_id,
+                  error=str(exc))
+        raise ApiError(503, "the engine is not accepting requests", code="engine_unavailable") from None
 
 
 def _aborted() -> ApiError:
     return ApiError(503, "the request was aborted (server shutting down)", code="aborted")
+
+
+def _engine_failed(request_id: str, exc: EngineError) -> ApiError:
+    """Log what the engine raised; the client gets a message naming no internals."""
+    log_event(log, "engine error", level=logging.ERROR, request_id=request_id,
+              error=repr(exc.__cause__ or exc))
+    return ApiError(500, "the engine failed while serving this request; see the server log",
+                    code="engine_error")
 
 
 async def _collect(stream: RequestStream, fmt: _Format, out: _Output) -> web.Response:
@@ -237,7 +256,7 @@ async def _collect(stream: RequestStream, fmt: _Format, out: _Output) -> web.Res
         async for event in stream:
             out.add(event)
     except EngineError as exc:
-        raise ApiError(500, str(exc), code="engine_error") from None
+        raise _engine_failed(fmt.id, exc) from None
     if out.finish_reason == "abort":
         raise _aborted()
     body = fmt.envelope(fmt.object_full, [fmt.full_choice(out)])
@@ -250,19 +269,29 @@ async def _stream(request: web.Request, stream: RequestStream, fmt: _Format,
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", "X-Request-Id": fmt.id})
     await response.prepare(request)
+    settings = request.app[st.SETTINGS]
+    guard = StreamGuard(response, request.transport, settings.stream_write_timeout_s,
+                        settings.stream_idle_timeout_s)
     try:
-        await _stream_events(response, stream, fmt, out)
+        async with guard.watching():
+            await _stream_events(guard, stream, fmt, out)
     except ConnectionError:  # the client hung up; leaving aborts the request
         st.request_record(request)["client_gone"] = True
+    except StreamStalled as exc:  # the client stopped reading: abort, free its slot, hang up
+        st.request_record(request).update(client_gone=True, stream_timeout=exc.reason)
+        log_event(log, "client stopped reading; request aborted", level=logging.WARNING,
+                  request_id=fmt.id, reason=exc.reason, pending_bytes=guard.pending())
+        if request.transport is not None:
+            request.transport.abort()
     return response
 
 
-async def _stream_events(response: web.StreamResponse, stream: RequestStream, fmt: _Format,
+async def _stream_events(writer: StreamGuard, stream: RequestStream, fmt: _Format,
                          out: _Output) -> None:
     """Write each engine event as one write of its SSE chunks (one syscall, not one per chunk)."""
     first = b"".join(_encode(fmt, chunk) for chunk in fmt.first_chunks())
     if first:
-        await response.write(first)
+        await writer.write(first)
     tail: list[bytes] = []
     try:
         async for event in stream:
@@ -271,17 +300,17 @@ async def _stream_events(response: web.StreamResponse, stream: RequestStream, fm
             if event.finished:
                 tail.append(data)  # goes out with the usage chunk and [DONE]
             elif data:
-                await response.write(data)
+                await writer.write(data)
     except EngineError as exc:
         out.finish_reason = "error"
-        tail.append(_encode(fmt, ApiError(500, str(exc), code="engine_error").body()))
+        tail.append(_encode(fmt, _engine_failed(fmt.id, exc).body()))
     if out.finish_reason == "abort":
         tail.append(_encode(fmt, _aborted().body()))
     elif fmt.spec.include_usage and out.finish_reason != "error":
         tail.append(_encode(fmt, {**fmt.envelope(fmt.object_chunk, []), "usage": _usage(fmt, out)}))
     tail.append(b"data: [DONE]\n\n")
-    await response.write(b"".join(tail))
-    await response.write_eof()
+    await writer.write(b"".join(tail))
+    await writer.write_eof()
 
 
 def _event_chunks(fmt: _Format, event: TokenEvent) -> bytes:

@@ -1,26 +1,49 @@
 """Request bodies of the OpenAI-compatible routes -> a validated `GenerationSpec`.
 
-Everything is checked here, before the engine sees the request; each
-failure is an ApiError whose `param` names the offending field. One field
-beyond OpenAI's: `ignore_eos` (a boolean, as in vLLM) keeps generating past
-the model's stop tokens, so load tests get exactly max_tokens tokens.
+Types are read here; ranges are checked by `engine.types.SamplingParams.validate`
+and `Request.validate`, the same rules `EngineCore.add_request` applies, so a
+bad value is refused before the engine sees it. Each failure is an ApiError
+whose `param` names the offending field. Every body key is either honoured,
+accepted at its neutral value only (`n: 1`, `presence_penalty: 0`, ...), or
+refused with 400 `unsupported_parameter`; unknown keys are refused too
+(daemon/README.md has the table). One field beyond OpenAI's: `ignore_eos` (a
+boolean, as in vLLM) keeps generating past the model's stop tokens, so load
+tests get exactly max_tokens tokens; `top_k` and `stop_token_ids` are vLLM's.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
 
 from daemon.errors import ApiError, bad_request
-from engine.types import SamplingParams
+from engine.types import ParamError, Request, SamplingParams, check_prompt_ids
 
-MAX_STOP_STRINGS = 4
-"""Like OpenAI."""
-MAX_TOP_LOGPROBS = 20
+COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+    "logprobs", "stream", "stream_options", "ignore_eos", "user", "metadata",
+})
+"""Keys both routes honour."""
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "presence_penalty": (0,),
+    "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,),
+    "logit_bias": ({},), "response_format": ({"type": "text"},), "tool_choice": ("none",),
+    "tools": ([],), "functions": ([],), "store": (False,), "modalities": (["text"],),
+}
+"""Keys accepted only at the value that changes nothing (or null); any other value is refused."""
+MESSAGE_FIELDS = frozenset({"role", "content"})
+ROLES = ("system", "developer", "user", "assistant")
+"""Chat roles honoured; `developer` is read as `system`."""
+UNSUPPORTED_ROLES = ("tool", "function")
+MAX_USER_CHARS = 256
 
 
 class Tokenizer(Protocol):
@@ -40,6 +63,8 @@ class Limits:
     max_prompt_chars: int
     max_tokens: int | None = None
     """The tenant's cap on completion tokens: more is a 400; an unset max_tokens is clamped."""
+    vocab_size: int | None = None
+    """Token ids must be below it (None: the engine checks them on submit)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +76,11 @@ class GenerationSpec:
     stream: bool
     include_usage: bool
     top_logprobs: int
-    """Entries per token in top_logprobs; only the chosen token is ever listed."""
+    """Entries per token in top_logprobs (0 or 1: the chosen token)."""
+    names: dict[str, str] = field(default_factory=dict)
+    """engine field -> the body key it came from (prompt_ids -> prompt or messages), for errors."""
+    user: str | None = None
+    """The client's end-user label (accepted, not interpreted)."""
 
 
 async def read_body(request: web.Request, max_bytes: int) -> bytes:
@@ -99,19 +128,15 @@ def check_model(body: dict[str, Any], limits: Limits) -> None:
 
 def parse_completion(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> GenerationSpec:
     check_model(body, limits)
-    _reject_unsupported(body)
-    if body.get("echo") not in (None, False):
-        raise _unsupported("echo")
-    if body.get("suffix") not in (None, ""):
-        raise _unsupported("suffix")
+    check_fields(body, COMPLETION_FIELDS)
+    names = {"prompt_ids": "prompt", "top_logprobs": "logprobs"}
     prompt_ids = _completion_prompt(body, limits, tok)
     logprobs, top = _completion_logprobs(body)
-    return _spec(body, limits, prompt_ids, logprobs, top, max_tokens_key="max_tokens",
-                 default_max_tokens=16)
+    return _spec(body, limits, prompt_ids, logprobs, top, names, default_max_tokens=16)
 
 
 def _completion_logprobs(body: dict[str, Any]) -> tuple[bool, int]:
-    """(logprobs on, top entries) from `logprobs`: null/false, true, or an integer 0..5."""
+    """(logprobs on, top entries) from `logprobs`: null/false, true, or an integer count."""
     value = body.get("logprobs")
     if value is None or value is False:
         return False, 0
@@ -119,77 +144,117 @@ def _completion_logprobs(body: dict[str, Any]) -> tuple[bool, int]:
         return True, 0
     if not _is_int(value):
         raise _type_error("logprobs", "an integer or a boolean")
-    if not 0 <= value <= 5:
-        raise _value_error("logprobs", "must be between 0 and 5", value)
-    return True, min(value, 1)
+    return True, value
 
 
 def parse_chat(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> GenerationSpec:
     check_model(body, limits)
-    _reject_unsupported(body)
+    check_fields(body, CHAT_FIELDS)
     messages = _chat_messages(body, limits)
+    encode_chat = getattr(tok, "encode_chat", None)  # the real tokenizer: forging-safe ids
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        if encode_chat is not None:
+            prompt_ids = encode_chat(messages, add_generation_prompt=True)
+        else:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            prompt_ids = tok.encode(text, add_bos=True)
     except ValueError as exc:
         raise bad_request(str(exc), "messages", "invalid_value") from None
-    prompt_ids = tok.encode(text, add_bos=True)
-    _check_prompt_fits(prompt_ids, limits, "messages")
     logprobs = _opt(body, "logprobs", bool, "a boolean") or False
-    top = _opt_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    top = _opt_int(body, "top_logprobs") or 0
     if top and not logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs", "invalid_value")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _spec(body, limits, prompt_ids, logprobs, min(top, 1), max_tokens_key=key,
-                 default_max_tokens=None)
+    if key != "max_tokens" and body.get("max_tokens") not in (None, body[key]):
+        raise bad_request("max_tokens and max_completion_tokens disagree; send one of them",
+                          "max_tokens", "invalid_value")
+    names = {"prompt_ids": "messages", "max_tokens": key}
+    return _spec(body, limits, prompt_ids, logprobs, top, names, default_max_tokens=None)
 
 
 def _spec(body: dict[str, Any], limits: Limits, prompt_ids: list[int], logprobs: bool,
-          top_logprobs: int, *, max_tokens_key: str, default_max_tokens: int | None
+          top_logprobs: int, names: dict[str, str], *, default_max_tokens: int | None
           ) -> GenerationSpec:
+    """The sampling settings, checked by the engine's own rules (Request.validate).
+
+    An absent max_tokens defaults to `default_max_tokens` (completions: 16, as
+    OpenAI) or, for chat, to the room the context leaves after the prompt;
+    either is clamped to that room and to the tenant's cap.
+    """
+    with _naming(names):
+        check_prompt_ids(prompt_ids, limits.vocab_size, limits.max_context)
+    key = names.get("max_tokens", "max_tokens")
     room = limits.max_context - len(prompt_ids)
-    max_tokens = _opt_int(body, max_tokens_key, 1, limits.max_context)
+    max_tokens = _opt_int(body, key)
     cap = limits.max_tokens
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
         max_tokens = max_tokens if cap is None else min(max_tokens, cap)
     elif cap is not None and max_tokens > cap:
-        raise bad_request(f"{max_tokens_key}={max_tokens} is more than this API key's max_tokens "
-                          f"limit of {cap} tokens per request", max_tokens_key, "max_tokens_exceeded")
-    elif max_tokens > room:
-        raise bad_request(
-            f"{max_tokens_key}={max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds "
-            f"the context of {limits.max_context} tokens", max_tokens_key, "context_length_exceeded")
+        raise bad_request(f"{key}={max_tokens} is more than this API key's max_tokens "
+                          f"limit of {cap} tokens per request", key, "max_tokens_exceeded")
     stream = _opt(body, "stream", bool, "a boolean") or False
+    top_k = _opt_int(body, "top_k")
     sampling = SamplingParams(
         max_tokens=max_tokens,
-        temperature=_opt_number(body, "temperature", 0.0, 2.0, 1.0),
-        top_p=_opt_number(body, "top_p", 0.0, 1.0, 1.0, open_low=True),
-        top_k=_opt_int(body, "top_k", 0, None) or 0,
-        seed=_opt_int(body, "seed", -(1 << 63), (1 << 64) - 1),
+        temperature=_opt_number(body, "temperature", 1.0),
+        top_p=_opt_number(body, "top_p", 1.0),
+        top_k=0 if top_k is None else top_k,
+        seed=_opt_int(body, "seed"),
+        stop_token_ids=_int_list(body, "stop_token_ids"),
         stop=_stop_strings(body),
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
         ignore_eos=_opt(body, "ignore_eos", bool, "a boolean") or False,  # vLLM's extension
     )
+    with _naming(names):
+        Request("parse", prompt_ids, sampling).validate(limits.vocab_size, limits.max_context)
+    return GenerationSpec(prompt_ids, sampling, stream, _include_usage(body, stream),
+                          top_logprobs, names, _labels(body))
+
+
+@contextmanager
+def _naming(names: dict[str, str]) -> Iterator[None]:
+    """Turn an engine.types.ParamError raised inside into the 400 naming the body's key."""
     try:
-        sampling.validate(max_stop_strings=MAX_STOP_STRINGS)
-    except ValueError as exc:
-        param = str(exc).split(" ", 1)[0]
-        raise bad_request(str(exc), param if param in body else None, "invalid_value") from None
-    return GenerationSpec(prompt_ids, sampling, stream, _include_usage(body, stream), top_logprobs)
+        yield
+    except ParamError as exc:
+        raise param_error(exc, names) from None
 
 
-def _reject_unsupported(body: dict[str, Any]) -> None:
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise bad_request("only n=1 is supported", "n", "unsupported_parameter")
-    if body.get("best_of") not in (None, 1):
-        raise _unsupported("best_of")
-    for key in ("presence_penalty", "frequency_penalty"):
-        value = body.get(key)
-        if value is not None and (not _is_number(value) or value != 0):
-            raise _unsupported(key)
-    if body.get("logit_bias") not in (None, {}):
-        raise _unsupported("logit_bias")
+def param_error(exc: ParamError, names: dict[str, str]) -> ApiError:
+    """The 400 for an engine-rule failure, `param` spelled as the client sent it."""
+    param = names.get(exc.field, exc.field)
+    message = str(exc).replace(exc.field, param, 1) if exc.field != param else str(exc)
+    return bad_request(message, param, exc.code)
+
+
+def check_fields(body: dict[str, Any], honoured: frozenset[str]) -> None:
+    """400 unsupported_parameter for a key that is neither honoured nor at its neutral value."""
+    for key, value in body.items():
+        if key in honoured or value is None:
+            continue
+        if key in NEUTRAL and any(_same(value, v) for v in NEUTRAL[key]):
+            continue
+        what = "is not supported by this server" if key in NEUTRAL else "is not a supported parameter"
+        shown = f" (only {NEUTRAL[key][0]!r})" if key in NEUTRAL else ""
+        raise bad_request(f"{key} {what}{shown}"[:300], key, "unsupported_parameter")
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """value == neutral with booleans and numbers kept apart (True is not 1)."""
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
+def _labels(body: dict[str, Any]) -> str | None:
+    """Check `user` (a short string) and `metadata` (an object of strings): labels only."""
+    user = _opt(body, "user", str, "a string")
+    if user is not None and len(user) > MAX_USER_CHARS:
+        raise _value_error("user", f"must be at most {MAX_USER_CHARS} characters", len(user))
+    metadata = _opt(body, "metadata", dict, "an object")
+    if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
+        raise _type_error("metadata", "an object of string values")
+    return user
 
 
 def _completion_prompt(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> list[int]:
@@ -203,27 +268,13 @@ def _completion_prompt(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> 
             raise _value_error("prompt", "must not be empty", prompt)
         if len(prompt) > limits.max_prompt_chars:
             raise _too_long("prompt", len(prompt), limits)
-        ids = tok.encode(prompt, add_bos=True)
-    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        if not prompt:
-            raise _value_error("prompt", "must not be empty", prompt)
-        if any(t < 0 for t in prompt):
-            raise _value_error("prompt", "token ids must not be negative", prompt[:8])
-        ids = list(prompt)
-    elif isinstance(prompt, list):
+        return tok.encode(prompt, add_bos=True)  # control strings in it stay control tokens
+    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        return list(prompt)  # range-checked by check_prompt_ids in _spec
+    if isinstance(prompt, list):
         raise bad_request("only a single prompt (a string or a list of token ids) is supported",
                           "prompt", "invalid_type")
-    else:
-        raise _type_error("prompt", "a string or a list of token ids")
-    _check_prompt_fits(ids, limits, "prompt")
-    return ids
-
-
-def _check_prompt_fits(ids: list[int], limits: Limits, param: str) -> None:
-    if len(ids) >= limits.max_context:
-        raise bad_request(
-            f"the prompt is {len(ids)} tokens; the context holds {limits.max_context} tokens "
-            "including at least one generated token", param, "context_length_exceeded")
+    raise _type_error("prompt", "a string or a list of token ids")
 
 
 def _chat_messages(body: dict[str, Any], limits: Limits) -> list[dict[str, Any]]:
@@ -242,9 +293,18 @@ def _chat_messages(body: dict[str, Any], limits: Limits) -> list[dict[str, Any]]
         role = message.get("role")
         if not isinstance(role, str):
             raise _type_error(f"{param}.role", "a string")
+        if role in UNSUPPORTED_ROLES:
+            raise bad_request(f"{param}.role {role!r} is not supported by this server",
+                              f"{param}.role", "unsupported_parameter")
+        if role not in ROLES:
+            raise _value_error(f"{param}.role", f"must be one of {', '.join(ROLES)}", role)
+        extra = [k for k, v in message.items() if k not in MESSAGE_FIELDS and v is not None]
+        if extra:
+            raise bad_request(f"{param}.{extra[0]} is not supported by this server",
+                              f"{param}.{extra[0]}", "unsupported_parameter")
         content = _message_text(message.get("content"), f"{param}.content", role)
         chars += len(content)
-        out.append({"role": role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": content})
     if chars > limits.max_prompt_chars:
         raise _too_long("messages", chars, limits)
     return out
@@ -273,11 +333,16 @@ def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise _type_error("stop", "a string or an array of strings")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise _value_error("stop", f"may hold at most {MAX_STOP_STRINGS} strings", len(stops))
-    if any(s == "" for s in stops):
-        raise _value_error("stop", "strings must not be empty", stop)
     return tuple(stops)
+
+
+def _int_list(body: dict[str, Any], key: str) -> tuple[int, ...]:
+    value = body.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise _type_error(key, "an array of integers")
+    return tuple(value)
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:
@@ -311,28 +376,20 @@ def _opt(body: dict[str, Any], key: str, kind: type, what: str) -> Any:
     return value
 
 
-def _opt_int(body: dict[str, Any], key: str, lo: int, hi: int | None) -> int | None:
+def _opt_int(body: dict[str, Any], key: str) -> int | None:
+    """An optional integer (its range is the engine's rule, see _spec)."""
     value = body.get(key)
-    if value is None:
-        return None
-    if not _is_int(value):
+    if value is not None and not _is_int(value):
         raise _type_error(key, "an integer")
-    if value < lo or (hi is not None and value > hi):
-        bound = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
-        raise _value_error(key, f"must be {bound}", value)
-    return int(value)
+    return value
 
 
-def _opt_number(body: dict[str, Any], key: str, lo: float, hi: float, default: float,
-                open_low: bool = False) -> float:
+def _opt_number(body: dict[str, Any], key: str, default: float) -> float:
     value = body.get(key)
     if value is None:
         return default
     if not _is_number(value):
         raise _type_error(key, "a number")
-    if value > hi or value < lo or (open_low and value == lo):
-        low = "(" if open_low else "["
-        raise _value_error(key, f"must be in {low}{lo}, {hi}]", value)
     return float(value)
 
 
@@ -342,10 +399,6 @@ def _type_error(param: str, what: str) -> ApiError:
 
 def _value_error(param: str, what: str, value: Any) -> ApiError:
     return bad_request(f"{param} {what}, got {value!r}"[:300], param, "invalid_value")
-
-
-def _unsupported(param: str) -> ApiError:
-    return bad_request(f"{param} is not supported by this server", param, "unsupported_parameter")
 
 
 def _too_long(param: str, chars: int, limits: Limits) -> ApiError:

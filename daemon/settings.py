@@ -82,16 +82,32 @@ class Settings:
     """Requests allowed to wait beyond max_batch running ones; more get 429."""
     drain_deadline_s: float = 30.0
     """On SIGTERM, how long in-flight requests may finish before being aborted."""
+    engine_max_restarts: int = 3
+    """Engine-loop restarts in a row after faults no request owns (device errors) before the daemon exits."""
+    engine_restart_backoff_s: float = 0.5
+    """Wait before restarting the engine loop after such a fault; doubles with each restart in a row."""
+    stream_write_timeout_s: float = 30.0
+    """Longest one write of a streamed response may wait for a client that is not reading; then the request is aborted."""
+    stream_idle_timeout_s: float = 60.0
+    """Longest a stream's client may take none of the bytes waiting for it; then the request is aborted."""
     log_level: str = "info"
     """One of debug, info, warning, error."""
     admin_token: str | None = None
     """Bearer token for /admin/*; None disables the admin API."""
+    admin_token_file: str | None = None
+    """File holding the admin token (its first line); keeps the token out of the process list."""
+    metrics_require_admin: bool = False
+    """Serve /metrics only to the admin token (bearer), not to anyone."""
     open_mode: bool | None = None
     """Serve without API keys as tenant "default"; None means on only for loopback hosts."""
+    open_non_loopback: bool = False
+    """Accept open mode on a non-loopback host (anyone who reaches the port may use it)."""
     max_tokens: int | None = None
     """Most completion tokens one request may ask for; a tenant's own limit overrides it."""
     tenant_max_queued: int = 0
     """Requests of one tenant that may wait for a slot past its max_concurrent; more get 429."""
+    tenant_max_concurrent_share: float | None = 0.5
+    """Share of max_batch a keyed tenant without its own max_concurrent may have in flight (at least 1); None: no limit."""
     tenant_cache_s: float = 5.0
     """How long an API key lookup is cached (a key revoked elsewhere works this long)."""
 
@@ -103,8 +119,14 @@ class Settings:
         _check_range("max_prompt_chars", self.max_prompt_chars, 1, 1 << 34)
         _check_range("max_waiting", self.max_waiting, 0, 1 << 24)
         _check_range("drain_deadline_s", self.drain_deadline_s, 0.0, 86400.0)
+        _check_range("engine_max_restarts", self.engine_max_restarts, 0, 1000)
+        _check_range("engine_restart_backoff_s", self.engine_restart_backoff_s, 0.0, 3600.0)
         _check_range("tenant_max_queued", self.tenant_max_queued, 0, 1 << 24)
         _check_range("tenant_cache_s", self.tenant_cache_s, 0.0, 3600.0)
+        _check_range("stream_write_timeout_s", self.stream_write_timeout_s, 0.001, 86400.0)
+        _check_range("stream_idle_timeout_s", self.stream_idle_timeout_s, 0.001, 86400.0)
+        if self.tenant_max_concurrent_share is not None:
+            _check_range("tenant_max_concurrent_share", self.tenant_max_concurrent_share, 0.001, 1.0)
         if self.max_tokens is not None:
             _check_range("max_tokens", self.max_tokens, 1, 1 << 24)
         if self.kv_budget_bytes is not None:
@@ -113,11 +135,27 @@ class Settings:
             raise SettingsError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not self.host:
             raise SettingsError("host must not be empty")
+        if self.open_mode and not self.open_non_loopback and not is_loopback(self.host):
+            raise SettingsError(f"open_mode on the non-loopback host {self.host!r} lets anyone who can "
+                                f"reach it use the daemon; bind to 127.0.0.1, or accept the risk with "
+                                f"--open-non-loopback (open_non_loopback = true)")
+        if self.metrics_require_admin and not self.admin_token:
+            raise SettingsError("metrics_require_admin = true needs an admin_token (or admin_token_file)")
 
     @property
     def is_open(self) -> bool:
         """Whether requests without an API key are served as tenant "default"."""
         return self.open_mode if self.open_mode is not None else is_loopback(self.host)
+
+    @property
+    def tenant_default_max_concurrent(self) -> int | None:
+        """max_concurrent of a keyed tenant without its own: the share of max_batch, at least 1.
+
+        >>> Settings(max_batch=32).tenant_default_max_concurrent, Settings(max_batch=1).tenant_default_max_concurrent
+        (16, 1)
+        """
+        share = self.tenant_max_concurrent_share
+        return None if share is None else max(1, int(share * self.max_batch))
 
     @property
     def max_in_flight(self) -> int:
@@ -199,7 +237,23 @@ def load_settings(
             top[name] = cls(**nested[name])
         except ValueError as exc:
             raise SettingsError(f"[{name}] {exc}") from None
+    if top.get("admin_token_file"):
+        top["admin_token"] = _token_from_file(top["admin_token_file"], top.get("admin_token"))
     return Settings(**top)
+
+
+def _token_from_file(path: str, given: str | None) -> str:
+    """The first line of `path`, stripped: the admin token (an error if one is also given)."""
+    if given:
+        raise SettingsError("give admin_token or admin_token_file, not both")
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"cannot read admin_token_file {path!r}: {exc}") from None
+    if not token:
+        raise SettingsError(f"admin_token_file {path!r} is empty")
+    return token
 
 
 def add_section_flags(parser: Any) -> None:

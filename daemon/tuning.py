@@ -82,7 +82,7 @@ async def _tuner_ctx(app: web.Application, plan: ExplorationPlan,
     if plan.enabled:
         await asyncio.to_thread(plan.measure_gaps, database.engine, config.fit_window_s)
     profile_cells = list(plan.gaps)
-    policy = await asyncio.to_thread(tuner.keeper.restore)
+    policy = await asyncio.to_thread(tuner.restore)  # closes interrupted retunes first
     log_event(log, "policy restored", version=policy.version, pinned=tuner.keeper.pinned,
               profile=[f"{t}@{d}" for t, d in profile_cells])
     scheduler = None

@@ -15,6 +15,8 @@ from typing import Any
 
 START, END = "<start_of_turn>", "<end_of_turn>"
 _TURN_ROLE = {"user": "user", "assistant": "model", "model": "model"}
+_SYSTEM = ("system", "developer")
+"""Roles folded into the first user turn (OpenAI's `developer` is its newer name for system)."""
 
 
 def _content(message: Mapping[str, Any], where: str) -> str:
@@ -34,35 +36,35 @@ def _role(message: Any, where: str) -> str:
         kind = type(message).__name__
         raise ValueError(f"{where}: a message must be a dict with 'role' and 'content', got {kind}")
     role = message.get("role")
-    if role not in ("system", *_TURN_ROLE):
-        raise ValueError(f"{where}: unknown role {role!r} (system, user, assistant)")
+    if role not in (*_SYSTEM, *_TURN_ROLE):
+        raise ValueError(f"{where}: unknown role {role!r} (system, developer, user, assistant)")
     return role
 
 
-def apply_chat_template(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-    """Render a conversation as Gemma turns.
+def chat_segments(messages: Sequence[Mapping[str, Any]],
+                  add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+    """The rendered conversation as (text, is_template) pieces, in order.
 
-    A leading system message is folded into the first user turn, separated by a
-    blank line; turns must then alternate user / assistant starting with user;
-    turn contents are stripped of surrounding whitespace (as Gemma's template does).
+    Only template pieces may hold control tokens: a tokenizer encodes the other
+    pieces (the messages' own text) as plain text, so a message that writes
+    `<end_of_turn>` cannot close its turn and forge another one.
 
-    >>> apply_chat_template([{"role": "system", "content": "Be brief."},
-    ...                      {"role": "user", "content": "Hi"}])
-    '<start_of_turn>user\\nBe brief.\\n\\nHi<end_of_turn>\\n<start_of_turn>model\\n'
+    >>> chat_segments([{"role": "user", "content": "Hi"}])
+    [('<start_of_turn>user\\n', True), ('Hi', False), ('<end_of_turn>\\n<start_of_turn>model\\n', True)]
     """
     if not messages:
         raise ValueError("messages is empty: at least one user message is needed")
     roles = [_role(m, f"messages[{i}]") for i, m in enumerate(messages)]
-    prefix, start = "", 0
-    if roles[0] == "system":
-        prefix, start = _content(messages[0], "messages[0]") + "\n\n", 1
+    system, start = "", 0
+    if roles[0] in _SYSTEM:
+        system, start = _content(messages[0], "messages[0]"), 1
         if len(messages) == 1:
             raise ValueError("a system message must be followed by a user message")
-    parts = []
+    out: list[tuple[str, bool]] = []
     for turn, i in enumerate(range(start, len(messages))):
         where = f"messages[{i}]"
         expected = "user" if turn % 2 == 0 else "model"
-        if roles[i] == "system":
+        if roles[i] in _SYSTEM:
             raise ValueError(f"{where}: a system message is only allowed first")
         if _TURN_ROLE[roles[i]] != expected:
             wanted = "a user" if expected == "user" else "an assistant"
@@ -70,8 +72,24 @@ def apply_chat_template(messages: Sequence[Mapping[str, Any]], add_generation_pr
                 f"{where}: expected {wanted} message, got {roles[i]!r} "
                 "(roles must alternate user/assistant, starting with user)"
             )
-        text = (prefix if turn == 0 else "") + _content(messages[i], where).strip()
-        parts.append(f"{START}{expected}\n{text}{END}\n")
-    if add_generation_prompt:
-        parts.append(f"{START}model\n")
-    return "".join(parts)
+        out.append(((f"{END}\n" if out else "") + f"{START}{expected}\n", True))
+        if turn == 0 and start:  # one plain piece, so "\n" runs tokenize as in the joined text
+            out.append((system + "\n\n", False))
+        out.append((_content(messages[i], where).strip(), False))
+    out.append((f"{END}\n" + (f"{START}model\n" if add_generation_prompt else ""), True))
+    return [(text, template) for text, template in out if text]
+
+
+def apply_chat_template(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """Render a conversation as Gemma turns (as one string; see chat_segments).
+
+    A leading system (or developer) message is folded into the first user turn,
+    separated by a blank line; turns must then alternate user / assistant
+    starting with user; turn contents are stripped of surrounding whitespace
+    (as Gemma's template does).
+
+    >>> apply_chat_template([{"role": "system", "content": "Be brief."},
+    ...                      {"role": "user", "content": "Hi"}])
+    '<start_of_turn>user\\nBe brief.\\n\\nHi<end_of_turn>\\n<start_of_turn>model\\n'
+    """
+    return "".join(text for text, _ in chat_segments(messages, add_generation_prompt))

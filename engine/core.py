@@ -8,27 +8,37 @@
 3. Stop rules run on the host (sequence.append_tokens); finished or aborted
    sequences free their pages at once.
 4. The step returns TokenEvents, RequestResults and one StepStats.
+
+Faults: an exception in one sequence's own work (admission, its sampling
+inputs, its proposer, detokenization and stop rules) ends that sequence alone
+with finish_reason "error" and frees its pages; the step goes on for the rest.
+An exception no sequence owns (the forward call) propagates out of `step()`;
+the caller then calls `recover()`, which ends every request with "error" and
+leaves the engine ready to step again.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from engine.config import ModelConfig
-from engine.kv import KVPool
+from engine.faults import build_rows, propose_alone, unadmitted
+from engine.kv import KVPool, KVState
 from engine.model import Params
-from engine.policy import StepChooser, TunedPolicy
+from engine.policy import StepChooser, TunedPolicy, check_servable
 from engine.progress import Reporter, note
 from engine.proposers import NgramProposer, Proposer
 from engine.runner import ModelRunner, RunnerConfig, compile_count, map_limit, memory_mappings
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from engine.sequence import Detokenizer, Sequence, append_tokens, request_key
+from engine.sequence import Detokenizer, Sequence, Status, append_tokens, request_key
 from engine.types import (
     EngineCapacity,
+    ParamError,
     ProposerCapacity,
     Request,
     RequestResult,
@@ -36,6 +46,8 @@ from engine.types import (
     StepStats,
     TokenEvent,
 )
+
+log = logging.getLogger("crossover.engine")
 
 
 @dataclass
@@ -86,6 +98,7 @@ class EngineCore:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
         self._step_id = 0
+        self._lost: list[RequestResult] = []  # results of the step that raised (see recover)
         self.warmed_up = False
 
     def add_proposer(self, proposer: Proposer) -> None:
@@ -98,24 +111,16 @@ class EngineCore:
 
     # -- commands (thread-safe) -------------------------------------------
     def add_request(self, req: Request) -> None:
-        """Queue a request; raises ValueError when it can never run."""
+        """Queue a request; raises ValueError (engine.types.ParamError naming the field where one
+        is to blame) when it can never run, so a bad request never reaches a step."""
+        # the HTTP parser's rules too; an id the detokenizer cannot decode would fail in a step
+        vocab = min(self.cfg.vocab_size, getattr(self.tokenizer, "vocab_size", self.cfg.vocab_size))
+        req.validate(vocab, self.max_context)
         n = len(req.prompt_ids)
-        if n == 0:
-            raise ValueError("prompt must contain at least one token")
-        if n + req.sampling.max_tokens > self.max_context:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the context "
-                f"length {self.max_context}"
-            )
         if not self.pool.fits_alone(n + req.sampling.max_tokens + self.scheduler.cfg.lookahead):
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) needs more KV pages "
-                f"than the whole pool holds"
-            )
-        bad = [t for t in req.prompt_ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        req.sampling.validate()
+            raise ParamError(
+                "max_tokens", f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) needs more "
+                f"KV pages than the whole pool holds", "context_length_exceeded")
         self._inbox.put(("add", req))
 
     def abort(self, request_id: str) -> None:
@@ -124,17 +129,7 @@ class EngineCore:
     def set_policy(self, policy: TunedPolicy) -> None:
         """Swap the decode policy; it takes effect at the start of the next step. ValueError
         when it uses a technique, depth or draft vocabulary this engine did not load or compile."""
-        cap = self.capacity()
-        missing = policy.techniques() - set(cap.proposers)
-        if missing:
-            raise ValueError(f"policy uses techniques without a loaded proposer: {sorted(missing)}")
-        vocabs = cap.proposers["mtp"].draft_vocabs if "mtp" in cap.proposers else ()
-        if policy.draft_vocab and "mtp" in policy.techniques() and policy.draft_vocab not in vocabs:
-            raise ValueError(f"draft_vocab={policy.draft_vocab} is not one of the MTP proposer's compiled "
-                             f"draft vocabularies {vocabs}")
-        if policy.max_depth > cap.max_depth:
-            raise ValueError(f"policy depth {policy.max_depth} exceeds the compiled verify buckets "
-                             f"{self.runner.rc.verify_tokens}")
+        check_servable(policy, self.capacity())  # engine.policy.PolicyError, a ValueError
         self._inbox.put(("policy", policy))
 
     @property
@@ -163,14 +158,25 @@ class EngineCore:
         return self.scheduler.has_work() or not self._inbox.empty()
 
     def step(self) -> StepOutput:
+        events: list[TokenEvent] = []
+        finished: list[RequestResult] = []
+        try:
+            return self._step(events, finished)
+        except BaseException:
+            self._lost = finished  # requests this failed step ended: recover() reports them
+            raise
+
+    def _step(self, events: list[TokenEvent], finished: list[RequestResult]) -> StepOutput:
         t0 = time.perf_counter()
         wall = time.time()
-        events, finished = self._drain_inbox()
+        self._drain_inbox(events, finished)
         plan = self.scheduler.schedule()
         if plan.empty:
-            if self.scheduler.running:  # a bug, but hanging silently would be worse
-                raise RuntimeError("scheduler stalled: running sequences but nothing to run")
+            if self.scheduler.running:  # nothing runnable yet pages held: start over from an empty pool
+                log.warning("scheduler stalled with %d running; preempting them", self.scheduler.preempt_all())
             return StepOutput(events, None, finished)
+        for seq, _ in plan.prefill:  # the first step that runs a sequence ends its queue time
+            seq.scheduled_time = seq.scheduled_time or wall
         spec = self._run_decode(plan, events, finished)
         for seq, n in plan.prefill:
             self._run_prefill(seq, n, events, finished)
@@ -178,16 +184,14 @@ class EngineCore:
         stats = self._stats(plan, wall, (time.perf_counter() - t0) * 1e3, spec)
         return StepOutput(events, stats, finished)
 
-    def _drain_inbox(self) -> tuple[list[TokenEvent], list[RequestResult]]:
-        events: list[TokenEvent] = []
-        finished: list[RequestResult] = []
+    def _drain_inbox(self, events: list[TokenEvent], finished: list[RequestResult]) -> None:
         while True:
             try:
                 kind, arg = self._inbox.get_nowait()
             except queue.Empty:
-                return events, finished
+                return
             if kind == "add":
-                self._admit(arg)
+                self._admit(arg, events, finished)
             elif kind == "policy":
                 self._chooser.start(arg)
                 self.pool.set_split(arg.pool_split)
@@ -197,12 +201,21 @@ class EngineCore:
                 events.append(TokenEvent(seq.request_id, (), seq.text[seq.emitted:], None, True, "abort"))
                 finished.append(self._finish(seq, "abort"))
 
-    def _admit(self, req: Request) -> None:
-        if req.request_id in self._seqs:
-            raise ValueError(f"duplicate request id {req.request_id!r}")
-        prompt = list(req.prompt_ids)
-        seq = Sequence(req, prompt, len(prompt), request_key(req.sampling.seed),
-                       Detokenizer(self.tokenizer.decode, prompt[-4:]))
+    def _admit(self, req: Request, events, finished) -> None:
+        """Queue `req` for the scheduler; a fault of its own fails it alone."""
+        if req.request_id in self._seqs:  # the live one keeps its id and its stream
+            log.error("duplicate request id %r dropped", req.request_id)
+            finished.append(unadmitted(req, "error"))
+            return
+        try:
+            prompt = list(req.prompt_ids)
+            seq = Sequence(req, prompt, len(prompt), request_key(req.sampling.seed),
+                           Detokenizer(self.tokenizer.decode, prompt[-4:]))
+        except Exception:
+            log.exception("request %s failed at admission", req.request_id)
+            events.append(TokenEvent(req.request_id, (), "", None, True, "error"))
+            finished.append(unadmitted(req, "error"))
+            return
         self._seqs[req.request_id] = seq
         self.scheduler.add(seq)
 
@@ -210,8 +223,50 @@ class EngineCore:
         self.scheduler.remove(seq)
         del self._seqs[seq.request_id]
         for p in self.proposers.values():
-            p.release(seq)
+            try:
+                p.release(seq)
+            except Exception:  # its pages in the proposer's own pool stay lost; ours are back
+                log.exception("proposer %s failed to release %s", p.name, seq.request_id)
         return seq.result(reason)
+
+    def _fail(self, seq: Sequence, what: str, events, finished) -> None:
+        """End `seq` alone after a fault in its own `what` (engine/faults.py; logged with the
+        exception being handled): finish_reason "error", pages freed, the step goes on."""
+        log.exception("request %s failed in %s", seq.request_id, what)
+        events.append(TokenEvent(seq.request_id, (), "", None, True, "error"))
+        finished.append(self._finish(seq, "error"))
+
+    def _failer(self, events, finished):
+        """`fail(item, what)` for engine/faults.py: an item is a sequence or (sequence, drafts)."""
+        return lambda item, what: self._fail(item[0] if isinstance(item, tuple) else item, what, events, finished)
+
+    def recover(self) -> list[RequestResult]:
+        """After `step()` raised a fault no sequence owns: end every request, queued or admitted,
+        with finish_reason "error" and free its pages; policies still queued stay queued. If the
+        fault left the KV arrays deleted (donated to a call that failed), they are made anew.
+        Returns the requests' results, for telemetry; no events (the caller fails the streams).
+        Requests the failed step had already ended count too: their events never left it."""
+        results = [r if r.finish_reason == "abort" else replace(r, finish_reason="error") for r in self._lost]
+        self._lost, keep = [], []
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                results.append(unadmitted(arg, "error"))
+            elif kind == "policy":
+                keep.append((kind, arg))
+        for item in keep:
+            self._inbox.put(item)
+        results += [self._finish(seq, "error") for seq in list(self._seqs.values())]
+        self.pool.reset()
+        kv, rc = self.runner.kv, self.runner.rc
+        if any(a.is_deleted() for a in (kv.global_k, kv.global_v, kv.local_k, kv.local_v)):
+            log.warning("KV arrays lost in the fault; allocating them again")
+            self.runner.kv = KVState.create(self.cfg, rc.global_pages, rc.local_pages, rc.page_size,
+                                            rc.kv_dtype)
+        return results
 
     def _fill_row(self, c, row: int, seq: Sequence, n: int) -> None:
         c.tokens[row, :n] = seq.tokens[seq.num_cached : seq.num_cached + n]
@@ -234,14 +289,16 @@ class EngineCore:
         if technique != "none" and len(seqs) <= self.runner.rc.spec_max_batch:
             depth = min(depth, self.proposers[technique].max_depth)  # e.g. 4 MTP heads
             t0 = time.perf_counter()
-            drafts = self.proposers[technique].propose(seqs, depth)
+            seqs, drafts = propose_alone(self.proposers[technique], seqs, depth, self._failer(events, finished))
+            plan.decode = seqs
             propose_ms = (time.perf_counter() - t0) * 1e3
             if any(drafts):
                 return self._run_speculative(seqs, drafts, technique, depth, propose_ms, events, finished)
-        ctx = max(s.num_cached + 1 for s in seqs)
-        c = self.runner.new_call(len(seqs), 1, ctx)
-        for i, s in enumerate(seqs):
-            self._fill_row(c, i, s, 1)
+        seqs, c = build_rows(seqs, lambda ss: self.runner.new_call(len(ss), 1, max(s.num_cached + 1 for s in ss)),
+                             lambda c, i, s: self._fill_row(c, i, s, 1), self._failer(events, finished))
+        plan.decode = seqs
+        if not seqs:
+            return SpecResult()
         tok, lp = self.runner.run(c)
         hidden = self._hidden()
         for i, s in enumerate(seqs):
@@ -254,16 +311,22 @@ class EngineCore:
     def _run_speculative(self, seqs, drafts, technique, depth, propose_ms, events, finished) -> SpecResult:
         """Verify [last token, drafts...] per row in one forward; keep the accepted prefix + one."""
         t0 = time.perf_counter()
-        ctx = max(s.num_cached + 1 + depth for s in seqs)
-        c = self.runner.new_verify_call(len(seqs), depth, ctx)
-        cand = np.full(c.tokens.shape, -1, np.int32)
-        for i, (s, d) in enumerate(zip(seqs, drafts)):
+
+        def fill(c, i, row):
+            s, d = row
             self._fill_row(c, i, s, 1)
-            n = 1 + len(d)
-            c.tokens[i, 1:n] = d
-            c.n_new[i] = n
-            cand[i, : n - 1] = d
+            c.tokens[i, 1 : 1 + len(d)] = d
+            c.n_new[i] = 1 + len(d)
             c.counter[i] = s.num_cached + 1 + np.arange(c.counter.shape[1])
+
+        rows, c = build_rows(list(zip(seqs, drafts)), lambda rows: self.runner.new_verify_call(
+            len(rows), depth, max(s.num_cached + 1 + depth for s, _ in rows)), fill, self._failer(events, finished))
+        if not rows:
+            return SpecResult()
+        seqs, drafts = [s for s, _ in rows], [d for _, d in rows]
+        cand = np.full(c.tokens.shape, -1, np.int32)
+        for i, d in enumerate(drafts):
+            cand[i, : len(d)] = d
         tok, acc, lp = self.runner.run_verify(c, cand)
         hidden = self._hidden()
         res = SpecResult(technique, depth, propose_ms, (time.perf_counter() - t0) * 1e3, [0] * depth)
@@ -284,8 +347,12 @@ class EngineCore:
         return res
 
     def _run_prefill(self, seq: Sequence, n: int, events, finished) -> None:
-        c = self.runner.new_call(1, n, seq.num_cached + n)
-        self._fill_row(c, 0, seq, n)
+        if seq.status is not Status.RUNNING:  # failed earlier in this step
+            return
+        _, c = build_rows([seq], lambda _: self.runner.new_call(1, n, seq.num_cached + n),
+                          lambda c, i, s: self._fill_row(c, i, s, n), self._failer(events, finished))
+        if c is None:
+            return
         tok, lp = self.runner.run(c)
         seq.num_cached += n
         if seq.remaining == 0:  # the chunk reached the newest token: its logits give the next one
@@ -299,8 +366,12 @@ class EngineCore:
 
     def _emit(self, seq: Sequence, toks, lps, events, finished) -> None:
         sp = seq.req.sampling
-        stops = (frozenset() if sp.ignore_eos else self.stop_ids) | frozenset(sp.stop_token_ids)
-        ev = append_tokens(seq, toks, lps if sp.logprobs else None, stops, self.max_context)
+        try:
+            stops = (frozenset() if sp.ignore_eos else self.stop_ids) | frozenset(sp.stop_token_ids)
+            ev = append_tokens(seq, toks, lps if sp.logprobs else None, stops, self.max_context)
+        except Exception:
+            self._fail(seq, "its detokenization or stop rules", events, finished)
+            return
         events.append(ev)
         if ev.finished:
             finished.append(self._finish(seq, ev.finish_reason))
@@ -344,7 +415,9 @@ class EngineCore:
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "compile_count": compile_count(), "compiles_since_warmup": self.compiles_since_warmup(),
             "policy_version": self.policy.version, "warmed_up": self.warmed_up,
+            "kv_pages_yielded": self.pool.yielded,
             "proposers": {n: {"resident_bytes": p.resident_bytes(), "max_depth": p.max_depth}
                           for n, p in self.proposers.items()},
         }
+
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.policy import StepChooser, TunedPolicy
+from engine.policy import StepChooser, TunedPolicy, check_servable
 from engine.progress import Reporter, note
 from engine.types import EngineCapacity, ProposerCapacity, Request, RequestResult, StepOutput
 from engine.types import StepStats, TokenEvent
@@ -164,6 +164,7 @@ class _Sequence:
     emitted: int = 0
     """Characters of `text` already sent in events."""
     first_token_time: float | None = None
+    scheduled_time: float = field(default_factory=time.time)  # admitted; the same step runs it
     proposed: int = 0
     accepted: int = 0
 
@@ -199,6 +200,7 @@ class FakeEngine:
         self.tenant_acceptance = dict(tenant_acceptance or {})  # tenant -> factor (default 1)
         self._chooser = StepChooser(np.random.default_rng(seed))  # serving policy; exploration's rng
         self._next_policy: TunedPolicy | None = None
+        self.request_fault: Any = None  # fault injection: f(request_id) runs in each sequence's own work
 
     # ---- thread-safe entry points -------------------------------------
     def add_request(self, req: Request) -> None:
@@ -216,11 +218,7 @@ class FakeEngine:
 
     def set_policy(self, policy: TunedPolicy) -> None:
         """Swap the decode policy at the next step; ValueError as `EngineCore.set_policy`."""
-        missing = policy.techniques() - set(self.proposers)
-        if missing:
-            raise ValueError(f"policy uses techniques without a loaded proposer: {sorted(missing)}")
-        if policy.max_depth > self.max_depth:
-            raise ValueError(f"policy depth {policy.max_depth} exceeds max_depth {self.max_depth}")
+        check_servable(policy, self.capacity())  # the same checks as EngineCore's
         with self._lock:
             self._next_policy = policy
 
@@ -269,8 +267,14 @@ class FakeEngine:
         per_pos = [0] * (depth if proposer else 0)
         emitted = 0
         for seq in batch:
-            accepted = self._speculate(seq, proposer, depth, per_pos)
-            event = self._advance(seq, 1 + accepted)
+            try:
+                self.request_fault and self.request_fault(seq.request.request_id)
+                accepted = self._speculate(seq, proposer, depth, per_pos)
+                event = self._advance(seq, 1 + accepted)
+            except Exception:  # this sequence's own fault fails it alone, as in EngineCore
+                events.append(TokenEvent(seq.request.request_id, (), "", None, True, "error"))
+                finished.append(self._finish(seq, "error"))
+                continue
             events.append(event)
             emitted += len(event.token_ids)
             if event.finished:
@@ -279,6 +283,15 @@ class FakeEngine:
         used = technique if proposer else "none"
         stats = self._stats(start, batch, prefill, emitted, used, per_pos)
         return StepOutput(events=events, stats=stats, finished=finished)
+
+    def recover(self) -> list[RequestResult]:
+        """After a step raised: end every queued or running request with "error", pages freed."""
+        with self._lock:
+            queued, self._inbox, self._abort_inbox = [*self._inbox, *self._waiting], [], []
+            self._live.difference_update(r.request_id for r in queued)
+        self._waiting.clear()
+        return ([self._finish(seq, "error") for seq in list(self._running.values())]
+                + [self._result(r, None, 0, "error") for r in queued])
 
     def _speculate(self, seq: _Sequence, proposer: FakeProposer | None, depth: int,
                    per_pos: list[int]) -> int:
@@ -294,15 +307,7 @@ class FakeEngine:
         return accepted
 
     def _check(self, req: Request) -> None:
-        ids, sp = req.prompt_ids, req.sampling
-        if not ids:
-            raise ValueError("prompt is empty")
-        if any((not isinstance(i, int)) or not (0 <= i < VOCAB_SIZE) for i in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {VOCAB_SIZE})")
-        sp.validate()
-        if len(ids) + sp.max_tokens > self.max_context:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) "
-                             f"exceeds max_context ({self.max_context})")
+        req.validate(VOCAB_SIZE, self.max_context)  # EngineCore.add_request's rules
         if self._pages_for(req) > self.num_pages:
             raise ValueError(f"request needs more than the {self.num_pages} KV pages there are")
 
@@ -405,7 +410,7 @@ class FakeEngine:
         self.pages_used -= seq.pages
         self._forget(seq.request.request_id)
         return self._result(seq.request, seq.first_token_time, seq.produced, reason,
-                            seq.proposed, seq.accepted)
+                            seq.proposed, seq.accepted, seq.scheduled_time)
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
@@ -413,10 +418,11 @@ class FakeEngine:
 
     @staticmethod
     def _result(req: Request, first_token_time: float | None, produced: int, reason: str,
-                proposed: int = 0, accepted: int = 0) -> RequestResult:
+                proposed: int = 0, accepted: int = 0, scheduled_time: float | None = None) -> RequestResult:
         return RequestResult(req.request_id, req.tenant, len(req.prompt_ids), produced,
                              req.arrival_time, first_token_time, time.time(), reason,
-                             proposed_tokens=proposed, accepted_tokens=accepted)
+                             proposed_tokens=proposed, accepted_tokens=accepted,
+                             scheduled_time=scheduled_time)
 
     def _stats(self, start: float, batch: list[_Sequence], prefill: int, decode_tokens: int,
                technique: str, per_pos: list[int]) -> StepStats:

@@ -179,6 +179,9 @@ class KVPool:
         self.ring_pages = ring_pages
         self.global_alloc = PageAllocator(global_pages)
         self.local_alloc = PageAllocator(local_pages)
+        self.split = 0.0
+        """The policy's share of each pool lent to speculation (`set_split`)."""
+        self._keep = (0, 0)  # (global, local) pages the split must leave to one sequence (`yield_to`)
 
     def needed(self, pages: SeqPages, length: int) -> tuple[int, int]:
         """Extra (global, local) pages to hold positions [0, length)."""
@@ -200,19 +203,57 @@ class KVPool:
 
         Tenants keep the pages they hold; new pages come only from what is
         left, so shrinking below current use preempts at the next growth.
+        The split never takes pages a sequence needs to finish alone (`yield_to`).
         """
-        for a in (self.global_alloc, self.local_alloc):
-            a.reserved = int((a.num_pages - 1) * share)
+        self.split = share
+        self._apply_split()
+
+    def yield_to(self, length: int) -> None:
+        """Shrink the split, while needed, so one sequence of `length` tokens fits once the
+        pool is empty; `yield_to(0)` gives the policy's split back.
+
+        The scheduler calls it each step with the longest final length of the sequences
+        running or at the head of the queue: a larger split applied while such a request
+        waits shrinks for it instead of blocking the queue behind it forever.
+
+        >>> pool = KVPool(41, 41, 4, 8)  # 40 usable pages per pool
+        >>> pool.set_split(0.5); pool.global_alloc.capacity
+        20
+        >>> pool.yield_to(120); pool.global_alloc.capacity  # 30 pages of 4 tokens
+        30
+        >>> pool.yield_to(0); pool.global_alloc.capacity
+        20
+        """
+        self._keep = self.needed(SeqPages([], []), length) if length > 0 else (0, 0)
+        self._apply_split()
+
+    def _apply_split(self) -> None:
+        for a, keep in zip((self.global_alloc, self.local_alloc), self._keep):
+            lent = int((a.num_pages - 1) * self.split)
+            a.reserved = max(0, min(lent, a.num_pages - 1 - keep))
+
+    @property
+    def yielded(self) -> int:
+        """Pages the split gives back right now so the longest sequence can finish."""
+        lent = sum(int((a.num_pages - 1) * self.split) for a in (self.global_alloc, self.local_alloc))
+        return lent - self.reserved
 
     def fits_alone(self, length: int) -> bool:
-        """Whether one sequence of `length` tokens fits in the empty pool."""
+        """Whether one sequence of `length` tokens fits in the empty pool (the split yields to it)."""
         g, l = self.needed(SeqPages([], []), length)
-        return g <= self.global_alloc.capacity and l <= self.local_alloc.capacity
+        return g <= self.global_alloc.num_pages - 1 and l <= self.local_alloc.num_pages - 1
 
     def release(self, pages: SeqPages) -> None:
         self.global_alloc.free(pages.global_pages)
         self.local_alloc.free(pages.ring)
         pages.global_pages, pages.ring = [], []
+
+    def reset(self) -> None:
+        """Every page back to the free lists; only when no sequence holds any (after a fault,
+        so pages a failed step took without recording them cannot stay lost)."""
+        for a in (self.global_alloc, self.local_alloc):
+            held = set(range(1, a.num_pages)) - set(a._free)
+            a.free(sorted(held, reverse=True))
 
     def fill_tables(self, pages: SeqPages, g_row: np.ndarray, l_row: np.ndarray) -> None:
         """Write one sequence's page ids into numpy page-table rows (rest scratch).

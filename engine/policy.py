@@ -17,15 +17,90 @@ stamped with the technique and depth they ran and the policy's version.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+import math
+import numbers
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from engine.types import EngineCapacity
+
 TECHNIQUES = ("none", "ngram", "mtp", "early_exit", "draft")
+SOURCES = ("default", "tuner", "admin")
 MAX_POOL_SPLIT = 0.5
 MAX_DEPTH = 8
+MAX_BATCH = 1 << 30
+"""Largest batch-size bound a rule or the crossover may name ("every batch size")."""
+MAX_RULES = 64
+"""Most batch rules in one policy (the engine walks them every decode step)."""
+MAX_DRAFT_VOCAB = 1 << 24
+MAX_VERSION = (1 << 31) - 1
+"""Versions fit a 32-bit integer column on every database."""
+MAX_PROFILE_STEPS = 1 << 30
+
+
+class PolicyError(ValueError):
+    """An invalid policy; `field` names the value to blame (e.g. "rules[1].depth")."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def within(self, prefix: str) -> PolicyError:
+        """The same error for a field nested under `prefix` (e.g. "rules[1]")."""
+        return PolicyError(f"{prefix}.{self.field}" if self.field else prefix, f"{prefix}: {self}")
+
+
+def _int(name: str, value: Any, lo: int, hi: int) -> int:
+    """`value` as an int in [lo, hi]; PolicyError for a bool, a float or anything else.
+
+    >>> _int("depth", 3, 0, 8)
+    3
+    >>> _int("depth", 2.5, 0, 8)
+    Traceback (most recent call last):
+    ...
+    engine.policy.PolicyError: depth=2.5 must be an integer
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise PolicyError(name, f"{name}={value!r} must be an integer")
+    if not lo <= value <= hi:
+        raise PolicyError(name, f"{name}={value} must be in [{lo}, {hi}]")
+    return int(value)
+
+
+def _real(name: str, value: Any, lo: float, hi: float) -> float:
+    """`value` as a finite float in [lo, hi] (an int is fine, a bool or NaN is not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise PolicyError(name, f"{name}={value!r} must be a number")
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise PolicyError(name, f"{name}={value!r} must be a finite number in [{lo}, {hi}]")
+    return float(value)
+
+
+def _technique(name: str, value: Any) -> str:
+    if not isinstance(value, str) or value not in TECHNIQUES:
+        raise PolicyError(name, f"{name}={value!r} is not one of {TECHNIQUES}")
+    return value
+
+
+def _keys(name: str, d: Any, cls: type) -> dict:
+    """`d` if it is a JSON object whose keys are all fields of `cls`, else PolicyError."""
+    if not isinstance(d, dict):
+        kind = type(d).__name__
+        raise PolicyError(name, f"{name or cls.__name__} must be a JSON object, got {kind}")
+    unknown = sorted(str(k) for k in set(d) - {f.name for f in fields(cls)})
+    if unknown:
+        raise PolicyError(f"{name}.{unknown[0]}" if name else unknown[0],
+                          f"unknown policy field(s) {unknown} in {name or 'the policy'}")
+    return d
+
+
+def _set(obj: Any, **values: Any) -> None:
+    """Store normalized field values on a frozen dataclass (from its __post_init__)."""
+    for k, v in values.items():
+        object.__setattr__(obj, k, v)
 
 
 @dataclass(frozen=True)
@@ -40,15 +115,20 @@ class BatchRule:
     """Draft tokens proposed per sequence per step (0 with technique "none")."""
 
     def __post_init__(self) -> None:
-        if self.technique not in TECHNIQUES:
-            raise ValueError(f"technique {self.technique!r} is not one of {TECHNIQUES}")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch={self.max_batch} must be >= 1")
+        _set(self, technique=_technique("technique", self.technique),
+             max_batch=_int("max_batch", self.max_batch, 1, MAX_BATCH),
+             depth=_int("depth", self.depth, 0, MAX_DEPTH))
         if (self.technique == "none") != (self.depth == 0):
-            raise ValueError(f"technique={self.technique!r} and depth={self.depth} disagree "
-                             "(depth 0 exactly when the technique is 'none')")
-        if not 0 <= self.depth <= MAX_DEPTH:
-            raise ValueError(f"depth={self.depth} must be in [0, {MAX_DEPTH}]")
+            raise PolicyError("depth", f"technique={self.technique!r} and depth={self.depth} "
+                              "disagree (depth 0 exactly when the technique is 'none')")
+
+    @staticmethod
+    def from_dict(d: Any) -> BatchRule:
+        """A rule from its JSON object; PolicyError names the field to blame."""
+        d = _keys("", d, BatchRule)
+        if "max_batch" not in d:
+            raise PolicyError("max_batch", "a batch rule needs max_batch")
+        return BatchRule(**d)
 
 
 @dataclass(frozen=True)
@@ -67,29 +147,48 @@ class Exploration:
     """Decode steps at the start of this policy of which every other one runs a profile cell."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.share <= 1.0:
-            raise ValueError(f"share={self.share} must be in [0, 1]")
-        if self.profile_steps < 0:
-            raise ValueError(f"profile_steps={self.profile_steps} must be >= 0")
-        if self.techniques and not self.depths:
-            raise ValueError(f"techniques={self.techniques} need at least one depth to try")
-        if list(self.depths) != sorted(set(self.depths)) or not all(
-                1 <= d <= MAX_DEPTH for d in self.depths):
-            raise ValueError(f"depths={self.depths} must be ascending, in [1, {MAX_DEPTH}]")
-        for technique, depth in [(t, 1) for t in self.techniques] + list(self.profile):
-            BatchRule(1, technique, depth)  # "none", an unknown name or a bad depth raises
+        techniques = tuple(_technique(f"techniques[{i}]", t)
+                           for i, t in enumerate(_seq("techniques", self.techniques)))
+        depths = tuple(_int(f"depths[{i}]", d, 1, MAX_DEPTH)
+                       for i, d in enumerate(_seq("depths", self.depths)))
+        profile = tuple(_cell(f"profile[{i}]", c)
+                        for i, c in enumerate(_seq("profile", self.profile)))
+        _set(self, share=_real("share", self.share, 0.0, 1.0), techniques=techniques,
+             depths=depths, profile=profile,
+             profile_steps=_int("profile_steps", self.profile_steps, 0, MAX_PROFILE_STEPS))
+        if "none" in techniques:
+            raise PolicyError("techniques", f"techniques={techniques} may not include 'none'")
+        if techniques and not depths:
+            raise PolicyError("depths", f"techniques={techniques} need at least one depth to try")
+        if list(depths) != sorted(set(depths)):
+            raise PolicyError("depths", f"depths={depths} must be strictly ascending")
 
     def cells(self) -> set[tuple[str, int]]:
         """Every (technique, depth) this exploration may run."""
         return {(t, d) for t in self.techniques for d in self.depths} | set(self.profile)
 
     @staticmethod
-    def from_dict(d: dict) -> Exploration:
-        return Exploration(share=float(d.get("share", 0.0)),
-                           techniques=tuple(d.get("techniques", ())),
-                           depths=tuple(d.get("depths", ())),
-                           profile=tuple((str(t), int(n)) for t, n in d.get("profile", ())),
-                           profile_steps=int(d.get("profile_steps", 0)))
+    def from_dict(d: Any) -> Exploration:
+        """An exploration from its JSON object (lists for tuples); PolicyError if invalid."""
+        return Exploration(**_keys("", d, Exploration))
+
+
+def _seq(name: str, value: Any) -> tuple:
+    if not isinstance(value, (tuple, list)):
+        raise PolicyError(name, f"{name}={value!r} must be a list")
+    if len(value) > MAX_RULES:
+        raise PolicyError(name, f"{name} has {len(value)} entries (at most {MAX_RULES})")
+    return tuple(value)
+
+
+def _cell(name: str, value: Any) -> tuple[str, int]:
+    """A (technique, depth) pair that speculates, e.g. ("ngram", 2)."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise PolicyError(name, f"{name}={value!r} must be a [technique, depth] pair")
+    technique = _technique(name, value[0])
+    if technique == "none":
+        raise PolicyError(name, f"{name}={list(value)} must speculate (not 'none')")
+    return technique, _int(name, value[1], 1, MAX_DEPTH)
 
 
 @dataclass(frozen=True)
@@ -116,15 +215,25 @@ class TunedPolicy:
     policies it serves, the stored policy has none."""
 
     def __post_init__(self) -> None:
-        if not self.rules:
-            raise ValueError("a policy needs at least one batch rule")
-        bounds = [r.max_batch for r in self.rules]
+        rules = _seq("rules", self.rules)
+        if not rules:
+            raise PolicyError("rules", "a policy needs at least one batch rule")
+        for i, r in enumerate(rules):
+            if not isinstance(r, BatchRule):
+                raise PolicyError(f"rules[{i}]", f"rules[{i}] must be a BatchRule, got {r!r}")
+        bounds = [r.max_batch for r in rules]
         if bounds != sorted(set(bounds)):
-            raise ValueError(f"rule max_batch values {bounds} must be strictly ascending")
-        if not 0.0 <= self.pool_split <= MAX_POOL_SPLIT:
-            raise ValueError(f"pool_split={self.pool_split} must be in [0, {MAX_POOL_SPLIT}]")
-        if self.crossover < 0:
-            raise ValueError(f"crossover={self.crossover} must be >= 0")
+            raise PolicyError("rules", f"rule max_batch values {bounds} must be strictly ascending")
+        if not isinstance(self.source, str) or self.source not in SOURCES:
+            raise PolicyError("source", f"source={self.source!r} is not one of {SOURCES}")
+        if not isinstance(self.extra, dict) or not all(isinstance(k, str) for k in self.extra):
+            raise PolicyError("extra", "extra must be an object with string keys")
+        if self.explore is not None and not isinstance(self.explore, Exploration):
+            raise PolicyError("explore", f"explore must be an Exploration, got {self.explore!r}")
+        _set(self, rules=rules, crossover=_int("crossover", self.crossover, 0, MAX_BATCH),
+             pool_split=_real("pool_split", self.pool_split, 0.0, MAX_POOL_SPLIT),
+             version=_int("version", self.version, 0, MAX_VERSION),
+             draft_vocab=_int("draft_vocab", self.draft_vocab, 0, MAX_DRAFT_VOCAB))
 
     def choose(self, batch_size: int) -> tuple[str, int]:
         """(technique, depth) for a decode batch of this size, by the rules alone.
@@ -159,12 +268,57 @@ class TunedPolicy:
         return d
 
     @staticmethod
-    def from_dict(d: dict) -> TunedPolicy:
-        rules = tuple(BatchRule(**r) for r in d.get("rules", ()))
-        rest = {k: v for k, v in d.items() if k not in ("rules", "explore")}
-        if d.get("explore"):
-            rest["explore"] = Exploration.from_dict(d["explore"])
-        return TunedPolicy(rules=rules, **rest) if rules else TunedPolicy(**rest)
+    def from_dict(d: Any) -> TunedPolicy:
+        """A policy from its JSON object (`to_dict`'s shape; a missing field takes its
+        default). Every path that builds a policy from data comes here: PolicyError (a
+        ValueError) names the field to blame, e.g. "rules[0].depth".
+
+        >>> TunedPolicy.from_dict({"rules": [{"max_batch": 4, "technique": "ngram", "depth": 2},
+        ...                                  {"max_batch": 64}], "crossover": 4}).choose(3)
+        ('ngram', 2)
+        >>> TunedPolicy.from_dict({"rules": [{"max_batch": 1.5}]})
+        Traceback (most recent call last):
+        ...
+        engine.policy.PolicyError: rules[0]: max_batch=1.5 must be an integer
+        """
+        rest = dict(_keys("", d, TunedPolicy))
+        if "rules" in rest:
+            rules = []
+            for i, r in enumerate(_seq("rules", rest["rules"])):
+                try:
+                    rules.append(BatchRule.from_dict(r))
+                except PolicyError as exc:
+                    raise exc.within(f"rules[{i}]") from None
+            rest["rules"] = tuple(rules)
+        if rest.get("explore") is not None:
+            try:
+                rest["explore"] = Exploration.from_dict(rest["explore"])
+            except PolicyError as exc:
+                raise exc.within("explore") from None
+        return TunedPolicy(**rest)
+
+
+def check_servable(policy: Any, capacity: EngineCapacity) -> None:
+    """PolicyError (a ValueError) unless an engine of this capacity can serve `policy`: it is
+    a TunedPolicy whose every field passes the constructor's checks, every technique has a loaded
+    proposer, no depth exceeds the compiled verify buckets, and an MTP draft vocabulary is
+    one the heads compiled (where the proposer lists them, as the real one always does). EngineCore and FakeEngine both call it from `set_policy`, so
+    what the fake accepts the real engine accepts."""
+    if not isinstance(policy, TunedPolicy):
+        raise PolicyError("policy", f"a policy must be a TunedPolicy, got {type(policy).__name__}")
+    TunedPolicy.from_dict(policy.to_dict())  # one unpickled or built around __post_init__ too
+    missing = policy.techniques() - set(capacity.proposers)
+    if missing:
+        raise PolicyError("rules", f"policy uses techniques without a loaded proposer: "
+                                   f"{sorted(missing)}")
+    if policy.max_depth > capacity.max_depth:
+        raise PolicyError("rules", f"policy depth {policy.max_depth} exceeds the engine's "
+                                   f"max_depth {capacity.max_depth} (its largest verify depth)")
+    vocabs = capacity.proposers["mtp"].draft_vocabs if "mtp" in capacity.proposers else ()
+    if (policy.draft_vocab and "mtp" in policy.techniques() and vocabs
+            and policy.draft_vocab not in vocabs):  # no list: the proposer takes any (a fake)
+        raise PolicyError("draft_vocab", f"draft_vocab={policy.draft_vocab} is not one of the "
+                                         f"MTP proposer's compiled vocabularies {vocabs}")
 
 
 NEVER = TunedPolicy()

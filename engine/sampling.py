@@ -1,4 +1,4 @@
-"""Token sampling inside the jitted step: greedy, temperature, top-k, top-p, seeds.
+"""Token sampling inside the jitted step: greedy, temperature, top-k, min-p, top-p, seeds.
 
 Every row carries its own settings as arrays, so one compiled function serves
 any mix of greedy and sampled requests (STYLE 2). Randomness is a per-request
@@ -27,6 +27,7 @@ class SamplingArrays:
     top_p: jax.Array  # [N] f32, 1 = off
     key: jax.Array  # [N, 2] uint32 raw PRNG key data per request
     want_logprobs: jax.Array  # [N] bool
+    min_p: jax.Array  # [N] f32, 0 = off: keep tokens at least min_p times as likely as the best
 
     @staticmethod
     def host(n: int) -> dict[str, np.ndarray]:
@@ -37,6 +38,7 @@ class SamplingArrays:
             "top_p": np.ones(n, np.float32),
             "key": np.zeros((n, 2), np.uint32),
             "want_logprobs": np.zeros(n, bool),
+            "min_p": np.zeros(n, np.float32),
         }
 
 
@@ -74,15 +76,14 @@ def greedy(logits: jax.Array) -> jax.Array:
     return top_candidates(logits, 1)[:, 0].astype(jnp.int32)
 
 
-def _threshold_from_candidates(vals, top_k, top_p, lse):
+def _threshold_from_candidates(vals, tau_k, top_k, top_p, lse):
     """Smallest kept logit per row from the sorted candidate logits.
 
-    vals: [N, C] descending. Returns (tau [N], exact [N] bool): exact is False
-    where top-p needs more mass than the candidates hold.
+    vals: [N, C] descending; tau_k [N]: the top-k / min-p threshold (-inf: none).
+    Returns (tau [N], exact [N] bool): exact is False where top-p needs more
+    mass than the candidates hold.
     """
     C = vals.shape[-1]
-    kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, C - 1)[:, None], axis=1)[:, 0]
-    tau_k = jnp.where(top_k > 0, kth, -jnp.inf)
     probs = jnp.where(vals >= tau_k[:, None], jnp.exp(vals - lse[:, None]), 0.0)
     cum = jnp.cumsum(probs, axis=-1)
     # first index whose cumulative mass reaches top_p: that token is still kept
@@ -142,7 +143,7 @@ class Kept:
 
 
 def kept(logits, s: SamplingArrays) -> Kept:
-    """Temperature, then top-k, then top-p, as a Kept distribution per row."""
+    """Temperature, then top-k and min-p, then top-p, as a Kept distribution per row."""
     temp = jnp.maximum(s.temperature, 1e-6)
     C = min(CANDIDATES, logits.shape[-1])
     # candidates from the logits themselves (same order): `scaled` stays unmaterialized
@@ -152,9 +153,12 @@ def kept(logits, s: SamplingArrays) -> Kept:
         jnp.take_along_axis(vals, jnp.clip(s.top_k - 1, 0, C - 1)[:, None], axis=1)[:, 0],
         -jnp.inf,
     )
+    # min-p: p(v) >= min_p * p(best)  <=>  scaled[v] >= top + log(min_p); applied before top-p
+    floor = jnp.where(s.min_p > 0, vals[:, 0] + jnp.log(jnp.maximum(s.min_p, 1e-30)), -jnp.inf)
+    tau_k = jnp.maximum(tau_k, floor)
     by_k = Kept(logits / temp[:, None], vals[:, 0], tau_k)
     lse_k = vals[:, 0] + jnp.log(jnp.sum(by_k.weights(by_k.scaled), axis=-1))
-    tau, exact = _threshold_from_candidates(vals, s.top_k, s.top_p, lse_k)
+    tau, exact = _threshold_from_candidates(vals, tau_k, s.top_k, s.top_p, lse_k)
     tau = jax.lax.cond(
         jnp.all(exact), lambda: tau,
         lambda: jnp.where(exact, tau, _threshold_bisect(Kept(logits / temp[:, None], vals[:, 0], tau_k),

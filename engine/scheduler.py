@@ -10,6 +10,9 @@ One step's plan, in order:
    per-step token budget lasts, and the pool has pages for the whole prompt
    (taken at admission, so prefill chunks never wait for pages).
    A chunk is at most the largest prefill bucket.
+Before both, the pool split yields (KVPool.yield_to) so the longest sequence
+running or at the queue's head can finish alone: a split that grows while a
+large request waits shrinks for it instead of blocking the queue behind it.
 The scheduler never touches device arrays; it only moves page ids.
 """
 
@@ -75,12 +78,16 @@ class Scheduler:
             self.waiting.remove(seq)
         self.pool.release(seq.pages)
         seq.status = Status.FINISHED
+        if not self.running and not self.waiting:
+            self.pool.yield_to(0)  # idle: the split is whole again (schedule() recomputes it anyway)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        heads = self.running + ([self.waiting[0]] if self.waiting else [])
+        self.pool.yield_to(max(map(self._final_length, heads), default=0))
         budget = self._plan_decode(plan)
         self._plan_prefill(plan, budget)
         return plan
@@ -119,6 +126,17 @@ class Scheduler:
             seq.status = Status.RUNNING
             self._insert_running(seq)
             budget -= self._add_chunk(plan, seq, budget)
+
+    def _final_length(self, seq: Sequence) -> int:
+        """Tokens `seq` holds pages for when it reaches max_tokens (verify slots included)."""
+        return seq.n_prompt + seq.req.sampling.max_tokens + self.cfg.lookahead
+
+    def preempt_all(self) -> int:
+        """Send every running sequence back to the queue (pages freed); how many."""
+        n = len(self.running)
+        while self.running:
+            self._preempt_newest()
+        return n
 
     def _add_chunk(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
         n = min(seq.remaining, budget, self.cfg.max_chunk)

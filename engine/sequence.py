@@ -20,10 +20,17 @@ class Status(enum.Enum):
 
 
 def request_key(seed: int | None) -> np.ndarray:
-    """Raw PRNG key data [2] uint32 for a request: from its seed, else random."""
+    """Raw PRNG key data [2] uint32 for a request: from its seed, else random.
+
+    Any 64-bit seed works: a negative one is read as its two's complement
+    (`seed % 2**64`), since SeedSequence takes only non-negative integers.
+
+    >>> bool((request_key(-1) == request_key(2**64 - 1)).all())
+    True
+    """
     if seed is None:
         return np.frombuffer(os.urandom(8), np.uint32).copy()
-    return np.random.SeedSequence(seed).generate_state(2, np.uint32)
+    return np.random.SeedSequence(seed % (1 << 64)).generate_state(2, np.uint32)
 
 
 class Detokenizer:
@@ -73,6 +80,8 @@ class Sequence:
     emitted: int = 0
     """Characters of `text` already sent out."""
     first_token_time: float | None = None
+    scheduled_time: float | None = None
+    """When a step first ran this sequence (set by EngineCore.step)."""
     preemptions: int = 0
     proposed: int = 0
     accepted: int = 0
@@ -98,6 +107,7 @@ class Sequence:
             output_tokens=self.num_output, arrival_time=self.req.arrival_time,
             first_token_time=self.first_token_time, finish_time=time.time(), finish_reason=reason,
             proposed_tokens=self.proposed, accepted_tokens=self.accepted, preemptions=self.preemptions,
+            scheduled_time=self.scheduled_time,
         )
 
 

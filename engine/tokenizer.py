@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import numpy as np
 from gguf.constants import TokenType
 from tokenizers import AddedToken, Tokenizer as _Backend, decoders, models, normalizers
 
-from engine.chat import apply_chat_template
+from engine.chat import apply_chat_template, chat_segments
 from engine.gguf_file import GGUFFile, WeightsError, cache_dir, default_gguf_path, file_sha256
 from engine.progress import Reporter, Steps
 
@@ -110,6 +111,8 @@ class Tokenizer:
 
     def __init__(self, backend: _Backend, pieces: list[str], types: np.ndarray, bos_id: int, eos_id: int) -> None:
         self._backend = backend
+        self._plain: _Backend | None = None  # built on first use by encode_plain
+        self._plain_lock = threading.Lock()
         self.bos_id, self.eos_id = bos_id, eos_id
         self.end_of_turn_id = backend.token_to_id("<end_of_turn>")
         self.start_of_turn_id = backend.token_to_id("<start_of_turn>")
@@ -144,9 +147,29 @@ class Tokenizer:
         return len(self._text)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Token ids of `text`; control pieces written in it (e.g. <end_of_turn>) become their ids."""
+        """Token ids of `text`; control pieces written in it (e.g. <end_of_turn>) become their ids.
+
+        Raw completions keep this: their client owns the whole prompt, template included.
+        """
         ids = self._backend.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos else ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` with control pieces read as plain text: `<end_of_turn>` written in
+        a message is the characters `<`, `end`, ..., never the control id (no BOS)."""
+        with self._plain_lock:
+            if self._plain is None:  # a second backend: flipping the shared one would race
+                self._plain = _Backend.from_str(self._backend.to_str())
+                self._plain.encode_special_tokens = True
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        """BOS + the chat template's ids, where only the template inserts control tokens
+        (engine.chat.chat_segments); message text is encoded with `encode_plain`."""
+        ids = [self.bos_id]
+        for text, template in chat_segments(messages, add_generation_prompt):
+            ids += self.encode(text, add_bos=False) if template else self.encode_plain(text)
+        return ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         """Text of `ids`; invalid UTF-8 from byte pieces becomes U+FFFD."""

@@ -7,51 +7,145 @@ to per-request queues; `StepStats` and `RequestResult` go to telemetry.
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
+
+MAX_TEMPERATURE = 2.0
+"""Hottest sampling allowed (as OpenAI)."""
+MAX_TOP_K = 256
+"""Largest top_k: thresholds are looked up among this many candidates (engine.sampling.CANDIDATES)."""
+MAX_STOP_STRINGS = 4
+"""Most stop strings per request (as OpenAI)."""
+MAX_STOP_CHARS = 200
+"""Longest stop string: text that could still become one is held back from the stream."""
+MAX_STOP_TOKEN_IDS = 32
+"""Most extra stop token ids per request."""
+MAX_TOP_LOGPROBS = 20
+"""Largest alternatives count a client may name (as OpenAI)."""
+SUPPORTED_TOP_LOGPROBS = 1
+"""Alternatives the engine lists per token: only the chosen token, so more is refused."""
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+"""Seeds accepted: any signed or unsigned 64-bit integer (see engine.sequence.request_key)."""
+
+
+class ParamError(ValueError):
+    """A request field out of range: `field` names it, `code` is the OpenAI error code."""
+
+    def __init__(self, field: str, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.field, self.code = field, code
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _bad(name: str, rule: str, value: object, code: str = "invalid_value") -> ParamError:
+    return ParamError(name, f"{name} {rule}, got {value!r}"[:300], code)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings (validated by `validate`)."""
+    """Per-request decoding settings (validated by `validate`, the one place with the rules)."""
 
     max_tokens: int = 16
     """Most tokens to generate."""
     temperature: float = 0.0
     """0 means greedy."""
     top_k: int = 0
-    """Keep the k most likely tokens; 0 turns it off."""
+    """Keep the k most likely tokens; 0 or -1 (vLLM's spelling) turns it off."""
     top_p: float = 1.0
     """Nucleus mass to keep; 1.0 turns it off."""
     seed: int | None = None
-    """Same seed, same prompt, same settings -> same output."""
+    """Same seed, same prompt, same settings -> same output. Any 64-bit integer, negatives too."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end the sequence (EOS always does unless ignore_eos)."""
     stop: tuple[str, ...] = ()
     """Strings that end the sequence; the text is cut before the match."""
     logprobs: bool = False
     """Return the log-probability of each chosen token."""
+    top_logprobs: int = 0
+    """Alternatives asked for per token (0..MAX_TOP_LOGPROBS; above SUPPORTED_TOP_LOGPROBS is refused)."""
     ignore_eos: bool = False
     """Keep going past the model's own stop tokens (EOS, end of turn); stop_token_ids still apply."""
 
-    def validate(self, max_stop_strings: int = 16, max_top_k: int = 256) -> None:
-        """Raise ValueError naming the bad field and value."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not (0.0 <= self.temperature <= 100.0):
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or not (0 <= self.top_k <= max_top_k):
-            raise ValueError(f"top_k must be an integer in [0, {max_top_k}], got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if len(self.stop) > max_stop_strings:
-            raise ValueError(f"at most {max_stop_strings} stop strings, got {len(self.stop)}")
-        if any((not isinstance(s, str)) or s == "" for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+    def validate(self, vocab_size: int | None = None, max_context: int | None = None) -> None:
+        """Raise ParamError naming the bad field; token ids and max_tokens are also checked
+        against the vocabulary and the context when those are given.
+
+        >>> SamplingParams(seed=-1, top_k=-1).validate()
+        >>> SamplingParams(top_p=0.0).validate()
+        Traceback (most recent call last):
+        ...
+        engine.types.ParamError: top_p must be in (0, 1], got 0.0
+        """
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise _bad("max_tokens", "must be a positive integer", self.max_tokens)
+        if max_context is not None and self.max_tokens >= max_context:
+            raise _bad("max_tokens", f"must be below the context of {max_context} tokens",
+                       self.max_tokens, "context_length_exceeded")
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise _bad("temperature", f"must be in [0, {MAX_TEMPERATURE}]", self.temperature)
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise _bad("top_k", f"must be an integer in [-1, {MAX_TOP_K}] (-1 or 0: off)", self.top_k)
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", "must be in (0, 1]", self.top_p)
+        if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise _bad("seed", "must be a 64-bit integer", self.seed)
+        self._validate_stops(vocab_size)
+        if not isinstance(self.logprobs, bool):
+            raise _bad("logprobs", "must be a boolean", self.logprobs)
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise _bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]", self.top_logprobs)
+        if self.top_logprobs > SUPPORTED_TOP_LOGPROBS:
+            raise _bad("top_logprobs", f"above {SUPPORTED_TOP_LOGPROBS} is not supported (only the "
+                       "chosen token is listed)", self.top_logprobs, "unsupported_parameter")
+        if not isinstance(self.ignore_eos, bool):
+            raise _bad("ignore_eos", "must be a boolean", self.ignore_eos)
+
+    def _validate_stops(self, vocab_size: int | None) -> None:
+        stop, ids = self.stop, self.stop_token_ids
+        if not isinstance(stop, tuple) or not all(isinstance(s, str) for s in stop):
+            raise _bad("stop", "must be a tuple of strings", stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise _bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings", len(stop))
+        if any(not 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+            raise _bad("stop", f"strings must hold 1 to {MAX_STOP_CHARS} characters", stop)
+        if not isinstance(ids, tuple) or not all(_is_int(t) for t in ids):
+            raise _bad("stop_token_ids", "must be a tuple of integers", ids)
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise _bad("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids", len(ids))
+        high = vocab_size if vocab_size is not None else SEED_RANGE[1]
+        if any(not 0 <= t < high for t in ids):
+            raise _bad("stop_token_ids", f"must be token ids in [0, {high})", ids[:8])
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_prompt_ids(ids: object, vocab_size: int | None = None, max_context: int | None = None) -> None:
+    """Raise ParamError (field "prompt_ids") unless `ids` is a non-empty list of in-vocabulary
+    ids that leaves room for at least one generated token."""
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ParamError("prompt_ids", "the prompt must be a non-empty list of token ids")
+    high = vocab_size if vocab_size is not None else SEED_RANGE[1]
+    plain = all(type(t) is int for t in ids)  # the common case, checked fast (min/max in C)
+    if not (plain and 0 <= min(ids) and max(ids) < high):
+        ok = lambda t: isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < high
+        bad = next((t for t in ids if not ok(t)), None)  # numpy integers (benchmarks) are fine
+        if bad is not None:
+            raise _bad("prompt_ids", f"must be token ids in [0, {high})", bad)
+    if max_context is not None and len(ids) >= max_context:
+        raise ParamError("prompt_ids", f"the prompt is {len(ids)} tokens; the context holds "
+                         f"{max_context} tokens including at least one generated token",
+                         "context_length_exceeded")
 
 
 @dataclass
@@ -63,6 +157,18 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tenant: str = "default"
     arrival_time: float = field(default_factory=time.time)
+
+    def validate(self, vocab_size: int | None = None, max_context: int | None = None) -> None:
+        """Raise ParamError naming the bad field: the prompt, then the sampling settings, then
+        prompt + max_tokens against the context."""
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise _bad("request_id", "must be a non-empty string", self.request_id)
+        check_prompt_ids(self.prompt_ids, vocab_size, max_context)
+        self.sampling.validate(vocab_size, max_context)
+        n, m = len(self.prompt_ids), self.sampling.max_tokens
+        if max_context is not None and n + m > max_context:
+            raise ParamError("max_tokens", f"max_tokens={m} plus the prompt's {n} tokens exceeds the "
+                             f"context of {max_context} tokens", "context_length_exceeded")
 
 
 @dataclass(frozen=True)
@@ -76,7 +182,8 @@ class TokenEvent:
     logprobs: tuple[float, ...] | None = None
     finished: bool = False
     finish_reason: str | None = None
-    """"stop" (EOS, stop id or string), "length" (max_tokens or context) or "abort"."""
+    """"stop" (EOS, stop id or string), "length" (max_tokens or context), "abort" or "error" (a
+    fault ended this request: engine/faults.py)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +201,9 @@ class RequestResult:
     proposed_tokens: int = 0
     accepted_tokens: int = 0
     preemptions: int = 0
+    scheduled_time: float | None = None
+    """When a step first ran the request (unix seconds; None if it never ran). /metrics reads it
+    for queue time; telemetry does not store it."""
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,8 @@ def finish_retune(
     details: dict[str, Any] | None = None,
     at: float | None = None,
 ) -> Retune:
-    """Close a retune with its outcome ("applied", "rejected", "failed" or "skipped")."""
+    """Close a retune with its outcome ("applied", "rejected", "failed", "skipped", or
+    "interrupted": a stopped daemon left it running)."""
     if status not in RETUNE_STATUSES or status == "running":
         raise ValueError(f"status must be one of {RETUNE_STATUSES[1:]}, got {status!r}")
     retune = get_retune(session, retune_id)
@@ -138,6 +139,12 @@ def draft_vocab_by_version(session: Session) -> dict[int, int]:
 def get_retune(session: Session, retune_id: int) -> Retune | None:
     """One retune by id (None when there is none)."""
     return session.get(Retune, retune_id)
+
+
+def running_retunes(session: Session) -> list[Retune]:
+    """Retunes still marked "running", oldest first."""
+    query = select(Retune).where(Retune.status == "running").order_by(Retune.id)
+    return list(session.scalars(query))
 
 
 def retune_history(session: Session, limit: int = 50, since: float | None = None) -> list[Retune]:

@@ -48,7 +48,8 @@ NAMING_CONVENTION = {
 
 POLICY_SOURCES = ("default", "tuner", "admin")
 RETUNE_TRIGGERS = ("schedule", "admin")
-RETUNE_STATUSES = ("running", "applied", "rejected", "failed", "skipped")
+RETUNE_STATUSES = ("running", "applied", "rejected", "failed", "skipped", "interrupted")
+""""interrupted": left running by a daemon that stopped, closed at its next start."""
 REQUEST_STATUSES = ("ok", "aborted", "error")
 
 
@@ -188,6 +189,8 @@ class Retune(Base):
     __tablename__ = "xo_retunes"
     __table_args__ = (
         CheckConstraint("triggered_by IN ('schedule', 'admin')", name="triggered_by"),
+        CheckConstraint("status IN ('running', 'applied', 'rejected', 'failed', 'skipped', "
+                        "'interrupted')", name="status"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from engine.policy import MAX_DEPTH, MAX_POOL_SPLIT
+from engine.policy import MAX_BATCH, MAX_DEPTH, MAX_POOL_SPLIT, MAX_RULES
 
 DEFAULT_RANGES = (2, 4, 8, 16, 64)
 """Upper ends of the batch-size ranges that get their own (technique, depth)."""
@@ -38,6 +38,9 @@ class TunerConfig:
     """Seconds between scheduled retunes."""
     search_process: bool = True
     """Run each search in a separate process (off the engine thread's GIL)."""
+    search_timeout_s: float = field(default=900.0, metadata=between(1.0, DAY_S))
+    """Longest a search may run, seconds; past it the retune fails and the search's process is
+    killed (a search in the daemon's own process is abandoned instead)."""
     explore_share: float = field(default=0.02, metadata=between(0.0, 0.5))
     """Share of decode steps that try a neighbouring depth, keeping the model fresh."""
     profile_steps: int = field(default=200, metadata=between(0, 1 << 30))
@@ -118,6 +121,9 @@ class TunerConfig:
                              f"{self.max_study_trials}")
         if not self.ranges or list(self.ranges) != sorted(set(self.ranges)) or self.ranges[0] < 1:
             raise ValueError(f"ranges={self.ranges} must be strictly ascending positive integers")
+        if len(self.ranges) > MAX_RULES or self.ranges[-1] > MAX_BATCH:
+            raise ValueError(f"ranges={self.ranges} must be at most {MAX_RULES} values up to "
+                             f"{MAX_BATCH} (a policy's rule limits)")
         if not 0.0 < self.pool_split_step <= max(self.max_pool_split, 0.01):
             raise ValueError(f"pool_split_step={self.pool_split_step} must be in "
                              f"(0, max_pool_split={self.max_pool_split}]")

@@ -13,8 +13,11 @@ tuner until `unpin()`, which records the same rules again as a new, unpinned
 version. At startup `restore()` re-applies the active policy from the
 database (pin included); an empty history gets the default (the daemon's
 starter policy, or never speculating) recorded as version 0, and a policy
-this engine cannot run (a proposer it lacks) is logged and left in the
-history while the default serves, unrecorded.
+this engine cannot run (a field `TunedPolicy` refuses, a proposer it lacks)
+is logged as a warning and left in the history while the default serves,
+unrecorded: a bad stored pin cannot take the engine down at every restart.
+Admin bodies go through `parse_policy` (`TunedPolicy.from_dict`, the same
+checks), so an invalid pin is refused with the field to blame.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, Protocol
 
 from sqlalchemy import Engine
 
-from engine.policy import NEVER, TunedPolicy
+from engine.policy import NEVER, PolicyError, TunedPolicy
 from store.db import session_scope
 from store.history import (
     active_policy,
@@ -83,9 +86,9 @@ class PolicyKeeper:
                 self._host.set_policy(self._served(policy))
                 self.current = policy
                 return policy
-            except (TypeError, ValueError) as exc:  # e.g. this engine lacks its proposer
-                log.warning("cannot restore policy v%s (%s); serving the default, unrecorded",
-                            row.version, exc)
+            except Exception as exc:  # noqa: BLE001 -- a bad stored policy must not stop the start
+                log.warning("cannot restore policy v%s (%s: %s); serving the default, unrecorded",
+                            row.version, type(exc).__name__, exc)
         self._host.set_policy(self._served(self.default))
         self.current = self.default
         return self.default
@@ -140,16 +143,8 @@ class PolicyKeeper:
 
 
 def parse_policy(body: Any) -> TunedPolicy:
-    """A TunedPolicy from a JSON object, or ValueError saying what is wrong."""
+    """A TunedPolicy from an admin's JSON object (its version and source are the keeper's to
+    set), or `engine.policy.PolicyError` (a ValueError) naming the field to blame."""
     if not isinstance(body, dict):
-        raise ValueError("a policy must be a JSON object (TunedPolicy.to_dict())")
-    body = {k: v for k, v in body.items() if k not in ("version", "source")}
-    if not isinstance(body.get("extra", {}), dict):
-        raise ValueError("policy.extra must be an object")
-    if not isinstance(body.get("rules", []), list) or not all(
-            isinstance(r, dict) for r in body.get("rules", [])):
-        raise ValueError("policy.rules must be a list of objects")
-    try:
-        return TunedPolicy.from_dict(body)
-    except TypeError as exc:
-        raise ValueError(f"invalid policy: {exc}") from None
+        raise PolicyError("policy", "a policy must be a JSON object (TunedPolicy.to_dict())")
+    return TunedPolicy.from_dict({k: v for k, v in body.items() if k not in ("version", "source")})

@@ -7,9 +7,11 @@
    `scheduled()` also skips, recorded with its reason, when fewer than
    `min_new_steps` steps (counted per sequence) arrived since the last retune that ran.
 2. The worker hands a `SearchJob` to the search runner (`run_search` in
-   this thread, or `ProcessSearch`: a spawned process, off the serving path
-   and the engine thread's GIL): fit the model, observe the traffic,
-   ask/tell the study (tuner.search).
+   a helper thread, or `ProcessSearch`: a spawned process, off the serving
+   path and the engine thread's GIL): fit the model, observe the traffic,
+   ask/tell the study (tuner.search). Either is bounded by
+   `search_timeout_s`; a search process that dies or runs past it is
+   replaced for the next retune (tuner.process).
 3. No feasible candidate, a candidate equal to the serving policy, or one
    that does not beat the serving policy's predicted goodput by `min_gain`:
    the retune ends "rejected" with that evidence.
@@ -25,19 +27,21 @@
    taken at the batch sizes measured, weighted like the observed traffic, so
    the two compare) and the details: the full-traffic prediction, fit error,
    traffic, trials, Pareto front, verdict.
-Any exception ends the retune "failed" with its message.
+Any exception ends the retune "failed" with its message (a timed-out or dead
+search, or a candidate whose fields fail `TunedPolicy`'s checks, included).
+
+At startup `restore()` closes the retunes a stopped daemon left "running" as
+"interrupted"; one that had applied its policy and not yet validated it gets
+that policy rolled back, so an unvalidated policy never outlives a restart.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
-import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,10 +50,14 @@ from sqlalchemy import Engine
 from engine.policy import TunedPolicy
 from store.db import session_scope
 from store.history import (
+    active_policy,
     finish_retune,
     get_retune,
     last_real_retune_start,
+    mark_applied,
+    mark_rolled_back,
     retune_history,
+    running_retunes,
     start_retune,
 )
 from store.models import Retune
@@ -58,6 +66,7 @@ from tuner.data import count_step_rows, read_steps
 from tuner.keeper import PolicyKeeper, PolicyPinned
 from tuner.model import NotEnoughTelemetry
 from tuner.objective import Capacity
+from tuner.process import ProcessSearch, SearchRunner, bounded, lower_priority
 from tuner.search import SearchJob, SearchOutcome, run_search
 from tuner.space import SearchSpace
 from tuner.validate import (
@@ -70,7 +79,7 @@ from tuner.validate import (
 )
 
 log = logging.getLogger("crossover.tuner")
-SearchRunner = Callable[[SearchJob], SearchOutcome]
+__all__ = ["ProcessSearch", "RetuneHandle", "SearchRunner", "Tuner", "lower_priority"]
 
 
 @dataclass
@@ -81,42 +90,6 @@ class RetuneHandle:
     source: str
     phase: str = "searching"
     done: threading.Event = field(default_factory=threading.Event)
-
-
-def lower_priority(niceness: int = 19) -> None:
-    """Make this process yield the CPU to serving: a search on a machine with few cores
-    otherwise takes cycles from the engine thread and shows up in inter-token latency.
-
-    On Linux the process also becomes SCHED_IDLE: it runs only on a core nothing else
-    wants. At nice 19 alone, a search still runs between the engine's XLA threads when
-    the machine has few cores.
-    """
-    try:
-        os.nice(niceness)
-    except (AttributeError, OSError):  # not on this OS, or not allowed: run at normal priority
-        pass
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux, or not allowed: nice alone
-        pass
-
-
-class ProcessSearch:
-    """Runs `run_search` in one spawned worker process (created on first use), at the
-    lowest CPU priority (`lower_priority`)."""
-
-    def __init__(self) -> None:
-        self._pool: ProcessPoolExecutor | None = None
-
-    def __call__(self, job: SearchJob) -> SearchOutcome:
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=lower_priority)
-        return self._pool.submit(run_search, job).result()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Tuner:
@@ -134,6 +107,40 @@ class Tuner:
         self._running: RetuneHandle | None = None
         self._thread: threading.Thread | None = None
         self.last_outcome: SearchOutcome | None = None
+
+    # -- startup ---------------------------------------------------------------
+    def restore(self) -> TunedPolicy:
+        """At startup, before any retune: close each retune a stopped daemon left "running"
+        as "interrupted", rolling back the policy such a retune applied but never validated
+        (the daemon stopped in its validation window), then serve the active policy
+        (PolicyKeeper.restore). Returns the policy serving."""
+        with session_scope(self.db) as session:
+            for retune in running_retunes(session):
+                self._interrupt(session, retune)
+        return self.keeper.restore()
+
+    @staticmethod
+    def _interrupt(session: Any, retune: Retune) -> None:
+        reason = "interrupted: the daemon stopped before this retune finished"
+        details: dict[str, Any] = {"interrupted": True, "phase": "unknown"}
+        active = active_policy(session)
+        extra = (active.body or {}).get("extra") if active is not None else None
+        version = None
+        if active is not None and isinstance(extra, dict) and extra.get("retune_id") == retune.id:
+            version = active.version
+            why = (f"never validated: the daemon stopped during retune {retune.id}'s "
+                   "validation window")
+            mark_rolled_back(session, version, why)
+            session.flush()
+            previous = active_policy(session)
+            if previous is not None:
+                mark_applied(session, previous.version)  # names it the active one again
+            details.update(phase="validating", rolled_back=version,
+                           restored=None if previous is None else previous.version)
+            reason += f"; its policy v{version} was rolled back, never validated"
+        log.warning("retune %d was left running by a stopped daemon: %s", retune.id, reason)
+        finish_retune(session, retune.id, "interrupted", error=reason, details=details,
+                      chosen_policy_version=version)
 
     # -- triggers --------------------------------------------------------------
     def trigger(self, source: str = "admin") -> tuple[dict[str, Any], bool]:
@@ -231,7 +238,9 @@ class Tuner:
         now = time.time()
         job = SearchJob(self.db_url, self.config, self._capacity(), incumbent,
                         since=now - self.config.fit_window_s, until=now + 1.0, retune_id=handle.id)
-        outcome = self._search(job)
+        # a process search bounds (and kills) itself; any other runs under `bounded`
+        outcome = (self._search(job) if isinstance(self._search, ProcessSearch)
+                   else bounded(self._search, job))
         self.last_outcome = outcome
         details = {"fit": outcome.fit, "traffic": outcome.traffic, "incumbent": outcome.incumbent,
                    "predicted": outcome.predicted, "trials": len(outcome.trials),
@@ -265,7 +274,9 @@ class Tuner:
                    incumbent: TunedPolicy) -> tuple[TunedPolicy | None, str]:
         if outcome.best is None:
             return None, "no trial satisfied the constraints (KV capacity, p95 TPOT)"
-        candidate = outcome.best
+        # rebuilt through the constructor's checks: an outcome unpickled from the search
+        # process skipped them (PolicyError here fails the retune, naming the field)
+        candidate = TunedPolicy.from_dict(outcome.best.to_dict())
         best, current = _goodput(outcome.predicted) or 0.0, outcome.incumbent["goodput"]
         if _shape(candidate) == _shape(incumbent):
             return None, "the serving policy is still the best found"

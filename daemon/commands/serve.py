@@ -3,19 +3,24 @@
 Settings come from flags > CROSSOVER_* environment > --config TOML >
 defaults (daemon.settings). Lifecycle:
 
-1. open the telemetry database (--db, else $CROSSOVER_DB or ./crossover.db):
+1. bind the listening socket(s) first, so a port in use costs no model load
+   (one line on stderr, exit 2);
+2. open the telemetry database (--db, else $CROSSOVER_DB or ./crossover.db):
    an empty one gets the schema; one at an older schema revision is refused
    (exit 2) with the `crossover db upgrade --db URL` command to run;
-2. load the engine (progress on stderr: a bar on a terminal, else JSON log
-   events), build the app, start listening;
+3. load the engine (progress on stderr: a bar on a terminal, else JSON log
+   events; a load error is one line on stderr, exit 2), build the app,
+   start serving on the bound socket(s);
    the engine thread warms up meanwhile (/ready is 503 until it is done);
-3. on SIGTERM or SIGINT: stop admitting (new requests get 503), let
+4. on SIGTERM or SIGINT: stop admitting (new requests get 503), let
    in-flight requests finish until --drain-deadline, abort the rest;
    a second signal aborts at once;
-4. shut the server down, stop the engine thread, flush telemetry, exit 0.
+5. shut the server down, stop the engine thread, flush telemetry, exit 0.
 
-/metrics is unauthenticated, as in vLLM: bind to a private address or put a
-proxy in front if its tenant names and load figures are not for everyone.
+/metrics is unauthenticated, as in vLLM, unless --metrics-require-admin puts
+it behind the admin token. The admin token is best given by
+--admin-token-file or CROSSOVER_ADMIN_TOKEN: on the command line it is
+visible in the process list (a warning is logged).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from typing import Any
@@ -35,7 +41,9 @@ SETTING_FLAGS = (
     "host", "port", "model", "dtype", "kv_budget_bytes", "max_batch", "max_context", "db_url",
     "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
     "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
-    "speculation", "heads", *SECTION_KEYS,
+    "speculation", "heads", "stream_write_timeout_s", "stream_idle_timeout_s", "admin_token_file",
+    "metrics_require_admin", "open_non_loopback", "tenant_max_concurrent_share",
+    "engine_max_restarts", "engine_restart_backoff_s", *SECTION_KEYS,
 )
 SHUTDOWN_GRACE_S = 2.0
 """Runner shutdown timeout once draining is over (idle connections only)."""
@@ -66,14 +74,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--max-waiting", type=int, help="queued requests beyond max-batch before 429 (default 256)")
     add("--drain-deadline", dest="drain_deadline_s", type=float, metavar="SECONDS",
         help="on SIGTERM, how long in-flight requests may finish (default 30)")
+    add("--stream-write-timeout", dest="stream_write_timeout_s", type=float, metavar="SECONDS",
+        help="abort a stream when one write waits this long for a client that is not reading "
+             "(default 30)")
+    add("--stream-idle-timeout", dest="stream_idle_timeout_s", type=float, metavar="SECONDS",
+        help="abort a stream whose client takes none of the bytes waiting for it this long (default 60)")
+    add("--engine-max-restarts", type=int, metavar="N",
+        help="in-process restarts of the engine loop after faults no request owns, before the "
+             "daemon exits (default 3)")
+    add("--engine-restart-backoff", dest="engine_restart_backoff_s", type=float, metavar="SECONDS",
+        help="wait before the first engine loop restart, doubling each time (default 0.5)")
     add("--log-level", choices=("debug", "info", "warning", "error"))
-    add("--admin-token", help="bearer token for /admin/* (prefer CROSSOVER_ADMIN_TOKEN)")
+    add("--admin-token", help="bearer token for /admin/* (visible in the process list: prefer "
+                              "--admin-token-file or CROSSOVER_ADMIN_TOKEN)")
+    add("--admin-token-file", metavar="FILE", help="file whose first line is the admin token")
+    add("--metrics-require-admin", action=argparse.BooleanOptionalAction, default=None,
+        help="serve /metrics only to the admin token (default off: anyone, as in vLLM)")
     add("--open", dest="open_mode", action=argparse.BooleanOptionalAction, default=None,
         help="serve without API keys (default: only when bound to loopback)")
+    add("--open-non-loopback", action=argparse.BooleanOptionalAction, default=None,
+        help="accept --open on a non-loopback host: anyone who reaches the port may use it")
     add("--max-tokens", type=int, metavar="N",
         help="most completion tokens per request (a tenant's own limit overrides it)")
     add("--tenant-max-queued", type=int, metavar="N",
         help="requests of one tenant that may wait past its max-concurrent (default 0)")
+    add("--tenant-max-concurrent-share", type=float, metavar="X",
+        help="share of max-batch a keyed tenant without its own max-concurrent may have in flight "
+             "(default 0.5; none: no limit)")
     add("--tenant-cache-s", type=float, metavar="SECONDS",
         help="how long API key lookups are cached (default 5)")
     add_section_flags(p.add_argument_group(
@@ -94,11 +121,60 @@ def run(args: argparse.Namespace) -> int:
         print(f"crossover serve: error: {exc}", file=sys.stderr)
         return 2
     jsonlog.configure(settings.log_level)
-    database = _open_database(settings)
-    if database is None:
+    if args.admin_token is not None:
+        jsonlog.log_event(log, "the admin token was given on the command line, where other users can "
+                          "read it; use --admin-token-file or CROSSOVER_ADMIN_TOKEN",
+                          level=logging.WARNING)
+    sockets = bind(settings.host, settings.port)
+    if sockets is None:
         return 2
-    engine = _load_engine(settings, args)
-    return asyncio.run(serve(settings, engine, database=database))
+    database = _open_database(settings)
+    engine = None if database is None else _load_or_report(settings, args)
+    if engine is None:
+        for sock in sockets:
+            sock.close()
+        if database is not None:
+            database.engine.dispose()
+        return 2
+    return asyncio.run(serve(settings, engine, database=database, sockets=sockets))
+
+
+def bind(host: str, port: int) -> list[socket.socket] | None:
+    """Sockets bound to every address of host:port (as asyncio's server would bind them), or
+    None after printing why not: checked before the model loads, then served from."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        print(f"crossover serve: error: cannot resolve host {host!r}: {exc.strerror}", file=sys.stderr)
+        return None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        print(f"crossover serve: error: cannot listen on {host}:{port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return None
+    return sockets
+
+
+def _load_or_report(settings: Any, args: argparse.Namespace) -> Any:
+    """The engine, or None after printing one line on why it could not be loaded."""
+    try:
+        return _load_engine(settings, args)
+    except Exception as exc:  # any loader failure: missing file, bad weights, out of memory, ...
+        log.debug("model load failed", exc_info=True)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        print(f"crossover serve: error: cannot load the model {settings.model or '(the default)'}: "
+              f"{type(exc).__name__}: {first}", file=sys.stderr)
+        return None
 
 
 def _open_database(settings: Any) -> Any:
@@ -146,8 +222,12 @@ def _load_engine(settings: Any, args: argparse.Namespace) -> Any:
     return engine
 
 
-async def serve(settings: Any, engine: Any, sink: Any = None, database: Any = None) -> int:
-    """Serve until SIGTERM/SIGINT, then drain and return the exit code."""
+async def serve(settings: Any, engine: Any, sink: Any = None, database: Any = None,
+                sockets: list[socket.socket] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT, then drain and return the exit code.
+
+    `sockets` (from `bind`) are served from; without them it binds settings.host:port itself.
+    """
     from aiohttp import web
 
     from daemon.app import drain, make_app
@@ -164,7 +244,10 @@ async def serve(settings: Any, engine: Any, sink: Any = None, database: Any = No
     exit_code = 0
     watcher = asyncio.create_task(_watch_engine(app[ENGINE_THREAD], stop))
     try:
-        await web.TCPSite(runner, settings.host, settings.port).start()
+        sites = ([web.SockSite(runner, sock) for sock in sockets] if sockets
+                 else [web.TCPSite(runner, settings.host, settings.port)])
+        for site in sites:
+            await site.start()
         host, port = runner.addresses[0][:2]
         log_event(log, "listening", url=f"http://{host}:{port}", port=port, open_mode=settings.is_open)
         if settings.is_open and not _loopback(settings.host):

@@ -1,8 +1,9 @@
 """`DaemonCollector`: the /metrics values read from the app when it is scraped.
 
-The engine's `status()` gives the gauges (KV pages, queue, running, policy
-version) and the compile counters; the app's state gives the requests in
-flight, per tenant from the tenant gates; the recorder gives its dropped rows.
+The engine's `status()` gives the gauges (KV pages, KV usage as a fraction
+labelled with the model name, queue, running, policy version) and the compile
+counters; the app's state gives the requests in flight, per tenant from the
+tenant gates; the recorder gives its dropped rows.
 Retunes by status come from the database (`store.history.retune_counts`),
 which is blocking: the /metrics route refreshes `retunes` in a worker thread
 before each scrape, and `collect()` reports the last counts it was given.
@@ -21,7 +22,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
 from daemon import state as st
-from daemon.metrics.sink import P
+from daemon.metrics.sink import MODEL_LABEL, P
 from store import history
 from store.db import session_scope
 from store.models import RETUNE_STATUSES
@@ -36,16 +37,31 @@ ENGINE_GAUGES = (  # (status() key, metric, help)
 )
 
 
+def kv_usage(status: dict[str, Any]) -> float:
+    """KV pages in use over the pages tenants may use, within [0, 1] (0 with no pool).
+
+    >>> kv_usage({"kv_pages_used": 3, "kv_pages_total": 12}), kv_usage({"kv_pages_total": 0})
+    (0.25, 0.0)
+    """
+    total = status.get("kv_pages_total") or 0
+    return min(1.0, max(0.0, (status.get("kv_pages_used") or 0) / total)) if total > 0 else 0.0
+
+
 def retune_counts(db: Engine) -> dict[str, int]:
     """Retunes recorded in the database, by status (blocking: run in a thread)."""
     with session_scope(db) as session:
         return history.retune_counts(session)
 
 
-def engine_metrics(status: dict[str, Any]) -> list[Metric]:
+def engine_metrics(status: dict[str, Any], model_name: str) -> list[Metric]:
     """Gauges from `engine.status()`; the compile count is a counter."""
     out: list[Metric] = [GaugeMetricFamily(P + name, text, value=status.get(key) or 0)
                          for key, name, text in ENGINE_GAUGES]
+    usage = GaugeMetricFamily(P + "kv_cache_usage_perc",
+                              "Fraction of the tenants' KV pages in use (1 means all).",
+                              labels=[MODEL_LABEL])
+    usage.add_metric([model_name], kv_usage(status))
+    out.append(usage)
     out.append(CounterMetricFamily(P + "compiles", "XLA compilations since the start.",
                                    value=status.get("compile_count") or 0))
     if status.get("compiles_since_warmup") is not None:
@@ -66,9 +82,13 @@ class DaemonCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         app = self._app
-        yield from engine_metrics(app[st.ENGINE].status())
+        engine = app[st.ENGINE]
+        yield from engine_metrics(engine.status(), engine.model_name)
         yield GaugeMetricFamily(P + "http_requests_in_flight", "Generation requests being handled.",
                                 value=app[st.STATE].in_flight)
+        yield CounterMetricFamily(P + "engine_restarts",
+                                  "Engine-loop restarts after faults no request owned (device errors).",
+                                  value=app[st.ENGINE_THREAD].restarts)
         tenants = GaugeMetricFamily(
             P + "tenant_requests_in_flight",
             "Requests of each tenant running in the daemon or waiting for a slot.",

@@ -1,14 +1,15 @@
 """The app's metrics registry and the `GET /metrics` route.
 
-1. `install(app)` (from `make_app`) builds one `CollectorRegistry` for the app: the engine
-   thread's `EngineMetrics` (returned, to be wired in as a Sink), the app's
+1. `install(app, model_name)` (from `make_app`) builds one `CollectorRegistry` for the
+   app: the engine thread's `EngineMetrics` (returned, to be wired in as a Sink), the app's
    `DaemonCollector`, and prometheus_client's process and platform collectors
    (CPU seconds, resident memory, open fds, start time; Python version).
 2. A scrape reads the retune counts from the database in a worker thread,
    then renders the registry on the event loop with the encoder that
    `prometheus_client.exposition.choose_encoder` picks from the Accept header:
    OpenMetrics (`application/openmetrics-text`) when the scraper asks for it,
-   else the Prometheus text format (version 0.0.4).
+   else the Prometheus text format (version 0.0.4). With the setting
+   `metrics_require_admin` a scrape must carry the admin token as its bearer.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry, PlatformCollector, ProcessColle
 from prometheus_client.exposition import choose_encoder
 
 from daemon import state as st
+from daemon.admin import check_admin
 from daemon.metrics.collector import DaemonCollector, retune_counts
 from daemon.metrics.sink import EngineMetrics
 
@@ -27,12 +29,13 @@ REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
 COLLECTOR = web.AppKey("metrics_collector", DaemonCollector)
 
 
-def install(app: web.Application) -> EngineMetrics:
-    """Give `app` its registry (serve it with `metrics`); return the engine-thread sink."""
+def install(app: web.Application, model_name: str) -> EngineMetrics:
+    """Give `app` its registry (serve it with `metrics`); return the engine-thread sink, whose
+    request histograms carry `model_name` (the engine's) as their `model_name` label."""
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
-    sink = EngineMetrics(registry)
+    sink = EngineMetrics(registry, model_name)
     app[COLLECTOR] = DaemonCollector(app)
     registry.register(app[COLLECTOR])
     app[REGISTRY] = registry
@@ -40,7 +43,10 @@ def install(app: web.Application) -> EngineMetrics:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """The registry in the scraper's format; with `metrics_require_admin`, only for the admin token."""
     app = request.app
+    if app[st.SETTINGS].metrics_require_admin:
+        check_admin(request)  # 401 without a bearer, 403 with another one
     db = app.get(st.DATABASE)
     if db is not None:
         app[COLLECTOR].retunes = await asyncio.to_thread(retune_counts, db.engine)

@@ -13,7 +13,7 @@ from daemon.settings import Settings
 
 LIMIT_FIELDS: dict[str, str] = {
     "max_concurrent": "requests in flight at once; more wait (max_queued) or get 429 "
-                      "(default: no limit)",
+                      "(default: the daemon's tenant_max_concurrent_share of max_batch)",
     "max_queued": "requests that may wait for a slot once max_concurrent are in flight; "
                   "more get 429 (default: the daemon's tenant_max_queued)",
     "max_tokens": "most completion tokens one request may ask for; more is a 400 "
@@ -47,18 +47,22 @@ class TenantInfo:
 
 
 def default_limits(settings: Settings) -> TenantLimits:
-    """Limits of the open-mode tenant and the fallback for tenants without their own."""
+    """Limits of the open-mode tenant: no max_concurrent, since that tenant is every caller."""
     return TenantLimits(None, settings.tenant_max_queued, settings.max_tokens)
 
 
 def limits_for(row: Any, settings: Settings) -> TenantLimits:
     """The limits of a `store.models.Tenant` row.
 
-    The row's `max_queued` and `max_tokens` (schema revision 0003) override the
-    daemon-wide defaults (`tenant_max_queued`, `max_tokens`); NULL keeps them.
+    The row's `max_concurrent`, `max_queued` and `max_tokens` (the last two
+    since schema revision 0003) override the daemon-wide defaults
+    (`tenant_max_concurrent_share` of `max_batch`, `tenant_max_queued`,
+    `max_tokens`); NULL keeps them. The default share keeps one tenant from
+    taking every slot of the batch.
     """
     return TenantLimits(
-        max_concurrent=row.max_concurrent,
+        max_concurrent=(settings.tenant_default_max_concurrent if row.max_concurrent is None
+                        else row.max_concurrent),
         max_queued=settings.tenant_max_queued if row.max_queued is None else row.max_queued,
         max_tokens=settings.max_tokens if row.max_tokens is None else row.max_tokens,
     )

@@ -1,18 +1,28 @@
-"""Bad requests: each a 4xx with an OpenAI-style error naming the param; the engine never sees them."""
+"""Bad requests: each a 4xx with an OpenAI-style error naming the param; the engine never sees them.
+
+Every case runs twice: against the fake engine and against the real engine
+path (EngineCore over the tiny random model), since the HTTP parser and
+`EngineCore.add_request` share one set of rules (engine.types) and a value the
+fake ignores (a seed of -1) once took the real engine loop down.
+"""
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from daemon.app import request_log
+from daemon.state import ENGINE_THREAD, STATE
 from daemon.tenants.auth import AUTH
 from daemon.tenants.limits import TenantInfo, TenantLimits
-from engine.fake import FakeEngine
-from tests.daemon.helpers import MODEL, LiveServer, http_request
+from engine.fake import BYTE_OFFSET, FakeEngine
+from engine.types import ParamError, Request, SamplingParams
+from tests.daemon.helpers import MODEL, LiveServer, http_request, wait_for
 
 CTX = 256
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -59,27 +69,23 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("temperature-string", C, comp(temperature="hot"), 400, "temperature"),
     ("top-p-zero", C, comp(top_p=0), 400, "top_p"),
     ("top-p-high", C, comp(top_p=1.5), 400, "top_p"),
-    ("top-k-negative", C, comp(top_k=-1), 400, "top_k"),
     ("top-k-float", C, comp(top_k=2.5), 400, "top_k"),
     ("top-k-huge", C, comp(top_k=10**6), 400, "top_k"),
     ("seed-string", C, comp(seed="x"), 400, "seed"),
     ("stop-too-many", C, comp(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     ("stop-empty-string", C, comp(stop=[""]), 400, "stop"),
     ("stop-wrong-type", C, comp(stop=5), 400, "stop"),
-    ("n-two", C, comp(n=2), 400, "n"),
-    ("echo", C, comp(echo=True), 400, "echo"),
-    ("best-of", C, comp(best_of=3), 400, "best_of"),
-    ("logprobs-too-many", C, comp(logprobs=10), 400, "logprobs"),
     ("stream-not-bool", C, comp(stream="yes"), 400, "stream"),
     ("ignore-eos-not-bool", C, comp(ignore_eos="yes"), 400, "ignore_eos"),
     ("stream-options-without-stream", C, comp(stream_options={"include_usage": True}), 400, "stream_options"),
-    ("token-id-out-of-vocab", C, comp(prompt=[2, 99999]), 400, None),
+    ("token-id-out-of-vocab", C, comp(prompt=[2, 99999]), 400, "prompt"),
     ("chat-missing-messages", CHAT, without(chat(), "messages"), 400, "messages"),
     ("chat-messages-string", CHAT, chat(messages="hi"), 400, "messages"),
     ("chat-messages-empty", CHAT, chat(messages=[]), 400, "messages"),
     ("chat-message-not-object", CHAT, chat(messages=[1]), 400, "messages[0]"),
     ("chat-role-missing", CHAT, chat(messages=[{"content": "x"}]), 400, "messages[0].role"),
-    ("chat-role-unknown", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "messages"),
+    ("chat-role-unknown", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400,
+     "messages[0].role"),
     ("chat-content-number", CHAT, chat(messages=[{"role": "user", "content": 5}]),
      400, "messages[0].content"),
     ("chat-image-part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
@@ -88,19 +94,121 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("chat-top-logprobs-alone", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
     ("chat-over-context", CHAT, chat(messages=[{"role": "user", "content": "y" * 400}]), 400, "messages"),
     ("chat-unknown-model", CHAT, chat(model="nope"), 404, "model"),
+    ("top-k-below-off", C, comp(top_k=-2), 400, "top_k"),
+    ("temperature-overflow", C, b'{"model": "fake-reverse", "prompt": "a", "temperature": 1e999}', 400,
+     "temperature"),
+    ("seed-too-large", C, comp(seed=2**64), 400, "seed"),
+    ("seed-too-small", C, comp(seed=-(2**63) - 1), 400, "seed"),
+    ("seed-float", C, comp(seed=1.5), 400, "seed"),
+    ("stop-too-long", C, comp(stop=["s" * 201]), 400, "stop"),
+    ("stop-token-ids-type", C, comp(stop_token_ids="1"), 400, "stop_token_ids"),
+    ("stop-token-ids-negative", C, comp(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    ("stop-token-ids-out-of-vocab", C, comp(stop_token_ids=[10**6]), 400, "stop_token_ids"),
+    ("stop-token-ids-too-many", C, comp(stop_token_ids=list(range(3, 36))), 400, "stop_token_ids"),
+    ("top-logprobs-over-20", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("user-not-string", C, comp(user=5), 400, "user"),
+    ("user-too-long", CHAT, chat(user="u" * 300), 400, "user"),
+    ("metadata-not-object", CHAT, chat(metadata="x"), 400, "metadata"),
+    ("chat-two-max-tokens-disagree", CHAT, chat(max_tokens=5, max_completion_tokens=6), 400, "max_tokens"),
+    ("chat-max-completion-over-context", CHAT, chat(max_completion_tokens=CTX), 400,
+     "max_completion_tokens"),
+]
+
+UNSUPPORTED: list[tuple[str, str, dict[str, Any], str]] = [
+    # (case id, path, body, the param the 400 unsupported_parameter names)
+    ("unknown-key", C, comp(frobnicate=1), "frobnicate"),
+    ("unknown-key-chat", CHAT, chat(temprature=0.5), "temprature"),
+    ("n-two", C, comp(n=2), "n"),
+    ("n-true", C, comp(n=True), "n"),
+    ("best-of", C, comp(best_of=3), "best_of"),
+    ("echo", C, comp(echo=True), "echo"),
+    ("suffix", C, comp(suffix="x"), "suffix"),
+    ("logprobs-two", C, comp(logprobs=2), "logprobs"),
+    ("logprobs-too-many", C, comp(logprobs=10), "logprobs"),
+    ("top-logprobs-two", CHAT, chat(logprobs=True, top_logprobs=2), "top_logprobs"),
+    ("response-format-json", CHAT, chat(response_format={"type": "json_object"}), "response_format"),
+    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    ("tool-choice", CHAT, chat(tool_choice="auto"), "tool_choice"),
+    ("functions", CHAT, chat(functions=[{"name": "f"}]), "functions"),
+    ("min-tokens", C, comp(min_tokens=5), "min_tokens"),
+    ("min-p", C, comp(min_p=0.1), "min_p"),
+    ("presence-penalty", CHAT, chat(presence_penalty=0.5), "presence_penalty"),
+    ("frequency-penalty", C, comp(frequency_penalty=-1), "frequency_penalty"),
+    ("repetition-penalty", C, comp(repetition_penalty=1.2), "repetition_penalty"),
+    ("logit-bias", C, comp(logit_bias={"5": 1}), "logit_bias"),
+    ("tool-role", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+    ("message-name", CHAT, chat(messages=[{"role": "user", "content": "x", "name": "bob"}]),
+     "messages[0].name"),
+    ("message-tool-calls", CHAT, chat(messages=[{"role": "user", "content": "x"},
+                                                {"role": "assistant", "content": None, "tool_calls": []}]),
+     "messages[1].tool_calls"),
+]
+
+GOOD: list[tuple[str, str, dict[str, Any]]] = [
+    # (case id, path, body): accepted, answered with a normal completion
+    ("seed-minus-one", C, comp(seed=-1, temperature=1.0, max_tokens=4, ignore_eos=True)),
+    ("seed-min", C, comp(seed=-(2**63), temperature=0.7, max_tokens=4, ignore_eos=True)),
+    ("seed-max", CHAT, chat(seed=2**64 - 1, temperature=1.0, max_tokens=4, ignore_eos=True)),
+    ("top-k-off", C, comp(top_k=-1, temperature=1.0, max_tokens=4, ignore_eos=True)),
+    ("top-k-256", C, comp(top_k=256, temperature=1.0, max_tokens=4, ignore_eos=True)),
+    ("temperature-two", C, comp(temperature=2, max_tokens=4, ignore_eos=True)),
+    ("labels", CHAT, chat(user="alice", metadata={"team": "a"}, max_tokens=4, ignore_eos=True)),
+    ("neutral-values", CHAT, chat(n=1, presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1,
+                                  min_p=0, min_tokens=0, logit_bias={}, response_format={"type": "text"},
+                                  tool_choice="none", tools=[], store=False, max_tokens=4,
+                                  ignore_eos=True)),
+    ("nulls", C, comp(n=None, suffix=None, tools=None, max_tokens=4, ignore_eos=True)),
+    ("developer-role", CHAT, chat(messages=[{"role": "developer", "content": "be brief"},
+                                            {"role": "user", "content": "hi"}], max_tokens=4,
+                                  ignore_eos=True)),
+    ("stop-token-ids", C, comp(stop_token_ids=[3], max_tokens=4, ignore_eos=True)),
+    ("top-logprobs-one", CHAT, chat(logprobs=True, top_logprobs=1, max_tokens=4, ignore_eos=True)),
+    ("logprobs-one", C, comp(logprobs=1, max_tokens=4, ignore_eos=True)),
+    ("chat-default-max-tokens", CHAT, chat(max_tokens=None)),
 ]
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
-    srv = LiveServer(FakeEngine(max_context=CTX), max_prompt_chars=500, max_body_bytes=16384).start()
+def tiny_engine() -> Any:
+    """EngineCore over the tiny random model with a byte tokenizer, context CTX, compiled on use."""
+    import jax
+
+    from tests.engine.conftest import ChatBytes, make_engine
+    from tests.engine.tiny import init_random_params, tiny_config
+
+    cfg = tiny_config()
+    engine = make_engine((cfg, init_random_params(cfg, jax.random.PRNGKey(0))), ChatBytes(),
+                         batch_buckets=(1, 2), context_buckets=(32, CTX))
+    engine.warmup = lambda progress=True: None  # a handful of shapes compile on use instead
+    return engine
+
+
+@pytest.fixture(scope="module", params=["fake", "tiny"])
+def server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
+    engine = FakeEngine(max_context=CTX) if request.param == "fake" else tiny_engine()
+    srv = LiveServer(engine, max_prompt_chars=500, max_body_bytes=16384).start()
     yield srv
     srv.close()
 
 
+def on(server: LiveServer, body: Any) -> Any:
+    """`body` addressed to the server's model (the cases name the fake's)."""
+    model = server.engine.model_name
+    if isinstance(body, bytes):
+        return body.replace(MODEL.encode(), model.encode())
+    return {**body, "model": model} if body.get("model") == MODEL else body
+
+
+def wait_idle(server: LiveServer) -> None:
+    """No request in flight and every KV page back (either engine)."""
+    engine = server.engine
+    used = (lambda: engine.pages_used) if isinstance(engine, FakeEngine) else (lambda: engine.pool.used)
+    wait_for(lambda: (server.app[STATE].in_flight == 0 and server.app[ENGINE_THREAD].active == 0
+                      and used() == 0 and not engine.has_work()), 60.0, "server idle")
+
+
 @pytest.mark.parametrize("path,body,status,param", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_request(server: LiveServer, path: str, body: Any, status: int, param: str | None) -> None:
-    r = server.post(path, body)
+    r = server.post(path, on(server, body))
     assert r.status == status, r.data
     assert r.headers["content-type"].startswith("application/json")
     error = r.json()["error"]
@@ -110,24 +218,97 @@ def test_bad_request(server: LiveServer, path: str, body: Any, status: int, para
     assert error["type"] == "invalid_request_error"
 
 
-def test_nothing_reached_the_engine_and_a_good_request_still_works(server: LiveServer) -> None:
+@pytest.mark.parametrize("path,body,param", [c[1:] for c in UNSUPPORTED], ids=[c[0] for c in UNSUPPORTED])
+def test_unsupported_field_is_refused(server: LiveServer, path: str, body: Any, param: str) -> None:
+    r = server.post(path, on(server, body))
+    assert r.status == 400, r.data
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == (param, "unsupported_parameter")
+    assert param.split(".")[-1] in error["message"]
+
+
+def test_nothing_reached_the_engine(server: LiveServer) -> None:
+    wait_idle(server)
     assert server.sink.results == []  # validation happens before the engine
+    assert server.app[ENGINE_THREAD].ready
+
+
+@pytest.mark.parametrize("path,body", [c[1:] for c in GOOD], ids=[c[0] for c in GOOD])
+def test_good_request_is_served(server: LiveServer, path: str, body: Any) -> None:
+    before = len(server.sink.results)
+    r = server.post(path, on(server, body))
+    assert r.status == 200, r.data
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] in ("stop", "length")
+    assert r.json()["usage"]["completion_tokens"] >= 1
+    wait_idle(server)
+    assert len(server.sink.results) == before + 1 and server.app[ENGINE_THREAD].ready
+
+
+def test_negative_seed_is_its_unsigned_twin(server: LiveServer) -> None:
+    """seed -1 and 2**64 - 1 name the same generator seed: the same sampled text."""
+    texts = [server.post(C, on(server, comp(seed=s, temperature=1.0, max_tokens=8, ignore_eos=True,
+                                            logprobs=0))).json()["choices"][0]["logprobs"]["tokens"]
+             for s in (-1, 2**64 - 1)]
+    assert texts[0] == texts[1] and len(texts[0]) == 8
+
+
+def test_engine_refuses_what_the_parser_refuses(server: LiveServer) -> None:
+    """add_request applies the parser's rules itself (a request built in-process, no HTTP)."""
+    engine = server.engine
+    for bad, field in [(SamplingParams(top_k=-2), "top_k"), (SamplingParams(seed=2**64), "seed"),
+                       (SamplingParams(top_logprobs=2), "top_logprobs"),
+                       (SamplingParams(stop=("",)), "stop"), (SamplingParams(temperature=float("nan")),
+                                                              "temperature"),
+                       (SamplingParams(max_tokens=CTX), "max_tokens")]:
+        with pytest.raises(ParamError) as info:
+            engine.add_request(Request("direct", [2, 70, 71], bad))
+        assert info.value.field == field
+    for ids in ([2, 10**6], [], [2, -1], [2] * CTX):
+        with pytest.raises(ParamError) as info:
+            engine.add_request(Request("direct", ids, SamplingParams()))
+        assert info.value.field == "prompt_ids"
+    assert not engine.has_work()
+
+
+def test_fake_answers_good_requests_exactly(server: LiveServer) -> None:
+    if not isinstance(server.engine, FakeEngine):
+        pytest.skip("the fake's output is checkable by hand")
     r = server.post(C, comp(max_tokens=20))
     assert r.status == 200 and r.json()["choices"][0]["text"] == "olleh"
     r = server.post(CHAT, chat())
     assert r.status == 200 and r.json()["choices"][0]["message"]["content"] == "user: hi\nassistant: "[::-1]
-    server.wait_idle()
-    assert len(server.sink.results) == 2
+    # stop_token_ids: the fake answers "hello" with "olleh"; the id of "l" ends it after "o"
+    r = server.post(C, comp(max_tokens=20, stop_token_ids=[ord("l") + BYTE_OFFSET])).json()
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == ("o", "stop")
+    # the developer role is the system role
+    dev = server.post(CHAT, chat(messages=[{"role": "developer", "content": "x"},
+                                           {"role": "user", "content": "hi"}])).json()
+    assert dev["choices"][0]["message"]["content"] == "system: x\nuser: hi\nassistant: "[::-1]
+
+
+def test_user_label_goes_to_the_request_log_line(server: LiveServer,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    def logged() -> bool:
+        fields = [getattr(r, "crossover_fields", {}) for r in caplog.records if r.name == request_log.name]
+        return any(f.get("user") == "alice-42" and f.get("status") == 200 for f in fields)
+
+    with caplog.at_level(logging.INFO, logger=request_log.name):
+        assert server.post(C, on(server, comp(user="alice-42", max_tokens=2))).status == 200
+        wait_for(logged, 10.0, "the request's log line")
+    wait_idle(server)
 
 
 def test_ignore_eos_generates_exactly_max_tokens(server: LiveServer) -> None:
-    # the fake answers "hello" with "olleh" then EOS: 6 tokens, unless EOS is ignored
-    assert server.post(C, comp(max_tokens=20)).json()["usage"]["completion_tokens"] == 6
-    r = server.post(C, comp(max_tokens=20, ignore_eos=True)).json()
+    r = server.post(C, on(server, comp(max_tokens=20, ignore_eos=True))).json()
     assert r["usage"]["completion_tokens"] == 20 and r["choices"][0]["finish_reason"] == "length"
-    assert r["choices"][0]["text"].startswith("ollehollehol")
-    r = server.post(CHAT, chat(max_tokens=9, ignore_eos=True)).json()
+    r = server.post(CHAT, on(server, chat(max_tokens=9, ignore_eos=True))).json()
     assert r["usage"]["completion_tokens"] == 9
+    if isinstance(server.engine, FakeEngine):
+        # the fake answers "hello" with "olleh" then EOS: 6 tokens, unless EOS is ignored
+        assert server.post(C, comp(max_tokens=20)).json()["usage"]["completion_tokens"] == 6
+        r = server.post(C, comp(max_tokens=20, ignore_eos=True)).json()
+        assert r["choices"][0]["text"].startswith("ollehollehol")
 
 
 def test_unknown_route_and_method_are_json_errors(server: LiveServer) -> None:

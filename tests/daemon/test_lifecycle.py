@@ -55,7 +55,7 @@ class BrokenEngine(FakeEngine):
 
 
 def test_engine_failure_turns_health_red(live: Callable[..., LiveServer]) -> None:
-    server = live(BrokenEngine())
+    server = live(BrokenEngine(), engine_max_restarts=0)  # no restart: the first fault is final
     r = server.post("/v1/completions", {"model": MODEL, "prompt": "a"})
     assert r.status == 500 and r.json()["error"]["code"] == "engine_error"
     assert server.get("/health").status == 503
@@ -216,3 +216,81 @@ def test_engine_thread_exposed_on_app(live: Callable[..., LiveServer]) -> None:
     server = live()
     thread = server.app[ENGINE_THREAD]
     assert thread.ready and thread.active == 0 and thread.engine is server.engine
+
+
+def _serve_once(tmp_path: Path, *flags: str, env: dict[str, str] | None = None,
+                preload: str = "") -> subprocess.CompletedProcess[str]:
+    """Run `crossover serve` (with `preload` Python run first in the process) until it exits."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CROSSOVER_")}
+    db = f"sqlite:///{tmp_path / 'telemetry.db'}"
+    code = f"import sys\n{preload}\nfrom daemon.cli import main\nsys.exit(main(sys.argv[1:]))"
+    cmd = [sys.executable, "-c", code, "serve", "--db", db, *flags]
+    return subprocess.run(cmd, check=False, cwd=REPO, env={**base, **(env or {})},
+                          capture_output=True, text=True, timeout=60)
+
+
+def _error_line(done: subprocess.CompletedProcess[str]) -> str:
+    """The one line a refused start prints (JSON log lines aside); asserts exit 2, no traceback."""
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("{")]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("crossover serve: error: ")
+    return lines[0]
+
+
+def test_a_port_in_use_is_one_line_and_exit_2_before_the_model_loads(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _serve_once(tmp_path, "--fake-engine", "--port", str(port))
+    assert f"cannot listen on 127.0.0.1:{port}" in _error_line(done)
+    assert "using the fake engine" not in done.stderr and "loading model" not in done.stderr
+    assert not (tmp_path / "telemetry.db").exists()  # refused before the database too
+
+
+def test_a_model_load_error_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    stub = ("import types\nloader = types.ModuleType('engine.loader')\n"
+            "def load_engine(**kw):\n    raise FileNotFoundError('no config.json in /models/nope')\n"
+            "loader.load_engine = load_engine\nsys.modules['engine.loader'] = loader")
+    done = _serve_once(tmp_path, "--port", "0", "--model", "/models/nope", preload=stub)
+    line = _error_line(done)
+    assert "cannot load the model /models/nope" in line
+    assert "FileNotFoundError: no config.json in /models/nope" in line
+
+
+def test_open_on_a_public_host_is_refused_without_the_second_flag(tmp_path: Path) -> None:
+    done = _serve_once(tmp_path, "--fake-engine", "--host", "0.0.0.0", "--port", "0", "--open")
+    assert "--open-non-loopback" in _error_line(done)
+
+
+def test_an_admin_token_on_the_command_line_is_warned_about(tmp_path: Path) -> None:
+    proc, port, log_path = _start_daemon(tmp_path, "--admin-token", "s3cret",
+                                         "--metrics-require-admin")
+    try:
+        assert http_request(port, "GET", "/metrics").status == 401
+        auth = {"Authorization": "Bearer s3cret"}
+        assert http_request(port, "GET", "/metrics", headers=auth).status == 200
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    warnings = [line["msg"] for line in _json_lines(log_path) if line.get("level") == "warning"]
+    assert any("admin token was given on the command line" in msg for msg in warnings)
+    assert "s3cret" not in log_path.read_text()
+
+
+def test_the_admin_token_file_works_without_a_warning(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("from-a-file\n")
+    proc, port, log_path = _start_daemon(tmp_path, "--admin-token-file", str(token_file))
+    try:
+        auth = {"Authorization": "Bearer from-a-file"}
+        assert http_request(port, "GET", "/admin/status", headers=auth).status == 200
+        assert http_request(port, "GET", "/admin/status").status == 401
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert "command line" not in log_path.read_text()

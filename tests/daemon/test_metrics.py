@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Callable
 
 from prometheus_client import generate_latest
@@ -11,11 +13,12 @@ from prometheus_client.openmetrics.parser import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.metrics.sink import EngineMetrics
+from daemon.metrics.sink import REQUEST_HISTOGRAMS, EngineMetrics, request_times
+from engine.fake import FakeEngine
 from engine.types import RequestResult, StepStats
 from store.db import make_engine, session_scope
 from store.history import finish_retune, start_retune
-from tests.daemon.helpers import MODEL, LiveServer
+from tests.daemon.helpers import MODEL, LiveServer, wait_for
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
@@ -39,22 +42,28 @@ def parse(text: str, openmetrics: bool = False) -> Samples:
 
 
 def _check_histogram(name: str, samples: Samples) -> None:
-    """Buckets cumulative and ending at +Inf, `_count` equal to the +Inf bucket."""
-    buckets = sorted((float(dict(labels)["le"]), v) for (n, labels), v in samples.items()
-                     if n == name + "_bucket")
-    counts = [v for _, v in buckets]
-    assert buckets[-1][0] == math.inf and counts == sorted(counts), name
-    assert samples[(name + "_count", frozenset())] == counts[-1], name
+    """Per label set: buckets cumulative and ending at +Inf, `_count` equal to the +Inf bucket."""
+    series: dict[frozenset[tuple[str, str]], list[tuple[float, float]]] = {}
+    for (n, labels), v in samples.items():
+        if n == name + "_bucket":
+            le = dict(labels)["le"]
+            series.setdefault(labels - {("le", le)}, []).append((float(le), v))
+    assert series, name
+    for labels, found in series.items():
+        buckets = sorted(found)
+        counts = [v for _, v in buckets]
+        assert buckets[-1][0] == math.inf and counts == sorted(counts), name
+        assert samples[(name + "_count", labels)] == counts[-1], name
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
-def bucket(samples: Samples, name: str, le: float) -> float:
+def bucket(samples: Samples, name: str, le: float, **labels: str) -> float:
     """The `le` bucket of histogram `name` (prometheus_client writes 2 as "2.0")."""
-    found = [v for (n, labels), v in samples.items()
-             if n == name + "_bucket" and float(dict(labels)["le"]) == le]
+    found = [v for (n, ls), v in samples.items() if n == name + "_bucket"
+             and float(dict(ls)["le"]) == le and ls - {("le", dict(ls)["le"])} == set(labels.items())]
     assert len(found) == 1, (name, le, found)
     return found[0]
 
@@ -158,3 +167,135 @@ def test_apps_keep_separate_registries() -> None:
                  tenant="a", finish_reason="stop") == 1
     assert value(parse(generate_latest(second.registry).decode()), "crossover_requests_total",
                  tenant="a", finish_reason="stop") == 0
+
+
+LATENCY = {"e2e": "crossover_e2e_request_latency_seconds",
+           "ttft": "crossover_time_to_first_token_seconds",
+           "tpot": "crossover_time_per_output_token_seconds",
+           "queue": "crossover_request_queue_time_seconds"}
+"""request_times key -> the histogram /metrics shows it in."""
+BOUNDS = {key: bounds for key, _, _, bounds in REQUEST_HISTOGRAMS}
+
+
+def post_all(server: LiveServer, bodies: list[dict]) -> list[int]:
+    """POST every body to /v1/completions at once (one thread each); their statuses."""
+    statuses: list[int] = [0] * len(bodies)
+
+    def one(i: int) -> None:
+        statuses[i] = server.post("/v1/completions", bodies[i]).status
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return statuses
+
+
+def test_request_histograms_follow_the_requests(live: Callable[..., LiveServer]) -> None:
+    # One sequence at a time, 20 ms a step: the requests queue behind each other.
+    server = live(engine=FakeEngine(max_batch=1, step_delay_s=0.02))
+    before = scrape(server)
+    for name in LATENCY.values():  # the series exist, empty, before any request
+        assert (name + "_count", frozenset({("model_name", MODEL)})) in before
+        assert value(before, name + "_count", model_name=MODEL) == 0
+    start = time.time()
+    bodies = [{"model": MODEL, "prompt": p, "max_tokens": m}
+              for p, m in (("abc", 3), ("hello", 8), ("x", 1), ("wxyz", 2))]
+    assert post_all(server, bodies) == [200] * 4
+    elapsed = time.time() - start
+    server.wait_idle()
+    samples = scrape(server)
+    results = server.sink.results  # the same RequestResults the metrics sink saw
+    assert len(results) == 4
+    # By prompt size (BOS + bytes): "x" 1 token (length), "abc" 3 (length), "wxyz" 2 (length),
+    # "hello" 6 ("olleh", then EOS).
+    assert [r.output_tokens for r in sorted(results, key=lambda r: r.prompt_tokens)] == [1, 3, 2, 6]
+    times = [request_times(r) for r in results]
+    for key, name in LATENCY.items():
+        observed = [t[key] for t in times if key in t]
+        assert value(samples, name + "_count", model_name=MODEL) == len(observed), key
+        assert math.isclose(value(samples, name + "_sum", model_name=MODEL), sum(observed),
+                            rel_tol=1e-9, abs_tol=1e-12), key
+        for le in BOUNDS[key]:
+            assert bucket(samples, name, le, model_name=MODEL) == sum(v <= le for v in observed)
+    assert len([t for t in times if "tpot" in t]) == 3  # not "x": one token has no interval
+    for t in times:
+        assert 0 <= t["queue"] <= t["ttft"] <= t["e2e"] <= elapsed
+    # The last one served waited while the others ran: 6 steps at the least (1 + 3 + 2).
+    assert max(t["queue"] for t in times) >= 0.08
+    assert value(samples, "crossover_num_preemptions_total", model_name=MODEL) == 0
+
+
+def test_kv_cache_usage_is_a_fraction_that_moves(live: Callable[..., LiveServer]) -> None:
+    server = live(engine=FakeEngine(num_pages=64, page_size=16, step_delay_s=0.05))
+
+    def usage() -> float:
+        return value(scrape(server), "crossover_kv_cache_usage_perc", model_name=MODEL)
+
+    assert usage() == 0
+    # "abcdefg": BOS + 7 bytes; with max_tokens 56 it holds ceil(64 / 16) = 4 of the 64 pages
+    # for the 8 steps it runs (7 letters, then EOS).
+    thread = threading.Thread(target=post_all, args=(
+        server, [{"model": MODEL, "prompt": "abcdefg", "max_tokens": 56}]))
+    thread.start()
+    seen: list[float] = []
+    wait_for(lambda: seen.append(usage()) or seen[-1] > 0, what="KV usage above zero")
+    assert seen[-1] == 4 / 64 and all(0 <= u <= 1 for u in seen)
+    thread.join(10)
+    server.wait_idle()
+    assert usage() == 0
+
+
+def test_preemptions_and_model_label_follow_step_stats() -> None:
+    metrics = EngineMetrics(model_name="gemma")
+    text = generate_latest(metrics.registry).decode()
+    assert 'crossover_num_preemptions_total{model_name="gemma"} 0.0' in text
+    metrics.on_step(StepStats(batch_size=4, preempted=2))
+    metrics.on_step(StepStats(batch_size=4, preempted=1))
+    metrics.on_result(RequestResult("r1", "t", 5, 1, 10.0, 10.5, 11.0, "length",
+                                    scheduled_time=10.25))
+    metrics.on_result(RequestResult("r2", "t", 5, 0, 10.0, None, 12.0, "abort"))  # never ran
+    samples = parse(generate_latest(metrics.registry).decode())
+    assert value(samples, "crossover_num_preemptions_total", model_name="gemma") == 3
+    assert value(samples, LATENCY["e2e"] + "_count", model_name="gemma") == 2
+    assert value(samples, LATENCY["e2e"] + "_sum", model_name="gemma") == 1.0 + 2.0
+    assert value(samples, LATENCY["ttft"] + "_sum", model_name="gemma") == 0.5
+    assert value(samples, LATENCY["tpot"] + "_count", model_name="gemma") == 0  # one token only
+    assert value(samples, LATENCY["queue"] + "_count", model_name="gemma") == 1
+    assert bucket(samples, LATENCY["queue"], 0.2, model_name="gemma") == 0
+    assert bucket(samples, LATENCY["queue"], 0.3, model_name="gemma") == 1
+    # vLLM's bounds: e2e 1.0 lands in le=1.0, 2.0 in le=2.0; ttft 0.5 in le=0.5
+    assert bucket(samples, LATENCY["e2e"], 0.8, model_name="gemma") == 0
+    assert bucket(samples, LATENCY["e2e"], 1.0, model_name="gemma") == 1
+    assert bucket(samples, LATENCY["e2e"], 2.0, model_name="gemma") == 2
+    assert bucket(samples, LATENCY["ttft"], 0.25, model_name="gemma") == 0
+    assert bucket(samples, LATENCY["ttft"], 0.5, model_name="gemma") == 1
+
+
+def test_real_engine_reports_when_a_request_first_ran() -> None:
+    """EngineCore (the tiny model): scheduled_time is the first step that ran a request; a
+    request aborted while it waited has none."""
+    import jax
+
+    from engine.runner import enable_persistent_cache
+    from engine.types import Request, SamplingParams
+    from tests.engine.conftest import make_engine
+    from tests.engine.tiny import init_random_params, tiny_config
+
+    enable_persistent_cache()  # as the engine tests do: later runs skip XLA
+    cfg = tiny_config()
+    engine = make_engine((cfg, init_random_params(cfg, jax.random.PRNGKey(0))), batch_buckets=(1,))
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    for i in range(3):  # one sequence at a time: r1 waits for r0, r2 is aborted while it waits
+        engine.add_request(Request(f"r{i}", [2, 70, 71, 72], sp))
+    results = {r.request_id: r for r in engine.step().finished}  # r0 runs, r1 and r2 wait
+    engine.abort("r2")
+    while engine.has_work():
+        results.update((r.request_id, r) for r in engine.step().finished)
+    r0, r1, r2 = results["r0"], results["r1"], results["r2"]
+    assert r2.finish_reason == "abort" and r2.scheduled_time is None
+    assert r0.arrival_time <= r0.scheduled_time <= r0.first_token_time <= r0.finish_time
+    assert r0.finish_time <= r1.scheduled_time <= r1.first_token_time  # it waited for r0
+    times = request_times(r1)
+    assert times["queue"] == r1.scheduled_time - r1.arrival_time > 0

@@ -72,12 +72,45 @@ def test_chat_completion(client: openai.OpenAI) -> None:
 
 def test_chat_max_tokens_length_and_logprobs(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=4, logprobs=True, top_logprobs=2)
+                                       max_tokens=4, logprobs=True, top_logprobs=1)
     assert r.choices[0].message.content == " :tn"
     assert r.choices[0].finish_reason == "length"
     content = r.choices[0].logprobs.content
     assert [c.logprob for c in content] == [fake_logprob(i) for i in range(4)]
     assert [c.top_logprobs[0].token for c in content] == [" ", ":", "t", "n"]
+    assert all(len(c.top_logprobs) == 1 for c in content)
+
+
+def test_fields_the_server_cannot_honour_are_refused_by_name(client: openai.OpenAI) -> None:
+    """More alternatives than the engine lists, tools, structured output, unknown keys: a 400
+    unsupported_parameter naming the field, never a silent answer without it."""
+    messages = [{"role": "user", "content": "hi"}]
+    attempts = [
+        ("top_logprobs", dict(logprobs=True, top_logprobs=5)),
+        ("response_format", dict(response_format={"type": "json_object"})),
+        ("tools", dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
+        ("min_p", dict(extra_body={"min_p": 0.05})),
+        ("guided_json", dict(extra_body={"guided_json": {}})),
+    ]
+    for name, fields in attempts:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=messages, **fields)
+        error = info.value.body
+        assert (error["param"], error["code"]) == (name, "unsupported_parameter"), error
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="abc", logprobs=3)
+    assert (info.value.body["param"], info.value.body["code"]) == ("logprobs", "unsupported_parameter")
+
+
+def test_labels_developer_role_and_stop_token_ids(client: openai.OpenAI) -> None:
+    messages = [{"role": "developer", "content": "d"}, {"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, user="alice",
+                                       metadata={"team": "a"}, seed=-1, max_tokens=50)
+    assert r.choices[0].message.content == "system: d\nuser: hi\nassistant: "[::-1]
+    stop = TOK.encode("u", add_bos=False)  # the fake answers "hello" with "olleh"
+    r = client.completions.create(model=MODEL, prompt="hello", max_tokens=50,
+                                  extra_body={"stop_token_ids": TOK.encode("e", add_bos=False) + stop})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == ("oll", "stop")
 
 
 def test_streamed_completion_with_usage(client: openai.OpenAI) -> None:

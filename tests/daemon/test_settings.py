@@ -95,7 +95,51 @@ def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
      ("127.0.0.1", False, False)],
 )
 def test_open_mode_defaults_to_loopback_only(host: str, open_mode: bool | None, expected: bool) -> None:
-    assert Settings(host=host, open_mode=open_mode).is_open is expected
+    assert Settings(host=host, open_mode=open_mode, open_non_loopback=True).is_open is expected
+
+
+def test_open_mode_on_a_public_host_needs_a_second_flag() -> None:
+    with pytest.raises(SettingsError, match="open_non_loopback"):
+        Settings(host="0.0.0.0", open_mode=True)
+    with pytest.raises(SettingsError, match="10.1.2.3"):
+        load_settings({"host": "10.1.2.3"}, env={"CROSSOVER_OPEN_MODE": "1"})
+    assert load_settings({"host": "0.0.0.0", "open_mode": True, "open_non_loopback": True}, env={}).is_open
+    assert Settings(host="::1", open_mode=True).is_open  # loopback: no second flag needed
+    assert not Settings(host="0.0.0.0").is_open  # keys required: nothing to accept
+
+
+def test_the_admin_token_comes_from_a_file_or_the_environment(tmp_path: Path) -> None:
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("s3cret-from-file\nignored second line\n")
+    s = load_settings({"admin_token_file": str(token_file)}, env={})
+    assert s.admin_token == "s3cret-from-file"
+    assert load_settings({}, env={"CROSSOVER_ADMIN_TOKEN_FILE": str(token_file)}).admin_token == \
+        "s3cret-from-file"
+    assert load_settings({}, env={"CROSSOVER_ADMIN_TOKEN": "from-env"}).admin_token == "from-env"
+    with pytest.raises(SettingsError, match="not both"):
+        load_settings({"admin_token_file": str(token_file)}, env={"CROSSOVER_ADMIN_TOKEN": "x"})
+    with pytest.raises(SettingsError, match="cannot read admin_token_file"):
+        load_settings({"admin_token_file": str(tmp_path / "missing")}, env={})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SettingsError, match="is empty"):
+        load_settings({"admin_token_file": str(tmp_path / "empty")}, env={})
+
+
+def test_metrics_behind_the_admin_token_needs_a_token() -> None:
+    with pytest.raises(SettingsError, match="metrics_require_admin"):
+        Settings(metrics_require_admin=True)
+    assert Settings(metrics_require_admin=True, admin_token="t").metrics_require_admin
+
+
+def test_stream_timeouts_and_the_tenant_share_are_range_checked() -> None:
+    s = load_settings({}, env={"CROSSOVER_STREAM_WRITE_TIMEOUT_S": "2.5",
+                               "CROSSOVER_TENANT_MAX_CONCURRENT_SHARE": "none"})
+    assert (s.stream_write_timeout_s, s.stream_idle_timeout_s) == (2.5, 60.0)
+    assert s.tenant_max_concurrent_share is None and s.tenant_default_max_concurrent is None
+    for bad in ({"stream_write_timeout_s": 0.0}, {"stream_idle_timeout_s": -1.0},
+                {"tenant_max_concurrent_share": 1.5}, {"tenant_max_concurrent_share": 0.0}):
+        with pytest.raises(SettingsError, match=next(iter(bad))):
+            Settings(**bad)
 
 
 def test_settings_are_frozen() -> None:
@@ -112,12 +156,16 @@ def test_serve_flags_map_onto_settings_and_bad_values_exit_2(capsys: pytest.Capt
     serve.add_arguments(parser)
     args = parser.parse_args(["--kv-budget", "2GiB", "--no-tuner", "--drain-deadline", "3", "--open",
                               "--tuner-interval", "5", "--tuner-trials", "9", "--tuner-ranges", "4,64",
-                              "--no-tuner-search-process"])
+                              "--no-tuner-search-process", "--stream-write-timeout", "7",
+                              "--stream-idle-timeout", "8", "--tenant-max-concurrent-share", "0.25",
+                              "--admin-token", "t", "--metrics-require-admin"])
     flags = {k: getattr(args, k) for k in serve.SETTING_FLAGS}
     s = load_settings(flags, env={})
     assert (s.kv_budget_bytes, s.tuner.enabled, s.drain_deadline_s, s.open_mode) == (2 << 30, False, 3.0, True)
     assert (s.tuner.interval_s, s.tuner.trials, s.tuner.ranges) == (5.0, 9, (4, 64))
     assert s.tuner.search_process is False and s.tuner.min_new_steps == TunerConfig().min_new_steps
+    assert (s.stream_write_timeout_s, s.stream_idle_timeout_s, s.tenant_max_concurrent_share) == (7, 8, 0.25)
+    assert s.metrics_require_admin and s.admin_token == "t" and not s.open_non_loopback
     assert "--fake-engine" not in parser.format_help()
 
     bad = parser.parse_args(["--max-batch", "0"])

@@ -162,3 +162,49 @@ def test_without_an_ngram_proposer_the_daemon_starts_never_speculating(
     server = live(engine, db_url=db_url, **TUNER)
     policy = TunedPolicy.from_dict(server.get("/admin/policy", ADMIN).json()["policy"])
     assert policy.rules == NEVER.rules and policy.crossover == 0 and policy.version == 0
+
+
+@pytest.mark.parametrize(("rule", "top", "param"), [
+    ({"depth": 2.5}, {}, "rules[0].depth"),
+    ({"max_batch": 1.5}, {}, "rules[0].max_batch"),
+    ({}, {"crossover": 1e300}, "crossover"),
+    ({}, {"draft_vocab": -5}, "draft_vocab"),
+    ({"depth": True}, {}, "rules[0].depth"),
+    ({}, {"pool_split": "half"}, "pool_split"),
+])
+def test_an_invalid_pin_is_refused_naming_the_field_and_serving_goes_on(
+        server: LiveServer, rule: dict, top: dict, param: str) -> None:
+    body = {"rules": [{"max_batch": 2, "technique": "ngram", "depth": 3, **rule}, {"max_batch": 64}],
+            "crossover": 2, **top}
+    r = http_request(server.port, "PUT", "/admin/policy/pin", body, ADMIN)
+    error = r.json()["error"]
+    assert r.status == 400 and error["code"] == "invalid_policy" and error["param"] == param, error
+    assert error["type"] == "invalid_request_error"
+    assert server.post("/v1/completions", {"model": MODEL, "prompt": "abc"}).status == 200
+    assert server.engine.policy.version == 0 and server.get("/health").status == 200
+    assert server.get("/admin/policy", ADMIN).json()["pinned"] is False
+
+
+def test_a_restart_serves_the_default_over_an_invalid_pin_and_closes_interrupted_retunes(
+        db_url: str, live: Callable[..., LiveServer]) -> None:
+    from store.db import make_engine, session_scope
+    from store.history import mark_applied, save_policy, start_retune
+    from store.migrate import upgrade
+
+    upgrade(db_url)  # the daemon's own start would; the rows go in first
+    db = make_engine(db_url)
+    with session_scope(db) as s:  # what a daemon before the checks could leave behind
+        save_policy(s, 0, NEVER.to_dict(), "default")
+        mark_applied(s, 0)
+        pin = {"rules": [{"max_batch": 2, "technique": "ngram", "depth": 2.5}, {"max_batch": 64}],
+               "crossover": 2, "version": 1, "source": "admin", "extra": {"pinned": True}}
+        save_policy(s, 1, pin, "admin")
+        mark_applied(s, 1)
+        running = start_retune(s, "schedule").id
+    db.dispose()
+    server = live(speculating_engine(), db_url=db_url, **TUNER)
+    policy = server.get("/admin/policy", ADMIN).json()
+    assert policy["pinned"] is False and policy["policy"]["crossover"] == 8  # the starter policy
+    assert server.post("/v1/completions", {"model": MODEL, "prompt": "abcabcabc"}).status == 200
+    view = server.get(f"/admin/retunes/{running}", ADMIN).json()
+    assert view["status"] == "interrupted" and view["phase"] == "done" and view["finished_at"]

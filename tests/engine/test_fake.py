@@ -137,7 +137,7 @@ def test_abort_running_and_waiting() -> None:
     [
         (Request("e", []), "empty"),
         (Request("v", [99999]), "token ids"),
-        (Request("c", TOK.encode("x" * 10), SamplingParams(max_tokens=60)), "max_context"),
+        (Request("c", TOK.encode("x" * 10), SamplingParams(max_tokens=60)), "exceeds the context of 64"),
         (Request("t", [5], SamplingParams(top_p=0.0)), "top_p"),
     ],
 )

@@ -30,11 +30,12 @@ def filtered_probs(logits, s: SamplingArrays):
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005], np.float32))
 
 
-def _draw(n, temperature=1.0, top_k=0, top_p=1.0, seed=0):
+def _draw(n, temperature=1.0, top_k=0, top_p=1.0, seed=0, min_p=0.0):
     s = SamplingArrays.host(n)
     s["temperature"][:] = temperature
     s["top_k"][:] = top_k
     s["top_p"][:] = top_p
+    s["min_p"][:] = min_p
     s["key"][:] = np.random.SeedSequence(seed).generate_state(2, np.uint32)
     lg = jnp.asarray(np.tile(LOGITS, (n, 1)))
     tok, _ = jax.jit(sample)(lg, SamplingArrays(**s), jnp.arange(n, dtype=jnp.int32))
@@ -64,6 +65,45 @@ def test_top_p_keeps_the_smallest_nucleus():
     np.testing.assert_allclose(freq[:3], np.exp(LOGITS[:3]) / 0.8, atol=0.015)
 
 
+def test_min_p_keeps_tokens_at_least_that_fraction_of_the_best():
+    # p = [0.4, 0.25, 0.15, 0.1, ...]: min_p 0.3 keeps p >= 0.12, the first three
+    freq = _draw(20000, min_p=0.3)
+    assert freq[3:].sum() == 0
+    np.testing.assert_allclose(freq[:3], np.exp(LOGITS[:3]) / 0.8, atol=0.015)
+    # after temperature (p ~ e^(2 logit) at 0.5: 0.16/0.0625 ... relative 1, 0.39, 0.14, 0.0625)
+    freq = _draw(20000, temperature=0.5, min_p=0.1)
+    p = np.exp(LOGITS / 0.5)
+    assert freq[3:].sum() == 0 and freq[2] > 0
+    np.testing.assert_allclose(freq[:3], p[:3] / p[:3].sum(), atol=0.015)
+
+
+def test_min_p_then_top_p_takes_the_nucleus_of_what_min_p_kept():
+    # min_p 0.3 keeps 0.4, 0.25, 0.15 (renormalized 0.5, 0.3125, 0.1875); top_p 0.8 then needs
+    # the first two (0.8125), where top-p alone (0.4 + 0.25 = 0.65 < 0.8) would need three
+    freq = _draw(20000, min_p=0.3, top_p=0.8)
+    assert freq[2:].sum() == 0
+    np.testing.assert_allclose(freq[:2], [0.4 / 0.65, 0.25 / 0.65], atol=0.015)
+
+
+def test_min_p_verification_is_lossless():
+    """Rejection sampling of a draft under min-p: the output is distributed as the min-p
+    distribution, and a draft min-p cut away is never accepted."""
+    n = 40000
+    s = SamplingArrays.host(n)
+    s["temperature"][:] = 1.0
+    s["min_p"][:] = 0.3
+    s["key"][:] = np.random.SeedSequence(9).generate_state(2, np.uint32)
+    rows = jnp.asarray(np.tile(LOGITS, (n, 1)))
+    counter = jnp.arange(n, dtype=jnp.int32)
+    for draft in (1, 4):  # kept (p 0.3125 after min-p) / cut away
+        tok, acc, _ = jax.jit(verify)(rows, jnp.full(n, draft, jnp.int32), SamplingArrays(**s), counter)
+        tok, acc = np.asarray(tok), np.asarray(acc)
+        freq = np.bincount(tok, minlength=LOGITS.size) / n
+        assert freq[3:].sum() == 0
+        np.testing.assert_allclose(freq[:3], np.exp(LOGITS[:3]) / 0.8, atol=0.012)
+        assert abs(acc.mean() - (0.25 / 0.8 if draft == 1 else 0.0)) < 0.01
+
+
 def test_greedy_and_logprobs():
     s = SamplingArrays.host(2)
     s["want_logprobs"][:] = True
@@ -90,6 +130,26 @@ def test_same_seed_same_output_different_seed_differs(tiny):
     c = _run(e, SamplingParams(max_tokens=24, temperature=1.0, seed=8, ignore_eos=True), rid="c")
     assert a == b
     assert a != c
+
+
+def test_any_64_bit_seed_runs_and_negatives_are_their_unsigned_twins(tiny):
+    """seed -1 once raised inside a step (SeedSequence takes no negatives) and took the engine
+    down; now it is read as 2**64 - 1."""
+    e = make_engine(tiny)
+    def run(seed, rid):
+        return _run(e, SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True), rid=rid)
+
+    minus_one, twin, lowest = run(-1, "a"), run(2**64 - 1, "b"), run(-(2**63), "c")
+    assert len(minus_one) == len(lowest) == 12 and minus_one == twin
+    assert run(-(2**63), "d") == lowest != minus_one
+
+
+def test_top_k_minus_one_is_off(tiny):
+    e = make_engine(tiny)
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    off = _run(e, sp, rid="zero")
+    assert _run(e, SamplingParams(**{**sp.__dict__, "top_k": -1}), rid="minus") == off
+    assert _draw(20000, top_k=-1).tolist() == _draw(20000, top_k=0).tolist()
 
 
 def test_seeded_output_does_not_depend_on_batch_neighbours(tiny):

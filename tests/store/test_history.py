@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import Engine
 
 from store import history
@@ -30,3 +31,18 @@ def test_policy_and_retune_history(db: Engine) -> None:
         assert history.max_policy_version(s) == 3
         assert history.last_real_retune_start(s) == 2.0
         assert [r.id for r in history.retune_history(s, since=1.5)] == [second.id]
+
+
+def test_running_retunes_and_the_interrupted_status(db: Engine) -> None:
+    with session_scope(db) as s:
+        done = start_retune(s, "admin", at=1.0).id
+        finish_retune(s, done, "applied", at=1.5)
+        left = [start_retune(s, "schedule", at=t).id for t in (2.0, 3.0)]
+    with session_scope(db) as s:
+        assert [r.id for r in history.running_retunes(s)] == left
+        finish_retune(s, left[0], "interrupted", error="interrupted: the daemon stopped")
+    with session_scope(db) as s:
+        assert [r.id for r in history.running_retunes(s)] == left[1:]
+        assert history.retune_counts(s) == {"applied": 1, "interrupted": 1, "running": 1}
+        with pytest.raises(ValueError, match="status"):
+            finish_retune(s, left[1], "running")

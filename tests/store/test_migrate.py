@@ -111,6 +111,33 @@ def test_upgrade_gives_recorded_skips_the_skipped_status(rev1_url: str) -> None:
     assert _sql(rev1_url, statuses) == [("failed",), ("failed",), ("rejected",)]
 
 
+def test_upgrade_checks_retune_statuses_and_allows_interrupted(rev1_url: str) -> None:
+    insert = "INSERT INTO xo_retunes (triggered_by, started_at, status) VALUES ('admin', 1.0, ?)"
+    migrate.upgrade(rev1_url, "0004")
+    _write(rev1_url, insert, ("bogus",))  # no constraint before 0005
+    _write(rev1_url, "DELETE FROM xo_retunes WHERE status = 'bogus'")
+    migrate.upgrade(rev1_url)
+    _write(rev1_url, insert, ("interrupted",))
+    with pytest.raises(sqlite3.IntegrityError, match="ck_xo_retunes_status"):
+        _write(rev1_url, insert, ("bogus",))
+    statuses = "SELECT status FROM xo_retunes ORDER BY started_at"
+    assert _sql(rev1_url, statuses) == [("interrupted",), ("rejected",)]
+    assert _sql(rev1_url, "SELECT COUNT(*) FROM sqlite_master WHERE name = "
+                          "'ix_xo_retunes_started_at'") == [(1,)]  # the rebuilt table kept it
+    command.downgrade(migrate.alembic_config(rev1_url), "0004")
+    assert _sql(rev1_url, statuses) == [("failed",), ("rejected",)]
+    _write(rev1_url, insert, ("bogus",))  # the constraint is gone again
+
+
+def _write(url: str, query: str, params: tuple = ()) -> None:
+    con = sqlite3.connect(url.removeprefix("sqlite:///"))
+    try:
+        with con:
+            con.execute(query, params)
+    finally:
+        con.close()
+
+
 def test_models_match_the_migrations(db_url: str, rev1_url: str) -> None:
     assert _drift(db_url) == []
     missing = _drift(rev1_url)  # the check has teeth: 0001 lacks the rollups table

@@ -219,7 +219,7 @@ def test_the_search_process_runs_only_on_idle_cores() -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from tuner.service import lower_priority
+    from tuner.process import lower_priority
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                              initializer=lower_priority) as pool:

@@ -11,7 +11,7 @@ import pytest
 
 from daemon.settings import Settings
 from daemon.state import GATES
-from daemon.tenants.limits import TenantLimits, limits_for
+from daemon.tenants.limits import TenantLimits, default_limits, limits_for
 from engine.fake import FakeEngine
 from tests.daemon.helpers import MODEL, LiveServer, http_request
 from tests.daemon.tenants.helpers import SLOW, C, add_tenant, bearer, complete
@@ -22,7 +22,16 @@ def test_a_rows_own_limits_override_the_defaults() -> None:
     plain = SimpleNamespace(max_concurrent=3, max_queued=None, max_tokens=None)
     assert limits_for(plain, settings) == TenantLimits(3, 2, 100)
     own = SimpleNamespace(max_concurrent=None, max_queued=0, max_tokens=10)
-    assert limits_for(own, settings) == TenantLimits(None, 0, 10)
+    assert limits_for(own, settings) == TenantLimits(16, 0, 10)  # half of max_batch 32
+
+
+def test_a_tenant_without_its_own_max_concurrent_gets_a_share_of_the_batch() -> None:
+    row = SimpleNamespace(max_concurrent=None, max_queued=None, max_tokens=None)
+    assert limits_for(row, Settings(max_batch=8)).max_concurrent == 4
+    assert limits_for(row, Settings(max_batch=8, tenant_max_concurrent_share=0.3)).max_concurrent == 2
+    assert limits_for(row, Settings(max_batch=1)).max_concurrent == 1
+    assert limits_for(row, Settings(tenant_max_concurrent_share=None)).max_concurrent is None
+    assert default_limits(Settings(max_batch=8)).max_concurrent is None  # open mode: every caller
 
 
 def test_tenant_over_its_concurrency_gets_429_others_do_not(
