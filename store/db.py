@@ -1,9 +1,11 @@
 """Engine and session factory for the telemetry database.
 
-Any SQLAlchemy URL works. For SQLite, every new connection is switched to WAL
-(readers never block the recorder, the recorder never blocks readers) with a
-busy timeout, through a `connect` event listener; other databases get no
-pragmas.
+Any SQLAlchemy URL works; SQLite and PostgreSQL are tested. For SQLite, every
+new connection is switched to WAL (readers never block the recorder, the
+recorder never blocks readers) with a busy timeout, through a `connect` event
+listener. A database server (PostgreSQL: `postgresql+psycopg://user:pw@host/db`,
+driver in the `postgres` extra) gets no pragmas; its pooled connections are
+checked before use, so a daemon outlives a server restart.
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ def is_sqlite(url: str) -> bool:
 def make_engine(
     url: str, *, busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS, **kwargs: Any
 ) -> Engine:
-    """An Engine for `url` (a URL or a SQLite file path); SQLite gets WAL + busy timeout."""
+    """An Engine for `url` (a URL or a SQLite file path); SQLite gets WAL + busy timeout,
+    a server's pool pings a connection before handing it out."""
     url = resolve_url(url)
+    if not is_sqlite(url):
+        kwargs.setdefault("pool_pre_ping", True)
     engine = create_engine(url, **kwargs)
     if engine.dialect.name == "sqlite":
         install_sqlite_pragmas(engine, busy_timeout_ms)

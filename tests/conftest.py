@@ -8,6 +8,16 @@ executables in one process; left alone their mappings pass Linux's
 LLVM with SIGSEGV or SIGABRT. So after each test module, once the process
 holds many mappings, the in-memory compilation caches are dropped (engines
 still in use recompile, from the persistent cache, on their next call).
+
+Databases: `db_url` / `db` are a fresh database at head. In tests/store,
+tests/telemetry and tests/tuner they are parametrized over SQLite and
+PostgreSQL (`[sqlite]`, `[postgresql]` in the test id); elsewhere they are
+SQLite. PostgreSQL comes from the server at $CROSSOVER_TEST_PG_URL (else the
+local defaults in PG_CANDIDATES): a migrated template database is made once
+per session and each test gets `CREATE DATABASE ... TEMPLATE` of it, dropped
+after. Without a reachable server the `[postgresql]` tests are skipped, with
+the reason. `@pytest.mark.sqlite_only(reason)` keeps a test on SQLite;
+`pg_url` asks for PostgreSQL alone.
 """
 
 from __future__ import annotations
@@ -15,11 +25,13 @@ from __future__ import annotations
 import gc
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
 
 from store.db import make_engine
 from store.migrate import upgrade
@@ -49,12 +61,165 @@ def _release_compiled_code():
         gc.collect()
 
 
+PG_ENV = "CROSSOVER_TEST_PG_URL"
+"""A PostgreSQL server URL (any database on it; the tests create and drop their own)."""
+
+PG_CANDIDATES = (
+    "postgresql+psycopg://postgres@/postgres?host=/var/run/postgresql",
+    "postgresql+psycopg://postgres:postgres@127.0.0.1:5432/postgres",  # what .ci/run sets up
+)
+"""Tried in order when $CROSSOVER_TEST_PG_URL is unset."""
+
+BOTH_BACKENDS = ("store", "telemetry", "tuner")
+"""Test folders whose `db_url`/`db` tests run on SQLite and on PostgreSQL."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "sqlite_only(reason): the test checks something only SQLite has; "
+        "it does not run on PostgreSQL")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run `db_backend` (hence `db_url`, `db`) tests in BOTH_BACKENDS on both databases."""
+    if "db_backend" not in metafunc.fixturenames:
+        return
+    parts = metafunc.definition.path.relative_to(Path(__file__).parent).parts
+    if parts[0] not in BOTH_BACKENDS:
+        return  # the fixture's default: SQLite, no parameter in the test id
+    only = metafunc.definition.get_closest_marker("sqlite_only")
+    metafunc.parametrize("db_backend", ["sqlite"] if only else ["sqlite", "postgresql"],
+                         indirect=True)
+
+
+class PgServer:
+    """A reachable PostgreSQL server: a migrated template database, and fresh copies of it.
+
+    CREATE DATABASE ... TEMPLATE copies the migrated schema in a few tens of
+    milliseconds, far less than running the migrations for every test.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = make_url(url)
+        self.admin = make_engine(url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+        self.prefix = f"xo_test_{os.getpid()}_"
+        self.count = 0
+        self.template = self.prefix + "template"
+        self._drop_leftovers()
+        self._execute(f'CREATE DATABASE "{self.template}"')
+        upgrade(self.url_of(self.template))
+
+    def url_of(self, name: str) -> str:
+        return self.url.set(database=name).render_as_string(hide_password=False)
+
+    def _execute(self, statement: str) -> list:
+        with self.admin.connect() as conn:
+            result = conn.execute(text(statement))
+            return result.fetchall() if result.returns_rows else []
+
+    def _drop_leftovers(self) -> None:
+        """Databases of earlier test runs that died before dropping them."""
+        for (name,) in self._execute("SELECT datname FROM pg_database WHERE datname LIKE 'xo_test_%'"):
+            pid = name.split("_")[2]
+            if pid.isdigit() and not _alive(int(pid)):
+                self.drop(name)
+
+    def create(self, migrated: bool = True) -> str:
+        """A fresh database, at head or empty; its URL."""
+        self.count += 1
+        name = f"{self.prefix}{self.count}"
+        template = self.template if migrated else "template0"
+        self._execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+        return self.url_of(name)
+
+    def drop(self, name: str) -> None:
+        self._execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    def close(self) -> None:
+        self.drop(self.template)
+        self.admin.dispose()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _connect_pg() -> tuple[PgServer | None, str]:
+    """The first reachable server (None and why, when there is none)."""
+    given = os.environ.get(PG_ENV)
+    candidates = (given,) if given else PG_CANDIDATES
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        return None, "psycopg is not installed (pip install '.[postgres]')"
+    errors = []
+    for url in candidates:
+        probe = make_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 3})
+        try:
+            with probe.connect():
+                pass
+        except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
+            shown = make_url(url).render_as_string(hide_password=True)
+            errors.append(f"{shown}: {str(exc).splitlines()[0]}")
+            continue
+        finally:
+            probe.dispose()
+        return PgServer(url), ""
+    where = f"${PG_ENV}" if given else f"${PG_ENV} unset, tried"
+    return None, f"no PostgreSQL server reachable ({where} {'; '.join(errors)})"
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """The session's PostgreSQL server; skips the test when none is reachable."""
+    server, why = _connect_pg()
+    if server is None:
+        pytest.skip(why)
+    yield server
+    server.close()
+
+
 @pytest.fixture
-def db_url(tmp_path: Path) -> str:
-    """A fresh SQLite database file, migrated to head."""
+def pg_url(pg_server: PgServer) -> Iterator[str]:
+    """A fresh PostgreSQL database at head, dropped after the test (skips without a server)."""
+    url = pg_server.create()
+    yield url
+    pg_server.drop(make_url(url).database)
+
+
+@pytest.fixture
+def db_backend(request: pytest.FixtureRequest) -> str:
+    """"sqlite" or "postgresql" (parametrized in BOTH_BACKENDS folders, else SQLite)."""
+    return getattr(request, "param", "sqlite")
+
+
+@pytest.fixture
+def db_url(db_backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    """A fresh database migrated to head: a SQLite file, or a PostgreSQL database."""
+    if db_backend == "postgresql":
+        return request.getfixturevalue("pg_url")
     url = f"sqlite:///{tmp_path / 'telemetry.db'}"
     upgrade(url)
     return url
+
+
+@pytest.fixture
+def empty_db_url(db_backend: str, tmp_path: Path,
+                 request: pytest.FixtureRequest) -> Iterator[str]:
+    """A database without any table (no schema yet), on the same backends as `db_url`."""
+    if db_backend == "sqlite":
+        yield f"sqlite:///{tmp_path / 'empty.db'}"
+        return
+    server: PgServer = request.getfixturevalue("pg_server")
+    url = server.create(migrated=False)
+    yield url
+    server.drop(make_url(url).database)
 
 
 @pytest.fixture
@@ -63,6 +228,23 @@ def db(db_url: str) -> Iterator[Engine]:
     engine = make_engine(db_url)
     yield engine
     engine.dispose()
+
+
+@pytest.fixture
+def run_sql(db_url: str) -> Callable[..., list[tuple]]:
+    """`run_sql(query, **params)`: the rows of one statement on `db_url`, committed
+    (plain SQL through SQLAlchemy, so one test reads both databases)."""
+
+    def run(query: str, **params: object) -> list[tuple]:
+        engine = make_engine(db_url, poolclass=NullPool)
+        try:
+            with engine.begin() as conn:
+                result = conn.execute(text(query), params)
+                return [tuple(r) for r in result] if result.returns_rows else []
+        finally:
+            engine.dispose()
+
+    return run
 
 
 @pytest.fixture

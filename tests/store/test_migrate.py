@@ -1,9 +1,14 @@
-"""Migrations: upgrade from the first-revision fixture, refusal, drift, Optuna sharing the file."""
+"""Migrations: upgrade from the first-revision fixture, refusal, drift, Optuna sharing the file.
+
+Tests on `db_url` run on SQLite and on PostgreSQL (tests/conftest.py); the
+committed first-revision fixture is a SQLite file, so its tests are SQLite's.
+"""
 
 from __future__ import annotations
 
 import io
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -11,6 +16,8 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect
+from sqlalchemy.exc import IntegrityError
 
 from store import migrate
 from store.db import make_engine, session_scope
@@ -27,6 +34,16 @@ def _sql(url: str, query: str) -> list[tuple]:
         return con.execute(query).fetchall()
     finally:
         con.close()
+
+
+def _names(url: str) -> tuple[set[str], set[str]]:
+    """The database's table names and view names (any backend)."""
+    engine = make_engine(url)
+    try:
+        found = inspect(engine)
+        return set(found.get_table_names()), set(found.get_view_names())
+    finally:
+        engine.dispose()
 
 
 def _drift(url: str) -> list:
@@ -144,20 +161,17 @@ def test_models_match_the_migrations(db_url: str, rev1_url: str) -> None:
     assert any(d[0] == "add_table" and d[1].name == "xo_step_rollups" for d in missing)
 
 
-def test_empty_database_message_and_ensure_schema(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'new.db'}"
+def test_empty_database_message_and_ensure_schema(empty_db_url: str) -> None:
+    url = empty_db_url
     with pytest.raises(migrate.SchemaOutOfDate, match="no crossover schema") as refused:
         migrate.check_schema(url)
-    assert f"crossover db upgrade --db {url}" in str(refused.value)
+    assert migrate.upgrade_command(url) in str(refused.value)  # `crossover db upgrade --db ...`
     assert migrate.ensure_schema(url) == migrate.head_revision()
     assert migrate.ensure_schema(url) == migrate.head_revision()  # idempotent
 
 
-def test_newer_database_is_refused(db_url: str) -> None:
-    con = sqlite3.connect(db_url.removeprefix("sqlite:///"))
-    with con:
-        con.execute("UPDATE xo_alembic_version SET version_num = '9999'")
-    con.close()
+def test_newer_database_is_refused(db_url: str, run_sql: Callable[..., list]) -> None:
+    run_sql("UPDATE xo_alembic_version SET version_num = '9999'")
     with pytest.raises(migrate.SchemaTooNew, match="9999"):
         migrate.check_schema(db_url)
 
@@ -169,14 +183,58 @@ def test_not_at_head_is_refused_not_recreated(rev1_url: str) -> None:
 
 
 def test_downgrade_then_upgrade_again(db_url: str) -> None:
+    views = {"xo_v_steps_minute", "xo_v_acceptance", "xo_v_goodput_minute", "xo_v_requests",
+             "xo_v_tenant_minute"}
+    assert _names(db_url)[1] == views
     command.downgrade(migrate.alembic_config(db_url), "0001")
     assert migrate.current_revision(db_url) == "0001"
-    assert _sql(db_url, "SELECT name FROM sqlite_master WHERE name LIKE 'xo_v_%'") == []
+    tables, no_views = _names(db_url)
+    assert no_views == set() and "xo_step_rollups" not in tables
     migrate.upgrade(db_url)
     assert migrate.check_schema(db_url) == migrate.head_revision()
+    assert _names(db_url)[1] == views and _drift(db_url) == []
 
 
-def test_optuna_study_shares_the_file(db_url: str) -> None:
+def test_every_revision_upgrades_rows_written_at_the_first(
+    db_url: str, run_sql: Callable[..., list]
+) -> None:
+    """The first-revision fixture's story on this backend: rows written at 0001 pass
+    through every migration (batch ALTERs, data updates, the CHECK constraint) and the
+    views read them; downgrading to nothing and back works too."""
+    cfg = migrate.alembic_config(db_url)
+    command.downgrade(cfg, "0001")
+    t = 1_700_000_040.0
+    run_sql("INSERT INTO xo_tenants (name, api_key_hash, max_concurrent, created_at) "
+            "VALUES ('acme', 'h', 4, :t)", t=t)
+    run_sql("INSERT INTO xo_steps (instance, step_id, time, batch_size, prefill_tokens, "
+            "decode_tokens, technique, depth, proposed, accepted, accepted_per_pos, propose_ms, "
+            "verify_ms, step_ms, kv_pages_used, kv_pages_free, queue_len, policy_version, "
+            "preempted, tenants) VALUES ('', 1, :t, 2, 0, 6, 'ngram', 3, 6, 4, '[3, 1, 0]', "
+            "0.1, 2.0, 2.5, 1, 9, 0, 0, 0, '[\"acme\"]')", t=t + 5)
+    run_sql("INSERT INTO xo_requests (instance, request_id, tenant, prompt_tokens, output_tokens, "
+            "arrival_time, first_token_time, finish_time, finish_reason, status, proposed_tokens, "
+            "accepted_tokens, preemptions) VALUES ('', 'r1', 'acme', 5, 6, :t, :t, :t, 'stop', "
+            "'ok', 6, 4, 0)", t=t + 1)
+    run_sql("INSERT INTO xo_retunes (triggered_by, started_at, status, error) "
+            "VALUES ('schedule', :t, 'failed', 'skipped: too few steps')", t=t)
+    migrate.upgrade(db_url)
+    assert migrate.check_schema(db_url) == migrate.head_revision()
+    assert run_sql("SELECT name, max_concurrent, max_tokens FROM xo_tenants") == [("acme", 4, None)]
+    assert run_sql("SELECT status FROM xo_retunes") == [("skipped",)]  # 0004 rewrote it
+    assert run_sql("SELECT technique, proposed, accepted FROM xo_v_acceptance") == [("ngram", 6, 4)]
+    assert run_sql("SELECT tenant, requests, accepted FROM xo_v_tenant_minute") == [("acme", 1, 4)]
+    with pytest.raises(IntegrityError, match="ck_xo_retunes_status"):  # 0005's constraint
+        run_sql("INSERT INTO xo_retunes (triggered_by, started_at, status) "
+                "VALUES ('admin', 1.0, 'bogus')")
+    assert _drift(db_url) == []
+    command.downgrade(cfg, "base")
+    assert not any(n.startswith("xo_") for group in _names(db_url) for n in group
+                   if n != VERSION_TABLE)
+    migrate.upgrade(db_url)
+    assert migrate.check_schema(db_url) == migrate.head_revision() and _drift(db_url) == []
+
+
+def test_optuna_study_shares_the_file(db_url: str, run_sql: Callable[..., list]) -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = optuna.storages.RDBStorage(db_url)
     study = optuna.create_study(study_name="crossover", storage=storage, direction="maximize")
@@ -188,16 +246,16 @@ def test_optuna_study_shares_the_file(db_url: str) -> None:
     migrate.upgrade(db_url)  # a no-op that must not touch Optuna's tables
     loaded = optuna.load_study(study_name="crossover", storage=db_url)
     assert len(loaded.trials) == 1 and loaded.best_value == trial.params["depth"] * 1.5
-    tables = {name for (name,) in _sql(db_url, "SELECT name FROM sqlite_master WHERE type='table'")}
+    tables = _names(db_url)[0]
     assert {"alembic_version", "xo_alembic_version", "studies", "trials", "xo_steps"} <= tables
-    assert _sql(db_url, "SELECT version_num FROM xo_alembic_version") == [
+    assert run_sql("SELECT version_num FROM xo_alembic_version") == [
         (migrate.head_revision(),)
     ]
     assert _drift(db_url) == []  # Optuna's tables are not seen as drift
 
 
-def test_optuna_first_then_crossover(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'optuna-first.db'}"
+def test_optuna_first_then_crossover(empty_db_url: str) -> None:
+    url = empty_db_url
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     optuna.create_study(study_name="s", storage=url)
     assert migrate.is_empty(url)  # Optuna's tables are not crossover's

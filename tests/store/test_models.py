@@ -1,8 +1,9 @@
-"""Round trips of every table through a real SQLite file, and the engine/session helpers."""
+"""Round trips of every table through a real database (SQLite and PostgreSQL), and the
+engine/session helpers."""
 
 from __future__ import annotations
 
-import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -89,15 +90,14 @@ def test_policy_and_retune_writers(db_url: str) -> None:
     engine.dispose()
 
 
-def test_tenants_hash_keys_and_revoke(db_url: str) -> None:
+def test_tenants_hash_keys_and_revoke(db_url: str, run_sql: Callable[..., list]) -> None:
     engine = make_engine(db_url)
     key_a, key_b = generate_api_key(), generate_api_key()
     with session_scope(engine) as session:
         add_tenant(session, "acme", key_a, max_concurrent=2)
         add_tenant(session, "globex", key_b)
-    raw = sqlite3.connect(db_url.removeprefix("sqlite:///"))
-    stored = [h for (h,) in raw.execute("SELECT api_key_hash FROM xo_tenants")]
-    raw.close()
+    stored = [h for (h,) in run_sql("SELECT api_key_hash FROM xo_tenants")]
+    assert len(stored) == 2
     assert all(key_a not in h and key_b not in h for h in stored)
     with session_scope(engine) as session:
         assert find_tenant_by_key(session, key_b).name == "globex"
@@ -144,4 +144,19 @@ def test_session_scope_rolls_back_on_error(db_url: str) -> None:
             raise RuntimeError("boom")
     with session_scope(engine) as session:
         assert session.scalars(select(Tenant)).all() == []
+    engine.dispose()
+
+
+def test_a_server_connection_killed_under_the_pool_is_replaced(pg_url: str) -> None:
+    """PostgreSQL only: a pooled connection the server dropped (a restart, an idle
+    timeout) is noticed at checkout and replaced, not handed to the caller to fail."""
+    engine = make_engine(pg_url, pool_size=1)
+    with engine.connect() as conn:
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    killer = make_engine(pg_url)
+    with killer.begin() as conn:
+        assert conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar_one()
+    killer.dispose()
+    with engine.connect() as conn:  # the pooled connection is dead: the ping replaces it
+        assert conn.execute(text("SELECT pg_backend_pid()")).scalar_one() != pid
     engine.dispose()

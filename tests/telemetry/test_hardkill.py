@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ for i in range(10**9):
 """
 
 
+@pytest.mark.sqlite_only("what a killed process leaves in a SQLite file (WAL, no server)")
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
 def test_sigkill_loses_at_most_one_flush_interval(db_url: str) -> None:
     root = Path(__file__).resolve().parents[2]
@@ -64,7 +66,9 @@ def test_sigkill_loses_at_most_one_flush_interval(db_url: str) -> None:
     assert written <= recorded + 100  # and the count is real: nothing invented
 
 
-def test_a_normal_exit_without_close_still_flushes(db_url: str) -> None:
+def test_a_normal_exit_without_close_still_flushes(
+    db_url: str, run_sql: Callable[..., list]
+) -> None:
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     code = (
@@ -75,6 +79,4 @@ def test_a_normal_exit_without_close_still_flushes(db_url: str) -> None:
         "for i in range(500): rec.record_step(sample_step(i, 1e9 + i))\n"
     )  # exits at once: the recorder's atexit hook must flush
     subprocess.run([sys.executable, "-c", code, db_url], env=env, check=True, timeout=60)
-    con = sqlite3.connect(db_url.removeprefix("sqlite:///"))
-    assert con.execute("SELECT COUNT(*) FROM xo_steps").fetchone() == (500,)
-    con.close()
+    assert run_sql("SELECT COUNT(*) FROM xo_steps") == [(500,)]

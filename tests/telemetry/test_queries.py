@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import sqlite3
+from collections.abc import Callable
 
 import pytest
 from sqlalchemy import Engine
@@ -108,25 +108,22 @@ def test_queries_span_raw_rows_and_rollups(filled: Engine) -> None:
     assert {t.technique for t in raw_only} == {"none", "ngram"}  # rolled minutes leave step_time_by
 
 
-def test_views_agree_with_the_queries(filled: Engine, db_url: str) -> None:
+def test_views_agree_with_the_queries(filled: Engine, run_sql: Callable[..., list]) -> None:
+    """The xo_v_* views, read with plain SQL (as a dashboard would), on both databases.
+
+    PostgreSQL computes `x / 60.0` in NUMERIC: a reader gets a Decimal, hence float()."""
     apply_retention(filled, RetentionConfig(raw_steps_s=60.0), now=T0 + 125.0)
-    con = sqlite3.connect(db_url.removeprefix("sqlite:///"))
-    acceptance = con.execute(
+    acceptance = run_sql(
         "SELECT technique, SUM(proposed), SUM(accepted) FROM xo_v_acceptance"
-        " WHERE minute_start >= ? GROUP BY technique ORDER BY technique",
-        (T0,),
-    ).fetchall()
-    goodput = con.execute(
+        " WHERE minute_start >= :t0 GROUP BY technique ORDER BY technique", t0=T0)
+    goodput = [(m, s, o, float(r)) for m, s, o, r in run_sql(
         "SELECT minute_start, steps, output_tokens, tokens_per_s FROM xo_v_goodput_minute"
-        " ORDER BY minute_start"
-    ).fetchall()
-    tenants = con.execute(
+        " ORDER BY minute_start")]
+    tenants = run_sql(
         "SELECT tenant, requests, failed, accepted, mean_ttft_ms FROM xo_v_tenant_minute"
-        " ORDER BY tenant"
-    ).fetchall()
-    con.close()
+        " ORDER BY tenant")
     with session_scope(filled) as s:
         expected = [(a.key, a.proposed, a.accepted) for a in queries.acceptance_by_technique(s, T0)]
     assert acceptance == expected
-    assert goodput == [(T0, 3, 21, 21 / 60), (T0 + 60, 2, 7, 7 / 60)]
+    assert goodput == [(T0, 3, 21, pytest.approx(21 / 60)), (T0 + 60, 2, 7, pytest.approx(7 / 60))]
     assert tenants == [("acme", 2, 0, 8, pytest.approx(375.0)), ("globex", 1, 1, 0, None)]

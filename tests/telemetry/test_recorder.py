@@ -1,27 +1,40 @@
-"""The recorder on a real SQLite file: round trip, close, drops, a locked database."""
+"""The recorder on a real database (SQLite and PostgreSQL): round trip, close, drops, and a
+locked SQLite file."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sqlite3
 import threading
 import time
 
 import pytest
+from sqlalchemy import func, select, text
 
 from bench.telemetry import sample_step
 from engine.types import RequestResult, StepStats
+from store.db import make_engine
 from store.models import Request, Step
 from telemetry.recorder import Recorder, RecorderConfig
 
 
-def _count(url: str, table: str = "xo_steps") -> int:
-    con = sqlite3.connect(url.removeprefix("sqlite:///"))
+def _rows(url: str, table) -> list[dict]:
+    """Every row of a table, as SQLAlchemy reads it (JSON columns parsed), in id order."""
+    engine = make_engine(url)
     try:
-        return con.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+        with engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(select(table).order_by(table.c.id))]
     finally:
-        con.close()
+        engine.dispose()
+
+
+def _count(url: str, table=Step.__table__) -> int:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(select(func.count()).select_from(table)).scalar_one()
+    finally:
+        engine.dispose()
 
 
 NOT_STORED = ("scheduled_time",)
@@ -62,11 +75,8 @@ def test_engine_records_round_trip(db_url: str) -> None:
         assert rec.record_step(stats)  # engine objects directly
         assert rec.record_step(dataclasses.replace(stats, step_id=4))
         assert rec.record_request(result)
-    con = sqlite3.connect(db_url.removeprefix("sqlite:///"))
-    con.row_factory = sqlite3.Row
-    steps = [dict(r) for r in con.execute("SELECT * FROM xo_steps")]
-    request = dict(con.execute("SELECT * FROM xo_requests").fetchone())
-    con.close()
+    steps = _rows(db_url, Step.__table__)
+    (request,) = _rows(db_url, Request.__table__)
     assert len(steps) == 2
     assert [row["step_id"] for row in steps] == [3, 4]
     for row in steps:
@@ -75,7 +85,7 @@ def test_engine_records_round_trip(db_url: str) -> None:
                 continue
             got = row[name]
             if name in ("accepted_per_pos", "tenants"):
-                got = tuple(json.loads(got))
+                got = tuple(got)  # JSON lists
             assert got == value, name
         assert row["instance"] == "host-a"
     for name, value in dataclasses.asdict(result).items():
@@ -128,6 +138,10 @@ def _hold_write_lock(url: str, seconds: float, locked: threading.Event) -> None:
     con.close()
 
 
+SQLITE_LOCK = "holds SQLite's file write lock (PostgreSQL writers do not lock each other out)"
+
+
+@pytest.mark.sqlite_only(SQLITE_LOCK)
 @pytest.mark.parametrize("max_buffer", [100_000, 100])
 def test_locked_database_loses_nothing_within_the_buffer(db_url: str, max_buffer: int) -> None:
     config = RecorderConfig(flush_interval_s=0.1, max_buffer=max_buffer, max_batch=50,
@@ -170,6 +184,7 @@ def test_unstarted_records_are_cheap() -> None:
     assert per_call_us < 20, per_call_us  # measured ~1 us; 20 us = 2% of a core at 1,000/s
 
 
+@pytest.mark.sqlite_only(SQLITE_LOCK)
 def test_close_gives_up_at_its_timeout_and_counts_the_loss(db_url: str) -> None:
     locked = threading.Event()
     holder = threading.Thread(target=_hold_write_lock, args=(db_url, 2.0, locked))
@@ -184,3 +199,26 @@ def test_close_gives_up_at_its_timeout_and_counts_the_loss(db_url: str) -> None:
     holder.join()
     assert rec.stats()["lost_at_close"] == 300 == rec.dropped
     assert _count(db_url) == 0
+
+
+def test_connections_killed_by_the_server_lose_no_rows(pg_url: str) -> None:
+    """PostgreSQL only: the server ends the recorder's connections again and again
+    (as a restart or an administrator would); every row still arrives, once."""
+    killer = make_engine(pg_url, isolation_level="AUTOCOMMIT")
+    kill = text("SELECT COUNT(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+    killed, sent = 0, 0
+    with Recorder(pg_url, flush_interval_s=0.02, retry_max_s=0.1) as rec:
+        for round_ in range(10):
+            for _ in range(200):
+                rec.record_step(sample_step(sent, 1e9 + sent))
+                sent += 1
+            time.sleep(0.05)  # a flush or two on the connection...
+            with killer.connect() as conn:  # ...which the server then ends
+                killed += conn.execute(kill).scalar_one()
+        assert rec.flush(timeout=20)
+        stats = rec.stats()
+    killer.dispose()
+    assert killed >= 5  # the recorder's connections really were cut
+    assert rec.dropped == 0 and stats["written_steps"] == sent == 2000
+    assert _count(pg_url) == sent

@@ -6,6 +6,7 @@ import os
 import random
 import sqlite3
 import time
+from collections.abc import Callable
 
 import pytest
 from sqlalchemy import Engine, func, select
@@ -108,6 +109,7 @@ def test_old_rollups_and_requests_are_pruned(db: Engine) -> None:
     assert result.rolled_steps == 50  # the minutes between the two windows
 
 
+@pytest.mark.sqlite_only("measures the SQLite file's size on disk")
 def test_database_stays_bounded_over_a_simulated_day(db: Engine, db_url: str) -> None:
     """24 h at 0.25 steps/s stands in for 50 steps/s: the bounds scale with the rate."""
     rate, window, rollups_s, every = 0.25, 1800.0, 4 * 3600.0, 900.0
@@ -139,7 +141,9 @@ def _checkpoint(path: str) -> None:
     con.close()
 
 
-def test_the_recorder_applies_retention_from_its_thread(db_url: str) -> None:
+def test_the_recorder_applies_retention_from_its_thread(
+    db_url: str, run_sql: Callable[..., list]
+) -> None:
     fake_now = T0 + 3600.0
     config = RetentionConfig(raw_steps_s=600.0, rollups_s=86400.0)
     with Recorder(db_url, retention=config, retention_interval_s=0.05, clock=lambda: fake_now,
@@ -151,10 +155,8 @@ def test_the_recorder_applies_retention_from_its_thread(db_url: str) -> None:
             time.sleep(0.05)
         stats = rec.stats()
     assert stats["rolled_steps"] == 120 and stats["retention_runs"] >= 1
-    con = sqlite3.connect(db_url.removeprefix("sqlite:///"))
-    assert con.execute("SELECT COUNT(*) FROM xo_steps").fetchone() == (0,)
-    assert con.execute("SELECT SUM(steps) FROM xo_step_rollups").fetchone() == (120,)
-    con.close()
+    assert run_sql("SELECT COUNT(*) FROM xo_steps") == [(0,)]
+    assert run_sql("SELECT SUM(steps) FROM xo_step_rollups") == [(120,)]
 
 
 def test_config_errors_name_both_values() -> None:
