@@ -168,7 +168,7 @@ def _database(request: web.Request) -> Database:
 def _tuner(request: web.Request) -> Tuner:
     tuner = request.app.get(TUNER)
     if tuner is None:
-        raise ApiError(503, "the tuner needs a database and an engine that takes policies",
+        raise ApiError(503, "the tuner needs a telemetry database",
                        code="tuner_unavailable")
     return tuner
 

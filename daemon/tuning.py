@@ -5,8 +5,11 @@ the PolicyKeeper and the Tuner from the engine's `capacity()` and the
 settings' `[tuner]` section, and adds a cleanup context (STYLE 11) that, at
 startup:
 
-1. restores the database's active policy into the engine (or records the
-   starter policy, `starter_policy`, as version 0), measuring which
+1. closes retunes a crash left "running" as "interrupted" (rolling back a
+   policy they applied but never validated), then restores the database's
+   active policy into the engine (or records the starter policy,
+   `starter_policy`, as version 0; an invalid stored policy falls back to
+   the default with a warning), measuring which
    (technique, depth) cells the telemetry lacks so the first policy's
    exploration profiles them;
 2. with `tuner.enabled`, starts an APScheduler AsyncIOScheduler on the app's

@@ -9,8 +9,10 @@ Conventions:
   `trials`, ..., and its `alembic_version`) share the file without colliding;
 - types are portable (no SQLite-only or PostgreSQL-only types);
 - timestamps are unix seconds in double precision (`*_time`, `*_at`);
-- the columns of `xo_steps` and `xo_requests` carry the field names of the
-  engine's `StepStats` and `RequestResult` (telemetry/records.py mirrors them).
+- the columns of `xo_steps` are exactly the fields of the engine's `StepStats`
+  and those of `xo_requests` the stored fields of its `RequestResult` (all but
+  `scheduled_time`) plus `status`; the telemetry writer reads the columns off
+  these models (tests/telemetry/test_recorder.py checks the mirror).
 """
 
 from __future__ import annotations
