@@ -30,6 +30,7 @@ from engine.config import ModelConfig
 from engine.faults import build_rows, propose_alone, unadmitted
 from engine.kv import KVPool, KVState
 from engine.model import Params
+from engine.penalties import fill_adjust, wants_adjust
 from engine.policy import StepChooser, TunedPolicy, check_servable
 from engine.progress import Reporter, note
 from engine.proposers import NgramProposer, Proposer
@@ -280,13 +281,26 @@ class EngineCore:
         c.samp["top_p"][row] = sp.top_p
         c.samp["key"][row] = seq.key
         c.samp["want_logprobs"][row] = sp.logprobs
+        c.samp["min_p"][row] = sp.min_p
+        if wants_adjust(sp, seq.num_output):  # penalties or min_tokens: logit entries per position
+            self._fill_adjust(c, row, seq, ())
+
+    def _fill_adjust(self, c, row: int, seq: Sequence, drafts) -> None:
+        fill_adjust(self.runner.adjust_arrays(c), row, seq.tokens, seq.n_prompt, seq.req.sampling,
+                    self._stops(seq.req.sampling), drafts)
+
+    def _stops(self, sp) -> frozenset[int]:
+        """Token ids that end this request's output."""
+        return (frozenset() if sp.ignore_eos else self.stop_ids) | frozenset(sp.stop_token_ids)
 
     def _run_decode(self, plan: StepPlan, events, finished) -> SpecResult:
         seqs = plan.decode
         if not seqs:
             return SpecResult()
         technique, depth = self._chooser.choose(len(seqs))
-        if technique != "none" and len(seqs) <= self.runner.rc.spec_max_batch:
+        # drafting and verifying write positions up to num_cached + depth: keep them in the context
+        depth = min(depth, self.max_context - 1 - max(s.num_cached for s in seqs))
+        if technique != "none" and depth > 0 and len(seqs) <= self.runner.rc.spec_max_batch:
             depth = min(depth, self.proposers[technique].max_depth)  # e.g. 4 MTP heads
             t0 = time.perf_counter()
             seqs, drafts = propose_alone(self.proposers[technique], seqs, depth, self._failer(events, finished))
@@ -305,7 +319,7 @@ class EngineCore:
             s.num_cached += 1
             if hidden is not None:
                 s.hidden = hidden[i, 0]
-            self._emit(s, [int(tok[i, 0])], [float(lp[i, 0])], events, finished)
+            self._emit(s, [int(tok[i, 0])], [float(lp[i, 0])], events, finished, i)
         return SpecResult()
 
     def _run_speculative(self, seqs, drafts, technique, depth, propose_ms, events, finished) -> SpecResult:
@@ -318,6 +332,8 @@ class EngineCore:
             c.tokens[i, 1 : 1 + len(d)] = d
             c.n_new[i] = 1 + len(d)
             c.counter[i] = s.num_cached + 1 + np.arange(c.counter.shape[1])
+            if wants_adjust(s.req.sampling, s.num_output):  # position j counts drafts[:j] as output
+                self._fill_adjust(c, i, s, d)
 
         rows, c = build_rows(list(zip(seqs, drafts)), lambda rows: self.runner.new_verify_call(
             len(rows), depth, max(s.num_cached + 1 + depth for s, _ in rows)), fill, self._failer(events, finished))
@@ -343,7 +359,7 @@ class EngineCore:
             s.num_cached += 1 + a  # the fed token and the accepted drafts are now valid cache
             if hidden is not None:
                 s.hidden = hidden[i, a]
-            self._emit(s, list(d[:a]) + [int(tok[i, a])], [float(x) for x in lp[i, : a + 1]], events, finished)
+            self._emit(s, list(d[:a]) + [int(tok[i, a])], [float(x) for x in lp[i, : a + 1]], events, finished, i)
         return res
 
     def _run_prefill(self, seq: Sequence, n: int, events, finished) -> None:
@@ -358,17 +374,18 @@ class EngineCore:
         if seq.remaining == 0:  # the chunk reached the newest token: its logits give the next one
             hidden = self._hidden()
             seq.hidden = None if hidden is None else hidden[0, 0]
-            self._emit(seq, [int(tok[0, 0])], [float(lp[0, 0])], events, finished)
+            self._emit(seq, [int(tok[0, 0])], [float(lp[0, 0])], events, finished, 0)
 
     def _hidden(self) -> np.ndarray | None:
         """The latest call's final hidden states [B, Tl, d] as numpy, when a proposer needs them."""
         return np.asarray(self.runner.last_hidden, np.float32) if self._keep_hidden else None
 
-    def _emit(self, seq: Sequence, toks, lps, events, finished) -> None:
+    def _emit(self, seq: Sequence, toks, lps, events, finished, row: int) -> None:
+        """Append `seq`'s new tokens (row `row` of the latest call) and queue its event."""
         sp = seq.req.sampling
         try:
-            stops = (frozenset() if sp.ignore_eos else self.stop_ids) | frozenset(sp.stop_token_ids)
-            ev = append_tokens(seq, toks, lps if sp.logprobs else None, stops, self.max_context)
+            tops = self.runner.top_at(row, len(toks)) if sp.top_logprobs else None
+            ev = append_tokens(seq, toks, lps if sp.logprobs else None, self._stops(sp), self.max_context, tops)
         except Exception:
             self._fail(seq, "its detokenization or stop rules", events, finished)
             return

@@ -18,9 +18,10 @@ character (BOS and other specials skipped), then EOS, one token per step per
 running request. So prompt "abc" gives tokens "c", "b", "a", EOS: text "cba",
 4 completion tokens (EOS counts, its text is empty), finish_reason "stop";
 with max_tokens=2 the text is "cb" and finish_reason "length". With
-ignore_eos the reversed text repeats instead of ending. Stop strings cut the
+ignore_eos the reversed text repeats instead of ending; a stop token before
+min_tokens is replaced by the script's first other token. Stop strings cut the
 text before the match and hold back text that might start one. The
-log-probability of output position i is `fake_logprob(i)`.
+log-probability of output position i is `fake_logprob(i)` (its top_logprobs: that token only).
 
 Memory: each admitted request reserves ceil((prompt + max_tokens) / page_size)
 pages and returns them when it finishes, so leak tests can assert
@@ -371,6 +372,8 @@ class FakeEngine:
         while reason is None and len(tokens) < n:
             logprobs.append(fake_logprob(seq.produced))
             token = seq.next_token()
+            if token in stop_ids and seq.produced <= sp.min_tokens:  # too early to stop
+                token = next((t for t in seq.script if t not in stop_ids), BYTE_OFFSET)
             tokens.append(token)
             if token in stop_ids:
                 reason = "stop"
@@ -385,8 +388,9 @@ class FakeEngine:
         text, hit = self._release_text(seq, sp.stop, final=reason is not None)
         if hit:
             reason = "stop"
+        tops = tuple(((t, lp),) for t, lp in zip(tokens, logprobs)) if sp.top_logprobs else None  # one
         return TokenEvent(seq.request.request_id, tuple(tokens), text,
-                          tuple(logprobs) if sp.logprobs else None, reason is not None, reason)
+                          tuple(logprobs) if sp.logprobs else None, reason is not None, reason, tops)
 
     @staticmethod
     def _release_text(seq: _Sequence, stops: tuple[str, ...], final: bool) -> tuple[str, bool]:

@@ -26,7 +26,9 @@ from engine.config import ModelConfig
 from engine.kv import Batch, KVState, cache_reader, write_new
 from engine.model import Params, forward, logits, unstack_layers
 from engine.progress import Reporter, Steps, note
-from engine.sampling import SamplingArrays, greedy, sample, top_candidates, verify
+from engine.penalties import SPARE_ENTRIES
+from engine.sampling import (Adjust, SamplingArrays, adjust_logits, greedy, sample, top_candidates, top_logprobs,
+                             verify)
 
 _compiles = 0
 _compiles_lock = threading.Lock()
@@ -223,23 +225,37 @@ def forward_and_write(cfg: ModelConfig, ring_pages: int, params: Params, kv: KVS
     return _write(ring_pages, kv, batch, new_kv), sc, hs
 
 
+def _adjusted(sc: Scores, adj: Adjust | None):
+    """(logits [B * Tl, V], greedy tokens [B * Tl]) after `adj` [B, Tl, H] (None: as scored), and
+    the model's own logits when they differ (logprobs report those, as vLLM's raw logprobs)."""
+    B, Tl, V = sc.logits.shape
+    lg, best = sc.logits.reshape(B * Tl, V), sc.best.reshape(-1)
+    if adj is None:  # decided when tracing: calls without penalties or bans skip all of it
+        return lg, best, None
+    return *adjust_logits(lg, best, jax.tree.map(lambda a: a.reshape(B * Tl, -1), adj)), lg
+
+
 @jax.jit
-def _verify(sc: Scores, cand, samp: SamplingArrays, counter):
-    """Target tokens and acceptance at every verified position: logits [B, T, V], cand [B, T]."""
+def _verify(sc: Scores, cand, samp: SamplingArrays, counter, adj: Adjust | None = None):
+    """Target tokens and acceptance at every verified position: logits [B, T, V], cand [B, T];
+    `adj` [B, T, H] changes each position's logits first (engine.penalties)."""
     B, T, V = sc.logits.shape
     rows = jax.tree.map(lambda a: jnp.repeat(a, T, axis=0), samp)
-    tok, acc, lp = verify(sc.logits.reshape(B * T, V), cand.reshape(-1), rows, counter.reshape(-1),
-                          best=sc.best.reshape(-1))
-    return tok.reshape(B, T), acc.reshape(B, T), lp.reshape(B, T)
+    lg, best, raw = _adjusted(sc, adj)
+    tok, acc, lp = verify(lg, cand.reshape(-1), rows, counter.reshape(-1), best=best, raw=raw)
+    ti, tl = top_logprobs(sc.logits.reshape(B * T, V), rows)
+    return tok.reshape(B, T), acc.reshape(B, T), lp.reshape(B, T), ti.reshape(B, T, -1), tl.reshape(B, T, -1)
 
 
 @jax.jit
-def _sample(sc: Scores, samp: SamplingArrays, counter):
+def _sample(sc: Scores, samp: SamplingArrays, counter, adj: Adjust | None = None):
     """Sampling is compiled apart from the forward: its shapes do not depend on context."""
     B, Tl, V = sc.logits.shape
     rows = jax.tree.map(lambda a: jnp.repeat(a, Tl, axis=0), samp)
-    tok, lp = sample(sc.logits.reshape(B * Tl, V), rows, counter.reshape(-1), best=sc.best.reshape(-1))
-    return tok.reshape(B, Tl), lp.reshape(B, Tl)
+    lg, best, raw = _adjusted(sc, adj)
+    tok, lp = sample(lg, rows, counter.reshape(-1), best=best, raw=raw)
+    ti, tl = top_logprobs(sc.logits.reshape(B * Tl, V), rows)
+    return tok.reshape(B, Tl), lp.reshape(B, Tl), ti.reshape(B, Tl, -1), tl.reshape(B, Tl, -1)
 
 
 @dataclass
@@ -254,6 +270,8 @@ class CallArrays:
     logit_idx: np.ndarray  # [B, Tl] int32
     counter: np.ndarray  # [B, Tl] int32
     samp: dict[str, np.ndarray] = field(default_factory=dict)
+    adjust: dict[str, np.ndarray] | None = None
+    """engine.sampling.Adjust buffers [B, Tl, H] once a row has penalties or banned ids."""
 
 
 class ModelRunner:
@@ -267,6 +285,9 @@ class ModelRunner:
         self.kv = KVState.create(cfg, rc.global_pages, rc.local_pages, rc.page_size, jnp.dtype(rc.kv_dtype))
         self.warm_compiles: int | None = None
         self.last_hidden = None  # [B, Tl, d] final hidden states of the latest call
+        self.last_top = None  # ([B, Tl, k] ids, [B, Tl, k] logprobs) of the latest call, if asked
+        self.adjust_width = rc.max_context + SPARE_ENTRIES
+        """Logit entries per position: a context's distinct tokens plus banned stop ids."""
 
     def new_call(self, batch: int, new_tokens: int, context: int, logits_per_row: int = 1) -> CallArrays:
         """Zeroed, bucket-padded host arrays (scratch pages, padding rows)."""
@@ -295,18 +316,34 @@ class ModelRunner:
         c.logit_idx[:] = np.arange(T, dtype=np.int32)
         return c
 
+    def top_at(self, row: int, n: int) -> list[list[tuple[int, float]]] | None:
+        """The latest call's most likely (token, logprob) pairs, best first, at the first n
+        positions of `row`; None when no row of it asked for logprobs."""
+        if self.last_top is None:
+            return None
+        ids, lps = self.last_top
+        return [list(zip(ids[row, j].tolist(), lps[row, j].tolist(), strict=True)) for j in range(n)]
+
+    def adjust_arrays(self, c: CallArrays) -> dict[str, np.ndarray]:
+        """c's logit-adjustment buffers (engine.penalties fills them), made on first use."""
+        if c.adjust is None:
+            c.adjust = Adjust.host((*c.counter.shape, self.adjust_width))
+        return c.adjust
+
     def run(self, c: CallArrays) -> tuple[np.ndarray, np.ndarray]:
         """Execute one call; returns (tokens [B, Tl], logprobs [B, Tl]) as numpy."""
         batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
         self.kv, sc, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch, c.logit_idx)
-        tok, lp = _sample(sc, SamplingArrays(**c.samp), c.counter)
+        tok, lp, *top = _sample(sc, SamplingArrays(**c.samp), c.counter, _adjust(c))
+        self.last_top = tuple(map(np.asarray, top)) if c.samp["want_logprobs"].any() else None
         return np.asarray(tok), np.asarray(lp)
 
     def run_verify(self, c: CallArrays, cand: np.ndarray):
         """Forward over [last token, drafts...] and verify: (tokens, accepted, logprobs) [B, T]."""
         batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
         self.kv, sc, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch, c.logit_idx)
-        tok, acc, lp = _verify(sc, cand, SamplingArrays(**c.samp), c.counter)
+        tok, acc, lp, *top = _verify(sc, cand, SamplingArrays(**c.samp), c.counter, _adjust(c))
+        self.last_top = tuple(map(np.asarray, top)) if c.samp["want_logprobs"].any() else None
         return np.asarray(tok), np.asarray(acc), np.asarray(lp)
 
     def shapes(self) -> list[tuple[int, int, int]]:
@@ -335,5 +372,24 @@ class ModelRunner:
                 else:
                     self.run(self.new_call(b, t, c))
                 bar.advance()
+        self._warm_adjusted(shapes)
         note(progress, f"warmup: {len(shapes)} shapes compiled in {time.perf_counter() - t0:.1f}s")
         self.warm_compiles = compile_count()
+
+    def _warm_adjusted(self, shapes) -> None:
+        """Compile the sampling of calls with logit adjustments (penalties, min_tokens) at each
+        (batch, logits per row) the calls use; sampling's shapes do not depend on context, so no
+        forward runs."""
+        V = self.params["embed"].shape[0]
+        for b, t, is_verify in sorted({(b, t if v else 1, v) for (b, t, _), v in shapes}):
+            sc = Scores(jnp.zeros((b, t, V), jnp.float32), jnp.zeros((b, t), jnp.int32))
+            samp, counter = SamplingArrays(**SamplingArrays.host(b)), np.zeros((b, t), np.int32)
+            adj = Adjust(**Adjust.host((b, t, self.adjust_width)))
+            if is_verify:
+                _verify(sc, np.full((b, t), -1, np.int32), samp, counter, adj)
+            else:
+                _sample(sc, samp, counter, adj)
+
+
+def _adjust(c: CallArrays) -> Adjust | None:
+    return None if c.adjust is None else Adjust(**c.adjust)

@@ -1,4 +1,5 @@
-"""Token sampling inside the jitted step: greedy, temperature, top-k, min-p, top-p, seeds.
+"""Token sampling inside the jitted step: logit adjustments, greedy, temperature, top-k,
+min-p, top-p, seeds.
 
 Every row carries its own settings as arrays, so one compiled function serves
 any mix of greedy and sampled requests (STYLE 2). Randomness is a per-request
@@ -40,6 +41,35 @@ class SamplingArrays:
             "want_logprobs": np.zeros(n, bool),
             "min_p": np.zeros(n, np.float32),
         }
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Adjust:
+    """Sparse changes to the logits before sampling (built by engine.penalties): per row at most
+    one entry per token id; x -> (x / scale if x > 0 else x * scale) + add."""
+
+    ids: jax.Array  # [N, H] int32 token ids, -1 = unused entry
+    scale: jax.Array  # [N, H] f32 repetition penalty (1 = none)
+    add: jax.Array  # [N, H] f32 added after scaling (-inf bans the token)
+
+    @staticmethod
+    def host(shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """Empty numpy buffers shaped `shape` (e.g. [B, T, H]): no entry anywhere."""
+        return {"ids": np.full(shape, -1, np.int32), "scale": np.ones(shape, np.float32),
+                "add": np.zeros(shape, np.float32)}
+
+
+def adjust_logits(logits: jax.Array, best: jax.Array, a: Adjust):
+    """(logits [N, V] with a's entries applied, greedy tokens [N]); rows without entries keep
+    `best`. Example: logits [2, -1, 0.5], entries {0: (2, 0), 1: (2, 0), 2: (1, -inf)} ->
+    [1, -2, -inf], greedy 0."""
+    N, V = logits.shape
+    ids = jnp.where(a.ids >= 0, a.ids, V)  # out of range: the scatter drops it
+    x = jnp.take_along_axis(logits, jnp.minimum(ids, V - 1), axis=1)
+    x = jnp.where(x > 0, x / a.scale, x * a.scale) + a.add
+    lg = logits.at[jnp.arange(N)[:, None], ids].set(x, mode="drop")
+    return lg, jnp.where(jnp.any(a.ids >= 0, axis=-1), greedy(lg), best)
 
 
 TOP_BLOCK = 256
@@ -102,7 +132,7 @@ def _threshold_bisect(k: "Kept", tau_k, top_p, lse, iters: int = 40):
     """
     scaled = k.scaled
     mask_k = scaled >= tau_k[:, None]
-    lo = jnp.min(jnp.where(mask_k, scaled, jnp.inf), axis=-1)
+    lo = jnp.min(jnp.where(mask_k & (scaled > -jnp.inf), scaled, jnp.inf), axis=-1)  # banned: -inf
     hi = k.top
 
     def body(_, lohi):
@@ -233,15 +263,17 @@ def _verify_rows(logits, cand, s: SamplingArrays, counter):
     return jnp.where(accept, cand, _draw(k, u[:, 1], drop)), accept
 
 
-def verify(logits: jax.Array, cand: jax.Array, s: SamplingArrays, counter: jax.Array, best: jax.Array | None = None):
+def verify(logits: jax.Array, cand: jax.Array, s: SamplingArrays, counter: jax.Array, best: jax.Array | None = None,
+           raw: jax.Array | None = None):
     """Target tokens and draft acceptance at each verified position.
 
     logits: [N, V] f32 at one position each; cand: [N] int32, the draft token
     that follows that position (-1 where there is none: the bonus position).
     Greedy rows accept exactly when the draft equals the argmax; sampled rows
     use rejection sampling (see _verify_rows). `best` [N]: the greedy tokens
-    when the caller already knows them (see engine.runner.output_scores).
-    Returns (tokens [N], accepted [N] bool, logprobs [N]).
+    when the caller already knows them (see engine.runner.output_scores);
+    `raw` [N, V]: the model's logits when `logits` were adjusted (logprobs
+    report the model's). Returns (tokens [N], accepted [N] bool, logprobs [N]).
     Example: greedy, argmax 7, cand 7 -> (7, True).
     """
     g = greedy(logits) if best is None else best
@@ -251,7 +283,7 @@ def verify(logits: jax.Array, cand: jax.Array, s: SamplingArrays, counter: jax.A
     )
     tok = jnp.where(sampled, tok_s, g)
     acc = jnp.where(sampled, acc_s, cand == g)
-    return tok, acc, _logprobs(logits, tok, s)
+    return tok, acc, _logprobs(logits if raw is None else raw, tok, s)
 
 
 def _logprobs(logits, tok, s: SamplingArrays):
@@ -262,17 +294,42 @@ def _logprobs(logits, tok, s: SamplingArrays):
     return jax.lax.cond(jnp.any(s.want_logprobs), lp, lambda: jnp.zeros(tok.shape, jnp.float32))
 
 
-def sample(logits: jax.Array, s: SamplingArrays, counter: jax.Array, best: jax.Array | None = None):
+def sample(logits: jax.Array, s: SamplingArrays, counter: jax.Array, best: jax.Array | None = None,
+           raw: jax.Array | None = None):
     """Pick one token per row and its log-probability under the model.
 
     logits: [N, V] f32; counter: [N] int32 (position being sampled, folded into
     the row's key). Returns (tokens [N] int32, logprobs [N] f32; zeros unless
     requested). Greedy rows ignore the key and take `best` [N] when given
-    (the caller's greedy tokens). Example: with temperature 0 everywhere this
+    (the caller's greedy tokens); logprobs read `raw` when given (see verify). Example: with temperature 0 everywhere this
     is `argmax` and no random numbers are drawn.
     """
     tok = greedy(logits) if best is None else best
     any_sampled = jnp.any(s.temperature > 0)
     sampled = jax.lax.cond(any_sampled, lambda: _sample_rows(logits, s, counter), lambda: tok)
     tok = jnp.where(s.temperature > 0, sampled, tok)
-    return tok, _logprobs(logits, tok, s)
+    return tok, _logprobs(logits if raw is None else raw, tok, s)
+
+
+TOP_LOGPROBS = 20
+"""Most likely tokens listed per position when a row asks for logprobs (OpenAI's limit)."""
+
+
+def top_logprobs(logits: jax.Array, s: SamplingArrays, k: int = TOP_LOGPROBS):
+    """The k most likely tokens of each row, best first (lower id on ties), and their
+    log-probabilities under `logits`: ([N, k] int32, [N, k] f32); zeros unless a row wants
+    logprobs. Example: log-probabilities [-1.6, -0.4, -2.3] -> ids [1, 0, 2], those values.
+    """
+    N, V = logits.shape
+    k = min(k, V)
+
+    def top():
+        ids = jnp.sort(top_candidates(logits, k), axis=-1)
+        vals = jnp.take_along_axis(logits, ids, axis=1)
+        order = jnp.argsort(-vals, axis=-1, stable=True)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        return (jnp.take_along_axis(ids, order, axis=1).astype(jnp.int32),
+                jnp.take_along_axis(vals, order, axis=1) - lse[:, None])
+
+    return jax.lax.cond(jnp.any(s.want_logprobs), top,
+                        lambda: (jnp.zeros((N, k), jnp.int32), jnp.zeros((N, k), jnp.float32)))

@@ -112,13 +112,14 @@ class Sequence:
 
 
 def append_tokens(seq: Sequence, new: list[int], logprobs: list[float] | None,
-                  stop_ids: frozenset[int], max_context: int) -> TokenEvent:
+                  stop_ids: frozenset[int], max_context: int,
+                  tops: list[list[tuple[int, float]]] | None = None) -> TokenEvent:
     """Append sampled tokens, apply stop rules, and return the event to emit.
 
     Stops, in order per token: a stop id (the id is reported, its text is not),
     max_tokens, the context limit; then stop strings on the decoded text (the
     text is cut before the match). Text that could still become a stop string
-    is held back until it cannot.
+    is held back until it cannot. `tops`: each token's most likely alternatives, best first.
     """
     sp = seq.req.sampling
     if seq.first_token_time is None:
@@ -145,7 +146,8 @@ def append_tokens(seq: Sequence, new: list[int], logprobs: list[float] | None,
     end = max(seq.emitted, len(seq.text) - hold)
     delta, seq.emitted = seq.text[seq.emitted : end], end
     lps = tuple(logprobs[: len(kept)]) if logprobs is not None else None
-    return TokenEvent(seq.request_id, tuple(kept), delta, lps, reason is not None, reason)
+    top = None if tops is None else tuple(tuple(t[: sp.top_logprobs]) for t in tops[: len(kept)])
+    return TokenEvent(seq.request_id, tuple(kept), delta, lps, reason is not None, reason, top)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:

@@ -23,9 +23,9 @@ MAX_STOP_CHARS = 200
 MAX_STOP_TOKEN_IDS = 32
 """Most extra stop token ids per request."""
 MAX_TOP_LOGPROBS = 20
-"""Largest alternatives count a client may name (as OpenAI)."""
-SUPPORTED_TOP_LOGPROBS = 1
-"""Alternatives the engine lists per token: only the chosen token, so more is refused."""
+"""Largest alternatives count a client may name (as OpenAI; engine.sampling.TOP_LOGPROBS)."""
+MAX_PENALTY = 2.0
+"""Largest presence / frequency penalty, either sign (as OpenAI) and largest repetition penalty."""
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 """Seeds accepted: any signed or unsigned 64-bit integer (see engine.sequence.request_key)."""
 
@@ -71,9 +71,20 @@ class SamplingParams:
     logprobs: bool = False
     """Return the log-probability of each chosen token."""
     top_logprobs: int = 0
-    """Alternatives asked for per token (0..MAX_TOP_LOGPROBS; above SUPPORTED_TOP_LOGPROBS is refused)."""
+    """Most likely tokens listed per output token (0..MAX_TOP_LOGPROBS), with their logprobs."""
     ignore_eos: bool = False
     """Keep going past the model's own stop tokens (EOS, end of turn); stop_token_ids still apply."""
+    min_p: float = 0.0
+    """Keep tokens at least min_p times as likely as the best one (after temperature); 0 is off."""
+    min_tokens: int = 0
+    """Output tokens before EOS or a stop token id may be sampled (they are masked until then)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of each token already in the output (OpenAI's, -2..2)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it is already in the output (-2..2)."""
+    repetition_penalty: float = 1.0
+    """vLLM's: a token of the prompt or output has a positive logit divided by it and a negative
+    one multiplied by it; 1 is off, (0, 2]."""
 
     def validate(self, vocab_size: int | None = None, max_context: int | None = None) -> None:
         """Raise ParamError naming the bad field; token ids and max_tokens are also checked
@@ -103,11 +114,23 @@ class SamplingParams:
             raise _bad("logprobs", "must be a boolean", self.logprobs)
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise _bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]", self.top_logprobs)
-        if self.top_logprobs > SUPPORTED_TOP_LOGPROBS:
-            raise _bad("top_logprobs", f"above {SUPPORTED_TOP_LOGPROBS} is not supported (only the "
-                       "chosen token is listed)", self.top_logprobs, "unsupported_parameter")
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", "must be a boolean", self.ignore_eos)
+        self._validate_adjustments()
+
+    def _validate_adjustments(self) -> None:
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise _bad("min_p", "must be in [0, 1]", self.min_p)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise _bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]",
+                       self.min_tokens)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise _bad(name, f"must be in [-{MAX_PENALTY}, {MAX_PENALTY}]", value)
+        r = self.repetition_penalty
+        if not _is_number(r) or not 0.0 < r <= MAX_PENALTY:
+            raise _bad("repetition_penalty", f"must be in (0, {MAX_PENALTY}]", r)
 
     def _validate_stops(self, vocab_size: int | None) -> None:
         stop, ids = self.stop, self.stop_token_ids
@@ -184,6 +207,9 @@ class TokenEvent:
     finish_reason: str | None = None
     """"stop" (EOS, stop id or string), "length" (max_tokens or context), "abort" or "error" (a
     fault ended this request: engine/faults.py)."""
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    """Per token, the most likely (token id, logprob) pairs, best first (SamplingParams.top_logprobs
+    of them); None unless asked for."""
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,7 @@ def test_sampling_with_drafts_matches_the_target_distribution(toy, technique):
     cand = np.tile(np.array(drafts + [-1], np.int32), (N_SAMPLES, 1))
     counter = np.tile(np.arange(3, dtype=np.int32), (N_SAMPLES, 1)) + 10_000 * np.arange(N_SAMPLES)[:, None]
     full = jnp.asarray(np.broadcast_to(lg, (N_SAMPLES, 3, TOY_VOCAB)))
-    tok, acc, _ = _verify(Scores(full, jnp.argmax(full, axis=-1).astype(jnp.int32)), jnp.asarray(cand),
+    tok, acc, *_ = _verify(Scores(full, jnp.argmax(full, axis=-1).astype(jnp.int32)), jnp.asarray(cand),
                           SamplingArrays(**s), jnp.asarray(counter, jnp.int32))
     tok, acc = np.asarray(tok), np.asarray(acc)
     first = np.where(acc[:, 0], drafts[0], tok[:, 0])

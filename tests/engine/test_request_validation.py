@@ -19,6 +19,9 @@ GOOD = [
     dict(top_k=256), dict(top_p=1e-6), dict(top_p=1), dict(seed=-(2**63)), dict(seed=2**64 - 1),
     dict(stop=("s" * MAX_STOP_CHARS,) * MAX_STOP_STRINGS), dict(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS))),
     dict(top_logprobs=1), dict(logprobs=True, ignore_eos=True),
+    dict(min_p=0.0), dict(min_p=1.0), dict(max_tokens=4, min_tokens=4), dict(min_tokens=0),
+    dict(presence_penalty=-2.0, frequency_penalty=2.0), dict(presence_penalty=2, frequency_penalty=-2),
+    dict(repetition_penalty=2.0), dict(repetition_penalty=1e-6),
 ]
 BAD = [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=True), "max_tokens"), (dict(max_tokens=2.0), "max_tokens"),
@@ -33,6 +36,11 @@ BAD = [
     (dict(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids"),
     (dict(top_logprobs=-1), "top_logprobs"), (dict(top_logprobs=21), "top_logprobs"),
     (dict(logprobs=1), "logprobs"), (dict(ignore_eos="yes"), "ignore_eos"),
+    (dict(min_p=-1e-9), "min_p"), (dict(min_p=1.01), "min_p"), (dict(min_p=float("nan")), "min_p"),
+    (dict(max_tokens=4, min_tokens=5), "min_tokens"), (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=1.0), "min_tokens"), (dict(presence_penalty=2.01), "presence_penalty"),
+    (dict(presence_penalty=float("inf")), "presence_penalty"), (dict(frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=2.01), "repetition_penalty"),
 ]
 
 
@@ -48,10 +56,11 @@ def test_out_of_bounds_names_the_field(fields, name):
     assert info.value.field == name and str(info.value).startswith(name)
 
 
-def test_more_alternatives_than_listed_is_unsupported():
+def test_up_to_twenty_alternatives_are_listed():
+    SamplingParams(logprobs=True, top_logprobs=20).validate()
     with pytest.raises(ParamError) as info:
-        SamplingParams(logprobs=True, top_logprobs=2).validate()
-    assert (info.value.field, info.value.code) == ("top_logprobs", "unsupported_parameter")
+        SamplingParams(logprobs=True, top_logprobs=21).validate()
+    assert (info.value.field, info.value.code) == ("top_logprobs", "invalid_value")
 
 
 def test_numpy_and_tuple_prompts_are_fine():

@@ -14,6 +14,7 @@ from engine.sampling import (
     kept,
     sample,
     top_candidates,
+    top_logprobs,
     verify,
 )
 from engine.types import Request, SamplingParams
@@ -238,3 +239,41 @@ def test_top_p_beyond_the_candidates_falls_back_to_bisection():
     assert V // 2 > CANDIDATES
     np.testing.assert_allclose(p[: V // 2], 2 / V, rtol=1e-4)
     assert p[V // 2 :].sum() == 0
+
+
+def test_top_logprobs_are_the_most_likely_tokens_best_first():
+    s = SamplingArrays.host(2)
+    s["want_logprobs"][:] = True
+    lg = jnp.asarray(np.stack([LOGITS, LOGITS[::-1]]) + np.float32(3.0))  # unnormalized
+    ids, lps = jax.jit(top_logprobs, static_argnums=2)(lg, SamplingArrays(**s), 5)
+    assert np.asarray(ids).tolist() == [[0, 1, 2, 3, 4], [7, 6, 5, 4, 3]]
+    np.testing.assert_allclose(np.asarray(lps), [LOGITS[:5], LOGITS[:5]], atol=1e-5)
+
+
+def test_engine_lists_top_logprobs_with_and_without_speculation(tiny):
+    """top_logprobs=5: five (id, logprob) pairs per token, best first; greedy's token is the
+    first; the same lists when n-gram drafts are verified."""
+    from engine.policy import BatchRule, TunedPolicy
+    from tests.engine.conftest import SPEC_RC
+
+    sp = SamplingParams(max_tokens=10, logprobs=True, top_logprobs=5, ignore_eos=True)
+    runs = []
+    for depth in (0, 4):
+        e = make_engine(tiny, **SPEC_RC)
+        if depth:
+            e.set_policy(TunedPolicy(rules=(BatchRule(64, "ngram", depth),), crossover=64, version=1))
+        e.add_request(Request("r", ByteTokenizer().encode("abcabcabcabc abc"), sp))
+        toks, tops = [], []
+        while e.has_work():
+            for ev in e.step().events:
+                toks += ev.token_ids
+                tops += ev.top_logprobs or ()
+        runs.append((toks, tops))
+        assert len(tops) == len(toks) == 10
+        for t, top in zip(toks, tops, strict=True):
+            lps = [lp for _, lp in top]
+            assert len(top) == 5 and top[0][0] == t and lps == sorted(lps, reverse=True)
+            assert all(lp <= 0 for lp in lps) and sum(np.exp(lps)) <= 1 + 1e-4
+    (plain, plain_tops), (spec, spec_tops) = runs
+    assert spec == plain
+    assert [[i for i, _ in t] for t in spec_tops] == [[i for i, _ in t] for t in plain_tops]
