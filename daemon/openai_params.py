@@ -4,11 +4,13 @@ Types are read here; ranges are checked by `engine.types.SamplingParams.validate
 and `Request.validate`, the same rules `EngineCore.add_request` applies, so a
 bad value is refused before the engine sees it. Each failure is an ApiError
 whose `param` names the offending field. Every body key is either honoured,
-accepted at its neutral value only (`n: 1`, `presence_penalty: 0`, ...), or
+accepted at its neutral value only (`best_of: 1`, `logit_bias: {}`, ...), or
 refused with 400 `unsupported_parameter`; unknown keys are refused too
 (daemon/README.md has the table). One field beyond OpenAI's: `ignore_eos` (a
 boolean, as in vLLM) keeps generating past the model's stop tokens, so load
-tests get exactly max_tokens tokens; `top_k` and `stop_token_ids` are vLLM's.
+tests get exactly max_tokens tokens; `top_k`, `min_p`, `min_tokens`,
+`repetition_penalty` and `stop_token_ids` are vLLM's. `n` (1..MAX_N choices) is
+bounded by the tenant's max_concurrent too, since each choice takes one of its slots.
 """
 
 from __future__ import annotations
@@ -27,16 +29,16 @@ from engine.types import ParamError, Request, SamplingParams, check_prompt_ids
 
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-    "logprobs", "stream", "stream_options", "ignore_eos", "user", "metadata",
+    "logprobs", "stream", "stream_options", "ignore_eos", "user", "metadata", "min_p", "min_tokens",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "n",
 })
 """Keys both routes honour."""
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "presence_penalty": (0,),
-    "frequency_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,), "min_tokens": (0,),
-    "logit_bias": ({},), "response_format": ({"type": "text"},), "tool_choice": ("none",),
-    "tools": ([],), "functions": ([],), "store": (False,), "modalities": (["text"],),
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
+    "response_format": ({"type": "text"},), "tool_choice": ("none",), "tools": ([],), "functions": ([],),
+    "store": (False,), "modalities": (["text"],),
 }
 """Keys accepted only at the value that changes nothing (or null); any other value is refused."""
 MESSAGE_FIELDS = frozenset({"role", "content"})
@@ -44,6 +46,8 @@ ROLES = ("system", "developer", "user", "assistant")
 """Chat roles honoured; `developer` is read as `system`."""
 UNSUPPORTED_ROLES = ("tool", "function")
 MAX_USER_CHARS = 256
+MAX_N = 8
+"""Most choices one request may ask for (`n`); each is its own engine request."""
 
 
 class Tokenizer(Protocol):
@@ -65,6 +69,8 @@ class Limits:
     """The tenant's cap on completion tokens: more is a 400; an unset max_tokens is clamped."""
     vocab_size: int | None = None
     """Token ids must be below it (None: the engine checks them on submit)."""
+    max_concurrent: int | None = None
+    """The tenant's slots: `n` above it is a 400 (its n choices could never run at once)."""
 
 
 @dataclass(frozen=True)
@@ -76,11 +82,13 @@ class GenerationSpec:
     stream: bool
     include_usage: bool
     top_logprobs: int
-    """Entries per token in top_logprobs (0 or 1: the chosen token)."""
+    """Most likely tokens listed per token in top_logprobs (0..20)."""
     names: dict[str, str] = field(default_factory=dict)
     """engine field -> the body key it came from (prompt_ids -> prompt or messages), for errors."""
     user: str | None = None
     """The client's end-user label (accepted, not interpreted)."""
+    n: int = 1
+    """Choices to generate (1..MAX_N), each its own engine request."""
 
 
 async def read_body(request: web.Request, max_bytes: int) -> bytes:
@@ -206,11 +214,16 @@ def _spec(body: dict[str, Any], limits: Limits, prompt_ids: list[int], logprobs:
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         ignore_eos=_opt(body, "ignore_eos", bool, "a boolean") or False,  # vLLM's extension
+        min_p=_opt_number(body, "min_p", 0.0),
+        min_tokens=_opt_int(body, "min_tokens") or 0,
+        presence_penalty=_opt_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_opt_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_opt_number(body, "repetition_penalty", 1.0),
     )
     with _naming(names):
         Request("parse", prompt_ids, sampling).validate(limits.vocab_size, limits.max_context)
     return GenerationSpec(prompt_ids, sampling, stream, _include_usage(body, stream),
-                          top_logprobs, names, _labels(body))
+                          top_logprobs, names, _labels(body), _choices(body, limits))
 
 
 @contextmanager
@@ -244,6 +257,20 @@ def check_fields(body: dict[str, Any], honoured: frozenset[str]) -> None:
 def _same(value: Any, neutral: Any) -> bool:
     """value == neutral with booleans and numbers kept apart (True is not 1)."""
     return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
+def _choices(body: dict[str, Any], limits: Limits) -> int:
+    """`n`: 1..MAX_N, and no more than the tenant's max_concurrent (each choice takes a slot)."""
+    n = _opt_int(body, "n")
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_N:
+        raise _value_error("n", f"must be between 1 and {MAX_N}", n)
+    cap = limits.max_concurrent
+    if cap is not None and n > cap:
+        raise bad_request(f"n={n} is more than this API key's max_concurrent limit of {cap} "
+                          "requests in flight (each choice is one)", "n", "invalid_value")
+    return n
 
 
 def _labels(body: dict[str, Any]) -> str | None:

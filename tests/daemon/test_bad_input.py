@@ -22,7 +22,7 @@ from daemon.tenants.auth import AUTH
 from daemon.tenants.limits import TenantInfo, TenantLimits
 from engine.fake import BYTE_OFFSET, FakeEngine
 from engine.types import ParamError, Request, SamplingParams
-from tests.daemon.helpers import MODEL, LiveServer, http_request, wait_for
+from tests.daemon.helpers import MODEL, LiveServer, http_request, parse_sse, wait_for
 
 CTX = 256
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -106,35 +106,37 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("stop-token-ids-out-of-vocab", C, comp(stop_token_ids=[10**6]), 400, "stop_token_ids"),
     ("stop-token-ids-too-many", C, comp(stop_token_ids=list(range(3, 36))), 400, "stop_token_ids"),
     ("top-logprobs-over-20", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("logprobs-over-20", C, comp(logprobs=21), 400, "logprobs"),
     ("user-not-string", C, comp(user=5), 400, "user"),
     ("user-too-long", CHAT, chat(user="u" * 300), 400, "user"),
     ("metadata-not-object", CHAT, chat(metadata="x"), 400, "metadata"),
     ("chat-two-max-tokens-disagree", CHAT, chat(max_tokens=5, max_completion_tokens=6), 400, "max_tokens"),
     ("chat-max-completion-over-context", CHAT, chat(max_completion_tokens=CTX), 400,
      "max_completion_tokens"),
+    ("min-p-above-one", C, comp(min_p=1.5), 400, "min_p"),
+    ("min-tokens-over-max-tokens", C, comp(min_tokens=20, max_tokens=4), 400, "min_tokens"),
+    ("min-tokens-float", CHAT, chat(min_tokens=2.5), 400, "min_tokens"),
+    ("presence-penalty-high", CHAT, chat(presence_penalty=2.5), 400, "presence_penalty"),
+    ("frequency-penalty-string", C, comp(frequency_penalty="x"), 400, "frequency_penalty"),
+    ("repetition-penalty-zero", C, comp(repetition_penalty=0), 400, "repetition_penalty"),
+    ("n-zero", C, comp(n=0), 400, "n"),
+    ("n-nine", CHAT, chat(n=9, temperature=1.0), 400, "n"),
+    ("n-float", C, comp(n=2.5), 400, "n"),
+    ("n-true", C, comp(n=True), 400, "n"),
 ]
 
 UNSUPPORTED: list[tuple[str, str, dict[str, Any], str]] = [
     # (case id, path, body, the param the 400 unsupported_parameter names)
     ("unknown-key", C, comp(frobnicate=1), "frobnicate"),
     ("unknown-key-chat", CHAT, chat(temprature=0.5), "temprature"),
-    ("n-two", C, comp(n=2), "n"),
-    ("n-true", C, comp(n=True), "n"),
     ("best-of", C, comp(best_of=3), "best_of"),
+    ("best-of-with-n", C, comp(n=2, best_of=2), "best_of"),
     ("echo", C, comp(echo=True), "echo"),
     ("suffix", C, comp(suffix="x"), "suffix"),
-    ("logprobs-two", C, comp(logprobs=2), "logprobs"),
-    ("logprobs-too-many", C, comp(logprobs=10), "logprobs"),
-    ("top-logprobs-two", CHAT, chat(logprobs=True, top_logprobs=2), "top_logprobs"),
     ("response-format-json", CHAT, chat(response_format={"type": "json_object"}), "response_format"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     ("tool-choice", CHAT, chat(tool_choice="auto"), "tool_choice"),
     ("functions", CHAT, chat(functions=[{"name": "f"}]), "functions"),
-    ("min-tokens", C, comp(min_tokens=5), "min_tokens"),
-    ("min-p", C, comp(min_p=0.1), "min_p"),
-    ("presence-penalty", CHAT, chat(presence_penalty=0.5), "presence_penalty"),
-    ("frequency-penalty", C, comp(frequency_penalty=-1), "frequency_penalty"),
-    ("repetition-penalty", C, comp(repetition_penalty=1.2), "repetition_penalty"),
     ("logit-bias", C, comp(logit_bias={"5": 1}), "logit_bias"),
     ("tool-role", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
     ("message-name", CHAT, chat(messages=[{"role": "user", "content": "x", "name": "bob"}]),
@@ -164,7 +166,15 @@ GOOD: list[tuple[str, str, dict[str, Any]]] = [
     ("stop-token-ids", C, comp(stop_token_ids=[3], max_tokens=4, ignore_eos=True)),
     ("top-logprobs-one", CHAT, chat(logprobs=True, top_logprobs=1, max_tokens=4, ignore_eos=True)),
     ("logprobs-one", C, comp(logprobs=1, max_tokens=4, ignore_eos=True)),
+    ("logprobs-twenty", C, comp(logprobs=20, max_tokens=4, ignore_eos=True)),
+    ("top-logprobs-five", CHAT, chat(logprobs=True, top_logprobs=5, max_tokens=4, ignore_eos=True)),
     ("chat-default-max-tokens", CHAT, chat(max_tokens=None)),
+    ("penalties-and-min-p", C, comp(presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                                    min_p=0.1, temperature=1.0, max_tokens=4, ignore_eos=True)),
+    ("min-tokens", CHAT, chat(min_tokens=3, max_tokens=4)),
+    ("n-two-sampled", C, comp(n=2, temperature=1.0, max_tokens=4, ignore_eos=True)),
+    ("n-eight-chat", CHAT, chat(n=8, temperature=0.7, seed=-1, max_tokens=3, ignore_eos=True)),
+    ("n-two-greedy", C, comp(n=2, temperature=0, max_tokens=4)),
 ]
 
 
@@ -238,11 +248,13 @@ def test_good_request_is_served(server: LiveServer, path: str, body: Any) -> Non
     before = len(server.sink.results)
     r = server.post(path, on(server, body))
     assert r.status == 200, r.data
-    choice = r.json()["choices"][0]
-    assert choice["finish_reason"] in ("stop", "length")
-    assert r.json()["usage"]["completion_tokens"] >= 1
+    n = body.get("n") or 1
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(n))
+    assert all(c["finish_reason"] in ("stop", "length") for c in choices)
+    assert r.json()["usage"]["completion_tokens"] >= n
     wait_idle(server)
-    assert len(server.sink.results) == before + 1 and server.app[ENGINE_THREAD].ready
+    assert len(server.sink.results) == before + n and server.app[ENGINE_THREAD].ready
 
 
 def test_negative_seed_is_its_unsigned_twin(server: LiveServer) -> None:
@@ -253,14 +265,55 @@ def test_negative_seed_is_its_unsigned_twin(server: LiveServer) -> None:
     assert texts[0] == texts[1] and len(texts[0]) == 8
 
 
+def test_seeded_choices_are_reproducible(server: LiveServer) -> None:
+    """n choices with a seed: choice i samples what one choice with seed + i does, every time,
+    and the choices differ (the tiny model samples; the fake answers every choice alike)."""
+    def tokens(**fields: Any) -> list[list[str]]:
+        body = comp(temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=0, **fields)
+        r = server.post(C, on(server, body))
+        assert r.status == 200, r.data
+        return [c["logprobs"]["tokens"] for c in r.json()["choices"]]
+
+    three = tokens(n=3, seed=2**64 - 2)  # the seeds wrap: 2**64 - 2, 2**64 - 1, 0
+    assert tokens(n=3, seed=2**64 - 2) == three
+    assert [tokens(seed=s)[0] for s in (2**64 - 2, -1, 0)] == three
+    if not isinstance(server.engine, FakeEngine):
+        assert len({tuple(t) for t in three}) == 3
+    wait_idle(server)
+
+
+def test_greedy_choices_are_identical_and_streamed_per_index(server: LiveServer) -> None:
+    """n > 1 at temperature 0 is allowed and gives n equal choices (as vLLM); streamed, each
+    chunk names its choice and each choice ends once, then one [DONE]."""
+    r = server.post(CHAT, on(server, chat(n=3, temperature=0, max_tokens=5, ignore_eos=True)))
+    texts = [c["message"]["content"] for c in r.json()["choices"]]
+    assert r.status == 200 and len(texts) == 3 and len(set(texts)) == 1
+    r = server.post(CHAT, on(server, chat(n=3, temperature=0, max_tokens=5, ignore_eos=True, stream=True,
+                                          stream_options={"include_usage": True})))
+    events = parse_sse(r.data)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert events[-2]["usage"]["completion_tokens"] == 15
+    streamed = {i: "" for i in range(3)}
+    finishes = []
+    for e in events[:-2]:
+        (c,) = e["choices"]
+        streamed[c["index"]] += c["delta"].get("content") or ""
+        if c["finish_reason"]:
+            finishes.append((c["index"], c["finish_reason"]))
+    assert streamed == dict(enumerate(texts))
+    assert sorted(finishes) == [(0, "length"), (1, "length"), (2, "length")]
+    wait_idle(server)
+
+
 def test_engine_refuses_what_the_parser_refuses(server: LiveServer) -> None:
     """add_request applies the parser's rules itself (a request built in-process, no HTTP)."""
     engine = server.engine
     for bad, field in [(SamplingParams(top_k=-2), "top_k"), (SamplingParams(seed=2**64), "seed"),
-                       (SamplingParams(top_logprobs=2), "top_logprobs"),
+                       (SamplingParams(top_logprobs=21), "top_logprobs"),
                        (SamplingParams(stop=("",)), "stop"), (SamplingParams(temperature=float("nan")),
                                                               "temperature"),
-                       (SamplingParams(max_tokens=CTX), "max_tokens")]:
+                       (SamplingParams(max_tokens=CTX), "max_tokens"), (SamplingParams(min_p=2.0), "min_p"),
+                       (SamplingParams(max_tokens=4, min_tokens=5), "min_tokens")]:
         with pytest.raises(ParamError) as info:
             engine.add_request(Request("direct", [2, 70, 71], bad))
         assert info.value.field == field
@@ -281,10 +334,30 @@ def test_fake_answers_good_requests_exactly(server: LiveServer) -> None:
     # stop_token_ids: the fake answers "hello" with "olleh"; the id of "l" ends it after "o"
     r = server.post(C, comp(max_tokens=20, stop_token_ids=[ord("l") + BYTE_OFFSET])).json()
     assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == ("o", "stop")
+    # min_tokens: the EOS after "olleh" comes too early and is replaced; the next one ends it
+    r = server.post(C, comp(max_tokens=20, min_tokens=8)).json()
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == ("ollehoolleh", "stop")
+    assert r["usage"]["completion_tokens"] == 12
     # the developer role is the system role
     dev = server.post(CHAT, chat(messages=[{"role": "developer", "content": "x"},
                                            {"role": "user", "content": "hi"}])).json()
     assert dev["choices"][0]["message"]["content"] == "system: x\nuser: hi\nassistant: "[::-1]
+
+
+def test_top_logprobs_list_the_most_likely_tokens(server: LiveServer) -> None:
+    """The real engine lists N alternatives per token, best first (the fake lists the chosen one)."""
+    if isinstance(server.engine, FakeEngine):
+        pytest.skip("the fake lists only the emitted token")
+    body = on(server, chat(logprobs=True, top_logprobs=5, max_tokens=3, ignore_eos=True))
+    content = server.post(CHAT, body).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    for c in content:
+        lps = [t["logprob"] for t in c["top_logprobs"]]
+        assert len(lps) == 5 and lps == sorted(lps, reverse=True) and c["logprob"] <= lps[0] + 1e-6
+    lp = server.post(C, on(server, comp(logprobs=3, max_tokens=3, ignore_eos=True))).json()["choices"][0]["logprobs"]
+    for text, top in zip(lp["tokens"], lp["top_logprobs"], strict=True):
+        assert text in top and 1 <= len(top) <= 4
+    wait_idle(server)
 
 
 def test_user_label_goes_to_the_request_log_line(server: LiveServer,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from daemon.errors import ApiError
-from daemon.openai_params import Limits, parse_chat, parse_completion
+from daemon.openai_params import MAX_N, Limits, parse_chat, parse_completion
 from tests.engine.test_tokenizer import toy_chat_tokenizer
 
 LIMITS = Limits("toy", max_context=64, max_prompt_chars=1000, vocab_size=273)
@@ -38,8 +38,11 @@ def test_default_max_tokens() -> None:
 @pytest.mark.parametrize("body,param,code", [
     ({"max_completion_tokens": 64}, "max_completion_tokens", "context_length_exceeded"),
     ({"max_tokens": 0}, "max_tokens", "invalid_value"),
-    ({"top_logprobs": 3, "logprobs": True}, "top_logprobs", "unsupported_parameter"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "invalid_value"),
     ({"stop_token_ids": [273]}, "stop_token_ids", "invalid_value"),
+    ({"min_p": 1.5}, "min_p", "invalid_value"),
+    ({"max_completion_tokens": 4, "min_tokens": 5}, "min_tokens", "invalid_value"),
+    ({"repetition_penalty": 3}, "repetition_penalty", "invalid_value"),
 ])
 def test_engine_rule_errors_name_the_body_key(body: dict, param: str, code: str) -> None:
     tok, _ = toy_chat_tokenizer()
@@ -49,9 +52,46 @@ def test_engine_rule_errors_name_the_body_key(body: dict, param: str, code: str)
     assert param in info.value.message
 
 
+def test_min_p_min_tokens_and_penalties_reach_the_sampling_params() -> None:
+    tok, _ = toy_chat_tokenizer()
+    body = {"model": "toy", "prompt": "ab", "min_p": 0.25, "min_tokens": 3, "presence_penalty": 0.5,
+            "frequency_penalty": -1, "repetition_penalty": 1.25}
+    sp = parse_completion(body, LIMITS, tok).sampling
+    assert (sp.min_p, sp.min_tokens, sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (
+        0.25, 3, 0.5, -1.0, 1.25)
+    plain = parse_completion({"model": "toy", "prompt": "ab"}, LIMITS, tok).sampling
+    assert (plain.min_p, plain.min_tokens, plain.presence_penalty, plain.repetition_penalty) == (0, 0, 0, 1)
+
+
 def test_completion_token_ids_are_checked_against_the_vocabulary() -> None:
     tok, _ = toy_chat_tokenizer()
     with pytest.raises(ApiError) as info:
         parse_completion({"model": "toy", "prompt": [2, 273]}, LIMITS, tok)
     assert (info.value.param, info.value.code) == ("prompt", "invalid_value")
     assert "prompt must be token ids in [0, 273)" in info.value.message
+
+
+@pytest.mark.parametrize("n,param,code", [
+    (0, "n", "invalid_value"), (9, "n", "invalid_value"), (2.5, "n", "invalid_type"),
+    (True, "n", "invalid_type"), ("2", "n", "invalid_type"),
+])
+def test_n_out_of_range_or_not_an_integer_is_refused(n: object, param: str, code: str) -> None:
+    tok, _ = toy_chat_tokenizer()
+    with pytest.raises(ApiError) as info:
+        parse_completion({"model": "toy", "prompt": "ab", "n": n}, LIMITS, tok)
+    assert (info.value.param, info.value.code) == (param, code)
+
+
+def test_n_is_read_and_bounded_by_the_tenants_slots() -> None:
+    """1..MAX_N choices; never more than the tenant's max_concurrent, since each takes a slot."""
+    tok, _ = toy_chat_tokenizer()
+    chat = {"model": "toy", "messages": [{"role": "user", "content": "ab"}]}
+    assert parse_chat(chat, LIMITS, tok).n == 1
+    assert parse_chat({**chat, "n": MAX_N, "temperature": 0.7}, LIMITS, tok).n == MAX_N == 8
+    assert parse_completion({"model": "toy", "prompt": "ab", "n": None}, LIMITS, tok).n == 1
+    two_slots = Limits("toy", 64, 1000, vocab_size=273, max_concurrent=2)
+    assert parse_chat({**chat, "n": 2}, two_slots, tok).n == 2
+    with pytest.raises(ApiError) as info:
+        parse_chat({**chat, "n": 3}, two_slots, tok)
+    assert (info.value.param, info.value.code) == ("n", "invalid_value")
+    assert "max_concurrent limit of 2" in info.value.message

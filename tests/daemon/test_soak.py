@@ -183,7 +183,7 @@ BAD_FIELDS: list[tuple[str, Any, str | None]] = [
     ("stop", [""], "stop"), ("stop", ["a", "b", "c", "d", "e"], "stop"), ("stop", 5, "stop"),
     ("stop", ["s" * 201], "stop"), ("stop_token_ids", [-1], "stop_token_ids"),
     ("stop_token_ids", [10**6], "stop_token_ids"), ("stop_token_ids", "1", "stop_token_ids"),
-    ("stream", "yes", "stream"), ("n", 2, "n"), ("best_of", 2, "best_of"),
+    ("stream", "yes", "stream"), ("n", 9, "n"), ("best_of", 2, "best_of"),
     ("presence_penalty", 2.5, "presence_penalty"), ("min_p", 1.5, "min_p"),
     ("logit_bias", {"5": 1}, "logit_bias"), ("frobnicate", 1, "frobnicate"),
     ("user", 5, "user"), ("metadata", "x", "metadata"), ("model", "gpt-17", "model"),

@@ -1,0 +1,141 @@
+"""Response bodies of the OpenAI-compatible routes: what one choice collected, and the JSON
+shapes of /v1/completions (`Format`) and /v1/chat/completions (`ChatFormat`), whole or as
+stream chunks. Every choice carries its `index` (0..n-1 for a request with `n` choices).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from daemon.openai_params import GenerationSpec
+from engine.types import TokenEvent
+
+
+@dataclass
+class Output:
+    """What came out of the engine for one choice so far."""
+
+    start: float = field(default_factory=time.monotonic)
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    finish_reason: str | None = None
+    ttft_ms: float | None = None
+
+    def add(self, event: TokenEvent) -> None:
+        if self.ttft_ms is None and event.token_ids:
+            self.ttft_ms = round((time.monotonic() - self.start) * 1000.0, 1)
+        self.text.append(event.text)
+        self.token_ids.extend(event.token_ids)
+        self.logprobs.extend(event.logprobs or ())
+        self.tops.extend(event.top_logprobs or ())
+        if event.finished:
+            self.finish_reason = event.finish_reason
+
+
+def usage(spec: GenerationSpec, outs: list[Output]) -> dict[str, int]:
+    """Token counts of a response: the prompt once (as OpenAI counts n > 1), every choice's output.
+
+    >>> a, b = Output(token_ids=[5, 6]), Output(token_ids=[7])
+    >>> usage(GenerationSpec([1, 2, 3], None, False, False, 0), [a, b])
+    {'prompt_tokens': 3, 'completion_tokens': 3, 'total_tokens': 6}
+    """
+    prompt, completion = len(spec.prompt_ids), sum(len(out.token_ids) for out in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+class Format:
+    """Body shapes of /v1/completions; `ChatFormat` overrides them for chat."""
+
+    prefix = "cmpl"
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def __init__(self, model: str, spec: GenerationSpec, tok: Any) -> None:
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.model, self.spec, self.tok = model, spec, tok
+        self.created = int(time.time())
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def full_choice(self, out: Output, index: int = 0) -> dict[str, Any]:
+        lp = self._lp(out.token_ids, out.logprobs, out.tops)
+        return {"index": index, "text": "".join(out.text), "logprobs": lp,
+                "finish_reason": out.finish_reason}
+
+    def text_choice(self, event: TokenEvent, index: int = 0) -> dict[str, Any]:
+        lp = self._lp(list(event.token_ids), list(event.logprobs or ()), list(event.top_logprobs or ()))
+        return {"index": index, "text": event.text, "logprobs": lp, "finish_reason": None}
+
+    def finish_choice(self, reason: str | None, index: int = 0) -> dict[str, Any]:
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def _lp(self, token_ids: list[int], logprobs: list[float], tops: list) -> dict[str, Any] | None:
+        """The legacy shape: top_logprobs is one {token text: logprob} per token (the N most
+        likely, then the chosen token if it is not among them, as vLLM)."""
+        if not self.spec.sampling.logprobs:
+            return None
+        tokens = [self.tok.decode([t]) for t in token_ids]
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        top = None
+        if self.spec.top_logprobs:
+            top = []
+            for text, lp, alts in zip(tokens, logprobs, tops, strict=False):
+                entry = {self.tok.decode([i]): v for i, v in reversed(alts)}  # equal texts: the best wins
+                entry.setdefault(text, lp)
+                top.append(entry)
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top,
+                "text_offset": offsets}
+
+
+class ChatFormat(Format):
+    prefix = "chatcmpl"
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def full_choice(self, out: Output, index: int = 0) -> dict[str, Any]:
+        message = {"role": "assistant", "content": "".join(out.text), "refusal": None}
+        return {"index": index, "message": message,
+                "logprobs": self._lp(out.token_ids, out.logprobs, out.tops),
+                "finish_reason": out.finish_reason}
+
+    def text_choice(self, event: TokenEvent, index: int = 0) -> dict[str, Any]:
+        lp = self._lp(list(event.token_ids), list(event.logprobs or ()), list(event.top_logprobs or ()))
+        return {"index": index, "delta": {"content": event.text}, "logprobs": lp, "finish_reason": None}
+
+    def finish_choice(self, reason: str | None, index: int = 0) -> dict[str, Any]:
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """One chunk per choice giving its role, before any content (as OpenAI and vLLM)."""
+        delta = {"role": "assistant", "content": ""}
+        return [self.envelope(self.object_chunk, [{"index": i, "delta": delta, "logprobs": None,
+                                                   "finish_reason": None}])
+                for i in range(self.spec.n)]
+
+    def _lp(self, token_ids: list[int], logprobs: list[float], tops: list) -> dict[str, Any] | None:
+        """OpenAI's chat shape: per token its logprob and top_logprobs, the N most likely tokens."""
+        if not self.spec.sampling.logprobs:
+            return None
+        content = []
+        for i, (t, lp) in enumerate(zip(token_ids, logprobs, strict=False)):
+            alts = [self._entry(a, v) for a, v in tops[i]] if self.spec.top_logprobs and i < len(tops) else []
+            content.append({**self._entry(t, lp), "top_logprobs": alts})
+        return {"content": content, "refusal": None}
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.tok.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
