@@ -83,6 +83,7 @@ def status_body(app: web.Application) -> dict[str, Any]:
     db = app.get(st.DATABASE)
     return {
         "model": engine.model_name,
+        "instance": db.instance if db is not None else None,
         "uptime_s": round(time.time() - state.started_at, 3),
         "started_at": state.started_at,
         "ready": thread.ready, "draining": state.draining,
@@ -210,7 +211,7 @@ async def get_policy(request: web.Request) -> web.Response:
     keeper = _tuner(request).keeper
     serving = request.app[st.ENGINE].status().get("policy_version")
     return web.json_response({"policy": keeper.current.to_dict(), "pinned": keeper.pinned,
-                              "engine_version": serving})
+                              "engine_version": serving, "instance": keeper.instance})
 
 
 @routes.put("/admin/policy/pin")

@@ -21,7 +21,9 @@ Who may look:
     GET /dashboard/api/batch             batch-size histogram
     GET /dashboard/api/goodput           goodput against batch size, crossover marked
     GET /dashboard/api/retunes           retune history with each chosen policy
-The api routes take `?window_s=` (default 3600, at most 30 days).
+The api routes take `?window_s=` (default 3600, at most 30 days) and
+`?instance=NAME`: the daemon whose rows to show when several share the
+database (default: this daemon's own; `all`: every instance's).
 """
 
 from __future__ import annotations
@@ -37,8 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from sqlalchemy.orm import Session
-
 from daemon import dashboard_data as data
 from daemon import state as st
 from daemon.admin import status_body, token_matches
@@ -52,7 +52,9 @@ PLOTLY_JS = "/dashboard/lib/plotly.min.js"
 COOKIE = "crossover_dashboard"
 DEFAULT_WINDOW_S = 3600.0
 MAX_WINDOW_S = 30 * 86400.0
-Reader = Callable[[Session, float, float], dict[str, Any]]
+Reader = Callable[..., dict[str, Any]]
+"""(session, since, until, instance=...) -> the JSON."""
+ALL_INSTANCES = "all"
 
 routes = web.RouteTableDef()
 
@@ -139,7 +141,8 @@ async def api_goodput(request: web.Request) -> web.Response:
 
 @routes.get("/dashboard/api/retunes")
 async def api_retunes(request: web.Request) -> web.Response:
-    return await _read(request, lambda session, _since, _until: data.retunes(session))
+    return await _read(request, lambda session, _since, _until, instance: data.retunes(
+        session, instance=instance))
 
 
 def _require_view(request: web.Request) -> None:
@@ -157,10 +160,13 @@ async def _read(request: web.Request, reader: Reader) -> web.Response:
         raise ApiError(503, "this daemon runs without a database", code="no_database")
     until = time.time()
     since = until - _window(request)
+    instance = request.query.get("instance", db.instance)
+    if instance == ALL_INSTANCES:
+        instance = None
 
     def run() -> dict[str, Any]:
         with session_scope(db.engine) as session:
-            return reader(session, since, until)
+            return reader(session, since, until, instance=instance)
 
     return web.json_response(await asyncio.to_thread(run), headers={"Cache-Control": "no-store"})
 

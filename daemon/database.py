@@ -9,11 +9,18 @@ The app's cleanup context (daemon.app, STYLE 11) calls `start()` with the
 app and, at shutdown (after the engine thread has stopped and flushed),
 `close()`: the recorder writes everything still buffered, the engine is
 disposed.
+
+Several daemons may share one database; each is an instance (`crossover
+serve --instance NAME`, default `default_instance()`: host name and port).
+The recorder stamps it on every telemetry row, and the tuner, /metrics, the
+admin API and the dashboard read it from `Database.instance`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import socket
 from dataclasses import dataclass
 
 from sqlalchemy import Engine
@@ -36,6 +43,8 @@ class Database:
     engine: Engine
     """For reads and tenant changes (SQLite: WAL, so readers never block the recorder)."""
     recorder: Recorder
+    instance: str = ""
+    """This daemon's name among those sharing the database ("" for a single daemon)."""
 
     def start(self) -> None:
         self.recorder.start()
@@ -52,10 +61,17 @@ class Database:
         self.engine.dispose()
 
 
+def default_instance(port: int) -> str:
+    """The instance name a daemon gets unless told one: "<host name>:<port>"."""
+    return f"{socket.gethostname()}:{port}"
+
+
 def open_database(
-    url: str, *, create_if_empty: bool = True, recorder_config: RecorderConfig | None = None
+    url: str, *, create_if_empty: bool = True, recorder_config: RecorderConfig | None = None,
+    instance: str = "",
 ) -> Database:
-    """Check (or create) the schema, then build the read engine and the recorder.
+    """Check (or create) the schema, then build the read engine and the recorder, which
+    stamps `instance` (else `recorder_config.instance`) on every row.
 
     Raises `store.migrate.SchemaError` when the database is not at head; its
     message names the `crossover db upgrade` command.
@@ -63,4 +79,6 @@ def open_database(
     url = resolve_url(url)
     ensure_schema(url, create_if_empty=create_if_empty)
     config = recorder_config or RecorderConfig(retention=RetentionConfig())
-    return Database(url, make_engine(url), Recorder(url, config))
+    if instance:
+        config = dataclasses.replace(config, instance=instance)
+    return Database(url, make_engine(url), Recorder(url, config), config.instance)

@@ -72,6 +72,8 @@ class Settings:
     """Draft heads file from `crossover train-heads`; None: the one shipped for the model."""
     db_url: str | None = None
     """SQLAlchemy URL or SQLite path of the telemetry database; None: $CROSSOVER_DB, ./crossover.db."""
+    instance: str | None = None
+    """This daemon's name among those sharing the database (its rows, policies, retunes); None: host name:port."""
     tuner: TunerConfig = field(default_factory=TunerConfig)
     """The tuner and its periodic job: the `[tuner]` section (tuner.config.TunerConfig)."""
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata=_SIZE)
@@ -135,6 +137,10 @@ class Settings:
             raise SettingsError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not self.host:
             raise SettingsError("host must not be empty")
+        if self.instance is not None and not 1 <= len(self.instance) <= 64:
+            raise SettingsError(f"instance must be 1 to 64 characters, got {self.instance!r}")
+        if self.instance == "all":
+            raise SettingsError('instance "all" is reserved (the dashboard\'s every instance)')
         if self.open_mode and not self.open_non_loopback and not is_loopback(self.host):
             raise SettingsError(f"open_mode on the non-loopback host {self.host!r} lets anyone who can "
                                 f"reach it use the daemon; bind to 127.0.0.1, or accept the risk with "

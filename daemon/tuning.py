@@ -19,6 +19,8 @@ startup:
 and at shutdown stops the scheduler and closes the tuner (a validation
 window in progress ends early), before the engine thread and the database
 close. Searches run in a spawned process (`tuner.search_process`).
+The keeper and the Tuner serve the database's instance (`Database.instance`):
+its own policies, versions and retunes.
 
 Every non-pinned policy the keeper serves while `tuner.enabled` is on
 carries an exploration (`tuner.explore.ExplorationPlan`): `explore_share`
@@ -72,7 +74,7 @@ def install(app: web.Application, database: Database) -> None:
 
     plan = ExplorationPlan(capacity(), config)
     keeper = PolicyKeeper(database.engine, engine, wrap=plan,
-                          default=starter_policy(engine.capacity()))
+                          default=starter_policy(engine.capacity()), instance=database.instance)
     search = ProcessSearch() if config.search_process else run_search
     app[TUNER] = Tuner(database.engine, database.url, keeper, capacity, config, search=search)
     app.cleanup_ctx.append(lambda a: _tuner_ctx(a, plan, database))
@@ -83,7 +85,8 @@ async def _tuner_ctx(app: web.Application, plan: ExplorationPlan,
     tuner = app[TUNER]
     config = tuner.config
     if plan.enabled:
-        await asyncio.to_thread(plan.measure_gaps, database.engine, config.fit_window_s)
+        await asyncio.to_thread(plan.measure_gaps, database.engine, config.fit_window_s,
+                                database.instance)
     profile_cells = list(plan.gaps)
     policy = await asyncio.to_thread(tuner.restore)  # closes interrupted retunes first
     log_event(log, "policy restored", version=policy.version, pinned=tuner.keeper.pinned,

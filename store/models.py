@@ -172,10 +172,15 @@ class Policy(Base):
     """A runtime policy version: its full body and its life cycle."""
 
     __tablename__ = "xo_policies"
-    __table_args__ = (CheckConstraint("source IN ('default', 'tuner', 'admin')", name="source"),)
+    __table_args__ = (
+        CheckConstraint("source IN ('default', 'tuner', 'admin')", name="source"),
+        UniqueConstraint("instance", "version"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    version: Mapped[int] = mapped_column(unique=True)
+    instance: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    """The daemon whose policy it is ("" for a single daemon); versions count per instance."""
+    version: Mapped[int]
     body: Mapped[dict[str, Any]]
     """The whole `TunedPolicy` as JSON."""
     source: Mapped[str] = mapped_column(String(16))
@@ -196,6 +201,8 @@ class Retune(Base):
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    instance: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    """The daemon that ran it ("" for a single daemon)."""
     triggered_by: Mapped[str] = mapped_column(String(16))
     """One of RETUNE_TRIGGERS: the periodic schedule or an admin request."""
     started_at: Mapped[float] = mapped_column(index=True)

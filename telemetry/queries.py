@@ -7,6 +7,10 @@ retention, the per-minute rollups — a rollup counts when its minute overlaps
 the window. `step_time_by` needs per-step detail that rollups do not keep, so
 it covers the raw window only. Acceptance by tenant comes from requests,
 which carry exact per-request proposed/accepted totals.
+
+Several daemons may share the database: every function takes `instance`, the
+daemon whose rows to read (the rows' `instance` column), or None (the
+default) for every instance's.
 """
 
 from __future__ import annotations
@@ -94,18 +98,20 @@ class GoodputPoint:
     mean_batch_size: float
 
 
-def _window(column, since: float, until: float | None) -> list:
-    return [column >= since] + ([column < until] if until is not None else [])
+def _window(column, since: float, until: float | None, instance: str | None = None) -> list:
+    """`column` in [since, until), and the row of `instance` (of the column's table)."""
+    own = [column.class_.instance == instance] if instance is not None else []
+    return [column >= since] + ([column < until] if until is not None else []) + own
 
 
-def _rollup_window(since: float, until: float | None) -> list:
+def _rollup_window(since: float, until: float | None, instance: str | None = None) -> list:
     return [StepRollup.minute_start > since - 60] + (
         [StepRollup.minute_start < until] if until is not None else []
-    )
+    ) + ([StepRollup.instance == instance] if instance is not None else [])
 
 
 def acceptance_by_technique(
-    session: Session, since: float, until: float | None = None
+    session: Session, since: float, until: float | None = None, *, instance: str | None = None
 ) -> list[Acceptance]:
     """Per technique: steps, proposed and accepted drafts (raw steps + rollups)."""
     totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
@@ -115,8 +121,8 @@ def acceptance_by_technique(
         func.sum(StepRollup.proposed), func.sum(StepRollup.accepted),
     )  # fmt: skip
     for query in (
-        raw.where(*_window(Step.time, since, until)).group_by(Step.technique),
-        rolled.where(*_rollup_window(since, until)).group_by(StepRollup.technique),
+        raw.where(*_window(Step.time, since, until, instance)).group_by(Step.technique),
+        rolled.where(*_rollup_window(since, until, instance)).group_by(StepRollup.technique),
     ):
         for technique, n, proposed, accepted in session.execute(query):
             row = totals[technique]
@@ -125,17 +131,18 @@ def acceptance_by_technique(
 
 
 def acceptance_by_position(
-    session: Session, since: float, until: float | None = None, technique: str | None = None
+    session: Session, since: float, until: float | None = None, technique: str | None = None,
+    *, instance: str | None = None,
 ) -> list[PositionAcceptance]:
     """Per technique and draft position: proposed, accepted, and the conditional rate."""
     offered: dict[str, list[float]] = defaultdict(list)
     accepted: dict[str, list[int]] = defaultdict(list)
     raw = select(Step.technique, Step.depth, Step.proposed, Step.accepted_per_pos).where(
-        *_window(Step.time, since, until), Step.depth > 0
+        *_window(Step.time, since, until, instance), Step.depth > 0
     )
     rolled = select(
         StepRollup.technique, StepRollup.depth, StepRollup.proposed, StepRollup.accepted_per_pos
-    ).where(*_rollup_window(since, until), StepRollup.depth > 0)
+    ).where(*_rollup_window(since, until, instance), StepRollup.depth > 0)
     if technique is not None:
         raw, rolled = (
             raw.where(Step.technique == technique),
@@ -167,7 +174,7 @@ def _positions(name: str, offered: dict, accepted: dict) -> list[PositionAccepta
 
 
 def acceptance_by_tenant(
-    session: Session, since: float, until: float | None = None
+    session: Session, since: float, until: float | None = None, *, instance: str | None = None
 ) -> list[Acceptance]:
     """Per tenant, from finished requests: requests, proposed and accepted drafts."""
     query = (
@@ -177,7 +184,7 @@ def acceptance_by_tenant(
             func.sum(Request.proposed_tokens),
             func.sum(Request.accepted_tokens),
         )  # fmt: skip
-        .where(*_window(Request.finish_time, since, until))
+        .where(*_window(Request.finish_time, since, until, instance))
         .group_by(Request.tenant)
         .order_by(Request.tenant)
     )
@@ -189,6 +196,8 @@ def acceptance_by(
     by: Literal["technique", "position", "tenant"],
     since: float,
     until: float | None = None,
+    *,
+    instance: str | None = None,
 ) -> Sequence[Acceptance | PositionAcceptance]:
     """Acceptance grouped by technique, draft position or tenant."""
     readers = {
@@ -198,23 +207,23 @@ def acceptance_by(
     }
     if by not in readers:
         raise ValueError(f"by must be one of {sorted(readers)}, got {by!r}")
-    return readers[by](session, since, until)
+    return readers[by](session, since, until, instance=instance)
 
 
 def batch_size_histogram(
-    session: Session, since: float, until: float | None = None
+    session: Session, since: float, until: float | None = None, *, instance: str | None = None
 ) -> dict[int, int]:
     """Batch size -> number of steps (raw steps + rollups' histograms)."""
     hist: dict[int, int] = defaultdict(int)
     raw = (
         select(Step.batch_size, func.count())
-        .where(*_window(Step.time, since, until))
+        .where(*_window(Step.time, since, until, instance))
         .group_by(Step.batch_size)
     )
     for size, n in session.execute(raw):
         hist[int(size)] += n
     for (rollup_hist,) in session.execute(
-        select(StepRollup.batch_hist).where(*_rollup_window(since, until))
+        select(StepRollup.batch_hist).where(*_rollup_window(since, until, instance))
     ):
         for size, n in rollup_hist.items():
             hist[int(size)] += int(n)
@@ -222,13 +231,14 @@ def batch_size_histogram(
 
 
 def step_time_by(
-    session: Session, since: float, until: float | None = None, technique: str | None = None
+    session: Session, since: float, until: float | None = None, technique: str | None = None,
+    *, instance: str | None = None,
 ) -> list[StepTime]:
     """Mean and max step time per (technique, batch size, depth); raw window only."""
     keys = (Step.technique, Step.batch_size, Step.depth)
     query = (
         select(*keys, func.count(), func.avg(Step.step_ms), func.max(Step.step_ms))
-        .where(*_window(Step.time, since, until))
+        .where(*_window(Step.time, since, until, instance))
         .group_by(*keys)
         .order_by(*keys)
     )
@@ -240,12 +250,13 @@ def step_time_by(
     ]
 
 
-def goodput_by_batch(session: Session, since: float, until: float | None = None) -> list[BatchGoodput]:
+def goodput_by_batch(session: Session, since: float, until: float | None = None, *,
+                     instance: str | None = None) -> list[BatchGoodput]:
     """Output tokens/s of step time per (technique, batch size); steps of zero time are left out."""
     keys = (Step.technique, Step.batch_size)
     query = (
         select(*keys, func.count(), func.sum(Step.decode_tokens), func.sum(Step.step_ms))
-        .where(*_window(Step.time, since, until))
+        .where(*_window(Step.time, since, until, instance))
         .group_by(*keys)
         .order_by(*keys)
     )
@@ -257,7 +268,8 @@ def goodput_by_batch(session: Session, since: float, until: float | None = None)
 
 
 def goodput_over_time(
-    session: Session, bucket_s: int, since: float, until: float | None = None
+    session: Session, bucket_s: int, since: float, until: float | None = None, *,
+    instance: str | None = None,
 ) -> list[GoodputPoint]:
     """Output tokens/s per `bucket_s` bucket (a rollup's minute lands in one bucket)."""
     sums: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
@@ -265,11 +277,11 @@ def goodput_over_time(
     rolled_bucket = bucket_start(StepRollup.minute_start, bucket_s)
     raw = select(
         raw_bucket, func.count(), func.sum(Step.decode_tokens), func.sum(Step.batch_size)
-    ).where(*_window(Step.time, since, until)).group_by(raw_bucket)  # fmt: skip
+    ).where(*_window(Step.time, since, until, instance)).group_by(raw_bucket)  # fmt: skip
     rolled = select(
         rolled_bucket, func.sum(StepRollup.steps), func.sum(StepRollup.decode_tokens),
         func.sum(StepRollup.batch_size_sum),
-    ).where(*_rollup_window(since, until)).group_by(rolled_bucket)  # fmt: skip
+    ).where(*_rollup_window(since, until, instance)).group_by(rolled_bucket)  # fmt: skip
     for query in (raw, rolled):
         for start, steps, tokens, batch in session.execute(query):
             row = sums[int(start)]

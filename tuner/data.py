@@ -3,6 +3,12 @@
 Aggregates for dashboards are in telemetry/queries.py and the policy and
 retune history in store/history.py. Every function takes the Session
 explicitly (STYLE 12).
+
+Several daemons may share the database: every reader takes `instance` (the
+`instance` column of the rows; None reads every instance's). The step-time
+model reads its own instance's steps (replicas may run on different
+hardware); `read_steps_by_instance` serves the acceptance fit, which may pool
+every instance's steps (tuner/README.md, "Several instances").
 """
 
 from __future__ import annotations
@@ -53,11 +59,15 @@ def read_steps(
     version: int | None = None,
     limit: int | None = None,
     per_shape: int | None = None,
+    instance: str | None = "",
 ) -> list[StepStats]:
-    """Raw steps in [since, until), optionally of one policy version, and with `per_shape`
-    only the newest that many of each (batch size, depth): the newest `limit` of them,
-    oldest first. The one typed accessor through which the tuner reads steps."""
+    """Raw steps of `instance` (None: every instance) in [since, until), optionally of one
+    policy version, and with `per_shape` only the newest that many of each (batch size,
+    depth): the newest `limit` of them, oldest first. The one typed accessor through which
+    the tuner reads steps."""
     query = select(*_STEP_COLUMNS).where(Step.time >= since, Step.step_ms > 0)
+    if instance is not None:
+        query = query.where(Step.instance == instance)
     if until is not None:
         query = query.where(Step.time < until)
     if version is not None:
@@ -75,28 +85,49 @@ def read_steps(
     return rows
 
 
-def read_requests(session: Session, since: float, until: float | None = None) -> list[RequestRow]:
-    """Finished requests (status ok) in [since, until) by finish time."""
+def read_steps_by_instance(session: Session, since: float, until: float | None = None, *,
+                           limit: int | None = None) -> dict[str, list[StepStats]]:
+    """read_steps of every instance with steps in [since, until): instance -> its steps
+    (each instance's newest `limit`, oldest first)."""
+    query = select(Step.instance).where(Step.time >= since, Step.step_ms > 0)
+    if until is not None:
+        query = query.where(Step.time < until)
+    names = sorted(str(n) for n in session.scalars(query.distinct()))
+    return {name: read_steps(session, since, until, limit=limit, instance=name) for name in names}
+
+
+def read_requests(session: Session, since: float, until: float | None = None, *,
+                  instance: str | None = "") -> list[RequestRow]:
+    """Finished requests (status ok) of `instance` (None: every instance) in [since, until)
+    by finish time."""
     query = select(
         Request.tenant, Request.prompt_tokens, Request.output_tokens, Request.arrival_time,
         Request.finish_time, Request.proposed_tokens, Request.accepted_tokens,
     ).where(Request.finish_time >= since, Request.status == "ok")  # fmt: skip
+    if instance is not None:
+        query = query.where(Request.instance == instance)
     if until is not None:
         query = query.where(Request.finish_time < until)
     return [RequestRow(str(t), int(p), int(o), float(a), float(f), int(pt), int(at))
             for t, p, o, a, f, pt, at in session.execute(query)]  # fmt: skip
 
 
-def count_step_rows(session: Session, since: float) -> int:
-    """Steps since `since`, each counted once per sequence in its batch."""
+def count_step_rows(session: Session, since: float, *, instance: str | None = "") -> int:
+    """Steps of `instance` since `since`, each counted once per sequence in its batch."""
     query = select(func.sum(Step.batch_size)).where(Step.time >= since)
+    if instance is not None:
+        query = query.where(Step.instance == instance)
     return int(session.scalar(query) or 0)
 
 
-def coverage(session: Session, since: float) -> dict[str, dict[int, int]]:
-    """Technique -> depth -> raw steps since `since` (what exploration still has to measure)."""
-    query = (select(Step.technique, Step.depth, func.count()).where(Step.time >= since)
-             .group_by(Step.technique, Step.depth))
+def coverage(session: Session, since: float, *,
+             instance: str | None = None) -> dict[str, dict[int, int]]:
+    """Technique -> depth -> raw steps since `since` (what exploration still has to measure),
+    of `instance` (None: every instance)."""
+    query = select(Step.technique, Step.depth, func.count()).where(Step.time >= since)
+    if instance is not None:
+        query = query.where(Step.instance == instance)
+    query = query.group_by(Step.technique, Step.depth)
     out: dict[str, dict[int, int]] = {}
     for technique, depth, n in session.execute(query):
         out.setdefault(str(technique), {})[int(depth)] = int(n)

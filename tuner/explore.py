@@ -103,10 +103,11 @@ class ExplorationPlan:
         """The cells to profile, given technique -> depth -> steps measured."""
         return [cell for t in self.techniques for cell in gap_cells(seen, [t], self.proposer_depth[t])]
 
-    def measure_gaps(self, db: Engine, window_s: float) -> None:
-        """Find the cells the last `window_s` of telemetry lacks."""
+    def measure_gaps(self, db: Engine, window_s: float, instance: str | None = "") -> None:
+        """Find the cells the last `window_s` of `instance`'s telemetry lacks (step times are
+        per instance, so each replica profiles its own)."""
         with session_scope(db) as session:
-            seen = coverage(session, time.time() - window_s)
+            seen = coverage(session, time.time() - window_s, instance=instance)
         self.gaps = self.gaps_of(seen)
 
     def __call__(self, policy: TunedPolicy) -> TunedPolicy:

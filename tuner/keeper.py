@@ -18,17 +18,26 @@ is logged as a warning and left in the history while the default serves,
 unrecorded: a bad stored pin cannot take the engine down at every restart.
 Admin bodies go through `parse_policy` (`TunedPolicy.from_dict`, the same
 checks), so an invalid pin is refused with the field to blame.
+
+A keeper serves one instance (`instance`, "" for a single daemon): it reads
+and writes only that instance's policies, and its versions count per
+instance. The schema makes (instance, version) unique; should another
+process record the same version first (two daemons misconfigured with one
+instance name), the insert fails and `apply` retries with the next version.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import IntegrityError
 
 from engine.policy import NEVER, PolicyError, TunedPolicy
 from store.db import session_scope
@@ -41,6 +50,11 @@ from store.history import (
 )
 
 log = logging.getLogger("crossover.tuner")
+VERSION_ATTEMPTS = 10
+"""Versions `apply` tries when another process records the same one first."""
+RETRY_BACKOFF_S = 0.01
+"""Random wait before the next try, up to this times the tries so far (so that one
+process applying in a tight loop cannot win every race)."""
 
 
 class PolicyPinned(RuntimeError):
@@ -58,8 +72,10 @@ class PolicyKeeper:
 
     def __init__(self, db: Engine, host: PolicyHost,
                  wrap: Callable[[TunedPolicy], TunedPolicy] | None = None,
-                 default: TunedPolicy = NEVER) -> None:
+                 default: TunedPolicy = NEVER, instance: str = "") -> None:
         self._db = db
+        self.instance = instance
+        """The daemon whose policies these are."""
         self.default = default
         """Served when the history is empty or its active policy cannot run here."""
         self._host = host
@@ -76,8 +92,8 @@ class PolicyKeeper:
     def restore(self) -> TunedPolicy:
         """Serve the database's active policy again, else record the default."""
         with self._lock, session_scope(self._db) as session:
-            row = active_policy(session)
-            if row is None and max_policy_version(session) is None:
+            row = active_policy(session, instance=self.instance)
+            if row is None and max_policy_version(session, instance=self.instance) is None:
                 self._host.set_policy(self._served(self.default))  # served with exploration too
                 return self._record(session, self.default, "default")
         if row is not None:
@@ -95,14 +111,27 @@ class PolicyKeeper:
 
     def apply(self, policy: TunedPolicy, source: str, extra: dict | None = None) -> TunedPolicy:
         """Version, serve and record `policy`; if the engine refuses: ValueError, no record."""
-        with self._lock, session_scope(self._db) as session:
+        extra = {**policy.extra, **(extra or {})}
+        with self._lock:
             if source == "tuner" and self.pinned:
                 raise PolicyPinned(f"policy v{self.current.version} is pinned by an admin")
-            version = max(max_policy_version(session) or 0, self.current.version) + 1
-            extra = {**policy.extra, **(extra or {})}
-            versioned = dataclasses.replace(policy, version=version, source=source, extra=extra)
-            self._host.set_policy(self._served(versioned))
-            return self._record(session, versioned, source)
+            for attempt in range(VERSION_ATTEMPTS):
+                try:
+                    with session_scope(self._db) as session:
+                        latest = max_policy_version(session, instance=self.instance) or 0
+                        version = max(latest, self.current.version) + 1
+                        versioned = dataclasses.replace(policy, version=version, source=source,
+                                                        extra=extra)
+                        self._host.set_policy(self._served(versioned))
+                        return self._record(session, versioned, source)
+                except IntegrityError:
+                    if attempt == VERSION_ATTEMPTS - 1:
+                        self._host.set_policy(self._served(self.current))
+                        raise
+                    log.warning("policy v%d of instance %r was recorded by another process; "
+                                "trying the next version", version, self.instance)
+                    time.sleep(random.uniform(0.0, RETRY_BACKOFF_S * (attempt + 1)))
+            raise AssertionError("unreachable")
 
     def rollback(self, candidate: TunedPolicy, previous: TunedPolicy, reason: str) -> bool:
         """Serve `previous` again unless `candidate` was already replaced (then False)."""
@@ -111,8 +140,8 @@ class PolicyKeeper:
                 return False
             self._host.set_policy(self._served(previous))
             with session_scope(self._db) as session:
-                mark_rolled_back(session, candidate.version, reason)
-                mark_applied(session, previous.version)
+                mark_rolled_back(session, candidate.version, reason, instance=self.instance)
+                mark_applied(session, previous.version, instance=self.instance)
             self.current = previous
             return True
 
@@ -136,8 +165,9 @@ class PolicyKeeper:
         return policy if policy.extra.get("pinned") else self._wrap(policy)
 
     def _record(self, session: Any, policy: TunedPolicy, source: str) -> TunedPolicy:
-        save_policy(session, policy.version, policy.to_dict(), source)
-        mark_applied(session, policy.version)
+        save_policy(session, policy.version, policy.to_dict(), source, instance=self.instance)
+        mark_applied(session, policy.version, instance=self.instance)
+        session.flush()  # a duplicate version fails here, before `current` changes
         self.current = policy
         return policy
 

@@ -4,10 +4,14 @@
 run it in another process (off the serving path, away from the engine's GIL)
 or a thread (tests). Data flow:
 
-1. Read the raw steps and finished requests of the fit window, and each
-   policy version's draft vocabulary, in one session.
-2. Fit the PerfModel (error measured on held-out steps) on all of them, and
-   observe the Traffic of the last `traffic_window_s` (what to optimize for).
+1. Read this instance's raw steps and finished requests of the fit window,
+   and each policy version's draft vocabulary, in one session; and the
+   steps of every other instance sharing the database.
+2. Fit the PerfModel (error measured on held-out steps) on this instance's
+   steps, then refit its acceptance (rates, draft shares, depth factors) on
+   every instance's steps (`pool_acceptance`: acceptance follows the model,
+   heads and text, not the hardware); observe the Traffic of the last
+   `traffic_window_s` (what to optimize for).
 3. Open the study in the same database (RDB storage, `load_if_exists`), its
    name carrying the space's fingerprint (and a generation number once a
    study holds `max_study_trials`); the sampler's seed, when one is
@@ -41,6 +45,7 @@ from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from engine.policy import BatchRule, TunedPolicy
 from store.db import (
@@ -50,9 +55,11 @@ from store.db import (
     resolve_url,
     session_scope,
 )
-from store.history import draft_vocab_by_version
+from engine.types import StepStats
+from store.history import draft_vocab_by_instance
+from tuner.acceptance import fit_acceptance, fit_depth_factors, fit_draft_share
 from tuner.config import TunerConfig
-from tuner.data import read_requests, read_steps
+from tuner.data import read_requests, read_steps, read_steps_by_instance
 from tuner.exact import solve
 from tuner.model import MIN_FIT_ROWS, MIN_SHAPE_STEPS, PerfModel, cost_history
 from tuner.objective import Capacity, Evaluation, evaluate, padding_of
@@ -79,6 +86,8 @@ class SearchJob:
     since: float
     until: float
     retune_id: int | None = None
+    instance: str = ""
+    """The daemon searching: its steps fit the step time, every instance's the acceptance."""
 
 
 @dataclass
@@ -114,12 +123,26 @@ def make_storage(db_url: str) -> optuna.storages.RDBStorage:
     """
     url = resolve_url(db_url)
     if not is_sqlite(url):
-        return optuna.storages.RDBStorage(url)
+        return _server_storage(url)
     storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {
         "timeout": SQLITE_TIMEOUT_S}})
     install_sqlite_pragmas(storage.engine, SQLITE_TIMEOUT_S * 1000)
     storage.engine.dispose()  # connections opened while creating tables lack the pragmas
     return storage
+
+
+def _server_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
+    """RDBStorage on a database server. Daemons sharing a fresh database may create Optuna's
+    tables at the same moment; the loser of that race (PostgreSQL: a duplicate type or
+    table) finds them made when it tries again."""
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except (IntegrityError, ProgrammingError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.1 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def open_study(storage: optuna.storages.RDBStorage, name: str, two_objective: bool,
@@ -167,10 +190,11 @@ def run_search(job: SearchJob) -> SearchOutcome:
     """See the module docstring."""
     start = time.perf_counter()
     cfg = job.config
-    steps, requests, vocab_of, older = _read(job)
+    steps, requests, vocab_of, older, others = _read(job)
     buckets = padding_of(job.capacity)
     model, report = PerfModel.fit_with_report(steps, requests, vocab_of, buckets=buckets,
                                               history=cost_history(steps, older, buckets))
+    model, pooled_from = pool_acceptance(model, job.instance, steps, vocab_of, others)
     traffic = observe_recent(steps, requests, job.until - cfg.traffic_window_s,
                              cfg.concurrency_quantile)
     space = SearchSpace.build(cfg, job.capacity)
@@ -201,7 +225,8 @@ def run_search(job: SearchJob) -> SearchOutcome:
             best_trial=best.number if best else None,
             predicted=best.user_attrs["evaluation"] if best else None,
             incumbent=score(incumbent).to_dict(),
-            fit=report.to_dict(), model=model.summary(), traffic=traffic.summary(),
+            fit=report.to_dict(), traffic=traffic.summary(),
+            model={**model.summary(), "acceptance_from": pooled_from},
             trials=[t.number for t in told],
             pareto=[_front_entry(t) for t in pareto],
             per_batch=score(chosen).per_batch if chosen else {},
@@ -220,21 +245,59 @@ def observe_recent(steps: list, requests: list, since: float, quantile: float) -
     return observe(recent, [r for r in requests if r.finish_time >= since], quantile)
 
 
-def _read(job: SearchJob) -> tuple[list, list, dict[int, int], list]:
-    """The fit window's steps and requests, draft vocabularies, and the steps of the
-    cost window before it."""
+Foreign = dict[str, tuple[list[StepStats], dict[int, int]]]
+"""Another instance -> its steps of the fit window and its versions' draft vocabularies."""
+
+
+def pool_acceptance(model: PerfModel, instance: str, steps: list[StepStats],
+                    vocab_of: dict[int, int], others: Foreign) -> tuple[PerfModel, dict[str, int]]:
+    """`model` with its acceptance (rates, draft shares, depth factors) refitted on the steps
+    of every instance, and the steps each instance gave. Policy versions count per instance,
+    so other instances' steps are keyed by their own versions' draft vocabularies under
+    negative versions no instance has."""
+    pooled_from = {instance: len(steps)}
+    if not any(rows for rows, _ in others.values()):
+        return model, pooled_from
+    pooled, vocab = list(steps), dict(vocab_of)
+    key = -1
+    for name, (rows, vocab_of_other) in sorted(others.items()):
+        remap: dict[int, int] = {}
+        for s in rows:
+            if s.policy_version not in remap:
+                remap[s.policy_version] = key
+                vocab[key] = vocab_of_other.get(s.policy_version, 0)
+                key -= 1
+            pooled.append(dataclasses.replace(s, policy_version=remap[s.policy_version]))
+        pooled_from[name] = len(rows)
+    acceptance = fit_acceptance(pooled, vocab)
+    share = fit_draft_share(pooled, vocab)
+    depth = fit_depth_factors(pooled, vocab, acceptance, share)
+    return dataclasses.replace(model, acceptance=acceptance, draft_share=share,
+                               depth_factor=depth), pooled_from
+
+
+def _read(job: SearchJob) -> tuple[list, list, dict[int, int], list, Foreign]:
+    """This instance's fit-window steps and requests, draft vocabularies, and steps of the
+    cost window before it; the other instances' fit-window steps and vocabularies."""
     engine = make_engine(job.db_url)
     cfg = job.config
+    own = job.instance
     try:
         with session_scope(engine) as session:
-            steps = read_steps(session, job.since, job.until, limit=cfg.max_fit_rows)
-            requests = read_requests(session, job.since, job.until)
+            steps = read_steps(session, job.since, job.until, limit=cfg.max_fit_rows,
+                               instance=own)
+            requests = read_requests(session, job.since, job.until, instance=own)
             # cost_history keeps at most MIN_SHAPE_STEPS of a padded shape: the newest that
             # many of each raw (batch, depth) hold them, and not a whole 6 h of steps
             older = (read_steps(session, job.since - cfg.cost_window_s, job.since,
-                                limit=cfg.max_fit_rows, per_shape=MIN_SHAPE_STEPS)
+                                limit=cfg.max_fit_rows, per_shape=MIN_SHAPE_STEPS, instance=own)
                      if cfg.cost_window_s else [])
-            return steps, requests, draft_vocab_by_version(session), older
+            vocabs = draft_vocab_by_instance(session)
+            by_instance = read_steps_by_instance(session, job.since, job.until,
+                                                 limit=cfg.max_fit_rows)
+            others = {name: (rows, vocabs.get(name, {})) for name, rows in by_instance.items()
+                      if name != own}
+            return steps, requests, vocabs.get(own, {}), older, others
     finally:
         engine.dispose()
 

@@ -33,6 +33,11 @@ search, or a candidate whose fields fail `TunedPolicy`'s checks, included).
 At startup `restore()` closes the retunes a stopped daemon left "running" as
 "interrupted"; one that had applied its policy and not yet validated it gets
 that policy rolled back, so an unvalidated policy never outlives a restart.
+
+A Tuner serves its keeper's instance (`keeper.instance`): it records, reads
+and closes only that instance's retunes and policies, and validates against
+that instance's steps; the search fits step time on them too and may pool
+acceptance over every instance (tuner.search).
 """
 
 from __future__ import annotations
@@ -99,6 +104,7 @@ class Tuner:
                  capacity: Callable[[], Capacity], config: TunerConfig = TunerConfig(),
                  search: SearchRunner = run_search) -> None:
         self.db, self.db_url, self.keeper = db, db_url, keeper
+        self.instance = keeper.instance
         self.config = config
         self._capacity = capacity
         self._search = search
@@ -115,26 +121,26 @@ class Tuner:
         (the daemon stopped in its validation window), then serve the active policy
         (PolicyKeeper.restore). Returns the policy serving."""
         with session_scope(self.db) as session:
-            for retune in running_retunes(session):
+            for retune in running_retunes(session, instance=self.instance):
                 self._interrupt(session, retune)
         return self.keeper.restore()
 
-    @staticmethod
-    def _interrupt(session: Any, retune: Retune) -> None:
+    def _interrupt(self, session: Any, retune: Retune) -> None:
+        own = self.instance
         reason = "interrupted: the daemon stopped before this retune finished"
         details: dict[str, Any] = {"interrupted": True, "phase": "unknown"}
-        active = active_policy(session)
+        active = active_policy(session, instance=own)
         extra = (active.body or {}).get("extra") if active is not None else None
         version = None
         if active is not None and isinstance(extra, dict) and extra.get("retune_id") == retune.id:
             version = active.version
             why = (f"never validated: the daemon stopped during retune {retune.id}'s "
                    "validation window")
-            mark_rolled_back(session, version, why)
+            mark_rolled_back(session, version, why, instance=own)
             session.flush()
-            previous = active_policy(session)
+            previous = active_policy(session, instance=own)
             if previous is not None:
-                mark_applied(session, previous.version)  # names it the active one again
+                mark_applied(session, previous.version, instance=own)  # the active one again
             details.update(phase="validating", rolled_back=version,
                            restored=None if previous is None else previous.version)
             reason += f"; its policy v{version} was rolled back, never validated"
@@ -156,7 +162,7 @@ class Tuner:
             study = SearchSpace.build(self.config, self._capacity()).study_name(
                 self.config.study_name)
             with session_scope(self.db) as session:
-                retune_id = start_retune(session, source, study).id
+                retune_id = start_retune(session, source, study, instance=self.instance).id
             handle = self._running = RetuneHandle(retune_id, source)
             self._thread = threading.Thread(target=self._work, args=(handle,),
                                             name=f"retune-{retune_id}", daemon=True)
@@ -169,8 +175,8 @@ class Tuner:
             return None
         if self._running is None and not self.keeper.pinned:
             with session_scope(self.db) as session:
-                since = last_real_retune_start(session) or 0.0
-                new = count_step_rows(session, since)
+                since = last_real_retune_start(session, instance=self.instance) or 0.0
+                new = count_step_rows(session, since, instance=self.instance)
             if new < self.config.min_new_steps:
                 return self._skip("schedule", f"only {new} new steps (per sequence) since the "
                                               f"last retune (need {self.config.min_new_steps})")
@@ -183,7 +189,8 @@ class Tuner:
 
     def recent(self, limit: int = 20) -> list[dict[str, Any]]:
         with session_scope(self.db) as session:
-            return [self._row_view(r) for r in retune_history(session, limit)]
+            return [self._row_view(r)
+                    for r in retune_history(session, limit, instance=self.instance)]
 
     def wait(self, retune_id: int, timeout: float | None = None) -> bool:
         handle = self._running
@@ -195,7 +202,7 @@ class Tuner:
         """What /admin/tuner shows."""
         last = self.last_outcome
         return {
-            "config": dataclasses.asdict(self.config),
+            "instance": self.instance, "config": dataclasses.asdict(self.config),
             "policy": self.keeper.current.to_dict(), "pinned": self.keeper.pinned,
             "running": self._running.id if self._running else None,
             "last_search": None if last is None else {
@@ -237,7 +244,8 @@ class Tuner:
         incumbent = self.keeper.current
         now = time.time()
         job = SearchJob(self.db_url, self.config, self._capacity(), incumbent,
-                        since=now - self.config.fit_window_s, until=now + 1.0, retune_id=handle.id)
+                        since=now - self.config.fit_window_s, until=now + 1.0, retune_id=handle.id,
+                        instance=self.instance)
         # a process search bounds (and kills) itself; any other runs under `bounded`
         outcome = (self._search(job) if isinstance(self._search, ProcessSearch)
                    else bounded(self._search, job))
@@ -298,7 +306,8 @@ class Tuner:
             rows = self._steps(start, applied.version)
         rows = self._steps(start, applied.version)
         with session_scope(self.db) as session:
-            baseline = read_steps(session, start - cfg.baseline_s, start, version=previous.version)
+            baseline = read_steps(session, start - cfg.baseline_s, start, version=previous.version,
+                                  instance=self.instance)
         verdict = compare(rows, baseline, applied, previous, cfg.rollback_margin, cfg.noise_z)
         own = own_steps(rows, applied)
         weights = {int(b): w for b, w in outcome.traffic.get("batch_weights", {}).items()}
@@ -311,20 +320,20 @@ class Tuner:
 
     def _steps(self, since: float, version: int) -> list:
         with session_scope(self.db) as session:
-            return read_steps(session, since - 1.0, version=version)
+            return read_steps(session, since - 1.0, version=version, instance=self.instance)
 
     # -- records -------------------------------------------------------------------
     def _skip(self, source: str, reason: str) -> dict[str, Any]:
         """Record a retune that did not run (status "skipped", details.reason)."""
         with session_scope(self.db) as session:
-            retune = start_retune(session, source)
+            retune = start_retune(session, source, instance=self.instance)
             finish_retune(session, retune.id, "skipped", error=f"skipped: {reason}",
                           details={"skipped": True, "reason": reason})
             return self._row_view(retune)
 
     def _view(self, retune_id: int) -> dict[str, Any] | None:
         with session_scope(self.db) as session:
-            row = get_retune(session, retune_id)
+            row = get_retune(session, retune_id, instance=self.instance)
             view = None if row is None else self._row_view(row)
         handle = self._running
         if view is not None and handle is not None and handle.id == retune_id:
@@ -334,7 +343,8 @@ class Tuner:
     @staticmethod
     def _row_view(r: Retune) -> dict[str, Any]:
         return {
-            "id": r.id, "triggered_by": r.triggered_by, "status": r.status,
+            "id": r.id, "instance": r.instance, "triggered_by": r.triggered_by,
+            "status": r.status,
             "phase": "done" if r.status != "running" else "running",
             "skipped": r.status == "skipped",
             "started_at": r.started_at, "finished_at": r.finished_at,

@@ -39,6 +39,7 @@ from daemon.settings import SECTION_KEYS, add_section_flags
 
 SETTING_FLAGS = (
     "host", "port", "model", "dtype", "kv_budget_bytes", "max_batch", "max_context", "db_url",
+    "instance",
     "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
     "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
     "speculation", "heads", "stream_write_timeout_s", "stream_idle_timeout_s", "admin_token_file",
@@ -65,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--db", "--db-url", dest="db_url", metavar="URL",
         help="SQLAlchemy URL or SQLite path of the telemetry database "
              "(default: $CROSSOVER_DB or ./crossover.db)")
+    add("--instance", metavar="NAME",
+        help="this daemon's name among those sharing the database: its telemetry rows, policies "
+             "and retunes (default: host name:port)")
     add("--speculation", action=argparse.BooleanOptionalAction, default=None,
         help="compile verification and load the draft proposers (default on)")
     add("--heads", metavar="FILE", help="draft heads file (default: the one train-heads wrote to the user "
@@ -128,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     sockets = bind(settings.host, settings.port)
     if sockets is None:
         return 2
-    database = _open_database(settings)
+    database = _open_database(settings, sockets[0].getsockname()[1])
     engine = None if database is None else _load_or_report(settings, args)
     if engine is None:
         for sock in sockets:
@@ -177,17 +181,18 @@ def _load_or_report(settings: Any, args: argparse.Namespace) -> Any:
         return None
 
 
-def _open_database(settings: Any) -> Any:
-    """The daemon's Database, or None after printing why it cannot be used."""
+def _open_database(settings: Any, port: int) -> Any:
+    """The daemon's Database (instance: `settings.instance`, else host name:`port`, the port
+    bound), or None after printing why it cannot be used."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from daemon.database import open_database
+    from daemon.database import default_instance, open_database
     from store.db import default_url
     from store.migrate import SchemaError
 
     url = settings.db_url or default_url()
     try:
-        return open_database(url)
+        return open_database(url, instance=settings.instance or default_instance(port))
     except SchemaError as exc:
         print(f"crossover serve: error: {exc}", file=sys.stderr)
     except SQLAlchemyError as exc:

@@ -4,8 +4,9 @@ The engine's `status()` gives the gauges (KV pages, KV usage as a fraction
 labelled with the model name, queue, running, policy version) and the compile
 counters; the app's state gives the requests in flight, per tenant from the
 tenant gates; the recorder gives its dropped rows.
-Retunes by status come from the database (`store.history.retune_counts`),
-which is blocking: the /metrics route refreshes `retunes` in a worker thread
+Retunes by status come from the database (`store.history.retune_counts`,
+this daemon's instance only: several daemons may share the database, and
+each counts its own retunes), which is blocking: the /metrics route refreshes `retunes` in a worker thread
 before each scrape, and `collect()` reports the last counts it was given.
 `collect()` runs on the event loop, which owns the state it reads.
 """
@@ -47,10 +48,11 @@ def kv_usage(status: dict[str, Any]) -> float:
     return min(1.0, max(0.0, (status.get("kv_pages_used") or 0) / total)) if total > 0 else 0.0
 
 
-def retune_counts(db: Engine) -> dict[str, int]:
-    """Retunes recorded in the database, by status (blocking: run in a thread)."""
+def retune_counts(db: Engine, instance: str = "") -> dict[str, int]:
+    """The instance's retunes recorded in the database, by status (blocking: run in a
+    thread)."""
     with session_scope(db) as session:
-        return history.retune_counts(session)
+        return history.retune_counts(session, instance=instance)
 
 
 def engine_metrics(status: dict[str, Any], model_name: str) -> list[Metric]:

@@ -49,6 +49,6 @@ async def metrics(request: web.Request) -> web.Response:
         check_admin(request)  # 401 without a bearer, 403 with another one
     db = app.get(st.DATABASE)
     if db is not None:
-        app[COLLECTOR].retunes = await asyncio.to_thread(retune_counts, db.engine)
+        app[COLLECTOR].retunes = await asyncio.to_thread(retune_counts, db.engine, db.instance)
     encode, content_type = choose_encoder(request.headers.get("Accept", ""))
     return web.Response(body=encode(app[REGISTRY]), headers={"Content-Type": content_type})

@@ -40,7 +40,8 @@ class LiveServer:
         self.database: Database | None = None
         if db_url is not None:
             config = RecorderConfig(flush_interval_s=0.05)
-            self.database = open_database(db_url, recorder_config=config)
+            self.database = open_database(db_url, recorder_config=config,
+                                          instance=self.settings.instance or "")
         self.app = make_app(self.settings, self.engine, self.sink, database=self.database)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
