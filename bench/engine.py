@@ -84,14 +84,15 @@ def weight_bytes(params) -> int:
 
 def run_bench(out_path: str | None, model: str | None = None, dtype: str | None = None,
               batches=(1, 2, 4, 8, 16, 32, 64), prompt_len: int = 32, new_tokens: int = 32,
-              prefill_len: int = 512, hf_baseline: str | None = None) -> dict:
+              prefill_len: int = 512, hf_baseline: str | None = None, tensor_parallel: int = 1) -> dict:
     from daemon.progress import reporter, say
     from engine.loader import load_engine
 
     log = lambda msg: say(f"bench engine: {msg}")  # noqa: E731
     progress = reporter()
     engine = load_engine(model=model, dtype=dtype, max_batch=max(batches), max_context=1024,
-                         speculation=False, progress=progress)
+                         speculation=False, progress=progress,
+                         **({"tensor_parallel": tensor_parallel} if tensor_parallel > 1 else {}))
     log("measuring memory bandwidth")
     bw = memory_bandwidth()
     log("warming up (compiles every bucket once; cached on disk for the next run)")
@@ -117,6 +118,7 @@ def run_bench(out_path: str | None, model: str | None = None, dtype: str | None 
         "speedup_batch32_over_batch1": by_b.get(32, float("nan")) / by_b.get(1, float("nan")),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "compiles_since_warmup": engine.compiles_since_warmup(),
+        "tensor_parallel": tensor_parallel,
     }
     if hf_baseline and Path(hf_baseline).exists():
         result["vs_hf_transformers"] = _versus(by_b, json.loads(Path(hf_baseline).read_text()))

@@ -66,6 +66,8 @@ class Settings:
     """Most sequences decoded together."""
     max_context: int = 4096
     """Longest prompt + completion, in tokens."""
+    tensor_parallel: int = 1
+    """Devices the model and KV pool are split over (engine/sharding.py); 1: one device."""
     speculation: bool = True
     """Compile verification and load the proposers (n-gram; MTP, early exit, draft model from the heads file)."""
     heads: str | None = None
@@ -117,6 +119,7 @@ class Settings:
         _check_range("port", self.port, 0, 65535)
         _check_range("max_batch", self.max_batch, 1, 1 << 16)
         _check_range("max_context", self.max_context, 2, 1 << 24)
+        _check_range("tensor_parallel", self.tensor_parallel, 1, 4096)
         _check_range("max_body_bytes", self.max_body_bytes, 1024, 1 << 34)
         _check_range("max_prompt_chars", self.max_prompt_chars, 1, 1 << 34)
         _check_range("max_waiting", self.max_waiting, 0, 1 << 24)

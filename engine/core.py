@@ -265,8 +265,12 @@ class EngineCore:
         kv, rc = self.runner.kv, self.runner.rc
         if any(a.is_deleted() for a in (kv.global_k, kv.global_v, kv.local_k, kv.local_v)):
             log.warning("KV arrays lost in the fault; allocating them again")
-            self.runner.kv = KVState.create(self.cfg, rc.global_pages, rc.local_pages, rc.page_size,
-                                            rc.kv_dtype)
+            kv = KVState.create(self.cfg, rc.global_pages, rc.local_pages, rc.page_size, rc.kv_dtype)
+            if self.runner.mesh is not None:  # laid out as warmup compiled it: no recompile
+                from engine.sharding import shard_kv
+
+                kv = shard_kv(self.cfg, kv, self.runner.mesh)
+            self.runner.kv = kv
         return results
 
     def _fill_row(self, c, row: int, seq: Sequence, n: int) -> None:

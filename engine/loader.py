@@ -121,12 +121,13 @@ SPEC_MAX_BATCH = 16
 def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch: int,
                   max_context: int, kv_dtype: str | None = None, verify_tokens: tuple[int, ...] = (),
                   spec_max_batch: int = SPEC_MAX_BATCH, drafting: bool = False,
-                  map_limit: int | None = None) -> RunnerConfig:
+                  map_limit: int | None = None, tensor_parallel: int = 1) -> RunnerConfig:
     """Size the pools with the memory planner and choose the compiled buckets.
 
     `drafting`: layer-chain proposers (early exit, draft model) will compile per context too.
     `map_limit`: the process's memory-mapping cap (see MAPS_PER_SHAPE); the context buckets
     are thinned so that every compiled shape fits under it.
+    `tensor_parallel`: devices the params and KV pools are split over (engine/sharding.py).
     """
     kv_dtype = kv_dtype or dtype
     if kv_dtype not in KV_DTYPE_BYTES:
@@ -149,6 +150,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
         verify_tokens=verify_tokens,
         spec_max_batch=min(spec_max_batch, max_batch),
         fast_output=dtype == "float32" and jax.default_backend() == "cpu",
+        tensor_parallel=tensor_parallel,
     )
 
 
@@ -156,7 +158,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                 max_batch: int = 32, max_context: int = 4096, progress: Reporter = True,
                 token_budget: int = 512, speculation: bool = True, heads: str | None = None,
                 verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH,
-                model_proposers: tuple[str, ...] = MODEL_PROPOSERS) -> EngineCore:
+                model_proposers: tuple[str, ...] = MODEL_PROPOSERS, tensor_parallel: int = 1) -> EngineCore:
     """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine.
 
     With `speculation`, the verify buckets are compiled and the proposers load:
@@ -165,12 +167,18 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     `model_proposers` is empty).
     `progress` (engine/progress.py): False is silent; True prints what was loaded;
     a callback also sees assembling, hashing and converting the model file.
+    `tensor_parallel` > 1 splits the model and KV pools over that many devices
+    (engine/sharding.py); `kv_budget_bytes` stays the budget of the whole pool.
     """
     from engine.gguf_file import default_gguf_path
     from engine.tokenizer import Tokenizer
     from engine.weights import load_model
 
     enable_persistent_cache()
+    if tensor_parallel != 1:
+        from engine.sharding import make_mesh
+
+        make_mesh(tensor_parallel)  # fail before loading weights when the devices are not there
     dtype = dtype or default_dtype()
     cfg, params = load_model(model, dtype, progress=progress)
     if max_context > cfg.max_position:
@@ -183,14 +191,15 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     limit, ladder = map_limit(), context_buckets(max_context)
     rc = runner_config(cfg, dtype, budget, max_batch, max_context,
                        verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
-                       drafting=drafting, map_limit=limit)
+                       drafting=drafting, map_limit=limit, tensor_parallel=tensor_parallel)
     if rc.context_buckets != ladder:
         note(progress, f"engine: context buckets {list(rc.context_buckets)} (of {list(ladder)}): every "
                        f"compiled shape costs XLA:CPU ~{MAPS_PER_SHAPE} memory mappings and this host allows "
                        f"{limit} (vm.max_map_count); ~{estimated_mappings(rc, drafting):,.0f} budgeted")
     note(progress, f"engine: {cfg.name} {dtype}, KV pool {rc.global_pages - 1} global + "
                    f"{rc.local_pages - 1} local pages of {PAGE_SIZE} tokens, max batch {max_batch}, "
-                   f"context {rc.max_context}")
+                   f"context {rc.max_context}"
+                   + (f", tensor parallel over {tensor_parallel} devices" if tensor_parallel > 1 else ""))
     engine = EngineCore(cfg, params, tokenizer, EngineConfig(runner=rc, token_budget=token_budget),
                         model_name=cfg.name)
     if speculation and model_proposers:

@@ -11,6 +11,9 @@ Layout of `params` (matrices are (in, out): the model computes ``x @ W``)::
     layers/gate_up  [L, d, 2 ffn]         columns: gate | up
     layers/down     [L, ffn, d]
 
+Tensor parallelism (engine/sharding.py) splits qkv into q, k, v and gate_up
+into gate, up; `block` takes either form.
+
 Loaders produce the layers stacked as above; `unstack_layers` turns them into
 a list of per-layer dicts, which is what `forward` takes.
 
@@ -106,8 +109,10 @@ def block(cfg: ModelConfig, lp: Params, x, pos, cache: KVView, is_global: bool):
     """One transformer block. Returns (x, (k_new, v_new)) for the cache write."""
     B, T, _ = x.shape
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-    qkv = h @ lp["qkv"]
-    q, k, v = jnp.split(qkv, [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=-1)
+    if "qkv" in lp:
+        q, k, v = jnp.split(h @ lp["qkv"], [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=-1)
+    else:  # unfused (engine/sharding.py): each device holds whole heads of q, k, v
+        q, k, v = h @ lp["q"], h @ lp["k"], h @ lp["v"]
     q = rms_norm(q.reshape(B, T, cfg.n_heads, cfg.head_dim), lp["q_norm"], cfg.rms_eps)
     k = rms_norm(k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim), lp["k_norm"], cfg.rms_eps)
     v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
@@ -120,7 +125,10 @@ def block(cfg: ModelConfig, lp: Params, x, pos, cache: KVView, is_global: bool):
     a = a.reshape(B, T, cfg.q_dim) @ lp["o"]
     x = x + rms_norm(a, lp["post_attn_norm"], cfg.rms_eps)
     h = rms_norm(x, lp["pre_ffw_norm"], cfg.rms_eps)
-    gate, up = jnp.split(h @ lp["gate_up"], 2, axis=-1)
+    if "gate_up" in lp:
+        gate, up = jnp.split(h @ lp["gate_up"], 2, axis=-1)
+    else:
+        gate, up = h @ lp["gate"], h @ lp["up"]
     m = (jax.nn.gelu(gate, approximate=True) * up) @ lp["down"]
     x = x + rms_norm(m, lp["post_ffw_norm"], cfg.rms_eps)
     return x, (k, v)

@@ -250,6 +250,26 @@ class Plan:
     """Assumptions behind the numbers (reserve formula, borrowed shapes, device)."""
     techniques: tuple[TechniqueCost, ...] = ()
     """Per speculative technique: resident and per-sequence bytes, tenants displaced."""
+    tensor_parallel: int = 1
+    """Devices the model is split over; weight_bytes, the pool and sequence bytes are per device."""
+
+
+def _share(units: int, n: int) -> float:
+    """Share of an array each of n devices holds, split along `units` (engine/sharding.py's rule:
+    split when they divide evenly, else replicated). Example: _share(4, 2) == 0.5, _share(1, 2) == 1.0."""
+    return 1.0 / n if n > 1 and units % n == 0 else 1.0
+
+
+def per_device_params(cfg: ModelConfig, n: int) -> float:
+    """Parameters one of n devices holds under engine/sharding.py's layout: vocabulary-split
+    embedding, head-split attention (KV heads replicated when they do not divide), split MLP."""
+    d, f, L = cfg.d_model, cfg.ffn_dim, cfg.n_layers
+    split = (cfg.vocab_size * d * _share(cfg.vocab_size, n)
+             + L * 2 * cfg.q_dim * d * _share(cfg.n_heads, n)
+             + L * 2 * cfg.kv_dim * d * _share(cfg.n_kv_heads, n)
+             + L * 3 * d * f * _share(f, n))
+    whole = cfg.vocab_size * d + L * (2 * cfg.q_dim * d + 2 * cfg.kv_dim * d + 3 * d * f)
+    return split + (cfg.param_count() - whole)
 
 
 def _verdict(
@@ -278,9 +298,12 @@ def _verdict(
 def make_plan(
     model: ModelConfig | MoEConfig, device: DeviceProfile, weight_dtype: str, kv_dtype: str,
     context_len: int, page_size: int = 16, max_spec_depth: int = 8,
-    activation_reserve_bytes: int | None = None, speculation_bytes: int = 0,
+    activation_reserve_bytes: int | None = None, speculation_bytes: int = 0, tensor_parallel: int = 1,
 ) -> Plan:
-    """Plan `model` on `device`; activation_reserve_bytes=None uses `activation_reserve`."""
+    """Plan `model` on `device`; activation_reserve_bytes=None uses `activation_reserve`.
+
+    `tensor_parallel` > 1: the model is split over that many such devices (engine/sharding.py);
+    weights, the KV pool and each sequence's KV are then counted per device."""
     moe = model if isinstance(model, MoEConfig) else None
     cfg = moe.attention if moe else model
     total = moe.total_params if moe else cfg.param_count()
@@ -303,6 +326,17 @@ def make_plan(
         notes.append(f"context {context_len} exceeds the trained max_position {cfg.max_position}")
     if device.note:
         notes.append(f"{device.name}: {device.note}")
+    kv_share = 1.0
+    if tensor_parallel > 1:
+        dev_params = total / tensor_parallel if moe else per_device_params(cfg, tensor_parallel)
+        weights = weight_bytes(int(dev_params), weight_dtype)
+        kv_share = _share(cfg.n_kv_heads, tensor_parallel)
+        seq, naive = int(seq * kv_share), int(naive * kv_share)
+        notes.append(f"tensor parallel over {tensor_parallel} devices: weights and KV per device "
+                     f"({'KV heads split' if kv_share < 1 else 'KV heads replicated: each device holds the whole pool'}"
+                     f"{'; MoE weights assumed split evenly' if moe else ''}); reserve not divided")
+    elif tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel={tensor_parallel} must be >= 1")
 
     pool = device.usable_bytes - weights - reserve - speculation_bytes
     fits, shortfall, verdict = _verdict(
@@ -327,11 +361,12 @@ def make_plan(
         kv_global_bytes_per_token=g_tok, kv_local_bytes_per_token=l_tok,
         activation_reserve_bytes=reserve, speculation_bytes=speculation_bytes,
         pool_bytes=held,
-        pools=size_pool(cfg, held, page_size, kv_dtype, context_len, max_spec_depth)
+        pools=size_pool(cfg, int(held / kv_share), page_size, kv_dtype, context_len, max_spec_depth)
         if tenants else None,
         sequence_bytes=seq, naive_sequence_bytes=naive, tenants=tenants,
         naive_tenants=naive_tenants, tenant_ratio=ratio, tenants_displaced=displaced,
         fits=fits, shortfall_bytes=shortfall, verdict=verdict, notes=tuple(notes),
         techniques=tuple(technique_costs(cfg, weight_dtype, kv_dtype, context_len, page_size,
                                          max_spec_depth, seq)),
+        tensor_parallel=tensor_parallel,
     )

@@ -126,6 +126,8 @@ class RunnerConfig:
     fast_output: bool = False
     """Float32 model: score the vocabulary in bfloat16 for 2+ rows, rescoring the top 16 exactly
     (see output_logits; costs a bfloat16 copy of the embedding)."""
+    tensor_parallel: int = 1
+    """Devices the params and KV pools are split over (engine/sharding.py); 1: one device."""
 
     def __post_init__(self) -> None:
         cap = self.ring_pages * self.page_size
@@ -283,6 +285,12 @@ class ModelRunner:
         if rc.fast_output and self.params["embed"].dtype == jnp.float32 and rows >= 2:
             self.params = {**self.params, "embed_fast": self.params["embed"].astype(jnp.bfloat16)}
         self.kv = KVState.create(cfg, rc.global_pages, rc.local_pages, rc.page_size, jnp.dtype(rc.kv_dtype))
+        self.mesh = None
+        if rc.tensor_parallel > 1:  # XLA's SPMD partitioner splits every call over the mesh
+            from engine.sharding import make_mesh, shard_kv, shard_params
+
+            self.mesh = make_mesh(rc.tensor_parallel)
+            self.params, self.kv = shard_params(cfg, self.params, self.mesh), shard_kv(cfg, self.kv, self.mesh)
         self.warm_compiles: int | None = None
         self.last_hidden = None  # [B, Tl, d] final hidden states of the latest call
         self.last_top = None  # ([B, Tl, k] ids, [B, Tl, k] logprobs) of the latest call, if asked
@@ -383,12 +391,23 @@ class ModelRunner:
         V = self.params["embed"].shape[0]
         for b, t, is_verify in sorted({(b, t if v else 1, v) for (b, t, _), v in shapes}):
             sc = Scores(jnp.zeros((b, t, V), jnp.float32), jnp.zeros((b, t), jnp.int32))
+            if self.mesh is not None:  # the scores of a real call, laid out over the mesh as serving's are
+                sc = self._mesh_scores(b, t, is_verify)
             samp, counter = SamplingArrays(**SamplingArrays.host(b)), np.zeros((b, t), np.int32)
             adj = Adjust(**Adjust.host((b, t, self.adjust_width)))
             if is_verify:
                 _verify(sc, np.full((b, t), -1, np.int32), samp, counter, adj)
             else:
                 _sample(sc, samp, counter, adj)
+
+
+    def _mesh_scores(self, b: int, t: int, is_verify: bool) -> Scores:
+        """Scores of a harmless scratch forward at (b, t), placed as a served call's are."""
+        c = (self.new_verify_call(b, t - 1, self.rc.context_buckets[0]) if is_verify
+             else self.new_call(b, 1, self.rc.context_buckets[0]))
+        batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
+        self.kv, sc, _ = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch, c.logit_idx)
+        return sc
 
 
 def _adjust(c: CallArrays) -> Adjust | None:

@@ -17,6 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     e.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
     e.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per request")
+    e.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model and KV pool over N devices (default 1)")
     e.add_argument("--hf-baseline", default="bench/results/hf_baseline.json",
                    help="JSON from bench/hf_baseline.py to compare with (skipped if missing)")
     t = sub.add_parser("telemetry", help="recorder throughput and caller-side cost")
@@ -107,10 +109,13 @@ def run(args: argparse.Namespace) -> int:
             batches = tuple(int(b) for b in args.batches.split(","))
         except ValueError:
             raise UserError(f"--batches must be comma-separated integers, got {args.batches!r}") from None
+        if args.tensor_parallel < 1:
+            raise UserError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
         if any(b < 1 for b in batches) or args.new_tokens < 2:
             raise UserError(f"batch sizes must be >= 1 and --new-tokens >= 2 (got {args.batches!r}, {args.new_tokens})")
         run_bench(args.out, model=args.model, dtype=args.dtype, batches=batches,
-                  new_tokens=args.new_tokens, hf_baseline=args.hf_baseline)
+                  new_tokens=args.new_tokens, hf_baseline=args.hf_baseline,
+                  tensor_parallel=args.tensor_parallel)
     elif args.bench == "telemetry":
         from bench.telemetry import run_bench as tel_bench
 

@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model and KV pool over N devices (default 1)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +65,7 @@ def _load(args):
 
     try:
         return load_engine(model=args.model, dtype=args.dtype, max_batch=1, max_context=args.max_context,
-                           speculation=False, progress=reporter())
+                           speculation=False, progress=reporter(),
+                           **({"tensor_parallel": args.tensor_parallel} if args.tensor_parallel != 1 else {}))
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None

@@ -74,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: 1GiB + 64 seqs x (1 + depth) x vocab x float32 x 2)")
     for flag in ("--layers", "--kv-heads", "--head-dim"):
         parser.add_argument(flag, help="MoE only: attention shape override (default: gemma3-12b's)")
+    parser.add_argument("--tensor-parallel", default="1", metavar="N",
+                        help="split the model over N such devices: weights and KV per device (default 1)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -95,6 +97,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
             max_spec_depth=_int("--spec-depth", args.spec_depth, 0),
             activation_reserve_bytes=reserve,
             speculation_bytes=parse_size("--speculation", args.speculation),
+            tensor_parallel=_int("--tensor-parallel", args.tensor_parallel, 1),
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -39,7 +39,7 @@ from daemon.settings import SECTION_KEYS, add_section_flags
 
 SETTING_FLAGS = (
     "host", "port", "model", "dtype", "kv_budget_bytes", "max_batch", "max_context", "db_url",
-    "instance",
+    "instance", "tensor_parallel",
     "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
     "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
     "speculation", "heads", "stream_write_timeout_s", "stream_idle_timeout_s", "admin_token_file",
@@ -63,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--kv-budget", dest="kv_budget_bytes", metavar="BYTES", help="KV pool size, e.g. 4GiB")
     add("--max-batch", type=int, help="most sequences decoded together (default 32)")
     add("--max-context", type=int, help="longest prompt + completion in tokens (default 4096)")
+    add("--tensor-parallel", type=int, metavar="N",
+        help="split the model and KV pool over N devices (default 1)")
     add("--db", "--db-url", dest="db_url", metavar="URL",
         help="SQLAlchemy URL or SQLite path of the telemetry database "
              "(default: $CROSSOVER_DB or ./crossover.db)")
@@ -222,7 +224,8 @@ def _load_engine(settings: Any, args: argparse.Namespace) -> Any:
     engine = load_engine(model=settings.model, dtype=settings.dtype,
                          kv_budget_bytes=settings.kv_budget_bytes, max_batch=settings.max_batch,
                          max_context=settings.max_context, progress=reporter(json_events=True),
-                         speculation=settings.speculation, heads=settings.heads)
+                         speculation=settings.speculation, heads=settings.heads,
+                         **({"tensor_parallel": settings.tensor_parallel} if settings.tensor_parallel > 1 else {}))
     log_event(log, "model loaded", model=engine.model_name, seconds=round(time.monotonic() - start, 1))
     return engine
 
