@@ -48,7 +48,7 @@ print("RESULT " + json.dumps(out))
 """
 
 _GOLDEN = """
-import json, time
+import json, sys, time
 from pathlib import Path
 from engine.loader import load_engine
 from engine.types import Request, SamplingParams
@@ -56,7 +56,7 @@ from engine.types import Request, SamplingParams
 t0 = time.time()
 golden = json.loads(Path("tests/fixtures/golden_270m.json").read_text())
 engine = load_engine(dtype="float32", max_batch=16, max_context=1024, progress=False, speculation=False,
-                     tensor_parallel=2)
+                     tensor_parallel=int(sys.argv[1]))
 got = {c["name"]: [] for c in golden["cases"]}
 for c in golden["cases"]:
     sp = SamplingParams(max_tokens=len(c["generated_ids"]), ignore_eos=True, stop_token_ids=(1,))
@@ -128,16 +128,26 @@ def test_plan_counts_weights_and_kv_per_device():
         make_plan(GEMMA3_4B, dev, "bfloat16", "bfloat16", 8192, tensor_parallel=0)
 
 
-@pytest.mark.slow
-def test_real_270m_golden_prompts_over_2_devices_equal_transformers():
-    """The golden test's comparison (tests/engine/golden/test_golden.py) at tensor_parallel=2."""
-    r = _run(_GOLDEN, 2, 1200)
+def _check_golden(n: int) -> None:
+    """The golden test's comparison (tests/engine/golden/test_golden.py) at tensor_parallel=n."""
+    r = _run(_GOLDEN, n, 1200, str(n))
     near_tie = r["golden"]["settings"]["near_tie_margin"]
-    assert r["embed_shards"] == 2 and r["kv_shards"] == 1  # vocabulary split; the 1 KV head replicated
+    assert r["embed_shards"] == n and r["kv_shards"] == 1  # vocabulary split; the 1 KV head replicated
     for c in r["golden"]["cases"]:
         ties = [i for i, x in enumerate(c["margins"]) if x < near_tie]
-        n = ties[0] if ties else len(c["generated_ids"])
-        assert n >= 32 and r["got"][c["name"]][:n] == c["generated_ids"][:n], c["name"]
+        k = ties[0] if ties else len(c["generated_ids"])
+        assert k >= 32 and r["got"][c["name"]][:k] == c["generated_ids"][:k], c["name"]
+    print(f"\ngolden prompts at tensor_parallel={n}: {r['seconds']:.0f}s in the subprocess")
+
+
+@pytest.mark.slow
+def test_real_270m_golden_prompts_over_2_devices_equal_transformers():
+    _check_golden(2)
+
+
+@pytest.mark.slow
+def test_real_270m_golden_prompts_over_4_devices_equal_transformers():
+    _check_golden(4)
 
 
 def test_serve_flag_reaches_the_setting_and_bad_values_are_refused():
