@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -132,3 +133,24 @@ def parse_sse(data: bytes) -> list[Any]:
         payload = block[len("data: "):]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+RCVBUF = 4096
+"""Socket buffer of the stalled-reader tests: small, so a client that stops reading backs up
+the daemon's writes after a few kilobytes."""
+
+
+class SmallBufferServer(LiveServer):
+    """A LiveServer whose connections get a small kernel send buffer (inherited from the
+    listening socket), so a write waits after ~100 KB instead of the megabytes that Linux's
+    autotuned buffers take."""
+
+    async def _start(self) -> int:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, RCVBUF)
+        listener.bind(("127.0.0.1", 0))
+        self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
+                                    shutdown_timeout=2.0)
+        await self.runner.setup()
+        await web.SockSite(self.runner, listener).start()
+        return int(listener.getsockname()[1])

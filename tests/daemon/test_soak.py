@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from aiohttp import web
 from sqlalchemy import select
 
 from daemon.state import ENGINE_THREAD, STATE
@@ -47,7 +46,7 @@ from daemon.tenants.admin_ops import create_tenant
 from daemon.tuning import TUNER
 from store.db import session_scope
 from store.models import Request as RequestRow
-from tests.daemon.helpers import LiveServer, http_request, parse_sse, wait_for
+from tests.daemon.helpers import RCVBUF, SmallBufferServer, http_request, parse_sse, wait_for
 from tuner.config import TunerConfig
 from tuner.process import ProcessSearch
 from tuner.search import SearchJob, SearchOutcome
@@ -61,7 +60,6 @@ STALLED_AT = (15, 60, 110, 160)
 """Job numbers that are stalled readers."""
 CRASH_AFTER = 100
 """The admin thread forces the search crash once this many jobs have finished."""
-RCVBUF = 4096
 """Receive buffer of a stalled reader (and send buffer of the daemon's sockets): small, so
 unread bytes back up after a few kilobytes."""
 PROMPTS = [
@@ -74,21 +72,6 @@ def crash_search(job: SearchJob) -> SearchOutcome:
     """A search whose process dies at once, as an OOM-killed one would (module level: the
     spawned worker imports it)."""
     os._exit(3)
-
-
-class SoakServer(LiveServer):
-    """A LiveServer whose connections inherit a small kernel send buffer from the listening
-    socket, so a client that stops reading backs the daemon's writes up quickly."""
-
-    async def _start(self) -> int:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, RCVBUF)
-        listener.bind(("127.0.0.1", 0))
-        self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
-                                    shutdown_timeout=2.0)
-        await self.runner.setup()
-        await web.SockSite(self.runner, listener).start()
-        return int(listener.getsockname()[1])
 
 
 def tiny_engine(context: int = 512) -> Any:
@@ -107,11 +90,11 @@ def tiny_engine(context: int = 512) -> Any:
 
 
 @pytest.fixture
-def soak(db_url: str) -> Iterator[tuple[SoakServer, list[str]]]:
+def soak(db_url: str) -> Iterator[tuple[SmallBufferServer, list[str]]]:
     """The daemon and its four tenants' API keys."""
     tuner = TunerConfig(search_process=True, interval_s=1.0, min_new_steps=10**6, trials=8,
                         validation_s=2.0, validation_min_steps=20, search_timeout_s=240.0)
-    server = SoakServer(tiny_engine(), db_url=db_url, open_mode=False, admin_token=TOKEN,
+    server = SmallBufferServer(tiny_engine(), db_url=db_url, open_mode=False, admin_token=TOKEN,
                         tuner=tuner, tenant_max_queued=64, stream_write_timeout_s=0.25,
                         stream_idle_timeout_s=0.25)
     assert server.database is not None
@@ -341,7 +324,7 @@ def stall(port: int, path: str, body: dict[str, Any], key: str) -> socket.socket
     return sock
 
 
-def run_job(server: SoakServer, keys: list[str], job: int) -> Outcome:
+def run_job(server: SmallBufferServer, keys: list[str], job: int) -> Outcome:
     rng = random.Random(1000 + job)
     model, key = server.engine.model_name, keys[rng.randrange(len(keys))]
     if job in STALLED_AT:
@@ -408,7 +391,7 @@ INVALID_PINS: list[tuple[Any, str | None]] = [
 ]
 
 
-def wait_retune(server: SoakServer, retune_id: int, timeout: float) -> dict[str, Any]:
+def wait_retune(server: SmallBufferServer, retune_id: int, timeout: float) -> dict[str, Any]:
     end = time.monotonic() + timeout
     while True:
         view = server.get(f"/admin/retunes/{retune_id}", ADMIN).json()
@@ -417,7 +400,7 @@ def wait_retune(server: SoakServer, retune_id: int, timeout: float) -> dict[str,
         time.sleep(0.2)
 
 
-def wait_searched(server: SoakServer, retune_id: int, timeout: float) -> None:
+def wait_searched(server: SmallBufferServer, retune_id: int, timeout: float) -> None:
     """Until the retune's search is over (it ended, or it validates what it applied)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -427,7 +410,7 @@ def wait_searched(server: SoakServer, retune_id: int, timeout: float) -> None:
         time.sleep(0.1)
 
 
-def crash_then_retune(server: SoakServer, finished: list[Outcome], pin_lock: threading.Lock,
+def crash_then_retune(server: SmallBufferServer, finished: list[Outcome], pin_lock: threading.Lock,
                       problems: list[str], counts: dict[str, Any]) -> None:
     """Once CRASH_AFTER jobs are done: force a retune whose search process dies, then run one
     that must end normally (its search in a new process). Pins wait while either searches
@@ -456,7 +439,7 @@ def crash_then_retune(server: SoakServer, finished: list[Outcome], pin_lock: thr
     counts["retunes"] = [(v["id"], v["status"], v["error"] or "") for v in (crashed, after)]
 
 
-def admin_chaos(server: SoakServer, done: threading.Event, pin_lock: threading.Lock,
+def admin_chaos(server: SmallBufferServer, done: threading.Event, pin_lock: threading.Lock,
                 problems: list[str], counts: dict[str, Any]) -> None:
     """Random valid and invalid pins and unpins until the traffic is over."""
     rng = random.Random(7)
@@ -487,7 +470,7 @@ def admin_chaos(server: SoakServer, done: threading.Event, pin_lock: threading.L
 
 # ---- the test --------------------------------------------------------------------------------
 
-def scrape(server: SoakServer) -> dict[str, float]:
+def scrape(server: SmallBufferServer) -> dict[str, float]:
     """Each sample name of /metrics with its values summed over the labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -505,7 +488,7 @@ def free_lists_whole(engine: Any) -> bool:
                for a in (pool.global_alloc, pool.local_alloc))
 
 
-def test_soak(soak: tuple[SoakServer, list[str]], caplog: pytest.LogCaptureFixture) -> None:
+def test_soak(soak: tuple[SmallBufferServer, list[str]], caplog: pytest.LogCaptureFixture) -> None:
     server, keys = soak
     caplog.set_level(logging.WARNING, logger="crossover.api")
     engine, started = server.engine, time.monotonic()

@@ -10,29 +10,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
-from aiohttp import web
 
 from engine.fake import FakeEngine
-from tests.daemon.helpers import MODEL, LiveServer, http_request, parse_sse, wait_for
+from tests.daemon.helpers import MODEL, RCVBUF, LiveServer, SmallBufferServer, http_request, parse_sse, wait_for
 
-RCVBUF = 4096
 """The stalled clients' receive buffer: small, so the daemon's writes back up quickly."""
-
-
-class SmallBufferServer(LiveServer):
-    """A LiveServer whose connections get a small kernel send buffer (inherited from the
-    listening socket), so a write waits after ~100 KB instead of the megabytes that Linux's
-    autotuned buffers take."""
-
-    async def _start(self) -> int:
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, RCVBUF)
-        listener.bind(("127.0.0.1", 0))
-        self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
-                                    shutdown_timeout=2.0)
-        await self.runner.setup()
-        await web.SockSite(self.runner, listener).start()
-        return int(listener.getsockname()[1])
 
 
 @contextmanager
