@@ -10,15 +10,12 @@ Skipped, with the reason, when no PostgreSQL server is reachable (tests/conftest
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import pytest
 from sqlalchemy import select
 
-from daemon.state import ENGINE_THREAD
 from store.db import make_engine, session_scope
 from store.history import active_policy, policy_history, retune_history
 from store.models import Request
@@ -153,72 +150,3 @@ def _run(servers: dict[str, LiveServer], db: Any) -> None:
     print("\nthree daemons:", {n: f"{len(ok[n])} requests" for n in NAMES},
           f"{len(expected)} request rows", {n: first[n]["status"] for n in NAMES},
           f"r1 again: {second['status']}")
-
-
-@pytest.mark.slow
-def test_two_real_model_daemons_share_one_postgresql_database(pg_url: str) -> None:
-    """The smoke version with Gemma 3 270M: two daemons in one process, each with its own
-    engine (same loader settings, small shapes so warmup stays short), a few requests and one
-    admin retune each; rows, retunes and policies stay per instance and nothing compiles
-    after warmup."""
-    from engine.loader import load_engine
-    from engine.runner import compile_count
-
-    names = ("g1", "g2")
-    servers: dict[str, LiveServer] = {}
-    db = make_engine(pg_url)
-    t0 = time.monotonic()
-    try:
-        for name in names:
-            engine = load_engine(dtype="float32", max_batch=4, max_context=512, progress=False,
-                                 speculation=False)
-            server = servers[name] = LiveServer(engine, db_url=pg_url, instance=name,
-                                                admin_token=TOKEN, tuner=CONFIG)
-            server.start(wait_ready=False)  # warmup compiles for longer than start() waits
-            wait_for(lambda s=server: s.app[ENGINE_THREAD].ready, 300, f"{name} warmed up")
-        warm = compile_count()  # both warmed up: the count is per process, not per engine
-        ids: dict[str, list[str]] = {name: [] for name in names}
-        for i in range(3):
-            for name in names:
-                r = servers[name].post("/v1/completions", {
-                    "model": "gemma3-270m", "prompt": f"Count to {i + 3}:", "max_tokens": 8,
-                    "temperature": 0})
-                assert r.status == 200, r.data
-                ids[name].append(r.json()["id"])
-        started = {n: servers[n].post("/admin/retune", None, ADMIN).json() for n in names}
-        assert all(started[n]["started"] for n in names), started
-        views = {n: finished(servers[n], started[n]["retune"]["id"], 180) for n in names}
-        for server in servers.values():  # every request answered, its pages freed
-            wait_for(lambda s=server: (s.app[ENGINE_THREAD].active == 0 and s.engine.pool.used == 0
-                                       and not s.engine.has_work()), 30, "engine idle")
-        assert compile_count() == warm  # no request or retune compiled a new shape
-        for name, view in views.items():
-            assert view["instance"] == name
-            assert view["status"] in ("skipped", "applied", "rejected"), view
-            listed = servers[name].get("/admin/retunes", ADMIN).json()["data"]
-            assert [r["id"] for r in listed] == [view["id"]]  # the other's retune is not listed
-
-        def rows() -> list[tuple[str, str]]:
-            with session_scope(db) as s:
-                return [tuple(r) for r in s.execute(select(Request.instance, Request.request_id))]
-
-        expected = sorted((n, rid) for n in names for rid in ids[n])
-        assert len(set(expected)) == 6
-        wait_for(lambda: len(rows()) >= len(expected), 20, "every request row")
-        assert sorted(rows()) == expected  # each id once, under the daemon that served it
-        with session_scope(db) as s:
-            for name in names:
-                versions = sorted(p.version for p in policy_history(s, 100, instance=name))
-                assert versions == list(range(len(versions))) and versions, (name, versions)
-                assert [r.id for r in retune_history(s, 100, instance=name)] == [views[name]["id"]]
-                for p in policy_history(s, 100, instance=name):  # none from the other's retune
-                    assert (p.body.get("extra") or {}).get("retune_id") in (None, views[name]["id"])
-                served = servers[name].get("/admin/policy", ADMIN).json()
-                assert served["instance"] == name
-                assert served["policy"]["version"] == active_policy(s, instance=name).version
-    finally:
-        for server in servers.values():
-            server.close()
-        db.dispose()
-    print(f"\ntwo real-model daemons: {time.monotonic() - t0:.0f}s,",
-          {n: views[n]["status"] for n in names})
