@@ -170,6 +170,7 @@ def _ratio_panel(ax: Any, labels: list[str], values: list[float], targets: list[
     ax.set_ylabel("ratio")
     ax.set_title("autotuned over the static policies; ITL: retune p99 gap over the quiet one")
     ax.grid(True, axis="y", alpha=0.3)
+    ax.set_axisbelow(True)  # grid lines behind the bars, so each bar shows its colour whole
     ax.legend(handles=[Patch(color=_rgb(MET), label="target met"),
                        Patch(color=_rgb(MISSED), label="target missed"),
                        Patch(color=_rgb(REFERENCE), label="no target (static oracle)"),
