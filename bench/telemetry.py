@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, make_url, select
 
 from engine.types import StepStats
 from store.db import make_engine, session_scope
@@ -54,9 +54,10 @@ def run_bench(out_path: str | None, seconds: float, db_url: str | None) -> dict[
     with tempfile.TemporaryDirectory(prefix="xo-bench-") as tmp:
         url = db_url or f"sqlite:///{Path(tmp) / 'bench.db'}"
         ensure_schema(url)
-        print(f"telemetry bench on {url} for ~{seconds:.1f} s", flush=True)
+        shown = make_url(url).render_as_string(hide_password=True)  # never print a password
+        print(f"telemetry bench on {shown} for ~{seconds:.1f} s", flush=True)
         result: dict[str, Any] = {
-            "db": url if db_url else "temporary SQLite file",
+            "db": shown if db_url else "temporary SQLite file",
             "seconds": seconds,
         }
         result["writer"] = _bench_writer(url, 0.35 * seconds)

@@ -31,3 +31,15 @@ def test_run_bench_leaves_a_real_database_as_it_was(tmp_path: Path) -> None:
     con = sqlite3.connect(tmp_path / "real.db")
     assert con.execute("SELECT COUNT(*) FROM xo_steps").fetchone() == (0,)
     con.close()
+
+
+def test_the_database_password_is_never_printed(pg_url: str, capsys) -> None:
+    from sqlalchemy import make_url
+
+    password = make_url(pg_url).password
+    assert password, "the test server's URL carries a password"
+    result = run_bench(None, seconds=0.3, db_url=pg_url)
+    out = capsys.readouterr().out
+    assert "telemetry bench on postgresql" in out and "***" in out
+    secret = f":{password}@"  # the password as a URL carries it (it may equal the user's name)
+    assert secret not in out and secret not in json.dumps(result)
