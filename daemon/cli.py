@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tenants": ("daemon.commands.tenants", "add, list and revoke tenants' API keys"),
     "retune": ("daemon.commands.retune", "ask a running daemon to retune its policy now"),
     "train-heads": ("daemon.commands.train_heads", "train the MTP heads and exit adapters of the draft proposers"),
+    "report": ("daemon.commands.report", "write the findings report (Markdown + figures) from a telemetry database"),
 }
 
 

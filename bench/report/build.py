@@ -1,0 +1,129 @@
+"""`crossover report`: a Markdown findings report with figures, from a telemetry database.
+
+1. Check the output folder (created if missing; it must be writable) and the
+   database (reachable, at the schema head) — `ReportInputError` naming the
+   bad value otherwise.
+2. Read the raw steps and requests once (bench/report/data.py).
+3. Write a one-line answer per question (summary.py), then the sections, each with its figures and the query behind every
+   number: Q1 acceptance (measured.py), Q2 crossover measured (measured.py)
+   and predicted (planned.py), Q3 memory against goodput and the projection
+   for larger models (planned.py), Q4 early exit with compaction and the
+   mixture-of-experts verdict (planned.py).
+4. Write DIR/README.md: date, machine, database URL (password hidden), the
+   command that made the report and, when given, the one that made the data.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.report.data import ReportInputError, Telemetry, open_database, read_telemetry, shown_url
+from bench.report.measured import q1_section, q2_measured_section
+from bench.report.planned import PlanInputs, q2_predicted_section, q3_section, q4_section
+from bench.report.summary import summary
+
+README = "README.md"
+
+
+@dataclass(frozen=True)
+class ReportRequest:
+    """What to report on and where."""
+
+    db: str
+    """SQLAlchemy URL or SQLite file path of the telemetry database."""
+    out: Path
+    """Folder the README and figures are written to."""
+    plan: PlanInputs = field(default_factory=PlanInputs)
+    instance: str | None = None
+    """Only this daemon instance's rows (None: every instance's)."""
+    source_command: str | None = None
+    """The command that produced the database, written in the report when given."""
+
+
+def prepare_out(out: Path) -> Path:
+    """Create `out` if needed and prove it writable; ReportInputError naming it otherwise."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise ReportInputError(f"--out {str(out)!r} is not a writable folder ({exc.strerror or exc})") from None
+    return out
+
+
+def report_command(req: ReportRequest) -> str:
+    """The `crossover report` command line that reproduces this report (password hidden)."""
+    p, default = req.plan, PlanInputs()
+    parts = ["crossover", "report", "--db", shown_url(req.db), "--out", str(req.out)]
+    for flag, value, base in (("--model", p.model, default.model), ("--context", p.context, default.context),
+                              ("--dtype", p.weight_dtype, default.weight_dtype),
+                              ("--kv-dtype", p.kv_dtype, default.kv_dtype),
+                              ("--page-size", p.page_size, default.page_size)):
+        if value != base:
+            parts += [flag, str(value)]
+    if req.instance is not None:
+        parts += ["--instance", req.instance]
+    return shlex.join(parts)
+
+
+def machine() -> str:
+    """This machine in one line, from platform and os."""
+    cpu = platform.processor() or platform.machine()
+    return (f"{platform.node()}: {platform.platform()}, {cpu}, {os.cpu_count()} CPUs, "
+            f"Python {platform.python_version()}")
+
+
+def _utc(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+
+
+def header(req: ReportRequest, t: Telemetry, revision: str | None) -> list[str]:
+    techs = ", ".join(f"{k} ({v} steps)" for k, v in sorted(t.techniques.items())) or "none"
+    src = (f"`{req.source_command}`" if req.source_command else
+           "not recorded (the database does not store it; pass `--source-command` to name it)")
+    p = req.plan
+    return [
+        "# crossover findings: the four open questions", "",
+        ("Made from a telemetry database alone (plus the memory planner). Measured numbers come from the "
+        "database; anything from the planner or the roofline model is labelled PREDICTION or PROJECTION."), "",
+        f"- **Date**: {_utc(time.time())}",
+        f"- **Machine** (where this report was made): {machine()}",
+        f"- **Database**: `{shown_url(req.db)}` (schema revision {revision or '?'})"
+        + (f", instance `{req.instance}`" if req.instance is not None else ", every instance"),
+        f"- **Report command**: `{report_command(req)}`",
+        f"- **Command that produced the database**: {src}",
+        (f"- **Data**: {t.steps} raw steps from {_utc(t.first_time)} to {_utc(t.last_time)}, {t.requests} "
+        f"requests; instances: {', '.join(repr(x) for x in sorted(t.instances)) or 'none'}; tenants: "
+        f"{', '.join(sorted(t.tenants)) or 'none'}; techniques: {techs}. {t.rollup_minutes} per-minute "
+        "rollups of older steps exist and are not used (they keep no tenants or per-step times)."),
+        (f"- **Planner inputs**: model {p.model} (the database does not record the served model), "
+        f"{p.weight_dtype} weights, {p.kv_dtype} KV, context {p.context} tokens, page {p.page_size}."), "",
+    ]
+
+
+def build_report(req: ReportRequest) -> Path:
+    """Write `req.out`/README.md and its figures; return the README's path."""
+    from store.migrate import current_revision
+
+    out = prepare_out(Path(req.out))
+    engine = open_database(req.db)
+    try:
+        telemetry = read_telemetry(engine, req.instance)
+    finally:
+        engine.dispose()
+    revision = current_revision(req.db)
+    lines = header(req, telemetry, revision) + summary(telemetry, req.plan)
+    lines += q1_section(telemetry, out)
+    lines += q2_measured_section(telemetry, out)
+    lines += q2_predicted_section(telemetry, req.plan, out)
+    lines += q3_section(telemetry, req.plan, out)
+    lines += q4_section(telemetry, out)
+    path = out / README
+    path.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
+    return path

@@ -1,0 +1,226 @@
+"""What `crossover report` reads from a telemetry database, in one pass over each table.
+
+1. `open_database` checks the URL (a SQLite file must exist: opening a missing
+   one would create it), connects, and insists the schema is at head
+   (store.migrate.check_schema); any failure is a `ReportInputError` naming it.
+2. `read_telemetry` streams the raw `xo_steps` rows once (columns named in
+   STEP_COLUMNS, so columns added later do not matter) and accumulates:
+   acceptance per (technique, group, draft position), where the group is the
+   one tenant of a single-tenant batch or MIXED; decode-only goodput moments
+   per (technique, mix, batch size); KV pool pages per technique.
+3. It then streams `xo_requests` once: each request's proposed / accepted
+   drafts go to its tenant and to the kind of batches it ran in (alone, mixed
+   or both), read off the steps of its instance between its arrival and its
+   finish that carried its tenant.
+
+Rollups (`xo_step_rollups`) keep no tenants and no per-step times, so the
+report reads raw steps only; `rollup_minutes` says how much older data exists.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from sqlalchemy import Engine, func, select
+from sqlalchemy.engine import make_url
+
+from bench.report.stats import Moments
+from store.models import Request, Step, StepRollup
+
+MIXED = "(mixed)"
+"""Group of a batch holding several tenants."""
+ALL, ALONE = "all", "alone"
+"""Tenant mixes goodput is split by (with MIXED): every step, single-tenant steps, several-tenant steps."""
+UNNAMED = "(no tenant)"
+STEP_COLUMNS = ("instance", "time", "technique", "depth", "batch_size", "prefill_tokens", "decode_tokens",
+                "step_ms", "proposed", "accepted_per_pos", "tenants", "kv_pages_used", "kv_pages_free")
+
+
+class ReportInputError(ValueError):
+    """A bad --db or --out value; the message names it (the CLI exits 2 with it)."""
+
+
+def shown_url(url: str) -> str:
+    """The URL with its password hidden."""
+    from store.db import resolve_url
+
+    try:
+        return make_url(resolve_url(url)).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - an unparsable URL is shown as given, minus nothing to hide
+        return url
+
+
+def open_database(url: str) -> Engine:
+    """An Engine on a reachable database at the schema head, else ReportInputError."""
+    from pathlib import Path
+
+    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+    from store.db import make_engine, resolve_url
+    from store.migrate import SchemaError, check_schema
+
+    shown = shown_url(url)
+    try:
+        parsed = make_url(resolve_url(url))
+    except ArgumentError as exc:
+        raise ReportInputError(f"--db {shown!r} is not a database URL ({exc})") from None
+    local = parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:")
+    if local and not Path(parsed.database).is_file():
+        raise ReportInputError(f"--db {shown!r}: database file {parsed.database!r} does not exist")
+    try:
+        engine = make_engine(url)
+        with engine.connect():
+            pass
+        check_schema(url)
+    except SchemaError as exc:
+        raise ReportInputError(f"--db {shown!r}: {exc}") from None
+    except (SQLAlchemyError, ImportError, OSError) as exc:
+        reason = getattr(exc, "orig", None) or exc
+        raise ReportInputError(f"--db {shown!r}: cannot connect ({type(reason).__name__}: {reason})") from None
+    return engine
+
+
+@dataclass
+class PositionCounts:
+    """Drafts offered and accepted at each draft position."""
+
+    offered: list[float] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    steps: int = 0
+    proposed: int = 0
+
+    def add(self, depth: int, proposed: int, per_pos: list) -> None:
+        self.steps += 1
+        self.proposed += proposed
+        while len(self.offered) < depth:
+            self.offered.append(0.0)
+            self.accepted.append(0)
+        for i in range(depth):  # each speculating row offers one draft per position
+            self.offered[i] += proposed / depth
+            self.accepted[i] += int(per_pos[i]) if i < len(per_pos) else 0
+
+
+@dataclass
+class RequestCounts:
+    requests: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class Telemetry:
+    """Everything the report's sections read, accumulated from the database."""
+
+    steps: int = 0
+    decode_steps: int = 0
+    """Steps counted for goodput: no prefill tokens, positive step time."""
+    first_time: float | None = None
+    last_time: float | None = None
+    instances: set[str] = field(default_factory=set)
+    tenants: set[str] = field(default_factory=set)
+    techniques: dict[str, int] = field(default_factory=dict)
+    """Technique -> steps."""
+    acceptance: dict[tuple[str, str], PositionCounts] = field(default_factory=dict)
+    """(technique, tenant or MIXED) -> counts per position."""
+    depths: dict[str, dict[int, int]] = field(default_factory=dict)
+    """Technique -> depth -> speculating steps."""
+    goodput: dict[tuple[str, str, int], Moments] = field(default_factory=dict)
+    """(technique, mix, batch size) -> (decode tokens, step seconds) moments; the mixes are ALL,
+    ALONE, MIXED and "alone: TENANT" for each tenant's single-tenant steps."""
+    pool_pages: dict[str, list[int]] = field(default_factory=dict)
+    """Technique -> kv_pages_used + kv_pages_free of each step."""
+    requests: int = 0
+    by_tenant: dict[tuple[str, str], RequestCounts] = field(default_factory=dict)
+    """(tenant, "alone" / "mixed" / "both" / "no steps") -> request totals."""
+    rollup_minutes: int = 0
+
+
+def read_telemetry(engine: Engine, instance: str | None = None) -> Telemetry:
+    """Accumulate the steps and requests tables (of one instance, or all)."""
+    from store.db import session_scope
+
+    t = Telemetry()
+    presence: dict[tuple[str, str], tuple[list[float], list[int], list[int]]] = {}
+    cols = [getattr(Step, c) for c in STEP_COLUMNS]
+    where = [Step.instance == instance] if instance is not None else []
+    with session_scope(engine) as session:
+        query = select(*cols).where(*where).order_by(Step.instance, Step.time)
+        for row in session.execute(query.execution_options(yield_per=5000)):
+            _add_step(t, dict(zip(STEP_COLUMNS, row)), presence)
+        rq = select(Request.instance, Request.tenant, Request.arrival_time, Request.finish_time,
+                    Request.proposed_tokens, Request.accepted_tokens)
+        if instance is not None:
+            rq = rq.where(Request.instance == instance)
+        for inst, tenant, start, end, proposed, accepted in session.execute(rq.execution_options(yield_per=5000)):
+            kind = _request_kind(presence.get((inst, tenant)), start, end)
+            c = t.by_tenant.setdefault((tenant, kind), RequestCounts())
+            c.requests, c.proposed, c.accepted = c.requests + 1, c.proposed + proposed, c.accepted + accepted
+            t.requests += 1
+            t.tenants.add(tenant)
+        ru = select(func.count()).select_from(StepRollup)
+        t.rollup_minutes = int(session.execute(
+            ru.where(StepRollup.instance == instance) if instance is not None else ru).scalar() or 0)
+    return t
+
+
+def _add_step(t: Telemetry, r: dict, presence: dict) -> None:
+    tech, depth, batch = str(r["technique"]), int(r["depth"]), int(r["batch_size"])
+    tenants = sorted({str(x) for x in (r["tenants"] or ())})
+    t.steps += 1
+    t.techniques[tech] = t.techniques.get(tech, 0) + 1
+    t.instances.add(r["instance"])
+    t.tenants.update(tenants)
+    t.first_time = r["time"] if t.first_time is None else min(t.first_time, r["time"])
+    t.last_time = r["time"] if t.last_time is None else max(t.last_time, r["time"])
+    mixed = len(tenants) > 1
+    group = MIXED if mixed else (tenants[0] if tenants else UNNAMED)
+    if depth > 0 and r["proposed"] > 0:
+        t.acceptance.setdefault((tech, group), PositionCounts()).add(depth, int(r["proposed"]),
+                                                                    list(r["accepted_per_pos"] or ()))
+        per_depth = t.depths.setdefault(tech, {})
+        per_depth[depth] = per_depth.get(depth, 0) + 1
+    t.pool_pages.setdefault(tech, []).append(int(r["kv_pages_used"]) + int(r["kv_pages_free"]))
+    if r["prefill_tokens"] == 0 and r["step_ms"] > 0 and batch > 0:
+        t.decode_steps += 1
+        mixes = (ALL, MIXED) if mixed else (ALL, ALONE) + tuple(f"{ALONE}: {x}" for x in tenants)
+        for mix in mixes:
+            t.goodput.setdefault((tech, mix, batch), Moments()).add(float(r["decode_tokens"]),
+                                                                   float(r["step_ms"]) / 1000.0)
+    for tenant in tenants:  # rows arrive ordered by (instance, time): lists stay sorted
+        times, alone, mix = presence.setdefault((r["instance"], tenant), ([], [0], [0]))
+        times.append(r["time"])
+        alone.append(alone[-1] + (not mixed))
+        mix.append(mix[-1] + mixed)
+
+
+def _request_kind(presence: tuple[list[float], list[int], list[int]] | None, start: float,
+                  end: float) -> str:
+    """"alone" / "mixed" / "both" from the steps carrying the request's tenant in [start, end]."""
+    if presence is None:
+        return "no steps"
+    times, alone, mixed = presence
+    lo, hi = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+    n_alone, n_mixed = alone[hi] - alone[lo], mixed[hi] - mixed[lo]
+    if n_alone and n_mixed:
+        return "both"
+    return "alone" if n_alone else "mixed" if n_mixed else "no steps"
+
+
+def measured_acceptance(t: Telemetry, technique: str) -> list[float]:
+    """Unconditional acceptance per draft position of `technique`, pooled over every group."""
+    offered: defaultdict[int, float] = defaultdict(float)
+    accepted: defaultdict[int, int] = defaultdict(int)
+    for (tech, _), counts in t.acceptance.items():
+        if tech == technique:
+            for i, n in enumerate(counts.offered):
+                offered[i] += n
+                accepted[i] += counts.accepted[i]
+    return [accepted[i] / offered[i] if offered[i] else 0.0 for i in sorted(offered)]
+
+
+def usual_depth(t: Telemetry, technique: str) -> int | None:
+    """The depth `technique` speculated at most often."""
+    depths = t.depths.get(technique)
+    return max(depths, key=lambda d: (depths[d], -d)) if depths else None
