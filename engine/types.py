@@ -266,6 +266,13 @@ class StepStats:
     policy_version: int = 0
     preempted: int = 0
     """Sequences preempted (pages taken back) this step."""
+    sampled_rows: int = 0
+    """Rows of the batch (of batch_size) that sample (temperature > 0): each pays a top-k/top-p sort."""
+    prefix_hit_tokens: int = 0
+    """Tokens of the sequences admitted this step found in the prefix cache (not computed)."""
+    prefix_query_tokens: int = 0
+    """Tokens of the sequences admitted this step (their prompt, plus output after a preemption):
+    hit rate = prefix_hit_tokens / prefix_query_tokens, 0 and 0 with the prefix cache off."""
     tenants: tuple[str, ...] = ()
     """Tenants with a sequence in this step's batch."""
 

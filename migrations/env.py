@@ -34,9 +34,18 @@ def run_offline() -> None:
         context.run_migrations()
 
 
+def _transactional_ddl(conn) -> None:
+    """On SQLite, open the transaction now. Its driver begins one only at the first
+    INSERT/UPDATE/DELETE, so DDL before that commits at once: a run refused midway (0006's
+    downgrade) would keep the batch copies and dropped views of the revisions before it."""
+    if conn.dialect.name == "sqlite" and not conn.connection.dbapi_connection.in_transaction:
+        conn.exec_driver_sql("BEGIN")
+
+
 def run_online() -> None:
     connection = config.attributes.get("connection")
     if connection is not None:
+        _transactional_ddl(connection)
         context.configure(connection=connection, **OPTIONS)
         with context.begin_transaction():
             context.run_migrations()
@@ -46,6 +55,7 @@ def run_online() -> None:
     engine = create_engine(config.attributes["url"], poolclass=NullPool)
     try:
         with engine.begin() as conn:
+            _transactional_ddl(conn)
             context.configure(connection=conn, **OPTIONS)
             with context.begin_transaction():
                 context.run_migrations()

@@ -134,6 +134,12 @@ class Step(Base):
     queue_len: Mapped[int]
     policy_version: Mapped[int]
     preempted: Mapped[int] = mapped_column(default=0)
+    sampled_rows: Mapped[int] = mapped_column(default=0, server_default="0")
+    """Rows of the batch that sample (temperature > 0); 0 on rows before revision 0007."""
+    prefix_hit_tokens: Mapped[int] = mapped_column(default=0, server_default="0")
+    """Tokens of the sequences admitted in the step found in the prefix cache; 0 before revision 0008."""
+    prefix_query_tokens: Mapped[int] = mapped_column(default=0, server_default="0")
+    """Tokens of the sequences admitted in the step (0 with the cache off, and before revision 0008)."""
     tenants: Mapped[list[Any]]
     """JSON list of the tenants in the batch."""
 

@@ -78,8 +78,8 @@ def step_row(rec: Any, instance: str = "") -> Row:
     ...               propose_ms=0.1, verify_ms=5.0, step_ms=5.5, kv_pages_used=3, kv_pages_free=5,
     ...               queue_len=0, policy_version=1, tenants=("acme",))
     >>> row = step_row(s, "a")
-    >>> row["accepted_per_pos"], row["tenants"], row["instance"], row["preempted"]
-    ([1, 0], ['acme'], 'a', 0)
+    >>> row["accepted_per_pos"], row["tenants"], row["instance"], row["preempted"], row["sampled_rows"]
+    ([1, 0], ['acme'], 'a', 0, 0)
     """
     return _row(STEP_TABLE, rec, instance)
 
