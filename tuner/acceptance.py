@@ -8,6 +8,18 @@ i > 0 to those that accepted position i - 1 (accepted_per_pos[i-1]). MTP
 steps are keyed by their policy's draft vocabulary ("mtp@8192") when one was
 set; the plain technique key pools every vocabulary.
 
+Small samples. A rate is a beta posterior mean, (accepted + m * prior) /
+(offered + m) with m = PRIOR_OFFERS pseudo-offers, never the raw ratio: 3
+drafts offered and 3 accepted say little, and a raw 3/3 would make the
+search speculate deep on them. The prior is the next pool up at the same
+position: a tenant's rates ("ngram|copy") shrink toward the technique's
+("ngram"), one MTP draft vocabulary's ("mtp@8192") toward every
+vocabulary's ("mtp"), and a technique's toward every technique's at that
+position (NEUTRAL_RATE where nothing was offered there; a position past
+every pool's reuses the key's previous rate). With many offers the
+estimate converges to the observed rate. Tenant factors from requests
+shrink the same way toward the overall rate.
+
 Tenants. Steps whose batch held one tenant also count under that tenant
 ("ngram|copy"): a tenant with enough such offers (MIN_REACHED at position 0)
 gets its own rates for the technique, since acceptance depends on the
@@ -49,7 +61,12 @@ from engine.types import StepStats
 from tuner.data import RequestRow
 
 MIN_REACHED = 10
-"""Offers needed before a position's rate is trusted; rarer positions reuse the previous rate."""
+"""Evidence before a tenant gets its own rates (offers at position 0), draft share (rows) or
+factor (drafts in requests), and before a depth gets a factor (drafting sequences)."""
+PRIOR_OFFERS = 5.0
+"""Strength of the beta prior, in offers: a rate measured on that many is half prior, half data."""
+NEUTRAL_RATE = 0.5
+"""The prior where no pool has seen the position (only while nothing at all was measured)."""
 MAX_RATE = 0.99
 TENANT_FACTOR_RANGE = (0.25, 2.0)
 DEPTH_FACTOR_RANGE = (0.25, 4.0)
@@ -127,11 +144,46 @@ def fit_acceptance(steps: Sequence[StepStats], vocab_of: Mapping[int, int]) -> d
             for i in range(s.depth):
                 r[i] += s.speculating if i == 0 else s.accepted_per_pos[i - 1]
                 a[i] += s.accepted_per_pos[i] if i < len(s.accepted_per_pos) else 0
+    out = _shrunk(reached, accepted)
     # a trailing 0: positions deeper than any step measured earn nothing (rates are repeated
     # past their last entry, and the last measured rate says nothing about deeper positions)
-    out = {key: _rates(reached[key], accepted[key]) + (0.0,) for key in reached}
-    return {key: rates for key, rates in out.items()  # a tenant's own rates need evidence
+    return {key: rates + (0.0,) for key, rates in out.items()  # a tenant's own rates need evidence
             if "|" not in key or reached[key][0] >= MIN_REACHED}
+
+
+def prior_key(key: str) -> str | None:
+    """The pool a key's rates shrink toward (None: every technique's).
+
+    >>> prior_key("ngram|copy"), prior_key("mtp@8192|copy"), prior_key("mtp@8192"), prior_key("ngram")
+    ('ngram', 'mtp@8192', 'mtp', None)
+    """
+    if "|" in key:
+        return key.split("|", 1)[0]
+    if "@" in key:
+        return key.split("@", 1)[0]
+    return None
+
+
+def _shrunk(reached: Mapping[str, list[float]],
+            accepted: Mapping[str, list[float]]) -> dict[str, tuple[float, ...]]:
+    """Every key's rates, each shrunk toward its prior_key's (the plain keys toward all
+    techniques pooled): parents first, so a prior is itself already shrunk."""
+    plain = [k for k in reached if prior_key(k) is None]
+    pooled_r: list[float] = []
+    pooled_a: list[float] = []
+    for key in plain:
+        for i, (r, a) in enumerate(zip(reached[key], accepted[key])):
+            if i == len(pooled_r):
+                pooled_r.append(0.0), pooled_a.append(0.0)
+            pooled_r[i] += r
+            pooled_a[i] += a
+    everyone = _rates(pooled_r, pooled_a)
+    out: dict[str, tuple[float, ...]] = {}
+    for key in sorted(reached, key=lambda k: ("@" in k) + 2 * ("|" in k)):  # parents first
+        parent = prior_key(key)
+        prior = everyone if parent is None else out.get(parent, everyone)
+        out[key] = _rates(reached[key], accepted[key], prior)
+    return out
 
 
 def fit_draft_share(steps: Sequence[StepStats], vocab_of: Mapping[int, int]) -> dict[str, float]:
@@ -175,19 +227,27 @@ def fit_depth_factors(steps: Sequence[StepStats], vocab_of: Mapping[int, int],
     return out
 
 
-def _rates(reached: list[float], accepted: list[float]) -> tuple[float, ...]:
-    """Conditional rates; positions offered fewer than MIN_REACHED times reuse the previous rate."""
+def _rates(reached: Sequence[float], accepted: Sequence[float],
+           prior: Sequence[float] = ()) -> tuple[float, ...]:
+    """Conditional rates, each the beta posterior mean (a + m p) / (r + m) with m =
+    PRIOR_OFFERS and p the prior's rate at that position (past the prior: the previous rate
+    here, at position 0 NEUTRAL_RATE).
+
+    >>> _rates([3], [3], [0.5])  # 3 of 3: not 100 %
+    (0.6875,)
+    >>> [round(x, 3) for x in _rates([1000, 0], [900, 0], [0.5])]  # many offers: the data
+    [0.898, 0.898]
+    """
     out: list[float] = []
-    for r, a in zip(reached, accepted):
-        if r >= MIN_REACHED or (r > 0 and not out):
-            out.append(min(MAX_RATE, a / r))
-        elif out:
-            out.append(out[-1])
+    for i, (r, a) in enumerate(zip(reached, accepted)):
+        p = prior[i] if i < len(prior) else out[-1] if out else NEUTRAL_RATE
+        out.append(min(MAX_RATE, (a + PRIOR_OFFERS * p) / (r + PRIOR_OFFERS)))
     return tuple(out)
 
 
 def tenant_factors(requests: Sequence[RequestRow]) -> dict[str, float]:
-    """Tenant -> its accepted/proposed over everyone's (tenants with MIN_REACHED drafts)."""
+    """Tenant -> its accepted/proposed over everyone's (tenants with MIN_REACHED drafts), the
+    tenant's rate shrunk toward everyone's by PRIOR_OFFERS drafts (module doc)."""
     proposed = sum(r.proposed_tokens for r in requests)
     if not proposed:
         return {}
@@ -198,8 +258,8 @@ def tenant_factors(requests: Sequence[RequestRow]) -> dict[str, float]:
         t[0] += r.proposed_tokens
         t[1] += r.accepted_tokens
     lo, hi = TENANT_FACTOR_RANGE
-    return {tenant: min(hi, max(lo, (a / p) / overall)) if overall > 0 else 1.0
-            for tenant, (p, a) in totals.items() if p >= MIN_REACHED}
+    return {tenant: min(hi, max(lo, (a + PRIOR_OFFERS * overall) / (p + PRIOR_OFFERS) / overall))
+            if overall > 0 else 1.0 for tenant, (p, a) in totals.items() if p >= MIN_REACHED}
 
 
 def step_coverage(steps: Sequence[StepStats]) -> dict[str, dict[int, int]]:

@@ -152,9 +152,10 @@ def _footprints(space: SearchSpace, cells: list[tuple[str, int]], traffic: Traff
 
 def _policy(space: SearchSpace, cells: list[tuple[str, int]], choice: np.ndarray,
             vocab: int) -> TunedPolicy:
-    """The rules of `choice`; the crossover at the end of the last range that speculates."""
+    """The rules of `choice`; the crossover at the end of the last range that speculates, no
+    further than the engine verifies (the ranges above it are ties, their cells never run)."""
     rules = tuple(BatchRule(upper, *cells[c]) for upper, c in zip(space.ranges, choice))
-    crossover = max((r.max_batch for r in rules if r.technique != "none"), default=0)
+    crossover = min(max((r.max_batch for r in rules if r.technique != "none"), default=0), space.spec_max_batch)
     return TunedPolicy(rules, crossover, draft_vocab=vocab, source="tuner")
 
 

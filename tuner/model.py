@@ -2,8 +2,9 @@
 
 Step time splits into the target model's forward and the proposer's work:
 
-    step_ms = target(B, q, P) + propose(technique, B, depth)
+    step_ms = target(B, q, P) + sampling(S, A, B, q) + propose(technique, B, depth)
     target  = t0 + t1*B + t3*B*q + t4*P               (q = 1 + depth, P = prefill tokens)
+    sampling = s0*S*q + s1*A*B*q                      (S = rows that sample, A = 1 if any does)
     propose = p0 + p1*B + p2*B*depth                  (one fit per technique; 0 for "none")
 
 B*q is the rows the forward runs (every row passes the layers and the full
@@ -25,6 +26,16 @@ is fitted on its propose_ms. Every coefficient is a cost, so both fits are
 non-negative least squares: a few slow, collinear steps (one busy minute at
 nearly one batch size) can otherwise fit negative per-row costs whose
 extrapolation predicts deep drafts far faster than plain decoding.
+
+Sampling (temperature > 0) costs more than an argmax: the top-k / top-p
+filter and the rejection test run at each verified position. An engine that
+samples only the rows that ask pays s0 per sampled row and position; one that
+runs its sampler over the whole padded verify once any row samples (this
+engine's `lax.cond`) pays s1 per row and position of such steps. Both terms are
+fitted with the target part (non-negative; 0 where no step sampled), so a
+window of greedy steps predicts sampled traffic no cheaper than it runs, and
+the objective prices the share of sampled rows the traffic shows
+(`Traffic.sampled_rows`, `Traffic.sampled_steps`).
 
 A window of busy traffic may hold only one or two shapes; `cost_history`
 adds older steps of the shapes it lacks to the step-time fits (not to
@@ -130,6 +141,9 @@ class PerfModel:
     """Predictions never go below this (a quarter of the fastest step seen)."""
     padding: Padding = Padding()
     """The shapes steps run padded to; step time is a function of those."""
+    sampling: tuple[float, float] = (0.0, 0.0)
+    """(s0, s1): ms per sampled row and verified position; ms per padded row and position of
+    a step where any row samples (see the module docstring)."""
 
     # -- fitting ------------------------------------------------------------
     @staticmethod
@@ -144,8 +158,10 @@ class PerfModel:
         timed = [*history, *steps]
         acceptance = fit_acceptance(steps, vocab_of)
         draft_share = fit_draft_share(steps, vocab_of)
+        target, sampling = _fit_target(timed, buckets)
         return PerfModel(
-            target=_fit_target(timed, buckets),
+            target=target,
+            sampling=sampling,
             propose=_fit_propose(timed, vocab_of),
             acceptance=acceptance,
             tenant_factor=tenant_factors(requests),
@@ -170,11 +186,17 @@ class PerfModel:
 
     # -- predictions ----------------------------------------------------------
     def predict_step_ms(self, technique: str, depth: int, batch: float, prefill: float = 0.0,
-                        draft_vocab: int = 0) -> float:
-        """Predicted step time (ms) of a decode batch of `batch` at `depth`."""
+                        draft_vocab: int = 0, sampled: float = 0.0,
+                        any_sampled: float | None = None) -> float:
+        """Predicted step time (ms) of a decode batch of `batch` at `depth`, `sampled` of its
+        rows sampling (a mean for traffic) and `any_sampled` the chance that any row does
+        (default: 1 when sampled > 0)."""
         padded, q = self.padding.pad(batch, 1 + depth)
         t = self.target
         ms = t[0] + t[1] * padded + t[2] * q + t[3] * padded * q + t[4] * prefill
+        if any_sampled is None:
+            any_sampled = 1.0 if sampled > 0 else 0.0
+        ms += self.sampling[0] * sampled * q + self.sampling[1] * any_sampled * padded * q
         if depth and technique != "none":  # proposers work on the real rows (fitted so)
             p = self._lookup(self.propose, technique, draft_vocab) or (0.0, 0.0, 0.0)
             ms += max(0.0, p[0] + p[1] * batch + p[2] * batch * depth)
@@ -255,7 +277,8 @@ class PerfModel:
         ms_err, gp_err = [], []
         for s in steps:
             vocab = vocab_of.get(s.policy_version, 0)
-            ms = self.predict_step_ms(s.technique, s.depth, s.batch_size, s.prefill_tokens, vocab)
+            ms = self.predict_step_ms(s.technique, s.depth, s.batch_size, s.prefill_tokens, vocab,
+                                      s.sampled_rows)
             tokens = s.batch_size * self.expected_tokens_per_seq(s.technique, s.depth, None, vocab)
             ms_err.append(abs(ms - s.step_ms) / s.step_ms)
             if s.decode_tokens:
@@ -280,6 +303,7 @@ class PerfModel:
     def summary(self) -> dict:
         """A JSON-able description (for retune details and /admin/tuner)."""
         return {"target": [round(c, 5) for c in self.target],
+                "sampling": [round(c, 5) for c in self.sampling],
                 "propose": {k: [round(c, 5) for c in v] for k, v in self.propose.items()},
                 "acceptance": {k: [round(r, 4) for r in v] for k, v in self.acceptance.items()},
                 "tenant_factor": {k: round(v, 4) for k, v in self.tenant_factor.items()},
@@ -335,15 +359,18 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef / norms
 
 
-def _fit_target(steps: Sequence[StepStats], buckets: Padding) -> tuple[float, ...]:
+def _fit_target(steps: Sequence[StepStats],
+                buckets: Padding) -> tuple[tuple[float, ...], tuple[float, float]]:
+    """((t0, t1, t2 = 0, t3, t4), (s0, s1)): the target forward and the sampling terms."""
     shapes = [buckets.pad(s.batch_size, 1 + s.depth) for s in steps]
     b = np.array([shape[0] for shape in shapes], float)
     q = np.array([shape[1] for shape in shapes], float)
     p = np.array([s.prefill_tokens for s in steps], float)
-    x = np.column_stack([np.ones_like(b), b, b * q, p])
+    sampled = np.array([s.sampled_rows for s in steps], float)
+    x = np.column_stack([np.ones_like(b), b, b * q, p, sampled * q, (sampled > 0) * b * q])
     y = np.array([max(s.step_ms - s.propose_ms, 1e-3) for s in steps], float)
-    t0, t1, t3, t4 = (float(c) for c in _weighted_lstsq(x, y))
-    return (t0, t1, 0.0, t3, t4)
+    t0, t1, t3, t4, s0, s1 = (float(c) for c in _weighted_lstsq(x, y))
+    return (t0, t1, 0.0, t3, t4), (s0, s1)
 
 
 def _fit_propose(steps: Sequence[StepStats], vocab_of: Mapping[int, int]) -> dict[str, tuple]:

@@ -146,7 +146,9 @@ def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: 
         # look best wherever steps admit many prompt tokens
         prefill_ms = model.prefill_ms(traffic.prefill_per_step.get(batch, 0.0))
         seen = traffic.tokens_per_step.get(batch) or float(batch)
-        ms = (model.predict_step_ms(technique, depth, batch, 0.0, policy.draft_vocab)
+        ms = (model.predict_step_ms(technique, depth, batch, 0.0, policy.draft_vocab,
+                                    traffic.sampled_rows.get(batch, 0.0),
+                                    traffic.sampled_steps.get(batch, 0.0))
               + prefill_ms * batch * per_seq / seen)
         share, share_ms = goodput_terms(shares[batch], batch * per_seq, ms)
         tokens += share

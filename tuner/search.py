@@ -108,6 +108,9 @@ class SearchOutcome:
     pareto: list[dict[str, Any]] = field(default_factory=list)
     per_batch: dict[int, tuple[float, float]] = field(default_factory=dict)
     """The chosen policy's predicted (tokens per step, step ms) at each observed batch size."""
+    incumbent_per_batch: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """The same for the serving policy (what validation compares with when the serving
+    policy has no steps at the batch sizes the chosen one ran)."""
     method: str = "tpe"
     """"exact" (the solved optimum and the serving policy were told) or "tpe" (module doc, 4-5)."""
     seconds: float = 0.0
@@ -230,6 +233,7 @@ def run_search(job: SearchJob) -> SearchOutcome:
             trials=[t.number for t in told],
             pareto=[_front_entry(t) for t in pareto],
             per_batch=score(chosen).per_batch if chosen else {},
+            incumbent_per_batch=score(incumbent).per_batch,
             method=method, seconds=round(time.perf_counter() - start, 3),
         )  # fmt: skip
     finally:

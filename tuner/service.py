@@ -20,7 +20,8 @@
    version's steps until `validation_min_steps` of them (exploration left
    out) or `validation_s` has passed, then compares them at matched batch
    sizes with the previous policy's steps of the `baseline_s` before the
-   apply (tuner.validate).
+   apply, or, where it has none there (a low phase at batch 1-2), with the
+   model's prediction for it at the batch sizes served (tuner.validate).
 6. "rollback": the keeper serves the previous policy again, records why,
    and the retune ends "rejected"; otherwise it ends "applied". Either way
    `finish_retune` stores predicted and measured goodput (the prediction
@@ -77,6 +78,7 @@ from tuner.space import SearchSpace
 from tuner.validate import (
     Verdict,
     against_prediction,
+    against_replaced,
     compare,
     measured_goodput,
     own_steps,
@@ -316,6 +318,8 @@ class Tuner:
                                   weights)
         measured = measured_goodput(own, weights)
         verdict = against_prediction(verdict, own, measured, predicted, cfg.prediction_margin)
+        verdict = against_replaced(verdict, own, outcome.incumbent_per_batch, weights, applied,
+                                   previous, cfg.rollback_margin, cfg.noise_z)
         return verdict, measured, predicted
 
     def _steps(self, since: float, version: int) -> list:

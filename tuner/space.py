@@ -4,7 +4,10 @@ Parameters (static, so TPE sees the same space in every trial):
 
     tech_<i>, depth_<i>   technique and depth for batch-size range i (depth unused with "none";
                           one of the depths the engine verifies without padding)
-    crossover             0 (never speculate) or a range's upper end
+    crossover             0 (never speculate) or a range's upper end, up to the largest batch
+                          the engine verifies (Capacity.spec_max_batch, itself offered where
+                          it falls inside the last range): the search never proposes
+                          speculation the engine would clamp
     pool_split            share of the KV pool lent to speculation, on a grid
     draft_vocab           MTP draft vocabulary, only when an MTP proposer is loaded
 
@@ -41,6 +44,8 @@ class SearchSpace:
     """The config's draft vocabularies the engine compiled; empty unless "mtp" is among the
     techniques (or the engine compiled none of them: its default then serves)."""
     two_objective: bool = False
+    spec_max_batch: int = 1 << 30
+    """The engine's largest verified batch: no crossover above it (module docstring)."""
 
     @staticmethod
     def build(config: TunerConfig, capacity: Capacity) -> SearchSpace:
@@ -53,7 +58,7 @@ class SearchSpace:
             ranges=config.ranges, techniques=techniques, max_depth=deepest, depths=depths or (1,),
             max_pool_split=config.max_pool_split, pool_split_step=config.pool_split_step,
             draft_vocabs=vocabs if "mtp" in techniques else (),
-            two_objective=config.two_objective,
+            two_objective=config.two_objective, spec_max_batch=capacity.spec_max_batch,
         )  # fmt: skip
 
     def fingerprint(self) -> str:
@@ -66,7 +71,9 @@ class SearchSpace:
 
     @property
     def crossovers(self) -> tuple[int, ...]:
-        return (0, *self.ranges)
+        """0 and the range ends up to spec_max_batch (and it, when a range straddles it)."""
+        cap = self.spec_max_batch
+        return (0, *(r for r in self.ranges if r < cap), *((cap,) if cap <= self.ranges[-1] else ()))
 
     def pool_splits(self) -> list[float]:
         n = int(round(self.max_pool_split / self.pool_split_step))

@@ -50,6 +50,10 @@ class Traffic:
     bucket_mix: dict[int, dict[str, float]] = field(default_factory=dict)
     """Power-of-two batch bucket (1, 2, 4, 8, ...) -> the tenant mix the steps of batch sizes
     in (bucket/2, bucket] served; `mix_at` falls back to tenant_mix."""
+    sampled_rows: dict[int, float] = field(default_factory=dict)
+    """Batch size -> mean rows per step that sample (temperature > 0); absent: none do."""
+    sampled_steps: dict[int, float] = field(default_factory=dict)
+    """Batch size -> share of steps where any row samples (what a whole-batch sampler costs)."""
 
     def mix_at(self, batch: int) -> dict[str, float]:
         """The tenant mix served at `batch`'s bucket, else the whole window's.
@@ -93,6 +97,7 @@ class Traffic:
             "mean_prompt_tokens": round(self.mean_prompt_tokens, 1),
             "mean_output_tokens": round(self.mean_output_tokens, 1),
             "tenant_mix": {t: round(w, 4) for t, w in self.tenant_mix.items()},
+            "sampled_rows": {str(b): round(v, 3) for b, v in self.sampled_rows.items()},
             "bucket_mix": {str(b): {t: round(w, 4) for t, w in mix.items()}
                            for b, mix in self.bucket_mix.items()},
         }
@@ -106,10 +111,15 @@ def observe(steps: Sequence[StepStats], requests: Sequence[RequestRow],
     counts: dict[int, int] = {}
     prefill: dict[int, int] = {}
     emitted: dict[int, int] = {}
+    sampled: dict[int, list[int]] = {}  # batch size -> [sampled rows, steps with any]
     for s in steps:
         counts[s.batch_size] = counts.get(s.batch_size, 0) + 1
         prefill[s.batch_size] = prefill.get(s.batch_size, 0) + s.prefill_tokens
         emitted[s.batch_size] = emitted.get(s.batch_size, 0) + s.decode_tokens
+        if s.sampled_rows:
+            rows = sampled.setdefault(s.batch_size, [0, 0])
+            rows[0] += s.sampled_rows
+            rows[1] += 1
     n, total = len(steps), sum(emitted.values())
     load = np.array([s.batch_size + s.queue_len for s in steps], float)
     figures = _request_figures(requests)
@@ -126,6 +136,8 @@ def observe(steps: Sequence[StepStats], requests: Sequence[RequestRow],
         token_weights={b: emitted[b] / total for b in sorted(counts)} if total else {},
         bucket_mix=_bucket_mixes(steps),
         tokens_per_step={b: emitted[b] / counts[b] for b in sorted(counts)},
+        sampled_rows={b: sampled[b][0] / counts[b] for b in sorted(sampled)},
+        sampled_steps={b: sampled[b][1] / counts[b] for b in sorted(sampled)},
     )
 
 

@@ -14,7 +14,11 @@ where the candidate's exploration departed from it are left out. Fewer than
 MIN_MATCHED matched candidate steps is "inconclusive" (the policy stays),
 unless `against_prediction` finds the policy far below what the model
 promised where the previous one has nothing to compare (a shift in load
-moved the batch sizes, e.g. from batch 1-2 to batch 32).
+moved the batch sizes, e.g. from batch 1-2 to batch 32). What is still
+inconclusive then goes to `against_replaced`: the candidate's measured
+goodput against the model's prediction for the policy it replaced, at the
+batch sizes the candidate served, so a low phase (batch 1-2, where the old
+policy was never measured) still concludes keep or rollback.
 
     >>> from engine.types import StepStats
     >>> def s(b, tok, ms, v): return StepStats(batch_size=b, decode_tokens=tok, step_ms=ms, policy_version=v)
@@ -26,6 +30,7 @@ moved the batch sizes, e.g. from batch 1-2 to batch 32).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -60,6 +65,8 @@ class Verdict:
     threshold: float | None = None
     matched_steps: int = 0
     per_batch: list[BatchComparison] = field(default_factory=list)
+    baseline: str = "measured"
+    """"measured": the previous policy's steps; "predicted": the model's figure for it."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -135,6 +142,64 @@ def against_prediction(verdict: Verdict, own: Sequence[StepStats], measured: flo
                    f"the model's {predicted:.1f} at the batch sizes served, where the previous "
                    f"policy has no steps to compare (threshold {margin:.0%})",
                    measured, None, change, margin, verdict.matched_steps, verdict.per_batch)
+
+
+def against_replaced(verdict: Verdict, own: Sequence[StepStats],
+                     replaced: dict[int, tuple[float, float]], batch_weights: dict[int, float],
+                     policy: TunedPolicy, previous: TunedPolicy, margin: float = 0.05,
+                     z: float = 2.0) -> Verdict:
+    """An inconclusive `verdict` decided against the model's prediction for the `previous`
+    policy (`replaced`: its predicted (tokens per step, step ms) per batch size) at the batch
+    sizes the candidate's `own` steps served: rollback when the candidate measured below it
+    by more than max(margin, z standard errors of its per-step goodput), else keep. Where
+    both policies choose the same at every batch size served there is nothing to compare:
+    keep. Too few steps (MIN_PREDICTION_STEPS, MIN_MATCHED sequences) stay inconclusive.
+
+    >>> from engine.policy import BatchRule
+    >>> from engine.types import StepStats
+    >>> def s(ms): return StepStats(batch_size=1, decode_tokens=1, step_ms=ms, policy_version=2)
+    >>> own = [s(20.0 + i % 2) for i in range(30)]  # ~49 tokens/s at batch 1
+    >>> old, new = TunedPolicy(version=1), TunedPolicy((BatchRule(4, "ngram", 2),), 4, version=2)
+    >>> v = Verdict("inconclusive", "no matched steps")
+    >>> against_replaced(v, own, {1: (1.0, 10.0)}, {1: 1.0}, new, old).decision  # 100 predicted
+    'rollback'
+    >>> against_replaced(v, own, {1: (1.0, 20.0)}, {1: 1.0}, new, old).decision  # 50 predicted
+    'keep'
+    """
+    rows = [r for r in own if r.batch_size in replaced]
+    if (verdict.decision != "inconclusive" or len(rows) < MIN_PREDICTION_STEPS
+            or sum(r.batch_size for r in rows) < MIN_MATCHED):
+        return verdict
+    served = sorted({r.batch_size for r in rows})
+    if all(policy.choose(b) == previous.choose(b) for b in served):
+        return dataclasses.replace(verdict, decision="keep", reason=(
+            f"the replaced policy v{previous.version} chooses the same at the batch sizes "
+            f"served ({_sizes(served)}); nothing to compare"))
+    measured = measured_goodput(rows, batch_weights)
+    predicted = weighted_rate({b: replaced[b] for b in served}, batch_weights)
+    if not measured or not predicted:
+        return verdict
+    per = _by_batch(rows)
+    w = {b: len(per[b]) / len(rows) for b in served}
+    mean = sum(w[b] * _mean(per[b]) for b in served)
+    noise = z * math.sqrt(sum(w[b] ** 2 * _sem2(per[b]) for b in served)) / mean if mean else 0.0
+    threshold, change = max(margin, noise), measured / predicted - 1.0
+    where = (f"at batch sizes {_sizes(served)}, where v{previous.version} has no matched steps "
+             f"(threshold {threshold:.1%})")
+    if change < -threshold:
+        decision, reason = "rollback", (
+            f"measured goodput {measured:.1f} tokens/s is {-change:.1%} below the model's "
+            f"{predicted:.1f} for the replaced policy {where}")
+    else:
+        decision, reason = "keep", (
+            f"measured goodput {measured:.1f} tokens/s vs the model's {predicted:.1f} for the "
+            f"replaced policy ({change:+.1%}) {where}")
+    return Verdict(decision, reason, measured, predicted, change, threshold,
+                   verdict.matched_steps, verdict.per_batch, baseline="predicted")
+
+
+def _sizes(batches: Sequence[int]) -> str:
+    return ", ".join(str(b) for b in batches)
 
 
 def measured_goodput(rows: Sequence[StepStats], batch_weights: dict[int, float]) -> float | None:

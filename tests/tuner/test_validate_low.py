@@ -1,0 +1,107 @@
+"""Validation that concludes in a low phase: no matched steps of the replaced policy, so the
+candidate is judged against the model's prediction for it (tuner.validate.against_replaced)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable
+
+from sqlalchemy import Engine
+
+from engine.policy import BatchRule, TunedPolicy
+from engine.types import StepStats
+from tests.tuner import synth
+from tests.tuner.conftest import FAST, Host, history
+from tests.tuner.test_service import finished
+from tuner.service import Tuner
+from tuner.validate import MIN_PREDICTION_STEPS, against_replaced, compare, own_steps
+
+OLD = TunedPolicy(version=1)  # plain decoding
+NEW = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4, version=2)
+WEIGHTS = {1: 0.6, 2: 0.4}
+
+
+def low_phase(ms: float, n: int = 40, noise: float = 0.02, seed: int = 1) -> list[StepStats]:
+    """The candidate's steps at batch 1-2 only: each sequence emits 1.5 tokens per step on
+    average, so the measured goodput is 1000 * (0.6 * 1.5 + 0.4 * 3) / ms = 2100 / ms."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        b = 1 + i % 2
+        tokens = 3 if b == 2 else 2 if i % 4 == 0 else 1
+        out.append(StepStats(step_id=i, batch_size=b, decode_tokens=tokens,
+                             technique="ngram", depth=2, proposed=2 * b,
+                             accepted_per_pos=(b // 2, 0), step_ms=ms * rng.uniform(1 - noise, 1 + noise),
+                             policy_version=NEW.version))
+    return out
+
+
+def judge(rows: list[StepStats], replaced: dict[int, tuple[float, float]], margin: float = 0.05):
+    baseline = [StepStats(batch_size=32, decode_tokens=32, step_ms=30.0, policy_version=1)] * 40
+    first = compare(rows, baseline, NEW, OLD, margin)  # the old policy only ran at batch 32
+    assert first.decision == "inconclusive" and first.matched_steps == 0
+    return against_replaced(first, own_steps(rows, NEW), replaced, WEIGHTS, NEW, OLD, margin)
+
+
+# the model's figures for plain decoding at batch 1 and 2: 1 and 2 tokens per 10 ms step
+REPLACED = {1: (1.0, 10.0), 2: (2.0, 10.0), 32: (32.0, 30.0)}
+
+
+def test_a_low_phase_concludes_keep_when_it_beats_the_replaced_prediction() -> None:
+    rows = low_phase(ms=12.0)  # 2100 / 12 = 175 tokens/s: +25 % over plain decoding's 140
+    v = judge(rows, REPLACED)
+    assert v.decision == "keep" and v.baseline == "predicted", v.reason
+    assert v.change > 0.15 and v.baseline_goodput == 1000.0 * (0.6 + 0.8) / (6 + 4)
+    assert "v1" in v.reason and "1, 2" in v.reason
+
+
+def test_a_low_phase_concludes_rollback_when_it_falls_short_of_the_replaced_prediction() -> None:
+    rows = low_phase(ms=18.0)  # 2100 / 18 = 117 tokens/s: 17 % below plain decoding's 140
+    v = judge(rows, REPLACED)
+    assert v.decision == "rollback" and v.baseline == "predicted", v.reason
+    assert v.change < -v.threshold and "below the model's" in v.reason
+    assert v.to_dict()["baseline"] == "predicted"
+
+
+def test_noise_widens_the_threshold_and_thin_evidence_stays_inconclusive() -> None:
+    # 2100 / 16 = 131 tokens/s, 6 % short: beyond the 5 % margin with little noise ...
+    quiet = judge(low_phase(ms=16.0, n=60, seed=3), REPLACED)
+    assert quiet.decision == "rollback" and quiet.threshold == 0.05, quiet.reason
+    # ... within it when per-step times are noisy by +-60 % (2 standard errors)
+    noisy = judge(low_phase(ms=16.0, noise=0.6, seed=4), REPLACED)
+    assert noisy.change < -0.05 and noisy.threshold > -noisy.change, noisy.reason
+    assert noisy.decision == "keep"
+    thin = judge(low_phase(ms=18.0, n=MIN_PREDICTION_STEPS - 1), REPLACED)
+    assert thin.decision == "inconclusive"
+    # no prediction for the batch sizes served: nothing to compare with
+    assert judge(low_phase(ms=18.0), {32: (32.0, 30.0)}).decision == "inconclusive"
+
+
+def test_policies_that_agree_where_served_keep_without_a_comparison() -> None:
+    same_low = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4, version=1)
+    rows = low_phase(ms=30.0)  # far below the prediction, but the old policy would do the same
+    first = compare(rows, [], NEW, same_low)
+    v = against_replaced(first, own_steps(rows, NEW), REPLACED, WEIGHTS, NEW, same_low)
+    assert v.decision == "keep" and "chooses the same" in v.reason
+
+
+def test_the_tuner_concludes_in_a_low_phase_the_old_policy_never_ran(
+        db: Engine, host: Host, make_tuner: Callable[..., Tuner]) -> None:
+    """The history ends outside the baseline window and the new policy serves batch 1-2
+    only: before, the verdict stayed "inconclusive"; now it compares with the model's
+    prediction for the replaced policy and concludes."""
+    history(db, end=time.time() - 120.0)
+    gen = synth.Synth(seed=9)
+
+    def on_apply(policy: TunedPolicy) -> None:
+        if policy.source == "tuner":
+            synth.write(db, gen.serve(policy, 150, start=time.time(), batches=(1, 2)))
+    host.on_apply = on_apply
+    tuner = make_tuner(dataclasses.replace(FAST, baseline_s=30.0))
+    r = finished(tuner, tuner.trigger("admin")[0])
+    validation = r["details"]["validation"]
+    assert validation["decision"] == "keep" and validation["baseline"] == "predicted", validation
+    assert validation["matched_steps"] == 0 and r["status"] == "applied"
+    assert validation["change"] > -validation["threshold"]
