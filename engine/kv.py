@@ -10,6 +10,12 @@ padding rows and padding tokens write there, so it is scratch.
   pages; position p lives in ring entry (p // page_size) % ring_pages. Ring
   capacity covers the window plus the verify slots of speculation, so writing
   rejected draft tokens never clobbers a key that is still inside the window.
+- Prefix caching (engine/prefix_cache.py): pages are reference-counted; full
+  blocks' global pages are shared by requests with the same prefix. A local
+  ring can share pages only as far as it holds them: a hit needs the cached
+  local pages of the ring's blocks before it, and those survive the ring's
+  wrapping because a wrap gives a cached entry a fresh page instead of
+  overwriting it (that call reads the old page, writes the new one).
 
 The device side never sees Python lists: the scheduler builds int32 page
 tables with numpy and passes them in (STYLE 6).
@@ -17,7 +23,8 @@ tables with numpy and passes them in (STYLE 6).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +32,7 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.model import KVView
+from engine.prefix_cache import PrefixCache
 
 SCRATCH_PAGE = 0
 
@@ -129,7 +137,19 @@ def write_new(kv: KVState, batch: Batch, new_kv: dict, ring_pages: int) -> KVSta
 
 
 class PageAllocator:
-    """Hands out page ids of one pool; page 0 is reserved scratch."""
+    """Hands out page ids of one pool with reference counts; page 0 is reserved scratch.
+
+    A page the prefix cache indexes (`keep`) goes, when its last holder frees it,
+    to an LRU list of cached pages instead of the free list: still findable by a
+    later hit (`share`), and counted as free, since `alloc` evicts the least
+    recently freed of them (telling the cache, `on_evict`) once no page is free.
+
+    >>> a = PageAllocator(4)  # pages 1..3
+    >>> p, q = a.alloc(2); a.keep(p); a.free([p, q]); a.num_free, a.num_cached
+    (3, 1)
+    >>> a.share(p); a.num_used, a.num_free
+    (1, 2)
+    """
 
     def __init__(self, num_pages: int):
         if num_pages < 2:
@@ -137,12 +157,22 @@ class PageAllocator:
         self.num_pages = num_pages
         self.reserved = 0
         """Pages lent to speculation (the policy's pool split): never handed to tenants."""
-        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
+        self.on_evict = lambda page: None
+        """Called with a cached page `alloc` takes back (engine.prefix_cache drops its entry)."""
+        self.clear()
+
+    def clear(self) -> None:
+        """Every page free, nothing cached or held."""
+        self._free = list(range(self.num_pages - 1, 0, -1))  # pop() hands out low ids first
+        self._refs: dict[int, int] = {}  # page -> holders
+        self._cached: OrderedDict[int, None] = OrderedDict()  # kept pages nobody holds, LRU first
+        self._kept: set[int] = set()
 
     @property
     def num_free(self) -> int:
-        """Pages a tenant can still get (0 while usage exceeds a grown reservation)."""
-        return max(0, len(self._free) - self.reserved)
+        """Pages a tenant can still get, cached ones included (0 while usage exceeds a grown
+        reservation)."""
+        return max(0, len(self._free) + len(self._cached) - self.reserved)
 
     @property
     def capacity(self) -> int:
@@ -151,16 +181,57 @@ class PageAllocator:
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - 1 - len(self._free)
+        """Pages some sequence holds (a shared page counts once)."""
+        return len(self._refs)
+
+    @property
+    def num_cached(self) -> int:
+        """Pages nobody holds that keep a cached prefix block (reclaimable)."""
+        return len(self._cached)
 
     def alloc(self, n: int) -> list[int] | None:
         """n pages, or None (and nothing taken) when fewer are free."""
         if n > self.num_free:
             return None
-        return [self._free.pop() for _ in range(n)]
+        out = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page = self._cached.popitem(last=False)[0]
+                self._kept.discard(page)
+                self.on_evict(page)
+            self._refs[page] = 1
+            out.append(page)
+        return out
+
+    def share(self, page: int) -> None:
+        """One more holder of `page` (a held or cached page)."""
+        if self._cached.pop(page, False) is None:
+            self._refs[page] = 1
+        else:
+            self._refs[page] += 1
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(pages)
+        """Drop one hold of each page; a page nobody holds is free, or cached if kept."""
+        for page in pages:
+            if self._refs[page] > 1:
+                self._refs[page] -= 1
+                continue
+            del self._refs[page]
+            if page in self._kept:
+                self._cached[page] = None
+            else:
+                self._free.append(page)
+
+    def keep(self, page: int) -> None:
+        """The prefix cache indexes `page`: once nobody holds it, it stays cached."""
+        self._kept.add(page)
+
+    def unkeep(self, page: int) -> None:
+        self._kept.discard(page)
+        if self._cached.pop(page, False) is None:
+            self._free.append(page)
 
 
 @dataclass
@@ -168,13 +239,32 @@ class SeqPages:
     """The pages one sequence holds (host side)."""
 
     global_pages: list[int]
-    ring: list[int]  # ring entries allocated so far (grows to ring_pages, then wraps)
+    ring: list[int]  # ring entries allocated so far (grows to ring_pages, then wraps): pages written to
+    ring_block: list[int] = field(default_factory=list)
+    """The block each ring entry holds (or was last made ready for)."""
+    reading: dict[int, int] = field(default_factory=dict)
+    """Ring entry -> the page a wrap replaced, still read until the entry's new block has a cached token."""
+    shared: set[int] = field(default_factory=set)
+    """Ring entries holding a local page borrowed from the prefix cache (never written)."""
+    spare: list[int] = field(default_factory=list)
+    """Local pages held for replacing shared entries when the ring wraps onto them."""
+    keys: list[bytes] = field(default_factory=list)
+    """Prefix-cache keys of the leading full blocks (engine.prefix_cache; kept across preemption)."""
+    root: bytes = b""
+    cached: int = 0
+    """Leading blocks the prefix cache has (hit or registered)."""
 
 
 class KVPool:
-    """Host-side bookkeeping of both pools for all sequences."""
+    """Host-side bookkeeping of both pools for all sequences.
 
-    def __init__(self, global_pages: int, local_pages: int, page_size: int, ring_pages: int):
+    `prefix_window`: the local layers' sliding window, to turn on prefix caching
+    (engine/prefix_cache.py); None leaves it off. It stays off when the ring is
+    shorter than window + page_size - 1 tokens (see that module).
+    """
+
+    def __init__(self, global_pages: int, local_pages: int, page_size: int, ring_pages: int,
+                 prefix_window: int | None = None):
         self.page_size = page_size
         self.ring_pages = ring_pages
         self.global_alloc = PageAllocator(global_pages)
@@ -182,21 +272,60 @@ class KVPool:
         self.split = 0.0
         """The policy's share of each pool lent to speculation (`set_split`)."""
         self._keep = (0, 0)  # (global, local) pages the split must leave to one sequence (`yield_to`)
+        self.prefix: PrefixCache | None = None
+        if prefix_window is not None and ring_pages * page_size >= prefix_window + page_size - 1:
+            self.prefix = PrefixCache(self.global_alloc, self.local_alloc, page_size, ring_pages)
+
+    def _needs(self, pages: SeqPages, length: int) -> tuple[int, int, int]:
+        """(global pages, ring entries, spares) to add so that positions [0, length) have pages."""
+        want = -(-length // self.page_size)
+        wraps = sum(1 for j in pages.shared if pages.ring_block[j] + self.ring_pages < want)
+        return (max(0, want - len(pages.global_pages)),
+                max(0, min(want, self.ring_pages) - len(pages.ring)), max(0, wraps - len(pages.spare)))
 
     def needed(self, pages: SeqPages, length: int) -> tuple[int, int]:
         """Extra (global, local) pages to hold positions [0, length)."""
-        want = -(-length // self.page_size)
-        return (max(0, want - len(pages.global_pages)),
-                max(0, min(want, self.ring_pages) - len(pages.ring)))
+        g, r, s = self._needs(pages, length)
+        return g, r + s
 
     def grow(self, pages: SeqPages, length: int) -> bool:
         """Allocate so that positions [0, length) have pages; False (no change) if full."""
-        g, l = self.needed(pages, length)
-        if g > self.global_alloc.num_free or l > self.local_alloc.num_free:
+        g, r, s = self._needs(pages, length)
+        if g > self.global_alloc.num_free or r + s > self.local_alloc.num_free:
             return False
         pages.global_pages += self.global_alloc.alloc(g) or []
-        pages.ring += self.local_alloc.alloc(l) or []
+        pages.ring_block += range(len(pages.ring), len(pages.ring) + r)  # entry j first holds block j
+        pages.ring += self.local_alloc.alloc(r) or []
+        pages.spare += self.local_alloc.alloc(s) or []
         return True
+
+    def lookup(self, pages: SeqPages, tokens, tenant: str) -> int:
+        """At admission (`pages` empty): take the cached pages of `tokens`' longest cached
+        prefix; its length in tokens (0 without a prefix cache)."""
+        return 0 if self.prefix is None else self.prefix.lookup(pages, tokens, tenant)
+
+    def count_prefix(self, hit: int, queried: int) -> None:
+        """An admitted sequence found `hit` of its `queried` tokens cached."""
+        if self.prefix is not None:
+            self.prefix.hit_tokens += hit
+            self.prefix.query_tokens += queried
+
+    def cache_blocks(self, pages: SeqPages, tokens, num_cached: int) -> None:
+        """Register the full blocks of the `num_cached` tokens computed so far in the prefix cache."""
+        if self.prefix is not None:
+            self.prefix.register(pages, tokens, num_cached)
+
+    def prepare(self, pages: SeqPages, num_cached: int, end: int) -> None:
+        """Ready the ring for a call writing positions [num_cached, end) (after `grow`).
+
+        Where the ring wraps onto an entry whose page the prefix cache has or is to
+        keep, the entry gets another page; the old one stays the entry's read page
+        until the new block has a cached token (engine/prefix_cache.py).
+        """
+        for j in [j for j in pages.reading if num_cached > pages.ring_block[j] * self.page_size]:
+            self.local_alloc.free([pages.reading.pop(j)])
+        if self.prefix is not None:
+            self.prefix.wrap(pages, num_cached, end)
 
     def set_split(self, share: float) -> None:
         """Lend `share` of each pool to speculation (the policy's pool split).
@@ -243,28 +372,52 @@ class KVPool:
         g, l = self.needed(SeqPages([], []), length)
         return g <= self.global_alloc.num_pages - 1 and l <= self.local_alloc.num_pages - 1
 
-    def release(self, pages: SeqPages) -> None:
-        self.global_alloc.free(pages.global_pages)
-        self.local_alloc.free(pages.ring)
-        pages.global_pages, pages.ring = [], []
+    def release(self, pages: SeqPages, tokens=(), num_cached: int = 0) -> None:
+        """Drop the sequence's holds; with the prefix cache, its computed blocks (the first
+        `num_cached` of `tokens`) stay cached, deepest first to be evicted."""
+        if self.prefix is not None and num_cached:
+            self.prefix.register(pages, tokens, num_cached)
+            for j in range(len(pages.ring)):
+                self.prefix.keep_local(pages, j, num_cached, fresh=False)
+        self.global_alloc.free(pages.global_pages[::-1])
+        by_block = sorted(range(len(pages.ring)), key=lambda j: -pages.ring_block[j])
+        self.local_alloc.free([pages.ring[j] for j in by_block] + list(pages.reading.values()) + pages.spare)
+        pages.global_pages, pages.ring, pages.ring_block, pages.spare = [], [], [], []
+        pages.reading.clear()
+        pages.shared.clear()
+        pages.cached = 0
 
     def reset(self) -> None:
-        """Every page back to the free lists; only when no sequence holds any (after a fault,
-        so pages a failed step took without recording them cannot stay lost)."""
-        for a in (self.global_alloc, self.local_alloc):
-            held = set(range(1, a.num_pages)) - set(a._free)
-            a.free(sorted(held, reverse=True))
+        """Every page back to the free lists and the prefix cache emptied; only when no sequence
+        holds any (after a fault, so pages a failed step took without recording them cannot
+        stay lost, and no cached page outlives KV arrays made anew)."""
+        self.global_alloc.clear()
+        self.local_alloc.clear()
+        if self.prefix is not None:
+            self.prefix.clear()
 
-    def fill_tables(self, pages: SeqPages, g_row: np.ndarray, l_row: np.ndarray) -> None:
+    def fill_tables(self, pages: SeqPages, g_row: np.ndarray, l_row: np.ndarray,
+                    w_row: np.ndarray | None = None) -> None:
         """Write one sequence's page ids into numpy page-table rows (rest scratch).
 
+        `w_row`: the ring pages new tokens are written to, where `l_row` gets the
+        pages read (they differ right after a wrap gave an entry a new page; see
+        `prepare`); without it `l_row` gets the pages written to.
         A row may be narrower than the pages held: pages past the call's
         context bucket are not touched by that call.
         """
         k = min(len(pages.global_pages), len(g_row))
         g_row[:k] = pages.global_pages[:k]
         k = min(len(pages.ring), len(l_row))
-        l_row[:k] = pages.ring[:k]
+        if w_row is None:
+            l_row[:k] = pages.ring[:k]
+            return
+        w_row[:k] = pages.ring[:k]
+        l_row[:k] = [pages.reading.get(j, p) for j, p in enumerate(pages.ring[:k])]
+
+    def prefix_status(self) -> dict:
+        """Prefix-cache counters for status(): hits, lookups, hit rate, cached pages."""
+        return {"enabled": False} if self.prefix is None else self.prefix.status()
 
     @property
     def reserved(self) -> int:

@@ -9,10 +9,14 @@ One step's plan, in order:
    admitted strictly first-come-first-served while the batch has room, the
    per-step token budget lasts, and the pool has pages for the whole prompt
    (taken at admission, so prefill chunks never wait for pages).
-   A chunk is at most the largest prefill bucket.
+   A chunk is at most the largest prefill bucket. An admitted sequence starts
+   after the longest prefix of its tokens the prefix cache holds (KVPool.lookup).
 Before both, the pool split yields (KVPool.yield_to) so the longest sequence
 running or at the queue's head can finish alone: a split that grows while a
 large request waits shrinks for it instead of blocking the queue behind it.
+Each step first registers the blocks the last step computed in the prefix
+cache; a sequence that leaves (finished, aborted, preempted) registers all of
+its computed blocks before its pages are released, so they stay cached.
 The scheduler never touches device arrays; it only moves page ids.
 """
 
@@ -52,6 +56,10 @@ class StepPlan:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk length)
     preempted: int = 0
+    prefix_hit_tokens: int = 0
+    """Tokens the sequences admitted this step found in the prefix cache."""
+    prefix_query_tokens: int = 0
+    """Tokens of the sequences admitted this step, when the prefix cache is on."""
 
     @property
     def empty(self) -> bool:
@@ -76,7 +84,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.release(seq.pages)
+        self.pool.release(seq.pages, seq.tokens, seq.num_cached)
         seq.status = Status.FINISHED
         if not self.running and not self.waiting:
             self.pool.yield_to(0)  # idle: the split is whole again (schedule() recomputes it anyway)
@@ -86,6 +94,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        for seq in self.running:
+            self.pool.cache_blocks(seq.pages, seq.tokens, seq.num_cached)
         heads = self.running + ([self.waiting[0]] if self.waiting else [])
         self.pool.yield_to(max(map(self._final_length, heads), default=0))
         budget = self._plan_decode(plan)
@@ -105,6 +115,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
+                self.pool.prepare(seq.pages, seq.num_cached, need)
                 plan.decode.append(seq)
         return self.cfg.token_budget - len(plan.decode)
 
@@ -120,8 +131,15 @@ class Scheduler:
             seq = self.waiting[0]
             # Pages for the whole prompt (and the first decode) are taken at admission,
             # so a running prefill never stalls for want of pages.
+            seq.num_cached = self.pool.lookup(seq.pages, seq.tokens, seq.req.tenant)
             if not self.pool.grow(seq.pages, len(seq.tokens) + 1 + self.cfg.lookahead):
+                self.pool.release(seq.pages)  # the hit's pages are cached again
+                seq.num_cached = 0
                 return  # strict FCFS: nobody jumps the queue
+            queried = len(seq.tokens) if self.pool.prefix is not None else 0
+            self.pool.count_prefix(seq.num_cached, queried)
+            plan.prefix_hit_tokens += seq.num_cached
+            plan.prefix_query_tokens += queried
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self._insert_running(seq)
@@ -142,6 +160,7 @@ class Scheduler:
         n = min(seq.remaining, budget, self.cfg.max_chunk)
         if not self.pool.grow(seq.pages, seq.num_cached + n):  # pages were taken at admission
             raise RuntimeError(f"{seq.request_id}: prefill chunk without pages")
+        self.pool.prepare(seq.pages, seq.num_cached, seq.num_cached + n)
         plan.prefill.append((seq, n))
         return n
 
@@ -156,7 +175,7 @@ class Scheduler:
         """Free the most recently arrived running sequence; it waits at the queue's front."""
         victim = max(self.running, key=lambda s: s.req.arrival_time)
         self.running.remove(victim)
-        self.pool.release(victim.pages)
+        self.pool.release(victim.pages, victim.tokens, victim.num_cached)
         victim.status = Status.WAITING
         victim.num_cached = 0
         victim.preemptions += 1

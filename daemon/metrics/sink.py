@@ -8,6 +8,10 @@ proposed tokens are draft tokens; `accepted_per_pos[i]` counts drafts accepted
 at draft position i (0-based). Token and request counters are per tenant,
 counted when a request finishes.
 
+The prefix-cache counters count tokens, as vLLM's: `prefix_cache_queries`
+(tokens of admitted sequences looked up) and `prefix_cache_hits` (those found);
+the hit rate is the ratio of their rates.
+
 The request-latency histograms and the preemption counter carry vLLM's names
 (prefixed `crossover_`) and its `model_name` label. From one finished
 `RequestResult` (all unix seconds):
@@ -111,6 +115,12 @@ class EngineMetrics:
         self.preemptions = self._model(Counter(
             P + "num_preemptions", "Sequences preempted (KV pages taken back, recomputed later).",
             [MODEL_LABEL], registry=reg))
+        self.prefix_queries = self._model(Counter(
+            P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission.",
+            [MODEL_LABEL], registry=reg))
+        self.prefix_hits = self._model(Counter(
+            P + "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).",
+            [MODEL_LABEL], registry=reg))
         self.latency = {key: self._model(Histogram(P + name, text, [MODEL_LABEL], buckets=bounds,
                                                    registry=reg))
                         for key, name, text, bounds in REQUEST_HISTOGRAMS}
@@ -133,6 +143,8 @@ class EngineMetrics:
         self.batch_size.observe(stats.batch_size)
         self.step_seconds.observe(stats.step_ms / 1000.0)
         self.preemptions.inc(stats.preempted)
+        self.prefix_queries.inc(stats.prefix_query_tokens)
+        self.prefix_hits.inc(stats.prefix_hit_tokens)
 
     def on_result(self, result: RequestResult) -> None:
         self.requests.labels(tenant=result.tenant, finish_reason=result.finish_reason).inc()

@@ -482,9 +482,10 @@ def scrape(server: SmallBufferServer) -> dict[str, float]:
 
 
 def free_lists_whole(engine: Any) -> bool:
-    """Every page of both pools on its free list exactly once (none held, none freed twice)."""
+    """Every page of both pools on its free list or the prefix cache's list of unheld pages,
+    exactly once (none held, none freed twice)."""
     pool = engine.pool
-    return all(sorted(a._free) == list(range(1, a.num_pages))
+    return all(sorted(a._free + list(a._cached)) == list(range(1, a.num_pages)) and a.num_used == 0
                for a in (pool.global_alloc, pool.local_alloc))
 
 
