@@ -16,7 +16,8 @@ Who may look:
     GET /dashboard                       the page
     GET /dashboard/static/*              its script and style (no data, no check)
     GET /dashboard/lib/plotly.min.js     plotly.js from the installed `plotly` package (no check)
-    GET /dashboard/api/status            as /admin/status
+    GET /dashboard/api/status            as /admin/status, plus each technique's readiness
+                                         (engine.techniques) and the speculation cap
     GET /dashboard/api/acceptance        acceptance over time by technique, tenant; by position
     GET /dashboard/api/batch             batch-size histogram
     GET /dashboard/api/goodput           goodput against batch size, crossover marked
@@ -121,7 +122,15 @@ async def plotly_js(request: web.Request) -> web.StreamResponse:
 @routes.get("/dashboard/api/status")
 async def api_status(request: web.Request) -> web.Response:
     _require_view(request)
-    return web.json_response(status_body(request.app))
+    return web.json_response(status_with_techniques(request.app))
+
+
+def status_with_techniques(app: web.Application) -> dict[str, Any]:
+    """`status_body` plus "techniques" (technique -> "compiling", "ready", ...: engine/warm.py)
+    and "speculation" ({"max_batch", "clamped"}) from the engine's status, where it has them."""
+    engine = app[st.ENGINE].status()
+    return {**status_body(app), "techniques": engine.get("techniques", {}),
+            "speculation": engine.get("speculation")}
 
 
 @routes.get("/dashboard/api/acceptance")

@@ -32,9 +32,9 @@ from engine.kv import KVPool, KVState
 from engine.model import Params
 from engine.penalties import fill_adjust, wants_adjust
 from engine.policy import StepChooser, TunedPolicy, check_servable
-from engine.progress import Reporter, note
+from engine.progress import Reporter
 from engine.proposers import NgramProposer, Proposer
-from engine.runner import ModelRunner, RunnerConfig, compile_count, map_limit, memory_mappings
+from engine.runner import ModelRunner, RunnerConfig, compile_count, serving_compiles
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import Detokenizer, Sequence, Status, append_tokens, request_key
 from engine.types import (
@@ -47,6 +47,7 @@ from engine.types import (
     StepStats,
     TokenEvent,
 )
+from engine.warm import SpecWarmup, warm_engine
 
 log = logging.getLogger("crossover.engine")
 
@@ -71,6 +72,10 @@ class EngineConfig:
     runner: RunnerConfig = RunnerConfig()
     token_budget: int = 512
     """Most new tokens processed per step (decode + prefill)."""
+    background_warmup: bool = False
+    """warmup() returns once plain decoding is compiled; speculation compiles on a thread (engine/warm.py)."""
+    prefix_cache: bool = True
+    """Share the KV pages of prompt prefixes between requests (engine/prefix_cache.py)."""
 
 
 class EngineCore:
@@ -84,17 +89,18 @@ class EngineCore:
         self.max_context = rc.max_context
         self.max_batch = rc.max_batch
         self.runner = ModelRunner(cfg, params, rc)
-        self.pool = KVPool(rc.global_pages, rc.local_pages, rc.page_size, rc.ring_pages)
+        self.pool = KVPool(rc.global_pages, rc.local_pages, rc.page_size, rc.ring_pages,
+                           cfg.sliding_window if ecfg.prefix_cache else None)
         self.scheduler = Scheduler(
             SchedulerConfig(max_batch=rc.max_batch, token_budget=max(ecfg.token_budget, rc.max_batch),
                             max_chunk=rc.max_chunk, lookahead=max(rc.verify_tokens, default=1) - 1),
             self.pool,
         )
         self.stop_ids = frozenset(getattr(tokenizer, "stop_ids", (cfg.eos_id,)))
-        self._chooser = StepChooser(np.random.default_rng(seed))  # serving policy; exploration's rng
+        self._chooser = StepChooser(np.random.default_rng(seed), rc.spec_max_batch)  # exploration's rng
         self.proposers: dict[str, Proposer] = {}
         self._keep_hidden = False
-        self.warmed_up = False
+        self.spec_warmup, self.warmed_up = SpecWarmup(), False
         self.add_proposer(NgramProposer())
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
@@ -276,7 +282,7 @@ class EngineCore:
     def _fill_row(self, c, row: int, seq: Sequence, n: int) -> None:
         c.tokens[row, :n] = seq.tokens[seq.num_cached : seq.num_cached + n]
         c.start[row], c.n_new[row] = seq.num_cached, n
-        self.pool.fill_tables(seq.pages, c.global_table[row], c.local_table[row])
+        self.pool.fill_tables(seq.pages, c.global_table[row], c.local_table[row], c.local_write[row])
         c.logit_idx[row, 0] = n - 1
         c.counter[row, 0] = seq.num_cached + n
         sp = seq.req.sampling
@@ -408,25 +414,23 @@ class EngineCore:
             kv_pages_used=self.pool.used, kv_pages_free=self.pool.free,
             queue_len=len(self.scheduler.waiting), policy_version=self.policy.version,
             preempted=plan.preempted, tenants=tuple(sorted({s.req.tenant for s in seqs})),
+            sampled_rows=sum(1 for s in seqs if s.req.sampling.temperature > 0),
+            prefix_hit_tokens=plan.prefix_hit_tokens, prefix_query_tokens=plan.prefix_query_tokens,
         )
 
     # -- lifecycle and introspection ---------------------------------------
     def warmup(self, progress: Reporter = True) -> None:
-        """Compile every shape of the runner and the proposers; `progress`: engine/progress.py."""
-        self.runner.warmup(progress)
-        for p in self.proposers.values():
-            p.warmup(progress)
-        self.runner.warm_compiles = compile_count()
+        """Compile every shape, speculation's on a thread with background_warmup (engine/warm.py)."""
+        self.spec_warmup = warm_engine(self, progress, self.ecfg.background_warmup)
         self.warmed_up = True
-        if progress:
-            limit, used = map_limit(), memory_mappings()
-            if limit and used:
-                note(progress, f"warmup: done, {compile_count()} executables compiled or loaded; {used} of "
-                               f"this process's {limit} memory mappings in use")
+
+    def close(self) -> None:
+        """Stop a background warmup, waiting for the compile under way."""
+        self.spec_warmup.stop()
 
     def compiles_since_warmup(self) -> int | None:
         w = self.runner.warm_compiles
-        return None if w is None else compile_count() - w
+        return None if w is None else serving_compiles() - w
 
     def status(self) -> dict:
         return {
@@ -436,7 +440,8 @@ class EngineCore:
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "compile_count": compile_count(), "compiles_since_warmup": self.compiles_since_warmup(),
             "policy_version": self.policy.version, "warmed_up": self.warmed_up,
-            "kv_pages_yielded": self.pool.yielded,
+            "kv_pages_yielded": self.pool.yielded, "prefix_cache": self.pool.prefix_status(),
+            "techniques": self.spec_warmup.status(), "speculation": self._chooser.cap_status(),
             "proposers": {n: {"resident_bytes": p.resident_bytes(), "max_depth": p.max_depth}
                           for n, p in self.proposers.items()},
         }

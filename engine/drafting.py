@@ -20,6 +20,11 @@ draft vocabulary, so every proposal is a point mass and verification
   stops for sequences it cannot hold. For the default 270M target the draft
   is a truncated-layer copy sharing the target's layer buffers.
 
+Warmup: each proposer's `compile_jobs()` lists thunks that compile its shapes
+ahead of time from array metadata (engine/compiles.abstract), touching no
+device state, so engine/warm.py may run them on a background thread while
+the engine serves; `warmup()` runs them in place.
+
 Draft chain of one step for a layer-based proposer, depth D, newest token b at
 position p (p = num_cached): feed b at p -> d1; feed d1 at p+1 -> d2; ... up to
 dD. Positions >= p are invisible to later reads (slot validity follows
@@ -28,21 +33,20 @@ dD. Positions >= p are invisible to later reads (slot validity follows
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.compiles import abstract, any_committed, outputs
 from engine.config import ModelConfig
 from engine.heads import DraftHeads, Head, apply_chain_head, apply_head, head_logits, token_features
 from engine.kv import Batch, KVPool, SeqPages, cache_reader
 from engine.model import Params, forward
 from engine.policy import MAX_POOL_SPLIT, TunedPolicy
-from engine.progress import Reporter, Steps, note
 from engine.proposers import Proposer
-from engine.runner import ModelRunner, RunnerConfig, _write, bucket
+from engine.runner import ModelRunner, RunnerConfig, _write, bucket, prefill_shapes, write_batch
 from engine.sequence import Sequence
 
 DRAFT_VOCABS = (8192, 32768)
@@ -110,6 +114,25 @@ def _layers_draft(cfg: ModelConfig, ring_pages: int, params: Params, head: Head,
 
 def _spec_buckets(rc: RunnerConfig) -> tuple[int, ...]:
     return tuple(b for b in rc.batch_buckets if b <= rc.spec_max_batch)
+
+
+def _layer_jobs(drafter: _LayerDrafter, runner: ModelRunner, shapes: list[tuple[int, int, int]]) -> list:
+    """Thunks compiling `drafter`'s layer stack and its KV write at (batch, new tokens, context)
+    over `runner`'s pools; see the module docstring."""
+    ring = runner.rc.ring_pages
+    fixed = abstract((drafter.dparams, drafter.head, drafter.emb, drafter.ids))
+    kv = abstract(runner.kv)
+    committed = runner.mesh is not None or any_committed(drafter.dparams, drafter.head, drafter.emb, drafter.ids,
+                                                         runner.kv)
+
+    def job(b: int, t: int, c: int) -> None:
+        call = runner.new_call(b, t, c, spec=True)
+        batch = Batch(call.tokens, call.start, call.n_new, call.global_table, call.local_table)
+        compiled = _layers_draft.lower(drafter.dcfg, ring, *fixed, kv, batch).compile()
+        new_kv = outputs(compiled, committed)[1]
+        _write.lower(ring, kv, write_batch(batch, runner.rc.page_size, ring), new_kv).compile()
+
+    return [partial(job, *s) for s in shapes]
 
 
 class MtpProposer(Proposer):
@@ -184,14 +207,24 @@ class MtpProposer(Proposer):
     def resident_bytes(self) -> int:
         return self.head_bytes + self.slices.nbytes()
 
-    def warmup(self, progress: bool = True) -> None:
+    def compile_jobs(self) -> list:
+        """One thunk per (batch, draft vocabulary, heads run) `propose` may use."""
         ks = sorted({len(self._heads_for(k)) for k in range(1, self.max_depth + 1)})
-        for b in self._buckets:
-            for n in self.vocab_sizes:
-                emb, ids = self.slices.get(n)
-                for k in ks:
-                    self._draft(self.heads[:k], jnp.zeros((b, self._d), self._dtype),
-                                np.zeros((b,), np.int32), emb, ids).block_until_ready()
+        heads, embed = abstract(self.heads), abstract(self.embed)
+
+        def job(b: int, n: int, k: int) -> None:
+            emb, ids = abstract(self.slices.get(n))
+            h, last = jax.ShapeDtypeStruct((b, self._d), self._dtype), np.zeros((b,), np.int32)
+            if self.chained:
+                _mtp_chain_draft.lower(heads[:k], h, last, embed, emb, ids).compile()
+            else:
+                _mtp_draft.lower(heads[:k], h, emb, ids).compile()
+
+        return [partial(job, b, n, k) for b in self._buckets for n in self.vocab_sizes for k in ks]
+
+    def warmup(self, progress: bool = True) -> None:
+        for job in self.compile_jobs():
+            job()
 
 
 class _LayerDrafter(Proposer):
@@ -209,7 +242,7 @@ class _LayerDrafter(Proposer):
         """Draft `depth` tokens for every row: [n, depth] int32 (writes draft K/V at positions >= num_cached)."""
         n = len(seqs)
         ctx = max(s.num_cached + depth for s in seqs)
-        c = runner.new_call(bucket(n, self._buckets), 1, ctx)
+        c = runner.new_call(bucket(n, self._buckets), 1, ctx, spec=True)
         for i, (s, pg) in enumerate(zip(seqs, pages)):
             pool.fill_tables(pg, c.global_table[i], c.local_table[i])
             c.tokens[i, 0] = s.tokens[s.num_cached]
@@ -220,23 +253,17 @@ class _LayerDrafter(Proposer):
             batch = Batch(tokens, c.start + j, c.n_new, c.global_table, c.local_table)
             tokens, new_kv = _layers_draft(self.dcfg, runner.rc.ring_pages, self.dparams, self.head, self.emb,
                                            self.ids, runner.kv, batch)
-            runner.kv = _write(runner.rc.ring_pages, runner.kv, batch, new_kv)
+            runner.kv = _write(runner.rc.ring_pages, runner.kv,
+                               write_batch(batch, runner.rc.page_size, runner.rc.ring_pages), new_kv)
             out.append(tokens)
         return np.concatenate([np.asarray(t) for t in out], axis=1)[:n]
 
-    def _warm_chain(self, runner: ModelRunner, progress: Reporter, label: str) -> None:
-        shapes = [(b, c) for b in self._buckets for c in runner.rc.context_buckets]
-        t0 = time.perf_counter()
-        with Steps(progress, f"warmup: {label}", len(shapes)) as bar:
-            for b, c in shapes:
-                call = runner.new_call(b, 1, c)
-                batch = Batch(call.tokens, call.start, call.n_new, call.global_table, call.local_table)
-                tok, new_kv = _layers_draft(self.dcfg, runner.rc.ring_pages, self.dparams, self.head, self.emb,
-                                            self.ids, runner.kv, batch)
-                runner.kv = _write(runner.rc.ring_pages, runner.kv, batch, new_kv)
-                tok.block_until_ready()
-                bar.advance()
-        note(progress, f"warmup: {label}: {len(shapes)} shapes in {time.perf_counter() - t0:.1f}s")
+    def _chain_shapes(self, runner: ModelRunner) -> list[tuple[int, int, int]]:
+        return [(b, 1, c) for b in self._buckets for c in runner.rc.spec_contexts]
+
+    def warmup(self, progress: bool = True) -> None:
+        for job in self.compile_jobs():
+            job()
 
 
 class EarlyExitProposer(_LayerDrafter):
@@ -269,8 +296,9 @@ class EarlyExitProposer(_LayerDrafter):
     def resident_bytes(self) -> int:
         return self.head_bytes + self.slices.nbytes()
 
-    def warmup(self, progress: bool = True) -> None:
-        self._warm_chain(self._core.runner, progress, f"early exit ({self.layers} layers)")
+    def compile_jobs(self) -> list:
+        """The draft chain's shapes over the target's pools."""
+        return _layer_jobs(self, self._core.runner, self._chain_shapes(self._core.runner))
 
 
 class DraftModelProposer(_LayerDrafter):
@@ -308,7 +336,7 @@ class DraftModelProposer(_LayerDrafter):
             + core.pool.local_alloc.num_pages * _page_bytes(core.cfg, trc.page_size, "local", trc.kv_dtype))
         g_max, l_max = self._max_pages(core, trc)
         rc = RunnerConfig(page_size=trc.page_size, batch_buckets=_spec_buckets(trc),
-                          prefill_buckets=trc.prefill_buckets, context_buckets=trc.context_buckets,
+                          prefill_buckets=trc.prefill_buckets, context_buckets=trc.spec_contexts,
                           global_pages=g_max, local_pages=l_max, ring_pages=trc.ring_pages,
                           spec_max_batch=trc.spec_max_batch, dtype=trc.dtype, kv_dtype=trc.kv_dtype)
         self.runner = ModelRunner(self._cfg, self._params, rc)
@@ -367,7 +395,8 @@ class DraftModelProposer(_LayerDrafter):
             batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
             _, new_kv = _layers_draft(self.dcfg, self.runner.rc.ring_pages, self.dparams, self.head, self.emb,
                                       self.ids, self.runner.kv, batch)
-            self.runner.kv = _write(self.runner.rc.ring_pages, self.runner.kv, batch, new_kv)
+            self.runner.kv = _write(self.runner.rc.ring_pages, self.runner.kv,
+                                    write_batch(batch, self.runner.rc.page_size, self.runner.rc.ring_pages), new_kv)
             cached[0] += n
         return pages
 
@@ -380,18 +409,11 @@ class DraftModelProposer(_LayerDrafter):
         own = 0 if self.shares_weights else _tree_bytes(self._params)
         return own + _tree_bytes(self._head) + self.slices.nbytes()
 
-    def warmup(self, progress: bool = True) -> None:
-        label = f"draft model ({self._cfg.n_layers} layers)"
-        self._warm_chain(self.runner, progress, label)
-        t0 = time.perf_counter()
-        for t in self.runner.rc.prefill_buckets:
-            for ctx in self.runner.rc.context_buckets:
-                c = self.runner.new_call(1, t, ctx)
-                batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-                tok, new_kv = _layers_draft(self.dcfg, self.runner.rc.ring_pages, self.dparams, self.head,
-                                            self.emb, self.ids, self.runner.kv, batch)
-                self.runner.kv = _write(self.runner.rc.ring_pages, self.runner.kv, batch, new_kv)
-        note(progress, f"warmup: {label} catch-up prefill in {time.perf_counter() - t0:.1f}s")
+    def compile_jobs(self) -> list:
+        """The draft chain's shapes and the catch-up prefill's, over the draft's own pools."""
+        rc = self.runner.rc
+        prefills = [(1, t, c) for t, c in prefill_shapes(rc.prefill_buckets, rc.context_buckets)]
+        return _layer_jobs(self, self.runner, self._chain_shapes(self.runner) + prefills)
 
 
 def _identity_head(d: int, dtype) -> Head:

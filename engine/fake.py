@@ -26,7 +26,7 @@ log-probability of output position i is `fake_logprob(i)` (its top_logprobs: tha
 Memory: each admitted request reserves ceil((prompt + max_tokens) / page_size)
 pages and returns them when it finishes, so leak tests can assert
 `pages_used == 0` afterwards. At most `max_batch` requests run; the rest wait
-in FIFO order.
+in FIFO order. Prefix-cache hits are counted as a real engine's (SeenPrefixes); none saves pages.
 
 Speculation (for tuner tests): `set_policy(policy)` takes effect at the next
 step, as in `EngineCore`, whose `StepChooser` applies the policy's
@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from engine.policy import StepChooser, TunedPolicy, check_servable
+from engine.prefix_cache import SeenPrefixes
 from engine.progress import Reporter, note
 from engine.types import EngineCapacity, ProposerCapacity, Request, RequestResult, StepOutput
 from engine.types import StepStats, TokenEvent
@@ -133,20 +134,21 @@ class FakeProposer:
 class FakeCost:
     """Simulated step time, reported instead of the measured one.
 
-    step_ms = base_ms + per_seq_ms * B + per_token_ms * B * (1 + depth) + propose_ms
-    with propose_ms = per_draft_ms * B * depth.
+    step_ms = base_ms + per_seq_ms * B + per_token_ms * B * q + per_sampled_ms * S * q + propose_ms
+    with q = 1 + depth, S the rows that sample (temperature > 0), propose_ms = per_draft_ms * B * depth.
     """
 
     base_ms: float = 5.0
     per_seq_ms: float = 0.2
     per_token_ms: float = 0.1
     per_draft_ms: float = 0.05
+    per_sampled_ms: float = 0.0
 
-    def times(self, batch: int, depth: int) -> tuple[float, float]:
+    def times(self, batch: int, depth: int, sampled: int = 0) -> tuple[float, float]:
         """(step_ms, propose_ms) for a decode batch of `batch` at `depth`."""
         propose = self.per_draft_ms * batch * depth
         step = self.base_ms + self.per_seq_ms * batch + self.per_token_ms * batch * (1 + depth)
-        return step + propose, propose
+        return step + self.per_sampled_ms * sampled * (1 + depth) + propose, propose
 
 
 @dataclass
@@ -185,7 +187,7 @@ class FakeEngine:
                  tenant_acceptance: dict[str, float] | None = None, seed: int = 0) -> None:
         self.tokenizer = FakeTokenizer()
         self.model_name, self.max_context, self.max_batch = model_name, max_context, max_batch
-        self.page_size, self.num_pages = page_size, num_pages
+        self.page_size, self.num_pages, self.prefixes = page_size, num_pages, SeenPrefixes(page_size)
         self.step_delay_s, self.warmup_delay_s = step_delay_s, warmup_delay_s
         self.pages_used = self.step_count = 0
         self.warmed_up = False
@@ -243,8 +245,8 @@ class FakeEngine:
     def status(self) -> dict[str, Any]:
         return {"kv_pages_used": self.pages_used, "kv_pages_free": self.num_pages - self.pages_used,
                 "kv_pages_total": self.num_pages, "running": len(self._running),
-                "waiting": len(self._waiting), "compile_count": 0,
-                "policy_version": self.policy.version}
+                "waiting": len(self._waiting), "compile_count": 0, "techniques": dict.fromkeys(self.proposers, "ready"),
+                "policy_version": self.policy.version, "prefix_cache": self.prefixes.status()}
 
     def warmup(self, progress: Reporter = True) -> None:
         note(progress, "fake engine: warming up")
@@ -351,7 +353,7 @@ class FakeEngine:
             self._waiting.popleft()
             self.pages_used += pages
             self._running[req.request_id] = _Sequence(req, self._script(req), pages)
-            prefill += len(req.prompt_ids)
+            prefill += len(req.prompt_ids) - self.prefixes.admit(req.prompt_ids, req.tenant)  # as if cached
         return prefill
 
     def _script(self, req: Request) -> list[int]:
@@ -430,9 +432,9 @@ class FakeEngine:
 
     def _stats(self, start: float, batch: list[_Sequence], prefill: int, decode_tokens: int,
                technique: str, per_pos: list[int]) -> StepStats:
-        depth = len(per_pos)
+        depth, sampled = len(per_pos), sum(1 for s in batch if s.request.sampling.temperature > 0)
         if self.cost is not None:
-            step_ms, propose_ms = self.cost.times(len(batch), depth)
+            step_ms, propose_ms = self.cost.times(len(batch), depth, sampled)
         else:
             step_ms, propose_ms = (time.time() - start) * 1000.0, 0.0
         return StepStats(
@@ -442,6 +444,6 @@ class FakeEngine:
             propose_ms=propose_ms, verify_ms=step_ms - propose_ms if depth else 0.0,
             step_ms=step_ms, kv_pages_used=self.pages_used,
             kv_pages_free=self.num_pages - self.pages_used, queue_len=len(self._waiting),
-            policy_version=self.policy.version,
+            policy_version=self.policy.version, sampled_rows=sampled, **self.prefixes.take(),
             tenants=tuple(sorted({s.request.tenant for s in batch})),
         )

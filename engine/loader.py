@@ -18,7 +18,7 @@ from engine.config import ModelConfig
 from engine.core import EngineConfig, EngineCore
 from engine.memory import KV_DTYPE_BYTES, size_pool
 from engine.progress import Reporter, note
-from engine.runner import RunnerConfig, enable_persistent_cache, map_limit
+from engine.runner import RunnerConfig, enable_persistent_cache, map_limit, prefill_shapes
 
 PAGE_SIZE = 16
 MAX_SPEC_DEPTH = 8
@@ -59,43 +59,57 @@ def context_buckets(max_context: int, page_size: int = PAGE_SIZE) -> tuple[int, 
 # and the process dies. A forward of Gemma 3 (per-layer weights, so its layers are
 # unrolled) is ~110 kernels, and every compiled shape is its own executable.
 # Measured on Gemma 3 270M, mappings per compiled shape: decode 436, verify 424,
-# prefill 346; per speculative batch size, early exit and draft model 270 + 185.
+# prefill 346. `crossover serve` with every proposer: 19,374 mappings once plain
+# decoding and prefill were compiled (5 context buckets), 63,042 after speculation's
+# shapes at 3 context buckets (60 verify shapes, early exit, draft model, MTP heads):
+# the proposers took ~1,100 per speculative batch size and context, not the 600
+# estimated before, so speculation now keeps 2 buckets at the default cap.
 MAPS_PER_SHAPE = 440
 """Mappings one compiled forward shape takes on XLA:CPU (with its KV write and sampling)."""
-MAPS_PER_DRAFTING_BATCH = 600
-"""Mappings the layer-chain proposers (early exit, draft model) take per batch size and context."""
+MAPS_PER_DRAFTING_BATCH = 1100
+"""Mappings the layer-chain proposers (early exit, draft model, with the MTP heads') take per
+batch size and context."""
 MAPS_RESERVE = 8000
 """Mappings kept for everything else: the process itself, MTP heads, threads, sockets."""
 
 
-def shapes_per_context(batches: tuple[int, ...], prefills: tuple[int, ...],
-                       verify_tokens: tuple[int, ...], spec_max_batch: int, drafting: bool) -> float:
-    """Compiled shapes per context bucket, in units of MAPS_PER_SHAPE: decode, prefill and
-    verify shapes, plus the layer-chain proposers' (early exit, draft model) when `drafting`."""
+def spec_shapes_per_context(batches: tuple[int, ...], verify_tokens: tuple[int, ...], spec_max_batch: int,
+                            drafting: bool) -> float:
+    """Speculation's compiled shapes per context bucket, in units of MAPS_PER_SHAPE: verify
+    shapes, plus the layer-chain proposers' (early exit, draft model) when `drafting`."""
     spec_batches = sum(b <= spec_max_batch for b in batches) if verify_tokens else 0
-    return (len(batches) + len(prefills) + spec_batches * len(verify_tokens)
-            + (spec_batches * MAPS_PER_DRAFTING_BATCH / MAPS_PER_SHAPE if drafting else 0))
+    return spec_batches * len(verify_tokens) + (spec_batches * MAPS_PER_DRAFTING_BATCH / MAPS_PER_SHAPE
+                                                if drafting and verify_tokens else 0)
 
 
 def estimated_mappings(rc: RunnerConfig, drafting: bool) -> float:
     """The mappings `runner_config` budgets for every shape of `rc` (MAPS_RESERVE included)."""
-    per_context = shapes_per_context(rc.batch_buckets, rc.prefill_buckets, rc.verify_tokens,
-                                     rc.spec_max_batch, drafting)
-    return MAPS_RESERVE + MAPS_PER_SHAPE * per_context * len(rc.context_buckets)
+    plain = len(rc.batch_buckets) * len(rc.context_buckets) + len(prefill_shapes(rc.prefill_buckets,
+                                                                                   rc.context_buckets))
+    spec = spec_shapes_per_context(rc.batch_buckets, rc.verify_tokens, rc.spec_max_batch, drafting)
+    return MAPS_RESERVE + MAPS_PER_SHAPE * (plain + spec * len(rc.spec_contexts))
 
 
-def context_buckets_within(ladder: tuple[int, ...], shapes_per_context: float,
-                           limit: int | None) -> tuple[int, ...]:
-    """The largest top part of `ladder` whose compiled shapes stay within `limit` mappings.
-
-    The smallest buckets go first (a short context then pads to the next one, costing attention
-    time only); the largest always stays.
-    Example: context_buckets_within((64, 128, 512, 2048, 4096), 35.5, 65530) == (512, 2048, 4096).
+def split_context_buckets(ladder: tuple[int, ...], batches: tuple[int, ...], prefills: tuple[int, ...],
+                          spec_per_context: float, limit: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(plain decoding's and prefill's context buckets, speculation's) whose compiled shapes stay
+    within `limit` mappings: plain serving keeps as many of `ladder` as fit, then speculation takes
+    the largest of those that fit in what is left (at least the largest bucket). The smallest
+    buckets go first: a short context then pads to the next one, costing attention time only,
+    and speculation runs at batches up to spec_max_batch, where attention weighs least.
+    Example: split_context_buckets((64, 128, 512, 2048, 4096), (1, 2, 4, 8, 16, 32), (32, 128, 512),
+    32.5, 65530) == ((64, 128, 512, 2048, 4096), (2048, 4096)).
     """
     if limit is None:
-        return ladder
-    fits = int((limit - MAPS_RESERVE) // (MAPS_PER_SHAPE * shapes_per_context))
-    return ladder[-max(1, fits):]
+        return ladder, ladder
+    room = (limit - MAPS_RESERVE) / MAPS_PER_SHAPE
+    for k in range(len(ladder), 0, -1):
+        plain = ladder[-k:]
+        left = room - len(batches) * k - len(prefill_shapes(prefills, plain))
+        fits = int(left // spec_per_context) if spec_per_context else k
+        if fits >= 1 or k == 1:
+            return plain, plain[-max(1, min(fits, k)):]
+    return ladder[-1:], ladder[-1:]
 
 
 def batch_buckets(max_batch: int, smallest: int = 1) -> tuple[int, ...]:
@@ -115,7 +129,10 @@ MODEL_PROPOSERS = ("mtp", "early_exit", "draft")
 VERIFY_TOKENS = (2, 3, 5, 9)
 """Verify buckets (1 + depth) compiled when speculation is on: depths 1, 2, 3-4, 5-8."""
 SPEC_MAX_BATCH = 16
-"""Largest decode batch compiled for verification by default (speculation stops paying beyond)."""
+"""Largest decode batch compiled for verification by default (speculation stops paying beyond).
+Above it every step decodes plainly: a policy speculating there is served clamped, visibly
+(engine.policy.StepChooser.clamped, /ready's engine.speculation), and the tuner's search space
+offers no crossover above it (tuner/space.py)."""
 
 
 def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch: int,
@@ -126,7 +143,8 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
 
     `drafting`: layer-chain proposers (early exit, draft model) will compile per context too.
     `map_limit`: the process's memory-mapping cap (see MAPS_PER_SHAPE); the context buckets
-    are thinned so that every compiled shape fits under it.
+    are thinned so that every compiled shape fits under it, speculation's first
+    (`split_context_buckets`).
     `tensor_parallel`: devices the params and KV pools are split over (engine/sharding.py).
     """
     kv_dtype = kv_dtype or dtype
@@ -136,19 +154,23 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     cap = sizes.ring_pages * PAGE_SIZE
     batches = batch_buckets(max_batch, smallest_batch(dtype))
     prefills = tuple(b for b in (32, 128, 512) if b <= cap) or (cap,)
-    per_context = shapes_per_context(batches, prefills, verify_tokens, spec_max_batch, drafting)
+    spec_batch = min(spec_max_batch, max_batch)
+    plain, spec = split_context_buckets(context_buckets(max_context), batches, prefills,
+                                        spec_shapes_per_context(batches, verify_tokens, spec_batch, drafting),
+                                        map_limit)
     return RunnerConfig(
         page_size=PAGE_SIZE,
         batch_buckets=batches,
         prefill_buckets=prefills,
-        context_buckets=context_buckets_within(context_buckets(max_context), per_context, map_limit),
+        context_buckets=plain,
+        spec_context_buckets=() if spec == plain else spec,
         global_pages=sizes.num_global_pages + 1,  # + the scratch page
         local_pages=sizes.num_local_pages + 1,
         ring_pages=sizes.ring_pages,
         dtype=dtype,
         kv_dtype=kv_dtype,
         verify_tokens=verify_tokens,
-        spec_max_batch=min(spec_max_batch, max_batch),
+        spec_max_batch=spec_batch,
         fast_output=dtype == "float32" and jax.default_backend() == "cpu",
         tensor_parallel=tensor_parallel,
     )
@@ -158,7 +180,8 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                 max_batch: int = 32, max_context: int = 4096, progress: Reporter = True,
                 token_budget: int = 512, speculation: bool = True, heads: str | None = None,
                 verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH,
-                model_proposers: tuple[str, ...] = MODEL_PROPOSERS, tensor_parallel: int = 1) -> EngineCore:
+                model_proposers: tuple[str, ...] = MODEL_PROPOSERS, tensor_parallel: int = 1,
+                prefix_cache: bool = True, background_warmup: bool = False) -> EngineCore:
     """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine.
 
     With `speculation`, the verify buckets are compiled and the proposers load:
@@ -169,6 +192,9 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     a callback also sees assembling, hashing and converting the model file.
     `tensor_parallel` > 1 splits the model and KV pools over that many devices
     (engine/sharding.py); `kv_budget_bytes` stays the budget of the whole pool.
+    `prefix_cache`: share the KV pages of common prompt prefixes (engine/prefix_cache.py).
+    `background_warmup`: `warmup()` returns once plain decoding and prefill are compiled and
+    speculation's shapes compile on a thread (engine/warm.py; `crossover serve` does so).
     """
     from engine.gguf_file import default_gguf_path
     from engine.tokenizer import Tokenizer
@@ -192,15 +218,18 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     rc = runner_config(cfg, dtype, budget, max_batch, max_context,
                        verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
                        drafting=drafting, map_limit=limit, tensor_parallel=tensor_parallel)
-    if rc.context_buckets != ladder:
-        note(progress, f"engine: context buckets {list(rc.context_buckets)} (of {list(ladder)}): every "
-                       f"compiled shape costs XLA:CPU ~{MAPS_PER_SHAPE} memory mappings and this host allows "
-                       f"{limit} (vm.max_map_count); ~{estimated_mappings(rc, drafting):,.0f} budgeted")
+    if rc.context_buckets != ladder or rc.spec_contexts != ladder:
+        note(progress, f"engine: context buckets {list(rc.context_buckets)}, speculation's "
+                       f"{list(rc.spec_contexts)} (of {list(ladder)}): every compiled shape costs XLA:CPU "
+                       f"~{MAPS_PER_SHAPE} memory mappings and this host allows {limit} (vm.max_map_count); "
+                       f"~{estimated_mappings(rc, drafting):,.0f} budgeted")
     note(progress, f"engine: {cfg.name} {dtype}, KV pool {rc.global_pages - 1} global + "
                    f"{rc.local_pages - 1} local pages of {PAGE_SIZE} tokens, max batch {max_batch}, "
                    f"context {rc.max_context}"
                    + (f", tensor parallel over {tensor_parallel} devices" if tensor_parallel > 1 else ""))
-    engine = EngineCore(cfg, params, tokenizer, EngineConfig(runner=rc, token_budget=token_budget),
+    engine = EngineCore(cfg, params, tokenizer, EngineConfig(runner=rc, token_budget=token_budget,
+                                                             prefix_cache=prefix_cache,
+                                                             background_warmup=background_warmup),
                         model_name=cfg.name)
     if speculation and model_proposers:
         _load_heads(engine, heads, dtype, progress, model_proposers)

@@ -17,8 +17,10 @@ stamped with the technique and depth they ran and the policy's version.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +41,8 @@ MAX_DRAFT_VOCAB = 1 << 24
 MAX_VERSION = (1 << 31) - 1
 """Versions fit a 32-bit integer column on every database."""
 MAX_PROFILE_STEPS = 1 << 30
+
+log = logging.getLogger("crossover.engine")
 
 
 class PolicyError(ValueError):
@@ -324,6 +328,23 @@ def check_servable(policy: Any, capacity: EngineCapacity) -> None:
 NEVER = TunedPolicy()
 
 
+def speculates_up_to(policy: TunedPolicy) -> int:
+    """The largest batch size at which `policy`'s rules speculate (0: none; MAX_BATCH: every).
+
+    >>> speculates_up_to(TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=64))
+    4
+    >>> speculates_up_to(TunedPolicy((BatchRule(4), BatchRule(64, "mtp", 2)), crossover=32))
+    32
+    """
+    top, low = 0, 0
+    for i, r in enumerate(policy.rules):
+        upper = MAX_BATCH if i == len(policy.rules) - 1 else r.max_batch
+        if r.technique != "none" and low < policy.crossover:
+            top = max(top, min(upper, policy.crossover))
+        low = r.max_batch
+    return top
+
+
 class StepChooser:
     """The engine's side of the serving policy: each decode step's (technique, depth).
 
@@ -345,9 +366,17 @@ class StepChooser:
     ([('ngram', 1), ('ngram', 4)], ('ngram', 1))
     """
 
-    def __init__(self, rng: np.random.Generator) -> None:
+    def __init__(self, rng: np.random.Generator, spec_max_batch: int = MAX_BATCH) -> None:
         self.policy: TunedPolicy = NEVER
         self._rng = rng
+        self.spec_max_batch = spec_max_batch
+        """The largest batch the engine verifies: above it every step decodes plainly, and a
+        policy whose rules speculate above it is served clamped (`clamped`, logged)."""
+        self.clamped: dict | None = None
+        """{"policy_version", "speculates_up_to", "served_up_to"} while the policy is clamped."""
+        self.ready: Callable[[str], bool] = lambda technique: True
+        """Whether a technique's shapes are compiled (engine/warm.py); one that is not yet
+        decodes plainly instead, so serving never compiles."""
         self._profile_left = 0
         self._profile_turn = 0
         self._technique_turn = 0
@@ -358,8 +387,27 @@ class StepChooser:
         explore = policy.explore
         self._profile_left = explore.profile_steps if explore and explore.profile else 0
         self._profile_turn = 0
+        top = speculates_up_to(policy)
+        self.clamped = None
+        if top > self.spec_max_batch:
+            self.clamped = {"policy_version": policy.version, "speculates_up_to": top,
+                            "served_up_to": self.spec_max_batch}
+            log.warning("policy v%d speculates up to batch %d; this engine verifies batches up to %d "
+                        "only: larger batches decode plainly", policy.version, top, self.spec_max_batch)
+
+    def cap_status(self) -> dict:
+        """{"max_batch": spec_max_batch, "clamped": `clamped`} for the engine's status."""
+        return {"max_batch": self.spec_max_batch, "clamped": self.clamped}
 
     def choose(self, batch_size: int) -> tuple[str, int]:
+        """(technique, depth) for this step: `_choose`, or plain decoding where the technique
+        cannot run here (above spec_max_batch, or its shapes still compiling)."""
+        technique, depth = self._choose(batch_size)
+        if technique != "none" and (batch_size > self.spec_max_batch or not self.ready(technique)):
+            return "none", 0
+        return technique, depth
+
+    def _choose(self, batch_size: int) -> tuple[str, int]:
         chosen = self.policy.choose(batch_size)
         explore = self.policy.explore
         if explore is None or not explore.techniques:

@@ -7,14 +7,18 @@
    donated) scatters the new K/V in place;
    `_sample` (jitted apart, its shapes do not depend on context) picks tokens.
 4. The runner keeps the new KV state and returns tokens/logprobs as numpy.
-A process-wide counter of jit compilations lets tests prove that serving
-after `warmup()` compiles nothing.
+A process-wide counter of jit compilations (engine/compiles.py) lets tests
+prove that serving after `warmup()` compiles nothing. `warmup` runs the shapes
+of plain decoding and prefill; `spec_jobs` compiles verification's ahead of
+time without touching device state, so it may run on another thread while
+this one serves (engine/warm.py).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -22,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.compiles import abstract, any_committed, outputs, serving_compiles
+from engine.compiles import compile_count, enable_persistent_cache, map_limit, memory_mappings  # noqa: F401
 from engine.config import ModelConfig
 from engine.kv import Batch, KVState, cache_reader, write_new
 from engine.model import Params, forward, logits, unstack_layers
@@ -30,63 +36,8 @@ from engine.penalties import SPARE_ENTRIES
 from engine.sampling import (Adjust, SamplingArrays, adjust_logits, greedy, sample, top_candidates, top_logprobs,
                              verify)
 
-_compiles = 0
-_compiles_lock = threading.Lock()
-
-
-def _on_event(name: str, *_args, **_kw) -> None:
-    global _compiles
-    # Lowering runs on every in-memory jit cache miss, also when the persistent
-    # compilation cache then supplies the executable: it counts new shapes.
-    if name == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-        with _compiles_lock:
-            _compiles += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event)
-
-
-def compile_count() -> int:
-    """Jit compilations (cache misses) in this process so far, any function."""
-    return _compiles
-
-
-def memory_mappings() -> int | None:
-    """Memory mappings of this process (Linux), None where unknown."""
-    try:
-        with open("/proc/self/maps") as f:
-            return sum(1 for _ in f)
-    except OSError:
-        return None
-
-
-def map_limit() -> int | None:
-    """The mappings compiled code may take in this process (None: no known cap, or not XLA:CPU,
-    whose kernels live on the host; see engine.loader.MAPS_PER_SHAPE)."""
-    if jax.default_backend() != "cpu":
-        return None
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return None
-
-
-def enable_persistent_cache(path: str | None = None) -> str:
-    """Keep compiled executables on disk so a restart (or the next test run) skips XLA.
-
-    Defaults to $CROSSOVER_CACHE/jax (or ~/.cache/crossover/jax).
-    """
-    import os
-
-    if path is None:
-        root = os.environ.get("CROSSOVER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "crossover")
-        path = os.path.join(root, "jax")
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path
+WARMUP_THREADS = 2
+"""Threads compiling (or loading) plain decoding's and prefill's shapes at warmup."""
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -119,6 +70,9 @@ class RunnerConfig:
     """Token counts (1 + draft depth) compiled for speculative verification; () = none."""
     spec_max_batch: int = 16
     """Largest decode batch compiled for verification (speculation stops paying beyond)."""
+    spec_context_buckets: tuple[int, ...] = ()
+    """Page-table widths compiled for verification and layer-chain drafting: the largest ones of
+    context_buckets (a shorter context pads up to the smallest of them); () = all of them."""
     dtype: str = "float32"
     """Compute dtype of weights and activations."""
     kv_dtype: str = "float32"
@@ -139,6 +93,15 @@ class RunnerConfig:
         for c in self.context_buckets:
             if c % self.page_size:
                 raise ValueError(f"context bucket {c} is not a multiple of page_size={self.page_size}")
+        spec = self.spec_context_buckets
+        if spec and (spec != self.context_buckets[-len(spec):]):
+            raise ValueError(f"spec_context_buckets {spec} must be the largest of context_buckets "
+                             f"{self.context_buckets}")
+
+    @property
+    def spec_contexts(self) -> tuple[int, ...]:
+        """The page-table widths speculation's calls use."""
+        return self.spec_context_buckets or self.context_buckets
 
     @property
     def max_batch(self) -> int:
@@ -221,10 +184,41 @@ def _write(ring_pages: int, kv: KVState, batch: Batch, new_kv):
     return write_new(kv, batch, new_kv, ring_pages)
 
 
-def forward_and_write(cfg: ModelConfig, ring_pages: int, params: Params, kv: KVState, batch: Batch, logit_idx):
+def forward_and_write(cfg: ModelConfig, ring_pages: int, params: Params, kv: KVState, batch: Batch, logit_idx,
+                      local_write: np.ndarray | None = None):
     """(new kv, Scores, hidden) for one call."""
     sc, hs, new_kv = _forward(cfg, ring_pages, params, kv, batch, logit_idx)
-    return _write(ring_pages, kv, batch, new_kv), sc, hs
+    return _write(ring_pages, kv, write_batch(batch, kv.page_size, ring_pages, local_write), new_kv), sc, hs
+
+
+def write_batch(b: Batch, page_size: int, ring_pages: int, local_write: np.ndarray | None = None) -> Batch:
+    """The host Batch `_write` needs for `b`'s new tokens: only the pages they land in.
+
+    T new tokens starting anywhere in a page span at most W = (T + page_size - 2) // page_size + 1
+    pages; `start` is re-based to the first of them. So a write's shape depends on (B, T)
+    alone, not on the context bucket, and one write executable serves every context.
+    Example: page_size 4, start 6, T 3 (positions 6, 7, 8): W 2, pages 1 and 2 of the table,
+    start 2.
+    """
+    T = b.tokens.shape[1]
+    start = np.asarray(b.start, np.int32)
+    width = (T + page_size - 2) // page_size + 1
+    base = start // page_size
+    cols = base[:, None] + np.arange(width, dtype=np.int32)[None, :]  # [B, W] logical pages
+    gt, lt = np.asarray(b.global_table), np.asarray(b.local_table if local_write is None else local_write)
+    g = np.where(cols < gt.shape[1], np.take_along_axis(gt, np.minimum(cols, gt.shape[1] - 1), axis=1), 0)
+    lcols = cols[:, : min(width, ring_pages)] % ring_pages  # ring entries, narrowed as kv.write_new does
+    loc = np.take_along_axis(lt, np.minimum(lcols, lt.shape[1] - 1), axis=1)
+    return Batch(np.zeros(b.tokens.shape, np.int32), start - base * page_size, np.asarray(b.n_new, np.int32),
+                 g.astype(np.int32), loc.astype(np.int32))
+
+
+def prefill_shapes(prefills: tuple[int, ...], contexts: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(chunk bucket, context bucket) pairs a prefill can reach: a chunk padded to bucket t has
+    more tokens than the bucket below (2 at least: 1 token decodes), so its context is larger too.
+    Example: prefill_shapes((32, 128), (64, 512)) == [(32, 64), (32, 512), (128, 64), (128, 512)];
+    prefill_shapes((32, 512), (64, 512)) == [(32, 64), (32, 512), (512, 512)]."""
+    return [(t, c) for i, t in enumerate(prefills) for c in contexts if c > (prefills[i - 1] if i else 1)]
 
 
 def _adjusted(sc: Scores, adj: Adjust | None):
@@ -274,6 +268,9 @@ class CallArrays:
     samp: dict[str, np.ndarray] = field(default_factory=dict)
     adjust: dict[str, np.ndarray] | None = None
     """engine.sampling.Adjust buffers [B, Tl, H] once a row has penalties or banned ids."""
+    local_write: np.ndarray | None = None
+    """[B, R] int32 ring pages the new tokens are written to, where they differ from the pages
+    read (a prefix-cached ring entry replaced on wrap: engine.kv.KVPool.prepare); None: local_table."""
 
 
 class ModelRunner:
@@ -297,18 +294,21 @@ class ModelRunner:
         self.adjust_width = rc.max_context + SPARE_ENTRIES
         """Logit entries per position: a context's distinct tokens plus banned stop ids."""
 
-    def new_call(self, batch: int, new_tokens: int, context: int, logits_per_row: int = 1) -> CallArrays:
-        """Zeroed, bucket-padded host arrays (scratch pages, padding rows)."""
+    def new_call(self, batch: int, new_tokens: int, context: int, logits_per_row: int = 1,
+                 spec: bool = False) -> CallArrays:
+        """Zeroed, bucket-padded host arrays (scratch pages, padding rows); `spec`: a call of
+        speculation (verify, drafting), padded to RunnerConfig.spec_contexts."""
         rc = self.rc
         B = bucket(batch, rc.batch_buckets)
         T = 1 if new_tokens == 1 else bucket(new_tokens, rc.prefill_buckets)
-        P = bucket(context, rc.context_buckets) // rc.page_size
+        P = bucket(context, rc.spec_contexts if spec else rc.context_buckets) // rc.page_size
         return CallArrays(
             tokens=np.zeros((B, T), np.int32),
             start=np.zeros(B, np.int32),
             n_new=np.zeros(B, np.int32),
             global_table=np.zeros((B, P), np.int32),
             local_table=np.zeros((B, min(rc.ring_pages, P)), np.int32),
+            local_write=np.zeros((B, min(rc.ring_pages, P)), np.int32),
             logit_idx=np.zeros((B, logits_per_row), np.int32),
             counter=np.zeros((B, logits_per_row), np.int32),
             samp=SamplingArrays.host(B),
@@ -319,7 +319,7 @@ class ModelRunner:
         rc = self.rc
         B = bucket(batch, tuple(b for b in rc.batch_buckets if b <= rc.spec_max_batch))
         T = bucket(1 + depth, rc.verify_tokens)
-        c = self.new_call(B, 1, context, logits_per_row=T)
+        c = self.new_call(B, 1, context, logits_per_row=T, spec=True)
         c.tokens = np.zeros((B, T), np.int32)
         c.logit_idx[:] = np.arange(T, dtype=np.int32)
         return c
@@ -341,7 +341,8 @@ class ModelRunner:
     def run(self, c: CallArrays) -> tuple[np.ndarray, np.ndarray]:
         """Execute one call; returns (tokens [B, Tl], logprobs [B, Tl]) as numpy."""
         batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-        self.kv, sc, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch, c.logit_idx)
+        self.kv, sc, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch,
+                                                          c.logit_idx, c.local_write)
         tok, lp, *top = _sample(sc, SamplingArrays(**c.samp), c.counter, _adjust(c))
         self.last_top = tuple(map(np.asarray, top)) if c.samp["want_logprobs"].any() else None
         return np.asarray(tok), np.asarray(lp)
@@ -349,7 +350,8 @@ class ModelRunner:
     def run_verify(self, c: CallArrays, cand: np.ndarray):
         """Forward over [last token, drafts...] and verify: (tokens, accepted, logprobs) [B, T]."""
         batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-        self.kv, sc, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch, c.logit_idx)
+        self.kv, sc, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch,
+                                                          c.logit_idx, c.local_write)
         tok, acc, lp, *top = _verify(sc, cand, SamplingArrays(**c.samp), c.counter, _adjust(c))
         self.last_top = tuple(map(np.asarray, top)) if c.samp["want_logprobs"].any() else None
         return np.asarray(tok), np.asarray(acc), np.asarray(lp)
@@ -358,56 +360,76 @@ class ModelRunner:
         """Every (batch, new_tokens, context) the engine may call with."""
         rc = self.rc
         out = [(b, 1, c) for b in rc.batch_buckets for c in rc.context_buckets]
-        out += [(1, t, c) for t in rc.prefill_buckets for c in rc.context_buckets]
-        return out
+        return out + [(1, t, c) for t, c in prefill_shapes(rc.prefill_buckets, rc.context_buckets)]
 
     def verify_shapes(self) -> list[tuple[int, int, int]]:
         """Every (batch, 1 + depth, context) speculation may verify with."""
         rc = self.rc
         bs = [b for b in rc.batch_buckets if b <= rc.spec_max_batch]
-        return [(b, t, c) for b in bs for t in rc.verify_tokens for c in rc.context_buckets]
+        return [(b, t, c) for b in bs for t in rc.verify_tokens for c in rc.spec_contexts]
 
-    def warmup(self, progress: Reporter = True) -> None:
-        """Compile (and run once, harmlessly on scratch) every bucketed shape; `progress`
-        (engine/progress.py) sees each shape compiled."""
-        shapes = [(s, False) for s in self.shapes()] + [(s, True) for s in self.verify_shapes()]
+    def warmup(self, progress: Reporter = True, speculation: bool = True) -> None:
+        """Compile every shape of plain decoding and prefill (`plain_jobs`), then with
+        `speculation` verification's (`spec_jobs`) too; `progress` (engine/progress.py) sees
+        each plain shape compiled."""
+        jobs, n, lock = self.plain_jobs(), len(self.shapes()), threading.Lock()
         t0 = time.perf_counter()
-        with Steps(progress, "warmup: compiling shapes", len(shapes)) as bar:
-            for (b, t, c), is_verify in shapes:
-                if is_verify:
-                    call = self.new_verify_call(b, t - 1, c)
-                    self.run_verify(call, np.full(call.tokens.shape, -1, np.int32))
-                else:
-                    self.run(self.new_call(b, t, c))
-                bar.advance()
-        self._warm_adjusted(shapes)
-        note(progress, f"warmup: {len(shapes)} shapes compiled in {time.perf_counter() - t0:.1f}s")
-        self.warm_compiles = compile_count()
+        with Steps(progress, "warmup: compiling shapes", len(jobs)) as bar:
 
-    def _warm_adjusted(self, shapes) -> None:
-        """Compile the sampling of calls with logit adjustments (penalties, min_tokens) at each
-        (batch, logits per row) the calls use; sampling's shapes do not depend on context, so no
-        forward runs."""
-        V = self.params["embed"].shape[0]
-        for b, t, is_verify in sorted({(b, t if v else 1, v) for (b, t, _), v in shapes}):
-            sc = Scores(jnp.zeros((b, t, V), jnp.float32), jnp.zeros((b, t), jnp.int32))
-            if self.mesh is not None:  # the scores of a real call, laid out over the mesh as serving's are
-                sc = self._mesh_scores(b, t, is_verify)
+            def run(job) -> None:
+                job()
+                with lock:
+                    bar.advance()
+
+            # Lowering holds the GIL, loading or compiling mostly not: two threads overlap them.
+            # The forwards first: the sampling jobs read their output layouts.
+            with ThreadPoolExecutor(WARMUP_THREADS, thread_name_prefix="crossover-warmup") as pool:
+                for group in (jobs[:n], jobs[n:]):
+                    list(pool.map(run, group))
+        note(progress, f"warmup: {n} shapes compiled in {time.perf_counter() - t0:.1f}s")
+        for job in self.spec_jobs() if speculation else ():
+            job()
+        self.warm_compiles = serving_compiles()
+
+    def plain_jobs(self) -> list:
+        """Thunks compiling every shape of `shapes()`; see `spec_jobs`."""
+        return self._jobs(self.shapes(), verify=False)
+
+    def spec_jobs(self) -> list:
+        """Thunks compiling every verify shape ahead of time (forward, KV write, verification
+        with and without logit adjustments). They read no device buffer and write no state, so
+        they may run on another thread while this runner serves; call this on the thread that
+        runs the runner (it notes the arrays' layout)."""
+        return self._jobs(self.verify_shapes(), verify=True)
+
+    def _jobs(self, shapes: list[tuple[int, int, int]], verify: bool) -> list:
+        """One thunk per (batch, new tokens, context) compiling its forward and KV write, then
+        one per (batch, logits per row) compiling its sampling or verification, each with and
+        without logit adjustments (penalties, min_tokens); sampling's shapes do not depend on
+        the context. Compiled from the arrays' metadata (engine.compiles.abstract), so the
+        executables are those the calls find in the jit cache."""
+        params, kv, ring = abstract(self.params), abstract(self.kv), self.rc.ring_pages
+        committed = self.mesh is not None or any_committed(self.params, self.kv)
+        scores: dict[tuple[int, int], Scores] = {}
+
+        def forward(b: int, t: int, c: int) -> None:
+            call = self.new_verify_call(b, t - 1, c) if verify else self.new_call(b, t, c)
+            batch = Batch(call.tokens, call.start, call.n_new, call.global_table, call.local_table)
+            fwd = _forward.lower(self.cfg, ring, params, kv, batch, call.logit_idx).compile()
+            sc, _, new_kv = outputs(fwd, committed)
+            scores[sc.best.shape] = sc
+            _write.lower(ring, kv, write_batch(batch, self.rc.page_size, ring), new_kv).compile()
+
+        def sampling(b: int, t: int) -> None:
             samp, counter = SamplingArrays(**SamplingArrays.host(b)), np.zeros((b, t), np.int32)
-            adj = Adjust(**Adjust.host((b, t, self.adjust_width)))
-            if is_verify:
-                _verify(sc, np.full((b, t), -1, np.int32), samp, counter, adj)
-            else:
-                _sample(sc, samp, counter, adj)
+            for adj in (None, Adjust(**Adjust.host((b, t, self.adjust_width)))):
+                if verify:
+                    _verify.lower(scores[b, t], np.full((b, t), -1, np.int32), samp, counter, adj).compile()
+                else:
+                    _sample.lower(scores[b, t], samp, counter, adj).compile()
 
-
-    def _mesh_scores(self, b: int, t: int, is_verify: bool) -> Scores:
-        """Scores of a harmless scratch forward at (b, t), placed as a served call's are."""
-        c = (self.new_verify_call(b, t - 1, self.rc.context_buckets[0]) if is_verify
-             else self.new_call(b, 1, self.rc.context_buckets[0]))
-        batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-        self.kv, sc, _ = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch, c.logit_idx)
-        return sc
+        rows = sorted({(b, t if verify else 1) for b, t, _ in shapes})
+        return [partial(forward, *s) for s in shapes] + [partial(sampling, b, t) for b, t in rows]
 
 
 def _adjust(c: CallArrays) -> Adjust | None:

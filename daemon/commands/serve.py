@@ -11,11 +11,15 @@ defaults (daemon.settings). Lifecycle:
 3. load the engine (progress on stderr: a bar on a terminal, else JSON log
    events; a load error is one line on stderr, exit 2), build the app,
    start serving on the bound socket(s);
-   the engine thread warms up meanwhile (/ready is 503 until it is done);
+   the engine thread warms up meanwhile (/ready is 503 until plain decoding's
+   and prefill's shapes are compiled or loaded); speculation's shapes then
+   compile on a background thread, and each technique runs once its shapes are
+   ready (/ready's engine.techniques: "compiling", then "ready"; engine/warm.py);
 4. on SIGTERM or SIGINT: stop admitting (new requests get 503), let
    in-flight requests finish until --drain-deadline, abort the rest;
    a second signal aborts at once;
-5. shut the server down, stop the engine thread, flush telemetry, exit 0.
+5. shut the server down, stop the engine thread, flush telemetry, stop a
+   background warmup still compiling (after the compile under way), exit 0.
 
 /metrics is unauthenticated, as in vLLM, unless --metrics-require-admin puts
 it behind the admin token. The admin token is best given by
@@ -39,7 +43,7 @@ from daemon.settings import SECTION_KEYS, add_section_flags
 
 SETTING_FLAGS = (
     "host", "port", "model", "dtype", "kv_budget_bytes", "max_batch", "max_context", "db_url",
-    "instance", "tensor_parallel",
+    "instance", "tensor_parallel", "prefix_cache",
     "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
     "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
     "speculation", "heads", "stream_write_timeout_s", "stream_idle_timeout_s", "admin_token_file",
@@ -73,6 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "and retunes (default: host name:port)")
     add("--speculation", action=argparse.BooleanOptionalAction, default=None,
         help="compile verification and load the draft proposers (default on)")
+    add("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+        help="share the KV pages of common prompt prefixes between requests (default on)")
     add("--heads", metavar="FILE", help="draft heads file (default: the one train-heads wrote to the user "
                                         "cache, else the one shipped for the model)")
     add("--max-body-bytes", metavar="BYTES", help="largest request body (default 4MiB)")
@@ -225,6 +231,7 @@ def _load_engine(settings: Any, args: argparse.Namespace) -> Any:
                          kv_budget_bytes=settings.kv_budget_bytes, max_batch=settings.max_batch,
                          max_context=settings.max_context, progress=reporter(json_events=True),
                          speculation=settings.speculation, heads=settings.heads,
+                         prefix_cache=settings.prefix_cache, background_warmup=True,
                          **({"tensor_parallel": settings.tensor_parallel} if settings.tensor_parallel > 1 else {}))
     log_event(log, "model loaded", model=engine.model_name, seconds=round(time.monotonic() - start, 1))
     return engine
@@ -270,6 +277,7 @@ async def serve(settings: Any, engine: Any, sink: Any = None, database: Any = No
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
         await runner.cleanup()
+        await asyncio.to_thread(_close_engine, engine)
     log_event(log, "stopped", exit_code=exit_code)
     return exit_code
 
@@ -287,6 +295,13 @@ async def _watch_engine(thread: Any, stop: asyncio.Event) -> None:
         await asyncio.sleep(0.5)
     log_event(log, "engine thread failed; shutting down", level=logging.ERROR)
     stop.set()
+
+
+def _close_engine(engine: Any) -> None:
+    """Stop the engine's background warmup (engine/warm.py), if one is still compiling."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
 
 
 def _on_signals(callback: Any) -> None:

@@ -52,6 +52,15 @@ function drawStatus(s) {
          s.compiles.since_warmup > 0),
   ];
   if (rec) items.push(pill(`telemetry dropped <b>${rec.dropped}</b>`, rec.dropped > 0));
+  // each speculation technique's shapes: "compiling" in the background after start, then "ready"
+  for (const [name, state] of Object.entries(s.techniques || {})) {
+    items.push(pill(`${name} <b>${state}</b>`, state !== "ready"));
+  }
+  const spec = s.speculation;
+  if (spec && spec.clamped) {
+    items.push(pill(`policy v${spec.clamped.policy_version} speculates to batch ` +
+                    `<b>${spec.clamped.speculates_up_to}</b>, served to <b>${spec.max_batch}</b>`, true));
+  }
   $("status").replaceChildren(...items);
 }
 

@@ -126,13 +126,15 @@ def test_compiled_buckets_cover_every_length_up_to_the_limits():
 
 def test_context_buckets_are_thinned_to_fit_the_hosts_memory_mappings():
     """XLA:CPU maps every compiled kernel separately; `crossover serve`'s defaults with all
-    five context buckets crashed its warmup at Linux's default vm.max_map_count."""
+    five context buckets for every shape crashed its warmup at Linux's default vm.max_map_count.
+    Speculation's shapes (verify, drafting) give up the small buckets first: plain decoding and
+    prefill keep all five at the default cap."""
     from engine.loader import (
         VERIFY_TOKENS,
         context_buckets,
-        context_buckets_within,
         estimated_mappings,
         runner_config,
+        split_context_buckets,
     )
 
     def serve_like(limit, drafting=True):
@@ -140,16 +142,19 @@ def test_context_buckets_are_thinned_to_fit_the_hosts_memory_mappings():
                              drafting=drafting, map_limit=limit)
 
     full = context_buckets(4096)
-    assert serve_like(None).context_buckets == full  # no cap known (or not XLA:CPU): all of them
-    assert serve_like(10**7).context_buckets == full
+    for rc in (serve_like(None), serve_like(10**7)):  # no cap known (or not XLA:CPU): all of them
+        assert rc.context_buckets == rc.spec_contexts == full and rc.spec_context_buckets == ()
     for limit in (65530, 131072, 262144):
         for drafting in (True, False):
             rc = serve_like(limit, drafting)
-            cb = rc.context_buckets
-            assert cb == full[-len(cb):] and cb[-1] == 4096  # the smallest go first
+            cb, spec = rc.context_buckets, rc.spec_contexts
+            assert cb == full[-len(cb):] and spec == cb[-len(spec):] and spec[-1] == 4096  # the smallest go first
             assert estimated_mappings(rc, drafting) <= limit
-            if cb != full:  # one more bucket would not have fitted
-                wider = dataclasses.replace(rc, context_buckets=full[-len(cb) - 1:])
+            if spec != cb:  # one more speculation bucket would not have fitted
+                wider = dataclasses.replace(rc, spec_context_buckets=cb[-len(spec) - 1:])
                 assert estimated_mappings(wider, drafting) > limit
-    assert len(serve_like(65530).context_buckets) == 3 and serve_like(262144).context_buckets == full
-    assert context_buckets_within((64, 128), 10**6, 65530) == (128,)  # never fewer than one
+    default = serve_like(65530)
+    assert default.context_buckets == full and default.spec_contexts == (2048, 4096)
+    assert serve_like(262144).spec_contexts == full
+    assert split_context_buckets((64, 128), (1,), (32,), 10**6, 65530) == ((128,), (128,))  # never fewer than one
+    assert split_context_buckets((64, 128), (1,), (32,), 0, None) == ((64, 128), (64, 128))

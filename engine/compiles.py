@@ -1,0 +1,124 @@
+"""Compilation bookkeeping: how many shapes were compiled, by whom, and what they cost.
+
+- A process-wide counter of jit lowerings (`compile_count`) lets tests and
+  `/ready` prove that serving compiles nothing after warmup. Lowerings made
+  inside `warming()` (the background warmup thread of engine/warm.py) are
+  counted apart, so `serving_compiles` moves only when a thread that serves
+  compiles.
+- `abstract` describes live arrays for ahead-of-time `jit(...).lower(...)`:
+  shape, dtype and, for a committed array, its sharding, so that the
+  executable it compiles is the one a later call with those arrays finds in
+  the jit cache (a committed and an uncommitted argument lower differently).
+- The persistent compilation cache and the memory-mapping cap of XLA:CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+
+import jax
+
+_compiles = 0
+_warming_compiles = 0
+_lock = threading.Lock()
+_local = threading.local()
+
+
+def _on_event(name: str, *_args, **_kw) -> None:
+    global _compiles, _warming_compiles
+    # Lowering runs on every in-memory jit cache miss, also when the persistent
+    # compilation cache then supplies the executable: it counts new shapes.
+    if name == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+        with _lock:
+            _compiles += 1
+            if getattr(_local, "warming", False):
+                _warming_compiles += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compile_count() -> int:
+    """Jit compilations (cache misses) in this process so far, any function, any thread."""
+    return _compiles
+
+
+def serving_compiles() -> int:
+    """Jit compilations so far outside `warming()` blocks."""
+    return _compiles - _warming_compiles
+
+
+@contextlib.contextmanager
+def warming() -> Iterator[None]:
+    """Count the lowerings this thread makes inside the block as warmup, not serving."""
+    before = getattr(_local, "warming", False)
+    _local.warming = True
+    try:
+        yield
+    finally:
+        _local.warming = before
+
+
+def abstract(tree):
+    """`tree` with every jax.Array replaced by its ShapeDtypeStruct (sharding kept only where
+    the array is committed); numpy arrays and other leaves as they are. Reads metadata only,
+    so an array another thread has donated meanwhile still works."""
+
+    def one(a):
+        if isinstance(a, jax.Array):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if a.committed else None,
+                                        weak_type=a.aval.weak_type)
+        return a
+
+    return jax.tree.map(one, tree)
+
+
+def outputs(compiled, committed: bool):
+    """ShapeDtypeStructs of a compiled call's outputs, as a later call receives them: committed
+    (with the compiled output sharding) when any input was committed, as jit does."""
+    return jax.tree.map(lambda info, sh: jax.ShapeDtypeStruct(info.shape, info.dtype,
+                                                              sharding=sh if committed else None),
+                        compiled.out_info, compiled.output_shardings)
+
+
+def any_committed(*trees) -> bool:
+    return any(isinstance(a, jax.Array) and a.committed for a in jax.tree.leaves(trees))
+
+
+def memory_mappings() -> int | None:
+    """Memory mappings of this process (Linux), None where unknown."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def map_limit() -> int | None:
+    """The mappings compiled code may take in this process (None: no known cap, or not XLA:CPU,
+    whose kernels live on the host; see engine.loader.MAPS_PER_SHAPE)."""
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def enable_persistent_cache(path: str | None = None) -> str:
+    """Keep compiled executables on disk so a restart (or the next test run) skips XLA.
+
+    Defaults to $CROSSOVER_CACHE/jax (or ~/.cache/crossover/jax).
+    """
+    if path is None:
+        root = os.environ.get("CROSSOVER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "crossover")
+        path = os.path.join(root, "jax")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
