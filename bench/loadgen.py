@@ -7,11 +7,15 @@
    clients, each sends its next job when the previous one finished) or open
    loop (job i starts at its Poisson arrival `Job.at_s`, whatever is running).
 3. `run_http` streams every job (SSE, `include_usage`) with aiohttp and
-   times it: TTFT at the first chunk carrying text, the last token at the
-   chunk carrying finish_reason, the token count from the usage chunk.
+   times it: TTFT at the first chunk carrying text, inter-token latencies
+   (ITL) between successive chunks carrying text, the last token at the
+   chunk carrying finish_reason, the token count from the usage chunk. A job
+   whose prompt names a tenant is sent with that tenant's key when `keys`
+   has one (else with the run's key).
 4. `run_engine` sends the same jobs, as `engine.types.Request`s encoded up
-   front, to `EngineCore.step()` called in a loop on this thread: no HTTP,
-   no event loop, no thread hop; TTFT at the first event carrying tokens.
+   front (with the prompt's tenant), to `EngineCore.step()` called in a loop
+   on this thread: no HTTP, no event loop, no thread hop; TTFT at the first
+   event carrying tokens, ITL between successive ones.
 5. Both return one `Sample` per job sent and the wall time from the first
    send to the last finish; `bench.serve` summarizes them.
 """
@@ -24,8 +28,8 @@ import json
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -63,7 +67,8 @@ class Job:
 
     def request(self, tokenizer: Any, request_id: str) -> Request:
         """The engine Request the daemon would build from `body()` (same ids, same sampling)."""
-        req = to_request(self.prompt, tokenizer, request_id, self.max_tokens, tenant="default")
+        tenant = self.prompt.tenant or "default"  # open mode's tenant unless the prompt names one
+        req = to_request(self.prompt, tokenizer, request_id, self.max_tokens, tenant=tenant)
         req.sampling = dataclasses.replace(req.sampling, ignore_eos=True)
         return req
 
@@ -79,6 +84,18 @@ class Sample:
     last_token_s: float | None = None
     latency_s: float | None = None
     error: str | None = None
+    itl_s: list[float] = field(default_factory=list)
+    """Inter-token latencies: time between successive chunks (events) that carry tokens."""
+    last_text_s: float | None = None
+    """The latest chunk (event) that carried tokens."""
+
+    def took_tokens(self, now_s: float) -> None:
+        """A chunk (event) with tokens arrived `now_s` after the send: TTFT or one more ITL."""
+        if self.ttft_s is None:
+            self.ttft_s = now_s
+        elif self.last_text_s is not None:
+            self.itl_s.append(now_s - self.last_text_s)
+        self.last_text_s = now_s
 
     @property
     def tpot_s(self) -> float | None:
@@ -102,8 +119,12 @@ def make_jobs(prompts: list[Prompt], max_tokens: int, rate: float | None, seed: 
 # ---- over HTTP --------------------------------------------------------------
 async def run_http(url: str, model: str, jobs: list[Job], concurrency: int, rate: float | None,
                    api_key: str | None = None, deadline_s: float | None = None,
-                   progress: Progress | None = None) -> tuple[list[Sample], float]:
-    """Send `jobs` to the daemon at `url`; (samples of the jobs sent, wall seconds)."""
+                   progress: Progress | None = None, keys: Mapping[str, str] | None = None
+                   ) -> tuple[list[Sample], float]:
+    """Send `jobs` to the daemon at `url`; (samples of the jobs sent, wall seconds).
+
+    `keys`: tenant -> API key; a job whose prompt's tenant has one is sent with it.
+    """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     samples: list[Sample] = []
@@ -120,7 +141,9 @@ async def run_http(url: str, model: str, jobs: list[Job], concurrency: int, rate
         end = None if deadline_s is None else start + deadline_s
 
         async def one(job: Job) -> None:
-            done(await _stream_one(session, url.rstrip("/"), model, job))
+            key = (keys or {}).get(job.prompt.tenant)
+            auth = {"Authorization": f"Bearer {key}"} if key else None
+            done(await _stream_one(session, url.rstrip("/"), model, job, auth))
 
         if rate is None:
             pending = deque(jobs)
@@ -141,11 +164,13 @@ async def run_http(url: str, model: str, jobs: list[Job], concurrency: int, rate
         return samples, time.perf_counter() - start
 
 
-async def _stream_one(session: aiohttp.ClientSession, base: str, model: str, job: Job) -> Sample:
+async def _stream_one(session: aiohttp.ClientSession, base: str, model: str, job: Job,
+                      headers: dict[str, str] | None = None) -> Sample:
     sample = Sample(job.index)
     sent = time.perf_counter()
     try:
-        async with session.post(base + job.route(), json=job.body(model)) as response:
+        async with session.post(base + job.route(), json=job.body(model),
+                                headers=headers) as response:
             if response.status != 200:
                 text = await response.text()
                 sample.error = f"HTTP {response.status}: {text[:200]}"
@@ -200,8 +225,8 @@ def _account(sample: Sample, chunk: SseChunk, now_s: float) -> None:
     if chunk.usage:
         sample.prompt_tokens = chunk.usage["prompt_tokens"]
         sample.output_tokens = chunk.usage["completion_tokens"]
-    if chunk.texts and sample.ttft_s is None:
-        sample.ttft_s = now_s
+    if chunk.texts:
+        sample.took_tokens(now_s)
     if chunk.finished:
         sample.last_token_s = now_s
 
@@ -241,8 +266,8 @@ def run_engine(engine: Any, jobs: list[Job], concurrency: int, rate: float | Non
             job = by_id[event.request_id]
             sample, since = samples[job.index], now - sent[job.index]
             sample.output_tokens += len(event.token_ids)
-            if event.token_ids and sample.ttft_s is None:
-                sample.ttft_s = since
+            if event.token_ids:
+                sample.took_tokens(since)
             if event.finished:
                 sample.last_token_s = sample.latency_s = since
                 finished += 1

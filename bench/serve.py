@@ -3,24 +3,34 @@
 1. Load the engine (Gemma 3 270M unless --model; FakeEngine with --fake) and
    warm it up once; both phases below share it.
 2. Draw prompts from bench.workloads (`mixed`, seeded; --mix weights the
-   kinds copy/code/chat/prose), keeping those whose tokens plus max_tokens fit
+   kinds copy/code/chat/prose; or with --shared-prefix `shared_prefix`: 4
+   tenants, each with its own ~1,000-token system prompt, sized with the
+   engine's tokenizer), keeping those whose tokens plus max_tokens fit
    the context, and make jobs (bench.loadgen): closed loop with
    --concurrency clients, or Poisson arrivals at --rate requests/s.
 3. HTTP phase: the daemon runs in this process (make_app on this event loop,
    127.0.0.1, an ephemeral port, open mode, a temporary telemetry database,
-   the tuner off), or is the one at --url. One warm-up request, then the jobs,
-   streamed, until they are all sent or --seconds have passed.
+   the tuner off; with tenants in the workload, closed mode instead, each
+   tenant created in that database and sending with its own key), or is the
+   one at --url (tenants' keys from --tenant-keys, else --api-key for all).
+   One warm-up request, then the jobs, streamed, until they are all sent or
+   --seconds have passed.
 4. Engine phase: the same jobs (those the HTTP phase sent), at the same
    concurrency or arrival times, straight into `engine.step()` on this
    thread. Skipped with --url (the engine is elsewhere).
 5. Steps 3 and 4 alternate --rounds times (default 1).
 6. Summary per phase: output tokens/s and requests/s over the wall time from
    the first send to the last finish; mean/p50/p90/p99 of TTFT, TPOT and
-   end-to-end latency in ms; the share of CPU other processes took meanwhile
-   (the machine may be shared). Each phase reports its fastest round, since
-   other processes only ever slow a round down; `rounds` lists them all.
-   `http_over_engine` = HTTP output tokens/s over engine output tokens/s
-   (the serving overhead; 1.0 is none). JSON goes to --out, progress to stderr.
+   end-to-end latency and of the inter-token latency (ITL) in ms; the share
+   of CPU other processes took meanwhile (the machine may be shared). Each
+   phase reports its fastest round, since other processes only ever slow a
+   round down; `rounds` lists them all. `http_over_engine` = HTTP output
+   tokens/s over engine output tokens/s (the serving overhead; 1.0 is none).
+7. Efficiency (bench.efficiency): the engine's prefill and decode rates at
+   the batch sizes the bound needs, measured on the same engine after the
+   phases (or read from --engine-rates, a `crossover bench engine` JSON);
+   the bound for the requests the fastest HTTP round served, and served
+   tokens/s over it. JSON goes to --out, progress to stderr.
 """
 
 from __future__ import annotations
@@ -30,12 +40,13 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.efficiency import EngineRates, efficiency, measure_rates, rates_from_file
 from bench.loadgen import Job, Sample, make_jobs, run_engine, run_http
 from daemon.user_error import UserError
 
@@ -83,33 +94,52 @@ class ServeBenchConfig:
     """Telemetry database of the in-process daemon; None: a temporary SQLite file."""
     no_db: bool = False
     """Run the in-process daemon without a telemetry database."""
+    shared_prefix: bool = False
+    """The shared-prefix workload (bench.workloads.shared) instead of --mix."""
+    prefix_tokens: int = 1000
+    """--shared-prefix: tokens of each tenant's system prompt."""
+    engine_rates: str | None = None
+    """A `crossover bench engine` JSON whose rates the efficiency bound uses (else measured here)."""
+    tenant_keys: str | None = None
+    """--url: a JSON file {tenant: API key}; a tenant's requests are sent with its key."""
 
 
 def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, Any]:
     """Run both phases (cfg.rounds times) and return (and write to `out_path`) the JSON result."""
+    file_rates = _file_rates(cfg.engine_rates)
+    remote_keys = _tenant_keys(cfg.tenant_keys)
     engine = None if cfg.url else _load_engine(cfg)
     prompts = _prompts(cfg, engine)
     jobs = make_jobs(prompts, cfg.max_tokens, cfg.rate, cfg.seed)
     shown = {**asdict(cfg), "api_key": "***" if cfg.api_key else None}
-    result: dict[str, Any] = {"bench": "serve", "config": shown, **_describe(engine)}
+    result: dict[str, Any] = {"bench": "serve", "config": shown, **_describe(engine),
+                              "workload": None}  # filled in once the jobs are sent
     mode = f"rate {cfg.rate}/s" if cfg.rate else f"concurrency {cfg.concurrency}"
     _log(f"{len(jobs)} requests of {cfg.max_tokens} tokens, {mode}, {cfg.rounds} round(s)")
-    rounds = []
+    rounds, served = [], []
     for r in range(cfg.rounds):
-        http, sent = asyncio.run(_http_phase(cfg, engine, jobs, deadline=r == 0))
-        jobs = jobs[:sent]  # later rounds, and the engine, send what the first round sent
+        http, samples = asyncio.run(_http_phase(cfg, engine, jobs, remote_keys, deadline=r == 0))
+        jobs = jobs[:len(samples)]  # later rounds, and the engine, send what the first round sent
+        sent = len(jobs)
         _log(_line(f"round {r + 1} http", http))
         rounds.append({"http": http})
+        served.append(samples)
         if engine is not None:
             meter = CpuMeter()
-            samples, wall = run_engine(engine, jobs, cfg.concurrency, cfg.rate,
-                                       _progress("engine", sent), tag=f"r{r}")
-            rounds[-1]["engine_only"] = summarize(samples, wall, meter.share())
+            direct, wall = run_engine(engine, jobs, cfg.concurrency, cfg.rate,
+                                      _progress("engine", sent), tag=f"r{r}")
+            rounds[-1]["engine_only"] = summarize(direct, wall, meter.share())
             _log(_line(f"round {r + 1} engine only", rounds[-1]["engine_only"]))
+    result["workload"] = _workload(cfg, jobs, remote_keys)  # the jobs sent
     result.update(_best_rounds(rounds))
     if engine is not None:
         result["compiles_since_warmup"] = _compiles(engine)
     _log(f"http_over_engine: {result['http_over_engine']}")
+    best = max(range(len(rounds)), key=lambda i: rounds[i]["http"]["output_tokens_per_s"] or 0.0)
+    result["efficiency"] = _efficiency(cfg, engine, file_rates, result, served[best])
+    _log(f"efficiency: {result['efficiency'].get('ratio')} (served "
+         f"{result['efficiency'].get('served_tokens_per_s')} of a bound of "
+         f"{result['efficiency'].get('bound_tokens_per_s')} output tok/s)")
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         Path(out_path).write_text(json.dumps(result, indent=2) + "\n")
@@ -138,20 +168,26 @@ def _best_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 # ---- the phases ---------------------------------------------------------------
 async def _http_phase(cfg: ServeBenchConfig, engine: Any, jobs: list[Job],
-                      deadline: bool) -> tuple[dict[str, Any], int]:
-    """Summary of the HTTP phase and how many jobs it sent (within --seconds if `deadline`)."""
+                      remote_keys: dict[str, str], deadline: bool
+                      ) -> tuple[dict[str, Any], list[Sample]]:
+    """Summary of the HTTP phase and the samples of the jobs it sent (within --seconds if
+    `deadline`)."""
     seconds = cfg.seconds if deadline else None
     if cfg.url:
-        model = await _served_model(cfg.url, cfg.api_key)
-        return await _measure_http(cfg, cfg.url, model, jobs, seconds)
+        any_key = cfg.api_key or next(iter(remote_keys.values()), None)
+        model = await _served_model(cfg.url, any_key)
+        return await _measure_http(cfg, cfg.url, model, jobs, seconds, remote_keys)
     from aiohttp import web
 
     from daemon.app import make_app
     from daemon.state import ENGINE_THREAD
 
+    tenants = _tenants_of(jobs)
     with tempfile.TemporaryDirectory(prefix="crossover-bench-") as tmp:
         database = None if cfg.no_db else _open_database(cfg.db or f"sqlite:///{tmp}/serve.db")
-        app = make_app(_settings(cfg, engine, len(jobs)), engine, database=database, warmup=False)
+        keys = _create_tenants(database, tenants, len(jobs)) if tenants else {}
+        app = make_app(_settings(cfg, engine, len(jobs), open_mode=not tenants), engine,
+                       database=database, warmup=False)
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
                                shutdown_timeout=2.0)
         await runner.setup()
@@ -160,21 +196,67 @@ async def _http_phase(cfg: ServeBenchConfig, engine: Any, jobs: list[Job],
             url = f"http://127.0.0.1:{runner.addresses[0][1]}"
             while not app[ENGINE_THREAD].ready:
                 await asyncio.sleep(0.01)
-            return await _measure_http(cfg, url, engine.model_name, jobs, seconds)
+            return await _measure_http(cfg, url, engine.model_name, jobs, seconds, keys)
         finally:
             await runner.cleanup()
 
 
 async def _measure_http(cfg: ServeBenchConfig, url: str, model: str, jobs: list[Job],
-                        seconds: float | None) -> tuple[dict[str, Any], int]:
+                        seconds: float | None, keys: dict[str, str]
+                        ) -> tuple[dict[str, Any], list[Sample]]:
     warm = Job(-1, jobs[0].prompt, 2)
-    warm_samples, _ = await run_http(url, model, [warm], 1, None, cfg.api_key)
+    warm_samples, _ = await run_http(url, model, [warm], 1, None, cfg.api_key, keys=keys)
     if warm_samples[0].error:
         raise UserError(f"the warm-up request to {url} failed: {warm_samples[0].error}")
     meter = CpuMeter()
     samples, wall = await run_http(url, model, jobs, cfg.concurrency, cfg.rate, cfg.api_key,
-                                   seconds, _progress("http", len(jobs)))
-    return summarize(samples, wall, meter.share()), len(samples)
+                                   seconds, _progress("http", len(jobs)), keys)
+    return summarize(samples, wall, meter.share()), samples
+
+
+# ---- the efficiency bound -----------------------------------------------------------
+def _efficiency(cfg: ServeBenchConfig, engine: Any, file_rates: EngineRates | None,
+                result: dict[str, Any], samples: list[Sample]) -> dict[str, Any]:
+    """The `efficiency` block for the served (error-free) samples of the fastest HTTP round."""
+    ok = [s for s in samples if s.error is None]
+    http = result["http"]
+    if not ok:
+        return {"ratio": None, "reason": "no request was served without an error"}
+    if cfg.rate is None:
+        concurrency, how = min(cfg.concurrency, len(ok)), "--concurrency (closed loop)"
+    else:
+        concurrency, how = max(1, round(http["mean_in_flight"])), "mean requests in flight (open loop)"
+    if engine is not None:
+        concurrency = min(concurrency, engine.max_batch)
+    rates = file_rates
+    if rates is None and engine is None:
+        return {"served_tokens_per_s": http["output_tokens_per_s"], "ratio": None,
+                "reason": "no engine here to measure (--url): pass --engine-rates FILE, the JSON of "
+                          "`crossover bench engine` on the daemon's machine and model"}
+    if rates is None:
+        rates = _measure(cfg, engine, ok, concurrency)
+    block = efficiency(http["output_tokens_per_s"], [s.prompt_tokens for s in ok],
+                       [s.output_tokens for s in ok], concurrency, rates,
+                       result.get("engine_only", {}).get("output_tokens_per_s"))
+    block["bound"]["concurrency_from"] = how
+    return block
+
+
+def _measure(cfg: ServeBenchConfig, engine: Any, ok: list[Sample], concurrency: int
+             ) -> EngineRates:
+    """Rates of the idle `engine` at the batch sizes an ideal closed loop of `concurrency` runs,
+    decoding after prompts of the served prompts' mean length."""
+    from bench.efficiency import decode_schedule
+
+    batches = list(decode_schedule([s.output_tokens for s in ok], concurrency)) or [1]
+    new_tokens = max(4, min(cfg.max_tokens, 64))
+    mean_prompt = round(sum(s.prompt_tokens for s in ok) / len(ok))
+    prompt_len = max(2, min(mean_prompt, engine.max_context - new_tokens - 1))
+    _log(f"measuring the engine's rates: decode at batch {sorted(batches)}, prefill of "
+         f"{prompt_len} tokens")
+    meter = CpuMeter()
+    rates = measure_rates(engine, batches, prompt_len, new_tokens, prompt_len)
+    return replace(rates, detail={**rates.detail, "other_processes_cpu_share": meter.share()})
 
 
 # ---- the summary --------------------------------------------------------------
@@ -192,7 +274,10 @@ def summarize(samples: list[Sample], wall_s: float, cpu_share: float | None = No
         "requests_per_s": round(len(ok) / wall_s, 4) if wall_s > 0 else None,
         "ttft_ms": distribution([s.ttft_s for s in ok]),
         "tpot_ms": distribution([s.tpot_s for s in ok]),
+        "itl_ms": distribution([gap for s in ok for gap in s.itl_s]),
         "latency_ms": distribution([s.latency_s for s in ok]),
+        "mean_in_flight": (round(sum(s.latency_s or 0.0 for s in ok) / wall_s, 3)
+                           if wall_s > 0 else None),
         "other_processes_cpu_share": cpu_share,
     }
 
@@ -260,13 +345,19 @@ def _load_engine(cfg: ServeBenchConfig) -> Any:
 
 
 def _prompts(cfg: ServeBenchConfig, engine: Any) -> list[Any]:
-    """cfg.requests prompts of the mix; with an engine, only those that fit its context."""
-    from bench.workloads import mixed
+    """cfg.requests prompts of the workload; with an engine, only those that fit its context."""
+    from bench.workloads import mixed, shared_prefix
+
+    def draw(n: int) -> list[Any]:
+        if not cfg.shared_prefix:
+            return mixed(n, cfg.mix, cfg.seed)
+        tokenizer = engine.tokenizer if engine is not None else _local_tokenizer(cfg.model)
+        return shared_prefix(n, cfg.seed, tokenizer, cfg.prefix_tokens)
 
     if engine is None:
-        return mixed(cfg.requests, cfg.mix, cfg.seed)
+        return draw(cfg.requests)
     room = engine.max_context - cfg.max_tokens
-    drawn = mixed(cfg.requests * 4, cfg.mix, cfg.seed)
+    drawn = draw(cfg.requests * 4)
     fits = [p for p in drawn
             if len(engine.tokenizer.encode(p.render(engine.tokenizer))) <= room][: cfg.requests]
     if len(fits) < cfg.requests:
@@ -276,14 +367,86 @@ def _prompts(cfg: ServeBenchConfig, engine: Any) -> list[Any]:
     return fits
 
 
-def _settings(cfg: ServeBenchConfig, engine: Any, jobs: int) -> Any:
+def _local_tokenizer(model: str | None) -> Any:
+    """--url: the tokenizer of --model (a .gguf) or of the default model, to size system
+    prompts; None (4 characters a token) when it cannot be loaded."""
+    try:
+        from engine.tokenizer import Tokenizer
+
+        gguf = model if model and model.endswith(".gguf") else None
+        return Tokenizer.from_gguf(gguf, progress=False) if model is None or gguf else None
+    except Exception as exc:  # no model package here: size by characters
+        _log(f"no local tokenizer ({exc}); system prompts sized at 4 characters a token")
+        return None
+
+
+def _settings(cfg: ServeBenchConfig, engine: Any, jobs: int, open_mode: bool = True) -> Any:
     from daemon.settings import Settings
     from tuner.config import TunerConfig
 
     return Settings(host="127.0.0.1", port=0, max_batch=engine.max_batch,
                     max_context=engine.max_context, max_waiting=max(256, jobs, cfg.concurrency),
-                    tuner=TunerConfig(enabled=False, search_process=False), open_mode=True,
+                    tuner=TunerConfig(enabled=False, search_process=False), open_mode=open_mode,
                     log_level="warning")
+
+
+def _tenants_of(jobs: list[Job]) -> list[str]:
+    return sorted({job.prompt.tenant for job in jobs if job.prompt.tenant})
+
+
+def _create_tenants(database: Any, names: list[str], jobs: int) -> dict[str, str]:
+    """Add the workload's tenants to the in-process daemon's database, none of them limited
+    below the whole load; name -> API key."""
+    from daemon.tenants.admin_ops import create_tenant
+    from store.db import session_scope
+
+    if database is None:
+        raise UserError("the workload's tenants need the telemetry database for their API "
+                        "keys: drop --no-db")
+    limits = {"max_concurrent": max(1, jobs)}
+    with session_scope(database.engine) as session:
+        return {name: create_tenant(session, name, dict(limits))[1] for name in names}
+
+
+def _tenant_keys(path: str | None) -> dict[str, str]:
+    """--tenant-keys: {tenant: API key} from a JSON file; UserError when it is not one."""
+    if path is None:
+        return {}
+    try:
+        keys = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--tenant-keys {path}: {exc}") from None
+    if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
+        raise UserError(f"--tenant-keys {path}: expected a JSON object of tenant name -> API key")
+    return keys
+
+
+def _file_rates(path: str | None) -> EngineRates | None:
+    if path is None:
+        return None
+    try:
+        return rates_from_file(path)
+    except ValueError as exc:
+        raise UserError(f"--engine-rates: {exc}") from None
+
+
+def _workload(cfg: ServeBenchConfig, jobs: list[Job], remote_keys: dict[str, str]
+              ) -> dict[str, Any]:
+    """What was sent: the workload's name and, with tenants, who sent it how."""
+    tenants = _tenants_of(jobs)
+    out: dict[str, Any] = {"name": "shared-prefix" if cfg.shared_prefix else "mixed"}
+    if cfg.shared_prefix:
+        out["prefix_tokens"] = cfg.prefix_tokens
+    if tenants:
+        per = {t: sum(job.prompt.tenant == t for job in jobs) for t in tenants}
+        if not cfg.url:
+            how = "each tenant with its own API key, created in the daemon started here"
+        elif remote_keys:
+            how = "each tenant with its key from --tenant-keys (--api-key for the rest)"
+        else:
+            how = "every tenant with --api-key: the daemon sees one tenant"
+        out["tenants"] = {"requests": per, "sent": how}
+    return out
 
 
 def _open_database(url: str) -> Any:

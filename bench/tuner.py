@@ -354,8 +354,8 @@ def static_policies(cfg: TunerBenchConfig, engine: Any) -> dict[str, TunedPolicy
     if "never" in cfg.runs:
         out["never"] = TunedPolicy()
     if "fixed" in cfg.runs:
-        for t in techniques:
-            deepest = proposers[t].max_depth  # e.g. MTP: its heads
+        for t in techniques:  # no deeper than the proposer drafts (e.g. MTP: its heads) or verify compiled
+            deepest = min(proposers[t].max_depth, engine.capacity().max_depth)
             for d in (d for d in cfg.depths if d <= deepest):
                 out[f"fixed:{t}@{d}"] = TunedPolicy((BatchRule(top, t, d),), crossover=top,
                                                     **_memory(cfg, engine, t))

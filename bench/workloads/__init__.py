@@ -23,7 +23,9 @@ without running any draft model. Code completion repeats identifiers and chat
 or prose rarely repeat long spans, so the payoff shrinks in that order and
 the tuner has something to decide.
 
-`prompts(kind, n, seed)` and `mixed(n, mix, seed)` draw prompts; `trace(phases,
+`prompts(kind, n, seed)` and `mixed(n, mix, seed)` draw prompts; `shared_prefix(n, seed,
+tokenizer)` draws multi-tenant chat prompts that start with their tenant's ~1,000-token
+system prompt (`shared.py`, for prefix caching); `trace(phases,
 seed)` times them as Poisson arrivals per `Phase` (`SHIFTING_TRACE` is the
 default low-copy / high-mixed / low-prose trace). Output is reproducible for a
 given seed on a given interpreter (the pools depend on its stdlib version).
@@ -40,6 +42,7 @@ from bench.workloads.kinds import (
     tenant_for,
     to_request,
 )
+from bench.workloads.shared import shared_prefix, system_prompts
 from bench.workloads.trace import (
     PHASE_NAMES,
     SHIFTING_TRACE,
@@ -51,5 +54,5 @@ from bench.workloads.trace import (
 
 __all__ = [
     "DEFAULT_MAX_TOKENS", "KINDS", "PHASE_NAMES", "Phase", "Prompt", "SHIFTING_TRACE", "TimedPrompt", "check_mix", "mixed",
-    "pool", "prompts", "shifting_trace", "tenant_for", "to_request", "trace",
+    "pool", "prompts", "shared_prefix", "shifting_trace", "system_prompts", "tenant_for", "to_request", "trace",
 ]

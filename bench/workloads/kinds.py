@@ -44,6 +44,8 @@ class Prompt:
     """Copy kind: the block, verbatim from a stdlib file, that the answer should repeat."""
     source: str = ""
     """Where the text came from: "json/decoder.py:JSONDecoder.decode"."""
+    tenant: str = ""
+    """The tenant that sends it; "" for the kinds' own (`tenant_for(kind)`)."""
 
     def as_messages(self) -> list[dict[str, str]]:
         return [{"role": role, "content": content} for role, content in self.messages]
@@ -70,12 +72,13 @@ def to_request(
     temperature: float = 0.0, seed: int | None = None, tenant: str | None = None,
     arrival_time: float | None = None,
 ) -> Request:
-    """Encode `p` (with BOS; chat via the template) into an engine `Request`."""
+    """Encode `p` (with BOS; chat via the template) into an engine `Request` of `tenant`,
+    else of `p.tenant`, else of its kind's tenant."""
     limit = p.max_tokens if max_tokens is None else max_tokens
     sampling = SamplingParams(max_tokens=limit, temperature=temperature, seed=seed)
     extra = {} if arrival_time is None else {"arrival_time": arrival_time}
     ids = tokenizer.encode(p.render(tokenizer), add_bos=True)
-    return Request(request_id, ids, sampling, tenant or tenant_for(p.kind), **extra)
+    return Request(request_id, ids, sampling, tenant or p.tenant or tenant_for(p.kind), **extra)
 
 
 # --- copy / edit-heavy -------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`crossover bench engine|telemetry|serve|crossover|tuner`: measure, print progress, write JSON."""
+"""`crossover bench engine|telemetry|serve|crossover|tuner|early-exit`: measure, print progress, write JSON."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                     "size, acceptance per position, crossover batch; JSON + PNG"))
     _add_tuner(sub.add_parser("tuner", help="the autotuned daemon vs static policies on a shifting "
                                             "trace: goodput per phase, ratios, ITL during retunes; JSON + PNG"))
+    _add_early_exit(sub.add_parser("early-exit", help="LOSSY opt-in experiment: early exit with a compacting "
+                                                      "batch; tokens/s vs batch and threshold, agreement, "
+                                                      "perplexity; JSON"))
 
 
 def _add_serve(s: argparse.ArgumentParser) -> None:
@@ -57,6 +60,16 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
     add("--db", default=None,
         help="telemetry database of the daemon started here (default: a temporary SQLite file)")
     add("--no-db", action="store_true", help="start the daemon without a telemetry database")
+    add("--shared-prefix", action="store_true",
+        help="instead of --mix: 4 tenants, each with its own system prompt of --prefix-tokens "
+             "tokens, questions differing after it; each tenant sends with its own API key "
+             "(default --max-context 2048)")
+    add("--prefix-tokens", type=int, default=1000, help="--shared-prefix: system prompt tokens")
+    add("--engine-rates", default=None, metavar="FILE",
+        help="a `crossover bench engine` JSON whose prefill/decode rates bound the efficiency "
+             "(default: measured on the engine started here; with --url, none: no ratio)")
+    add("--tenant-keys", default=None, metavar="FILE",
+        help="with --url and --shared-prefix: JSON {tenant: API key} the tenants send with")
 
 
 def _add_crossover(c: argparse.ArgumentParser) -> None:
@@ -89,7 +102,8 @@ def _add_engine(add: Any, *, heads: bool, sized: bool) -> None:
     add("--dtype", default=None, choices=["float32", "bfloat16"])
     if sized:
         add("--max-batch", type=int, default=32, help="the engine's most sequences decoded together")
-        add("--max-context", type=int, default=1024, help="the engine's context in tokens")
+        add("--max-context", type=int, default=None,
+            help="the engine's context in tokens (default 1024; bench serve --shared-prefix: 2048)")
         add("--fake", action="store_true", help="use the fake engine (no model; for tests)")
 
 
@@ -132,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         from bench.tuner import run_bench as tuner_bench
 
         tuner_bench(_tuner_config(args), args.out)
+    elif args.bench == "early-exit":
+        _run_early_exit(args)
     return 0
 
 
@@ -170,9 +186,12 @@ def _serve_config(args: argparse.Namespace) -> Any:
     from bench.serve import ServeBenchConfig
     from bench.workloads import check_mix
 
+    max_context = (args.max_context if args.max_context is not None
+                   else 2048 if args.shared_prefix else 1024)
     minimums = (("--concurrency", args.concurrency, 1), ("--requests", args.requests, 1),
                 ("--max-tokens", args.max_tokens, 1), ("--max-batch", args.max_batch, 1),
-                ("--rounds", args.rounds, 1), ("--max-context", args.max_context, 2))
+                ("--rounds", args.rounds, 1), ("--max-context", max_context, 2),
+                ("--prefix-tokens", args.prefix_tokens, 1))
     for flag, value, low in minimums:
         if value < low:
             raise UserError(f"{flag} must be >= {low}, got {value}")
@@ -181,6 +200,9 @@ def _serve_config(args: argparse.Namespace) -> Any:
             raise UserError(f"{flag} must be positive, got {value}")
     if not args.fake_step_ms >= 0:
         raise UserError(f"--fake-step-ms must be >= 0, got {args.fake_step_ms}")
+    if args.shared_prefix and args.no_db and not args.url:
+        raise UserError("--shared-prefix: each tenant sends with its own API key, kept in the "
+                        "telemetry database: drop --no-db")
     try:
         mix = {k.strip(): float(w) for k, w in (part.split("=") for part in args.mix.split(","))}
         check_mix(mix)
@@ -190,14 +212,18 @@ def _serve_config(args: argparse.Namespace) -> Any:
         concurrency=args.concurrency, requests=args.requests, max_tokens=args.max_tokens,
         rate=args.rate, seconds=args.seconds, mix=mix, seed=args.seed, rounds=args.rounds,
         model=args.model, dtype=args.dtype, max_batch=args.max_batch,
-        max_context=args.max_context, fake=args.fake, fake_step_ms=args.fake_step_ms,
+        max_context=max_context, fake=args.fake, fake_step_ms=args.fake_step_ms,
         url=args.url, api_key=args.api_key or os.environ.get("CROSSOVER_API_KEY"), db=args.db,
-        no_db=args.no_db)
+        no_db=args.no_db, shared_prefix=args.shared_prefix, prefix_tokens=args.prefix_tokens,
+        engine_rates=args.engine_rates, tenant_keys=args.tenant_keys)
 
 
 def _add_tuner(t: argparse.ArgumentParser) -> None:
     add = t.add_argument
     add("--out", default="bench-out/tuner.json", help="JSON output file (the PNG plot goes next to it)")
+    add("--quick", action="store_true",
+        help=f"a short run to check a tuner change: {', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, (_, v) in QUICK.items())} "
+             "unless given (the full run stays the reference)")
     add("--phase-seconds", type=float, default=60.0, help="length of each of the trace's three phases")
     add("--rate-scale", type=float, default=1.0, help="factor on the trace's arrival rates")
     add("--low-rate", type=float, default=0.5, help="arrivals/s of the low-load phases (before the scale)")
@@ -238,9 +264,19 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--fake-time-scale", type=float, default=1.0, help="fake engine: real s per simulated s of step time")
 
 
+QUICK: dict[str, tuple[Any, Any]] = {"phase_seconds": (60.0, 20.0), "depths": ("2,4,8", "2,4"),
+                                     "probe_retunes": (12, 3)}
+"""`bench tuner --quick`: flag -> (its default, the quick value); a flag given explicitly wins."""
+
+
 def _tuner_config(args: argparse.Namespace) -> Any:
     """The bench tuner config from flags; UserError naming what is wrong."""
     from bench.tuner import TunerBenchConfig
+
+    if args.quick:
+        for name, (default, quick) in QUICK.items():
+            if getattr(args, name) == default:
+                setattr(args, name, quick)
 
     def items(text: str | None) -> tuple[str, ...]:
         return tuple(x.strip() for x in (text or "").split(",") if x.strip())
@@ -264,7 +300,7 @@ def _tuner_config(args: argparse.Namespace) -> Any:
             validation_min_steps=args.validation_min_steps, search_process=not args.search_in_thread,
             probe_retunes=args.probe_retunes, probe_concurrency=args.probe_concurrency,
             probe_quiet_s=args.probe_quiet, model=args.model, heads=args.heads, dtype=args.dtype,
-            max_batch=args.max_batch, max_context=args.max_context, keep_db=args.keep_db,
+            max_batch=args.max_batch, max_context=1024 if args.max_context is None else args.max_context, keep_db=args.keep_db,
             fake=args.fake, fake_time_scale=args.fake_time_scale)
     except ValueError as exc:
         raise UserError(f"bench tuner: {exc}") from None
@@ -277,3 +313,42 @@ def _kind_value(flag: str, item: str) -> tuple[str, float]:
         return kind.strip(), float(value)
     except ValueError:
         raise UserError(f"{flag}: {item!r} is not KIND:NUMBER") from None
+
+
+def _add_early_exit(x: argparse.ArgumentParser) -> None:
+    add = x.add_argument
+    add("--out", default="bench-out/early-exit.json", help="JSON output file")
+    add("--batches", default="1,4,16,64", help="comma-separated batch sizes")
+    add("--thresholds", default="0.5,0.7,0.9",
+        help="comma-separated confidence thresholds (never exiting is always measured too)")
+    add("--exits", default="8", help="comma-separated exit points: layers run before each exit adapter")
+    add("--new-tokens", type=int, default=32, help="tokens per sequence")
+    add("--prompt-tokens", type=int, default=64, help="longest prompt (longer ones keep their last tokens)")
+    add("--exit-vocab", type=int, default=8192, help="draft-vocabulary ids the exit adapters score (0: all)")
+    add("--confidence", default="prob", choices=["prob", "margin"],
+        help="exit when the max softmax probability (prob) or top-1 minus top-2 (margin) reaches the threshold")
+    add("--quality-batch", type=int, default=16, help="prompts the greedy agreement is measured on")
+    add("--ppl-tokens", type=int, default=96, help="held-out tokens scored per paragraph")
+    add("--seed", type=int, default=0, help="seed of the prompt draw")
+    add("--rounds", type=int, default=2, help="timed runs per configuration; each reports its fastest")
+    _add_engine(add, heads=True, sized=False)
+
+
+def _run_early_exit(args: argparse.Namespace) -> None:
+    from bench.early_exit import EarlyExitGrid, run_bench
+
+    def numbers(flag: str, text: str, kind: type) -> tuple:
+        try:
+            return tuple(kind(v) for v in text.split(","))
+        except ValueError:
+            raise UserError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+
+    try:
+        grid = EarlyExitGrid(
+            batches=numbers("--batches", args.batches, int), thresholds=numbers("--thresholds", args.thresholds, float),
+            exits=numbers("--exits", args.exits, int), new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
+            exit_vocab=args.exit_vocab, confidence=args.confidence, quality_batch=args.quality_batch,
+            ppl_tokens=args.ppl_tokens, seed=args.seed, rounds=args.rounds)
+        run_bench(args.out, grid, model=args.model, heads=args.heads, dtype=args.dtype)
+    except ValueError as exc:
+        raise UserError(f"bench early-exit: {exc}") from None

@@ -258,3 +258,30 @@ def test_bad_temperatures_are_user_errors(capsys: pytest.CaptureFixture) -> None
     assert "poetry" in capsys.readouterr().err
     assert cli(["bench", "tuner", "--fake", "--temperatures", "chat:hot"]) == 2
     assert "hot" in capsys.readouterr().err
+
+
+def test_quick_sets_its_values_unless_a_flag_is_given() -> None:
+    from daemon.cli import build_parser
+    from daemon.commands.bench import QUICK, _tuner_config
+
+    def config(*flags: str) -> Any:
+        return _tuner_config(build_parser().parse_args(["bench", "tuner", "--fake", *flags]))
+
+    full, quick = config(), config("--quick")
+    assert (full.phase_s, full.depths, full.probe_retunes) == (60.0, (2, 4, 8), 12)
+    assert (quick.phase_s, quick.depths, quick.probe_retunes) == (20.0, (2, 4), 3)
+    assert {k: d for k, (d, _) in QUICK.items()} == {
+        "phase_seconds": full.phase_s, "depths": "2,4,8", "probe_retunes": full.probe_retunes}
+    given = config("--quick", "--phase-seconds", "30", "--depths", "1")
+    assert (given.phase_s, given.depths, given.probe_retunes) == (30.0, (1,), 3)
+
+
+def test_fixed_policies_stay_within_the_engine_s_verify_depth() -> None:
+    """The fake's MTP proposer drafts up to 8 but its engine verifies up to 4: the default
+    depths (2, 4, 8) give fixed policies at 2 and 4 for every loaded technique, not a refused 8."""
+    from bench.tuner import TunerBenchConfig, fake_engine, static_policies
+
+    cfg = TunerBenchConfig(fake=True, runs=("fixed",))
+    engine = fake_engine(cfg)
+    assert engine.capacity().proposers["mtp"].max_depth > engine.capacity().max_depth == 4
+    assert sorted(static_policies(cfg, engine)) == ["fixed:mtp@2", "fixed:mtp@4", "fixed:ngram@2", "fixed:ngram@4"]

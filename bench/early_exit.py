@@ -1,0 +1,327 @@
+"""`crossover bench early-exit`: early exit with a compacting batch — LOSSY, opt-in, an experiment.
+
+Answers the essay's question 4 (does early exit pay once a scheduler compacts the
+batch mid-network, or does the machinery cost more than it saves?) on the real
+model, with engine/early_exit.py. One run, so ratios are comparable on a busy machine:
+
+1. Speed: for each batch size, greedy decode of `new_tokens` per prompt through
+   the compacting stages at each threshold, and at "never" (the full model through
+   the same stages); beside them the engine's own forward in the same loop
+   ("plain loop") and the serving engine (bench/engine.decode_throughput).
+   Decode steps only (the prefill's token is the full model's). Every shape is
+   compiled before timing; compiles during the timed runs are counted.
+   `parts_ms`: each part of a step timed alone per row bucket (stage s, the state
+   propagation after exit point k, the K/V write, the engine's forward): what
+   compaction saves and what its machinery costs.
+2. Quality, per threshold, on `quality_batch` prompts: greedy agreement (share
+   of decoded positions where the early-exit token equals the full model's token
+   for the same prefix; also at exited positions only) and the share of sequences
+   identical to the full model's over all tokens.
+3. Perplexity of held-out text (HELD_OUT, written for this benchmark) teacher-forced
+   through the early-exit decoder, against the full model. An exited position's
+   distribution is the exit adapter over the whole vocabulary (over the draft
+   vocabulary a held-out token outside it would have probability 0).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.early_exit import NEVER, EarlyExit, pow2_bucket
+from engine.runner import compile_count
+
+HELD_OUT = (
+    "The harbour town woke slowly in winter. Fishing boats stayed tied to the quay while the wind "
+    "pushed grey water against the stones, and the baker opened an hour late because nobody came "
+    "before the light. By noon the market had a few stalls of apples, rope and dried fish, and the "
+    "children who should have been at school ran between them, daring each other to touch the cold "
+    "iron of the old crane that had not moved in forty years.",
+    "A cache is only useful when the data it keeps is read again before it is evicted. Engineers "
+    "therefore measure the hit rate under the traffic they actually serve, not under a synthetic "
+    "benchmark that repeats one request. When the working set grows past the cache, the hit rate "
+    "falls quickly, and every miss pays the full cost of the slower tier plus the bookkeeping of "
+    "the cache itself, which is why a small cache can make a system slower than no cache at all.",
+    "To make a simple bread, mix flour, water, salt and a little yeast until no dry flour remains. "
+    "Leave the dough covered for several hours, folding it twice so that it becomes smooth and "
+    "elastic. Shape it into a round loaf, let it rise again until it is soft to the touch, and bake "
+    "it in a very hot oven with a lid for the first half of the time, so that the crust stays thin "
+    "while the inside finishes cooking.",
+    "The committee met on Tuesday to review the budget for the coming year. Most members agreed "
+    "that the library needed a new roof before anything else, but they disagreed about whether to "
+    "borrow the money or to delay the repairs to the sports hall. After two hours the chair proposed "
+    "a compromise: the roof would be fixed in spring, and the hall would be inspected again in the "
+    "autumn before any decision was made about its future.",
+)
+"""Held-out paragraphs for perplexity (written for this benchmark; not from any training set)."""
+
+
+@dataclass(frozen=True)
+class EarlyExitGrid:
+    """What `crossover bench early-exit` measures."""
+
+    batches: tuple[int, ...] = (1, 4, 16, 64)
+    """Batch sizes (rows decoded together)."""
+    thresholds: tuple[float, ...] = (0.5, 0.7, 0.9)
+    """Confidence thresholds; "never" (the full model through the same stages) is always added."""
+    exits: tuple[int, ...] = (8,)
+    """Exit points (layers run before each exit adapter), ascending."""
+    new_tokens: int = 32
+    """Tokens per sequence (the first from the prefill)."""
+    prompt_tokens: int = 64
+    """Longest prompt (longer ones keep their last tokens)."""
+    exit_vocab: int = 8192
+    """Draft-vocabulary ids the exit adapters score (0: the whole vocabulary)."""
+    confidence: str = "prob"
+    """Exit rule: max softmax probability ("prob") or top-1 minus top-2 ("margin")."""
+    quality_batch: int = 16
+    """Prompts the greedy agreement is measured on."""
+    ppl_tokens: int = 96
+    """Held-out tokens scored per paragraph."""
+    seed: int = 0
+    """Seed of the prompt draw."""
+    rounds: int = 2
+    """Timed runs per configuration; each reports its fastest (for a machine other processes share)."""
+
+    def __post_init__(self) -> None:
+        if not self.batches or min(self.batches) < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {list(self.batches)}")
+        if not self.thresholds or any(not 0 <= t for t in self.thresholds):
+            raise ValueError(f"thresholds must be >= 0, got {list(self.thresholds)}")
+        if self.new_tokens < 2 or self.prompt_tokens < 2 or self.ppl_tokens < 2 or self.quality_batch < 1 \
+                or self.rounds < 1:
+            raise ValueError(f"new_tokens={self.new_tokens}, prompt_tokens={self.prompt_tokens}, ppl_tokens="
+                             f"{self.ppl_tokens} must be >= 2, quality_batch={self.quality_batch} and "
+                             f"rounds={self.rounds} >= 1")
+
+
+def _label(thr: float) -> str | float:
+    return "never" if thr == NEVER else thr
+
+
+def prompt_ids(tokenizer, n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
+    """n prompts of mixed kinds (bench.workloads), each BOS + at most prompt_tokens - 1 tokens."""
+    from bench.workloads import mixed
+
+    out = []
+    for p in mixed(n, {"prose": 1, "chat": 1, "code": 1, "copy": 1}, seed):
+        ids = tokenizer.encode(p.render(tokenizer), add_bos=False)
+        out.append([tokenizer.bos_id] + ids[-(prompt_tokens - 1):])
+    return out
+
+
+def held_out_ids(tokenizer, tokens: int) -> list[list[int]]:
+    """HELD_OUT as BOS + tokens, every row cut to the same length (at most `tokens` + 1)."""
+    rows = [[tokenizer.bos_id] + tokenizer.encode(t, add_bos=False) for t in HELD_OUT]
+    n = min(tokens + 1, *(len(r) for r in rows))
+    return [r[:n] for r in rows]
+
+
+def _rate(ee: EarlyExit, prompts, grid: EarlyExitGrid, thr: float, plain: bool = False):
+    run = ee.run(prompts, grid.new_tokens, thr, plain=plain)
+    steps = grid.new_tokens - 1
+    return run, {"tokens_per_s": len(prompts) * steps / run.decode_s, "step_ms": 1e3 * run.decode_s / steps}
+
+
+def _exit_stats(ee: EarlyExit, layers_run: np.ndarray) -> dict:
+    """Exit shares over decoded positions (step 0 is the prefill's), and the share of steps whose
+    last stage ran in a smaller bucket than the batch's (or not at all): where compaction saved."""
+    dec = layers_run[:, 1:]
+    rest = (dec == ee.cfg.n_layers).sum(axis=0)  # rows through the whole model, per step
+    full = pow2_bucket(dec.shape[0])
+    return {"exit_fraction": float((dec < ee.cfg.n_layers).mean()),
+            "exit_fraction_by_layer": {str(k): float((dec == k).mean()) for k in ee.exits},
+            "steps_compacted": float(np.mean([n == 0 or pow2_bucket(int(n)) < full for n in rest]))}
+
+
+def _fastest(rates: list[dict]) -> dict:
+    return max(rates, key=lambda r: r["tokens_per_s"])
+
+
+def measure_speed(ee: EarlyExit, engine, grid: EarlyExitGrid, prompts: list[list[int]], log) -> dict:
+    """Tokens/s per (batch, threshold), the plain loop and the serving engine per batch: each the
+    fastest of `grid.rounds` rounds, the configurations taking turns within a round."""
+    from bench.engine import decode_throughput
+
+    cells, plain, eng, runs, parts_ms = [], [], [], {}, {}
+    warm0, timed = compile_count(), 0
+    configs = ("plain", NEVER, *grid.thresholds)
+    for b in grid.batches:
+        rows = prompts[:b]
+        parts = ee.warm(b, max(len(p) for p in rows), grid.new_tokens, reps=grid.rounds + 1)
+        parts_ms[str(b)] = {k: round(v, 3) for k, v in parts.items()}
+        if engine is not None:
+            decode_throughput(engine, b, len(rows[0]), grid.new_tokens)  # compiles the engine's shapes
+        rates: dict = {c: [] for c in (*configs, "engine")}
+        for _ in range(grid.rounds):
+            c0 = compile_count()
+            for c in configs:
+                run, r = _rate(ee, rows, grid, NEVER if c == "plain" else c, plain=c == "plain")
+                rates[c].append(r)
+                runs[(b, c)] = run
+            timed += compile_count() - c0
+            if engine is not None:
+                e = decode_throughput(engine, b, len(rows[0]), grid.new_tokens)
+                rates["engine"].append({"tokens_per_s": e["tokens_per_s"], "step_ms": e["step_ms"]})
+        pr, never = _fastest(rates["plain"]), _fastest(rates[NEVER])["tokens_per_s"]
+        plain.append({"batch": b, **pr})
+        if engine is not None:
+            eng.append({"batch": b, **_fastest(rates["engine"])})
+        for thr in configs[1:]:
+            r = _fastest(rates[thr])
+            cell = {"batch": b, "threshold": _label(thr), **r, **_exit_stats(ee, runs[(b, thr)].layers_run),
+                    "speedup_vs_never": r["tokens_per_s"] / never,
+                    "speedup_vs_plain_loop": r["tokens_per_s"] / pr["tokens_per_s"]}
+            cells.append(cell)
+            log(f"batch {b:3d} threshold {str(_label(thr)):>5}: {r['tokens_per_s']:8.1f} tok/s, "
+                f"{cell['exit_fraction']:.0%} exited, {cell['speedup_vs_never']:.2f}x never")
+        log(f"batch {b:3d}: plain loop {pr['tokens_per_s']:.1f} tok/s"
+            + (f", engine {eng[-1]['tokens_per_s']:.1f} tok/s" if engine is not None else ""))
+    for c in cells:
+        ref = next((e["tokens_per_s"] for e in eng if e["batch"] == c["batch"]), None)
+        c["speedup_vs_engine"] = c["tokens_per_s"] / ref if ref else None
+    compiles = {"outside_timed_runs": compile_count() - warm0 - timed, "during_timed_runs": timed}
+    speed = {"cells": cells, "plain_loop": plain, "engine": eng, "compiles": compiles, "parts_ms": parts_ms}
+    return speed, runs
+
+
+def measure_quality(ee: EarlyExit, grid: EarlyExitGrid, prompts, held_out, runs: dict, log) -> list[dict]:
+    """Greedy agreement, identical sequences and held-out perplexity per threshold."""
+    N, q = grid.new_tokens, prompts[: grid.quality_batch]
+    full = runs.get((len(q), NEVER)) or ee.run(q, N, NEVER)
+    feed = np.array([r[1:] for r in held_out], np.int32)
+    starts = [r[:1] for r in held_out]
+    ref = ee.run(starts, feed.shape[1], NEVER, feed=feed)
+    full_nll = -float(ref.logprob[:, 1:].mean())
+    out = []
+    for thr in grid.thresholds:
+        run = runs.get((len(q), thr)) or ee.run(q, N, thr)
+        same_prefix = ee.run(q, N, NEVER, feed=run.tokens)  # the full model's token after each prefix
+        agree = same_prefix.tokens[:, 1:] == run.tokens[:, 1:]
+        exited = run.layers_run[:, 1:] < ee.cfg.n_layers
+        ppl = ee.run(starts, feed.shape[1], thr, feed=feed)
+        nll = -float(ppl.logprob[:, 1:].mean())
+        row = {"threshold": thr, **_exit_stats(ee, run.layers_run),
+               "greedy_agreement": float(agree.mean()),
+               "agreement_at_exits": float(agree[exited].mean()) if exited.any() else None,
+               "sequences_identical": float((run.tokens == full.tokens).all(axis=1).mean()),
+               "perplexity": math.exp(nll), "perplexity_full": math.exp(full_nll),
+               "perplexity_ratio": math.exp(nll - full_nll),
+               "perplexity_exit_fraction": _exit_stats(ee, ppl.layers_run)["exit_fraction"]}
+        out.append(row)
+        at = row["agreement_at_exits"]
+        log(f"threshold {thr}: agreement {row['greedy_agreement']:.3f} (at exits "
+            f"{at if at is None else round(at, 3)}), identical {row['sequences_identical']:.2f}, "
+            f"perplexity {row['perplexity']:.2f} vs {row['perplexity_full']:.2f} full")
+    return out
+
+
+PAYS_MARGIN = 1.05
+"""Speedup over never exiting that counts as paying: on the shared 2-core machine two loops of the
+same work (never exiting and the plain loop) differed by 4-9% within one run."""
+
+
+AGREEMENT_FLOOR = 0.95
+"""Greedy agreement with the full model above which a threshold counts as near-lossless in the summary."""
+
+
+def summarize(speed: dict, quality: list[dict] | None = None) -> dict:
+    """Per batch size: the fastest threshold above 0 against never exiting (the same stages, measured
+    in turn with it) and against the engine, with its greedy agreement; threshold 0 (every row exits
+    at the first exit point) is reported apart, as the bound early exit could reach.
+
+    "pays": the fastest threshold above 0 decodes at least PAYS_MARGIN times as fast as never exiting;
+    "best_at_agreement_floor": the fastest threshold whose greedy agreement is >= AGREEMENT_FLOOR.
+    """
+    agreement = {q["threshold"]: q["greedy_agreement"] for q in quality or ()}
+    out = {}
+    for b in sorted({c["batch"] for c in speed["cells"]}):
+        mine = [c for c in speed["cells"] if c["batch"] == b]
+        never = next(c for c in mine if c["threshold"] == "never")
+        bound = next((c for c in mine if c["threshold"] == 0), None)
+        cs = [c for c in mine if c["threshold"] not in ("never", 0)]
+        best = max(cs, key=lambda c: c["tokens_per_s"]) if cs else None
+        out[str(b)] = {
+            "best_threshold": best and best["threshold"],
+            "best_speedup_vs_never": best and best["speedup_vs_never"],
+            "best_speedup_vs_engine": best and best["speedup_vs_engine"],
+            "best_greedy_agreement": best and agreement.get(best["threshold"]),
+            "always_exit_speedup_vs_never": bound and bound["speedup_vs_never"],
+            "never_vs_plain_loop": never["speedup_vs_plain_loop"],
+            "pays": bool(best and best["speedup_vs_never"] >= PAYS_MARGIN)}
+        good = [c for c in cs if agreement.get(c["threshold"], 0) >= AGREEMENT_FLOOR]
+        if good:  # the fastest threshold that keeps the output close to the full model's
+            g = max(good, key=lambda c: c["tokens_per_s"])
+            out[str(b)]["best_at_agreement_floor"] = {"threshold": g["threshold"],
+                                                      "speedup_vs_never": g["speedup_vs_never"],
+                                                      "greedy_agreement": agreement[g["threshold"]]}
+    return out
+
+
+def measure(ee: EarlyExit, engine, tokenizer, grid: EarlyExitGrid, log=None) -> dict:
+    """The whole benchmark on a built decoder (and serving engine, or None): the result dict."""
+    log = log or (lambda msg: print(f"bench early-exit: {msg}", file=sys.stderr, flush=True))
+    t0 = time.perf_counter()
+    n = max(max(grid.batches), grid.quality_batch)
+    prompts = prompt_ids(tokenizer, n, grid.prompt_tokens, grid.seed)
+    speed, runs = measure_speed(ee, engine, grid, prompts, log)
+    quality = measure_quality(ee, grid, prompts, held_out_ids(tokenizer, grid.ppl_tokens), runs, log)
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "lossy": True,
+        "note": "opt-in experiment, not a serving path: exited rows emit the exit adapter's token and "
+                "their upper layers' K/V are propagated from the exit layer (CALM); output differs "
+                "from the full model",
+        "kv_fill": "state propagation", "kv": "paged (engine/kv.py)",
+        "model": ee.cfg.name, "dtype": str(ee.params["embed"].dtype), "grid": asdict(grid),
+        "exit_vocab": ee.exit_vocab, "machine": {"cpus": os.cpu_count(), "load_average_at_end": load,
+                                                 "shared": True},
+        **speed, "quality": quality, "summary": summarize(speed, quality),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def run_bench(out_path: str | None, grid: EarlyExitGrid, model: str | None = None, heads: str | None = None,
+              dtype: str | None = None) -> dict:
+    """Load the real model, its exit adapters and a serving engine; measure; write JSON."""
+    import jax.numpy as jnp
+
+    from daemon.progress import reporter, say
+    from engine.heads import DraftHeads
+    from engine.loader import find_heads, load_engine
+
+    log = lambda msg: say(f"bench early-exit: {msg}")  # noqa: E731
+    progress = reporter()
+    max_context = -(-(grid.prompt_tokens + max(grid.new_tokens, grid.ppl_tokens) + 1) // 64) * 64
+    engine = load_engine(model=model, dtype=dtype, max_batch=max(grid.batches),
+                         max_context=max(max_context, 128), speculation=False, progress=progress)
+    path, source = find_heads(heads, engine.cfg)
+    if path is None:
+        raise ValueError(f"no exit adapters for {engine.cfg.name}: give --heads "
+                         "(see `crossover train-heads`)")
+    loaded = DraftHeads.load(path, dtype=jnp.dtype(engine.runner.rc.dtype))
+    loaded.check(engine.cfg)
+    log(f"exit adapters from {path} ({source}); exits {list(grid.exits)} of {sorted(loaded.exits)}")
+    ee = EarlyExit(engine.cfg, engine.runner.params, loaded, grid.exits, grid.exit_vocab, grid.confidence)
+    result = measure(ee, engine, engine.tokenizer, grid, log)
+    result["command"] = " ".join(["crossover", *sys.argv[1:]]) if sys.argv else None
+    write_result(out_path, result)
+    if out_path:
+        log(f"wrote {out_path}")
+    return result
+
+
+def write_result(out_path: str | None, result: dict) -> None:
+    if out_path:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps(result, indent=2, default=str))
