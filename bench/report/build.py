@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.report.data import ReportInputError, Telemetry, open_database, read_telemetry, shown_url
+from bench.report.early import EarlyExitFileError, load_runs
+from bench.report.early import section as early_section
 from bench.report.measured import q1_section, q2_measured_section
 from bench.report.planned import PlanInputs, q2_predicted_section, q3_section, q4_section
 from bench.report.summary import summary
@@ -44,6 +46,8 @@ class ReportRequest:
     """Only this daemon instance's rows (None: every instance's)."""
     source_command: str | None = None
     """The command that produced the database, written in the report when given."""
+    early_exit: tuple[Path, ...] = ()
+    """`crossover bench early-exit` JSON files whose results Q4 shows (they are not telemetry)."""
 
 
 def prepare_out(out: Path) -> Path:
@@ -69,6 +73,8 @@ def report_command(req: ReportRequest) -> str:
             parts += [flag, str(value)]
     if req.instance is not None:
         parts += ["--instance", req.instance]
+    for path in req.early_exit:
+        parts += ["--early-exit", str(path)]
     return shlex.join(parts)
 
 
@@ -111,6 +117,10 @@ def build_report(req: ReportRequest) -> Path:
     """Write `req.out`/README.md and its figures; return the README's path."""
     from store.migrate import current_revision
 
+    try:
+        early = load_runs(tuple(req.early_exit))
+    except EarlyExitFileError as exc:
+        raise ReportInputError(str(exc)) from None
     out = prepare_out(Path(req.out))
     engine = open_database(req.db)
     try:
@@ -123,7 +133,7 @@ def build_report(req: ReportRequest) -> Path:
     lines += q2_measured_section(telemetry, out)
     lines += q2_predicted_section(telemetry, req.plan, out)
     lines += q3_section(telemetry, req.plan, out)
-    lines += q4_section(telemetry, out)
+    lines += q4_section(telemetry, out, early_section(early))
     path = out / README
     path.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     return path

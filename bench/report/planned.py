@@ -241,10 +241,15 @@ def _projection(t: Telemetry, p: PlanInputs) -> tuple[list[str], dict[str, list[
     return lines, projected
 
 
-def q4_section(t: Telemetry, out: Path) -> list[str]:
-    lines = ["## Q4. Early exit with a compacting scheduler", ""]
+def q4_section(t: Telemetry, out: Path, measured: list[str] | None = None) -> list[str]:
+    """Q4 from telemetry, after `measured` (bench/report/early.py: the `--early-exit` runs)."""
+    lines = ["## Q4. Early exit with a compacting scheduler", "", *(measured or [])]
     other = sorted(x for x in t.techniques if x not in TECHNIQUES)
-    if not other:
+    if not other and measured:
+        lines += [("The telemetry database holds no compacting early-exit steps (the `early_exit` technique in "
+                  "`xo_steps` is the lossless self-drafting proposer); the tables above come from the "
+                  "`--early-exit` files."), ""]
+    elif not other:
         lines += [("**No data.** This database holds no early-exit-with-compaction measurements: every step in "
                   f"`xo_steps` has one of the techniques {', '.join(TECHNIQUES)}. The `early_exit` technique "
                   "there is the self-drafting proposer (the first target layers draft tokens that the full "
@@ -254,7 +259,7 @@ def q4_section(t: Telemetry, out: Path) -> list[str]:
                   "1, 4, 16 and 64 and several confidence thresholds, next to plain-decoding steps at the same "
                   "batch sizes; plus their quality (greedy agreement, perplexity) against the full model. "
                   "The compacting experiment of issue 19 (`crossover bench early-exit`) writes its results "
-                  "to a JSON file, not to a telemetry database, so this report cannot read them."), ""]
+                  "to a JSON file, not to a telemetry database: pass it with `--early-exit FILE`."), ""]
     else:
         from bench.report.measured import goodput_cells
 

@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="bfloat16", help="KV dtype for the planner (default: %(default)s)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
     p.add_argument("--instance", default=None, help="only this daemon instance's rows (default: every instance)")
+    p.add_argument("--early-exit", action="append", default=[], metavar="FILE",
+                   help="a `crossover bench early-exit` JSON for Q4 (repeatable)")
     p.add_argument("--source-command", default=None,
                    help="the command that produced the database, written into the report")
 
@@ -52,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from bench.report import PlanInputs, ReportInputError, ReportRequest, build_report
 
     req = ReportRequest(db=args.db, out=Path(args.out), instance=args.instance, source_command=args.source_command,
+                        early_exit=tuple(Path(f) for f in args.early_exit),
                         plan=PlanInputs(model=args.model, context=args.context, weight_dtype=args.dtype,
                                         kv_dtype=args.kv_dtype, page_size=args.page_size))
     try:

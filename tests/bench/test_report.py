@@ -293,3 +293,51 @@ def test_q4_reports_a_technique_beyond_the_proposers_for_one_instance(db_url, tm
     q4 = text.split("\n## Q4.")[1].split("\n### Mixture")[0]
     assert "No data" not in q4 and "| exit_compact | 10 | 4 |" in q4
     assert "exit_other" not in text and "instance `b`" in text
+
+
+def _early_exit_run(path: Path) -> Path:
+    """A small `bench early-exit` JSON with hand-picked figures."""
+    import json
+
+    cells = [{"batch": b, "threshold": t, "speedup_vs_never": s, "exit_fraction": f}
+             for b, t, s, f in ((1, "never", 1.0, 0.0), (1, 0.9, 1.23, 0.31), (4, "never", 1.0, 0.0),
+                                (4, 0.9, 0.97, 0.29))]
+    quality = [{"threshold": 0.9, "greedy_agreement": 0.9712, "sequences_identical": 0.5,
+                "perplexity": 48.6, "perplexity_ratio": 1.33}]
+    path.write_text(json.dumps({"lossy": True, "grid": {"exits": [8], "confidence": "prob", "new_tokens": 32},
+                                "kv_fill": "state propagation", "model": "gemma3-270m", "dtype": "float32",
+                                "cells": cells, "quality": quality, "command": "crossover bench early-exit --x 1"}))
+    return path
+
+
+def test_q4_shows_the_early_exit_runs_given(db_url, tmp_path, capsys):
+    run = _early_exit_run(tmp_path / "exit8.json")
+    out = tmp_path / "with-early-exit"
+    assert main(["report", "--db", db_url, "--out", str(out), "--early-exit", str(run)]) == 0
+    text = (out / "README.md").read_text()
+    q4 = next(s for s in text.split("\n## ") if s.startswith("Q4."))
+    assert "#### `exit8.json` (LOSSY" in q4 and "No data" not in q4
+    assert "| 0.9 | 1.23x (31%) | 0.97x (29%) |" in q4  # threshold row: batch 1, batch 4
+    assert "| never | 1.00x (0%) | 1.00x (0%) |" in q4
+    assert "| 0.9 | 0.971 | 50% | 48.6 | 1.33 |" in q4
+    assert "crossover bench early-exit --x 1" in q4
+    assert f"--early-exit {run}" in text  # the report's own command names the file
+
+
+@pytest.mark.parametrize("content", ["not json", '{"lossy": true, "cells": []}'])
+def test_a_bad_early_exit_file_exits_2_naming_it(content, db_url, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    assert main(["report", "--db", db_url, "--out", str(tmp_path / "out"), "--early-exit", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "--early-exit" in err and str(bad) in err
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_the_committed_early_exit_results_render():
+    runs = sorted(Path(__file__).resolve().parents[2].glob("bench/results/early-exit/*.json"))
+    assert runs, "bench/results/early-exit holds the measured runs"
+    from bench.report.early import load_runs, section
+
+    text = "\n".join(section(load_runs(tuple(runs))))
+    assert text.count("#### ") == len(runs) and "batch 64" in text

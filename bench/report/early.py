@@ -1,0 +1,85 @@
+"""Q4's measured part: the JSON of `crossover bench early-exit` runs, as tables.
+
+The compacting early exit is an experiment outside the serving path (engine/early_exit.py):
+it writes a JSON file, not telemetry rows, so `crossover report --early-exit FILE` reads it
+here. Each file gives a table of speedups (against never exiting, same code path, same run)
+per batch size and threshold, and one of quality against the full model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+REQUIRED = ("lossy", "grid", "cells", "quality")
+"""Keys every `bench early-exit` JSON has; a file without them is refused."""
+
+
+class EarlyExitFileError(ValueError):
+    """A file that is not a readable `crossover bench early-exit` JSON; the message names it."""
+
+
+def load_runs(paths: tuple[Path, ...]) -> list[tuple[Path, dict[str, Any]]]:
+    """Each path with its parsed JSON, in the order given; EarlyExitFileError on the first bad one."""
+    runs = []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise EarlyExitFileError(f"--early-exit {str(path)!r} is not a readable JSON file ({exc})") from None
+        missing = [k for k in REQUIRED if not isinstance(data, dict) or k not in data]
+        if missing:
+            raise EarlyExitFileError(f"--early-exit {str(path)!r} is not a `crossover bench early-exit` result "
+                                     f"(missing {', '.join(missing)})")
+        runs.append((Path(path), data))
+    return runs
+
+
+def _threshold(value: Any) -> str:
+    return value if isinstance(value, str) else f"{float(value):g}"
+
+
+def run_section(path: Path, data: dict[str, Any]) -> list[str]:
+    """Markdown for one run: what ran, speedup per (threshold, batch), quality per threshold."""
+    grid = data["grid"]
+    batches = sorted({c["batch"] for c in data["cells"]})
+    thresholds = []
+    for c in data["cells"]:
+        if c["threshold"] not in thresholds:
+            thresholds.append(c["threshold"])
+    cell = {(c["threshold"], c["batch"]): c for c in data["cells"]}
+    lines = [f"#### `{path.name}`" + (" (LOSSY: output differs from the full model)" if data["lossy"] else ""), "",
+             (f"Exit after layer(s) {', '.join(map(str, grid.get('exits', [])))}, confidence "
+              f"`{grid.get('confidence', '?')}`, {grid.get('new_tokens', '?')} new tokens per sequence, "
+              f"KV fill by {data.get('kv_fill', '?')}; model {data.get('model', '?')} {data.get('dtype', '')}; "
+              f"machine {json.dumps(data.get('machine', {}))}."), "",
+             "Tokens/s against never exiting (same code path, same run); exit fraction in parentheses:", "",
+             "| threshold | " + " | ".join(f"batch {b}" for b in batches) + " |",
+             "|---|" + "---:|" * len(batches)]
+    for t in thresholds:
+        row = []
+        for b in batches:
+            c = cell.get((t, b))
+            row.append("-" if c is None else f"{c['speedup_vs_never']:.2f}x ({c['exit_fraction']:.0%})")
+        lines.append(f"| {_threshold(t)} | " + " | ".join(row) + " |")
+    lines += ["", ("Quality against the full model (greedy agreement: share of positions whose token equals "
+                   "the full model's given the same prefix):"), "",
+              "| threshold | greedy agreement | sequences identical | perplexity | x full model |",
+              "|---|---:|---:|---:|---:|"]
+    for q in data["quality"]:
+        lines.append(f"| {_threshold(q['threshold'])} | {q['greedy_agreement']:.3f} | "
+                     f"{q['sequences_identical']:.0%} | {q['perplexity']:.1f} | {q['perplexity_ratio']:.2f} |")
+    command = data.get("command")
+    lines += ["", f"Source: `{path}`" + (f", made by `{command}`." if command else "."), ""]
+    return lines
+
+
+def section(runs: list[tuple[Path, dict[str, Any]]]) -> list[str]:
+    """The measured compacting early-exit runs, or nothing when none were given."""
+    if not runs:
+        return []
+    lines = ["### Compacting early exit, measured (`crossover bench early-exit`)", ""]
+    for path, data in runs:
+        lines += run_section(path, data)
+    return lines
