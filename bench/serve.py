@@ -98,6 +98,8 @@ class ServeBenchConfig:
     """The shared-prefix workload (bench.workloads.shared) instead of --mix."""
     prefix_tokens: int = 1000
     """--shared-prefix: tokens of each tenant's system prompt."""
+    prefix_cache: bool = True
+    """The engine started here shares KV pages of common prompt prefixes (engine/prefix_cache.py)."""
     engine_rates: str | None = None
     """A `crossover bench engine` JSON whose rates the efficiency bound uses (else measured here)."""
     tenant_keys: str | None = None
@@ -338,7 +340,8 @@ def _load_engine(cfg: ServeBenchConfig) -> Any:
     progress = reporter()
     _log("loading the model")
     engine = load_engine(model=cfg.model, dtype=cfg.dtype, max_batch=cfg.max_batch,
-                         max_context=cfg.max_context, speculation=False, progress=progress)
+                         max_context=cfg.max_context, speculation=False, progress=progress,
+                         prefix_cache=cfg.prefix_cache)
     _log("warming up (every bucket compiles once; cached on disk for the next run)")
     engine.warmup(progress=progress)
     return engine

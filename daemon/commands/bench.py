@@ -54,6 +54,8 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
              "its fastest round (for a machine other processes share)")
     _add_engine(add, heads=False, sized=True)
     add("--fake-step-ms", type=float, default=10.0, help="the fake engine's time per step")
+    add("--no-prefix-cache", action="store_true",
+        help="the engine started here does not share prompt-prefix KV pages (compare with --shared-prefix)")
     add("--url", default=None,
         help="bench the daemon at this URL instead of one started here (no engine-only run)")
     add("--api-key", default=None, help="bearer key for --url (default: $CROSSOVER_API_KEY)")
@@ -215,7 +217,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
         max_context=max_context, fake=args.fake, fake_step_ms=args.fake_step_ms,
         url=args.url, api_key=args.api_key or os.environ.get("CROSSOVER_API_KEY"), db=args.db,
         no_db=args.no_db, shared_prefix=args.shared_prefix, prefix_tokens=args.prefix_tokens,
-        engine_rates=args.engine_rates, tenant_keys=args.tenant_keys)
+        engine_rates=args.engine_rates, tenant_keys=args.tenant_keys, prefix_cache=not args.no_prefix_cache)
 
 
 def _add_tuner(t: argparse.ArgumentParser) -> None:

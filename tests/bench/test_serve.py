@@ -134,3 +134,28 @@ def test_read_sse_yields_each_data_chunk_up_to_done() -> None:
     assert asyncio.run(collect()) == [
         SseChunk(texts=1), SseChunk(texts=1), SseChunk(finished=True),
         SseChunk(usage={"prompt_tokens": 3, "completion_tokens": 2}), SseChunk(error="boom")]
+
+
+def test_no_prefix_cache_reaches_the_engine_started_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--no-prefix-cache is what `load_engine` gets (the cache is on without it)."""
+    import engine.loader
+    from bench.serve import _load_engine
+    from daemon.cli import build_parser
+    from daemon.commands.bench import _serve_config
+
+    seen: list[bool] = []
+
+    class Loaded:
+        def warmup(self, progress: object = None) -> None:
+            pass
+
+    def load_engine(**kw: object) -> Loaded:
+        seen.append(bool(kw["prefix_cache"]))
+        return Loaded()
+
+    monkeypatch.setattr(engine.loader, "load_engine", load_engine)
+    for flags, expected in (([], True), (["--no-prefix-cache"], False)):
+        cfg = _serve_config(build_parser().parse_args(["bench", "serve", *flags]))
+        assert cfg.prefix_cache is expected
+        _load_engine(cfg)
+    assert seen == [True, False]
