@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import delete, func, make_url, select
+from sqlalchemy import delete, func, select
 
 from engine.types import StepStats
-from store.db import make_engine, session_scope
+from store.db import make_engine, session_scope, shown_url
 from store.migrate import ensure_schema
 from store.models import Step
 from telemetry.recorder import Recorder
@@ -54,7 +54,7 @@ def run_bench(out_path: str | None, seconds: float, db_url: str | None) -> dict[
     with tempfile.TemporaryDirectory(prefix="xo-bench-") as tmp:
         url = db_url or f"sqlite:///{Path(tmp) / 'bench.db'}"
         ensure_schema(url)
-        shown = make_url(url).render_as_string(hide_password=True)  # never print a password
+        shown = shown_url(url)  # never print a password
         print(f"telemetry bench on {shown} for ~{seconds:.1f} s", flush=True)
         result: dict[str, Any] = {
             "db": shown if db_url else "temporary SQLite file",

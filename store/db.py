@@ -30,6 +30,15 @@ def default_url() -> str:
     return resolve_url(os.environ.get(ENV_VAR) or DEFAULT_PATH)
 
 
+def shown_url(url_or_path: str) -> str:
+    """The database as `resolve_url` gives it, with any password hidden: for logs and messages.
+
+    >>> shown_url("postgresql+psycopg://u:secret@db/telemetry")
+    'postgresql+psycopg://u:***@db/telemetry'
+    """
+    return make_url(resolve_url(url_or_path)).render_as_string(hide_password=True)
+
+
 def resolve_url(url_or_path: str) -> str:
     """A SQLAlchemy URL as given, or a bare file path turned into a SQLite URL.
 

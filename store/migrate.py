@@ -22,9 +22,8 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
-from sqlalchemy.engine import make_url
 
-from store.db import make_engine, resolve_url
+from store.db import make_engine, resolve_url, shown_url
 from store.models import TABLE_PREFIX
 from store.versioning import VERSION_TABLE
 
@@ -103,8 +102,7 @@ def upgrade(url: str, revision: str = "head") -> None:
 
 def upgrade_command(url: str) -> str:
     """The shell command that upgrades `url` (password hidden)."""
-    shown = make_url(resolve_url(url)).render_as_string(hide_password=True)
-    return f"crossover db upgrade --db {shlex.quote(shown)}"
+    return f"crossover db upgrade --db {shlex.quote(shown_url(url))}"
 
 
 def check_schema(url: str) -> str:
@@ -112,7 +110,7 @@ def check_schema(url: str) -> str:
     current, head = current_revision(url), head_revision()
     if current == head:
         return current
-    shown = make_url(resolve_url(url)).render_as_string(hide_password=True)
+    shown = shown_url(url)
     if current is None:
         raise SchemaOutOfDate(
             f"database {shown} has no crossover schema; create it with: {upgrade_command(url)}"

@@ -43,11 +43,11 @@ class ReportInputError(ValueError):
 
 
 def shown_url(url: str) -> str:
-    """The URL with its password hidden."""
-    from store.db import resolve_url
+    """The URL with its password hidden (store.db.shown_url), or as given when it does not parse."""
+    from store.db import shown_url as hidden
 
     try:
-        return make_url(resolve_url(url)).render_as_string(hide_password=True)
+        return hidden(url)
     except Exception:  # noqa: BLE001 - an unparsable URL is shown as given, minus nothing to hide
         return url
 

@@ -58,6 +58,6 @@ def _print_current(url: str) -> int:
 
 
 def _shown(url: str) -> str:
-    from sqlalchemy.engine import make_url
+    from store.db import shown_url
 
-    return make_url(url).render_as_string(hide_password=True)
+    return shown_url(url)
