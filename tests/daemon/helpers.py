@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -22,10 +25,26 @@ from daemon.database import Database, open_database
 from daemon.settings import Settings
 from daemon.state import ENGINE_THREAD, STATE
 from engine.fake import FakeEngine
-from tests.daemon.memory_sink import MemorySink
 from telemetry.recorder import RecorderConfig
+from tests.daemon.memory_sink import MemorySink
 
 MODEL = "fake-reverse"
+REPO = Path(__file__).resolve().parents[2]
+SERVE = [sys.executable, "-m", "daemon.cli", "serve"]
+"""`crossover serve` as a subprocess command (run with cwd=REPO)."""
+
+
+def daemon_env(**extra: str) -> dict[str, str]:
+    """This process's environment without CROSSOVER_* settings, plus `extra`: a spawned daemon
+    is configured by its flags alone."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("CROSSOVER_")}, **extra}
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class LiveServer:

@@ -22,7 +22,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -34,9 +33,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.daemon.helpers import MODEL, http_request, parse_sse
+from tests.daemon.helpers import MODEL, REPO, SERVE, daemon_env, free_port, http_request, parse_sse
 
-REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "scale-out.md"
 HAPROXY = shutil.which("haproxy") or next(
     (p for p in ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy") if os.access(p, os.X_OK)), None)
@@ -51,12 +49,6 @@ PIN_HEADER = "x-test-replica"
 """Names the replica HAProxy must send a request to (a rule this test adds to the doc's config)."""
 LONG_TOKENS = 400
 """The pinned stream's length: 2 s of fake steps at least, in flight across SIGTERM."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _until(predicate: Callable[[], bool], timeout: float, what: str, every: float = 0.1) -> None:
@@ -85,12 +77,11 @@ class Replica:
     def start(self, warmup_s: float = 0.0) -> None:
         log_path = self.workdir / f"{self.name}-{len(self.logs)}.log"
         self.logs.append(log_path)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSOVER_")}
-        cmd = [sys.executable, "-m", "daemon.cli", "serve", "--fake-engine", "--fake-step-ms", "5",
+        cmd = [*SERVE, "--fake-engine", "--fake-step-ms", "5",
                "--fake-warmup-s", str(warmup_s), "--port", str(self.port), "--open",
                "--db", f"sqlite:///{self.workdir / (self.name + '.db')}"]
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=daemon_env(), stdout=log, stderr=subprocess.STDOUT)
 
     def listening(self) -> bool:
         assert self.proc is not None and self.proc.poll() is None, self.logs[-1].read_text()
@@ -278,8 +269,8 @@ def _requests_before_ready(log_path: Path) -> tuple[int, Counter[int]]:
 
 
 def test_rolling_restart_behind_haproxy_loses_no_request(tmp_path: Path) -> None:
-    replicas = [Replica(f"r{i + 1}", _free_port(), tmp_path) for i in range(3)]
-    front = _free_port()
+    replicas = [Replica(f"r{i + 1}", free_port(), tmp_path) for i in range(3)]
+    front = free_port()
     haproxy: HAProxy | None = None
     load = Load(front)
     thread = threading.Thread(target=load.run, daemon=True)

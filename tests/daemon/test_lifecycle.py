@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sqlite3
 import subprocess
@@ -22,13 +21,15 @@ from engine.fake import FakeEngine
 from engine.types import StepOutput
 from tests.daemon.helpers import (
     MODEL,
+    REPO,
+    SERVE,
     LiveServer,
+    daemon_env,
     http_request,
     parse_sse,
     wait_for,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 SLOW_BODY = {"model": MODEL, "prompt": "s" * 40, "max_tokens": 40, "stream": True}
 
 
@@ -112,12 +113,10 @@ def test_drain_past_deadline_aborts_streams_cleanly(live: Callable[..., LiveServ
 
 def _start_daemon(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], int, Path]:
     log_path = tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSOVER_")}
     db = f"sqlite:///{tmp_path / 'telemetry.db'}"
-    cmd = [sys.executable, "-m", "daemon.cli", "serve", "--fake-engine", "--port", "0", "--db", db,
-           *flags]
+    cmd = [*SERVE, "--fake-engine", "--port", "0", "--db", db, *flags]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=daemon_env(), stdout=log, stderr=subprocess.STDOUT)
     port = 0
 
     def listening() -> bool:
@@ -193,10 +192,8 @@ def test_sigterm_lets_in_flight_streams_finish_and_exits_zero(tmp_path: Path) ->
 
 
 def test_serve_refuses_an_old_schema_and_names_the_upgrade(tmp_path: Path, rev1_url: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSOVER_")}
-    cmd = [sys.executable, "-m", "daemon.cli", "serve", "--fake-engine", "--port", "0",
-           "--db", rev1_url]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    cmd = [*SERVE, "--fake-engine", "--port", "0", "--db", rev1_url]
+    proc = subprocess.run(cmd, check=False, cwd=REPO, env=daemon_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "0001" in proc.stderr and f"crossover db upgrade --db {rev1_url}" in proc.stderr
     assert "listening" not in proc.stderr
@@ -221,11 +218,10 @@ def test_engine_thread_exposed_on_app(live: Callable[..., LiveServer]) -> None:
 def _serve_once(tmp_path: Path, *flags: str, env: dict[str, str] | None = None,
                 preload: str = "") -> subprocess.CompletedProcess[str]:
     """Run `crossover serve` (with `preload` Python run first in the process) until it exits."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("CROSSOVER_")}
     db = f"sqlite:///{tmp_path / 'telemetry.db'}"
     code = f"import sys\n{preload}\nfrom daemon.cli import main\nsys.exit(main(sys.argv[1:]))"
     cmd = [sys.executable, "-c", code, "serve", "--db", db, *flags]
-    return subprocess.run(cmd, check=False, cwd=REPO, env={**base, **(env or {})},
+    return subprocess.run(cmd, check=False, cwd=REPO, env=daemon_env(**(env or {})),
                           capture_output=True, text=True, timeout=60)
 
 

@@ -9,9 +9,7 @@ the reason, when no PostgreSQL server is reachable (tests/conftest.py's `pg_url`
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,8 +20,7 @@ from sqlalchemy import select
 from store.db import make_engine, session_scope
 from store.history import active_policy, policy_history, retune_history
 from store.models import Request
-from tests.daemon.helpers import http_request, wait_for
-from tests.daemon.test_front_door import REPO, _free_port
+from tests.daemon.helpers import REPO, SERVE, daemon_env, free_port, http_request, wait_for
 from tests.daemon.test_tuning import ADMIN, TOKEN
 
 NAMES = ("g1", "g2")
@@ -33,18 +30,17 @@ class Daemon:
     """One `crossover serve` process with the real model at small shapes (short warmup)."""
 
     def __init__(self, name: str, db_url: str, workdir: Path) -> None:
-        self.name, self.port = name, _free_port()
+        self.name, self.port = name, free_port()
         self.log = workdir / f"{name}.log"
         token = workdir / "admin-token"
         token.write_text(TOKEN)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSOVER_")}
-        cmd = [sys.executable, "-m", "daemon.cli", "serve", "--port", str(self.port), "--db", db_url,
+        cmd = [*SERVE, "--port", str(self.port), "--db", db_url,
                "--instance", name, "--admin-token-file", str(token), "--dtype", "float32",
                "--max-batch", "4", "--max-context", "512", "--kv-budget", "64MiB", "--no-speculation",
                "--no-tuner", "--no-tuner-search-process", "--tuner-trials", "8",
                "--tuner-validation-s", "3", "--tuner-validation-min-steps", "30"]
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=daemon_env(), stdout=out, stderr=subprocess.STDOUT)
 
     def get(self, path: str) -> Any:
         r = http_request(self.port, "GET", path, headers=ADMIN)
