@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.compiles import compile_count
 from engine.early_exit import NEVER, EarlyExit, pow2_bucket
-from engine.runner import compile_count
 
 HELD_OUT = (
     "The harbour town woke slowly in winter. Fishing boats stayed tied to the quay while the wind "

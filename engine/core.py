@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from engine.compiles import compile_count, serving_compiles
 from engine.config import ModelConfig
 from engine.faults import build_rows, propose_alone, unadmitted
 from engine.kv import KVPool, KVState
@@ -34,7 +35,7 @@ from engine.penalties import fill_adjust, wants_adjust
 from engine.policy import StepChooser, TunedPolicy, check_servable
 from engine.progress import Reporter
 from engine.proposers import NgramProposer, Proposer
-from engine.runner import ModelRunner, RunnerConfig, compile_count, serving_compiles
+from engine.runner import ModelRunner, RunnerConfig
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import Detokenizer, Sequence, Status, append_tokens, request_key
 from engine.types import (

@@ -14,11 +14,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from engine.compiles import enable_persistent_cache, map_limit
 from engine.config import ModelConfig
 from engine.core import EngineConfig, EngineCore
 from engine.memory import KV_DTYPE_BYTES, size_pool
 from engine.progress import Reporter, note
-from engine.runner import RunnerConfig, enable_persistent_cache, map_limit, prefill_shapes
+from engine.runner import RunnerConfig, prefill_shapes
 
 PAGE_SIZE = 16
 MAX_SPEC_DEPTH = 8

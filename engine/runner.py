@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.compiles import abstract, any_committed, outputs, serving_compiles
-from engine.compiles import compile_count, enable_persistent_cache, map_limit, memory_mappings  # noqa: F401
 from engine.config import ModelConfig
 from engine.kv import Batch, KVState, cache_reader, write_new
 from engine.model import Params, forward, logits, unstack_layers

@@ -60,7 +60,7 @@ def make_engine(tiny, tokenizer=None, **rc_overrides) -> EngineCore:
 
 @pytest.fixture(scope="session", autouse=True)
 def _compile_cache():
-    from engine.runner import enable_persistent_cache
+    from engine.compiles import enable_persistent_cache
 
     enable_persistent_cache()
 

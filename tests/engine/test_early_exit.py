@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from engine.compiles import compile_count
 from engine.early_exit import NEVER, EarlyExit, kind_index, pow2_bucket, propagate_kv
 from engine.heads import DraftHeads, head_logits
 from engine.model import KVView, block, embed, rms_norm, unstack_layers
-from engine.runner import compile_count
 
 PROMPTS = [[2, 10, 11, 12, 13], [2, 40, 41], [2, 7, 300, 9, 100, 20, 21], [2, 5]]
 N = 12

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _TINY = """
 import json, sys, jax
 from engine.policy import BatchRule, TunedPolicy
-from engine.runner import compile_count
+from engine.compiles import compile_count
 from engine.types import SamplingParams
 from tests.engine.conftest import SPEC_PROMPTS, make_engine, run_prompts
 from tests.engine.tiny import init_random_params, tiny_config

@@ -22,8 +22,8 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def engine():
+    from engine.compiles import memory_mappings
     from engine.loader import load_engine
-    from engine.runner import memory_mappings
 
     before = memory_mappings()
     # one 128-token context bucket keeps warmup to ~20 full-model shapes
