@@ -227,6 +227,16 @@ def fit_depth_factors(steps: Sequence[StepStats], vocab_of: Mapping[int, int],
     return out
 
 
+def shrunk(accepted: float, offered: float, prior: float) -> float:
+    """The beta posterior mean (a + m p) / (n + m) of `accepted` of `offered` with m =
+    PRIOR_OFFERS pseudo-offers at the prior rate p.
+
+    >>> shrunk(3, 3, 0.5), shrunk(0, 0, 0.4)
+    (0.6875, 0.4)
+    """
+    return (accepted + PRIOR_OFFERS * prior) / (offered + PRIOR_OFFERS)
+
+
 def _rates(reached: Sequence[float], accepted: Sequence[float],
            prior: Sequence[float] = ()) -> tuple[float, ...]:
     """Conditional rates, each the beta posterior mean (a + m p) / (r + m) with m =
@@ -241,7 +251,7 @@ def _rates(reached: Sequence[float], accepted: Sequence[float],
     out: list[float] = []
     for i, (r, a) in enumerate(zip(reached, accepted)):
         p = prior[i] if i < len(prior) else out[-1] if out else NEUTRAL_RATE
-        out.append(min(MAX_RATE, (a + PRIOR_OFFERS * p) / (r + PRIOR_OFFERS)))
+        out.append(min(MAX_RATE, shrunk(a, r, p)))
     return tuple(out)
 
 
@@ -258,7 +268,7 @@ def tenant_factors(requests: Sequence[RequestRow]) -> dict[str, float]:
         t[0] += r.proposed_tokens
         t[1] += r.accepted_tokens
     lo, hi = TENANT_FACTOR_RANGE
-    return {tenant: min(hi, max(lo, (a + PRIOR_OFFERS * overall) / (p + PRIOR_OFFERS) / overall))
+    return {tenant: min(hi, max(lo, shrunk(a, p, overall) / overall))
             if overall > 0 else 1.0 for tenant, (p, a) in totals.items() if p >= MIN_REACHED}
 
 

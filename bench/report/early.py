@@ -44,10 +44,7 @@ def run_section(path: Path, data: dict[str, Any]) -> list[str]:
     """Markdown for one run: what ran, speedup per (threshold, batch), quality per threshold."""
     grid = data["grid"]
     batches = sorted({c["batch"] for c in data["cells"]})
-    thresholds = []
-    for c in data["cells"]:
-        if c["threshold"] not in thresholds:
-            thresholds.append(c["threshold"])
+    thresholds = list(dict.fromkeys(c["threshold"] for c in data["cells"]))  # in the run's order
     cell = {(c["threshold"], c["batch"]): c for c in data["cells"]}
     lines = [f"#### `{path.name}`" + (" (LOSSY: output differs from the full model)" if data["lossy"] else ""), "",
              (f"Exit after layer(s) {', '.join(map(str, grid.get('exits', [])))}, confidence "
