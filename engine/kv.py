@@ -167,12 +167,13 @@ class PageAllocator:
         self._refs: dict[int, int] = {}  # page -> holders
         self._cached: OrderedDict[int, None] = OrderedDict()  # kept pages nobody holds, LRU first
         self._kept: set[int] = set()
+        self.lent: set[int] = set()  # held pages taken from the reservation (`alloc(lend=True)`)
 
     @property
     def num_free(self) -> int:
         """Pages a tenant can still get, cached ones included (0 while usage exceeds a grown
         reservation)."""
-        return max(0, len(self._free) + len(self._cached) - self.reserved)
+        return max(0, len(self._free) + len(self._cached) - max(0, self.reserved - len(self.lent)))
 
     @property
     def capacity(self) -> int:
@@ -181,17 +182,19 @@ class PageAllocator:
 
     @property
     def num_used(self) -> int:
-        """Pages some sequence holds (a shared page counts once)."""
-        return len(self._refs)
+        """Pages some tenant sequence holds (a shared page counts once; lent ones do not count)."""
+        return len(self._refs) - len(self.lent)
 
     @property
     def num_cached(self) -> int:
         """Pages nobody holds that keep a cached prefix block (reclaimable)."""
         return len(self._cached)
 
-    def alloc(self, n: int) -> list[int] | None:
-        """n pages, or None (and nothing taken) when fewer are free."""
-        if n > self.num_free:
+    def alloc(self, n: int, lend: bool = False) -> list[int] | None:
+        """n pages, or None (and nothing taken) when fewer are free; `lend`: from the reservation
+        (the draft model's share of the pool split), never kept by the prefix cache."""
+        room = min(self.reserved - len(self.lent), len(self._free) + len(self._cached)) if lend else self.num_free
+        if n > room:
             return None
         out = []
         for _ in range(n):
@@ -203,6 +206,7 @@ class PageAllocator:
                 self.on_evict(page)
             self._refs[page] = 1
             out.append(page)
+        self.lent.update(out if lend else ())
         return out
 
     def share(self, page: int) -> None:
@@ -219,6 +223,7 @@ class PageAllocator:
                 self._refs[page] -= 1
                 continue
             del self._refs[page]
+            self.lent.discard(page)
             if page in self._kept:
                 self._cached[page] = None
             else:
@@ -272,6 +277,9 @@ class KVPool:
         self.split = 0.0
         """The policy's share of each pool lent to speculation (`set_split`)."""
         self._keep = (0, 0)  # (global, local) pages the split must leave to one sequence (`yield_to`)
+        self.on_lend = lambda event, pages=None: None
+        """The draft model holding lent pages (engine/draft_model.py) hears "release" (a tenant's
+        pages, any reason), "split" (the reservation changed) and "reset" (before the pools clear)."""
         self.prefix: PrefixCache | None = None
         if prefix_window is not None and ring_pages * page_size >= prefix_window + page_size - 1:
             self.prefix = PrefixCache(self.global_alloc, self.local_alloc, page_size, ring_pages)
@@ -360,6 +368,7 @@ class KVPool:
         for a, keep in zip((self.global_alloc, self.local_alloc), self._keep):
             lent = int((a.num_pages - 1) * self.split)
             a.reserved = max(0, min(lent, a.num_pages - 1 - keep))
+        self.on_lend("split")
 
     @property
     def yielded(self) -> int:
@@ -375,6 +384,7 @@ class KVPool:
     def release(self, pages: SeqPages, tokens=(), num_cached: int = 0) -> None:
         """Drop the sequence's holds; with the prefix cache, its computed blocks (the first
         `num_cached` of `tokens`) stay cached, deepest first to be evicted."""
+        self.on_lend("release", pages)
         if self.prefix is not None and num_cached:
             self.prefix.register(pages, tokens, num_cached)
             for j in range(len(pages.ring)):
@@ -391,6 +401,7 @@ class KVPool:
         """Every page back to the free lists and the prefix cache emptied; only when no sequence
         holds any (after a fault, so pages a failed step took without recording them cannot
         stay lost, and no cached page outlives KV arrays made anew)."""
+        self.on_lend("reset")
         self.global_alloc.clear()
         self.local_alloc.clear()
         if self.prefix is not None:

@@ -154,6 +154,64 @@ def size_pool(
                      g_page, l_page, tenants)
 
 
+@dataclass(frozen=True)
+class PoolSplit:
+    """A pool split: `share` of each pool's pages lent to speculation (engine/kv.KVPool.set_split).
+
+    The truncated-layer draft model keeps its KV in the lent pages: each of its
+    pages is a whole page of the target's pool (it writes its own layers only).
+    """
+
+    share: float
+    """Share of each pool's pages withheld from tenants."""
+    lent_global_pages: int
+    """Global pages lent (int(global pages x share), as the engine rounds)."""
+    lent_local_pages: int
+    """Local pages lent."""
+    lent_bytes: int
+    """Bytes of the lent pages."""
+    tenant_bytes: int
+    """Bytes of the pages left to tenants."""
+    tenants: int
+    """Sequences of context_len the tenants' pages hold at once."""
+    tenants_unsplit: int
+    """The same with nothing lent."""
+    draft_sequences: int
+    """Sequences of context_len whose draft-model KV the lent pages hold."""
+
+    @property
+    def tenants_displaced(self) -> int:
+        return self.tenants_unsplit - self.tenants
+
+
+def _fit(pages: tuple[int, int], need: tuple[int, int]) -> int:
+    """Sequences needing `need` (global, local) pages that `pages` hold."""
+    return min((p // n for p, n in zip(pages, need) if n), default=0)
+
+
+def split_pool(cfg: ModelConfig, sizes: PoolSizes, share: float, context_len: int, page_size: int,
+               max_spec_depth: int, draft_layers: int) -> PoolSplit:
+    """Lend `share` of each pool to speculation; what tenants keep and what the draft model
+    (the first `draft_layers` layers) can hold, at context_len.
+
+    >>> from engine.config import GEMMA3_270M
+    >>> sizes = size_pool(GEMMA3_270M, 2 << 30, 16, "bfloat16", 8192, 8)
+    >>> s = split_pool(GEMMA3_270M, sizes, 0.25, 8192, 16, 8, 4)
+    >>> s.tenants_unsplit, s.tenants, s.draft_sequences  # the 4-layer draft: local pages only
+    (64, 48, 16)
+    """
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"pool split {share} must be in [0, 1)")
+    lent = (int(sizes.num_global_pages * share), int(sizes.num_local_pages * share))
+    left = (sizes.num_global_pages - lent[0], sizes.num_local_pages - lent[1])
+    need = pages_per_sequence(cfg, context_len, page_size, max_spec_depth)
+    draft = pages_per_sequence(cfg.replace(n_layers=min(draft_layers, cfg.n_layers)), context_len, page_size,
+                               max_spec_depth)
+    bytes_of = lambda g, l: g * sizes.global_page_bytes + l * sizes.local_page_bytes  # noqa: E731
+    return PoolSplit(share, *lent, bytes_of(*lent), bytes_of(*left), _fit(left, need),
+                     _fit((sizes.num_global_pages, sizes.num_local_pages), need), _fit(lent, draft))
+
+
 def format_bytes(n: float) -> str:
     """Binary units, two decimals.
 

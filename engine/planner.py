@@ -23,14 +23,16 @@ from engine.memory import (
     GiB,
     MiB,
     PoolSizes,
+    PoolSplit,
     format_bytes,
     kv_bytes_per_token,
     naive_sequence_bytes,
     sequence_bytes,
     size_pool,
+    split_pool,
     weight_bytes,
 )
-from engine.spec_memory import TechniqueCost, technique_costs
+from engine.spec_memory import DRAFT_LAYERS, MTP_VOCABS, TechniqueCost, technique_costs
 
 DEFAULT_MAX_BATCH = 64
 """Sequences per decode step assumed by the default activation reserve."""
@@ -252,6 +254,10 @@ class Plan:
     """Per speculative technique: resident and per-sequence bytes, tenants displaced."""
     tensor_parallel: int = 1
     """Devices the model is split over; weight_bytes, the pool and sequence bytes are per device."""
+    technique: str = ""
+    """The technique whose resident bytes speculation_bytes includes ("" when none)."""
+    split: PoolSplit | None = None
+    """The pool split: pages lent to speculation (the draft model's KV) and tenants left."""
 
 
 def _share(units: int, n: int) -> float:
@@ -299,8 +305,13 @@ def make_plan(
     model: ModelConfig | MoEConfig, device: DeviceProfile, weight_dtype: str, kv_dtype: str,
     context_len: int, page_size: int = 16, max_spec_depth: int = 8,
     activation_reserve_bytes: int | None = None, speculation_bytes: int = 0, tensor_parallel: int = 1,
+    technique: str = "", pool_split: float = 0.0, mtp_vocabs: tuple[int, ...] = MTP_VOCABS,
 ) -> Plan:
     """Plan `model` on `device`; activation_reserve_bytes=None uses `activation_reserve`.
+
+    One budget (engine/budget.py): `technique`'s resident bytes (heads, draft-vocabulary
+    slices `mtp_vocabs`, adapters) join `speculation_bytes` before the KV pool is sized, and
+    `pool_split` of the pool's pages is lent to speculation (`Plan.split`).
 
     `tensor_parallel` > 1: the model is split over that many such devices (engine/sharding.py);
     weights, the KV pool and each sequence's KV are then counted per device."""
@@ -338,6 +349,13 @@ def make_plan(
     elif tensor_parallel < 1:
         raise ValueError(f"tensor_parallel={tensor_parallel} must be >= 1")
 
+    costs = technique_costs(cfg, weight_dtype, kv_dtype, context_len, page_size, max_spec_depth, seq,
+                            mtp_vocabs=mtp_vocabs)
+    if technique:
+        by_name = {c.technique: c for c in costs}
+        if technique not in by_name:
+            raise ValueError(f"unknown technique {technique!r} (choose {', '.join(by_name)})")
+        speculation_bytes += by_name[technique].resident_bytes
     pool = device.usable_bytes - weights - reserve - speculation_bytes
     fits, shortfall, verdict = _verdict(
         weights, reserve, speculation_bytes, pool, seq, device, weight_dtype, context_len)
@@ -345,6 +363,7 @@ def make_plan(
     tenants, naive_tenants = held // seq, held // naive
     displaced = max(pool + speculation_bytes, 0) // seq - tenants
     ratio = tenants / naive_tenants if naive_tenants else None
+    pools = size_pool(cfg, int(held / kv_share), page_size, kv_dtype, context_len, max_spec_depth) if tenants else None
     if fits:
         verdict = (f"fits: {tenants} tenants at {context_len} tokens paged + windowed vs "
                    f"{naive_tenants} with a naive cache"
@@ -361,12 +380,11 @@ def make_plan(
         kv_global_bytes_per_token=g_tok, kv_local_bytes_per_token=l_tok,
         activation_reserve_bytes=reserve, speculation_bytes=speculation_bytes,
         pool_bytes=held,
-        pools=size_pool(cfg, int(held / kv_share), page_size, kv_dtype, context_len, max_spec_depth)
-        if tenants else None,
+        pools=pools,
         sequence_bytes=seq, naive_sequence_bytes=naive, tenants=tenants,
         naive_tenants=naive_tenants, tenant_ratio=ratio, tenants_displaced=displaced,
         fits=fits, shortfall_bytes=shortfall, verdict=verdict, notes=tuple(notes),
-        techniques=tuple(technique_costs(cfg, weight_dtype, kv_dtype, context_len, page_size,
-                                         max_spec_depth, seq)),
-        tensor_parallel=tensor_parallel,
+        techniques=tuple(costs), tensor_parallel=tensor_parallel, technique=technique,
+        split=split_pool(cfg, pools, pool_split, context_len, page_size, max_spec_depth, DRAFT_LAYERS)
+        if pools else None,
     )

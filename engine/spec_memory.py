@@ -15,8 +15,14 @@ Per technique, for a model of width d and a draft vocabulary of n ids:
 - early_exit: one adapter (2 d^2 + d) and one vocabulary slice; it reads the
   target's own KV, so nothing per sequence;
 - draft: one adapter and a slice (a truncated copy shares the target's layer
-  weights; a separate model adds its weights), plus its own KV per sequence:
-  its layers' keys and values for the whole context (local layers: the window).
+  weights; a separate model adds its weights), plus KV per sequence in pages
+  the pool split lends out of the tenants' pool (engine/draft_model.py): the
+  pages its layers need for the whole context (local layers: the window),
+  each a whole page of the target's pool.
+
+Resident bytes come out of the same budget as the KV pool (engine/budget.py):
+the loader sizes the pool from the budget minus them, so a larger MTP draft
+vocabulary (`mtp_vocabs`) costs tenant pages.
 """
 
 from __future__ import annotations
@@ -56,7 +62,8 @@ def _item(dtype: str) -> float:
 
 
 def technique_costs(cfg: ModelConfig, weight_dtype: str, kv_dtype: str, context_len: int, page_size: int,
-                    depth: int, sequence_bytes: int, speculating: int = 16) -> list[TechniqueCost]:
+                    depth: int, sequence_bytes: int, speculating: int = 16,
+                    mtp_vocabs: tuple[int, ...] = MTP_VOCABS) -> list[TechniqueCost]:
     """Costs of ngram, mtp, early_exit and draft for `cfg` (see the module docstring).
 
     Example: for gemma3-270m in float32, MTP holds 4 x (3 x 640^2 + 640) x 4 bytes of
@@ -71,10 +78,10 @@ def technique_costs(cfg: ModelConfig, weight_dtype: str, kv_dtype: str, context_
     dcfg = cfg.replace(n_layers=min(DRAFT_LAYERS, cfg.n_layers - 1))
     g, l = pages_per_sequence(dcfg, context_len, page_size, depth)
     per_layer_page = 2 * page_size * cfg.n_kv_heads * cfg.head_dim * kv_item
-    draft_kv = per_layer_page * (g * len(dcfg.global_layers) + l * len(dcfg.local_layers))
+    draft_kv = per_layer_page * (g * len(cfg.global_layers) + l * len(cfg.local_layers))  # target pages
     rows = [
         ("ngram", 0, verify),
-        ("mtp", MTP_HEADS * chained_head + sum(n * (d * item + ids) for n in MTP_VOCABS), verify),
+        ("mtp", MTP_HEADS * chained_head + sum(n * (d * item + ids) for n in set(mtp_vocabs) if n), verify),
         ("early_exit", head + LAYER_VOCAB * (d * item + ids), verify),
         ("draft", head + LAYER_VOCAB * (d * item + ids), verify + draft_kv),
     ]

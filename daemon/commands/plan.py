@@ -20,6 +20,7 @@ from daemon.user_error import UserError
 from engine import memory, planner
 from engine.memory import format_bytes
 from engine.planner import Plan
+from engine.spec_memory import MTP_VOCABS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -70,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="speculative verify slots per sequence (default: %(default)s)")
     parser.add_argument("--speculation", default="0",
                         help="memory set aside for speculation, as a size (default: %(default)s)")
+    parser.add_argument("--technique", default="", help="count this speculative technique's resident "
+                        "bytes (heads, draft-vocabulary slices, adapters) in speculation: ngram, mtp, "
+                        "early_exit or draft (default: none)")
+    parser.add_argument("--draft-vocabs", default=",".join(map(str, MTP_VOCABS)), metavar="N,N",
+                        help="MTP draft vocabularies kept resident (default: %(default)s)")
+    parser.add_argument("--split", default="0", help="pool split: share of the KV pool's pages lent to "
+                        "speculation, in [0, 1) (default: %(default)s)")
     parser.add_argument("--reserve", help="activation/workspace reserve, as a size "
                         "(default: 1GiB + 64 seqs x (1 + depth) x vocab x float32 x 2)")
     for flag in ("--layers", "--kv-heads", "--head-dim"):
@@ -98,9 +106,22 @@ def build_plan(args: argparse.Namespace) -> Plan:
             activation_reserve_bytes=reserve,
             speculation_bytes=parse_size("--speculation", args.speculation),
             tensor_parallel=_int("--tensor-parallel", args.tensor_parallel, 1),
+            technique=args.technique, pool_split=_split(args.split),
+            mtp_vocabs=tuple(_int("--draft-vocabs", v, 0) for v in args.draft_vocabs.split(",")),
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
+
+
+def _split(text: str) -> float:
+    """A pool split in [0, 1), or UserError naming --split."""
+    try:
+        share = float(text)
+    except ValueError:
+        raise UserError(f"--split {text!r} is not a number") from None
+    if not 0.0 <= share < 1.0:
+        raise UserError(f"--split {text!r} must be in [0, 1)")
+    return share
 
 
 def _count(n: int) -> str:
@@ -125,7 +146,9 @@ def format_plan(plan: Plan) -> str:
                        f" + local {f(plan.kv_local_bytes_per_token)} ({plan.local_layers} "
                        f"layers, window {plan.sliding_window}), {plan.kv_dtype}"),
         ("reserve", f(plan.activation_reserve_bytes)),
-        ("speculation", f"{f(plan.speculation_bytes)}, displaces {plan.tenants_displaced} tenants"),
+        ("speculation", f"{f(plan.speculation_bytes)}"
+                        + (f" ({plan.technique}'s resident bytes included)" if plan.technique else "")
+                        + f", displaces {plan.tenants_displaced} tenants"),
         ("KV pool", f(plan.pool_bytes)),
     ]
     if plan.pools is not None:
@@ -140,6 +163,13 @@ def format_plan(plan: Plan) -> str:
         ("tenants", f"{plan.tenants} paged + windowed vs {plan.naive_tenants} naive{ratio}"),
         ("verdict", plan.verdict),
     ]
+    if plan.split is not None:
+        sp = plan.split
+        rows.append(("pool split", f"{sp.share:g}: lends {f(sp.lent_bytes)} ({sp.lent_global_pages} global + "
+                                   f"{sp.lent_local_pages} local pages) to speculation, tenants keep "
+                                   f"{f(sp.tenant_bytes)}: {sp.tenants} tenants instead of {sp.tenants_unsplit} "
+                                   f"(displaces {sp.tenants_displaced}); the lent pages hold the draft "
+                                   f"model's KV for {sp.draft_sequences} sequences"))
     for i, t in enumerate(plan.techniques):
         rows.append(("per technique" if i == 0 else "", f"{t.technique:<10} resident {f(t.resident_bytes):>10} + "
                      f"{f(t.per_sequence_bytes):>10}/sequence: displaces {t.tenants_displaced} tenants "

@@ -14,6 +14,7 @@ from engine.memory import (
     ring_pages,
     sequence_bytes,
     size_pool,
+    split_pool,
     weight_bytes,
 )
 from tests.engine.tiny import tiny_config
@@ -105,3 +106,21 @@ def test_format_bytes():
     assert format_bytes(3 * 2**29) == "1.50 GiB"
     assert format_bytes(3072) == "3.00 KiB"
     assert format_bytes(12) == "12 B"
+
+
+def test_split_pool_by_hand():
+    """gemma3-270m at 8192 tokens, 2 GiB: 64 tenants; a 0.25 split lends int(pages x 0.25) of each
+    pool. A 4-layer draft has no global layer (rings only); an 8-layer one needs global pages too."""
+    sizes = size_pool(GEMMA3_270M, 2 << 30, 16, "bfloat16", 8192, 8)
+    assert sizes.tenants == 64 and sizes.num_local_pages == 64 * 33
+    s = split_pool(GEMMA3_270M, sizes, 0.25, 8192, 16, 8, 4)
+    assert (s.lent_global_pages, s.lent_local_pages) == (sizes.num_global_pages // 4, 64 * 33 // 4)
+    assert s.lent_bytes == s.lent_global_pages * 16 * 3072 + s.lent_local_pages * 16 * 15360
+    assert s.lent_bytes + s.tenant_bytes == sizes.total_bytes
+    assert (s.tenants_unsplit, s.tenants, s.tenants_displaced) == (64, 48, 16)
+    assert s.draft_sequences == 528 // 33  # local rings only
+    deep = split_pool(GEMMA3_270M, sizes, 0.25, 8192, 16, 8, 8)  # layer 5 is global
+    assert deep.draft_sequences == min(sizes.num_global_pages // 4 // 512, 16)
+    assert split_pool(GEMMA3_270M, sizes, 0.0, 8192, 16, 8, 4).draft_sequences == 0
+    with pytest.raises(ValueError, match="pool split"):
+        split_pool(GEMMA3_270M, sizes, 1.0, 8192, 16, 8, 4)

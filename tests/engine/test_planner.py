@@ -158,3 +158,27 @@ def test_context_buckets_are_thinned_to_fit_the_hosts_memory_mappings():
     assert serve_like(262144).spec_contexts == full
     assert split_context_buckets((64, 128), (1,), (32,), 10**6, 65530) == ((128,), (128,))  # never fewer than one
     assert split_context_buckets((64, 128), (1,), (32,), 0, None) == ((64, 128), (64, 128))
+
+
+def test_a_split_lends_pages_and_a_technique_pays_from_the_same_budget():
+    """One budget: a technique's resident bytes shrink the pool before it is sized (a larger MTP
+    draft vocabulary costs tenants), and a 0.25 split lends a quarter of each pool's pages."""
+    dev = device_profile("cpu", 8 * GiB)
+    base = make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096)
+    small = make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096, technique="mtp", mtp_vocabs=(8192,))
+    large = make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096, technique="mtp", mtp_vocabs=(8192, 32768))
+    extra = 32768 * (640 * 2 + 4)  # the 32768-id slice: bfloat16 rows and int32 ids
+    assert large.speculation_bytes - small.speculation_bytes == extra
+    assert base.pool_bytes - small.pool_bytes == small.speculation_bytes
+    assert base.tenants >= small.tenants > large.tenants
+    assert base.split is not None and base.split.lent_bytes == 0 and base.split.draft_sequences == 0
+    p = make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096, pool_split=0.25)
+    sp, pools = p.split, p.pools
+    assert (sp.lent_global_pages, sp.lent_local_pages) == (int(pools.num_global_pages * 0.25),
+                                                           int(pools.num_local_pages * 0.25))
+    assert sp.lent_bytes + sp.tenant_bytes == pools.total_bytes
+    assert sp.tenants_unsplit == p.tenants and sp.tenants < p.tenants
+    assert sp.tenants == (pools.num_local_pages - sp.lent_local_pages) // pools.ring_pages  # local pages bind
+    assert sp.draft_sequences == int(pools.num_local_pages * 0.25) // pools.ring_pages  # 4 local layers: rings only
+    with pytest.raises(ValueError, match="unknown technique"):
+        make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096, technique="medusa")
