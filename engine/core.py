@@ -2,9 +2,9 @@
 
 1. `add_request` / `abort` (any thread) put commands in an inbox.
 2. `step()` (the engine thread) drains the inbox, asks the Scheduler for a
-   plan (decode batch + prefill chunks), builds bucket-padded arrays for the
-   ModelRunner, runs the decode call and each prefill chunk, and appends the
-   sampled tokens to their sequences.
+   plan (decode batch + prefill chunks) and runs it (engine/step.py: one
+   forward for the decode rows and the chunks where a mixed shape fits),
+   appending the sampled tokens to their sequences.
 3. Stop rules run on the host (sequence.append_tokens); finished or aborted
    sequences free their pages at once.
 4. The step returns TokenEvents, RequestResults and one StepStats.
@@ -22,14 +22,17 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 
+from engine import budget
 from engine.compiles import compile_count, serving_compiles
 from engine.config import ModelConfig
-from engine.faults import build_rows, propose_alone, unadmitted
+from engine.faults import unadmitted
 from engine.kv import KVPool, KVState
+from engine.mixed import mixed_jobs
 from engine.model import Params
 from engine.penalties import fill_adjust, wants_adjust
 from engine.policy import StepChooser, TunedPolicy, check_servable
@@ -37,7 +40,7 @@ from engine.progress import Reporter
 from engine.proposers import NgramProposer, Proposer
 from engine.runner import ModelRunner, RunnerConfig
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from engine.sequence import Detokenizer, Sequence, Status, append_tokens, request_key
+from engine.sequence import Detokenizer, Sequence, append_tokens, request_key
 from engine.types import (
     EngineCapacity,
     ParamError,
@@ -48,22 +51,10 @@ from engine.types import (
     StepStats,
     TokenEvent,
 )
+from engine.step import SpecResult, run_step
 from engine.warm import SpecWarmup, warm_engine
 
 log = logging.getLogger("crossover.engine")
-
-
-@dataclass
-class SpecResult:
-    """What speculation did in one step (defaults: plain decode)."""
-
-    technique: str = "none"
-    depth: int = 0
-    propose_ms: float = 0.0
-    verify_ms: float = 0.0
-    per_pos: list[int] = field(default_factory=list)
-    proposed: int = 0
-    accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,11 +81,13 @@ class EngineCore:
         self.max_context = rc.max_context
         self.max_batch = rc.max_batch
         self.runner = ModelRunner(cfg, params, rc)
+        self.runner.extra_jobs = partial(mixed_jobs, self.runner)  # warmup compiles mixed calls too
         self.pool = KVPool(rc.global_pages, rc.local_pages, rc.page_size, rc.ring_pages,
                            cfg.sliding_window if ecfg.prefix_cache else None)
         self.scheduler = Scheduler(
             SchedulerConfig(max_batch=rc.max_batch, token_budget=max(ecfg.token_budget, rc.max_batch),
-                            max_chunk=rc.max_chunk, lookahead=max(rc.verify_tokens, default=1) - 1),
+                            max_chunk=rc.max_chunk, lookahead=max(rc.verify_tokens, default=1) - 1,
+                            chunk_buckets=rc.prefill_buckets, mix_tokens_per_row=rc.mix_tokens_per_row),
             self.pool,
         )
         self.stop_ids = frozenset(getattr(tokenizer, "stop_ids", (cfg.eos_id,)))
@@ -185,9 +178,7 @@ class EngineCore:
             return StepOutput(events, None, finished)
         for seq, _ in plan.prefill:  # the first step that runs a sequence ends its queue time
             seq.scheduled_time = seq.scheduled_time or wall
-        spec = self._run_decode(plan, events, finished)
-        for seq, n in plan.prefill:
-            self._run_prefill(seq, n, events, finished)
+        spec = run_step(self, plan, events, finished)  # engine/step.py
         self._step_id += 1
         stats = self._stats(plan, wall, (time.perf_counter() - t0) * 1e3, spec)
         return StepOutput(events, stats, finished)
@@ -304,89 +295,6 @@ class EngineCore:
         """Token ids that end this request's output."""
         return (frozenset() if sp.ignore_eos else self.stop_ids) | frozenset(sp.stop_token_ids)
 
-    def _run_decode(self, plan: StepPlan, events, finished) -> SpecResult:
-        seqs = plan.decode
-        if not seqs:
-            return SpecResult()
-        technique, depth = self._chooser.choose(len(seqs))
-        # drafting and verifying write positions up to num_cached + depth: keep them in the context
-        depth = min(depth, self.max_context - 1 - max(s.num_cached for s in seqs))
-        if technique != "none" and depth > 0 and len(seqs) <= self.runner.rc.spec_max_batch:
-            depth = min(depth, self.proposers[technique].max_depth)  # e.g. 4 MTP heads
-            t0 = time.perf_counter()
-            seqs, drafts = propose_alone(self.proposers[technique], seqs, depth, self._failer(events, finished))
-            plan.decode = seqs
-            propose_ms = (time.perf_counter() - t0) * 1e3
-            if any(drafts):
-                return self._run_speculative(seqs, drafts, technique, depth, propose_ms, events, finished)
-        seqs, c = build_rows(seqs, lambda ss: self.runner.new_call(len(ss), 1, max(s.num_cached + 1 for s in ss)),
-                             lambda c, i, s: self._fill_row(c, i, s, 1), self._failer(events, finished))
-        plan.decode = seqs
-        if not seqs:
-            return SpecResult()
-        tok, lp = self.runner.run(c)
-        hidden = self._hidden()
-        for i, s in enumerate(seqs):
-            s.num_cached += 1
-            if hidden is not None:
-                s.hidden = hidden[i, 0]
-            self._emit(s, [int(tok[i, 0])], [float(lp[i, 0])], events, finished, i)
-        return SpecResult()
-
-    def _run_speculative(self, seqs, drafts, technique, depth, propose_ms, events, finished) -> SpecResult:
-        """Verify [last token, drafts...] per row in one forward; keep the accepted prefix + one."""
-        t0 = time.perf_counter()
-
-        def fill(c, i, row):
-            s, d = row
-            self._fill_row(c, i, s, 1)
-            c.tokens[i, 1 : 1 + len(d)] = d
-            c.n_new[i] = 1 + len(d)
-            c.counter[i] = s.num_cached + 1 + np.arange(c.counter.shape[1])
-            if wants_adjust(s.req.sampling, s.num_output):  # position j counts drafts[:j] as output
-                self._fill_adjust(c, i, s, d)
-
-        rows, c = build_rows(list(zip(seqs, drafts)), lambda rows: self.runner.new_verify_call(
-            len(rows), depth, max(s.num_cached + 1 + depth for s, _ in rows)), fill, self._failer(events, finished))
-        if not rows:
-            return SpecResult()
-        seqs, drafts = [s for s, _ in rows], [d for _, d in rows]
-        cand = np.full(c.tokens.shape, -1, np.int32)
-        for i, d in enumerate(drafts):
-            cand[i, : len(d)] = d
-        tok, acc, lp = self.runner.run_verify(c, cand)
-        hidden = self._hidden()
-        res = SpecResult(technique, depth, propose_ms, (time.perf_counter() - t0) * 1e3, [0] * depth)
-        for i, (s, d) in enumerate(zip(seqs, drafts)):
-            a = 0
-            while a < len(d) and acc[i, a]:
-                a += 1
-            for j in range(a):
-                res.per_pos[j] += 1
-            res.proposed += len(d)
-            res.accepted += a
-            s.proposed += len(d)
-            s.accepted += a
-            s.num_cached += 1 + a  # the fed token and the accepted drafts are now valid cache
-            if hidden is not None:
-                s.hidden = hidden[i, a]
-            self._emit(s, list(d[:a]) + [int(tok[i, a])], [float(x) for x in lp[i, : a + 1]], events, finished, i)
-        return res
-
-    def _run_prefill(self, seq: Sequence, n: int, events, finished) -> None:
-        if seq.status is not Status.RUNNING:  # failed earlier in this step
-            return
-        _, c = build_rows([seq], lambda _: self.runner.new_call(1, n, seq.num_cached + n),
-                          lambda c, i, s: self._fill_row(c, i, s, n), self._failer(events, finished))
-        if c is None:
-            return
-        tok, lp = self.runner.run(c)
-        seq.num_cached += n
-        if seq.remaining == 0:  # the chunk reached the newest token: its logits give the next one
-            hidden = self._hidden()
-            seq.hidden = None if hidden is None else hidden[0, 0]
-            self._emit(seq, [int(tok[0, 0])], [float(lp[0, 0])], events, finished, 0)
-
     def _hidden(self) -> np.ndarray | None:
         """The latest call's final hidden states [B, Tl, d] as numpy, when a proposer needs them."""
         return np.asarray(self.runner.last_hidden, np.float32) if self._keep_hidden else None
@@ -443,8 +351,8 @@ class EngineCore:
             "policy_version": self.policy.version, "warmed_up": self.warmed_up,
             "kv_pages_yielded": self.pool.yielded, "prefix_cache": self.pool.prefix_status(),
             "techniques": self.spec_warmup.status(), "speculation": self._chooser.cap_status(),
-            "proposers": {n: {"resident_bytes": p.resident_bytes(), "max_depth": p.max_depth}
-                          for n, p in self.proposers.items()},
+            "plain_shapes": "ready" if self.runner.usable is None else "padding",  # engine/warm.py
+            **budget.status(self),  # proposers' resident bytes and the memory budget's split
         }
 
 

@@ -14,10 +14,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from engine.budget import heads_resident_bytes
 from engine.compiles import enable_persistent_cache, map_limit
 from engine.config import ModelConfig
 from engine.core import EngineConfig, EngineCore
+from engine.layer_draft import DRAFT_VOCABS
 from engine.memory import KV_DTYPE_BYTES, size_pool
+from engine.scheduler import mix_chunk, mixed_shapes
 from engine.progress import Reporter, note
 from engine.runner import RunnerConfig, prefill_shapes
 
@@ -88,16 +91,19 @@ def estimated_mappings(rc: RunnerConfig, drafting: bool) -> float:
     plain = len(rc.batch_buckets) * len(rc.context_buckets) + len(prefill_shapes(rc.prefill_buckets,
                                                                                    rc.context_buckets))
     spec = spec_shapes_per_context(rc.batch_buckets, rc.verify_tokens, rc.spec_max_batch, drafting)
+    plain += len(mixed_shapes(rc))
     return MAPS_RESERVE + MAPS_PER_SHAPE * (plain + spec * len(rc.spec_contexts))
 
 
 def split_context_buckets(ladder: tuple[int, ...], batches: tuple[int, ...], prefills: tuple[int, ...],
-                          spec_per_context: float, limit: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                          spec_per_context: float, limit: int | None,
+                          mixed: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(plain decoding's and prefill's context buckets, speculation's) whose compiled shapes stay
     within `limit` mappings: plain serving keeps as many of `ladder` as fit, then speculation takes
     the largest of those that fit in what is left (at least the largest bucket). The smallest
     buckets go first: a short context then pads to the next one, costing attention time only,
     and speculation runs at batches up to spec_max_batch, where attention weighs least.
+    `mixed`: the mixed calls' shapes (engine/mixed.py), which every choice keeps.
     Example: split_context_buckets((64, 128, 512, 2048, 4096), (1, 2, 4, 8, 16, 32), (32, 128, 512),
     32.5, 65530) == ((64, 128, 512, 2048, 4096), (2048, 4096)).
     """
@@ -106,11 +112,36 @@ def split_context_buckets(ladder: tuple[int, ...], batches: tuple[int, ...], pre
     room = (limit - MAPS_RESERVE) / MAPS_PER_SHAPE
     for k in range(len(ladder), 0, -1):
         plain = ladder[-k:]
-        left = room - len(batches) * k - len(prefill_shapes(prefills, plain))
+        left = room - mixed - len(batches) * k - len(prefill_shapes(prefills, plain))
         fits = int(left // spec_per_context) if spec_per_context else k
         if fits >= 1 or k == 1:
             return plain, plain[-max(1, min(fits, k)):]
     return ladder[-1:], ladder[-1:]
+
+
+MIX_TOKENS_PER_ROW = 8
+"""Mixed steps: prefill tokens a step may carry per decode row (engine/mixed.py), rounded down
+to a prefill bucket (at most engine.scheduler.MIX_MAX_CHUNK). Measured on this CPU (Gemma 3
+270M, float32): a prefill token costs ~1 ms, a decode step ~70 ms at batch 8, so batches up
+to 8 carry 32 tokens and 16 or more carry 128, keeping a step within ~2x a plain one."""
+MIX_MIN_CONTEXT = 512
+"""Mixed calls compile for context buckets from this one up; a shorter context pads up to it
+(attention costs little at the batches that mix; fewer executables and memory mappings)."""
+
+
+def mix_context_buckets(contexts: tuple[int, ...]) -> tuple[int, ...]:
+    """Two context buckets for mixed calls: the smallest from MIX_MIN_CONTEXT up and the largest
+    (only Gemma 3's few global layers read past the sliding window, so padding a mixed call's
+    page table up to the largest bucket costs little, and each width is a set of executables).
+    Example: mix_context_buckets((64, 128, 512, 2048, 4096)) == (512, 4096)."""
+    up = [c for c in contexts if c >= MIX_MIN_CONTEXT] or list(contexts[-1:])
+    return tuple(sorted({up[0], up[-1]}))
+
+
+def mixed_per_context(batches: tuple[int, ...], prefills: tuple[int, ...], per_row: int) -> int:
+    """Mixed-call shapes per context bucket (engine.scheduler.mixed_shapes without the contexts).
+    Example: mixed_per_context((1, 2, 4, 8, 16, 32), (32, 128, 512), 8) == 8."""
+    return sum(t <= mix_chunk(b, per_row, prefills) for b in batches for t in prefills) if per_row else 0
 
 
 def batch_buckets(max_batch: int, smallest: int = 1) -> tuple[int, ...]:
@@ -139,7 +170,8 @@ offers no crossover above it (tuner/space.py)."""
 def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch: int,
                   max_context: int, kv_dtype: str | None = None, verify_tokens: tuple[int, ...] = (),
                   spec_max_batch: int = SPEC_MAX_BATCH, drafting: bool = False,
-                  map_limit: int | None = None, tensor_parallel: int = 1) -> RunnerConfig:
+                  map_limit: int | None = None, tensor_parallel: int = 1,
+                  mixed_steps: bool = True) -> RunnerConfig:
     """Size the pools with the memory planner and choose the compiled buckets.
 
     `drafting`: layer-chain proposers (early exit, draft model) will compile per context too.
@@ -147,6 +179,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     are thinned so that every compiled shape fits under it, speculation's first
     (`split_context_buckets`).
     `tensor_parallel`: devices the params and KV pools are split over (engine/sharding.py).
+    `mixed_steps`: prefill chunks ride in decode calls (engine/mixed.py); False: calls of their own.
     """
     kv_dtype = kv_dtype or dtype
     if kv_dtype not in KV_DTYPE_BYTES:
@@ -156,9 +189,10 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     batches = batch_buckets(max_batch, smallest_batch(dtype))
     prefills = tuple(b for b in (32, 128, 512) if b <= cap) or (cap,)
     spec_batch = min(spec_max_batch, max_batch)
+    per_row = MIX_TOKENS_PER_ROW if mixed_steps else 0
     plain, spec = split_context_buckets(context_buckets(max_context), batches, prefills,
                                         spec_shapes_per_context(batches, verify_tokens, spec_batch, drafting),
-                                        map_limit)
+                                        map_limit, 2 * mixed_per_context(batches, prefills, per_row))
     return RunnerConfig(
         page_size=PAGE_SIZE,
         batch_buckets=batches,
@@ -174,6 +208,8 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
         spec_max_batch=spec_batch,
         fast_output=dtype == "float32" and jax.default_backend() == "cpu",
         tensor_parallel=tensor_parallel,
+        mix_tokens_per_row=per_row,
+        mix_context_buckets=mix_context_buckets(plain),
     )
 
 
@@ -182,7 +218,8 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                 token_budget: int = 512, speculation: bool = True, heads: str | None = None,
                 verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH,
                 model_proposers: tuple[str, ...] = MODEL_PROPOSERS, tensor_parallel: int = 1,
-                prefix_cache: bool = True, background_warmup: bool = False) -> EngineCore:
+                prefix_cache: bool = True, background_warmup: bool = False,
+                mixed_steps: bool = True) -> EngineCore:
     """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine.
 
     With `speculation`, the verify buckets are compiled and the proposers load:
@@ -196,6 +233,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     `prefix_cache`: share the KV pages of common prompt prefixes (engine/prefix_cache.py).
     `background_warmup`: `warmup()` returns once plain decoding and prefill are compiled and
     speculation's shapes compile on a thread (engine/warm.py; `crossover serve` does so).
+    `mixed_steps`: decode calls carry prefill chunks (engine/mixed.py).
     """
     from engine.gguf_file import default_gguf_path
     from engine.tokenizer import Tokenizer
@@ -214,11 +252,15 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     # Every Gemma 3 size shares one 262k vocabulary: a HF directory uses the default file's.
     tokenizer = Tokenizer.from_gguf(gguf or default_gguf_path(progress), progress=progress)
     budget = kv_budget_bytes or DEFAULT_KV_BUDGET.get(jax.default_backend(), 4 << 30)
+    loaded = _read_heads(heads, cfg, dtype, progress) if speculation and model_proposers else None
+    resident = 0 if loaded is None else heads_resident_bytes(  # one budget (engine/budget.py)
+        loaded[0], cfg, model_proposers, DRAFT_VOCABS, params["embed"].dtype.itemsize)
     drafting = speculation and bool({"early_exit", "draft"} & set(model_proposers))
     limit, ladder = map_limit(), context_buckets(max_context)
-    rc = runner_config(cfg, dtype, budget, max_batch, max_context,
+    rc = runner_config(cfg, dtype, budget - resident, max_batch, max_context,
                        verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
-                       drafting=drafting, map_limit=limit, tensor_parallel=tensor_parallel)
+                       drafting=drafting, map_limit=limit, tensor_parallel=tensor_parallel,
+                       mixed_steps=mixed_steps)
     if rc.context_buckets != ladder or rc.spec_contexts != ladder:
         note(progress, f"engine: context buckets {list(rc.context_buckets)}, speculation's "
                        f"{list(rc.spec_contexts)} (of {list(ladder)}): every compiled shape costs XLA:CPU "
@@ -232,8 +274,9 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                                                              prefix_cache=prefix_cache,
                                                              background_warmup=background_warmup),
                         model_name=cfg.name)
-    if speculation and model_proposers:
-        _load_heads(engine, heads, dtype, progress, model_proposers)
+    engine.budget_bytes = budget
+    if loaded is not None:
+        _add_heads(engine, *loaded, progress, model_proposers)
     return engine
 
 
@@ -262,15 +305,27 @@ def find_heads(heads: str | Path | None, cfg: ModelConfig) -> tuple[Path | None,
 def _load_heads(engine: EngineCore, heads: str | None, dtype: str, progress: Reporter,
                 techniques: tuple[str, ...] = MODEL_PROPOSERS) -> None:
     """MTP / early-exit / draft-model proposers from a heads file (`find_heads`; none: n-gram only)."""
-    from engine.drafting import add_model_proposers
+    loaded = _read_heads(heads, engine.cfg, dtype, progress)
+    if loaded is not None:
+        _add_heads(engine, *loaded, progress, techniques)
+
+
+def _read_heads(heads: str | None, cfg: ModelConfig, dtype: str, progress: Reporter):
+    """(DraftHeads, path, source) of the heads file `find_heads` picks, or None (noted) without one."""
     from engine.heads import DraftHeads
 
-    path, source = find_heads(heads, engine.cfg)
+    path, source = find_heads(heads, cfg)
     if path is None:
-        note(progress, f"engine: no draft heads for {engine.cfg.name} (none given, none in "
-                       f"{heads_cache_path(engine.cfg.name).parent}, none shipped): n-gram speculation only")
-        return
-    loaded = DraftHeads.load(path, dtype=jnp.dtype(dtype))
+        note(progress, f"engine: no draft heads for {cfg.name} (none given, none in "
+                       f"{heads_cache_path(cfg.name).parent}, none shipped): n-gram speculation only")
+        return None
+    return DraftHeads.load(path, dtype=jnp.dtype(dtype)), path, source
+
+
+def _add_heads(engine: EngineCore, loaded, path: Path, source: str, progress: Reporter,
+               techniques: tuple[str, ...]) -> None:
+    from engine.drafting import add_model_proposers
+
     add_model_proposers(engine, loaded, techniques)
     names = ", ".join(n for n in engine.proposers if n != "ngram")
     note(progress, f"engine: draft heads {path} ({source}, {loaded.nbytes() / 2**20:.1f} MiB): {names}")

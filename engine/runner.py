@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.compiles import abstract, any_committed, outputs, serving_compiles
+from engine.compiles import abstract, any_committed, outputs, padded_shape, serving_compiles
 from engine.config import ModelConfig
 from engine.kv import Batch, KVState, cache_reader, write_new
 from engine.model import Params, forward, logits, unstack_layers
 from engine.progress import Reporter, Steps, note
+from engine.scheduler import mix_chunk
 from engine.penalties import SPARE_ENTRIES
 from engine.sampling import (Adjust, SamplingArrays, adjust_logits, greedy, sample, top_candidates, top_logprobs,
                              verify)
@@ -81,6 +82,10 @@ class RunnerConfig:
     (see output_logits; costs a bfloat16 copy of the embedding)."""
     tensor_parallel: int = 1
     """Devices the params and KV pools are split over (engine/sharding.py); 1: one device."""
+    mix_tokens_per_row: int = 0
+    """Mixed steps (engine/mixed.py): prefill tokens a decode call carries per decode row; 0: off."""
+    mix_context_buckets: tuple[int, ...] = ()
+    """Page-table widths compiled for mixed calls: the largest of context_buckets; () = all."""
 
     def __post_init__(self) -> None:
         cap = self.ring_pages * self.page_size
@@ -288,6 +293,8 @@ class ModelRunner:
             self.mesh = make_mesh(rc.tensor_parallel)
             self.params, self.kv = shard_params(cfg, self.params, self.mesh), shard_kv(cfg, self.kv, self.mesh)
         self.warm_compiles: int | None = None
+        self.usable: frozenset | None = None  # plain shapes compiled so far while warming (engine/warm.py)
+        self.extra_jobs = lambda: ([], [])  # (forward, sampling) thunks of mixed calls: EngineCore sets them
         self.last_hidden = None  # [B, Tl, d] final hidden states of the latest call
         self.last_top = None  # ([B, Tl, k] ids, [B, Tl, k] logprobs) of the latest call, if asked
         self.adjust_width = rc.max_context + SPARE_ENTRIES
@@ -301,6 +308,9 @@ class ModelRunner:
         B = bucket(batch, rc.batch_buckets)
         T = 1 if new_tokens == 1 else bucket(new_tokens, rc.prefill_buckets)
         P = bucket(context, rc.spec_contexts if spec else rc.context_buckets) // rc.page_size
+        if self.usable is not None and not spec and logits_per_row == 1:  # warming: pad to a compiled shape
+            B, T, C = padded_shape((B, T, P * rc.page_size), self.usable)
+            P = C // rc.page_size
         return CallArrays(
             tokens=np.zeros((B, T), np.int32),
             start=np.zeros(B, np.int32),
@@ -359,7 +369,9 @@ class ModelRunner:
         """Every (batch, new_tokens, context) the engine may call with."""
         rc = self.rc
         out = [(b, 1, c) for b in rc.batch_buckets for c in rc.context_buckets]
-        return out + [(1, t, c) for t, c in prefill_shapes(rc.prefill_buckets, rc.context_buckets)]
+        # mixed steps: a short chunk runs beside a padding decode row (engine/step.py)
+        alone = mix_chunk(rc.batch_buckets[0], rc.mix_tokens_per_row, rc.prefill_buckets)
+        return out + [(1, t, c) for t, c in prefill_shapes(rc.prefill_buckets, rc.context_buckets) if t > alone]
 
     def verify_shapes(self) -> list[tuple[int, int, int]]:
         """Every (batch, 1 + depth, context) speculation may verify with."""
@@ -372,6 +384,8 @@ class ModelRunner:
         `speculation` verification's (`spec_jobs`) too; `progress` (engine/progress.py) sees
         each plain shape compiled."""
         jobs, n, lock = self.plain_jobs(), len(self.shapes()), threading.Lock()
+        mixed, mixed_sampling = self.extra_jobs()  # forwards first: the sampling jobs read their layouts
+        jobs, n = jobs[:n] + mixed + jobs[n:] + mixed_sampling, n + len(mixed)
         t0 = time.perf_counter()
         with Steps(progress, "warmup: compiling shapes", len(jobs)) as bar:
 
@@ -390,9 +404,9 @@ class ModelRunner:
             job()
         self.warm_compiles = serving_compiles()
 
-    def plain_jobs(self) -> list:
-        """Thunks compiling every shape of `shapes()`; see `spec_jobs`."""
-        return self._jobs(self.shapes(), verify=False)
+    def plain_jobs(self, shapes: list[tuple[int, int, int]] | None = None) -> list:
+        """Thunks compiling every shape of `shapes` (default `shapes()`); see `spec_jobs`."""
+        return self._jobs(self.shapes() if shapes is None else shapes, verify=False)
 
     def spec_jobs(self) -> list:
         """Thunks compiling every verify shape ahead of time (forward, KV write, verification

@@ -9,8 +9,14 @@ One step's plan, in order:
    admitted strictly first-come-first-served while the batch has room, the
    per-step token budget lasts, and the pool has pages for the whole prompt
    (taken at admission, so prefill chunks never wait for pages).
-   A chunk is at most the largest prefill bucket. An admitted sequence starts
-   after the longest prefix of its tokens the prefix cache holds (KVPool.lookup).
+   A chunk is at most the largest prefill bucket, and is cut at a smaller
+   bucket where padding it up would waste more than the smallest bucket
+   (`fit_chunk`). An admitted sequence starts after the longest prefix of its
+   tokens the prefix cache holds (KVPool.lookup).
+   Mixed steps (`mix_tokens_per_row`): while sequences decode, the step's
+   prefill is at most `mix_rows` chunks of `mix_chunk` tokens in all, so it
+   rides in the decode call (engine/mixed.py) without stretching the step
+   much; with nobody decoding the whole token budget is used.
 Before both, the pool split yields (KVPool.yield_to) so the longest sequence
 running or at the queue's head can finish alone: a split that grows while a
 large request waits shrinks for it instead of blocking the queue behind it.
@@ -41,12 +47,69 @@ class SchedulerConfig:
     """Longest prefill chunk of one sequence in one step."""
     lookahead: int = 0
     """Extra positions a decode reserves pages for (speculation's verify slots)."""
+    chunk_buckets: tuple[int, ...] = ()
+    """Prefill chunk lengths compiled (`fit_chunk` cuts chunks to them); () = any length."""
+    mix_tokens_per_row: int = 0
+    """While sequences decode: prefill tokens a step may add per decode row (`mix_chunk`); 0 = no cap."""
+    mix_rows: int = 1
+    """While sequences decode: most prefill chunks (sequences) one step carries, with mix_tokens_per_row."""
 
     def __post_init__(self) -> None:
         if self.token_budget < self.max_batch:
             raise ValueError(
                 f"token_budget={self.token_budget} must be at least max_batch={self.max_batch}"
             )
+
+
+MIX_MAX_CHUNK = 128
+"""Most prefill tokens a step that decodes carries (a ~1 ms token on this CPU: more would
+stretch even a batch-32 decode step past twice its time)."""
+
+
+def mix_chunk(decoders: int, per_row: int, buckets: tuple[int, ...]) -> int:
+    """Prefill tokens a step with `decoders` decode rows carries: the largest of `buckets` up to
+    per_row * decoders and MIX_MAX_CHUNK, at least the smallest; 0 when per_row is 0 (no cap).
+
+    >>> mix_chunk(8, 4, (32, 128, 512)), mix_chunk(64, 8, (32, 128, 512)), mix_chunk(8, 0, (32,))
+    (32, 128, 0)
+    """
+    if not per_row:
+        return 0
+    return max([b for b in buckets if b <= min(per_row * decoders, MIX_MAX_CHUNK)] or buckets[:1])
+
+
+def mix_contexts(rc) -> tuple[int, ...]:
+    """Page-table widths mixed calls compile for: rc.mix_context_buckets, or all context buckets."""
+    return rc.mix_context_buckets or rc.context_buckets
+
+
+def mixed_shapes(rc) -> list[tuple[int, int, int, int]]:
+    """(decode batch, prefill rows, prefill chunk, context) of every mixed call: for each decode
+    bucket, one prefill row of each prefill bucket up to `mix_chunk` of that batch.
+    Example: batches (1, 32), prefill buckets (32, 128), 4 tokens per row, contexts (512,):
+    [(1, 1, 32, 512), (32, 1, 32, 512), (32, 1, 128, 512)]."""
+    if not rc.mix_tokens_per_row:
+        return []
+    out = []
+    for b in rc.batch_buckets:
+        top = mix_chunk(b, rc.mix_tokens_per_row, rc.prefill_buckets)
+        out += [(b, 1, t, c) for t in rc.prefill_buckets if t <= top for c in mix_contexts(rc)]
+    return out
+
+
+def fit_chunk(n: int, buckets: tuple[int, ...]) -> int:
+    """A chunk of up to n tokens that pads to its bucket wasting less than the smallest bucket:
+    n itself, or else the largest bucket below it (the rest goes in later chunks).
+
+    >>> [fit_chunk(n, (32, 128, 512)) for n in (20, 100, 140, 500, 600)]
+    [20, 100, 128, 500, 512]
+    """
+    if not buckets or n <= buckets[0]:
+        return n
+    up = min([b for b in buckets if b >= n], default=None)
+    if up is not None and up - n < buckets[0]:
+        return n
+    return max(b for b in buckets if b <= n)
 
 
 @dataclass
@@ -121,13 +184,17 @@ class Scheduler:
 
     def _plan_prefill(self, plan: StepPlan, budget: int) -> None:
         in_decode = set(map(id, plan.decode))
+        rows = len(self.running) + len(self.waiting)
+        if plan.decode and self.cfg.mix_tokens_per_row:  # a mixed step: keep it near a decode step's time
+            budget = min(budget, mix_chunk(len(plan.decode), self.cfg.mix_tokens_per_row, self.cfg.chunk_buckets))
+            rows = self.cfg.mix_rows
         for seq in self.running:
-            if budget <= 0:
+            if budget <= 0 or len(plan.prefill) >= rows:
                 return
             if id(seq) in in_decode or seq.remaining <= 1 and seq.num_cached > 0:
                 continue
             budget -= self._add_chunk(plan, seq, budget)
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch and len(plan.prefill) < rows:
             seq = self.waiting[0]
             # Pages for the whole prompt (and the first decode) are taken at admission,
             # so a running prefill never stalls for want of pages.
@@ -157,7 +224,7 @@ class Scheduler:
         return n
 
     def _add_chunk(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
-        n = min(seq.remaining, budget, self.cfg.max_chunk)
+        n = fit_chunk(min(seq.remaining, budget, self.cfg.max_chunk), self.cfg.chunk_buckets)
         if not self.pool.grow(seq.pages, seq.num_cached + n):  # pages were taken at admission
             raise RuntimeError(f"{seq.request_id}: prefill chunk without pages")
         self.pool.prepare(seq.pages, seq.num_cached, seq.num_cached + n)

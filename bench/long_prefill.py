@@ -1,0 +1,100 @@
+"""Inter-token latency of running streams while a long prompt is prefilled.
+
+1. Load the engine in-process (as `crossover bench serve` does) with mixed
+   steps on or off (`--no-mixed`: every prefill chunk in a call of its own).
+2. Start `--streams` greedy requests with short prompts and long outputs;
+   once each has produced `--warm-tokens` tokens, send one request with a
+   `--prompt-tokens` prompt (max_tokens 1).
+3. Step until the streams finish, timing every token each stream receives.
+   Report the streams' ITL median and p99 over all their tokens and over the
+   tokens received while the long prompt was prefilled (from its send to its
+   first token), the long prompt's TTFT, and p99 / median.
+
+    python -m bench.long_prefill --out bench/results/serve-efficiency/long-prefill.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.engine import _prompt
+from engine.types import Request, SamplingParams
+
+
+def _ms(values: list[float]) -> dict:
+    a = np.asarray(values) * 1e3
+    if not a.size:
+        return {"n": 0}
+    return {"n": int(a.size), "p50": round(float(np.percentile(a, 50)), 1),
+            "p99": round(float(np.percentile(a, 99)), 1), "max": round(float(a.max()), 1)}
+
+
+def measure(engine, streams: int, prompt_tokens: int, warm_tokens: int, stream_tokens: int) -> dict:
+    """Steps `engine` through the scenario of the module docstring; the latencies in ms."""
+    sp = SamplingParams(max_tokens=stream_tokens, ignore_eos=True)
+    for i in range(streams):
+        engine.add_request(Request(f"s{i}", _prompt(engine.tokenizer, 24, i), sp))
+    last: dict[str, float] = {}
+    counts = {f"s{i}": 0 for i in range(streams)}
+    itl: list[tuple[float, float]] = []  # (arrival time, gap)
+    sent = first = None
+    while engine.has_work():
+        if sent is None and min(counts.values()) >= warm_tokens:
+            engine.add_request(Request("long", _prompt(engine.tokenizer, prompt_tokens, 99),
+                                       SamplingParams(max_tokens=1, ignore_eos=True)))
+            sent = time.perf_counter()
+        out = engine.step()
+        now = time.perf_counter()
+        for ev in out.events:
+            if ev.request_id == "long":
+                first = first or now
+                continue
+            if ev.token_ids:
+                if ev.request_id in last:
+                    itl.append((now, now - last[ev.request_id]))
+                last[ev.request_id] = now
+                counts[ev.request_id] += len(ev.token_ids)
+    during = [g for t, g in itl if sent is not None and first is not None and sent < t <= first]
+    whole, window = _ms([g for _, g in itl]), _ms(during)
+    return {"streams": streams, "prompt_tokens": prompt_tokens, "stream_tokens": stream_tokens,
+            "long_ttft_ms": None if first is None else round((first - sent) * 1e3, 1),
+            "itl_ms": whole, "itl_during_prefill_ms": window,
+            "p99_over_median": round(whole["p99"] / whole["p50"], 3) if whole["n"] else None,
+            "during_p99_over_median": (round(window["p99"] / whole["p50"], 3)
+                                       if window["n"] and whole["n"] else None)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="JSON output file")
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=2000)
+    ap.add_argument("--warm-tokens", type=int, default=8, help="tokens each stream has before the long prompt")
+    ap.add_argument("--stream-tokens", type=int, default=160, help="output tokens of each stream")
+    ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--no-mixed", action="store_true", help="prefill chunks in calls of their own")
+    args = ap.parse_args(argv)
+    from engine.loader import load_engine
+
+    engine = load_engine(max_batch=args.max_batch, max_context=args.max_context, speculation=False,
+                         progress=False, mixed_steps=not args.no_mixed)
+    engine.warmup(progress=False)
+    measure(engine, 2, 64, 2, 8)  # a short round first: the first runs of each shape are slow
+    result = {"bench": "long_prefill", "mixed_steps": not args.no_mixed,
+              **measure(engine, args.streams, args.prompt_tokens, args.warm_tokens, args.stream_tokens),
+              "compiles_since_warmup": engine.compiles_since_warmup()}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
