@@ -9,6 +9,8 @@
   shape, dtype and, for a committed array, its sharding, so that the
   executable it compiles is the one a later call with those arrays finds in
   the jit cache (a committed and an uncommitted argument lower differently).
+- While plain shapes still compile in the background (engine/warm.py), a plain
+  call runs at the cheapest compiled shape that holds it (`padded_shape`).
 - The persistent compilation cache and the memory-mapping cap of XLA:CPU.
 """
 
@@ -51,6 +53,11 @@ def serving_compiles() -> int:
     return _compiles - _warming_compiles
 
 
+def in_warmup() -> bool:
+    """Whether this thread is inside a `warming()` block."""
+    return getattr(_local, "warming", False)
+
+
 @contextlib.contextmanager
 def warming() -> Iterator[None]:
     """Count the lowerings this thread makes inside the block as warmup, not serving."""
@@ -60,6 +67,22 @@ def warming() -> Iterator[None]:
         yield
     finally:
         _local.warming = before
+
+
+def padded_shape(shape: tuple[int, int, int], usable: frozenset) -> tuple[int, int, int]:
+    """The shape a plain call runs at while the background warmup is under way: `fit_shape`,
+    except in a warmup job (engine.compiles.warming), which compiles the exact shape it asks for."""
+    return shape if in_warmup() else fit_shape(shape, usable)
+
+
+def fit_shape(shape: tuple[int, int, int], usable: frozenset) -> tuple[int, int, int]:
+    """The cheapest shape of `usable` (fewest batch x tokens x context slots) of the same kind
+    (decode or prefill) and no smaller in any dimension; `shape` itself when none is.
+    Example: fit_shape((1, 1, 64), frozenset({(4, 1, 512), (2, 1, 4096), (1, 128, 512)}))
+    == (4, 1, 512).
+    """
+    fits = [u for u in usable if (u[1] == 1) == (shape[1] == 1) and all(a >= b for a, b in zip(u, shape))]
+    return min(fits, key=lambda u: (u[0] * u[1] * u[2], u), default=shape)
 
 
 def abstract(tree):
@@ -107,6 +130,35 @@ def map_limit() -> int | None:
             return int(f.read())
     except (OSError, ValueError):
         return None
+
+
+M_ARENA_MAX = -8
+"""glibc's mallopt parameter for the most malloc arenas."""
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    lib = ctypes.CDLL(name) if name else None
+    return lib if lib is not None and hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt") else None
+
+
+def limit_malloc_arenas(arenas: int) -> bool:
+    """Cap glibc's malloc arenas (default 8 per core): XLA's compile and runtime threads each
+    grow their own 64 MiB heaps, and memory freed in one stays resident there. Call before
+    those threads start; whether it took effect (False off glibc)."""
+    lib = _libc()
+    return bool(lib is not None and lib.mallopt(M_ARENA_MAX, arenas))
+
+
+def trim_heap() -> None:
+    """Hand the free pages of every malloc arena back to the system (glibc; elsewhere nothing):
+    compiling leaves much memory free but resident."""
+    lib = _libc()
+    if lib is not None:
+        lib.malloc_trim(0)
 
 
 def enable_persistent_cache(path: str | None = None) -> str:

@@ -1,8 +1,15 @@
-"""Warmup in two parts: plain serving first, speculation's shapes after (the fast start).
+"""Warmup in stages: a few plain shapes first, the rest and speculation's after (the fast start).
 
-1. `warm_engine` has the runner compile (and run on scratch) every shape of
-   plain decoding and prefill on the calling thread, the engine thread. From
-   here the engine can serve: `warmup()` returns and the daemon turns ready.
+1. `warm_engine` compiles (or loads from the persistent cache) plain decoding's
+   and prefill's shapes on the calling thread, the engine thread. With
+   `background`, only the covering shapes (`covering_shapes`: per kind, decode
+   or prefill, the one no smaller than any other) and the smallest batch's
+   decode at the largest context are compiled here, and the
+   runner pads every plain call up to the smallest shape compiled so far
+   (`engine.compiles.fit_shape`, `ModelRunner.usable`). From here the engine can serve:
+   `warmup()` returns and the daemon turns ready. The other plain shapes
+   compile first on the background thread (smallest contexts first), each
+   usable once compiled; when all are, the runner stops padding.
 2. It gathers speculation's compile jobs: the verify shapes
    (`ModelRunner.spec_jobs`), then each model proposer's (`compile_jobs` in
    engine/drafting.py), cheapest technique first. A job compiles ahead of
@@ -29,8 +36,10 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
-from engine.compiles import compile_count, map_limit, memory_mappings, serving_compiles, warming
+from engine.compiles import compile_count, map_limit, memory_mappings, serving_compiles, trim_heap, warming
 from engine.progress import Reporter, note
 
 log = logging.getLogger("crossover.engine")
@@ -42,6 +51,8 @@ BACKGROUND_NICE = 10
 """Niceness added to the background compile thread, so serving keeps the CPU."""
 MAP_MARGIN = 1500
 """Memory mappings a job may still need (a forward shape takes ~440; engine/loader.py)."""
+WARMUP_THREADS = 2
+"""Threads compiling (or loading) the covering plain shapes before the engine turns ready."""
 
 
 class SpecWarmup:
@@ -70,7 +81,8 @@ class SpecWarmup:
 
     def start(self, verify: list[Job], own: dict[str, list[Job]], progress: Reporter,
               background: bool) -> None:
-        """Run `verify` then each technique's `own` jobs (in that order), here or on a thread."""
+        """Run `verify` then each technique's `own` jobs (in that order), here or on a thread.
+        `verify` may begin with the plain shapes left to compile (`warm_engine`)."""
         self._state = {t: "waiting" for t in own}
         if not background:
             self._run(verify, own, progress)
@@ -112,6 +124,7 @@ class SpecWarmup:
                 note(progress, f"warmup: speculation: {technique} ready after "
                                f"{time.perf_counter() - t0:.1f}s")
         self.seconds = time.perf_counter() - t0
+        trim_heap()  # the compiles' scratch memory, freed but still resident
         used, limit = memory_mappings(), map_limit()
         note(progress, f"warmup: speculation's shapes compiled in {self.seconds:.1f}s; "
                        f"{compile_count()} executables compiled or loaded"
@@ -141,11 +154,89 @@ class SpecWarmup:
         self._state = {**self._state, **{t: state for t in techniques if self._state.get(t) != "ready"}}
 
 
+Shape = tuple[int, int, int]
+"""(batch, new tokens, context) of a plain call: new tokens 1 decodes, more prefill."""
+
+
+def covering_shapes(shapes: list[Shape]) -> list[Shape]:
+    """Per kind of call (decode: 1 new token, prefill: more), the shape no smaller in any
+    dimension than every other of that kind; every plain call can be padded to one of them.
+    [] when a kind has no such shape (then nothing may be left for later).
+    Example: covering_shapes([(1, 1, 64), (4, 1, 64), (4, 1, 512), (1, 32, 64), (1, 128, 512)])
+    == [(4, 1, 512), (1, 128, 512)].
+    """
+    out = []
+    for kind in ({s for s in shapes if s[1] == 1}, {s for s in shapes if s[1] > 1}):
+        if kind:
+            top = tuple(max(s[i] for s in kind) for i in range(3))
+            if top not in kind:
+                return []
+            out.append(top)
+    return out
+
+
+def _plain_stages(runner, progress: Reporter) -> list[Job]:
+    """Compile the covering plain shapes here and let the runner pad to them; the jobs that
+    compile the other plain shapes later, each marking its shape usable (the last clears the
+    padding). Every job is made here, on the runner's thread (they note the arrays' layout)."""
+    shapes = list(runner.shapes())
+    first = covering_shapes(shapes)
+    lone = (min(s[0] for s in shapes), 1, max(s[2] for s in shapes))
+    if first and lone in shapes and lone not in first:  # a lone stream need not decode at full batch
+        first.append(lone)
+    rest = sorted((s for s in shapes if s not in first), key=lambda s: (s[2], s[0] * s[1], s))
+    if not first or not rest:
+        runner.warmup(progress, speculation=False)
+        return []
+    t0 = time.perf_counter()
+    _run_pool(runner.plain_jobs(first), len(first))
+    # Mixed calls (engine/mixed.py) run only where both their segments' plain shapes are usable
+    # unpadded, so compiling them before any further plain shape keeps them out of serving;
+    # one whose segments are both among the first shapes compiles here, with them.
+    from engine.scheduler import mixed_shapes
+
+    mixed, mixed_sampling = runner.extra_jobs()  # set by EngineCore (engine.mixed.mixed_jobs)
+    if any((b, 1, c) in first and (bp, t, c) in first for b, bp, t, c in mixed_shapes(runner.rc)):
+        _run_pool(mixed + mixed_sampling, len(mixed))
+        mixed, mixed_sampling = [], []
+    jobs: list[Job] = [*mixed, *mixed_sampling]
+    rows = {(s[0] if s[1] == 1 else 1) for s in first}  # batch rows whose sampling is compiled
+    for i, s in enumerate(rest):
+        forward, sampling = runner.plain_jobs([s])  # one forward (+ KV write), one sampling
+        row = s[0] if s[1] == 1 else 1
+        jobs.append(partial(_one_shape, runner, s, forward, None if row in rows else sampling,
+                            last=i == len(rest) - 1))
+        rows.add(row)
+    runner.usable = frozenset(first)
+    note(progress, f"warmup: {len(first)} covering shapes compiled in {time.perf_counter() - t0:.1f}s; "
+                   f"{len(rest)} more compile in the background (calls pad up to a compiled shape meanwhile)")
+    return jobs
+
+
+def _one_shape(runner, shape: Shape, forward: Job, sampling: Job | None, last: bool) -> None:
+    forward()
+    if sampling is not None:
+        sampling()
+    runner.usable = None if last else runner.usable | {shape}  # replaced whole: read by the engine thread
+
+
+def _run_pool(jobs: list[Job], n_forward: int) -> None:
+    """Run the forward jobs, then the sampling jobs (they read the forwards' output layouts),
+    on WARMUP_THREADS threads: lowering holds the GIL, loading or compiling mostly not."""
+    with ThreadPoolExecutor(WARMUP_THREADS, thread_name_prefix="crossover-warmup") as pool:
+        for group in (jobs[:n_forward], jobs[n_forward:]):
+            list(pool.map(lambda job: job(), group))
+
+
 def warm_engine(core, progress: Reporter, background: bool) -> SpecWarmup:
     """Warm `core` (an EngineCore) as the module docstring says; returns its SpecWarmup, whose
     `is_ready` the core's StepChooser then consults."""
     runner = core.runner
-    runner.warmup(progress, speculation=False)
+    if background and runner.mesh is None:
+        plain_left = _plain_stages(runner, progress)
+    else:  # a sharded runner's sampling layouts follow its forwards': compile all here
+        runner.warmup(progress, speculation=False)
+        plain_left = []
     jobs: dict[str, list[Job]] = {}
     for name, p in core.proposers.items():
         compile_jobs = getattr(p, "compile_jobs", None)
@@ -159,12 +250,14 @@ def warm_engine(core, progress: Reporter, background: bool) -> SpecWarmup:
     verify = runner.spec_jobs() if runner.rc.verify_tokens else []
     if not verify:  # nothing verifies: no technique can run
         own = {}
-    warm.start(verify, own, progress, background)
+    warm.start(plain_left + verify, own, progress, background)
     runner.warm_compiles = serving_compiles()
     core._chooser.ready = warm.is_ready
+    if not warm.running:
+        trim_heap()
     used, limit = memory_mappings(), map_limit()
     if progress and used and limit:
         note(progress, f"warmup: plain decoding ready, {compile_count()} executables compiled or loaded; "
                        f"{used} of this process's {limit} memory mappings in use"
-                       + ("; speculation compiles in the background" if warm.running else ""))
+                       + ("; the other shapes compile in the background" if warm.running else ""))
     return warm

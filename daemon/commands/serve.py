@@ -52,6 +52,9 @@ SETTING_FLAGS = (
 )
 SHUTDOWN_GRACE_S = 2.0
 """Runner shutdown timeout once draining is over (idle connections only)."""
+MALLOC_ARENAS = 2
+"""glibc malloc arenas of the serving process (engine.compiles.limit_malloc_arenas): fewer
+arenas keep less freed memory resident; the engine's steps run on one thread."""
 
 log = logging.getLogger("crossover.serve")
 
@@ -140,6 +143,10 @@ def run(args: argparse.Namespace) -> int:
     sockets = bind(settings.host, settings.port)
     if sockets is None:
         return 2
+    if not args.fake_engine:  # before XLA starts its threads
+        from engine.compiles import limit_malloc_arenas
+
+        limit_malloc_arenas(MALLOC_ARENAS)
     database = _open_database(settings, sockets[0].getsockname()[1])
     engine = None if database is None else _load_or_report(settings, args)
     if engine is None:
