@@ -13,6 +13,9 @@ model, with engine/early_exit.py. One run, so ratios are comparable on a busy ma
    `parts_ms`: each part of a step timed alone per row bucket (stage s, the state
    propagation after exit point k, the K/V write, the engine's forward): what
    compaction saves and what its machinery costs.
+   Each K/V fill of `kv_fills` (state propagation now, or recompute later: exited
+   positions run the upper layers with the row's next full step) runs in the same
+   loop, so its speedups are against the same "never" and plain loop.
 2. Quality, per threshold, on `quality_batch` prompts: greedy agreement (share
    of decoded positions where the early-exit token equals the full model's token
    for the same prefix; also at exited positions only) and the share of sequences
@@ -36,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.compiles import compile_count
-from engine.early_exit import NEVER, EarlyExit, pow2_bucket
+from engine.early_exit import FILLS, NEVER, EarlyExit, pow2_bucket
 
 HELD_OUT = (
     "The harbour town woke slowly in winter. Fishing boats stayed tied to the quay while the wind "
@@ -89,6 +92,10 @@ class EarlyExitGrid:
     """Seed of the prompt draw."""
     rounds: int = 2
     """Timed runs per configuration; each reports its fastest (for a machine other processes share)."""
+    kv_fills: tuple[str, ...] = ("propagate",)
+    """How exited rows' skipped layers get K/V: "propagate" (CALM, now) and/or "recompute" (later)."""
+    max_pending: int = 4
+    """Recompute later: positions a row may leave pending before a forced full step (a power of two)."""
 
     def __post_init__(self) -> None:
         if not self.batches or min(self.batches) < 1:
@@ -100,6 +107,9 @@ class EarlyExitGrid:
             raise ValueError(f"new_tokens={self.new_tokens}, prompt_tokens={self.prompt_tokens}, ppl_tokens="
                              f"{self.ppl_tokens} must be >= 2, quality_batch={self.quality_batch} and "
                              f"rounds={self.rounds} >= 1")
+        if not self.kv_fills or any(f not in FILLS for f in self.kv_fills) or len(set(self.kv_fills)) < len(
+                self.kv_fills):
+            raise ValueError(f"kv fills must be distinct of {list(FILLS)}, got {list(self.kv_fills)}")
 
 
 def _label(thr: float) -> str | float:
@@ -124,21 +134,23 @@ def held_out_ids(tokenizer, tokens: int) -> list[list[int]]:
     return [r[:n] for r in rows]
 
 
-def _rate(ee: EarlyExit, prompts, grid: EarlyExitGrid, thr: float, plain: bool = False):
-    run = ee.run(prompts, grid.new_tokens, thr, plain=plain)
+def _rate(ee: EarlyExit, prompts, grid: EarlyExitGrid, thr: float, plain: bool = False, fill: str = "propagate"):
+    run = ee.run(prompts, grid.new_tokens, thr, plain=plain, kv_fill=fill)
     steps = grid.new_tokens - 1
     return run, {"tokens_per_s": len(prompts) * steps / run.decode_s, "step_ms": 1e3 * run.decode_s / steps}
 
 
-def _exit_stats(ee: EarlyExit, layers_run: np.ndarray) -> dict:
-    """Exit shares over decoded positions (step 0 is the prefill's), and the share of steps whose
-    last stage ran in a smaller bucket than the batch's (or not at all): where compaction saved."""
-    dec = layers_run[:, 1:]
+def _exit_stats(ee: EarlyExit, run) -> dict:
+    """Exit shares over decoded positions (step 0 is the prefill's), the share of steps whose
+    last stage ran in a smaller bucket than the batch's (or not at all): where compaction saved,
+    and (recompute later) positions caught up and row-steps forced full, per decoded token."""
+    dec = run.layers_run[:, 1:]
     rest = (dec == ee.cfg.n_layers).sum(axis=0)  # rows through the whole model, per step
     full = pow2_bucket(dec.shape[0])
     return {"exit_fraction": float((dec < ee.cfg.n_layers).mean()),
             "exit_fraction_by_layer": {str(k): float((dec == k).mean()) for k in ee.exits},
-            "steps_compacted": float(np.mean([n == 0 or pow2_bucket(int(n)) < full for n in rest]))}
+            "steps_compacted": float(np.mean([n == 0 or pow2_bucket(int(n)) < full for n in rest])),
+            "caught_up_per_token": run.caught_up / dec.size, "forced_per_token": run.forced / dec.size}
 
 
 def _fastest(rates: list[dict]) -> dict:
@@ -146,45 +158,52 @@ def _fastest(rates: list[dict]) -> dict:
 
 
 def measure_speed(ee: EarlyExit, engine, grid: EarlyExitGrid, prompts: list[list[int]], log) -> dict:
-    """Tokens/s per (batch, threshold), the plain loop and the serving engine per batch: each the
-    fastest of `grid.rounds` rounds, the configurations taking turns within a round."""
+    """Tokens/s per (batch, K/V fill, threshold), the plain loop and the serving engine per batch:
+    each the fastest of `grid.rounds` rounds, the configurations taking turns within a round.
+    "never" runs once per batch (with the first fill) and is every fill's reference."""
     from bench.engine import decode_throughput
 
-    cells, plain, eng, runs, parts_ms = [], [], [], {}, {}
+    cells, plain, eng, runs, parts_ms = {f: [] for f in grid.kv_fills}, [], [], {}, {}
     warm0, timed = compile_count(), 0
-    configs = ("plain", NEVER, *grid.thresholds)
+    first = grid.kv_fills[0]
+    configs = (("plain", first, NEVER), ("never", first, NEVER),
+               *((f, f, t) for f in grid.kv_fills for t in grid.thresholds))
     for b in grid.batches:
         rows = prompts[:b]
-        parts = ee.warm(b, max(len(p) for p in rows), grid.new_tokens, reps=grid.rounds + 1)
-        parts_ms[str(b)] = {k: round(v, 3) for k, v in parts.items()}
+        parts_ms[str(b)] = {}
+        for f in grid.kv_fills:
+            parts = ee.warm(b, max(len(p) for p in rows), grid.new_tokens, reps=grid.rounds + 1, kv_fill=f)
+            parts_ms[str(b)][f] = {k: round(v, 3) for k, v in parts.items()}
         if engine is not None:
             decode_throughput(engine, b, len(rows[0]), grid.new_tokens)  # compiles the engine's shapes
         rates: dict = {c: [] for c in (*configs, "engine")}
         for _ in range(grid.rounds):
             c0 = compile_count()
             for c in configs:
-                run, r = _rate(ee, rows, grid, NEVER if c == "plain" else c, plain=c == "plain")
+                run, r = _rate(ee, rows, grid, c[2], plain=c[0] == "plain", fill=c[1])
                 rates[c].append(r)
-                runs[(b, c)] = run
+                runs[(b, c[1] if c[0] != "never" else "never", c[2])] = run
             timed += compile_count() - c0
             if engine is not None:
                 e = decode_throughput(engine, b, len(rows[0]), grid.new_tokens)
                 rates["engine"].append({"tokens_per_s": e["tokens_per_s"], "step_ms": e["step_ms"]})
-        pr, never = _fastest(rates["plain"]), _fastest(rates[NEVER])["tokens_per_s"]
+        pr, never = _fastest(rates[configs[0]]), _fastest(rates[configs[1]])["tokens_per_s"]
         plain.append({"batch": b, **pr})
         if engine is not None:
             eng.append({"batch": b, **_fastest(rates["engine"])})
-        for thr in configs[1:]:
-            r = _fastest(rates[thr])
-            cell = {"batch": b, "threshold": _label(thr), **r, **_exit_stats(ee, runs[(b, thr)].layers_run),
+        for c in configs[1:]:
+            r = _fastest(rates[c])
+            run = runs[(b, "never", NEVER) if c[0] == "never" else (b, c[1], c[2])]
+            cell = {"batch": b, "threshold": _label(c[2]), **r, **_exit_stats(ee, run),
                     "speedup_vs_never": r["tokens_per_s"] / never,
                     "speedup_vs_plain_loop": r["tokens_per_s"] / pr["tokens_per_s"]}
-            cells.append(cell)
-            log(f"batch {b:3d} threshold {str(_label(thr)):>5}: {r['tokens_per_s']:8.1f} tok/s, "
+            for f in (grid.kv_fills if c[0] == "never" else (c[1],)):
+                cells[f].append({**cell, "kv_fill": f})
+            log(f"batch {b:3d} {c[0]:>9} threshold {_label(c[2])!s:>5}: {r['tokens_per_s']:8.1f} tok/s, "
                 f"{cell['exit_fraction']:.0%} exited, {cell['speedup_vs_never']:.2f}x never")
         log(f"batch {b:3d}: plain loop {pr['tokens_per_s']:.1f} tok/s"
             + (f", engine {eng[-1]['tokens_per_s']:.1f} tok/s" if engine is not None else ""))
-    for c in cells:
+    for c in (c for fc in cells.values() for c in fc):
         ref = next((e["tokens_per_s"] for e in eng if e["batch"] == c["batch"]), None)
         c["speedup_vs_engine"] = c["tokens_per_s"] / ref if ref else None
     compiles = {"outside_timed_runs": compile_count() - warm0 - timed, "during_timed_runs": timed}
@@ -192,34 +211,35 @@ def measure_speed(ee: EarlyExit, engine, grid: EarlyExitGrid, prompts: list[list
     return speed, runs
 
 
-def measure_quality(ee: EarlyExit, grid: EarlyExitGrid, prompts, held_out, runs: dict, log) -> list[dict]:
-    """Greedy agreement, identical sequences and held-out perplexity per threshold."""
+def measure_quality(ee: EarlyExit, grid: EarlyExitGrid, prompts, held_out, runs: dict, log) -> dict:
+    """Greedy agreement, identical sequences and held-out perplexity per K/V fill and threshold."""
     N, q = grid.new_tokens, prompts[: grid.quality_batch]
-    full = runs.get((len(q), NEVER)) or ee.run(q, N, NEVER)
+    full = runs.get((len(q), "never", NEVER)) or ee.run(q, N, NEVER)
     feed = np.array([r[1:] for r in held_out], np.int32)
     starts = [r[:1] for r in held_out]
     ref = ee.run(starts, feed.shape[1], NEVER, feed=feed)
     full_nll = -float(ref.logprob[:, 1:].mean())
-    out = []
-    for thr in grid.thresholds:
-        run = runs.get((len(q), thr)) or ee.run(q, N, thr)
-        same_prefix = ee.run(q, N, NEVER, feed=run.tokens)  # the full model's token after each prefix
-        agree = same_prefix.tokens[:, 1:] == run.tokens[:, 1:]
-        exited = run.layers_run[:, 1:] < ee.cfg.n_layers
-        ppl = ee.run(starts, feed.shape[1], thr, feed=feed)
-        nll = -float(ppl.logprob[:, 1:].mean())
-        row = {"threshold": thr, **_exit_stats(ee, run.layers_run),
-               "greedy_agreement": float(agree.mean()),
-               "agreement_at_exits": float(agree[exited].mean()) if exited.any() else None,
-               "sequences_identical": float((run.tokens == full.tokens).all(axis=1).mean()),
-               "perplexity": math.exp(nll), "perplexity_full": math.exp(full_nll),
-               "perplexity_ratio": math.exp(nll - full_nll),
-               "perplexity_exit_fraction": _exit_stats(ee, ppl.layers_run)["exit_fraction"]}
-        out.append(row)
-        at = row["agreement_at_exits"]
-        log(f"threshold {thr}: agreement {row['greedy_agreement']:.3f} (at exits "
-            f"{at if at is None else round(at, 3)}), identical {row['sequences_identical']:.2f}, "
-            f"perplexity {row['perplexity']:.2f} vs {row['perplexity_full']:.2f} full")
+    out: dict = {f: [] for f in grid.kv_fills}
+    for f in grid.kv_fills:
+        for thr in grid.thresholds:
+            run = runs.get((len(q), f, thr)) or ee.run(q, N, thr, kv_fill=f)
+            same_prefix = ee.run(q, N, NEVER, feed=run.tokens)  # the full model's token after each prefix
+            agree = same_prefix.tokens[:, 1:] == run.tokens[:, 1:]
+            exited = run.layers_run[:, 1:] < ee.cfg.n_layers
+            ppl = ee.run(starts, feed.shape[1], thr, feed=feed, kv_fill=f)
+            nll = -float(ppl.logprob[:, 1:].mean())
+            row = {"threshold": thr, "kv_fill": f, **_exit_stats(ee, run),
+                   "greedy_agreement": float(agree.mean()),
+                   "agreement_at_exits": float(agree[exited].mean()) if exited.any() else None,
+                   "sequences_identical": float((run.tokens == full.tokens).all(axis=1).mean()),
+                   "perplexity": math.exp(nll), "perplexity_full": math.exp(full_nll),
+                   "perplexity_ratio": math.exp(nll - full_nll),
+                   "perplexity_exit_fraction": _exit_stats(ee, ppl)["exit_fraction"]}
+            out[f].append(row)
+            at = row["agreement_at_exits"]
+            log(f"{f} threshold {thr}: agreement {row['greedy_agreement']:.3f} (at exits "
+                f"{at if at is None else round(at, 3)}), identical {row['sequences_identical']:.2f}, "
+                f"perplexity {row['perplexity']:.2f} vs {row['perplexity_full']:.2f} full")
     return out
 
 
@@ -265,8 +285,16 @@ def summarize(speed: dict, quality: list[dict] | None = None) -> dict:
     return out
 
 
-def measure(ee: EarlyExit, engine, tokenizer, grid: EarlyExitGrid, log=None) -> dict:
-    """The whole benchmark on a built decoder (and serving engine, or None): the result dict."""
+FILL_NOTES = {
+    "propagate": "their upper layers' K/V are propagated from the exit layer (CALM)",
+    "recompute": "their upper layers run later, with the row's next full step, over the pending positions "
+                 "(at most max_pending; then a forced full step): the pages get the full model's K/V",
+}
+
+
+def measure(ee: EarlyExit, engine, tokenizer, grid: EarlyExitGrid, log=None) -> dict[str, dict]:
+    """The whole benchmark on a built decoder (and serving engine, or None): one result dict per K/V
+    fill, all from the same loop (each with the shared plain loop, engine and "never" figures)."""
     log = log or (lambda msg: print(f"bench early-exit: {msg}", file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     n = max(max(grid.batches), grid.quality_batch)
@@ -277,30 +305,48 @@ def measure(ee: EarlyExit, engine, tokenizer, grid: EarlyExitGrid, log=None) -> 
         load = os.getloadavg()
     except OSError:
         load = None
-    return {
-        "lossy": True,
-        "note": "opt-in experiment, not a serving path: exited rows emit the exit adapter's token and "
-                "their upper layers' K/V are propagated from the exit layer (CALM); output differs "
-                "from the full model",
-        "kv_fill": "state propagation", "kv": "paged (engine/kv.py)",
-        "model": ee.cfg.name, "dtype": str(ee.params["embed"].dtype), "grid": asdict(grid),
-        "exit_vocab": ee.exit_vocab, "machine": {"cpus": os.cpu_count(), "load_average_at_end": load,
-                                                 "shared": True},
-        **speed, "quality": quality, "summary": summarize(speed, quality),
-        "seconds": time.perf_counter() - t0,
-    }
+    out = {}
+    for f in grid.kv_fills:
+        mine = {**speed, "cells": speed["cells"][f]}
+        out[f] = {
+            "lossy": True,
+            "note": f"opt-in experiment, not a serving path: exited rows emit the exit adapter's token and "
+                    f"{FILL_NOTES[f]}; output differs from the full model",
+            "kv_fill": f, "same_run_as": list(grid.kv_fills), "max_pending": ee.max_pending,
+            "kv": "paged (engine/kv.py)",
+            "model": ee.cfg.name, "dtype": str(ee.params["embed"].dtype), "grid": asdict(grid),
+            "exit_vocab": ee.exit_vocab, "machine": {"cpus": os.cpu_count(), "load_average_at_end": load,
+                                                     "shared": True},
+            **mine, "quality": quality[f], "summary": summarize(mine, quality[f]),
+            "seconds": time.perf_counter() - t0,
+        }
+    return out
+
+
+def fill_path(out_path: str, fill: str, fills: tuple[str, ...]) -> str:
+    """Where one fill's result goes: `out_path` itself for a single fill, else `-{fill}` before
+    the suffix.
+
+    >>> fill_path("a/ee.json", "recompute", ("propagate", "recompute"))
+    'a/ee-recompute.json'
+    """
+    if len(fills) == 1:
+        return out_path
+    p = Path(out_path)
+    return str(p.with_name(f"{p.stem}-{fill}{p.suffix}"))
 
 
 def run_bench(out_path: str | None, grid: EarlyExitGrid, model: str | None = None, heads: str | None = None,
-              dtype: str | None = None) -> dict:
-    """Load the real model, its exit adapters and a serving engine; measure; write JSON."""
+              dtype: str | None = None) -> dict[str, dict]:
+    """Load the real model, its exit adapters and a serving engine; measure; write JSON (one file
+    per K/V fill, see fill_path); the results by fill."""
     import jax.numpy as jnp
 
     from daemon.progress import reporter, say
     from engine.heads import DraftHeads
     from engine.loader import find_heads, load_engine
 
-    log = lambda msg: say(f"bench early-exit: {msg}")  # noqa: E731
+    log = lambda msg: say(f"bench early-exit: {msg}")
     progress = reporter()
     max_context = -(-(grid.prompt_tokens + max(grid.new_tokens, grid.ppl_tokens) + 1) // 64) * 64
     engine = load_engine(model=model, dtype=dtype, max_batch=max(grid.batches),
@@ -312,13 +358,15 @@ def run_bench(out_path: str | None, grid: EarlyExitGrid, model: str | None = Non
     loaded = DraftHeads.load(path, dtype=jnp.dtype(engine.runner.rc.dtype))
     loaded.check(engine.cfg)
     log(f"exit adapters from {path} ({source}); exits {list(grid.exits)} of {sorted(loaded.exits)}")
-    ee = EarlyExit(engine.cfg, engine.runner.params, loaded, grid.exits, grid.exit_vocab, grid.confidence)
-    result = measure(ee, engine, engine.tokenizer, grid, log)
-    result["command"] = " ".join(["crossover", *sys.argv[1:]]) if sys.argv else None
-    write_result(out_path, result)
-    if out_path:
-        log(f"wrote {out_path}")
-    return result
+    ee = EarlyExit(engine.cfg, engine.runner.params, loaded, grid.exits, grid.exit_vocab, grid.confidence,
+                   max_pending=grid.max_pending)
+    results = measure(ee, engine, engine.tokenizer, grid, log)
+    for f, result in results.items():
+        result["command"] = " ".join(["crossover", *sys.argv[1:]]) if sys.argv else None
+        if out_path:
+            write_result(fill_path(out_path, f, grid.kv_fills), result)
+            log(f"wrote {fill_path(out_path, f, grid.kv_fills)}")
+    return results
 
 
 def write_result(out_path: str | None, result: dict) -> None:
