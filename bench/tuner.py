@@ -145,6 +145,18 @@ class TunerBenchConfig:
     """FakeEngine (tests): ngram and mtp FakeProposers, a FakeCost it sleeps."""
     fake_time_scale: float = 1.0
     """FakeEngine: real seconds slept per simulated second of step time."""
+    traces: tuple[str, ...] = ()
+    """Pool-split traces (bench.workloads.memory: memory-bound, light), run by
+    bench.split_bench.run_split_bench instead of this module's run_bench (empty: the shifting
+    trace)."""
+    splits: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5)
+    """Fixed pool splits each split trace runs."""
+    split_technique: str = "draft"
+    """Technique of the fixed-split policies (its KV pages come from the split)."""
+    split_depth: int = 2
+    """Depth of the fixed-split policies (no deeper than the technique drafts)."""
+    kv_budget: int | None = None
+    """KV pool bytes of the engine (None: the backend's default); the fake: 64 KiB a page."""
 
     def __post_init__(self) -> None:
         if not self.phase_s > 0 or not self.rate_scale > 0:
@@ -162,6 +174,10 @@ class TunerBenchConfig:
         for kind, t in self.temperatures:
             if kind not in KINDS or not 0.0 <= t <= 2.0:
                 raise ValueError(f"temperature {kind}:{t} needs a kind of {KINDS} and a value in [0, 2]")
+        from bench.workloads.memory import SPLIT_TRACES
+
+        if set(self.traces) - set(SPLIT_TRACES) or any(not 0 <= s <= 0.5 for s in self.splits):
+            raise ValueError(f"traces={self.traces} must be among {SPLIT_TRACES} and splits={self.splits} in [0, 0.5]")
         if self.probe_retunes < 0 or self.probe_concurrency < 1:
             raise ValueError(f"probe_retunes={self.probe_retunes} must be >= 0 and "
                              f"probe_concurrency={self.probe_concurrency} >= 1")
@@ -283,7 +299,7 @@ def load_engine(cfg: TunerBenchConfig) -> Any:
 
     progress = reporter()
     _log("loading the model with speculation")
-    engine = load(model=cfg.model, dtype=cfg.dtype, max_batch=cfg.max_batch,
+    engine = load(model=cfg.model, dtype=cfg.dtype, max_batch=cfg.max_batch, kv_budget_bytes=cfg.kv_budget,
                   max_context=cfg.max_context, speculation=True, heads=cfg.heads,
                   spec_max_batch=cfg.max_batch, model_proposers=proposers, progress=progress)
     _log(f"proposers: {', '.join(sorted(engine.proposers)) or 'none'}; warming up")
@@ -403,7 +419,9 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
             path.parent.mkdir(parents=True, exist_ok=True)
             path.unlink(missing_ok=True)
         database = open_database(f"sqlite:///{path}", recorder_config=recorder)
-        keys = _tenants(database, sorted({a.tenant for a in arrivals}))
+        # the split traces' requests wait in the engine, where the pool decides (no tenant cap)
+        limits = {"max_concurrent": len(arrivals) + 1} if cfg.traces else {}
+        keys = _tenants(database, sorted({a.tenant for a in arrivals}), limits)
         app = make_app(_settings(cfg, engine, policy is None, admin, len(arrivals)), recording,
                        database=database, warmup=False)
         tuner = app[TUNER]
@@ -481,13 +499,13 @@ def _settings(cfg: TunerBenchConfig, engine: Any, tuned: bool, admin: str, reque
         tuner=tuner)
 
 
-def _tenants(database: Any, names: list[str]) -> dict[str, str]:
-    """Create the trace's tenants; name -> API key."""
+def _tenants(database: Any, names: list[str], limits: dict[str, Any] | None = None) -> dict[str, str]:
+    """Create the trace's tenants (with `limits`, else the daemon's defaults); name -> API key."""
     from daemon.tenants.admin_ops import create_tenant
     from store.db import session_scope
 
     with session_scope(database.engine) as session:
-        return {name: create_tenant(session, name, {})[1] for name in names}
+        return {name: create_tenant(session, name, dict(limits or {}))[1] for name in names}
 
 
 class Client:

@@ -239,13 +239,15 @@ class PerfModel:
         return float(own if own is not None else pooled if pooled is not None else 1.0)
 
     def expected_tokens_per_seq(self, technique: str, depth: int, tenant: str | None = None,
-                                draft_vocab: int = 0) -> float:
+                                draft_vocab: int = 0, share: float | None = None) -> float:
         """1 + min(depth, factor * share * sum_i prod_{j<=i} alpha_j): tokens one sequence
-        emits per step (factor: see factor_at)."""
+        emits per step (factor: see factor_at); `share` given replaces the fitted draft share
+        (a draft model's follows the pool split: tuner.capacity)."""
         if technique == "none" or not depth:
             return 1.0
-        tokens = (drafted(self.rates(technique, depth, tenant, draft_vocab))
-                  * self.share(technique, tenant, draft_vocab))
+        if share is None:
+            share = self.share(technique, tenant, draft_vocab)
+        tokens = drafted(self.rates(technique, depth, tenant, draft_vocab)) * share
         return 1.0 + min(float(depth), tokens * self.factor_at(technique, depth, draft_vocab))
 
     def factor_at(self, technique: str, depth: int, draft_vocab: int = 0) -> float:
@@ -263,11 +265,11 @@ class PerfModel:
         return float(per_depth[nearest])
 
     def tokens_per_seq_mix(self, technique: str, depth: int, mix: Mapping[str, float],
-                           draft_vocab: int = 0) -> float:
+                           draft_vocab: int = 0, share: float | None = None) -> float:
         """Expected tokens per sequence per step for a tenant mix (weights sum to 1)."""
         if not mix:
-            return self.expected_tokens_per_seq(technique, depth, None, draft_vocab)
-        return sum(w * self.expected_tokens_per_seq(technique, depth, t, draft_vocab)
+            return self.expected_tokens_per_seq(technique, depth, None, draft_vocab, share)
+        return sum(w * self.expected_tokens_per_seq(technique, depth, t, draft_vocab, share)
                    for t, w in mix.items())
 
     def error_report(self, steps: Sequence[StepStats],

@@ -19,7 +19,17 @@ Memory, in pages of the KV pool: speculation gets floor(total * pool_split)
 and must fit its proposers' resident bytes, their per-sequence bytes and
 the depth extra verify slots of every speculating sequence; tenants get the
 rest and must hold the observed concurrency at its mean footprint
-(prompt + output). Constraint values follow Optuna: <= 0 is feasible.
+(prompt + output) where the whole pool holds it. Constraint values follow
+Optuna: <= 0 is feasible.
+
+Capacity (tuner.capacity, whose docstring states the model): the split also
+moves goodput. Tenants' pages admit a number of sequences; steps that wanted
+more (batch + waiting) run at that many, each batch size's tokens at the
+step time of the batch they run at, so a split that binds the pool costs the
+throughput the smaller batch loses. A draft model's KV comes from the lent
+pages, so it drafts for the share of each batch they hold. Where even the
+whole pool cannot hold the observed concurrency (a memory-bound load), the
+tenant constraint keeps one sequence and the objective prices the rest.
 """
 
 from __future__ import annotations
@@ -30,6 +40,15 @@ from dataclasses import asdict, dataclass, field
 
 from engine.policy import TunedPolicy
 from engine.types import EngineCapacity
+from tuner.capacity import (
+    LENT_KV,
+    admitted_at,
+    held_at,
+    lender_footprint,
+    pages_of_tokens,
+    pages_per_sequence,
+    under_split,
+)
 from tuner.model import Padding, PerfModel
 from tuner.traffic import Traffic
 
@@ -57,6 +76,16 @@ class Capacity:
     """Technique -> (resident bytes, bytes per speculating sequence per draft)."""
     draft_vocabs: tuple[int, ...] = ()
     """The MTP proposer's compiled draft vocabularies (empty: unknown, the config's are searched)."""
+    max_batch: int = 1 << 30
+    """Most sequences the engine decodes together (demand above it waits whatever the split)."""
+    lent_kv: Mapping[str, float] = field(default_factory=dict)
+    """Technique -> lent pages its draft KV needs per page of a sequence it holds (a draft
+    model's pages come from the split: tuner.capacity); techniques not named need none."""
+    pools: tuple[tuple[int, int], ...] = ()
+    """(pages, most pages one sequence holds there; 0: no cap) of each pool the split divides
+    (global pages and a sliding-window ring); empty: one pool of total_pages (tuner.capacity)."""
+    priced_split: float | None = None
+    """Price capacity at this split instead of each policy's (tuner.split solves per split)."""
 
     @property
     def techniques(self) -> tuple[str, ...]:
@@ -67,13 +96,17 @@ class Capacity:
         """The objective's view of an engine's `capacity()`: the whole pool (the pool split
         divides it), its compiled shapes and its proposers' memory."""
         mtp = cap.proposers.get("mtp")
+        # the engine may say what a draft page costs in tenant pages; else one (the target's shape)
+        lent = {n: float(getattr(p, "kv_page_ratio", None) or 1.0)
+                for n, p in cap.proposers.items() if n in LENT_KV}
         return Capacity(
             total_pages=cap.total_pages, page_size=cap.page_size, page_bytes=cap.page_bytes,
             max_depth=cap.max_depth, depths=cap.verify_depths,
             proposer_depths={n: p.max_depth for n, p in cap.proposers.items()},
             spec_max_batch=cap.spec_max_batch, batch_buckets=cap.batch_buckets,
             proposers={n: (p.resident_bytes, p.bytes_per_draft) for n, p in cap.proposers.items()},
-            draft_vocabs=mtp.draft_vocabs if mtp else (),
+            draft_vocabs=mtp.draft_vocabs if mtp else (), max_batch=cap.max_batch, lent_kv=lent,
+            pools=tuple(getattr(cap, "pools", None) or ()),
         )  # fmt: skip
 
 
@@ -89,6 +122,11 @@ class Evaluation:
     spec_pages_needed: int
     tpot_excess_ms: float = 0.0
     """p95 TPOT above the target (0 when met or when there is no target)."""
+    admitted: int = 0
+    """Sequences the tenants' pages admit at the observed footprint (tuner.capacity)."""
+    held_share: float = 1.0
+    """Share of the rows a lent-KV technique speculates on that the lent pages hold (token
+    weighted; 1 without one)."""
     per_batch: dict[int, tuple[float, float]] = field(default_factory=dict, compare=False)
     """Batch size -> (predicted tokens per step, predicted step ms); not in to_dict()."""
 
@@ -104,8 +142,9 @@ class Evaluation:
     def violations(self) -> list[str]:
         out = []
         if self.tenant_pages_needed > self.tenant_pages:
-            out.append(f"KV capacity: tenants need {self.tenant_pages_needed} pages for the "
-                       f"observed concurrency, the pool split leaves {self.tenant_pages}")
+            out.append(f"KV capacity: tenants need {self.tenant_pages_needed} pages (the observed "
+                       f"concurrency, or one sequence where the pool binds at any split), the pool "
+                       f"split leaves {self.tenant_pages}")
         if self.spec_pages_needed > self.spec_pages:
             out.append(f"speculation needs {self.spec_pages_needed} pages, "
                        f"the pool split gives {self.spec_pages}")
@@ -133,14 +172,26 @@ def padding_of(capacity: Capacity) -> Padding:
 
 def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: Capacity,
              tpot_target_ms: float = 0.0) -> Evaluation:
-    """Predicted goodput, p95 TPOT and page budgets of `policy` (see the module docstring)."""
-    tokens = time_ms = 0.0
+    """Predicted goodput, p95 TPOT and page budgets of `policy` (see the module docstring).
+    `per_batch` is keyed by the batch sizes the policy runs at (tuner.capacity: fewer where the
+    split binds the pool)."""
+    tokens = time_ms = held = lent_tokens = 0.0
     tpot: list[tuple[float, float]] = []  # (TPOT ms, weight)
     per_batch: dict[int, tuple[float, float]] = {}
+    tenant_pages, tenant_need, spec_pages, spec_need = _pages(policy, traffic, capacity)
+    split = policy.pool_split if capacity.priced_split is None else capacity.priced_split
+    footprint = lender_footprint(traffic, capacity)
+    tenant_footprint = pages_per_sequence(traffic, capacity)
+    traffic = under_split(traffic, capacity, split)
     shares = traffic.token_shares()
     for batch in traffic.batch_weights:
         technique, depth = _choice(policy, batch, capacity)
-        per_seq = model.tokens_per_seq_mix(technique, depth, traffic.mix_at(batch), policy.draft_vocab)
+        hold = None  # a lent-KV technique drafts for the rows its pages hold
+        if technique in capacity.lent_kv and depth:
+            hold = held_at(capacity, split, spec_need, capacity.lent_kv[technique], footprint, batch)
+            held, lent_tokens = held + shares[batch] * hold, lent_tokens + shares[batch]
+        per_seq = model.tokens_per_seq_mix(technique, depth, traffic.mix_at(batch),
+                                           policy.draft_vocab, hold)
         # the observed prefill is paid per output token: a step that emits more carries more
         # of it (fewer steps, the same prompts). Charged per step, it would make deep drafts
         # look best wherever steps admit many prompt tokens
@@ -156,10 +207,11 @@ def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: 
         per_batch[batch] = (batch * per_seq, ms)
         tpot.append((ms / per_seq, share))
     p95 = weighted_quantile(tpot, 0.95)
-    tenant_pages, tenant_need, spec_pages, spec_need = _pages(policy, traffic, capacity)
     excess = max(0.0, p95 - tpot_target_ms) if tpot_target_ms > 0 else 0.0
     return Evaluation(1000.0 * tokens / time_ms if time_ms > 0 else 0.0, p95,
-                      tenant_pages, tenant_need, spec_pages, spec_need, excess, per_batch)
+                      tenant_pages, tenant_need, spec_pages, spec_need, excess,
+                      admitted_at(capacity, split, tenant_footprint),
+                      held / lent_tokens if lent_tokens > 0 else 1.0, per_batch)
 
 
 def goodput_terms(share: float, tokens_per_step: float, step_ms: float) -> tuple[float, float]:
@@ -189,9 +241,22 @@ def _pages(policy: TunedPolicy, traffic: Traffic, capacity: Capacity) -> tuple[i
 
 
 def tenant_pages_needed(traffic: Traffic, capacity: Capacity) -> int:
-    """Pages that hold the observed concurrency at its mean footprint (prompt + output)."""
+    """Pages tenants must keep: the observed concurrency at its mean footprint (prompt +
+    output) where the whole pool holds it; where it does not (a memory-bound load, requests
+    wait at any split) one sequence's, and the objective prices how much a split deepens the
+    wait (tuner.capacity).
+
+    >>> busy = Traffic(1, {1: 1.0}, {}, 8.0, 8, mean_prompt_tokens=100, mean_output_tokens=60)
+    >>> tenant_pages_needed(busy, Capacity(100, 16)), tenant_pages_needed(busy, Capacity(79, 16))
+    (80, 10)
+    """
+    per_sequence = (pages_of_tokens(traffic.tokens_per_sequence, capacity)
+                    if traffic.tokens_per_sequence > 0 else  # no finished request: pages held
+                    math.ceil(pages_per_sequence(traffic, capacity)))
     concurrency = math.ceil(traffic.required_concurrency)
-    return concurrency * math.ceil(max(traffic.tokens_per_sequence, 1.0) / capacity.page_size)
+    if admitted_at(capacity, 0.0, per_sequence) >= concurrency:
+        return concurrency * per_sequence
+    return per_sequence
 
 
 def speculation_pages_needed(used: Mapping[str, int], crossover: int, traffic: Traffic,

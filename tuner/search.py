@@ -16,8 +16,9 @@ or a thread (tests). Data flow:
    name carrying the space's fingerprint (and a generation number once a
    study holds `max_study_trials`); the sampler's seed, when one is
    configured, is offset by the trial count so a restart never repeats.
-4. Solve for the best policy exactly (`tuner.exact`: one Dinkelbach solve
-   per KV footprint, milliseconds). When it meets every constraint (the p95
+4. Solve for the best policy exactly (`tuner.split`: for each pool split,
+   capacity priced at it, `tuner.exact`'s Dinkelbach solve per KV footprint;
+   milliseconds). When it meets every constraint (the p95
    TPOT target too) and one objective is asked for, it is the answer:
    enqueue it and the current policy, and ask/tell only those two, so the
    study records both under today's model (each trial is a dozen small
@@ -60,10 +61,10 @@ from store.history import draft_vocab_by_instance
 from tuner.acceptance import fit_acceptance, fit_depth_factors, fit_draft_share
 from tuner.config import TunerConfig
 from tuner.data import read_requests, read_steps, read_steps_by_instance
-from tuner.exact import solve
 from tuner.model import MIN_FIT_ROWS, MIN_SHAPE_STEPS, PerfModel, cost_history
 from tuner.objective import Capacity, Evaluation, evaluate, padding_of
 from tuner.space import SearchSpace
+from tuner.split import solve_splits
 from tuner.traffic import Traffic, observe
 
 CONSTRAINT_NAMES = ("tenant_kv_pages", "speculation_kv_pages", "p95_tpot_ms")
@@ -211,7 +212,7 @@ def run_search(job: SearchJob) -> SearchOutcome:
             return evaluate(policy, model, on, job.capacity, cfg.tpot_p95_ms)
 
         incumbent = job.incumbent
-        exact = solve(space, model, traffic, job.capacity) if cfg.exact else None
+        exact = solve_splits(space, model, traffic, job.capacity) if cfg.exact else None
         if exact is not None and not cfg.two_objective and score(exact).feasible:
             method, trials = "exact", _enqueue(study, None, space, [exact, incumbent], cfg.trials)
         else:

@@ -18,6 +18,9 @@ import numpy as np
 from engine.types import StepStats
 from tuner.data import RequestRow
 
+HIGH_FOOTPRINT = 0.9
+"""Quantile of the pages per running sequence that Traffic.pages_per_sequence_high reports."""
+
 
 @dataclass(frozen=True)
 class Traffic:
@@ -54,6 +57,17 @@ class Traffic:
     """Batch size -> mean rows per step that sample (temperature > 0); absent: none do."""
     sampled_steps: dict[int, float] = field(default_factory=dict)
     """Batch size -> share of steps where any row samples (what a whole-batch sampler costs)."""
+    queue_per_step: dict[int, float] = field(default_factory=dict)
+    """Batch size -> mean requests waiting per step, of steps that report KV pages held: with
+    the batch, the sequences those steps wanted to run (tuner.capacity prices a pool that
+    holds fewer or more; a queue behind a full batch waits whatever the pool: the capacity
+    caps it at the engine's max_batch)."""
+    pages_per_sequence: float = 0.0
+    """Mean KV pages a running sequence held (kv_pages_used / batch_size over the steps that
+    held any; 0: not observed)."""
+    pages_per_sequence_high: float = 0.0
+    """The HIGH_FOOTPRINT quantile of the same per-step figure: what a lender must hold per
+    row so that the longer sequences fit too (tuner.capacity.held_share)."""
 
     def mix_at(self, batch: int) -> dict[str, float]:
         """The tenant mix served at `batch`'s bucket, else the whole window's.
@@ -98,6 +112,9 @@ class Traffic:
             "mean_output_tokens": round(self.mean_output_tokens, 1),
             "tenant_mix": {t: round(w, 4) for t, w in self.tenant_mix.items()},
             "sampled_rows": {str(b): round(v, 3) for b, v in self.sampled_rows.items()},
+            "queue_per_step": {str(b): round(v, 3) for b, v in self.queue_per_step.items()},
+            "pages_per_sequence": round(self.pages_per_sequence, 2),
+            "pages_per_sequence_high": round(self.pages_per_sequence_high, 2),
             "bucket_mix": {str(b): {t: round(w, 4) for t, w in mix.items()}
                            for b, mix in self.bucket_mix.items()},
         }
@@ -112,8 +129,14 @@ def observe(steps: Sequence[StepStats], requests: Sequence[RequestRow],
     prefill: dict[int, int] = {}
     emitted: dict[int, int] = {}
     sampled: dict[int, list[int]] = {}  # batch size -> [sampled rows, steps with any]
+    queued: dict[int, int] = {}
+    footprints: list[float] = []  # pages per running sequence, per step that held any
     for s in steps:
         counts[s.batch_size] = counts.get(s.batch_size, 0) + 1
+        if s.kv_pages_used > 0:  # an engine that reports its pages: its queue may be theirs
+            queued[s.batch_size] = queued.get(s.batch_size, 0) + s.queue_len
+        if s.kv_pages_used > 0 and s.batch_size > 0:
+            footprints.append(s.kv_pages_used / s.batch_size)
         prefill[s.batch_size] = prefill.get(s.batch_size, 0) + s.prefill_tokens
         emitted[s.batch_size] = emitted.get(s.batch_size, 0) + s.decode_tokens
         if s.sampled_rows:
@@ -138,6 +161,9 @@ def observe(steps: Sequence[StepStats], requests: Sequence[RequestRow],
         tokens_per_step={b: emitted[b] / counts[b] for b in sorted(counts)},
         sampled_rows={b: sampled[b][0] / counts[b] for b in sorted(sampled)},
         sampled_steps={b: sampled[b][1] / counts[b] for b in sorted(sampled)},
+        queue_per_step={b: queued[b] / counts[b] for b in sorted(queued) if queued[b]},
+        pages_per_sequence=float(np.mean(footprints)) if footprints else 0.0,
+        pages_per_sequence_high=float(np.quantile(footprints, HIGH_FOOTPRINT)) if footprints else 0.0,
     )
 
 

@@ -1,5 +1,6 @@
-"""The exact solve (tuner.exact) against brute force over a small space, and the search's
-use of it: the optimum and the serving policy are the only trials told."""
+"""The exact solve (tuner.exact, per pool split in tuner.split) against brute force over a
+small space, and the search's use of it: the optimum and the serving policy are the only
+trials told."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tuner.model import PerfModel
 from tuner.objective import Capacity, evaluate
 from tuner.search import SearchJob, make_storage, run_search
 from tuner.space import SearchSpace
+from tuner.split import solve_splits
 from tuner.traffic import Traffic, observe
 
 SMALL = TunerConfig(ranges=(2, 8, 64), max_depth=4, max_pool_split=0.2, pool_split_step=0.05,
@@ -30,7 +32,8 @@ LOOSE = Capacity(total_pages=4096, page_size=16, page_bytes=1 << 16, max_depth=4
 TIGHT = dataclasses.replace(LOOSE, total_pages=360)
 """Tenants need 340 of the 360 pages, so speculation may borrow 18 (split 0.05): never MTP's
 40 resident pages, and n-gram at depth 4 only up to batch 8 (20 sequences at depth 2 need
-20 pages of drafts and 3 of verify slots)."""
+20 pages of drafts and 3 of verify slots). The pool admits 21 sequences of 17 pages at split
+0 and 20 at 0.05, so the steps at larger batches run smaller (tuner.capacity)."""
 
 
 def brute_force(space: SearchSpace, model: PerfModel, traffic: Traffic,
@@ -64,33 +67,44 @@ def test_the_solve_matches_brute_force(capacity: Capacity, seed: int, mean_batch
     model, traffic = fitted(seed, mean_batch)
     space = SearchSpace.build(SMALL, capacity)
     best, feasible = brute_force(space, model, traffic, capacity)
-    policy = solve(space, model, traffic, capacity)
+    policy = solve_splits(space, model, traffic, capacity)
     assert feasible > 0 and policy is not None
     ev = evaluate(policy, model, traffic, capacity)
     assert ev.feasible, ev.violations()
     assert ev.goodput == pytest.approx(best, rel=1e-9)
     assert space.params_of(policy) is not None  # a point of the space, so the study can hold it
-    # the smallest split that holds it: one step less would not
+    # the smallest split that holds it: one step less would not (nor score as high)
     if policy.pool_split > 0:
-        less = dataclasses.replace(policy, pool_split=round(policy.pool_split - SMALL.pool_split_step, 6))
-        assert not evaluate(less, model, traffic, capacity).feasible
+        less = evaluate(dataclasses.replace(
+            policy, pool_split=round(policy.pool_split - SMALL.pool_split_step, 6)), model, traffic, capacity)
+        assert not less.feasible or less.goodput < ev.goodput * (1 - 1e-9)
+    if capacity is LOOSE:  # where the pool holds every batch, one solve at any split is as good
+        plain = evaluate(solve(space, model, traffic, capacity), model, traffic, capacity)
+        assert plain.goodput == pytest.approx(best, rel=1e-9)
 
 
 def test_the_tight_pool_binds() -> None:
     """In the tight pool the unconstrained optimum does not fit, so the constraint mattered."""
     model, traffic = fitted(2, 8.0)
     space = SearchSpace.build(SMALL, TIGHT)
-    free = solve(space, model, traffic, dataclasses.replace(TIGHT, total_pages=1 << 20))
-    tight = solve(space, model, traffic, TIGHT)
+    free = solve_splits(space, model, traffic, dataclasses.replace(TIGHT, total_pages=1 << 20))
+    tight = solve_splits(space, model, traffic, TIGHT)
     assert free is not None and tight is not None
     assert not evaluate(dataclasses.replace(free, pool_split=0.2), model, traffic, TIGHT).feasible
     assert evaluate(tight, model, traffic, TIGHT).goodput < evaluate(free, model, traffic, TIGHT).goodput
 
 
 def test_nothing_fits_gives_none() -> None:
+    """Not even one sequence of 17 pages fits: no policy. A pool too small for the observed
+    concurrency (100 pages for 340) binds at any split: the best policy lends only what its
+    speculation needs, the rest priced as a smaller batch (tuner.capacity)."""
     model, traffic = fitted(1, 2.0)
-    crowded = dataclasses.replace(TIGHT, total_pages=100)  # tenants alone need more
-    assert solve(SearchSpace.build(SMALL, crowded), model, traffic, crowded) is None
+    tiny = dataclasses.replace(TIGHT, total_pages=16)
+    assert solve_splits(SearchSpace.build(SMALL, tiny), model, traffic, tiny) is None
+    crowded = dataclasses.replace(TIGHT, total_pages=100)
+    best = solve_splits(SearchSpace.build(SMALL, crowded), model, traffic, crowded)
+    ev = evaluate(best, model, traffic, crowded)
+    assert ev.feasible and ev.tenant_pages_needed == 17 and ev.admitted == (100 - int(100 * best.pool_split)) // 17
 
 
 def test_ranges_without_traffic_do_not_speculate() -> None:

@@ -77,6 +77,13 @@ def test_kv_constraint_excludes_a_split_that_cannot_hold_the_observed_concurrenc
     assert not ev.feasible and ev.constraints()[0] == 10  # 510 needed, 500 left
     assert "KV capacity" in ev.violations()[0]
     assert evaluate(spec(split=0.45), MODEL, too_busy, CAP).feasible
+    # more than the whole pool holds (101 x 10 pages): requests wait at any split, so the
+    # constraint keeps one sequence and the objective prices the smaller batch a split leaves
+    overloaded = dataclasses.replace(traffic(concurrency=101), pages_per_sequence=10.0,
+                                     queue_per_step={8: 200.0})
+    half, tenth = (evaluate(spec(split=s, crossover=0), MODEL, overloaded, CAP) for s in (0.5, 0.1))
+    assert half.tenant_pages_needed == 10 and half.feasible and tenth.feasible
+    assert (half.admitted, tenth.admitted) == (50, 90) and half.goodput < tenth.goodput
 
 
 def test_speculation_must_fit_in_its_share() -> None:
