@@ -3,8 +3,9 @@
 Modules: `build` (orchestration, header, output folder), `data` (reading the
 database), `stats` (Wilson and delta-method intervals, the crossover rule),
 `measured` (Q1, Q2 measured), `planned` (Q2 predicted, Q3, Q4, MoE),
-`roofline` (the step-time model and chip peaks behind the predictions),
-`summary` (one line per question), `figures` (matplotlib PNGs).
+`pool` (Q3 measured end to end: runs under each pool split), `early` (Q4's
+`--early-exit` files), `roofline` (the step-time model and chip peaks behind
+the predictions), `summary` (a paragraph per question), `figures` (PNGs).
 """
 
 from bench.report.build import ReportRequest, build_report

@@ -4,8 +4,8 @@
    database (reachable, at the schema head) — `ReportInputError` naming the
    bad value otherwise.
 2. Read the raw steps and requests once (bench/report/data.py).
-3. Write a one-line answer per question (summary.py), then the sections, each with its figures and the query behind every
-   number: Q1 acceptance (measured.py), Q2 crossover measured (measured.py)
+3. Write the sections, each with its figures and the query behind every number, then the
+   answers that open the report (summary.py: a paragraph, a figure and a source per question): Q1 acceptance (measured.py), Q2 crossover measured (measured.py)
    and predicted (planned.py), Q3 memory against goodput and the projection
    for larger models (planned.py), Q4 early exit with compaction and the
    mixture-of-experts verdict (planned.py).
@@ -48,6 +48,15 @@ class ReportRequest:
     """The command that produced the database, written in the report when given."""
     early_exit: tuple[Path, ...] = ()
     """`crossover bench early-exit` JSON files whose results Q4 shows (they are not telemetry)."""
+    tenant_instance: str | None = None
+    """The instance whose steps Q1's alone-vs-mixed comparison uses (None: every instance)."""
+    pool_instance: str | None = None
+    """The instance whose steps are pool-split runs (`crossover bench findings`' Q3): shown per
+    policy version in Q3 and left out of Q1 and Q2."""
+    note: str | None = None
+    """Free text for the header (e.g. that the machine was shared while measuring)."""
+    facts: str | None = None
+    """A file next to the README with what the measuring command ran, named in the header."""
 
 
 def prepare_out(out: Path) -> Path:
@@ -73,16 +82,57 @@ def report_command(req: ReportRequest) -> str:
             parts += [flag, str(value)]
     if req.instance is not None:
         parts += ["--instance", req.instance]
+    if req.pool_instance is not None:
+        parts += ["--pool-instance", req.pool_instance]
+    if req.tenant_instance is not None:
+        parts += ["--tenant-instance", req.tenant_instance]
     for path in req.early_exit:
         parts += ["--early-exit", str(path)]
     return shlex.join(parts)
 
 
+PACKAGES = ("crossover", "jax", "jaxlib", "numpy", "sqlalchemy", "matplotlib", "optuna")
+"""Distributions whose versions the header lists."""
+
+
+def _proc_field(path: str, key: str) -> str | None:
+    """The value of the first `key: value` line of a /proc file (None off Linux)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() == key:
+                    return value.strip()
+    except OSError:
+        return None
+    return None
+
+
+def machine_facts() -> dict:
+    """CPU model, cores, RAM, OS, Python and package versions of this machine."""
+    from importlib import metadata
+
+    mem = _proc_field("/proc/meminfo", "MemTotal")
+    ram = f"{int(mem.split()[0]) / 2**20:.1f} GiB" if mem and mem.split()[0].isdigit() else "unknown"
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return {"host": platform.node(), "cpu": _proc_field("/proc/cpuinfo", "model name") or platform.processor()
+            or platform.machine(), "cores": os.cpu_count(), "ram": ram, "os": platform.platform(),
+            "python": platform.python_version(), "packages": versions}
+
+
 def machine() -> str:
-    """This machine in one line, from platform and os."""
-    cpu = platform.processor() or platform.machine()
-    return (f"{platform.node()}: {platform.platform()}, {cpu}, {os.cpu_count()} CPUs, "
-            f"Python {platform.python_version()}")
+    """This machine in one line (machine_facts)."""
+    f = machine_facts()
+    return f"{f['host']}: {f['cpu']}, {f['cores']} cores, {f['ram']} RAM, {f['os']}, Python {f['python']}"
+
+
+def versions() -> str:
+    return ", ".join(f"{k} {v}" for k, v in machine_facts()["packages"].items())
 
 
 def _utc(ts: float | None) -> str:
@@ -100,14 +150,20 @@ def header(req: ReportRequest, t: Telemetry, revision: str | None) -> list[str]:
         "database; anything from the planner or the roofline model is labelled PREDICTION or PROJECTION."), "",
         f"- **Date**: {_utc(time.time())}",
         f"- **Machine** (where this report was made): {machine()}",
+        f"- **Packages**: {versions()}",
         f"- **Database**: `{shown_url(req.db)}` (schema revision {revision or '?'})"
         + (f", instance `{req.instance}`" if req.instance is not None else ", every instance"),
         f"- **Report command**: `{report_command(req)}`",
         f"- **Command that produced the database**: {src}",
+        *([f"- **Note**: {req.note}"] if req.note else []),
+        *([f"- **What ran** (every run's policy version, technique, split, wall time): `{req.facts}`"]
+          if req.facts else []),
         (f"- **Data**: {t.steps} raw steps from {_utc(t.first_time)} to {_utc(t.last_time)}, {t.requests} "
         f"requests; instances: {', '.join(repr(x) for x in sorted(t.instances)) or 'none'}; tenants: "
         f"{', '.join(sorted(t.tenants)) or 'none'}; techniques: {techs}. {t.rollup_minutes} per-minute "
-        "rollups of older steps exist and are not used (they keep no tenants or per-step times)."),
+        "rollups of older steps exist and are not used (they keep no tenants or per-step times)."
+        + (f" Counted apart: {sum(r.steps for r in t.pool_runs.values())} steps of {len(t.pool_runs)} pool-split "
+           f"runs (policy versions) of instance `{t.pool_instance}`, shown in Q3 only." if t.pool_instance else "")),
         (f"- **Planner inputs**: model {p.model} (the database does not record the served model), "
         f"{p.weight_dtype} weights, {p.kv_dtype} KV, context {p.context} tokens, page {p.page_size}."), "",
     ]
@@ -124,16 +180,17 @@ def build_report(req: ReportRequest) -> Path:
     out = prepare_out(Path(req.out))
     engine = open_database(req.db)
     try:
-        telemetry = read_telemetry(engine, req.instance)
+        telemetry = read_telemetry(engine, req.instance, req.pool_instance, req.tenant_instance)
     finally:
         engine.dispose()
     revision = current_revision(req.db)
-    lines = header(req, telemetry, revision) + summary(telemetry, req.plan)
-    lines += q1_section(telemetry, out)
-    lines += q2_measured_section(telemetry, out)
-    lines += q2_predicted_section(telemetry, req.plan, out)
-    lines += q3_section(telemetry, req.plan, out)
-    lines += q4_section(telemetry, out, early_section(early))
+    body = q1_section(telemetry, out)
+    body += q2_measured_section(telemetry, out)
+    body += q2_predicted_section(telemetry, req.plan, out)
+    body += q3_section(telemetry, req.plan, out)
+    body += q4_section(telemetry, out, early_section(early, out))
+    # the answers come first but are written last: they show the figures the sections drew
+    lines = header(req, telemetry, revision) + summary(telemetry, req.plan, early, out) + body
     path = out / README
     path.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     return path

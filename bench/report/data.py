@@ -35,7 +35,8 @@ ALL, ALONE = "all", "alone"
 """Tenant mixes goodput is split by (with MIXED): every step, single-tenant steps, several-tenant steps."""
 UNNAMED = "(no tenant)"
 STEP_COLUMNS = ("instance", "time", "technique", "depth", "batch_size", "prefill_tokens", "decode_tokens",
-                "step_ms", "proposed", "accepted_per_pos", "tenants", "kv_pages_used", "kv_pages_free")
+                "step_ms", "proposed", "accepted_per_pos", "tenants", "kv_pages_used", "kv_pages_free",
+                "policy_version")
 
 
 class ReportInputError(ValueError):
@@ -110,6 +111,27 @@ class RequestCounts:
 
 
 @dataclass
+class PoolRun:
+    """The steps of one policy version of the pool-split instance (a queue run under one split)."""
+
+    version: int
+    technique: str = "none"
+    """The technique its speculating steps ran (none if no step speculated)."""
+    depth: int = 0
+    pool_split: float | None = None
+    """From the policy's stored body in `xo_policies` (None: not stored)."""
+    steps: int = 0
+    batch_sum: int = 0
+    peak_batch: int = 0
+    tenant_pages: list[int] = field(default_factory=list)
+    """kv_pages_used + kv_pages_free of each step: the pages tenants could hold."""
+    goodput: Moments = field(default_factory=Moments)
+    """(decode tokens, step seconds) of every step, prefill included: the run's throughput."""
+    first_time: float | None = None
+    last_time: float | None = None
+
+
+@dataclass
 class Telemetry:
     """Everything the report's sections read, accumulated from the database."""
 
@@ -135,25 +157,42 @@ class Telemetry:
     by_tenant: dict[tuple[str, str], RequestCounts] = field(default_factory=dict)
     """(tenant, "alone" / "mixed" / "both" / "no steps") -> request totals."""
     rollup_minutes: int = 0
+    pool_instance: str | None = None
+    """The instance whose steps are pool-split runs (left out of everything above)."""
+    tenant_instance: str | None = None
+    """The instance whose steps Q1 compares tenants alone and mixed on (None: every instance)."""
+    acceptance_by_instance: dict[str, dict[tuple[str, str], PositionCounts]] = field(default_factory=dict)
+    """Instance -> `acceptance` of its steps alone."""
+    pool_runs: dict[int, PoolRun] = field(default_factory=dict)
+    """Policy version -> its run, for `pool_instance`."""
 
 
-def read_telemetry(engine: Engine, instance: str | None = None) -> Telemetry:
-    """Accumulate the steps and requests tables (of one instance, or all)."""
+def read_telemetry(engine: Engine, instance: str | None = None, pool_instance: str | None = None,
+                   tenant_instance: str | None = None) -> Telemetry:
+    """Accumulate the steps and requests tables (of one instance, or all); the steps of
+    `pool_instance` go to `pool_runs` alone, by policy version, with each version's pool split
+    read from `xo_policies` (store.history.policy_history)."""
     from store.db import session_scope
 
-    t = Telemetry()
+    t = Telemetry(pool_instance=pool_instance, tenant_instance=tenant_instance)
     presence: dict[tuple[str, str], tuple[list[float], list[int], list[int]]] = {}
     cols = [getattr(Step, c) for c in STEP_COLUMNS]
     where = [Step.instance == instance] if instance is not None else []
     with session_scope(engine) as session:
         query = select(*cols).where(*where).order_by(Step.instance, Step.time)
         for row in session.execute(query.execution_options(yield_per=5000)):
-            _add_step(t, dict(zip(STEP_COLUMNS, row)), presence)
+            r = dict(zip(STEP_COLUMNS, row))
+            if pool_instance is not None and r["instance"] == pool_instance:
+                _add_pool_step(t, r)
+            else:
+                _add_step(t, r, presence)
         rq = select(Request.instance, Request.tenant, Request.arrival_time, Request.finish_time,
                     Request.proposed_tokens, Request.accepted_tokens)
         if instance is not None:
             rq = rq.where(Request.instance == instance)
         for inst, tenant, start, end, proposed, accepted in session.execute(rq.execution_options(yield_per=5000)):
+            if pool_instance is not None and inst == pool_instance:
+                continue
             kind = _request_kind(presence.get((inst, tenant)), start, end)
             c = t.by_tenant.setdefault((tenant, kind), RequestCounts())
             c.requests, c.proposed, c.accepted = c.requests + 1, c.proposed + proposed, c.accepted + accepted
@@ -162,7 +201,37 @@ def read_telemetry(engine: Engine, instance: str | None = None) -> Telemetry:
         ru = select(func.count()).select_from(StepRollup)
         t.rollup_minutes = int(session.execute(
             ru.where(StepRollup.instance == instance) if instance is not None else ru).scalar() or 0)
+        if t.pool_runs:
+            _pool_splits(session, t)
     return t
+
+
+def _add_pool_step(t: Telemetry, r: dict) -> None:
+    run = t.pool_runs.setdefault(int(r["policy_version"]), PoolRun(int(r["policy_version"])))
+    run.steps += 1
+    run.batch_sum += int(r["batch_size"])
+    run.peak_batch = max(run.peak_batch, int(r["batch_size"]))
+    run.tenant_pages.append(int(r["kv_pages_used"]) + int(r["kv_pages_free"]))
+    run.goodput.add(float(r["decode_tokens"]), float(r["step_ms"]) / 1000.0)
+    run.first_time = r["time"] if run.first_time is None else min(run.first_time, r["time"])
+    run.last_time = r["time"] if run.last_time is None else max(run.last_time, r["time"])
+    if int(r["depth"]) > 0 and str(r["technique"]) != "none":
+        run.technique, run.depth = str(r["technique"]), max(run.depth, int(r["depth"]))
+
+
+def _pool_splits(session, t: Telemetry) -> None:
+    """Each pool run's split (and its rule's technique, for runs that never speculated) from its stored policy."""
+    from store.history import policy_history
+
+    for p in policy_history(session, limit=10_000, instance=t.pool_instance):
+        run = t.pool_runs.get(int(p.version))
+        body = p.body if isinstance(p.body, dict) else {}
+        if run is None:
+            continue
+        run.pool_split = float(body.get("pool_split", 0.0))
+        rules = body.get("rules") or []
+        if run.technique == "none" and rules and rules[0].get("technique", "none") != "none":
+            run.technique = f"{rules[0]['technique']} (never drafted)"
 
 
 def _add_step(t: Telemetry, r: dict, presence: dict) -> None:
@@ -177,8 +246,9 @@ def _add_step(t: Telemetry, r: dict, presence: dict) -> None:
     mixed = len(tenants) > 1
     group = MIXED if mixed else (tenants[0] if tenants else UNNAMED)
     if depth > 0 and r["proposed"] > 0:
-        t.acceptance.setdefault((tech, group), PositionCounts()).add(depth, int(r["proposed"]),
-                                                                    list(r["accepted_per_pos"] or ()))
+        for acc in (t.acceptance, t.acceptance_by_instance.setdefault(r["instance"], {})):
+            acc.setdefault((tech, group), PositionCounts()).add(depth, int(r["proposed"]),
+                                                                list(r["accepted_per_pos"] or ()))
         per_depth = t.depths.setdefault(tech, {})
         per_depth[depth] = per_depth.get(depth, 0) + 1
     t.pool_pages.setdefault(tech, []).append(int(r["kv_pages_used"]) + int(r["kv_pages_free"]))
@@ -206,6 +276,13 @@ def _request_kind(presence: tuple[list[float], list[int], list[int]] | None, sta
     if n_alone and n_mixed:
         return "both"
     return "alone" if n_alone else "mixed" if n_mixed else "no steps"
+
+
+def q1_acceptance(t: Telemetry) -> dict[tuple[str, str], PositionCounts]:
+    """The counts Q1 compares: the tenant instance's when it has any, else every instance's."""
+    if t.tenant_instance is not None and t.acceptance_by_instance.get(t.tenant_instance):
+        return t.acceptance_by_instance[t.tenant_instance]
+    return t.acceptance
 
 
 def measured_acceptance(t: Telemetry, technique: str) -> list[float]:

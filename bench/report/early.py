@@ -72,11 +72,40 @@ def run_section(path: Path, data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def section(runs: list[tuple[Path, dict[str, Any]]]) -> list[str]:
-    """The measured compacting early-exit runs, or nothing when none were given."""
+def section(runs: list[tuple[Path, dict[str, Any]]], out: Path | None = None) -> list[str]:
+    """The measured compacting early-exit runs (with their figure when `out` is given), or nothing
+    when none were given."""
     if not runs:
         return []
     lines = ["### Compacting early exit, measured (`crossover bench early-exit`)", ""]
+    name = early_exit_figure(runs, out) if out is not None else None
+    if name:
+        lines += [f"![compacting early exit: speedup against batch size]({name})", ""]
     for path, data in runs:
         lines += run_section(path, data)
     return lines
+
+
+def early_exit_figure(runs: list[tuple[Path, dict[str, Any]]], out: Path) -> str | None:
+    """A panel per run: tokens/s over never exiting against batch size, a line per threshold."""
+    from bench.report.figures import GROUP_COLORS, _log2_batches, _panels, _rgb, _save
+
+    fig, axes = _panels(len(runs), size=(5.4, 3.8))
+    for ax, (path, data) in zip(axes, runs):
+        cells = data["cells"]
+        batches = sorted({c["batch"] for c in cells})
+        agreement = {_threshold(q["threshold"]): q["greedy_agreement"] for q in data["quality"]}
+        for i, th in enumerate(dict.fromkeys(c["threshold"] for c in cells)):
+            pts = sorted((c["batch"], c["speedup_vs_never"]) for c in cells if c["threshold"] == th)
+            agree = agreement.get(_threshold(th))
+            ax.plot(*zip(*pts), marker="o", markersize=3, color=_rgb(GROUP_COLORS[i % len(GROUP_COLORS)]),
+                    label=f"threshold {_threshold(th)}" + (f" (greedy agreement {agree:.2f})" if agree else ""))
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        _log2_batches(ax, batches)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("batch size (log scale)")
+        ax.set_ylabel("tokens/s over never exiting")
+        ax.set_title(f"{path.name}: LOSSY early exit, {data.get('kv_fill', '?')}", fontsize=8)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, out, "q4_early_exit.png")

@@ -44,7 +44,19 @@ def _panels(n: int, size: tuple[float, float] = (5.6, 4.2), cols: int = 2) -> tu
 
 
 def _save(fig: Any, out: Path, name: str) -> str:
-    fig.savefig(out / name, dpi=DPI, format="png")
+    """Write the PNG with a 256-colour palette (Pillow, matplotlib's own dependency), which keeps
+    a line figure well under 200 KB; plain RGBA where Pillow cannot quantize."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=DPI, format="png")
+    try:
+        from PIL import Image
+
+        buf.seek(0)
+        Image.open(buf).convert("RGB").quantize(colors=256).save(out / name, format="PNG", optimize=True)
+    except (ImportError, OSError, ValueError):
+        (out / name).write_bytes(buf.getvalue())
     return name
 
 
@@ -110,8 +122,9 @@ def tenant_figure(data: dict[str, dict[str, Interval]], out: Path) -> str | None
 
 def goodput_figure(data: dict[str, dict[str, dict[int, Interval]]], crossovers: dict[str, dict[str, int | None]],
                    out: Path) -> str | None:
-    """Measured goodput vs batch size, a panel per tenant mix, a line per technique (plain: "none")."""
-    data = {mix: techs for mix, techs in data.items() if any(techs.values())}
+    """Measured goodput vs batch size, a panel per tenant mix (all, alone, mixed; not each tenant's),
+    a line per technique (plain: "none")."""
+    data = {mix: techs for mix, techs in data.items() if any(techs.values()) and not mix.startswith("alone: ")}
     if not data:
         return None
     fig, axes = _panels(len(data))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.report import figures
-from bench.report.data import ALL, ALONE, MIXED, Telemetry
+from bench.report.data import ALL, ALONE, MIXED, Telemetry, q1_acceptance
 from bench.report.stats import Crossover, Interval, crossover, quotient_ci, ratio_ci, wilson
 
 PLAIN = "none"
@@ -44,7 +44,7 @@ def _group_order(groups: list[str]) -> list[str]:
 def acceptance_rows(t: Telemetry) -> dict[str, dict[str, list[Interval]]]:
     """Technique -> group -> Wilson interval of acceptance at each draft position."""
     out: dict[str, dict[str, list[Interval]]] = {}
-    for (tech, group), c in sorted(t.acceptance.items()):
+    for (tech, group), c in sorted(q1_acceptance(t).items()):
         cis = [wilson(a, o) for a, o in zip(c.accepted, c.offered)]
         label = group if group == MIXED else f"{group} alone"
         out.setdefault(tech, {})[label] = [ci for ci in cis if ci is not None]
@@ -53,7 +53,8 @@ def acceptance_rows(t: Telemetry) -> dict[str, dict[str, list[Interval]]]:
 
 def q1_section(t: Telemetry, out: Path) -> list[str]:
     lines = ["## Q1. Does acceptance hold on multi-tenant traffic?", ""]
-    if not t.acceptance:
+    acc = q1_acceptance(t)
+    if not acc:
         return lines + [("**No data:** no step in `xo_steps` speculated (depth > 0 with proposed drafts > 0), "
                         "so there is no acceptance to report. Serve traffic with a speculative policy "
                         "(e.g. `crossover bench tuner`, or `crossover serve` under load) into this database."), ""]
@@ -62,13 +63,15 @@ def q1_section(t: Telemetry, out: Path) -> list[str]:
               "Intervals: 95% Wilson."), "",
               "| technique | batches | steps | drafts proposed | acceptance (all positions) | per position |",
               "|---|---|---:|---:|---|---|"]
-    for (tech, group) in sorted(t.acceptance, key=lambda k: (k[0], k[1] == MIXED, k[1])):
-        c = t.acceptance[(tech, group)]
+    for (tech, group) in sorted(acc, key=lambda k: (k[0], k[1] == MIXED, k[1])):
+        c = acc[(tech, group)]
         overall = wilson(sum(c.accepted), sum(c.offered))
         per_pos = "; ".join(f"{i + 1}: {fmt_rate(wilson(a, o))}" for i, (a, o) in enumerate(zip(c.accepted, c.offered)))
         label = "mixed tenants" if group == MIXED else f"{group} alone"
         lines.append(f"| {tech} | {label} | {c.steps} | {c.proposed} | {fmt_rate(overall)} | {per_pos} |")
-    lines += ["", (f"Source: {STEPS_SOURCE}, speculating steps (depth > 0, proposed > 0) grouped by "
+    only = (f" of instance `{t.tenant_instance}` only (the same prompts alone and mixed)"
+            if acc is not t.acceptance else "")
+    lines += ["", (f"Source: {STEPS_SOURCE}{only}, speculating steps (depth > 0, proposed > 0) grouped by "
               "(technique, tenant alone | mixed); per-position sums of `accepted_per_pos`."), ""]
     name = figures.acceptance_figure(acceptance_rows(t), out)
     if name:
@@ -82,9 +85,10 @@ def q1_section(t: Telemetry, out: Path) -> list[str]:
 def _verdicts(t: Telemetry) -> list[str]:
     """Per technique: does any tenant's alone interval sit apart from the mixed one?"""
     out = []
-    for tech in sorted({k[0] for k in t.acceptance}):
-        mixed = t.acceptance.get((tech, MIXED))
-        alone = {g: c for (x, g), c in t.acceptance.items() if x == tech and g != MIXED}
+    acc = q1_acceptance(t)
+    for tech in sorted({k[0] for k in acc}):
+        mixed = acc.get((tech, MIXED))
+        alone = {g: c for (x, g), c in acc.items() if x == tech and g != MIXED}
         if mixed is None or not alone:
             have = "mixed batches only" if mixed else "single-tenant batches only"
             out.append(f"- **{tech}**: {have} were recorded; alone vs mixed cannot be compared.")

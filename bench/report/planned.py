@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.report import figures, roofline
+from bench.report import figures, pool, roofline
 from bench.report.data import Telemetry, measured_acceptance, usual_depth
 from bench.report.measured import PLAIN, fmt_ci, operating_gain
 from engine.config import PRESETS, ModelConfig
@@ -174,6 +174,7 @@ def q3_section(t: Telemetry, p: PlanInputs, out: Path) -> list[str]:
                 measured.append((tech, float(c.tenants_displaced), gain[1]))
         lines += ["", ("Source: `xo_steps.kv_pages_used + kv_pages_free` and the Q2 goodput cells; planner "
                   f"`make_plan(...).techniques` for {p.model}."), ""]
+    lines += pool.section(t, out)
     proj_lines, projected = _projection(t, p)
     lines += proj_lines
     name = figures.displacement_figure(measured, projected, out)

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_early_exit(sub.add_parser("early-exit", help="LOSSY opt-in experiment: early exit with a compacting "
                                                       "batch; tokens/s vs batch and threshold, agreement, "
                                                       "perplexity; JSON"))
+    _add_findings(sub.add_parser("findings", help="measure the four open questions into one telemetry "
+                                                  "database, then write the findings report (README + PNGs)"))
 
 
 def _add_serve(s: argparse.ArgumentParser) -> None:
@@ -145,11 +147,15 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "crossover":
         _run_crossover(args)
     elif args.bench == "tuner":
+        from bench.split_bench import run_split_bench
         from bench.tuner import run_bench as tuner_bench
 
-        tuner_bench(_tuner_config(args), args.out)
+        config = _tuner_config(args)  # --trace memory-bound|light: the pool-split bench
+        (run_split_bench if config.traces else tuner_bench)(config, args.out)
     elif args.bench == "early-exit":
         _run_early_exit(args)
+    elif args.bench == "findings":
+        _run_findings(args)
     return 0
 
 
@@ -264,6 +270,14 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     _add_engine(add, heads=True, sized=True)
     add("--keep-db", default=None, help="keep each run's telemetry database in this directory")
     add("--fake-time-scale", type=float, default=1.0, help="fake engine: real s per simulated s of step time")
+    add("--trace", default="shifting",
+        help="shifting (the default three phases), or pool-split traces memory-bound,light (comma-separated): "
+             "fixed --splits against the tuner's split (bench/split_bench.py; arrivals/s: --high-rate "
+             "memory-bound, --low-rate light)")
+    add("--splits", default="0,0.125,0.25,0.5", help="--trace memory-bound|light: the fixed pool splits")
+    add("--split-technique", default="draft", help="--trace memory-bound|light: technique of the fixed splits")
+    add("--split-depth", type=int, default=2, help="--trace memory-bound|light: depth of the fixed splits")
+    add("--kv-budget", default=None, help="KV pool size of the engine, e.g. 96MiB (default: the backend's)")
 
 
 QUICK: dict[str, tuple[Any, Any]] = {"phase_seconds": (60.0, 20.0), "depths": ("2,4,8", "2,4"),
@@ -274,6 +288,7 @@ QUICK: dict[str, tuple[Any, Any]] = {"phase_seconds": (60.0, 20.0), "depths": ("
 def _tuner_config(args: argparse.Namespace) -> Any:
     """The bench tuner config from flags; UserError naming what is wrong."""
     from bench.tuner import TunerBenchConfig
+    from daemon.commands.plan import parse_size
 
     if args.quick:
         for name, (default, quick) in QUICK.items():
@@ -303,7 +318,11 @@ def _tuner_config(args: argparse.Namespace) -> Any:
             probe_retunes=args.probe_retunes, probe_concurrency=args.probe_concurrency,
             probe_quiet_s=args.probe_quiet, model=args.model, heads=args.heads, dtype=args.dtype,
             max_batch=args.max_batch, max_context=1024 if args.max_context is None else args.max_context, keep_db=args.keep_db,
-            fake=args.fake, fake_time_scale=args.fake_time_scale)
+            fake=args.fake, fake_time_scale=args.fake_time_scale,
+            traces=() if args.trace == "shifting" else items(args.trace),
+            splits=tuple(float(x) for x in items(args.splits)), split_technique=args.split_technique,
+            split_depth=args.split_depth,
+            kv_budget=None if args.kv_budget is None else parse_size("--kv-budget", args.kv_budget))
     except ValueError as exc:
         raise UserError(f"bench tuner: {exc}") from None
 
@@ -315,6 +334,41 @@ def _kind_value(flag: str, item: str) -> tuple[str, float]:
         return kind.strip(), float(value)
     except ValueError:
         raise UserError(f"{flag}: {item!r} is not KIND:NUMBER") from None
+
+
+def _add_findings(f: argparse.ArgumentParser) -> None:
+    add = f.add_argument
+    add("--db", required=True, help="telemetry database to record into (SQLAlchemy URL or SQLite path; "
+                                    "migrated to head, rows appended)")
+    add("--out", default="docs/findings", help="report folder: README.md, PNGs, findings.json (default: %(default)s)")
+    add("--quick", action="store_true", help="the fake engine and a small grid: the whole pipeline in seconds")
+    add("--kv-budget", default=None, metavar="BYTES",
+        help="KV pool of the engine, e.g. 256MiB (default: bench/findings.py's, sized so the Q3 queue binds)")
+    add("--splits", default=None, help="comma-separated pool splits of the draft model's Q3 runs")
+    add("--batches", default=None, help="comma-separated Q2 batch sizes")
+    add("--techniques", default=None, help="comma-separated proposers (default: every one loaded)")
+    add("--phases", default=None, help="comma-separated phases to run, in order (default: q1,q2,q3; a run of "
+                                       "some appends to a database holding the others)")
+    add("--early-exit", action="append", default=None, metavar="FILE",
+        help="a `crossover bench early-exit` JSON for Q4 (repeatable; default: the newest "
+             "bench/results/early-exit/*.json)")
+    add("--note", default=None, help="a sentence for the report header, e.g. that the machine was shared")
+    add("--seed", type=int, default=0, help="seed of the prompt draws")
+    _add_engine(add, heads=True, sized=False)
+
+
+def _run_findings(args: argparse.Namespace) -> None:
+    from bench.findings import config_from_flags, run_findings
+    from bench.report import ReportInputError
+
+    try:
+        cfg = config_from_flags(args)
+    except ValueError as exc:
+        raise UserError(f"bench findings: {exc}") from None
+    try:
+        run_findings(cfg)
+    except ReportInputError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _add_early_exit(x: argparse.ArgumentParser) -> None:
@@ -333,6 +387,11 @@ def _add_early_exit(x: argparse.ArgumentParser) -> None:
     add("--ppl-tokens", type=int, default=96, help="held-out tokens scored per paragraph")
     add("--seed", type=int, default=0, help="seed of the prompt draw")
     add("--rounds", type=int, default=2, help="timed runs per configuration; each reports its fastest")
+    add("--kv-fill", default="propagate",
+        help="comma-separated K/V fills of exited rows' skipped layers: propagate (CALM, now) and/or recompute "
+             "(later, with the row's next full step); several: one JSON each, --out with -FILL before .json")
+    add("--max-pending", type=int, default=4,
+        help="recompute: positions a row may leave pending before a forced full step (a power of two)")
     _add_engine(add, heads=True, sized=False)
 
 
@@ -350,7 +409,8 @@ def _run_early_exit(args: argparse.Namespace) -> None:
             batches=numbers("--batches", args.batches, int), thresholds=numbers("--thresholds", args.thresholds, float),
             exits=numbers("--exits", args.exits, int), new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
             exit_vocab=args.exit_vocab, confidence=args.confidence, quality_batch=args.quality_batch,
-            ppl_tokens=args.ppl_tokens, seed=args.seed, rounds=args.rounds)
+            ppl_tokens=args.ppl_tokens, seed=args.seed, rounds=args.rounds,
+            kv_fills=tuple(f.strip() for f in args.kv_fill.split(",")), max_pending=args.max_pending)
         run_bench(args.out, grid, model=args.model, heads=args.heads, dtype=args.dtype)
     except ValueError as exc:
         raise UserError(f"bench early-exit: {exc}") from None

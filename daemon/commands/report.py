@@ -33,6 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a `crossover bench early-exit` JSON for Q4 (repeatable)")
     p.add_argument("--source-command", default=None,
                    help="the command that produced the database, written into the report")
+    p.add_argument("--pool-instance", default=None,
+                   help="the instance whose steps are pool-split runs (`crossover bench findings` writes "
+                        "'findings-pool'): shown per policy version in Q3, left out of Q1 and Q2")
+    p.add_argument("--tenant-instance", default=None,
+                   help="the instance whose steps Q1 compares tenants alone and mixed on (`crossover bench "
+                        "findings` writes 'findings-tenants'; default: every instance)")
+    p.add_argument("--note", default=None, help="a sentence for the report header")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     from bench.report import PlanInputs, ReportInputError, ReportRequest, build_report
 
     req = ReportRequest(db=args.db, out=Path(args.out), instance=args.instance, source_command=args.source_command,
+                        pool_instance=args.pool_instance, note=args.note,
+                        tenant_instance=args.tenant_instance,
                         early_exit=tuple(Path(f) for f in args.early_exit),
                         plan=PlanInputs(model=args.model, context=args.context, weight_dtype=args.dtype,
                                         kv_dtype=args.kv_dtype, page_size=args.page_size))

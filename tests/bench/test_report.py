@@ -182,7 +182,12 @@ def test_report_crossover_is_the_designed_one(fixture_url, fixture_report):
     assert "| mtp | all | B=32 (crossover in (16, 32]) |" in text
     assert "- ngram, mixed batches: pays at B = 2, 4, 8; loses at B = 16, 32" in text
     short = text.split("## Answers in short")[1].split("\n## ")[0]
-    assert "measured (all steps): mtp B=32 (crossover in (16, 32]); ngram B=16 (crossover in (8, 16])" in short
+    assert "**mtp**: B=32 (crossover in (16, 32])" in short and "**ngram**: B=16 (crossover in (8, 16])" in short
+    q1 = short.split("### Q1.")[1].split("### Q2.")[0]  # the paragraph carries the numbers and their CI
+    ngram = q1.split("**ngram**")[1]  # alone (0.8, 0.6) and (0.5, 0.3) pool to the mixed (0.65, 0.45)
+    assert "mixed is not distinguishable from alone" in ngram
+    assert "alone, tenants range from globex 0.400 [" in ngram and "to acme 0.700 [" in ngram
+    assert "![Q1](q1_acceptance.png)" in q1 and "Source: `xo_steps.accepted_per_pos`" in q1
 
 
 def test_report_intervals_contain_the_true_rates(fixture_url):
@@ -229,7 +234,8 @@ def test_empty_database_says_no_data(db_url, tmp_path):
         section = next(s for s in sections if s.startswith(number))
         assert "No data" in section, number
     assert "not recorded" in text  # no source command given
-    assert "- **Q1 acceptance** (accepted / offered drafts; intervals in Q1): no speculating steps recorded." in text
+    assert "No speculating step was recorded, so there is no acceptance to compare." in text
+    assert "![Q1](q1_acceptance.png)" not in text  # no figure is linked that was not drawn
     assert (out / "q4_moe.png").is_file()  # the planner's MoE verdict needs no telemetry
     assert not (out / "q1_acceptance.png").exists() and not (out / "q2_goodput_measured.png").exists()
 
