@@ -171,7 +171,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
                   max_context: int, kv_dtype: str | None = None, verify_tokens: tuple[int, ...] = (),
                   spec_max_batch: int = SPEC_MAX_BATCH, drafting: bool = False,
                   map_limit: int | None = None, tensor_parallel: int = 1,
-                  mixed_steps: bool = True) -> RunnerConfig:
+                  mixed_steps: bool = False) -> RunnerConfig:
     """Size the pools with the memory planner and choose the compiled buckets.
 
     `drafting`: layer-chain proposers (early exit, draft model) will compile per context too.
@@ -219,7 +219,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                 verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH,
                 model_proposers: tuple[str, ...] = MODEL_PROPOSERS, tensor_parallel: int = 1,
                 prefix_cache: bool = True, background_warmup: bool = False,
-                mixed_steps: bool = True) -> EngineCore:
+                mixed_steps: bool = False) -> EngineCore:
     """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine.
 
     With `speculation`, the verify buckets are compiled and the proposers load:

@@ -43,7 +43,7 @@ from daemon.settings import SECTION_KEYS, add_section_flags
 
 SETTING_FLAGS = (
     "host", "port", "model", "dtype", "kv_budget_bytes", "max_batch", "max_context", "db_url",
-    "instance", "tensor_parallel", "prefix_cache",
+    "instance", "tensor_parallel", "prefix_cache", "mixed_steps",
     "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
     "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
     "speculation", "heads", "stream_write_timeout_s", "stream_idle_timeout_s", "admin_token_file",
@@ -82,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="compile verification and load the draft proposers (default on)")
     add("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
         help="share the KV pages of common prompt prefixes between requests (default on)")
+    add("--mixed-steps", action=argparse.BooleanOptionalAction, default=None,
+        help="carry prefill chunks in the decode call instead of calls of their own (default off)")
     add("--heads", metavar="FILE", help="draft heads file (default: the one train-heads wrote to the user "
                                         "cache, else the one shipped for the model)")
     add("--max-body-bytes", metavar="BYTES", help="largest request body (default 4MiB)")
@@ -238,7 +240,8 @@ def _load_engine(settings: Any, args: argparse.Namespace) -> Any:
                          kv_budget_bytes=settings.kv_budget_bytes, max_batch=settings.max_batch,
                          max_context=settings.max_context, progress=reporter(json_events=True),
                          speculation=settings.speculation, heads=settings.heads,
-                         prefix_cache=settings.prefix_cache, background_warmup=True,
+                         prefix_cache=settings.prefix_cache, mixed_steps=settings.mixed_steps,
+                         background_warmup=True,
                          **({"tensor_parallel": settings.tensor_parallel} if settings.tensor_parallel > 1 else {}))
     log_event(log, "model loaded", model=engine.model_name, seconds=round(time.monotonic() - start, 1))
     return engine

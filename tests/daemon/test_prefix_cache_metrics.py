@@ -52,3 +52,25 @@ def test_no_prefix_cache_flag_and_variable_reach_the_engine(monkeypatch) -> None
         "E", (), {"model_name": "m"})())
     serve._load_engine(settings, args)
     assert seen["prefix_cache"] is False
+
+
+def test_mixed_steps_flag_and_variable_reach_the_engine(monkeypatch) -> None:
+    """Mixed steps are off unless asked for; --mixed-steps and CROSSOVER_MIXED_STEPS turn them on."""
+    import argparse
+
+    import engine.loader
+    from daemon.commands import serve
+    from daemon.settings import load_settings
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--mixed-steps"])
+    settings = load_settings({k: getattr(args, k) for k in serve.SETTING_FLAGS}, {})
+    assert settings.mixed_steps is True
+    assert load_settings({}, env={"CROSSOVER_MIXED_STEPS": "on"}).mixed_steps is True
+    assert load_settings({}, env={}).mixed_steps is False
+    seen = {}
+    monkeypatch.setattr(engine.loader, "load_engine", lambda **kw: seen.update(kw) or type(
+        "E", (), {"model_name": "m"})())
+    serve._load_engine(settings, args)
+    assert seen["mixed_steps"] is True
