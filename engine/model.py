@@ -122,16 +122,20 @@ def block(cfg: ModelConfig, lp: Params, x, pos, cache: KVView, is_global: bool):
         base, scale, window = cfg.rope_base_local, 1.0, cfg.sliding_window
     q, k = rope(q, pos, base, scale), rope(k, pos, base, scale)
     a = attend(cfg, q, k, v, pos, cache, window)
-    a = a.reshape(B, T, cfg.q_dim) @ lp["o"]
-    x = x + rms_norm(a, lp["post_attn_norm"], cfg.rms_eps)
+    return _after_attention(cfg, lp, x, a.reshape(B, T, cfg.q_dim)), (k, v)
+
+
+def _after_attention(cfg: ModelConfig, lp, x, a):
+    """The rest of a layer from the attention output `a`: the output projection's residual, then
+    the gated MLP's (shared by `layer` and `forward_segments`)."""
+    x = x + rms_norm(a @ lp["o"], lp["post_attn_norm"], cfg.rms_eps)
     h = rms_norm(x, lp["pre_ffw_norm"], cfg.rms_eps)
     if "gate_up" in lp:
         gate, up = jnp.split(h @ lp["gate_up"], 2, axis=-1)
     else:
         gate, up = h @ lp["gate"], h @ lp["up"]
     m = (jax.nn.gelu(gate, approximate=True) * up) @ lp["down"]
-    x = x + rms_norm(m, lp["post_ffw_norm"], cfg.rms_eps)
-    return x, (k, v)
+    return x + rms_norm(m, lp["post_ffw_norm"], cfg.rms_eps)
 
 
 def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
@@ -236,14 +240,7 @@ def forward_segments(cfg: ModelConfig, params: Params, segments):
             kl.append(ks)
             vl.append(vs)
             outs.append(a.reshape(B * T, cfg.q_dim))
-        a = jnp.concatenate(outs) @ lp["o"]
-        x = x + rms_norm(a, lp["post_attn_norm"], cfg.rms_eps)
-        h = rms_norm(x, lp["pre_ffw_norm"], cfg.rms_eps)
-        if "gate_up" in lp:
-            gate, up = jnp.split(h @ lp["gate_up"], 2, axis=-1)
-        else:
-            gate, up = h @ lp["gate"], h @ lp["up"]
-        x = x + rms_norm((jax.nn.gelu(gate, approximate=True) * up) @ lp["down"], lp["post_ffw_norm"], cfg.rms_eps)
+        x = _after_attention(cfg, lp, x, jnp.concatenate(outs))
     h = rms_norm(x, params["final_norm"], cfg.rms_eps)
     hs = [part.reshape(B, T, cfg.d_model) for (B, T), part in zip(shapes, jnp.split(h, cuts))]
     kvs = [{kind: (_stack(ks, k_like=hh, cfg=cfg), _stack(vs, k_like=hh, cfg=cfg)) for kind, (ks, vs) in n.items()}
