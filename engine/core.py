@@ -28,6 +28,7 @@ from functools import partial
 import numpy as np
 
 from engine import budget
+from engine.chooser import StepChooser
 from engine.compiles import compile_count, serving_compiles
 from engine.config import ModelConfig
 from engine.faults import unadmitted
@@ -35,7 +36,7 @@ from engine.kv import KVPool, KVState
 from engine.mixed import mixed_jobs
 from engine.model import Params
 from engine.penalties import fill_adjust, wants_adjust
-from engine.policy import StepChooser, TunedPolicy, check_servable
+from engine.policy import TunedPolicy, check_servable
 from engine.progress import Reporter
 from engine.proposers import NgramProposer, Proposer
 from engine.runner import ModelRunner, RunnerConfig
@@ -325,6 +326,7 @@ class EngineCore:
             preempted=plan.preempted, tenants=tuple(sorted({s.req.tenant for s in seqs})),
             sampled_rows=sum(1 for s in seqs if s.req.sampling.temperature > 0),
             prefix_hit_tokens=plan.prefix_hit_tokens, prefix_query_tokens=plan.prefix_query_tokens,
+            row_classes=spec.row_classes(plan.decode),
         )
 
     # -- lifecycle and introspection ---------------------------------------

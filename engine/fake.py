@@ -30,18 +30,19 @@ in FIFO order. Prefix-cache hits are counted as a real engine's (SeenPrefixes); 
 
 Speculation (for tuner tests): `set_policy(policy)` takes effect at the next
 step, as in `EngineCore`, whose `StepChooser` applies the policy's
-exploration with a random stream seeded once. When it picks a technique, each
-sequence's drafts are accepted by `FakeProposer.accepts` (a deterministic
-hash against the proposer's per-position acceptance, scaled per tenant), and
-the sequence emits 1 + accepted tokens of its script in that step. With a
-`FakeCost`, step_ms / propose_ms are computed from it instead of measured, so
-goodput per policy is known exactly.
+exploration with a random stream seeded once and picks each row's technique
+and depth (a tenant rule's, else the batch's). A row that drafts has its drafts
+accepted by `FakeProposer.accepts` (a deterministic hash against the
+proposer's per-position acceptance, scaled per tenant) and emits 1 + accepted
+tokens of its script in that step; each step's `row_classes` group the rows
+as the real engine's do. With a `FakeCost` (engine/fake_speculation.py),
+step_ms / propose_ms are computed from it instead of measured, so goodput per
+policy is known exactly.
 """
 
 from __future__ import annotations
 
 import codecs
-import hashlib
 import threading
 import time
 from collections import deque
@@ -50,11 +51,13 @@ from typing import Any
 
 import numpy as np
 
-from engine.policy import StepChooser, TunedPolicy, check_servable
+from engine.chooser import StepChooser
+from engine.fake_speculation import FakeCost, FakeProposer
+from engine.policy import TunedPolicy, check_servable
 from engine.prefix_cache import SeenPrefixes
 from engine.progress import Reporter, note
 from engine.types import EngineCapacity, ProposerCapacity, Request, RequestResult, StepOutput
-from engine.types import StepStats, TokenEvent
+from engine.types import RowClass, StepStats, TokenEvent
 
 PAD_ID, EOS_ID, BOS_ID, END_OF_TURN_ID = 0, 1, 2, 3
 BYTE_OFFSET = 16
@@ -98,57 +101,6 @@ class FakeTokenizer:
                 raise ValueError(f"messages[{i}].content must be a string")
             lines.append(f"{role}: {content}\n")
         return "".join(lines) + ("assistant: " if add_generation_prompt else "")
-
-
-@dataclass(frozen=True)
-class FakeProposer:
-    """A proposer stand-in: acceptance per draft position and the memory it claims."""
-
-    name: str
-    acceptance: tuple[float, ...] = (0.8, 0.7, 0.6, 0.5)
-    """P(accept position i | positions before accepted); the last value repeats."""
-    resident: int = 0
-    """Accelerator bytes it claims to hold whatever the load (capacity() reports them)."""
-    per_draft: int = 0
-    """Bytes it claims per speculating sequence per draft token."""
-    max_depth: int = 8
-    """Most drafts it makes per step (e.g. MTP heads); the engine's own max_depth also limits."""
-    draft_vocabs: tuple[int, ...] = ()
-    """Draft vocabularies it claims to have compiled."""
-
-    def accepts(self, key: str, depth: int, scale: float = 1.0) -> int:
-        """Leading drafts accepted: position i passes when hash(key, i) < acceptance[i] * scale.
-
-        >>> FakeProposer("x", (1.0,)).accepts("r:0", 3), FakeProposer("x", (0.0,)).accepts("r:0", 3)
-        (3, 0)
-        """
-        for i in range(depth):
-            rate = min(1.0, self.acceptance[min(i, len(self.acceptance) - 1)] * scale)
-            digest = hashlib.blake2b(f"{key}:{i}".encode(), digest_size=8).digest()
-            if int.from_bytes(digest, "little") / 2**64 >= rate:
-                return i
-        return depth
-
-
-@dataclass(frozen=True)
-class FakeCost:
-    """Simulated step time, reported instead of the measured one.
-
-    step_ms = base_ms + per_seq_ms * B + per_token_ms * B * q + per_sampled_ms * S * q + propose_ms
-    with q = 1 + depth, S the rows that sample (temperature > 0), propose_ms = per_draft_ms * B * depth.
-    """
-
-    base_ms: float = 5.0
-    per_seq_ms: float = 0.2
-    per_token_ms: float = 0.1
-    per_draft_ms: float = 0.05
-    per_sampled_ms: float = 0.0
-
-    def times(self, batch: int, depth: int, sampled: int = 0) -> tuple[float, float]:
-        """(step_ms, propose_ms) for a decode batch of `batch` at `depth`."""
-        propose = self.per_draft_ms * batch * depth
-        step = self.base_ms + self.per_seq_ms * batch + self.per_token_ms * batch * (1 + depth)
-        return step + self.per_sampled_ms * sampled * (1 + depth) + propose, propose
 
 
 @dataclass
@@ -265,15 +217,18 @@ class FakeEngine:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         batch = list(self._running.values())
-        technique, depth = self._chooser.choose(len(batch))
-        proposer = self.proposers.get(technique) if depth else None
-        per_pos = [0] * (depth if proposer else 0)
+        choices = [c if c[1] and c[0] in self.proposers else ("none", 0)
+                   for c in self._chooser.choose_rows([s.request.tenant for s in batch])]
+        per_pos = [0] * max(d for _, d in choices)  # the verify depth: the deepest row's
+        classes: dict[tuple[str, str, int], list] = {}  # as engine/step.py's SpecResult.classes
         emitted = 0
-        for seq in batch:
+        for seq, (technique, depth) in zip(batch, choices):
+            cls = classes.setdefault((seq.request.tenant, technique, depth), [0, 0, 0, [0] * depth])
             try:
                 self.request_fault and self.request_fault(seq.request.request_id)
-                accepted = self._speculate(seq, proposer, depth, per_pos)
+                accepted = self._speculate(seq, self.proposers.get(technique), depth, cls[3])
                 event = self._advance(seq, 1 + accepted)
+                cls[:3] = cls[0] + 1, cls[1] + depth, cls[2] + accepted
             except Exception:  # this sequence's own fault fails it alone, as in EngineCore
                 events.append(TokenEvent(seq.request.request_id, (), "", None, True, "error"))
                 finished.append(self._finish(seq, "error"))
@@ -283,8 +238,12 @@ class FakeEngine:
             if event.finished:
                 finished.append(self._finish(seq, event.finish_reason or "stop"))
         self.step_count += 1
-        used = technique if proposer else "none"
-        stats = self._stats(start, batch, prefill, emitted, used, per_pos)
+        for cls in classes.values():
+            for i, n in enumerate(cls[3]):
+                per_pos[i] += n
+        row_classes = tuple(RowClass(t, tech, d, *c[:3], tuple(c[3]))
+                            for (t, tech, d), c in sorted(classes.items()) if c[0])
+        stats = self._stats(start, batch, prefill, emitted, per_pos, row_classes)
         return StepOutput(events=events, stats=stats, finished=finished)
 
     def recover(self) -> list[RequestResult]:
@@ -431,19 +390,25 @@ class FakeEngine:
                              scheduled_time=scheduled_time)
 
     def _stats(self, start: float, batch: list[_Sequence], prefill: int, decode_tokens: int,
-               technique: str, per_pos: list[int]) -> StepStats:
+               per_pos: list[int], row_classes: tuple[RowClass, ...]) -> StepStats:
         depth, sampled = len(per_pos), sum(1 for s in batch if s.request.sampling.temperature > 0)
+        drafting: dict[str, int] = {}  # technique -> rows that drafted with it
+        for c in row_classes:
+            if c.depth:
+                drafting[c.technique] = drafting.get(c.technique, 0) + c.rows
+        technique = max(sorted(drafting), key=drafting.__getitem__) if drafting else "none"
+        proposed = sum(c.proposed for c in row_classes)
         if self.cost is not None:
-            step_ms, propose_ms = self.cost.times(len(batch), depth, sampled)
+            step_ms, propose_ms = self.cost.times(len(batch), depth, sampled, proposed)
         else:
             step_ms, propose_ms = (time.time() - start) * 1000.0, 0.0
         return StepStats(
             step_id=self.step_count, time=start, batch_size=len(batch), prefill_tokens=prefill,
             decode_tokens=decode_tokens, technique=technique, depth=depth,
-            proposed=depth * len(batch), accepted=sum(per_pos), accepted_per_pos=tuple(per_pos),
+            proposed=proposed, accepted=sum(per_pos), accepted_per_pos=tuple(per_pos),
             propose_ms=propose_ms, verify_ms=step_ms - propose_ms if depth else 0.0,
             step_ms=step_ms, kv_pages_used=self.pages_used,
             kv_pages_free=self.num_pages - self.pages_used, queue_len=len(self._waiting),
             policy_version=self.policy.version, sampled_rows=sampled, **self.prefixes.take(),
-            tenants=tuple(sorted({s.request.tenant for s in batch})),
+            tenants=tuple(sorted({s.request.tenant for s in batch})), row_classes=row_classes,
         )

@@ -163,7 +163,7 @@ VERIFY_TOKENS = (2, 3, 5, 9)
 SPEC_MAX_BATCH = 16
 """Largest decode batch compiled for verification by default (speculation stops paying beyond).
 Above it every step decodes plainly: a policy speculating there is served clamped, visibly
-(engine.policy.StepChooser.clamped, /ready's engine.speculation), and the tuner's search space
+(engine.chooser.StepChooser.clamped, /ready's engine.speculation), and the tuner's search space
 offers no crossover above it (tuner/space.py)."""
 
 

@@ -7,26 +7,28 @@ hold instead of tenant pages. The tuner produces new versions; the engine
 applies them atomically at the start of a step and stamps every StepStats
 with the version that produced it.
 
+A policy may also name tenants (`TenantRule`): in a speculating step, a row
+whose request belongs to such a tenant drafts with the tenant's technique and
+depth instead of the batch rule's (`choose_row`), so one verify call carries
+rows of several depths (engine/step.py pads the shallower ones).
+
 A served policy may also carry an `Exploration`: a small share of decode
 steps tries a neighbouring (technique, depth) cell, and a short startup
 profile measures cells the telemetry lacks, so the tuner's model stays fed.
-The policy stays a value; `StepChooser`, owned by the engine and drawing from
-the engine's seeded random stream, applies the exploration step by step. Such steps are
-stamped with the technique and depth they ran and the policy's version.
+The policy stays a value; `StepChooser` (engine/chooser.py), owned by the engine and drawing
+from the engine's seeded random stream, applies the exploration step by step, to the rows
+no tenant rule covers. Such steps are stamped with the technique and depth they ran and
+the policy's version.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import numbers
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from engine.types import EngineCapacity
 
 TECHNIQUES = ("none", "ngram", "mtp", "early_exit", "draft")
@@ -41,8 +43,8 @@ MAX_DRAFT_VOCAB = 1 << 24
 MAX_VERSION = (1 << 31) - 1
 """Versions fit a 32-bit integer column on every database."""
 MAX_PROFILE_STEPS = 1 << 30
-
-log = logging.getLogger("crossover.engine")
+MAX_TENANT_NAME = 128
+"""Longest tenant name (the tenants table's column)."""
 
 
 class PolicyError(ValueError):
@@ -107,6 +109,15 @@ def _set(obj: Any, **values: Any) -> None:
         object.__setattr__(obj, k, v)
 
 
+def _check_choice(rule: Any) -> None:
+    """Normalize and check a rule's technique, depth and max_batch (from its __post_init__)."""
+    _set(rule, technique=_technique("technique", rule.technique),
+         max_batch=_int("max_batch", rule.max_batch, 1, MAX_BATCH), depth=_int("depth", rule.depth, 0, MAX_DEPTH))
+    if (rule.technique == "none") != (rule.depth == 0):
+        raise PolicyError("depth", f"technique={rule.technique!r} and depth={rule.depth} "
+                          "disagree (depth 0 exactly when the technique is 'none')")
+
+
 @dataclass(frozen=True)
 class BatchRule:
     """Technique and depth for batch sizes up to and including max_batch."""
@@ -119,12 +130,7 @@ class BatchRule:
     """Draft tokens proposed per sequence per step (0 with technique "none")."""
 
     def __post_init__(self) -> None:
-        _set(self, technique=_technique("technique", self.technique),
-             max_batch=_int("max_batch", self.max_batch, 1, MAX_BATCH),
-             depth=_int("depth", self.depth, 0, MAX_DEPTH))
-        if (self.technique == "none") != (self.depth == 0):
-            raise PolicyError("depth", f"technique={self.technique!r} and depth={self.depth} "
-                              "disagree (depth 0 exactly when the technique is 'none')")
+        _check_choice(self)
 
     @staticmethod
     def from_dict(d: Any) -> BatchRule:
@@ -133,6 +139,38 @@ class BatchRule:
         if "max_batch" not in d:
             raise PolicyError("max_batch", "a batch rule needs max_batch")
         return BatchRule(**d)
+
+
+@dataclass(frozen=True)
+class TenantRule:
+    """Technique and depth for one tenant's rows in steps of batch size up to max_batch.
+
+    Applies only where the policy speculates at all (batch size <= crossover); above
+    max_batch the tenant's rows follow the batch rules like every other row.
+    """
+
+    tenant: str
+    """The tenant's name, as requests carry it."""
+    technique: str = "none"
+    """One of TECHNIQUES ("none": the tenant's rows do not draft)."""
+    depth: int = 0
+    """Draft tokens per row per step (0 with technique "none")."""
+    max_batch: int = MAX_BATCH
+    """Largest batch size at which the rule applies."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tenant, str) or not 0 < len(self.tenant) <= MAX_TENANT_NAME:
+            raise PolicyError("tenant", f"tenant={self.tenant!r} must be a name of 1 to "
+                                        f"{MAX_TENANT_NAME} characters")
+        _check_choice(self)
+
+    @staticmethod
+    def from_dict(d: Any) -> TenantRule:
+        """A tenant rule from its JSON object; PolicyError names the field to blame."""
+        d = _keys("", d, TenantRule)
+        if "tenant" not in d:
+            raise PolicyError("tenant", "a tenant rule needs tenant")
+        return TenantRule(**d)
 
 
 @dataclass(frozen=True)
@@ -217,6 +255,9 @@ class TunedPolicy:
     explore: Exploration | None = None
     """What the engine tries besides the rules (None: nothing); the daemon adds it to the
     policies it serves, the stored policy has none."""
+    tenants: tuple[TenantRule, ...] = ()
+    """Per-tenant choices that override the batch rules for that tenant's rows (`choose_row`);
+    at most one rule per tenant."""
 
     def __post_init__(self) -> None:
         rules = _seq("rules", self.rules)
@@ -234,7 +275,14 @@ class TunedPolicy:
             raise PolicyError("extra", "extra must be an object with string keys")
         if self.explore is not None and not isinstance(self.explore, Exploration):
             raise PolicyError("explore", f"explore must be an Exploration, got {self.explore!r}")
-        _set(self, rules=rules, crossover=_int("crossover", self.crossover, 0, MAX_BATCH),
+        tenants = _seq("tenants", self.tenants)
+        for i, t in enumerate(tenants):
+            if not isinstance(t, TenantRule):
+                raise PolicyError(f"tenants[{i}]", f"tenants[{i}] must be a TenantRule, got {t!r}")
+            if any(u.tenant == t.tenant for u in tenants[:i]):
+                raise PolicyError(f"tenants[{i}].tenant", f"tenants[{i}]: tenant {t.tenant!r} "
+                                                          "has more than one rule")
+        _set(self, rules=rules, tenants=tenants, crossover=_int("crossover", self.crossover, 0, MAX_BATCH),
              pool_split=_real("pool_split", self.pool_split, 0.0, MAX_POOL_SPLIT),
              version=_int("version", self.version, 0, MAX_VERSION),
              draft_vocab=_int("draft_vocab", self.draft_vocab, 0, MAX_DRAFT_VOCAB))
@@ -252,23 +300,52 @@ class TunedPolicy:
                 return r.technique, r.depth
         return self.rules[-1].technique, self.rules[-1].depth
 
+    def choose_row(self, batch_size: int, tenant: str) -> tuple[str, int]:
+        """(technique, depth) for one row of `tenant` in a decode batch of this size: its
+        tenant rule where one covers this batch size, else `choose` (exploration aside).
+
+        >>> p = TunedPolicy((BatchRule(8, "ngram", 2), BatchRule(64)), crossover=8,
+        ...                 tenants=(TenantRule("code", "mtp", 4, max_batch=4),))
+        >>> p.choose_row(2, "code"), p.choose_row(6, "code"), p.choose_row(2, "chat"), p.choose_row(9, "code")
+        (('mtp', 4), ('ngram', 2), ('ngram', 2), ('none', 0))
+        """
+        if batch_size > self.crossover:
+            return "none", 0
+        rule = self.tenant_rule(batch_size, tenant)
+        return (rule.technique, rule.depth) if rule is not None else self.choose(batch_size)
+
+    def tenant_rule(self, batch_size: int, tenant: str) -> TenantRule | None:
+        """The tenant rule that covers `tenant`'s rows at this batch size (crossover aside)."""
+        for t in self.tenants:
+            if t.tenant == tenant:
+                return t if batch_size <= t.max_batch else None
+        return None
+
     def _cells(self) -> set[tuple[str, int]]:
-        rules = {(r.technique, r.depth) for r in self.rules}
+        rules = {(r.technique, r.depth) for r in self.rules} | {(t.technique, t.depth) for t in self.tenants}
         return rules | (self.explore.cells() if self.explore else set())
 
     @property
     def max_depth(self) -> int:
-        """The deepest draft the engine may run under this policy, exploration included."""
+        """The deepest draft the engine may run under this policy, exploration and tenant
+        rules included."""
         return max(d for _, d in self._cells())
 
     def techniques(self) -> set[str]:
-        """The techniques the engine may run under this policy, exploration included."""
+        """The techniques the engine may run under this policy, exploration and tenant rules
+        included."""
         return {t for t, _ in self._cells() if t != "none"}
 
     def to_dict(self) -> dict:
+        """The policy as a JSON object (lists for tuples); fields still at their empty default
+        (explore, tenants) are left out, so policies without them keep their stored body."""
         d = asdict(self)
         if self.explore is None:
             del d["explore"]
+        if not self.tenants:
+            del d["tenants"]
+        else:
+            d["tenants"] = [dict(t) for t in d["tenants"]]
         return d
 
     @staticmethod
@@ -294,6 +371,14 @@ class TunedPolicy:
                 except PolicyError as exc:
                     raise exc.within(f"rules[{i}]") from None
             rest["rules"] = tuple(rules)
+        if "tenants" in rest:
+            tenants = []
+            for i, t in enumerate(_seq("tenants", rest["tenants"])):
+                try:
+                    tenants.append(TenantRule.from_dict(t))
+                except PolicyError as exc:
+                    raise exc.within(f"tenants[{i}]") from None
+            rest["tenants"] = tuple(tenants)
         if rest.get("explore") is not None:
             try:
                 rest["explore"] = Exploration.from_dict(rest["explore"])
@@ -311,6 +396,13 @@ def check_servable(policy: Any, capacity: EngineCapacity) -> None:
     if not isinstance(policy, TunedPolicy):
         raise PolicyError("policy", f"a policy must be a TunedPolicy, got {type(policy).__name__}")
     TunedPolicy.from_dict(policy.to_dict())  # one unpickled or built around __post_init__ too
+    for i, t in enumerate(policy.tenants):  # named first: the batch rules' message would blame "rules"
+        if t.technique != "none" and t.technique not in capacity.proposers:
+            raise PolicyError(f"tenants[{i}].technique", f"tenants[{i}]: technique {t.technique!r} "
+                              "has no loaded proposer")
+        if t.depth > capacity.max_depth:
+            raise PolicyError(f"tenants[{i}].depth", f"tenants[{i}]: depth {t.depth} exceeds the "
+                              f"engine's max_depth {capacity.max_depth} (its largest verify depth)")
     missing = policy.techniques() - set(capacity.proposers)
     if missing:
         raise PolicyError("rules", f"policy uses techniques without a loaded proposer: "
@@ -342,93 +434,7 @@ def speculates_up_to(policy: TunedPolicy) -> int:
         if r.technique != "none" and low < policy.crossover:
             top = max(top, min(upper, policy.crossover))
         low = r.max_batch
+    for t in policy.tenants:  # a tenant's rows may draft where the batch rules say none
+        if t.technique != "none":
+            top = max(top, min(t.max_batch, policy.crossover))
     return top
-
-
-class StepChooser:
-    """The engine's side of the serving policy: each decode step's (technique, depth).
-
-    Answers like `policy.choose` except where the policy's exploration departs:
-    during the profile (its first `profile_steps` decisions) every other one runs
-    the next profile cell; afterwards a share `share` of decisions tries the
-    next shallower or deeper depth of `depths` (where the policy says "none",
-    the shallowest, with a technique in turn). A neighbour is what a local
-    decision needs (should this batch size go one step deeper or shallower?)
-    and costs little next to a far depth. One engine owns one chooser, calls it
-    on its thread only and hands it its random stream, seeded once.
-
-    >>> import numpy as np
-    >>> chooser = StepChooser(np.random.default_rng(0))
-    >>> rules = (BatchRule(4, "ngram", 2), BatchRule(64))
-    >>> chooser.start(TunedPolicy(rules, crossover=4, explore=Exploration(
-    ...     share=1.0, techniques=("ngram",), depths=(1, 2, 4))))
-    >>> sorted({chooser.choose(2) for _ in range(50)}), chooser.choose(8)
-    ([('ngram', 1), ('ngram', 4)], ('ngram', 1))
-    """
-
-    def __init__(self, rng: np.random.Generator, spec_max_batch: int = MAX_BATCH) -> None:
-        self.policy: TunedPolicy = NEVER
-        self._rng = rng
-        self.spec_max_batch = spec_max_batch
-        """The largest batch the engine verifies: above it every step decodes plainly, and a
-        policy whose rules speculate above it is served clamped (`clamped`, logged)."""
-        self.clamped: dict | None = None
-        """{"policy_version", "speculates_up_to", "served_up_to"} while the policy is clamped."""
-        self.ready: Callable[[str], bool] = lambda technique: True
-        """Whether a technique's shapes are compiled (engine/warm.py); one that is not yet
-        decodes plainly instead, so serving never compiles."""
-        self._profile_left = 0
-        self._profile_turn = 0
-        self._technique_turn = 0
-
-    def start(self, policy: TunedPolicy) -> None:
-        """Serve `policy` from the next decision on; its profile starts over."""
-        self.policy = policy
-        explore = policy.explore
-        self._profile_left = explore.profile_steps if explore and explore.profile else 0
-        self._profile_turn = 0
-        top = speculates_up_to(policy)
-        self.clamped = None
-        if top > self.spec_max_batch:
-            self.clamped = {"policy_version": policy.version, "speculates_up_to": top,
-                            "served_up_to": self.spec_max_batch}
-            log.warning("policy v%d speculates up to batch %d; this engine verifies batches up to %d "
-                        "only: larger batches decode plainly", policy.version, top, self.spec_max_batch)
-
-    def cap_status(self) -> dict:
-        """{"max_batch": spec_max_batch, "clamped": `clamped`} for the engine's status."""
-        return {"max_batch": self.spec_max_batch, "clamped": self.clamped}
-
-    def choose(self, batch_size: int) -> tuple[str, int]:
-        """(technique, depth) for this step: `_choose`, or plain decoding where the technique
-        cannot run here (above spec_max_batch, or its shapes still compiling)."""
-        technique, depth = self._choose(batch_size)
-        if technique != "none" and (batch_size > self.spec_max_batch or not self.ready(technique)):
-            return "none", 0
-        return technique, depth
-
-    def _choose(self, batch_size: int) -> tuple[str, int]:
-        chosen = self.policy.choose(batch_size)
-        explore = self.policy.explore
-        if explore is None or not explore.techniques:
-            return chosen
-        if self._profile_left > 0:
-            self._profile_left -= 1
-            if self._profile_left % 2 == 0:
-                self._profile_turn += 1
-                return explore.profile[(self._profile_turn - 1) % len(explore.profile)]
-        if explore.share and self._rng.random() < explore.share:
-            return self._neighbour(explore, chosen)
-        return chosen
-
-    def _neighbour(self, explore: Exploration, chosen: tuple[str, int]) -> tuple[str, int]:
-        technique, depth = chosen
-        if technique == "none" or not depth:
-            self._technique_turn += 1
-            turn = (self._technique_turn - 1) % len(explore.techniques)
-            return explore.techniques[turn], explore.depths[0]
-        options = ([d for d in explore.depths if d < depth][-1:]
-                   + [d for d in explore.depths if d > depth][:1])
-        if not options:
-            return chosen
-        return technique, options[int(self._rng.integers(len(options)))]

@@ -1,7 +1,11 @@
 """One step's forward calls, assembled from the scheduler's plan (EngineCore.step calls `run_step`).
 
-1. The decode rows: the StepChooser picks a technique for the batch; with
-   drafts, one verify call checks [last token, drafts...] per row.
+1. The decode rows: the StepChooser picks a (technique, depth) per row (a
+   tenant rule's, else the batch's); the rows are grouped by that choice and
+   each group drafts with its proposer at its depth. With any drafts, one
+   verify call at the deepest group's depth checks [last token, drafts...]
+   per row, rows with fewer or no drafts padded (candidate -1), each row
+   accepting its own prefix, so every row stays lossless.
 2. Plain decoding with prefill chunks planned (engine/mixed.py): the chunks
    ride in the decode call as a second segment, one forward for both.
 3. Chunks not carried (speculation ran, or no decode rows): each runs alone,
@@ -24,6 +28,9 @@ from engine.mixed import new_mixed_calls, run_mixed
 from engine.penalties import wants_adjust
 from engine.scheduler import StepPlan
 from engine.sequence import Sequence, Status
+from engine.types import RowClass
+
+PLAIN = ("none", 0)
 
 
 @dataclass
@@ -31,14 +38,28 @@ class SpecResult:
     """What speculation did in one step (defaults: plain decode)."""
 
     technique: str = "none"
+    """The technique of the most drafting rows."""
     depth: int = 0
+    """The verify depth (the deepest row's)."""
     propose_ms: float = 0.0
+    """Every proposer's time together."""
     verify_ms: float = 0.0
     per_pos: list[int] = field(default_factory=list)
     proposed: int = 0
     accepted: int = 0
     mixed: int = 0
     """Prefill chunks that rode in the decode call."""
+    classes: dict[tuple[str, str, int], list] = field(default_factory=dict)
+    """(tenant, technique, depth) -> [rows, proposed, accepted, per_pos] of the verified rows."""
+
+    def row_classes(self, decode: list[Sequence]) -> tuple[RowClass, ...]:
+        """One RowClass per class of the verified rows, or (plain decode) per tenant of `decode`."""
+        classes = dict(self.classes)
+        if not classes:
+            for s in decode:
+                classes.setdefault((s.req.tenant, *PLAIN), [0, 0, 0, []])[0] += 1
+        return tuple(RowClass(t, tech, d, n, p, a, tuple(pos))
+                     for (t, tech, d), (n, p, a, pos) in sorted(classes.items()))
 
 
 def run_step(core, plan: StepPlan, events, finished) -> SpecResult:
@@ -60,17 +81,14 @@ def _run_decode(core, plan: StepPlan, chunks, events, finished) -> SpecResult:
     seqs = plan.decode
     if not seqs:
         return SpecResult()
-    technique, depth = core._chooser.choose(len(seqs))
-    # drafting and verifying write positions up to num_cached + depth: keep them in the context
-    depth = min(depth, core.max_context - 1 - max(s.num_cached for s in seqs))
-    if technique != "none" and depth > 0 and len(seqs) <= core.runner.rc.spec_max_batch:
-        depth = min(depth, core.proposers[technique].max_depth)  # e.g. 4 MTP heads
+    choices = _row_choices(core, seqs)
+    if any(c != PLAIN for c in choices) and len(seqs) <= core.runner.rc.spec_max_batch:
         t0 = time.perf_counter()
-        seqs, drafts = propose_alone(core.proposers[technique], seqs, depth, core._failer(events, finished))
-        plan.decode = seqs
+        rows = _propose(core, seqs, choices, core._failer(events, finished))
+        plan.decode = seqs = [s for s, _, _ in rows]
         propose_ms = (time.perf_counter() - t0) * 1e3
-        if any(drafts):
-            return _run_speculative(core, seqs, drafts, technique, depth, propose_ms, events, finished)
+        if any(d for _, _, d in rows):
+            return _run_speculative(core, plan, rows, propose_ms, events, finished)
     if not seqs:
         return SpecResult()
     mixed = _mixed_calls(core, seqs, chunks) if chunks else None
@@ -86,6 +104,30 @@ def _run_decode(core, plan: StepPlan, chunks, events, finished) -> SpecResult:
     tok, lp = core.runner.run(c)
     _decoded(core, seqs, tok, lp, events, finished)
     return SpecResult()
+
+
+def _row_choices(core, seqs: list[Sequence]) -> list[tuple[str, int]]:
+    """Each row's (technique, depth): the chooser's, cut to what its proposer drafts and to what
+    the context holds (drafting and verifying write positions up to num_cached + depth)."""
+    room = core.max_context - 1 - max(s.num_cached for s in seqs)
+    out = []
+    for technique, depth in core._chooser.choose_rows([s.req.tenant for s in seqs]):
+        if technique != "none":
+            depth = min(depth, room, core.proposers[technique].max_depth)  # e.g. 4 MTP heads
+        out.append((technique, depth) if depth > 0 else PLAIN)
+    return out
+
+
+def _propose(core, seqs, choices, fail) -> list[tuple[Sequence, tuple[str, int], list[int]]]:
+    """(sequence, its choice, its drafts) per row kept, in batch order: each (technique, depth)
+    group drafts in one call; a row whose own proposal fails is dropped alone (engine/faults.py)."""
+    drafted: dict[int, list[int]] = {}
+    for choice in dict.fromkeys(c for c in choices if c != PLAIN):
+        group = [s for s, c in zip(seqs, choices) if c == choice]
+        kept, drafts = propose_alone(core.proposers[choice[0]], group, choice[1], fail)
+        drafted.update((id(s), list(d)) for s, d in zip(kept, drafts))
+    return [(s, c, drafted[id(s)] if c != PLAIN else []) for s, c in zip(seqs, choices)
+            if c == PLAIN or id(s) in drafted]
 
 
 def _decoded(core, seqs: list[Sequence], tok, lp, events, finished) -> None:
@@ -141,12 +183,14 @@ def _shape(core, c) -> tuple[int, int, int]:
     return *c.tokens.shape, c.global_table.shape[1] * core.runner.rc.page_size
 
 
-def _run_speculative(core, seqs, drafts, technique, depth, propose_ms, events, finished) -> SpecResult:
-    """Verify [last token, drafts...] per row in one forward; keep the accepted prefix + one."""
+def _run_speculative(core, plan: StepPlan, rows, propose_ms, events, finished) -> SpecResult:
+    """Verify [last token, drafts...] per row in one forward at the deepest drafting group's
+    depth; each row keeps its accepted prefix + one. `rows`: (sequence, choice, drafts)."""
     t0 = time.perf_counter()
+    depth = max(c[1] for _, c, d in rows if d)
 
     def fill(c, i, row):
-        s, d = row
+        s, _, d = row
         core._fill_row(c, i, s, 1)
         c.tokens[i, 1 : 1 + len(d)] = d
         c.n_new[i] = 1 + len(d)
@@ -154,23 +198,28 @@ def _run_speculative(core, seqs, drafts, technique, depth, propose_ms, events, f
         if wants_adjust(s.req.sampling, s.num_output):  # position j counts drafts[:j] as output
             core._fill_adjust(c, i, s, d)
 
-    rows, c = build_rows(list(zip(seqs, drafts)), lambda rows: core.runner.new_verify_call(
-        len(rows), depth, max(s.num_cached + 1 + depth for s, _ in rows)), fill, core._failer(events, finished))
+    rows, c = build_rows(rows, lambda rows: core.runner.new_verify_call(
+        len(rows), depth, max(s.num_cached + 1 + depth for s, _, _ in rows)), fill, core._failer(events, finished))
+    plan.decode = [s for s, _, _ in rows]
     if not rows:
         return SpecResult()
-    seqs, drafts = [s for s, _ in rows], [d for _, d in rows]
-    cand = np.full(c.tokens.shape, -1, np.int32)
-    for i, d in enumerate(drafts):
+    cand = np.full(c.tokens.shape, -1, np.int32)  # -1: no draft there (a padded or plain row)
+    for i, (_, _, d) in enumerate(rows):
         cand[i, : len(d)] = d
     tok, acc, lp = core.runner.run_verify(c, cand)
     hidden = core._hidden()
-    res = SpecResult(technique, depth, propose_ms, (time.perf_counter() - t0) * 1e3, [0] * depth)
-    for i, (s, d) in enumerate(zip(seqs, drafts)):
+    res = SpecResult(_most_rows(rows), depth, propose_ms, (time.perf_counter() - t0) * 1e3, [0] * depth)
+    for i, (s, choice, d) in enumerate(rows):
         a = 0
         while a < len(d) and acc[i, a]:
             a += 1
+        cls = res.classes.setdefault((s.req.tenant, *choice), [0, 0, 0, [0] * choice[1]])
         for j in range(a):
             res.per_pos[j] += 1
+            cls[3][j] += 1
+        cls[0] += 1
+        cls[1] += len(d)
+        cls[2] += a
         res.proposed += len(d)
         res.accepted += a
         s.proposed += len(d)
@@ -180,6 +229,15 @@ def _run_speculative(core, seqs, drafts, technique, depth, propose_ms, events, f
             s.hidden = hidden[i, a]
         core._emit(s, list(d[:a]) + [int(tok[i, a])], [float(x) for x in lp[i, : a + 1]], events, finished, i)
     return res
+
+
+def _most_rows(rows) -> str:
+    """The technique most of the rows that drafted use (ties: the first by name)."""
+    counts: dict[str, int] = {}
+    for _, (technique, _), drafts in rows:
+        if drafts:
+            counts[technique] = counts.get(technique, 0) + 1
+    return max(sorted(counts), key=counts.__getitem__)
 
 
 def _run_prefill(core, seq: Sequence, n: int, events, finished) -> None:

@@ -233,6 +233,43 @@ class RequestResult:
 
 
 @dataclass(frozen=True)
+class RowClass:
+    """The decode rows of one step that share a tenant and a (technique, depth) choice.
+
+    Technique "none" and depth 0 for rows that did not draft. Stored in
+    `xo_steps.row_classes` as a JSON list of objects with these keys (`row_classes_from_json`
+    reads them back).
+    """
+
+    tenant: str
+    technique: str
+    depth: int
+    rows: int
+    """Decode rows of this class in the step."""
+    proposed: int = 0
+    """Draft tokens its rows proposed (each up to `depth`)."""
+    accepted: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+    """accepted_per_pos[i]: drafts accepted at draft position i (len == depth)."""
+
+
+def row_classes_from_json(value: object) -> tuple[RowClass, ...]:
+    """The RowClasses of a stored `row_classes` value (None, from rows before it existed: ()).
+
+    >>> row_classes_from_json([{"tenant": "a", "technique": "ngram", "depth": 2, "rows": 1,
+    ...                         "proposed": 2, "accepted": 1, "accepted_per_pos": [1, 0]}])
+    (RowClass(tenant='a', technique='ngram', depth=2, rows=1, proposed=2, accepted=1, accepted_per_pos=(1, 0)),)
+    """
+    if value is None:
+        return ()
+    if isinstance(value, str):  # a driver that hands JSON back as text
+        import json
+
+        value = json.loads(value)
+    return tuple(RowClass(**{**c, "accepted_per_pos": tuple(c.get("accepted_per_pos", ()))}) for c in value)
+
+
+@dataclass(frozen=True)
 class StepStats:
     """What one engine step did: the one definition of a step's record.
 
@@ -275,6 +312,10 @@ class StepStats:
     hit rate = prefix_hit_tokens / prefix_query_tokens, 0 and 0 with the prefix cache off."""
     tenants: tuple[str, ...] = ()
     """Tenants with a sequence in this step's batch."""
+    row_classes: tuple[RowClass, ...] = ()
+    """The decode rows by (tenant, technique, depth), one RowClass each; empty without decode
+    rows. With rows of several techniques the step-level fields sum theirs: technique is that
+    of the most drafting rows, depth the verify depth (the deepest row's)."""
 
     @property
     def speculating(self) -> float:

@@ -142,6 +142,9 @@ class Step(Base):
     """Tokens of the sequences admitted in the step (0 with the cache off, and before revision 0008)."""
     tenants: Mapped[list[Any]]
     """JSON list of the tenants in the batch."""
+    row_classes: Mapped[list[Any] | None]
+    """JSON list of objects, one per (tenant, technique, depth) of the decode rows (the engine's
+    RowClass fields); NULL on rows before revision 0009."""
 
 
 class StepRollup(Base):

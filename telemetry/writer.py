@@ -9,6 +9,7 @@ is the only list of its fields.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable, Sequence
@@ -30,8 +31,28 @@ _FILLED_BY_WRITER = frozenset({"id", "instance", "status"})
 
 
 def _json_list(value: Any) -> list[Any]:
-    """A JSON column's list: ints stay ints (numpy ints too), anything else becomes a string."""
-    return [int(v) if isinstance(v, int) or hasattr(v, "__index__") else str(v) for v in value or ()]
+    """A JSON column's list: ints stay ints (numpy ints too), a dataclass (a RowClass) becomes an
+    object of its fields, anything else a string.
+
+    >>> from engine.types import RowClass
+    >>> _json_list((RowClass("a", "ngram", 2, 1, 2, 1, (1, 0)),))
+    [{'tenant': 'a', 'technique': 'ngram', 'depth': 2, 'rows': 1, 'proposed': 2, 'accepted': 1, 'accepted_per_pos': [1, 0]}]
+    """
+    return [_json_item(v) for v in value or ()]
+
+
+def _json_item(v: Any) -> Any:
+    if isinstance(v, int) or hasattr(v, "__index__"):
+        return int(v)
+    if dataclasses.is_dataclass(v):
+        return {f.name: _json_field(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    return str(v)
+
+
+def _json_field(v: Any) -> Any:
+    if isinstance(v, (tuple, list)):
+        return [_json_item(x) for x in v]
+    return float(v) if isinstance(v, float) else _json_item(v)
 
 
 def _optional(convert: Converter) -> Converter:
@@ -42,7 +63,7 @@ def _converter(column: Any) -> Converter:
     """Plain Python values for a column: numpy scalars become int/float/str here, on the
     writer's thread, so any driver accepts them."""
     if isinstance(column.type, JSON):
-        return _json_list
+        return _optional(_json_list) if column.nullable else _json_list
     convert = column.type.python_type
     return _optional(convert) if column.nullable else convert
 
@@ -55,6 +76,8 @@ def _plan(table: Table) -> tuple[tuple[str, Converter, Any], ...]:
         if column.name in _FILLED_BY_WRITER:
             continue
         default = column.default.arg if column.default is not None else _REQUIRED
+        if default is _REQUIRED and isinstance(column.type, JSON) and column.nullable:
+            default = None  # a record from before the column (row_classes): NULL, as old rows
         plan.append((column.name, _converter(column), default))
     return tuple(plan)
 

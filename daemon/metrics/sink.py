@@ -132,8 +132,9 @@ class EngineMetrics:
 
     def on_step(self, stats: StepStats) -> None:
         self.steps.inc()
-        if stats.depth > 0:
-            self.num_drafts.inc(stats.proposed // stats.depth)
+        if stats.depth > 0:  # rows of several depths (per-tenant rules): each class by its own depth
+            self.num_drafts.inc(sum(c.proposed // c.depth for c in stats.row_classes if c.depth)
+                                if stats.row_classes else stats.proposed // stats.depth)
         self.num_draft_tokens.inc(stats.proposed)
         self.num_accepted_tokens.inc(stats.accepted)
         for pos, n in enumerate(stats.accepted_per_pos):

@@ -10,10 +10,11 @@ import threading
 import time
 
 from engine import warm
+from engine.chooser import StepChooser
 from engine.compiles import compile_count, fit_shape, limit_malloc_arenas, trim_heap
 from engine.drafting import add_model_proposers
 from engine.heads import DraftHeads
-from engine.policy import BatchRule, StepChooser, TunedPolicy
+from engine.policy import BatchRule, TunedPolicy
 from engine.types import SamplingParams
 from tests.engine.conftest import make_engine, run_prompts
 

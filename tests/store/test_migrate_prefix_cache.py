@@ -39,6 +39,7 @@ def test_0008_adds_prefix_counts_old_rows_read_zero(db_url: str, run_sql: Callab
     command.upgrade(cfg, "0008")
     assert NEW <= _step_columns(db_url)
     assert run_sql("SELECT prefix_hit_tokens, prefix_query_tokens FROM xo_steps") == [(0, 0)]
+    migrate.upgrade(db_url)  # the writer writes every column of the model (later revisions' too)
     engine = make_engine(db_url)
     with engine.begin() as conn:  # the writer reads the columns off the model
         write_rows(conn, [step_row(StepStats(step_id=2, time=1_700_000_010.0, batch_size=1, prefill_tokens=9,
@@ -53,7 +54,7 @@ def test_0008_adds_prefix_counts_old_rows_read_zero(db_url: str, run_sql: Callab
     assert run_sql("SELECT step_id FROM xo_steps ORDER BY step_id") == [(1,), (2,)]
     assert run_sql("SELECT SUM(steps) FROM xo_v_steps_minute") == [(2,)]
     migrate.upgrade(db_url)
-    assert migrate.check_schema(db_url) == migrate.head_revision() == "0008"
+    assert migrate.check_schema(db_url) == migrate.head_revision()
 
 
 def test_step_row_defaults_prefix_counts_for_records_without_them() -> None:

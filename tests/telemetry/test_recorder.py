@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import func, select, text
 
 from bench.telemetry import sample_step
-from engine.types import RequestResult, StepStats
+from engine.types import RequestResult, RowClass, StepStats, row_classes_from_json
 from store.db import make_engine
 from store.models import Request, Step
 from telemetry.recorder import Recorder, RecorderConfig
@@ -65,6 +65,7 @@ def test_engine_records_round_trip(db_url: str) -> None:
         technique="ngram", depth=2, proposed=4, accepted=2, accepted_per_pos=(2, 0),
         propose_ms=0.25, verify_ms=1.5, step_ms=2.0, kv_pages_used=3, kv_pages_free=7,
         queue_len=1, policy_version=9, preempted=1, tenants=("acme", "globex"),
+        row_classes=(RowClass("acme", "ngram", 2, 1, 2, 2, (1, 1)), RowClass("globex", "none", 0, 1)),
     )  # fmt: skip
     result = RequestResult(
         request_id="r-1", tenant="acme", prompt_tokens=5, output_tokens=6,
@@ -86,6 +87,8 @@ def test_engine_records_round_trip(db_url: str) -> None:
             got = row[name]
             if name in ("accepted_per_pos", "tenants"):
                 got = tuple(got)  # JSON lists
+            if name == "row_classes":  # JSON objects, read back as the tuner does
+                got, value = row_classes_from_json(got), stats.row_classes
             assert got == value, name
         assert row["instance"] == "host-a"
     for name, value in dataclasses.asdict(result).items():

@@ -8,8 +8,9 @@ import pickle
 import numpy as np
 import pytest
 
+from engine.chooser import StepChooser
 from engine.fake import FakeCost, FakeEngine, FakeProposer
-from engine.policy import NEVER, BatchRule, Exploration, StepChooser, TunedPolicy
+from engine.policy import NEVER, BatchRule, Exploration, TunedPolicy
 from engine.types import Request, SamplingParams, StepStats
 from tuner.config import TunerConfig
 from tuner.explore import ExplorationPlan, is_exploration

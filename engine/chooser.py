@@ -1,0 +1,135 @@
+"""The engine's side of the serving policy: each decode step's (technique, depth) per row.
+
+`TunedPolicy` (engine/policy.py) is a value; `StepChooser` applies it step by
+step on the engine's thread: the rows of a tenant with a rule that covers the
+batch size take the rule's choice, the others the batch rules' choice with the
+policy's exploration (one decision per step, drawn from the engine's seeded
+random stream). A technique whose shapes are still compiling, or a batch above
+the engine's largest verified batch, decodes plainly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from engine.policy import MAX_BATCH, NEVER, Exploration, TunedPolicy, speculates_up_to
+
+if TYPE_CHECKING:
+    import numpy as np
+
+log = logging.getLogger("crossover.engine")
+
+PLAIN = ("none", 0)
+
+
+class StepChooser:
+    """The engine's side of the serving policy: each decode step's (technique, depth).
+
+    Answers like `policy.choose` except where the policy's exploration departs:
+    during the profile (its first `profile_steps` decisions) every other one runs
+    the next profile cell; afterwards a share `share` of decisions tries the
+    next shallower or deeper depth of `depths` (where the policy says "none",
+    the shallowest, with a technique in turn). A neighbour is what a local
+    decision needs (should this batch size go one step deeper or shallower?)
+    and costs little next to a far depth. One engine owns one chooser, calls it
+    on its thread only and hands it its random stream, seeded once.
+
+    >>> import numpy as np
+    >>> from engine.policy import BatchRule, TenantRule
+    >>> chooser = StepChooser(np.random.default_rng(0))
+    >>> rules = (BatchRule(4, "ngram", 2), BatchRule(64))
+    >>> chooser.start(TunedPolicy(rules, crossover=4, explore=Exploration(
+    ...     share=1.0, techniques=("ngram",), depths=(1, 2, 4))))
+    >>> sorted({chooser.choose(2) for _ in range(50)}), chooser.choose(8)
+    ([('ngram', 1), ('ngram', 4)], ('ngram', 1))
+    >>> chooser.start(TunedPolicy(rules, crossover=4, tenants=(TenantRule("copy", "ngram", 8),)))
+    >>> chooser.choose_rows(["copy", "chat", "copy"]), chooser.choose_rows(["copy"] * 5)
+    ([('ngram', 8), ('ngram', 2), ('ngram', 8)], [('none', 0), ('none', 0), ('none', 0), ('none', 0), ('none', 0)])
+    """
+
+    def __init__(self, rng: np.random.Generator, spec_max_batch: int = MAX_BATCH) -> None:
+        self.policy: TunedPolicy = NEVER
+        self._rng = rng
+        self.spec_max_batch = spec_max_batch
+        """The largest batch the engine verifies: above it every step decodes plainly, and a
+        policy whose rules speculate above it is served clamped (`clamped`, logged)."""
+        self.clamped: dict | None = None
+        """{"policy_version", "speculates_up_to", "served_up_to"} while the policy is clamped."""
+        self.ready: Callable[[str], bool] = lambda technique: True
+        """Whether a technique's shapes are compiled (engine/warm.py); one that is not yet
+        decodes plainly instead, so serving never compiles."""
+        self._profile_left = 0
+        self._profile_turn = 0
+        self._technique_turn = 0
+
+    def start(self, policy: TunedPolicy) -> None:
+        """Serve `policy` from the next decision on; its profile starts over."""
+        self.policy = policy
+        explore = policy.explore
+        self._profile_left = explore.profile_steps if explore and explore.profile else 0
+        self._profile_turn = 0
+        top = speculates_up_to(policy)
+        self.clamped = None
+        if top > self.spec_max_batch:
+            self.clamped = {"policy_version": policy.version, "speculates_up_to": top,
+                            "served_up_to": self.spec_max_batch}
+            log.warning("policy v%d speculates up to batch %d; this engine verifies batches up to %d "
+                        "only: larger batches decode plainly", policy.version, top, self.spec_max_batch)
+
+    def cap_status(self) -> dict:
+        """{"max_batch": spec_max_batch, "clamped": `clamped`} for the engine's status."""
+        return {"max_batch": self.spec_max_batch, "clamped": self.clamped}
+
+    def choose(self, batch_size: int) -> tuple[str, int]:
+        """(technique, depth) for this step's rows without a tenant rule: `_choose`, or plain
+        decoding where the technique cannot run here (above spec_max_batch, or its shapes
+        still compiling). One call per decode step (the profile counts them)."""
+        return self._runnable(batch_size, self._choose(batch_size))
+
+    def choose_rows(self, tenants: Sequence[str]) -> list[tuple[str, int]]:
+        """(technique, depth) for each row of a decode batch, given its rows' tenants: a tenant
+        rule's choice where one covers the batch size, else the step's `choose` (decided once,
+        exploration included, whether or not any row uses it)."""
+        n = len(tenants)
+        shared = self.choose(n)
+        if not self.policy.tenants or n > self.policy.crossover:
+            return [shared] * n
+        out = []
+        for tenant in tenants:
+            rule = self.policy.tenant_rule(n, tenant)
+            out.append(shared if rule is None else self._runnable(n, (rule.technique, rule.depth)))
+        return out
+
+    def _runnable(self, batch_size: int, choice: tuple[str, int]) -> tuple[str, int]:
+        technique = choice[0]
+        if technique != "none" and (batch_size > self.spec_max_batch or not self.ready(technique)):
+            return PLAIN
+        return choice
+
+    def _choose(self, batch_size: int) -> tuple[str, int]:
+        chosen = self.policy.choose(batch_size)
+        explore = self.policy.explore
+        if explore is None or not explore.techniques:
+            return chosen
+        if self._profile_left > 0:
+            self._profile_left -= 1
+            if self._profile_left % 2 == 0:
+                self._profile_turn += 1
+                return explore.profile[(self._profile_turn - 1) % len(explore.profile)]
+        if explore.share and self._rng.random() < explore.share:
+            return self._neighbour(explore, chosen)
+        return chosen
+
+    def _neighbour(self, explore: Exploration, chosen: tuple[str, int]) -> tuple[str, int]:
+        technique, depth = chosen
+        if technique == "none" or not depth:
+            self._technique_turn += 1
+            turn = (self._technique_turn - 1) % len(explore.techniques)
+            return explore.techniques[turn], explore.depths[0]
+        options = ([d for d in explore.depths if d < depth][-1:]
+                   + [d for d in explore.depths if d > depth][:1])
+        if not options:
+            return chosen
+        return technique, options[int(self._rng.integers(len(options)))]

@@ -1,0 +1,67 @@
+"""Per-tenant speculation on the real Gemma 3 270M: one batch of four tenants, each drafting with
+its own (technique, depth) or not at all, gives plain decoding's greedy tokens, compiles
+nothing after warmup and returns every page."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.policy import NEVER, BatchRule, TenantRule, TunedPolicy
+from engine.types import Request, SamplingParams
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 16
+POLICY = TunedPolicy((BatchRule(4, "early_exit", 2), BatchRule(64)), crossover=4, pool_split=0.25, version=5,
+                     tenants=(TenantRule("copy", "ngram", 6), TenantRule("code", "mtp", 3),
+                              TenantRule("chat", "draft", 4)))
+"""copy: n-gram at 6, code: MTP at 3, chat: the draft model at 4; prose: the batch rule (early exit at 2)."""
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from engine.loader import load_engine
+
+    e = load_engine(dtype="float32", max_batch=4, max_context=128, progress=False, speculation=True,
+                    spec_max_batch=4)
+    e.warmup(progress=False)
+    return e
+
+
+@pytest.fixture(scope="module")
+def requests(engine):
+    from bench.workloads import KINDS, prompts, to_request
+
+    out = []
+    for n, kind in zip((96, 64, 40, 16), KINDS):  # mixed lengths, one prompt per kind and tenant
+        ids = to_request(prompts(kind, 1, seed=3)[0], engine.tokenizer, kind).prompt_ids
+        out.append((kind, [ids[0]] + ids[-n:]))
+    return out
+
+
+def _run(engine, requests, policy):
+    engine.set_policy(policy)
+    sp = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, (tenant, ids) in enumerate(requests):
+        engine.add_request(Request(f"r{i}", ids, sp, tenant=tenant))
+    out, stats = {f"r{i}": [] for i in range(len(requests))}, []
+    while engine.has_work():
+        o = engine.step()
+        stats += [o.stats] if o.stats else []
+        for ev in o.events:
+            out[ev.request_id] += ev.token_ids
+    return [out[f"r{i}"] for i in range(len(requests))], stats
+
+
+def test_tenants_drafting_differently_in_one_batch_equal_plain_on_the_real_model(engine, requests):
+    assert {"ngram", "mtp", "early_exit", "draft"} <= set(engine.proposers)
+    plain, _ = _run(engine, requests, NEVER)
+    out, stats = _run(engine, requests, POLICY)
+    assert out == plain
+    classes = {(c.tenant, c.technique, c.depth) for s in stats for c in s.row_classes if c.proposed}
+    assert {t for t, _, _ in classes} >= {"copy", "code", "prose"}, classes
+    assert classes <= {("copy", "ngram", 6), ("code", "mtp", 3), ("chat", "draft", 4), ("prose", "early_exit", 2)}
+    assert any(len({c.technique for c in s.row_classes if c.proposed}) >= 2 for s in stats)
+    assert sum(s.accepted for s in stats) > 0
+    assert engine.compiles_since_warmup() == 0
+    assert engine.pool.used == 0 and engine.pool.free == engine.pool.total
+    assert engine.proposers["draft"].held_pages() == 0

@@ -1,0 +1,86 @@
+"""Revision 0009: steps gain `row_classes`; old rows read NULL (no classes, through the tuner's read
+path); the writer fills it with one object per class; down and up."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from alembic import command
+from sqlalchemy import inspect
+
+from engine.types import RowClass, StepStats
+from store import migrate
+from store.db import make_engine, session_scope
+from telemetry.writer import step_row, write_rows
+from tuner.data import read_steps
+
+OLD_STEP = (
+    "INSERT INTO xo_steps (instance, step_id, time, batch_size, prefill_tokens, decode_tokens, "
+    "technique, depth, proposed, accepted, accepted_per_pos, propose_ms, verify_ms, step_ms, "
+    "kv_pages_used, kv_pages_free, queue_len, policy_version, preempted, sampled_rows, "
+    "prefix_hit_tokens, prefix_query_tokens, tenants) VALUES "
+    "('', 1, 1700000005.0, 2, 0, 3, 'ngram', 2, 4, 1, '[1, 0]', 0.1, 2.0, 2.5, 1, 9, 0, 0, 0, 0, 0, 0, "
+    "'[\"acme\"]')"
+)
+CLASSES = (RowClass("acme", "ngram", 4, 2, 7, 3, (2, 1, 0, 0)), RowClass("globex", "mtp", 2, 1, 2, 2, (1, 1)),
+           RowClass("initech", "none", 0, 1))
+
+
+def _step_columns(url: str) -> set[str]:
+    engine = make_engine(url)
+    try:
+        return {c["name"] for c in inspect(engine).get_columns("xo_steps")}
+    finally:
+        engine.dispose()
+
+
+def _read(url: str) -> list[StepStats]:
+    engine = make_engine(url)
+    try:
+        with session_scope(engine) as session:
+            return read_steps(session, 0.0)
+    finally:
+        engine.dispose()
+
+
+def test_0009_adds_row_classes_old_rows_read_none(db_url: str, run_sql: Callable[..., list]) -> None:
+    cfg = migrate.alembic_config(db_url)
+    command.downgrade(cfg, "0008")
+    assert "row_classes" not in _step_columns(db_url)
+    run_sql(OLD_STEP)  # a row written before the column existed
+    command.upgrade(cfg, "0009")
+    assert "row_classes" in _step_columns(db_url)
+    assert run_sql("SELECT row_classes FROM xo_steps") == [(None,)]
+    (old,) = _read(db_url)
+    assert old.row_classes == () and old.accepted_per_pos == (1, 0)
+    migrate.upgrade(db_url)
+    engine = make_engine(db_url)
+    stats = StepStats(step_id=2, time=1_700_000_010.0, batch_size=4, decode_tokens=9, technique="ngram",
+                      depth=4, proposed=9, accepted=5, accepted_per_pos=(3, 2, 0, 0), step_ms=3.0,
+                      tenants=("acme", "globex", "initech"), row_classes=CLASSES)
+    with engine.begin() as conn:  # the writer reads the column off the model
+        write_rows(conn, [step_row(stats)], [])
+    engine.dispose()
+    new = _read(db_url)[-1]
+    assert new == stats and new.row_classes == CLASSES
+    assert run_sql("SELECT SUM(steps) FROM xo_v_steps_minute") == [(2,)]  # the views read the table still
+    command.downgrade(cfg, "0008")
+    assert "row_classes" not in _step_columns(db_url)
+    assert run_sql("SELECT step_id FROM xo_steps ORDER BY step_id") == [(1,), (2,)]
+    assert run_sql("SELECT SUM(steps) FROM xo_v_steps_minute") == [(2,)]
+    migrate.upgrade(db_url)
+    assert migrate.check_schema(db_url) == migrate.head_revision()
+
+
+def test_step_row_writes_null_for_records_without_row_classes() -> None:
+    class Old:  # a record type from before the field
+        def __getattr__(self, name: str) -> object:
+            if name == "row_classes":
+                raise AttributeError(name)
+            return getattr(StepStats(), name)
+
+    assert step_row(Old())["row_classes"] is None
+    assert step_row(StepStats())["row_classes"] == []
+    assert step_row(StepStats(row_classes=CLASSES[2:]))["row_classes"] == [
+        {"tenant": "initech", "technique": "none", "depth": 0, "rows": 1, "proposed": 0, "accepted": 0,
+         "accepted_per_pos": []}]
