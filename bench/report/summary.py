@@ -115,6 +115,7 @@ def _q3(t: Telemetry, p: PlanInputs) -> list[str]:
                          f"{fmt_ci(r['ratio'])}x plain's throughput")
         if parts:
             out.append("Against it: " + "; ".join(parts) + ".")
+            out.append(_q3_verdict(rows, base))
     costs = {c.technique: c for c in p.plan(p.cfg).techniques}
     planner = [f"{tech} {costs[tech].tenants_displaced}" for tech in TECHNIQUES if tech in costs]
     if planner:
@@ -126,6 +127,22 @@ def _q3(t: Telemetry, p: PlanInputs) -> list[str]:
         out.append("No pool-split runs are in this database; goodput over plain at each technique's usual batch: "
                    + ("; ".join(parts) if parts else "not measured") + ".")
     return [" ".join(out)]
+
+
+def _q3_verdict(rows: list[dict], base: Any) -> str:
+    """One sentence: which runs' memory paid (interval of the ratio to plain wholly above 1), which
+    cost more than it saved (wholly below) and which the run cannot tell apart from plain."""
+    paid, lost, unclear = [], [], []
+    for r in rows:
+        if r["run"] is base or r["ratio"] is None:
+            continue
+        label = f"{r['run'].technique}@{r['run'].depth} split {r['run'].pool_split:g}"
+        ratio = r["ratio"]
+        (paid if ratio.low > 1 else lost if ratio.high < 1 else unclear).append(label)
+    said = [f"paid for its memory: {', '.join(paid)}" if paid else "no run paid for its memory beyond doubt",
+            f"cost more than it saved: {', '.join(lost)}" if lost else "",
+            f"not distinguishable from plain: {', '.join(unclear)}" if unclear else ""]
+    return "In short, on this machine (95% intervals of the throughput ratio): " + "; ".join(s for s in said if s) + "."
 
 
 AGREEMENT, PAYS = 0.95, 1.05

@@ -80,5 +80,7 @@ def test_report_shows_the_pool_table_and_q1_on_the_tenant_instance(pool_url, tmp
     # only instance "tenants" (acme alone, 1 of 4 drafts accepted) counts: no mixed batch there
     assert "instance `tenants`" in q1 and "accepted n/a in mixed batches and 0.250 [" in q1
     assert "draft@2 at split 0.25 lent 250 pages (25%), ran up to 6 at once" in text
+    # the fixture's draft run delivers 1.2x plain with a tight interval: it paid for its memory
+    assert "paid for its memory: draft@2 split 0.25." in text
     assert "--pool-instance pool --tenant-instance tenants" in text and "a designed fixture" in text
     assert "| ngram | mixed tenants |" not in text.split("## Q1.")[1].split("## Q2.")[0]
