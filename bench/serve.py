@@ -100,6 +100,9 @@ class ServeBenchConfig:
     """--shared-prefix: tokens of each tenant's system prompt."""
     prefix_cache: bool = True
     """The engine started here shares KV pages of common prompt prefixes (engine/prefix_cache.py)."""
+    speculation: bool = True
+    """The engine started here loads the n-gram proposer and serves the policy a new daemon
+    starts with (daemon.tuning.starter_policy), in both phases; False: plain decoding only."""
     engine_rates: str | None = None
     """A `crossover bench engine` JSON whose rates the efficiency bound uses (else measured here)."""
     tenant_keys: str | None = None
@@ -116,6 +119,8 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
     shown = {**asdict(cfg), "api_key": "***" if cfg.api_key else None}
     result: dict[str, Any] = {"bench": "serve", "config": shown, **_describe(engine),
                               "workload": None}  # filled in once the jobs are sent
+    if engine is not None:
+        result["engine_only_policy"] = _policy(cfg, engine).to_dict()
     mode = f"rate {cfg.rate}/s" if cfg.rate else f"concurrency {cfg.concurrency}"
     _log(f"{len(jobs)} requests of {cfg.max_tokens} tokens, {mode}, {cfg.rounds} round(s)")
     rounds, served = [], []
@@ -127,6 +132,7 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
         rounds.append({"http": http})
         served.append(samples)
         if engine is not None:
+            engine.set_policy(_policy(cfg, engine))  # the HTTP phase's daemon may have retuned it
             meter = CpuMeter()
             direct, wall = run_engine(engine, jobs, cfg.concurrency, cfg.rate,
                                       _progress("engine", sent), tag=f"r{r}")
@@ -340,11 +346,20 @@ def _load_engine(cfg: ServeBenchConfig) -> Any:
     progress = reporter()
     _log("loading the model")
     engine = load_engine(model=cfg.model, dtype=cfg.dtype, max_batch=cfg.max_batch,
-                         max_context=cfg.max_context, speculation=False, progress=progress,
-                         prefix_cache=cfg.prefix_cache)
+                         max_context=cfg.max_context, speculation=cfg.speculation, model_proposers=(),
+                         progress=progress, prefix_cache=cfg.prefix_cache)
     _log("warming up (every bucket compiles once; cached on disk for the next run)")
     engine.warmup(progress=progress)
     return engine
+
+
+def _policy(cfg: ServeBenchConfig, engine: Any) -> Any:
+    """The policy of the engine-only phase: a new daemon's starter policy (n-gram at small
+    batches) with --speculation, else never speculating."""
+    from daemon.tuning import starter_policy
+    from engine.policy import NEVER
+
+    return starter_policy(engine.capacity()) if cfg.speculation else NEVER
 
 
 def _prompts(cfg: ServeBenchConfig, engine: Any) -> list[Any]:

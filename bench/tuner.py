@@ -8,7 +8,8 @@
    follows the policy as on a real accelerator.
 2. The trace: `bench.workloads.shifting_trace` (low-load copy-heavy at batch
    1-2, high-load mixed beyond what the engine serves at --max-batch, low-load
-   prose at batch 1-2), --phase-seconds each, rates times --rate-scale,
+   prose at batch 1-2; with --mid-mixed a fourth phase of every tenant at
+   moderate load, batches of about 4-8), --phase-seconds each, rates times --rate-scale,
    Poisson arrivals, each phase starting once the previous one's requests
    have finished (--no-drain: back to back, so a backlog carries over and
    mixes with the next phase's traffic); each request is sent by its kind's tenant
@@ -77,6 +78,14 @@ class TunerBenchConfig:
     than the engine serves at batch 32: the batch fills up and a queue waits)."""
     low_max_concurrency: int | None = 2
     """Most requests in flight during a low-load phase, so it runs at batch 1-2 (None: no cap)."""
+    mid_phase: bool = False
+    """Add a fourth phase, "mid-mixed": every kind (so every tenant) at moderate load, where one
+    depth for the whole batch is a compromise between tenants (bench.workloads.shifting_trace)."""
+    mid_rate: float = 2.0
+    """Arrivals per second of the mid-mixed phase, before rate_scale (more than its cap serves,
+    so it runs near mid_max_concurrency)."""
+    mid_max_concurrency: int = 8
+    """Most requests in flight during the mid-mixed phase: batches of about 4-8."""
     max_tokens: int | None = None
     """Cap on each request's max_tokens (None: the kind's suggestion, 96-256)."""
     ignore_eos: bool = False
@@ -178,6 +187,9 @@ class TunerBenchConfig:
 
         if set(self.traces) - set(SPLIT_TRACES) or any(not 0 <= s <= 0.5 for s in self.splits):
             raise ValueError(f"traces={self.traces} must be among {SPLIT_TRACES} and splits={self.splits} in [0, 0.5]")
+        if not self.mid_rate > 0 or self.mid_max_concurrency < 1:
+            raise ValueError(f"mid_rate={self.mid_rate} must be > 0 and mid_max_concurrency="
+                             f"{self.mid_max_concurrency} >= 1")
         if self.probe_retunes < 0 or self.probe_concurrency < 1:
             raise ValueError(f"probe_retunes={self.probe_retunes} must be >= 0 and "
                              f"probe_concurrency={self.probe_concurrency} >= 1")
@@ -334,7 +346,9 @@ def build_trace(cfg: TunerBenchConfig, engine: Any) -> tuple[list[Any], list[Arr
     from bench.workloads import shifting_trace, trace
 
     phases = shifting_trace(cfg.phase_s, cfg.low_rate * cfg.rate_scale,
-                            cfg.high_rate * cfg.rate_scale, cfg.low_max_concurrency)
+                            cfg.high_rate * cfg.rate_scale, cfg.low_max_concurrency,
+                            cfg.mid_rate * cfg.rate_scale if cfg.mid_phase else None,
+                            cfg.mid_max_concurrency)
     arrivals, dropped = [], 0
     temperatures = dict(cfg.temperatures)
     for timed in trace(phases, cfg.seed):

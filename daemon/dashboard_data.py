@@ -122,9 +122,20 @@ def retunes(session: Session, limit: int = 20, *, instance: str | None = "") -> 
             "trial_number": r.trial_number, "predicted_goodput": r.predicted_goodput,
             "measured_goodput": r.measured_goodput, "error": r.error,
             "policy": _policy(chosen) if chosen is not None else None,
+            "tenants": _tenants((r.details or {}).get("tenants")),
         })
     return {"retunes": rows,
             "policies": [_policy(p) for p in list(policies.values())[:limit]]}
+
+
+def _tenants(record: Any) -> dict[str, Any] | None:
+    """The per-tenant decision of a retune's search (tuner.tenants.TenantSearch.to_dict()):
+    whether rules were chosen, each tenant's technique, depth and largest batch, and the
+    predicted gain over the best single-rule policy; None when none was weighed."""
+    if not isinstance(record, dict) or record.get("method") in (None, "skipped"):
+        return None
+    keys = ("chosen", "gain", "method", "seconds", "margin", "single_goodput", "tenant_goodput")
+    return {**{k: record.get(k) for k in keys}, "rules": list(record.get("rules") or [])}
 
 
 def _policy(p: Policy) -> dict[str, Any]:

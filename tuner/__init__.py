@@ -4,8 +4,11 @@
     model      PerfModel: step time by batch and query length, proposer cost; its error on
                held-out steps
     acceptance the model's acceptance fits: by technique, draft position, tenant and depth
+    rows       a step's row classes as the fits count them (per tenant; several proposers)
     traffic    Traffic: batch-size mix, concurrency, arrival rate, lengths, tenant mix
     objective  Capacity, evaluate(): predicted goodput, p95 TPOT, KV page budgets
+    mixed      Pricer: a batch whose rows draft differently (per-tenant rules), priced
+    tenants    add_tenant_rules(): per-tenant rules on top of the best single-rule policy
     space      SearchSpace: a TunedPolicy as Optuna parameters and back
     search     run_search(SearchJob): one ask/tell search in the project's database
     validate   compare(): measured goodput at matched batch sizes; rollback verdict

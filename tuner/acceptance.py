@@ -20,8 +20,10 @@ every pool's reuses the key's previous rate). With many offers the
 estimate converges to the observed rate. Tenant factors from requests
 shrink the same way toward the overall rate.
 
-Tenants. Steps whose batch held one tenant also count under that tenant
-("ngram|copy"): a tenant with enough such offers (MIN_REACHED at position 0)
+Tenants. A step's rows count under their tenant ("ngram|copy") too: every
+row class of a step that records them (tuner.rows; rows of several tenants,
+techniques and depths share a step under per-tenant rules), else the whole
+step when its batch held one tenant. A tenant with enough such offers (MIN_REACHED at position 0)
 gets its own rates for the technique, since acceptance depends on the
 technique and the text together (n-gram lookups pay on copy-heavy tenants,
 not on prose). Otherwise a per-tenant factor (the tenant's
@@ -59,6 +61,7 @@ from collections.abc import Mapping, Sequence
 
 from engine.types import StepStats
 from tuner.data import RequestRow
+from tuner.rows import Drafts, units
 
 MIN_REACHED = 10
 """Evidence before a tenant gets its own rates (offers at position 0), draft share (rows) or
@@ -102,6 +105,15 @@ def step_keys(s: StepStats, vocab_of: Mapping[int, int], per_tenant: bool = Fals
     return keys
 
 
+def unit_keys(u: Drafts, version: int, vocab_of: Mapping[int, int],
+              per_tenant: bool = False) -> set[str]:
+    """step_keys of one unit of a step (tuner.rows): with `per_tenant`, also under its tenant."""
+    keys = {u.technique, technique_key(u.technique, version, vocab_of)}
+    if per_tenant and u.tenant is not None:
+        keys |= {f"{k}|{u.tenant}" for k in keys}
+    return keys
+
+
 def to_depth(rates: Sequence[float], depth: int) -> list[float]:
     """`rates` at positions 0..depth-1, the last one repeating (none measured: 0).
 
@@ -124,10 +136,10 @@ def drafted(rates: Sequence[float]) -> float:
     return total
 
 
-def _drafting_decode(s: StepStats) -> bool:
-    """A speculative step without prefill: a step with prefill counts its prefilling
-    sequences in batch_size, which never draft."""
-    return bool(s.depth) and s.technique != "none" and not s.prefill_tokens and s.batch_size > 0
+def _drafting_decode(u: Drafts) -> bool:
+    """Rows assigned a technique, of a step without prefill: a step with prefill counts its
+    prefilling sequences in batch_size, which never draft."""
+    return bool(u.depth) and u.technique != "none" and u.decode_only and u.rows > 0
 
 
 def fit_acceptance(steps: Sequence[StepStats], vocab_of: Mapping[int, int]) -> dict[str, tuple]:
@@ -135,15 +147,17 @@ def fit_acceptance(steps: Sequence[StepStats], vocab_of: Mapping[int, int]) -> d
     reached: dict[str, list[float]] = {}
     accepted: dict[str, list[float]] = {}
     for s in steps:
-        if not s.depth or s.technique == "none" or not s.proposed:
-            continue
-        for key in step_keys(s, vocab_of, per_tenant=True):
-            r, a = reached.setdefault(key, []), accepted.setdefault(key, [])
-            while len(r) < s.depth:
-                r.append(0.0), a.append(0.0)
-            for i in range(s.depth):
-                r[i] += s.speculating if i == 0 else s.accepted_per_pos[i - 1]
-                a[i] += s.accepted_per_pos[i] if i < len(s.accepted_per_pos) else 0
+        for u in units(s):
+            if not u.drafts:
+                continue
+            per_pos = u.accepted_per_pos
+            for key in unit_keys(u, s.policy_version, vocab_of, per_tenant=True):
+                r, a = reached.setdefault(key, []), accepted.setdefault(key, [])
+                while len(r) < u.depth:
+                    r.append(0.0), a.append(0.0)
+                for i in range(u.depth):
+                    r[i] += u.speculating if i == 0 else (per_pos[i - 1] if i - 1 < len(per_pos) else 0)
+                    a[i] += per_pos[i] if i < len(per_pos) else 0
     out = _shrunk(reached, accepted)
     # a trailing 0: positions deeper than any step measured earn nothing (rates are repeated
     # past their last entry, and the last measured rate says nothing about deeper positions)
@@ -191,11 +205,12 @@ def fit_draft_share(steps: Sequence[StepStats], vocab_of: Mapping[int, int]) -> 
     rows: dict[str, float] = {}
     drafting: dict[str, float] = {}
     for s in steps:
-        if not _drafting_decode(s):
-            continue
-        for key in step_keys(s, vocab_of, per_tenant=True):
-            rows[key] = rows.get(key, 0.0) + s.batch_size
-            drafting[key] = drafting.get(key, 0.0) + s.speculating
+        for u in units(s):
+            if not _drafting_decode(u):
+                continue
+            for key in unit_keys(u, s.policy_version, vocab_of, per_tenant=True):
+                rows[key] = rows.get(key, 0.0) + u.rows
+                drafting[key] = drafting.get(key, 0.0) + u.speculating
     return {key: min(1.0, drafting[key] / n) for key, n in rows.items()
             if n >= MIN_REACHED or "|" not in key}
 
@@ -205,22 +220,27 @@ def fit_depth_factors(steps: Sequence[StepStats], vocab_of: Mapping[int, int],
                       draft_share: Mapping[str, float]) -> dict[str, dict[int, float]]:
     """Technique key -> depth -> accepted drafted tokens of its decode steps over what the
     pooled rates and share predict for them (module doc); depths with fewer than MIN_REACHED
-    drafting sequences are left out."""
-    sums: dict[tuple[str, int], list[float]] = {}  # measured, rows, drafting sequences
+    drafting sequences are left out. A row class (tuner.rows) is predicted from its tenant's
+    own rates and share where the tenant has them, as the model applies the factor on top
+    of those: under per-tenant rules the deep drafts go to the easiest tenants, and pooled
+    rates would read that as a depth effect."""
+    sums: dict[tuple[str, int], list[float]] = {}  # measured, predicted, drafting sequences
     for s in steps:
-        if not _drafting_decode(s):
-            continue
-        for key in step_keys(s, vocab_of):
-            acc = sums.setdefault((key, s.depth), [0.0, 0.0, 0.0])
-            acc[0] += sum(s.accepted_per_pos)
-            acc[1] += s.batch_size
-            acc[2] += s.speculating
+        for u in units(s):
+            if not _drafting_decode(u):
+                continue
+            for key in unit_keys(u, s.policy_version, vocab_of):
+                own = f"{key}|{u.tenant}" if u.classed and f"{key}|{u.tenant}" in acceptance else key
+                rates = acceptance.get(own, ())
+                acc = sums.setdefault((key, u.depth), [0.0, 0.0, 0.0])
+                acc[0] += sum(u.accepted_per_pos)
+                acc[1] += u.rows * draft_share.get(own, draft_share.get(key, 1.0)) * drafted(
+                    to_depth(rates, u.depth)) if rates else 0.0
+                acc[2] += u.speculating
     out: dict[str, dict[int, float]] = {}
-    for (key, depth), (measured, rows, drafting) in sums.items():
-        rates = acceptance.get(key, ())
-        if drafting < MIN_REACHED or not rates:
+    for (key, depth), (measured, predicted, drafting) in sums.items():
+        if drafting < MIN_REACHED or not acceptance.get(key):
             continue
-        predicted = rows * draft_share.get(key, 1.0) * drafted(to_depth(rates, depth))
         if predicted > 0:
             lo, hi = DEPTH_FACTOR_RANGE
             out.setdefault(key, {})[depth] = min(hi, max(lo, measured / predicted))

@@ -57,6 +57,16 @@ class TunerConfig:
     exact: bool = True
     """Solve for the best policy exactly and tell the study only it and the serving policy when
     it meets every constraint (tuner.exact); False: always `trials` trials of TPE."""
+    tenant_rules: bool = True
+    """Consider per-tenant rules (a tenant's rows draft with their own technique and depth) on
+    top of the best single-rule policy (tuner.tenants)."""
+    tenant_min_gain: float = field(default=0.03, metadata=between(0.0, 1.0))
+    """Per-tenant rules are chosen only when their predicted goodput beats the best
+    single-rule policy's by more than this share (a margin against the model's error)."""
+    tenant_trials: int = field(default=64, metadata=between(1, 2000))
+    """TPE trials of the per-tenant search when its space is too large to enumerate."""
+    tenant_exact_limit: int = field(default=1024, metadata=between(1, 1 << 20))
+    """The per-tenant search enumerates every combination up to this many, else runs TPE."""
     tpot_p95_ms: float = field(default=0.0, metadata=between(0.0, 1e6))
     """Constraint on the predicted p95 time per output token in ms; 0 turns it off."""
     ranges: tuple[int, ...] = DEFAULT_RANGES

@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from engine.types import StepStats
+from engine.types import StepStats, row_classes_from_json
 from store.models import Request, Step
 
 
@@ -44,10 +44,13 @@ _TUPLE_FIELDS = ("accepted_per_pos", "tenants")
 
 
 def _stats(values: Sequence[Any]) -> StepStats:
-    """One row of _STEP_COLUMNS as a StepStats (JSON lists become tuples)."""
+    """One row of _STEP_COLUMNS as a StepStats (JSON lists become tuples, stored row classes
+    RowClasses; a row from before they were recorded has none)."""
     row = dict(zip(_FIELD_NAMES, values))
     for name in _TUPLE_FIELDS:
         row[name] = tuple(row[name] or ())
+    if "row_classes" in row:
+        row["row_classes"] = row_classes_from_json(row["row_classes"])
     return StepStats(**row)
 
 

@@ -1,7 +1,7 @@
 """Exploration: what the daemon adds to each policy it serves to keep the model's estimates fresh.
 
 A served policy carries an `engine.policy.Exploration`, which the engine
-applies with its own random stream (`engine.policy.StepChooser`):
+applies with its own random stream (`engine.chooser.StepChooser`):
 
 - during a short **profile** (the first `profile_steps` decisions of the
   first policy served after startup), every other decision goes to the next
@@ -68,8 +68,29 @@ def is_exploration(policy: TunedPolicy, batch: int, technique: str, depth: int) 
     >>> p = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4)
     >>> is_exploration(p, 2, "ngram", 4), is_exploration(p, 2, "ngram", 2), is_exploration(p, 2, "none", 0)
     (True, False, False)
+
+    With tenant rules a step's rows draft with several (technique, depth) choices; it
+    records the technique of the most drafting rows and the deepest row's depth. So it is
+    exploration when its technique or its depth is none of the choices the policy makes
+    at that batch size (the batch rule's and every applicable tenant rule's).
+
+    >>> from engine.policy import TenantRule
+    >>> q = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4,
+    ...                 tenants=(TenantRule("code", "mtp", 4, max_batch=4),))
+    >>> is_exploration(q, 2, "ngram", 4), is_exploration(q, 2, "ngram", 1), is_exploration(q, 8, "mtp", 4)
+    (False, True, True)
     """
-    return technique != "none" and (technique, depth) != policy.choose(batch)
+    if technique == "none":
+        return False
+    if (technique, depth) == policy.choose(batch):
+        return False
+    tenants = getattr(policy, "tenants", ())
+    if not tenants or batch > policy.crossover:
+        return True
+    choices = {policy.choose(batch)} | {(t.technique, t.depth) for t in tenants
+                                        if batch <= t.max_batch}
+    drafting = {c for c in choices if c[0] != "none"}
+    return technique not in {t for t, _ in drafting} or depth not in {d for _, d in drafting}
 
 
 class ExplorationPlan:

@@ -5,7 +5,7 @@ Step time splits into the target model's forward and the proposer's work:
     step_ms = target(B, q, P) + sampling(S, A, B, q) + propose(technique, B, depth)
     target  = t0 + t1*B + t3*B*q + t4*P               (q = 1 + depth, P = prefill tokens)
     sampling = s0*S*q + s1*A*B*q                      (S = rows that sample, A = 1 if any does)
-    propose = p0 + p1*B + p2*B*depth                  (one fit per technique; 0 for "none")
+    propose = p0 + p1*B + p2*B*depth                  (per technique, on its rows; 0 for "none")
 
 B*q is the rows the forward runs (every row passes the layers and the full
 output layer), B the sequences whose cache it reads. The fit has no q-only
@@ -21,8 +21,11 @@ compiled batch size and a verify to its next compiled query length (the
 
 The target part is shared by all techniques (verification is the same
 forward whatever drafted it), fitted on step_ms - propose_ms by least squares
-weighted by 1/step_ms (so it minimizes relative error). Each proposer's part
-is fitted on its propose_ms. Every coefficient is a cost, so both fits are
+weighted by 1/step_ms (so it minimizes relative error), with q the verify
+depth (the deepest row's: every row is padded to it). The proposers' parts
+are fitted jointly on propose_ms, each on the rows that drafted with it
+(tuner.rows): under per-tenant rules one step may run several proposers and
+records their sum. Every coefficient is a cost, so both fits are
 non-negative least squares: a few slow, collinear steps (one busy minute at
 nearly one batch size) can otherwise fit negative per-row costs whose
 extrapolation predicts deep drafts far faster than plain decoding.
@@ -57,6 +60,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -68,12 +72,13 @@ from tuner.acceptance import (
     fit_draft_share,
     scale_odds,
     step_coverage,
-    step_keys,
+    technique_key,
     tenant_factors,
     to_depth,
 )
 from engine.types import StepStats
 from tuner.data import RequestRow
+from tuner.rows import propose_columns
 
 MIN_FIT_ROWS = 8
 
@@ -202,6 +207,13 @@ class PerfModel:
             ms += max(0.0, p[0] + p[1] * batch + p[2] * batch * depth)
         return max(ms, self.floor_ms)
 
+    def propose_terms(self, technique: str, draft_vocab: int = 0) -> tuple[float, float, float]:
+        """(p0, p1, p2) of a proposer (zeros for "none" or one never measured)."""
+        if technique == "none":
+            return 0.0, 0.0, 0.0
+        p = self._lookup(self.propose, technique, draft_vocab) or (0.0, 0.0, 0.0)
+        return float(p[0]), float(p[1]), float(p[2])
+
     def prefill_ms(self, prefill: float) -> float:
         """The prefill part of a step's time: t4 per prefill token."""
         return self.target[4] * prefill
@@ -279,9 +291,13 @@ class PerfModel:
         ms_err, gp_err = [], []
         for s in steps:
             vocab = vocab_of.get(s.policy_version, 0)
-            ms = self.predict_step_ms(s.technique, s.depth, s.batch_size, s.prefill_tokens, vocab,
-                                      s.sampled_rows)
-            tokens = s.batch_size * self.expected_tokens_per_seq(s.technique, s.depth, None, vocab)
+            if len({(c.technique, c.depth) for c in s.row_classes}) > 1:
+                ms, tokens = self._per_row(s, vocab)
+            else:
+                ms = self.predict_step_ms(s.technique, s.depth, s.batch_size, s.prefill_tokens,
+                                          vocab, s.sampled_rows)
+                tokens = s.batch_size * self.expected_tokens_per_seq(s.technique, s.depth, None,
+                                                                     vocab)
             ms_err.append(abs(ms - s.step_ms) / s.step_ms)
             if s.decode_tokens:
                 gp_err.append(abs(tokens / ms - s.decode_tokens / s.step_ms)
@@ -293,6 +309,19 @@ class PerfModel:
         return ErrorReport(len(ms_err), float(np.median(ms_a)), float(ms_a.mean()),
                            float(np.quantile(ms_a, 0.9)), float(np.median(gp_a)),
                            float(gp_a.mean()))
+
+    def _per_row(self, s: StepStats, vocab: int) -> tuple[float, float]:
+        """(step ms, tokens) predicted for a step whose rows drafted with several (technique,
+        depth) choices: the target at the verify depth, each proposer on its own rows, each
+        row class's tokens at its own choice and tenant."""
+        ms = self.predict_step_ms("none", s.depth, s.batch_size, s.prefill_tokens, vocab,
+                                  s.sampled_rows)
+        for technique, (ran, rows, rows_depth) in propose_columns(s, lambda t: t).items():
+            p0, p1, p2 = self.propose_terms(technique, vocab)
+            ms += max(0.0, p0 * ran + p1 * rows + p2 * rows_depth)
+        tokens = sum(c.rows * self.expected_tokens_per_seq(c.technique, c.depth, c.tenant, vocab)
+                     for c in s.row_classes)
+        return ms, tokens
 
     @staticmethod
     def _lookup(table: Mapping[str, tuple], technique: str, draft_vocab: int,
@@ -376,17 +405,33 @@ def _fit_target(steps: Sequence[StepStats],
 
 
 def _fit_propose(steps: Sequence[StepStats], vocab_of: Mapping[int, int]) -> dict[str, tuple]:
-    groups: dict[str, list[StepStats]] = {}
-    for s in steps:
-        if s.depth and s.technique != "none":  # the plain key pools every MTP vocabulary
-            for key in step_keys(s, vocab_of):
-                groups.setdefault(key, []).append(s)
-    out = {}
-    for key, rows in groups.items():
-        b = np.array([s.batch_size for s in rows], float)
-        d = np.array([s.depth for s in rows], float)
-        y = np.array([s.propose_ms for s in rows], float)
-        x = np.column_stack([np.ones_like(b), b, b * d])
-        coef = _nnls(x, y)
-        out[key] = (float(coef[0]), float(coef[1]), float(coef[2]))
+    """Proposer key -> (p0, p1, p2), every proposer's terms fitted jointly on propose_ms: a
+    step whose rows drafted with several techniques ran several proposers, and its
+    propose_ms is their sum (tuner.rows.propose_columns). Fitted twice: over the plain
+    techniques (pooling every MTP vocabulary) and over the vocabulary keys."""
+    out: dict[str, tuple] = {}
+    plain = _joint_propose(steps, lambda s, t: t)
+    out.update(plain)
+    vocab = _joint_propose(steps, lambda s, t: technique_key(t, s.policy_version, vocab_of))
+    out.update({k: v for k, v in vocab.items() if k not in plain})
     return out
+
+
+def _joint_propose(steps: Sequence[StepStats], key_of: Any) -> dict[str, tuple]:
+    """NNLS of propose_ms over (ran, rows, rows * depth) columns per proposer key."""
+    per_step = [propose_columns(s, lambda t, s=s: key_of(s, t)) for s in steps]
+    keys = sorted({k for cols in per_step for k in cols})
+    if not keys:
+        return {}
+    x = np.zeros((len(steps), 3 * len(keys)))
+    for i, cols in enumerate(per_step):
+        for k, col in cols.items():
+            j = 3 * keys.index(k)
+            x[i, j:j + 3] = col
+    used = x.any(axis=1)
+    if not used.any():
+        return {}
+    y = np.array([s.propose_ms for s in steps], float)
+    coef = _nnls(x[used], y[used])
+    return {k: (float(coef[3 * j]), float(coef[3 * j + 1]), float(coef[3 * j + 2]))
+            for j, k in enumerate(keys)}

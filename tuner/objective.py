@@ -15,6 +15,12 @@ per step wherever steps are slow and penalise longer steps wherever they are
 fast, whatever they emit (speculating at batch 32 and not at batch 1 as soon
 as the window holds both).
 
+Tenant rules (engine.policy.TenantRule): at a batch size where one applies,
+the rows of the traffic's tenant mix draft with their own (technique,
+depth) and the batch is priced row by row (tuner.mixed: tokens from each
+tenant's own rates, step time from the deepest row's verify depth and the
+proposers that run); elsewhere as above.
+
 Memory, in pages of the KV pool: speculation gets floor(total * pool_split)
 and must fit its proposers' resident bytes, their per-sequence bytes and
 the depth extra verify slots of every speculating sequence; tenants get the
@@ -49,6 +55,7 @@ from tuner.capacity import (
     pages_per_sequence,
     under_split,
 )
+from tuner.mixed import Pricer
 from tuner.model import Padding, PerfModel
 from tuner.traffic import Traffic
 
@@ -171,10 +178,12 @@ def padding_of(capacity: Capacity) -> Padding:
 
 
 def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: Capacity,
-             tpot_target_ms: float = 0.0) -> Evaluation:
+             tpot_target_ms: float = 0.0, pricer: Pricer | None = None) -> Evaluation:
     """Predicted goodput, p95 TPOT and page budgets of `policy` (see the module docstring).
     `per_batch` is keyed by the batch sizes the policy runs at (tuner.capacity: fewer where the
-    split binds the pool)."""
+    split binds the pool). A batch where a tenant rule applies is priced row by row
+    (tuner.mixed); `pricer`, when given, caches those figures across calls (same model,
+    draft vocabulary and traffic at the same split)."""
     tokens = time_ms = held = lent_tokens = 0.0
     tpot: list[tuple[float, float]] = []  # (TPOT ms, weight)
     per_batch: dict[int, tuple[float, float]] = {}
@@ -184,7 +193,24 @@ def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: 
     tenant_footprint = pages_per_sequence(traffic, capacity)
     traffic = under_split(traffic, capacity, split)
     shares = traffic.token_shares()
+    if policy.tenants and pricer is None:
+        pricer = Pricer(model, policy.draft_vocab, traffic.sampled_rows, traffic.sampled_steps)
     for batch in traffic.batch_weights:
+        rows = tenant_rows(policy, batch, traffic.mix_at(batch), capacity)
+        if rows is not None:  # rows of several (technique, depth): priced row by row
+            holds = {t: held_at(capacity, split, spec_need, capacity.lent_kv[t], footprint, batch)
+                     for t in {r[2] for r in rows} & set(capacity.lent_kv)}
+            lent = [(r[1], holds[r[2]]) for r in rows if r[2] in holds and r[3]]
+            held += shares[batch] * sum(w * h for w, h in lent)
+            lent_tokens += shares[batch] * sum(w for w, _ in lent)
+            per_seq = sum(w * pricer.tokens(t, d, tenant, holds.get(t)) for tenant, w, t, d in rows)
+            core_ms = pricer.step_ms(batch, [(w, t, d) for _, w, t, d in rows])
+            ms = _with_prefill(core_ms, model, traffic, batch, per_seq)
+            share, share_ms = goodput_terms(shares[batch], batch * per_seq, ms)
+            tokens, time_ms = tokens + share, time_ms + share_ms
+            per_batch[batch] = (batch * per_seq, ms)
+            tpot.append((ms / per_seq, share))
+            continue
         technique, depth = _choice(policy, batch, capacity)
         hold = None  # a lent-KV technique drafts for the rows its pages hold
         if technique in capacity.lent_kv and depth:
@@ -192,15 +218,10 @@ def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: 
             held, lent_tokens = held + shares[batch] * hold, lent_tokens + shares[batch]
         per_seq = model.tokens_per_seq_mix(technique, depth, traffic.mix_at(batch),
                                            policy.draft_vocab, hold)
-        # the observed prefill is paid per output token: a step that emits more carries more
-        # of it (fewer steps, the same prompts). Charged per step, it would make deep drafts
-        # look best wherever steps admit many prompt tokens
-        prefill_ms = model.prefill_ms(traffic.prefill_per_step.get(batch, 0.0))
-        seen = traffic.tokens_per_step.get(batch) or float(batch)
-        ms = (model.predict_step_ms(technique, depth, batch, 0.0, policy.draft_vocab,
-                                    traffic.sampled_rows.get(batch, 0.0),
-                                    traffic.sampled_steps.get(batch, 0.0))
-              + prefill_ms * batch * per_seq / seen)
+        ms = _with_prefill(model.predict_step_ms(technique, depth, batch, 0.0, policy.draft_vocab,
+                                                 traffic.sampled_rows.get(batch, 0.0),
+                                                 traffic.sampled_steps.get(batch, 0.0)),
+                           model, traffic, batch, per_seq)
         share, share_ms = goodput_terms(shares[batch], batch * per_seq, ms)
         tokens += share
         time_ms += share_ms
@@ -212,6 +233,35 @@ def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: 
                       tenant_pages, tenant_need, spec_pages, spec_need, excess,
                       admitted_at(capacity, split, tenant_footprint),
                       held / lent_tokens if lent_tokens > 0 else 1.0, per_batch)
+
+
+def _with_prefill(core_ms: float, model: PerfModel, traffic: Traffic, batch: int,
+                  per_seq: float) -> float:
+    """A step's time with the observed prefill charged per output token (evaluate): a step
+    that emits more carries more of it (fewer steps, the same prompts). Charged per step, it
+    would make deep drafts look best wherever steps admit many prompt tokens."""
+    prefill_ms = model.prefill_ms(traffic.prefill_per_step.get(batch, 0.0))
+    seen = traffic.tokens_per_step.get(batch) or float(batch)
+    return core_ms + prefill_ms * batch * per_seq / seen
+
+
+def tenant_rows(policy: TunedPolicy, batch: int, mix: Mapping[str, float],
+                capacity: Capacity) -> list[tuple[str, float, str, int]] | None:
+    """(tenant, weight, technique, depth) of each tenant of `mix` at `batch` under `policy`'s
+    row choices (engine.policy.TunedPolicy.choose_row), as the engine drafts them; None
+    where no tenant rule applies there (the batch rule prices every row)."""
+    if (not policy.tenants or not mix or batch > policy.crossover
+            or batch > capacity.spec_max_batch
+            or all(policy.tenant_rule(batch, t) is None for t in mix)):
+        return None
+    total = sum(mix.values())
+    out = []
+    for tenant, w in mix.items():
+        technique, depth = policy.choose_row(batch, tenant)
+        if technique not in capacity.proposers or not depth:
+            technique, depth = "none", 0
+        out.append((tenant, w / total, technique, drafted_depth(technique, depth, capacity)))
+    return out
 
 
 def goodput_terms(share: float, tokens_per_step: float, step_ms: float) -> tuple[float, float]:
@@ -284,7 +334,8 @@ def drafted_depth(technique: str, depth: int, capacity: Capacity) -> int:
 
 
 def speculating_rules(policy: TunedPolicy, capacity: Capacity) -> dict[str, int]:
-    """Technique -> deepest depth over the rules that apply at or below the crossover."""
+    """Technique -> deepest depth over the rules (batch and tenant) that apply at or below the
+    crossover."""
     used: dict[str, int] = {}
     lower = 0  # a rule covers batch sizes (lower, max_batch]
     for rule in policy.rules:
@@ -292,6 +343,10 @@ def speculating_rules(policy: TunedPolicy, capacity: Capacity) -> dict[str, int]
             depth = drafted_depth(rule.technique, rule.depth, capacity)
             used[rule.technique] = max(used.get(rule.technique, 0), depth)
         lower = rule.max_batch
+    for t in policy.tenants:  # a tenant rule applies at batch sizes up to the crossover
+        if policy.crossover > 0 and t.technique in capacity.proposers:
+            depth = drafted_depth(t.technique, t.depth, capacity)
+            used[t.technique] = max(used.get(t.technique, 0), depth)
     return used
 
 

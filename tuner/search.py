@@ -32,7 +32,13 @@ or a thread (tests). Data flow:
    it, store its constraints (KV pages, TPOT) with `Trial.set_constraint`,
    which TPE honours. `TunerConfig.exact = False` always takes this path.
 6. Pick the best feasible trial of this run (two-objective: the highest
-   goodput on this run's Pareto front) and return it with the evidence.
+   goodput on this run's Pareto front).
+7. One objective: add per-tenant rules to it where they pay by more than
+   `tenant_min_gain` (tuner.tenants: exact while the combinations are few,
+   else coordinate ascent and TPE in an in-memory study; its method, seconds
+   and predicted gain are the outcome's `tenants`). The study's parameters
+   are the batch rules only; tenant rules are a layer on its best. Return
+   the policy with the evidence.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ from tuner.model import MIN_FIT_ROWS, MIN_SHAPE_STEPS, PerfModel, cost_history
 from tuner.objective import Capacity, Evaluation, evaluate, padding_of
 from tuner.space import SearchSpace
 from tuner.split import solve_splits
+from tuner.tenants import add_tenant_rules
 from tuner.traffic import Traffic, observe
 
 CONSTRAINT_NAMES = ("tenant_kv_pages", "speculation_kv_pages", "p95_tpot_ms")
@@ -115,7 +122,11 @@ class SearchOutcome:
     method: str = "tpe"
     """"exact" (the solved optimum and the serving policy were told) or "tpe" (module doc, 4-5)."""
     seconds: float = 0.0
-    """Wall time of the whole search: read, fit, solve, ask/tell."""
+    """Wall time of the whole search: read, fit, solve, ask/tell, per-tenant rules."""
+    tenants: dict[str, Any] | None = None
+    """The per-tenant search's record (tuner.tenants.TenantSearch.to_dict(): method, seconds,
+    predicted gain over the best single-rule policy, the rules, whether they were chosen);
+    None when it did not run (off, two objectives, nothing feasible)."""
 
 
 def make_storage(db_url: str) -> optuna.storages.RDBStorage:
@@ -223,11 +234,21 @@ def run_search(job: SearchJob) -> SearchOutcome:
         told = [_one_trial(study, space, score, job.retune_id) for _ in range(trials)]
         best, pareto = _choose(told, cfg.two_objective)
         chosen = TunedPolicy.from_dict(best.user_attrs["policy"]) if best else None
+        predicted = best.user_attrs["evaluation"] if best else None
+        tenants = None
+        if chosen is not None and cfg.tenant_rules and not cfg.two_objective:
+            ruled, record = add_tenant_rules(
+                chosen, space, model, traffic, job.capacity, tpot_target_ms=cfg.tpot_p95_ms,
+                min_gain=cfg.tenant_min_gain, exact_limit=cfg.tenant_exact_limit,
+                trials=cfg.tenant_trials, seed=cfg.seed)
+            tenants = record.to_dict()
+            if ruled is not chosen:
+                chosen, predicted = ruled, score(ruled).to_dict()
         return SearchOutcome(
             study_name=study.study_name,
             best=chosen,
             best_trial=best.number if best else None,
-            predicted=best.user_attrs["evaluation"] if best else None,
+            predicted=predicted,
             incumbent=score(incumbent).to_dict(),
             fit=report.to_dict(), traffic=traffic.summary(),
             model={**model.summary(), "acceptance_from": pooled_from},
@@ -235,7 +256,7 @@ def run_search(job: SearchJob) -> SearchOutcome:
             pareto=[_front_entry(t) for t in pareto],
             per_batch=score(chosen).per_batch if chosen else {},
             incumbent_per_batch=score(incumbent).per_batch,
-            method=method, seconds=round(time.perf_counter() - start, 3),
+            method=method, seconds=round(time.perf_counter() - start, 3), tenants=tenants,
         )  # fmt: skip
     finally:
         storage.engine.dispose()

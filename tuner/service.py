@@ -209,7 +209,7 @@ class Tuner:
             "running": self._running.id if self._running else None,
             "last_search": None if last is None else {
                 "study_name": last.study_name, "best_trial": last.best_trial, "fit": last.fit,
-                "method": last.method, "seconds": last.seconds,
+                "method": last.method, "seconds": last.seconds, "tenants": last.tenants,
                 "traffic": last.traffic, "pareto": last.pareto, "predicted": last.predicted},
         }  # fmt: skip
 
@@ -256,6 +256,10 @@ class Tuner:
                    "predicted": outcome.predicted, "trials": len(outcome.trials),
                    "search": {"method": outcome.method, "seconds": outcome.seconds},
                    "pareto": outcome.pareto, "model": outcome.model}
+        if outcome.tenants is not None:  # per-tenant decisions and their predicted gain
+            details["tenants"] = outcome.tenants
+            details["search"]["tenant_method"] = outcome.tenants["method"]
+            details["search"]["tenant_seconds"] = outcome.tenants["seconds"]
         common = {"trial_number": outcome.best_trial, "details": details}
         candidate, reason = self._candidate(outcome, incumbent)
         if candidate is None:
@@ -365,4 +369,4 @@ def _goodput(evaluation: dict[str, Any] | None) -> float | None:
 
 def _shape(p: TunedPolicy) -> tuple:
     """What a policy does, without its version, source and notes."""
-    return p.rules, p.crossover, round(p.pool_split, 6), p.draft_vocab
+    return p.rules, p.crossover, round(p.pool_split, 6), p.draft_vocab, p.tenants

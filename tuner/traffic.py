@@ -41,8 +41,9 @@ class Traffic:
     mean_prompt_tokens: float = 0.0
     mean_output_tokens: float = 0.0
     tenant_mix: dict[str, float] = field(default_factory=dict)
-    """Tenant -> share of output tokens (sums to 1): of the steps' batches where they name
-    their tenants, else of the finished requests; empty without either."""
+    """Tenant -> share of the decode rows (steps that record row classes) or output tokens
+    (sums to 1): of the steps' batches where they name their tenants, else of the finished
+    requests; empty without either."""
     token_weights: dict[int, float] = field(default_factory=dict)
     """Batch size -> share of the output tokens emitted at that size (sums to 1; empty: taken
     from batch_weights, one token per sequence and step)."""
@@ -181,19 +182,28 @@ def _bucket_mixes(steps: Sequence[StepStats]) -> dict[int, dict[str, float]]:
 
 
 def _served_mix(steps: Sequence[StepStats]) -> dict[str, float]:
-    """Tenant -> share of the tokens the steps emitted, each step's split evenly over the
-    tenants in its batch (empty when no step names its tenants).
+    """Tenant -> share of the decode rows of the steps that record their row classes (what
+    a batch draws its rows from: tuner.mixed), and of the tokens the other steps emitted,
+    each step's split evenly over the tenants in its batch (empty when no step names its
+    tenants).
 
     Finished requests lag: in a busy minute the window's requests are still running, and a
     mix taken from them alone was empty or the previous phase's.
 
-    >>> from engine.types import StepStats
+    >>> from engine.types import RowClass, StepStats
     >>> def row(n, *tenants): return StepStats(batch_size=n, decode_tokens=n, step_ms=10.0, tenants=tenants)
     >>> _served_mix([row(3, "a"), row(2, "a", "b")])
     {'a': 0.8, 'b': 0.2}
+    >>> classes = (RowClass("a", "ngram", 2, 3), RowClass("b", "none", 0, 1))
+    >>> _served_mix([StepStats(batch_size=4, decode_tokens=9, step_ms=1.0, row_classes=classes)])
+    {'a': 0.75, 'b': 0.25}
     """
     mix: dict[str, float] = {}
     for s in steps:
+        if s.row_classes:
+            for c in s.row_classes:
+                mix[c.tenant] = mix.get(c.tenant, 0.0) + c.rows
+            continue
         for t in s.tenants:
             mix[t] = mix.get(t, 0.0) + s.decode_tokens / len(s.tenants)
     total = sum(mix.values())

@@ -171,7 +171,7 @@ def against_replaced(verdict: Verdict, own: Sequence[StepStats],
             or sum(r.batch_size for r in rows) < MIN_MATCHED):
         return verdict
     served = sorted({r.batch_size for r in rows})
-    if all(policy.choose(b) == previous.choose(b) for b in served):
+    if all(_choices(policy, b) == _choices(previous, b) for b in served):
         return dataclasses.replace(verdict, decision="keep", reason=(
             f"the replaced policy v{previous.version} chooses the same at the batch sizes "
             f"served ({_sizes(served)}); nothing to compare"))
@@ -196,6 +196,13 @@ def against_replaced(verdict: Verdict, own: Sequence[StepStats],
             f"replaced policy ({change:+.1%}) {where}")
     return Verdict(decision, reason, measured, predicted, change, threshold,
                    verdict.matched_steps, verdict.per_batch, baseline="predicted")
+
+
+def _choices(policy: TunedPolicy, batch: int) -> tuple:
+    """What `policy` drafts with at `batch`: the batch rule's choice and each tenant rule's."""
+    tenants = tuple(sorted((t.tenant, *policy.choose_row(batch, t.tenant))
+                           for t in policy.tenants if policy.tenant_rule(batch, t.tenant)))
+    return policy.choose(batch), tenants
 
 
 def _sizes(batches: Sequence[int]) -> str:

@@ -81,23 +81,37 @@ def trace(phases: Sequence[Phase], seed: int) -> list[TimedPrompt]:
 
 def shifting_trace(
     phase_s: float = 30.0, low_rate: float = 0.5, high_rate: float = 6.0,
-    low_max_concurrency: int | None = None,
+    low_max_concurrency: int | None = None, mid_rate: float | None = None,
+    mid_max_concurrency: int = 8,
 ) -> list[Phase]:
-    """Low-load copy-heavy, then high-load mixed, then low-load prose traffic.
+    """Low-load copy-heavy, then high-load mixed, then low-load prose traffic; with
+    `mid_rate`, a fourth phase of every kind at moderate load (at most `mid_max_concurrency`
+    in flight, so batches of about 4-8).
 
     The shifts are what the tuner must follow: n-gram drafting should pay in
     phase one and much less once the batch is large or the output stops quoting
-    the prompt.
+    the prompt. The fourth phase mixes tenants whose drafts pass at very
+    different rates in batches small enough that verify rows are still cheap:
+    where one depth for the whole batch is a compromise, a rule per tenant can
+    draft deep for one and not at all for another.
+
+    >>> [len(shifting_trace()), len(shifting_trace(mid_rate=2.0))]
+    [3, 4]
     """
-    return [
+    phases = [
         Phase(phase_s, low_rate, {"copy": 0.8, "code": 0.1, "chat": 0.1}, low_max_concurrency),
         Phase(phase_s, high_rate, {"copy": 1.0, "code": 1.0, "chat": 1.0, "prose": 1.0}),
         Phase(phase_s, low_rate, {"prose": 0.8, "chat": 0.2}, low_max_concurrency),
     ]
+    if mid_rate is not None:
+        phases.append(Phase(phase_s, mid_rate, {"copy": 1.0, "code": 1.0, "chat": 1.0,
+                                                "prose": 1.0}, mid_max_concurrency))
+    return phases
 
 
 SHIFTING_TRACE: tuple[Phase, ...] = tuple(shifting_trace())
 """The default three-phase trace (30 s each, 0.5 / 6 / 0.5 requests per second)."""
 
-PHASE_NAMES = ("low-copy", "high-mixed", "low-prose")
-"""Names of the shifting trace's phases, in order, as reports print them."""
+PHASE_NAMES = ("low-copy", "high-mixed", "low-prose", "mid-mixed")
+"""Names of the shifting trace's phases, in order, as reports print them (the fourth only
+with `mid_rate`)."""

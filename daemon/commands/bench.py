@@ -58,6 +58,8 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
     add("--fake-step-ms", type=float, default=10.0, help="the fake engine's time per step")
     add("--no-prefix-cache", action="store_true",
         help="the engine started here does not share prompt-prefix KV pages (compare with --shared-prefix)")
+    add("--no-speculation", action="store_true",
+        help="the engine started here decodes plainly (default: n-gram loaded, the starter policy served)")
     add("--url", default=None,
         help="bench the daemon at this URL instead of one started here (no engine-only run)")
     add("--api-key", default=None, help="bearer key for --url (default: $CROSSOVER_API_KEY)")
@@ -223,7 +225,8 @@ def _serve_config(args: argparse.Namespace) -> Any:
         max_context=max_context, fake=args.fake, fake_step_ms=args.fake_step_ms,
         url=args.url, api_key=args.api_key or os.environ.get("CROSSOVER_API_KEY"), db=args.db,
         no_db=args.no_db, shared_prefix=args.shared_prefix, prefix_tokens=args.prefix_tokens,
-        engine_rates=args.engine_rates, tenant_keys=args.tenant_keys, prefix_cache=not args.no_prefix_cache)
+        engine_rates=args.engine_rates, tenant_keys=args.tenant_keys, prefix_cache=not args.no_prefix_cache,
+        speculation=not args.no_speculation)
 
 
 def _add_tuner(t: argparse.ArgumentParser) -> None:
@@ -238,6 +241,11 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--high-rate", type=float, default=2.0, help="arrivals/s of the high-load phase (before the scale)")
     add("--low-max-concurrency", type=int, default=2,
         help="most requests in flight in a low-load phase (0: no cap)")
+    add("--mid-mixed", action="store_true",
+        help="add a fourth phase: every tenant at moderate load (batches of about 4-8), where "
+             "per-tenant rules are compared with the best single-depth policy")
+    add("--mid-rate", type=float, default=2.0, help="arrivals/s of the mid-mixed phase (before the scale)")
+    add("--mid-max-concurrency", type=int, default=8, help="most requests in flight in the mid-mixed phase")
     add("--max-tokens", type=int, default=None, help="cap on each request's max_tokens (default: its kind's)")
     add("--ignore-eos", action="store_true", help="every request decodes exactly max_tokens tokens")
     add("--seed", type=int, default=0, help="seed of the trace")
@@ -306,6 +314,7 @@ def _tuner_config(args: argparse.Namespace) -> Any:
         return TunerBenchConfig(
             phase_s=args.phase_seconds, rate_scale=args.rate_scale, low_rate=args.low_rate,
             high_rate=args.high_rate, low_max_concurrency=args.low_max_concurrency or None,
+            mid_phase=args.mid_mixed, mid_rate=args.mid_rate, mid_max_concurrency=args.mid_max_concurrency,
             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed, drain=not args.no_drain,
             temperatures=temps,
             techniques=items(args.techniques), depths=depths, table=table,

@@ -75,7 +75,43 @@ def _follow(base: str, token: str, retune: dict[str, Any], args: argparse.Namesp
 
 
 def describe(r: dict[str, Any]) -> str:
-    """One line: status, chosen version, predicted vs measured goodput, error or reason."""
+    """One line: status, chosen version, predicted vs measured goodput, error or reason; then,
+    when the search weighed per-tenant rules, a line with its decision (tenant_line)."""
+    tenants = tenant_line((r.get("details") or {}).get("tenants"))
+    return _summary(r) + (f"\n{tenants}" if tenants else "")
+
+
+def tenant_line(t: dict[str, Any] | None) -> str:
+    """The per-tenant decision of a retune's search (details.tenants): which tenant got which
+    technique and depth up to which batch size, and the predicted gain over the best
+    single-rule policy; empty when the search did not weigh any.
+
+    >>> tenant_line({"chosen": True, "gain": 0.087, "method": "tpe", "seconds": 0.06,
+    ...              "margin": 0.03, "rules": [{"tenant": "copy", "technique": "ngram",
+    ...              "depth": 4, "max_batch": 8}, {"tenant": "prose", "technique": "none",
+    ...              "depth": 0, "max_batch": 8}]})
+    'per-tenant rules, +8.7% predicted over the best single-rule policy (tpe, 0.06 s): copy ngram@4, prose none (up to batch 8)'
+    >>> tenant_line({"chosen": False, "gain": 0.01, "method": "exact", "seconds": 0.01,
+    ...              "margin": 0.03, "rules": []})
+    'per-tenant rules not chosen: +1.0% predicted over the best single-rule policy, margin 3% (exact, 0.01 s)'
+    """
+    if not t or t.get("method") == "skipped":
+        return ""
+    how = f"({t.get('method')}, {t.get('seconds', 0):.2g} s)"
+    gain = f"{t.get('gain', 0.0):+.1%} predicted over the best single-rule policy"
+    if not t.get("chosen"):
+        return f"per-tenant rules not chosen: {gain}, margin {t.get('margin', 0.0):.0%} {how}"
+    groups: dict[int, list[str]] = {}
+    for rule in t.get("rules") or []:
+        cell = f"{rule['technique']}@{rule['depth']}" if rule.get("depth") else "none"
+        groups.setdefault(int(rule.get("max_batch", 0)), []).append(f"{rule['tenant']} {cell}")
+    rules = "; ".join(f"{', '.join(names)} " + (f"(up to batch {upto})" if upto < 1 << 30
+                                                 else "(every batch size)")
+                      for upto, names in sorted(groups.items()))
+    return f"per-tenant rules, {gain} {how}: {rules}"
+
+
+def _summary(r: dict[str, Any]) -> str:
     parts = [f"retune {r['id']}: {r['status']}"]
     if r.get("chosen_policy_version") is not None:
         parts.append(f"policy v{r['chosen_policy_version']}")

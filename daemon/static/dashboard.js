@@ -176,7 +176,7 @@ function drawRetunes(r) {
   }
   const head = "<tr><th>started</th><th>trigger</th><th>status</th><th>trial</th>" +
                "<th>predicted tok/s</th><th>measured tok/s</th><th>policy</th><th>crossover</th>" +
-               "<th>policy body</th></tr>";
+               "<th>per tenant</th><th>policy body</th></tr>";
   root.innerHTML = `<table data-chart="retunes" data-points="${r.retunes.length}">` +
                    `${head}${r.retunes.map(retuneRow).join("")}</table>`;
 }
@@ -192,7 +192,24 @@ function retuneRow(t) {
     `<td class="num">${whole(t.measured_goodput)}</td>` +
     `<td>${p ? policyCell(p) : `<span class="note">${esc(t.error || "")}</span>`}</td>` +
     `<td class="num">${cross ?? ""}</td>` +
+    `<td class="tenants">${tenantCell(t.tenants)}</td>` +
     `<td class="body" title="${esc(json)}"><code>${esc(json)}</code></td></tr>`;
+}
+
+// The per-tenant decision of a retune: each tenant's technique@depth (up to which batch) when
+// its rules were chosen, and the predicted gain over the best single-rule policy either way.
+function tenantCell(t) {
+  if (!t) return "";
+  const gain = t.gain == null ? "" : `${t.gain >= 0 ? "+" : ""}${(100 * t.gain).toFixed(1)}%`;
+  const how = `${esc(t.method)}, ${t.seconds == null ? "?" : Number(t.seconds).toFixed(2)} s`;
+  if (!t.chosen) {
+    return `<span class="note" data-tenants="0">single rule kept (per tenant ${gain} predicted, ` +
+           `margin ${Math.round(100 * (t.margin || 0))}%; ${how})</span>`;
+  }
+  const rules = t.rules.map(r => `${esc(r.tenant)} ${r.depth ? `${esc(r.technique)}@${r.depth}` : "none"}` +
+                                 (r.max_batch < 2 ** 30 ? ` &le;${r.max_batch}` : ""));
+  return `<span data-tenants="${t.rules.length}">${rules.join("<br>")}</span>` +
+         `<br><span class="note">${gain} predicted over the best single rule (${how})</span>`;
 }
 
 function policyCell(p) {

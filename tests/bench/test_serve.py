@@ -159,3 +159,28 @@ def test_no_prefix_cache_reaches_the_engine_started_here(monkeypatch: pytest.Mon
         assert cfg.prefix_cache is expected
         _load_engine(cfg)
     assert seen == [True, False]
+
+
+def test_speculation_reaches_the_engine_started_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine started here loads n-gram only (the starter policy's technique) unless
+    --no-speculation, and the engine-only phase serves the starter policy or never speculates."""
+    import engine.loader
+    from bench.serve import _load_engine, _policy
+    from daemon.cli import build_parser
+    from daemon.commands.bench import _serve_config
+    from engine.fake_speculation import FakeProposer
+
+    seen: list[tuple[bool, tuple]] = []
+
+    def load_engine(**kw: object) -> FakeEngine:
+        seen.append((bool(kw["speculation"]), tuple(kw["model_proposers"])))  # type: ignore[arg-type]
+        return FakeEngine(proposers={"ngram": FakeProposer("ngram")})
+
+    monkeypatch.setattr(engine.loader, "load_engine", load_engine)
+    policies = []
+    for flags in ([], ["--no-speculation"]):
+        cfg = _serve_config(build_parser().parse_args(["bench", "serve", *flags]))
+        policies.append(_policy(cfg, _load_engine(cfg)))
+    assert seen == [(True, ()), (False, ())]
+    assert policies[0].choose(2) == ("ngram", 4) and policies[0].crossover == 8
+    assert policies[1].choose(2) == ("none", 0)

@@ -142,7 +142,24 @@ def _history(session: Session, now: float) -> None:
                                  at=ago(minutes - 3))
         finish_retune(session, retune.id, status, predicted_goodput=predicted,
                       measured_goodput=measured, chosen_policy_version=version,
-                      trial_number=minutes, error=error, at=ago(minutes - 3))
+                      trial_number=minutes, error=error, at=ago(minutes - 3),
+                      details=_tenant_details(version))
+
+
+def _tenant_details(version: int | None) -> dict | None:
+    """A retune's per-tenant decision (tuner.tenants.TenantSearch.to_dict()): v4 gave two
+    tenants rules of their own, v2's search weighed them and kept the single rule."""
+    if version == 4:
+        rules = [{"tenant": "team-a", "technique": "ngram", "depth": 3, "max_batch": 8},
+                 {"tenant": "team-c", "technique": "none", "depth": 0, "max_batch": 8}]
+        return {"tenants": {"method": "exact", "seconds": 0.04, "chosen": True, "gain": 0.062,
+                            "margin": 0.03, "single_goodput": 1841.0, "tenant_goodput": 1955.0,
+                            "rules": rules}}
+    if version == 2:
+        return {"tenants": {"method": "tpe", "seconds": 0.3, "chosen": False, "gain": 0.011,
+                            "margin": 0.03, "single_goodput": 1810.0, "tenant_goodput": 1830.0,
+                            "rules": []}}
+    return None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -86,6 +86,12 @@ def test_the_json_behind_the_charts(filled: LiveServer) -> None:
     assert [r["policy"]["version"] if r["policy"] else None for r in retunes["retunes"]] == [
         None, 4, 3, 2]
     assert retunes["retunes"][2]["policy"]["rolled_back_at"] is not None
+    # per-tenant decisions: v4 chose rules for two tenants, v2 weighed them and kept one rule
+    chosen, kept = retunes["retunes"][1]["tenants"], retunes["retunes"][3]["tenants"]
+    assert chosen["chosen"] and chosen["gain"] == 0.062
+    assert [(r["tenant"], r["technique"], r["depth"]) for r in chosen["rules"]] == [
+        ("team-a", "ngram", 3), ("team-c", "none", 0)]
+    assert kept["chosen"] is False and retunes["retunes"][0]["tenants"] is None
     assert filled.get("/dashboard/api/batch?window_s=5", ADMIN).status == 400
 
 
@@ -133,3 +139,5 @@ def test_headless_chromium_draws_every_chart(filled: LiveServer, tmp_path: Path)
     for title in ("batch size (sequences per step)", "goodput (output tokens/s)", "steps"):
         assert f">{title}</text>" in dom, f"axis title {title!r} is missing"
     assert re.search(r'<table data-chart="retunes" data-points="4">', dom)
+    assert 'data-tenants="2">team-a ngram@3' in dom and "+6.2% predicted over the best single rule" in dom
+    assert 'data-tenants="0">single rule kept (per tenant +1.1% predicted' in dom
