@@ -7,7 +7,9 @@
    TTFT, TPOT and inter-token gaps (ms) and errors of those requests; and,
    for the steps that started within the phase's time (drained: until its
    last request finished), their count, mean batch and share per (technique,
-   depth) cell. "whole" is the same over the three phases; `wall_s` and
+   depth) cell (a step whose rows drafted with several choices split over
+   its row classes by their decode rows, so the shares still sum to 1).
+   "whole" is the same over the three phases; `wall_s` and
    each phase's `wall_s` are its time on the clock.
 2. Ratios, each with its target and whether it is met (ratios are rounded
    to 4 digits from the goodputs in the JSON):
@@ -119,13 +121,38 @@ def _steps(steps: list[Any]) -> dict[str, Any]:
     """What the engine did in a stretch of time: steps, mean batch, share per cell, and the
     share of steps whose rows drafted with more than one (technique, depth) choice ("none"
     counted as one; per-tenant rules at work)."""
-    cells = Counter(f"{s.technique}@{s.depth}" if s.depth else "none" for s in steps)
+    cells: Counter = Counter()
+    for s in steps:
+        cells.update(cell_shares(s))
     per_row = sum(len({(c.technique, c.depth) for c in getattr(s, "row_classes", ())}) > 1
                   for s in steps)
     return {"steps": len(steps),
             "mean_batch": round(sum(s.batch_size for s in steps) / len(steps), 2) if steps else 0.0,
             "cells": {k: round(v / len(steps), 3) for k, v in cells.most_common()},
             "per_row_steps": round(per_row / len(steps), 3) if steps else 0.0}
+
+
+def cell_shares(s: Any) -> dict[str, float]:
+    """A step's share of each (technique, depth) cell: its row classes by their decode rows, or
+    all of it in its own cell without classes (older telemetry, no decode rows).
+
+    >>> from engine.types import RowClass, StepStats
+    >>> cell_shares(StepStats(technique="ngram", depth=4, row_classes=(
+    ...     RowClass("copy", "ngram", 4, 3), RowClass("chat", "mtp", 2, 1))))
+    {'ngram@4': 0.75, 'mtp@2': 0.25}
+    """
+    classes = getattr(s, "row_classes", ())
+    rows = sum(c.rows for c in classes)
+    if not rows:
+        return {_cell(s.technique, s.depth): 1.0}
+    out: Counter = Counter()
+    for c in classes:
+        out[_cell(c.technique, c.depth)] += c.rows / rows
+    return dict(out)
+
+
+def _cell(technique: str, depth: int) -> str:
+    return f"{technique}@{depth}" if depth else "none"
 
 
 def _clients(streams: list[Any]) -> dict[str, Any]:

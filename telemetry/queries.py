@@ -8,6 +8,14 @@ the window. `step_time_by` needs per-step detail that rollups do not keep, so
 it covers the raw window only. Acceptance by tenant comes from requests,
 which carry exact per-request proposed/accepted totals.
 
+Steps whose rows drafted with several techniques or depths (per-tenant
+rules) record each row class (`xo_steps.row_classes`, telemetry.rowclasses):
+acceptance by technique and by draft position counts every class under its
+own technique and depth, as the rollups do. Step time and goodput per
+technique count such a step once, under "mixed" when its classes used
+several techniques (its verify depth as its depth): its time is that of
+every proposer it ran and the deepest row's verify, no one technique's.
+
 Several daemons may share the database: every function takes `instance`, the
 daemon whose rows to read (the rows' `instance` column), or None (the
 default) for every instance's.
@@ -20,11 +28,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
 from store.models import Request, Step, StepRollup
 from telemetry.retention import add_positions
+from telemetry.rowclasses import MIXED, classes_of, drafts, step_technique
 from telemetry.sql import bucket_start
 
 
@@ -34,7 +43,8 @@ class Acceptance:
 
     key: str
     count: int
-    """Steps (by technique) or requests (by tenant)."""
+    """Steps (by technique: those recorded under it, a step counting once under the technique of
+    its most drafting rows) or requests (by tenant)."""
     proposed: int
     accepted: int
 
@@ -113,7 +123,8 @@ def _rollup_window(since: float, until: float | None, instance: str | None = Non
 def acceptance_by_technique(
     session: Session, since: float, until: float | None = None, *, instance: str | None = None
 ) -> list[Acceptance]:
-    """Per technique: steps, proposed and accepted drafts (raw steps + rollups)."""
+    """Per technique: steps, proposed and accepted drafts (raw steps + rollups); a step's drafts
+    count per row class where it records them (module doc)."""
     totals: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     raw = select(Step.technique, func.count(), func.sum(Step.proposed), func.sum(Step.accepted))
     rolled = select(
@@ -127,31 +138,46 @@ def acceptance_by_technique(
         for technique, n, proposed, accepted in session.execute(query):
             row = totals[technique]
             row[0], row[1], row[2] = row[0] + n, row[1] + (proposed or 0), row[2] + (accepted or 0)
+    for name, depth, proposed, accepted, per_pos, classes in session.execute(
+            _drafting(since, until, instance)):
+        if classes_of(classes):  # move the step's drafts from its technique to its classes'
+            row = totals[name]
+            row[1], row[2] = row[1] - proposed, row[2] - accepted
+            for d in drafts(name, depth, proposed, accepted, per_pos, classes):
+                row = totals[d.technique]
+                row[1], row[2] = row[1] + d.proposed, row[2] + d.accepted
     return [Acceptance(k, *v) for k, v in sorted(totals.items())]
+
+
+def _drafting(since: float, until: float | None, instance: str | None) -> Select:
+    """The raw steps of the window that drafted, with what `rowclasses.drafts` reads."""
+    return select(
+        Step.technique, Step.depth, Step.proposed, Step.accepted, Step.accepted_per_pos,
+        Step.row_classes,
+    ).where(*_window(Step.time, since, until, instance), Step.depth > 0)  # fmt: skip
 
 
 def acceptance_by_position(
     session: Session, since: float, until: float | None = None, technique: str | None = None,
     *, instance: str | None = None,
 ) -> list[PositionAcceptance]:
-    """Per technique and draft position: proposed, accepted, and the conditional rate."""
+    """Per technique and draft position: proposed, accepted, and the conditional rate (a step's
+    row classes each at their own technique and depth, module doc)."""
     offered: dict[str, list[float]] = defaultdict(list)
     accepted: dict[str, list[int]] = defaultdict(list)
-    raw = select(Step.technique, Step.depth, Step.proposed, Step.accepted_per_pos).where(
-        *_window(Step.time, since, until, instance), Step.depth > 0
-    )
     rolled = select(
         StepRollup.technique, StepRollup.depth, StepRollup.proposed, StepRollup.accepted_per_pos
     ).where(*_rollup_window(since, until, instance), StepRollup.depth > 0)
-    if technique is not None:
-        raw, rolled = (
-            raw.where(Step.technique == technique),
-            rolled.where(StepRollup.technique == technique),
-        )
-    for query in (raw, rolled):
-        for name, depth, proposed, per_pos in session.execute(query):
-            add_positions(accepted[name], per_pos)
-            _add_offered(offered[name], depth, proposed)
+    if technique is not None:  # raw steps are filtered per class: a step may hold several
+        rolled = rolled.where(StepRollup.technique == technique)
+    for row in session.execute(_drafting(since, until, instance)):
+        for d in drafts(*row):
+            if technique is None or d.technique == technique:
+                add_positions(accepted[d.technique], d.accepted_per_pos)
+                _add_offered(offered[d.technique], d.depth, d.proposed)
+    for name, depth, proposed, per_pos in session.execute(rolled):
+        add_positions(accepted[name], per_pos)
+        _add_offered(offered[name], depth, proposed)
     return [row for name in sorted(offered) for row in _positions(name, offered, accepted)]
 
 
@@ -234,37 +260,42 @@ def step_time_by(
     session: Session, since: float, until: float | None = None, technique: str | None = None,
     *, instance: str | None = None,
 ) -> list[StepTime]:
-    """Mean and max step time per (technique, batch size, depth); raw window only."""
-    keys = (Step.technique, Step.batch_size, Step.depth)
-    query = (
-        select(*keys, func.count(), func.avg(Step.step_ms), func.max(Step.step_ms))
-        .where(*_window(Step.time, since, until, instance))
-        .group_by(*keys)
-        .order_by(*keys)
-    )
-    if technique is not None:
+    """Mean and max step time per (technique, batch size, depth); raw window only. A step whose
+    rows drafted with several techniques counts once, under "mixed" (module doc)."""
+    query = select(Step.technique, Step.batch_size, Step.depth, Step.step_ms, Step.row_classes).where(
+        *_window(Step.time, since, until, instance))
+    if technique == MIXED:
+        query = query.where(Step.depth > 0)
+    elif technique is not None:  # its steps, less those that count as mixed
         query = query.where(Step.technique == technique)
-    return [
-        StepTime(t, b, d, n, float(mean), float(mx))
-        for t, b, d, n, mean, mx in session.execute(query)
-    ]
+    sums: dict[tuple[str, int, int], list[float]] = {}
+    for name, batch, depth, ms, classes in session.execute(query):
+        key = (step_technique(name, classes), int(batch), int(depth))
+        if technique is None or key[0] == technique:
+            row = sums.setdefault(key, [0, 0.0, float(ms)])
+            row[0], row[1], row[2] = row[0] + 1, row[1] + ms, max(row[2], ms)
+    return [StepTime(t, b, d, int(n), total / n, mx)
+            for (t, b, d), (n, total, mx) in sorted(sums.items())]
 
 
 def goodput_by_batch(session: Session, since: float, until: float | None = None, *,
                      instance: str | None = None) -> list[BatchGoodput]:
-    """Output tokens/s of step time per (technique, batch size); steps of zero time are left out."""
+    """Output tokens/s of step time per (technique, batch size); steps of zero time are left out.
+    A step whose rows drafted with several techniques counts once, under "mixed" (module doc)."""
     keys = (Step.technique, Step.batch_size)
-    query = (
-        select(*keys, func.count(), func.sum(Step.decode_tokens), func.sum(Step.step_ms))
-        .where(*_window(Step.time, since, until, instance))
-        .group_by(*keys)
-        .order_by(*keys)
-    )
-    return [
-        BatchGoodput(str(t), int(b), int(n), float(tokens or 0) / (float(ms) / 1000.0))
-        for t, b, n, tokens, ms in session.execute(query)
-        if ms
-    ]
+    window = _window(Step.time, since, until, instance)
+    query = select(*keys, func.count(), func.sum(Step.decode_tokens), func.sum(Step.step_ms)).where(
+        *window).group_by(*keys)
+    sums = {(str(t), int(b)): [n, tokens or 0, ms or 0.0] for t, b, n, tokens, ms in session.execute(query)}
+    drafting = select(*keys, Step.decode_tokens, Step.step_ms, Step.row_classes).where(
+        *window, Step.depth > 0)
+    for name, batch, tokens, ms, classes in session.execute(drafting):
+        if step_technique(name, classes) == MIXED:  # move the step from its technique to "mixed"
+            row, into = sums[(name, batch)], sums.setdefault((MIXED, batch), [0, 0, 0.0])
+            row[0], row[1], row[2] = row[0] - 1, row[1] - tokens, row[2] - ms
+            into[0], into[1], into[2] = into[0] + 1, into[1] + tokens, into[2] + ms
+    return [BatchGoodput(t, b, int(n), float(tokens) / (float(ms) / 1000.0))
+            for (t, b), (n, tokens, ms) in sorted(sums.items()) if n and ms > 1e-9]
 
 
 def goodput_over_time(

@@ -6,7 +6,11 @@
        depth) — counts, sums, maxima, per-position sums, batch-size histogram —
        merged into `xo_step_rollups` (adding to a row already there, so late
        steps are never counted twice) and deleted, in one transaction per chunk
-       of at most `max_minutes_per_chunk` minutes;
+       of at most `max_minutes_per_chunk` minutes. A step that records row
+       classes (telemetry.rowclasses) counts once under its recorded technique
+       and depth, but its drafts (proposed, accepted, per position) go to each
+       drafting class's own (technique, depth) row — created with zero steps if
+       the minute has none — as the raw-step queries count them;
     3. rollups older than `rollups_s` and requests older than `requests_s` are
        deleted. Policies and retunes are kept (a handful of rows a day).
 
@@ -27,6 +31,7 @@ from sqlalchemy.orm import Session
 
 from store.db import session_scope
 from store.models import Request, Step, StepRollup
+from telemetry.rowclasses import classes_of, drafts
 from telemetry.sql import bucket_start, minute_of
 
 Key = tuple[int, str, str, int]  # (minute_start, instance, technique, depth)
@@ -127,6 +132,14 @@ def _key(row: Any) -> Key:
     return (int(row[0]), row[1], row[2], int(row[3]))
 
 
+_AGGREGATE_NAMES = (
+    "steps", "batch_size_sum", "batch_size_max", "prefill_tokens", "decode_tokens",
+    "proposed", "accepted", "step_ms_sum", "step_ms_max", "propose_ms_sum",
+    "verify_ms_sum", "preempted",
+)  # fmt: skip
+"""The rollup columns `_aggregate` sums (or maximises), in its query's order."""
+
+
 def _aggregate(session: Session, where: list[Any]) -> dict[Key, dict[str, Any]]:
     keys = _key_columns()
     query = select(
@@ -137,14 +150,9 @@ def _aggregate(session: Session, where: list[Any]) -> dict[Key, dict[str, Any]]:
         func.sum(Step.step_ms), func.max(Step.step_ms),
         func.sum(Step.propose_ms), func.sum(Step.verify_ms), func.sum(Step.preempted),
     ).where(*where).group_by(*keys)  # fmt: skip
-    names = (
-        "steps", "batch_size_sum", "batch_size_max", "prefill_tokens", "decode_tokens",
-        "proposed", "accepted", "step_ms_sum", "step_ms_max", "propose_ms_sum",
-        "verify_ms_sum", "preempted",
-    )  # fmt: skip
     out = {}
     for row in session.execute(query):
-        values = dict(zip(names, row[4:], strict=True))
+        values = dict(zip(_AGGREGATE_NAMES, row[4:], strict=True))
         values.update(accepted_per_pos=[], batch_hist={})
         out[_key(row)] = values
     return out
@@ -160,10 +168,28 @@ def _add_histograms(session: Session, where: list[Any], aggregates: dict[Key, di
 
 
 def _add_positions(session: Session, where: list[Any], aggregates: dict[Key, dict]) -> None:
-    query = select(*_key_columns(), Step.accepted_per_pos).where(*where, Step.depth > 0)
+    """Per-position sums; a step with row classes moves its drafts to its classes' keys."""
+    query = select(
+        *_key_columns(), Step.proposed, Step.accepted, Step.accepted_per_pos, Step.row_classes
+    ).where(*where, Step.depth > 0)  # fmt: skip
     for row in session.execute(query):
-        sums = aggregates[_key(row)]["accepted_per_pos"]
-        add_positions(sums, row[4])
+        key = _key(row)
+        proposed, accepted, per_pos, classes = row[4:]
+        if not classes_of(classes):
+            add_positions(aggregates[key]["accepted_per_pos"], per_pos)
+            continue
+        own = aggregates[key]
+        own["proposed"], own["accepted"] = own["proposed"] - proposed, own["accepted"] - accepted
+        for d in drafts(key[2], key[3], proposed, accepted, per_pos, classes):
+            into = aggregates.setdefault((key[0], key[1], d.technique, d.depth), _empty())
+            into["proposed"], into["accepted"] = into["proposed"] + d.proposed, into["accepted"] + d.accepted
+            add_positions(into["accepted_per_pos"], d.accepted_per_pos)
+
+
+def _empty() -> dict[str, Any]:
+    """A rollup's values for a key no step of the minute was recorded under (module doc, 2)."""
+    zeros = dict.fromkeys(_AGGREGATE_NAMES, 0)
+    return {**zeros, "accepted_per_pos": [], "batch_hist": {}}
 
 
 def add_positions(sums: list[int], counts: Iterable[int]) -> None:

@@ -6,8 +6,14 @@
 2. `read_telemetry` streams the raw `xo_steps` rows once (columns named in
    STEP_COLUMNS, so columns added later do not matter) and accumulates:
    acceptance per (technique, group, draft position), where the group is the
-   one tenant of a single-tenant batch or MIXED; decode-only goodput moments
-   per (technique, mix, batch size); KV pool pages per technique.
+   one tenant of a single-tenant batch or MIXED — a step that records row
+   classes (schema 0009: rows of one step may draft with several techniques
+   and depths) counts each class at its own technique and depth, and in a
+   several-tenant batch also under its own tenant (`mixed_by_tenant`), so a
+   tenant's acceptance in mixed batches is measured directly; decode-only goodput moments
+   per (technique, mix, batch size), a step whose rows drafted with several
+   techniques counted once under telemetry.rowclasses.MIXED ("mixed"), as
+   the telemetry queries time it; KV pool pages per technique.
 3. It then streams `xo_requests` once: each request's proposed / accepted
    drafts go to its tenant and to the kind of batches it ran in (alone, mixed
    or both), read off the steps of its instance between its arrival and its
@@ -28,6 +34,7 @@ from sqlalchemy.engine import make_url
 
 from bench.report.stats import Moments
 from store.models import Request, Step, StepRollup
+from telemetry.rowclasses import drafts, step_technique
 
 MIXED = "(mixed)"
 """Group of a batch holding several tenants."""
@@ -35,8 +42,8 @@ ALL, ALONE = "all", "alone"
 """Tenant mixes goodput is split by (with MIXED): every step, single-tenant steps, several-tenant steps."""
 UNNAMED = "(no tenant)"
 STEP_COLUMNS = ("instance", "time", "technique", "depth", "batch_size", "prefill_tokens", "decode_tokens",
-                "step_ms", "proposed", "accepted_per_pos", "tenants", "kv_pages_used", "kv_pages_free",
-                "policy_version")
+                "step_ms", "proposed", "accepted", "accepted_per_pos", "tenants", "kv_pages_used",
+                "kv_pages_free", "policy_version", "row_classes")
 
 
 class ReportInputError(ValueError):
@@ -92,8 +99,9 @@ class PositionCounts:
     steps: int = 0
     proposed: int = 0
 
-    def add(self, depth: int, proposed: int, per_pos: list) -> None:
-        self.steps += 1
+    def add(self, depth: int, proposed: int, per_pos: list, steps: int = 1) -> None:
+        """Add one unit of drafts; `steps` 0 for a step's second row class under the same key."""
+        self.steps += steps
         self.proposed += proposed
         while len(self.offered) < depth:
             self.offered.append(0.0)
@@ -163,6 +171,11 @@ class Telemetry:
     """The instance whose steps Q1 compares tenants alone and mixed on (None: every instance)."""
     acceptance_by_instance: dict[str, dict[tuple[str, str], PositionCounts]] = field(default_factory=dict)
     """Instance -> `acceptance` of its steps alone."""
+    mixed_by_tenant: dict[tuple[str, str], PositionCounts] = field(default_factory=dict)
+    """(technique, tenant) -> counts of the tenant's row classes in several-tenant batches (steps
+    that record row classes only)."""
+    mixed_by_tenant_by_instance: dict[str, dict[tuple[str, str], PositionCounts]] = field(default_factory=dict)
+    """Instance -> `mixed_by_tenant` of its steps alone."""
     pool_runs: dict[int, PoolRun] = field(default_factory=dict)
     """Policy version -> its run, for `pool_instance`."""
 
@@ -246,23 +259,42 @@ def _add_step(t: Telemetry, r: dict, presence: dict) -> None:
     mixed = len(tenants) > 1
     group = MIXED if mixed else (tenants[0] if tenants else UNNAMED)
     if depth > 0 and r["proposed"] > 0:
-        for acc in (t.acceptance, t.acceptance_by_instance.setdefault(r["instance"], {})):
-            acc.setdefault((tech, group), PositionCounts()).add(depth, int(r["proposed"]),
-                                                                list(r["accepted_per_pos"] or ()))
-        per_depth = t.depths.setdefault(tech, {})
-        per_depth[depth] = per_depth.get(depth, 0) + 1
+        _add_drafts(t, r, group, mixed)
     t.pool_pages.setdefault(tech, []).append(int(r["kv_pages_used"]) + int(r["kv_pages_free"]))
     if r["prefill_tokens"] == 0 and r["step_ms"] > 0 and batch > 0:
         t.decode_steps += 1
         mixes = (ALL, MIXED) if mixed else (ALL, ALONE) + tuple(f"{ALONE}: {x}" for x in tenants)
+        timed = step_technique(tech, r["row_classes"])
         for mix in mixes:
-            t.goodput.setdefault((tech, mix, batch), Moments()).add(float(r["decode_tokens"]),
+            t.goodput.setdefault((timed, mix, batch), Moments()).add(float(r["decode_tokens"]),
                                                                    float(r["step_ms"]) / 1000.0)
     for tenant in tenants:  # rows arrive ordered by (instance, time): lists stay sorted
         times, alone, mix = presence.setdefault((r["instance"], tenant), ([], [0], [0]))
         times.append(r["time"])
         alone.append(alone[-1] + (not mixed))
         mix.append(mix[-1] + mixed)
+
+
+def _add_drafts(t: Telemetry, r: dict, group: str, mixed: bool) -> None:
+    """A speculating step's drafts: per row class where it records them (module doc, 2), else
+    the step's; each key counts the step once."""
+    units = drafts(str(r["technique"]), int(r["depth"]), int(r["proposed"]), int(r["accepted"] or 0),
+                   r["accepted_per_pos"], r["row_classes"])
+    seen: set[tuple] = set()
+    for d in (d for d in units if d.proposed > 0):
+        keyed = [((d.technique, group), t.acceptance, t.acceptance_by_instance)]
+        if mixed and d.tenant is not None:
+            keyed.append(((d.technique, str(d.tenant)), t.mixed_by_tenant, t.mixed_by_tenant_by_instance))
+        for key, pooled, by_instance in keyed:
+            first = (id(pooled), key) not in seen
+            seen.add((id(pooled), key))
+            for acc in (pooled, by_instance.setdefault(r["instance"], {})):
+                acc.setdefault(key, PositionCounts()).add(d.depth, d.proposed, list(d.accepted_per_pos),
+                                                          steps=int(first))
+        if (d.technique, d.depth) not in seen:
+            seen.add((d.technique, d.depth))
+            per_depth = t.depths.setdefault(d.technique, {})
+            per_depth[d.depth] = per_depth.get(d.depth, 0) + 1
 
 
 def _request_kind(presence: tuple[list[float], list[int], list[int]] | None, start: float,
@@ -283,6 +315,13 @@ def q1_acceptance(t: Telemetry) -> dict[tuple[str, str], PositionCounts]:
     if t.tenant_instance is not None and t.acceptance_by_instance.get(t.tenant_instance):
         return t.acceptance_by_instance[t.tenant_instance]
     return t.acceptance
+
+
+def q1_mixed_by_tenant(t: Telemetry) -> dict[tuple[str, str], PositionCounts]:
+    """`mixed_by_tenant` of the instance `q1_acceptance` reads (the same choice)."""
+    if t.tenant_instance is not None and t.acceptance_by_instance.get(t.tenant_instance):
+        return t.mixed_by_tenant_by_instance.get(t.tenant_instance, {})
+    return t.mixed_by_tenant
 
 
 def measured_acceptance(t: Telemetry, technique: str) -> list[float]:

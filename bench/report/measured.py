@@ -10,14 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.report import figures
-from bench.report.data import ALL, ALONE, MIXED, Telemetry, q1_acceptance
+from bench.report.data import ALL, ALONE, MIXED, Telemetry, q1_acceptance, q1_mixed_by_tenant
 from bench.report.stats import Crossover, Interval, crossover, quotient_ci, ratio_ci, wilson
 
 PLAIN = "none"
 """The technique name steps record for plain decoding."""
 
 STEPS_SOURCE = ("`xo_steps` raw rows (`SELECT technique, depth, batch_size, prefill_tokens, decode_tokens, "
-                "step_ms, proposed, accepted_per_pos, tenants, ... FROM xo_steps`, bench/report/data.py)")
+                "step_ms, proposed, accepted_per_pos, tenants, row_classes, ... FROM xo_steps`, "
+                "bench/report/data.py)")
 
 
 def fmt_num(x: float) -> str:
@@ -59,8 +60,9 @@ def q1_section(t: Telemetry, out: Path) -> list[str]:
                         "so there is no acceptance to report. Serve traffic with a speculative policy "
                         "(e.g. `crossover bench tuner`, or `crossover serve` under load) into this database."), ""]
     lines += [("Acceptance = drafts accepted / drafts offered; a step of depth d with P proposed drafts offers "
-              "P/d drafts at each position. *Alone*: steps whose batch held one tenant; *mixed*: several. "
-              "Intervals: 95% Wilson."), "",
+              "P/d drafts at each position; a step that records row classes (`row_classes`: its rows may "
+              "draft with several techniques and depths) counts each class at its own technique and depth. "
+              "*Alone*: steps whose batch held one tenant; *mixed*: several. Intervals: 95% Wilson."), "",
               "| technique | batches | steps | drafts proposed | acceptance (all positions) | per position |",
               "|---|---|---:|---:|---|---|"]
     for (tech, group) in sorted(acc, key=lambda k: (k[0], k[1] == MIXED, k[1])):
@@ -72,7 +74,9 @@ def q1_section(t: Telemetry, out: Path) -> list[str]:
     only = (f" of instance `{t.tenant_instance}` only (the same prompts alone and mixed)"
             if acc is not t.acceptance else "")
     lines += ["", (f"Source: {STEPS_SOURCE}{only}, speculating steps (depth > 0, proposed > 0) grouped by "
-              "(technique, tenant alone | mixed); per-position sums of `accepted_per_pos`."), ""]
+              "(technique, tenant alone | mixed); per-position sums of `accepted_per_pos` (of each row "
+              "class's where recorded)."), ""]
+    lines += _mixed_by_tenant(t)
     name = figures.acceptance_figure(acceptance_rows(t), out)
     if name:
         lines += [f"![acceptance by draft position]({name})", ""]
@@ -80,6 +84,23 @@ def q1_section(t: Telemetry, out: Path) -> list[str]:
     lines += _tenant_pays(t)
     lines += _tenant_requests(t, out)
     return lines
+
+
+def _mixed_by_tenant(t: Telemetry) -> list[str]:
+    """Each tenant's own acceptance in several-tenant batches, from its row classes."""
+    per = q1_mixed_by_tenant(t)
+    if not per:
+        return []
+    lines = [("Per tenant inside mixed batches, from the steps' row classes (each tenant's rows counted "
+              "alone, whatever shared the batch):"), "",
+             "| technique | tenant | steps | drafts proposed | acceptance (all positions) | per position |",
+             "|---|---|---:|---:|---|---|"]
+    for (tech, tenant), c in sorted(per.items()):
+        per_pos = "; ".join(f"{i + 1}: {fmt_rate(wilson(a, o))}" for i, (a, o) in enumerate(zip(c.accepted, c.offered)))
+        lines.append(f"| {tech} | {tenant} | {c.steps} | {c.proposed} | "
+                     f"{fmt_rate(wilson(sum(c.accepted), sum(c.offered)))} | {per_pos} |")
+    return lines + ["", ("Source: the same rows' `row_classes` (one JSON object per tenant, technique and depth: "
+                         "rows, proposed, accepted, accepted_per_pos), several-tenant steps only."), ""]
 
 
 def _verdicts(t: Telemetry) -> list[str]:
@@ -99,10 +120,17 @@ def _verdicts(t: Telemetry) -> list[str]:
             a = wilson(sum(c.accepted), sum(c.offered))
             if a is None or m is None:
                 continue
-            rel = "higher than" if a.low > m.high else "lower than" if a.high < m.low else "not distinguishable from"
-            parts.append(f"{g} alone {a.value:.3f} is {rel} mixed {m.value:.3f}")
+            parts.append(f"{g} alone {a.value:.3f} is {_relation(a, m)} mixed {m.value:.3f}")
+            own = q1_mixed_by_tenant(t).get((tech, g))
+            o = wilson(sum(own.accepted), sum(own.offered)) if own is not None else None
+            if o is not None:
+                parts.append(f"{g} alone is {_relation(a, o)} {g} in mixed batches {o.value:.3f}")
         out.append(f"- **{tech}**: " + ("; ".join(parts) or "no interval") + ".")
     return out + [""] if out else []
+
+
+def _relation(a: Interval, b: Interval) -> str:
+    return "higher than" if a.low > b.high else "lower than" if a.high < b.low else "not distinguishable from"
 
 
 def _tenant_pays(t: Telemetry) -> list[str]:
@@ -183,8 +211,9 @@ def q2_measured_section(t: Telemetry, out: Path) -> list[str]:
                         "the same batch sizes (`crossover bench crossover` or a served trace)."), ""]
     found = crossovers(cells)
     lines += [("Goodput = Σ decode_tokens / Σ step_ms over decode-only steps (prefill_tokens = 0) of one "
-              "(technique, batch size), every depth pooled; 95% interval by the delta method for a ratio "
-              "of sums. **Crossover**: the smallest batch size at which speculation's interval lies wholly "
+              "(technique, batch size), every depth pooled (a step whose rows drafted with several techniques "
+              "counts once, as technique `mixed`); 95% interval by the delta method for a ratio of sums. "
+              "**Crossover**: the smallest batch size at which speculation's interval lies wholly "
               "below plain decoding's (same tenant mix); the bracket starts at the largest smaller batch "
               "where it lies wholly above."), "",
               "| technique | steps in | crossover | batch sizes compared |", "|---|---|---|---|"]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bench.tuner_report import TARGETS, _steps, single_depth
+from bench.tuner_report import TARGETS, _steps, cell_shares, single_depth
 from daemon.cli import main as cli
 from engine.types import RowClass, StepStats
 
@@ -91,6 +91,16 @@ def test_the_summary_counts_steps_with_per_row_choices() -> None:
     steps = [step(("ngram", 4), ("none", 0)), step(("ngram", 2), ("ngram", 2)), step(("none", 0)),
              StepStats(batch_size=2, decode_tokens=2, step_ms=1.0)]
     assert _steps(steps)["per_row_steps"] == 0.25
+
+
+def test_the_summary_splits_a_step_over_its_row_classes() -> None:
+    """A step of n-gram and MTP rows counts in both cells, by its rows; one without classes in
+    its own."""
+    mixed = StepStats(batch_size=4, technique="ngram", depth=4, row_classes=(
+        RowClass("copy", "ngram", 4, 2), RowClass("chat", "mtp", 2, 1), RowClass("prose", "none", 0, 1)))
+    old = StepStats(batch_size=2, technique="ngram", depth=4)
+    assert cell_shares(mixed) == {"ngram@4": 0.5, "mtp@2": 0.25, "none": 0.25}
+    assert _steps([mixed, old])["cells"] == {"ngram@4": 0.75, "mtp@2": 0.125, "none": 0.125}
 
 
 def test_single_depth_ratio_takes_each_phase_s_best_fixed_policy() -> None:
