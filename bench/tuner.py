@@ -164,10 +164,15 @@ class TunerBenchConfig:
     """Technique of the fixed-split policies (its KV pages come from the split)."""
     split_depth: int = 2
     """Depth of the fixed-split policies (no deeper than the technique drafts)."""
+    split_repeats: int = 1
+    """Rounds of each split trace: every fixed split and the tuned policy once per round, in
+    turn, each policy's goodput the median over the rounds (a shared machine's drift hits all)."""
     kv_budget: int | None = None
     """KV pool bytes of the engine (None: the backend's default); the fake: 64 KiB a page."""
 
     def __post_init__(self) -> None:
+        if self.split_repeats < 1:
+            raise ValueError(f"split_repeats={self.split_repeats} must be at least 1")
         if not self.phase_s > 0 or not self.rate_scale > 0:
             raise ValueError(f"phase_s={self.phase_s} and rate_scale={self.rate_scale} must be > 0")
         unknown = set(self.runs) - {"autotuned", "never", "fixed", "table"}

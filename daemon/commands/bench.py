@@ -285,6 +285,9 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--splits", default="0,0.125,0.25,0.5", help="--trace memory-bound|light: the fixed pool splits")
     add("--split-technique", default="draft", help="--trace memory-bound|light: technique of the fixed splits")
     add("--split-depth", type=int, default=2, help="--trace memory-bound|light: depth of the fixed splits")
+    add("--split-repeats", type=int, default=1,
+        help="--trace memory-bound|light: rounds of every fixed split and the tuned policy, in turn; "
+             "each policy's goodput is its median over the rounds")
     add("--kv-budget", default=None, help="KV pool size of the engine, e.g. 96MiB (default: the backend's)")
 
 
@@ -330,7 +333,7 @@ def _tuner_config(args: argparse.Namespace) -> Any:
             fake=args.fake, fake_time_scale=args.fake_time_scale,
             traces=() if args.trace == "shifting" else items(args.trace),
             splits=tuple(float(x) for x in items(args.splits)), split_technique=args.split_technique,
-            split_depth=args.split_depth,
+            split_depth=args.split_depth, split_repeats=args.split_repeats,
             kv_budget=None if args.kv_budget is None else parse_size("--kv-budget", args.kv_budget))
     except ValueError as exc:
         raise UserError(f"bench tuner: {exc}") from None

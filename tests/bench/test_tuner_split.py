@@ -82,3 +82,29 @@ def test_the_fake_split_takes_tenant_pages_and_bounds_the_draft() -> None:
     assert stats.batch_size == 1 and stats.queue_len == 2  # 32 tenant pages hold one
     assert stats.proposed == 2 and stats.kv_pages_free == 12  # the lent 32 hold its draft
     assert split_trace("light", 1.0, 1.0).max_tokens < split_trace("memory-bound", 1.0, 1.0).max_tokens
+
+
+def test_split_repeats_run_every_policy_each_round_and_report_medians(tmp_path: Any) -> None:
+    """--split-repeats 3: three rounds of every fixed split and the tuned policy (decided once,
+    from the first round), each policy reported by its median-goodput round."""
+    out = tmp_path / "split.json"
+    err = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "stderr", err)
+        assert cli(["bench", "tuner", "--fake", "--trace", "light", "--splits", "0,0.5", "--split-repeats", "3",
+                    "--phase-seconds", "1.5", "--rate-scale", "4", "--fake-time-scale", "0.5",
+                    "--kv-budget", "32MiB", "--search-in-thread", "--out", str(out)]) == 0
+    t = json.loads(out.read_text())["traces"]["light"]
+    assert len(t["rounds"]) == 3 and len(t["ratio_per_round"]) == 3
+    for key in ("0", "0.5", "tuned"):
+        goodputs = sorted(rd[key]["goodput"] for rd in t["rounds"])
+        shown = t["tuned"] if key == "tuned" else t["fixed"][key]
+        assert shown["goodput"] == goodputs[1]  # the median round's
+    assert {rd["tuned"]["policy"]["pool_split"] for rd in t["rounds"]} == {t["chosen_split"]}
+    log = err.getvalue()
+    assert "light-split-0.5-r3" in log and "light-tuned-r3" in log
+
+
+def test_split_repeats_below_one_is_a_user_error(capsys: pytest.CaptureFixture) -> None:
+    assert cli(["bench", "tuner", "--fake", "--trace", "light", "--split-repeats", "0"]) != 0
+    assert "split_repeats=0" in capsys.readouterr().err
