@@ -121,6 +121,7 @@ def _trace(cfg: Any, engine: Any, name: str) -> dict[str, Any]:
     tuned = runs.pop("tuned")
     best = max(runs, key=lambda k: runs[k]["goodput"])
     ratio = tuned["goodput"] / runs[best]["goodput"] if runs[best]["goodput"] > 0 else None
+    label = f"{name}-tuned" + (f" (median of {len(rounds)} rounds)" if len(rounds) > 1 else "")
     _log(f"{label}: split {chosen.pool_split:g}, goodput {tuned['goodput']:.1f} tok/s, "
          f"{ratio:.3f}x the best fixed split ({best})" if ratio else f"{label}: no goodput")
     per_round = [round(rd["tuned"]["goodput"] / max(rd[k]["goodput"] for k in rd if k != "tuned"), 4)
