@@ -12,6 +12,8 @@
 - While plain shapes still compile in the background (engine/warm.py), a plain
   call runs at the cheapest compiled shape that holds it (`padded_shape`).
 - The persistent compilation cache and the memory-mapping cap of XLA:CPU.
+- Host memory: `release_lowerings` drops what JAX keeps of each compiled
+  shape's lowering once warmup is done; glibc arenas capped and trimmed.
 """
 
 from __future__ import annotations
@@ -130,6 +132,34 @@ def map_limit() -> int | None:
             return int(f.read())
     except (OSError, ValueError):
         return None
+
+
+def release_lowerings() -> int:
+    """Drop the StableHLO module (and its MLIR context) that JAX keeps beside every executable
+    it compiled in this process: a later call of that shape finds the executable without it.
+    Each lowering keeps its own MLIR context with every dialect loaded: a few MiB per shape,
+    close to a gigabyte over all the shapes of `crossover serve` with every proposer.
+    Returns how many were dropped; 0 where JAX's internals differ from those of jax 0.10
+    (then nothing is changed). It walks the Python heap (gc.get_objects): call it once, after
+    warmup.
+    Only computations already compiled are touched, and the lowering cache is only a cache:
+    a shape not compiled yet lowers again when first compiled, as before."""
+    import gc
+
+    try:
+        from jax._src.interpreters import pxla
+
+        kind, clear = pxla.MeshComputation, pxla._cached_lowering_to_hlo.cache_clear
+    except (ImportError, AttributeError):
+        return 0
+    n = 0
+    for obj in gc.get_objects():
+        if type(obj) is kind and getattr(obj, "_executable", None) is not None \
+                and getattr(obj, "_hlo", None) is not None:
+            obj._hlo = None  # MeshComputation.compile() returns the cached executable first
+            n += 1
+    clear()
+    return n
 
 
 M_ARENA_MAX = -8

@@ -167,11 +167,18 @@ Above it every step decodes plainly: a policy speculating there is served clampe
 offers no crossover above it (tuner/space.py)."""
 
 
+SPEC_CONTEXTS_CPU = 1
+"""Context buckets speculation's calls (verify, layer-chain drafting) compile for on XLA:CPU:
+the largest only. Each compiled forward shape keeps ~40 MiB of host memory there (XLA's
+optimized module, buffer assignment and thunks); a shorter context pads up to it, which costs
+attention time in Gemma 3's few global layers only (the sliding-window layers read the ring)."""
+
+
 def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch: int,
                   max_context: int, kv_dtype: str | None = None, verify_tokens: tuple[int, ...] = (),
                   spec_max_batch: int = SPEC_MAX_BATCH, drafting: bool = False,
                   map_limit: int | None = None, tensor_parallel: int = 1,
-                  mixed_steps: bool = False) -> RunnerConfig:
+                  mixed_steps: bool = False, spec_contexts: int | None = None) -> RunnerConfig:
     """Size the pools with the memory planner and choose the compiled buckets.
 
     `drafting`: layer-chain proposers (early exit, draft model) will compile per context too.
@@ -180,6 +187,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     (`split_context_buckets`).
     `tensor_parallel`: devices the params and KV pools are split over (engine/sharding.py).
     `mixed_steps`: prefill chunks ride in decode calls (engine/mixed.py); False: calls of their own.
+    `spec_contexts`: at most this many context buckets (the largest) for speculation; None: no cap.
     """
     kv_dtype = kv_dtype or dtype
     if kv_dtype not in KV_DTYPE_BYTES:
@@ -193,6 +201,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     plain, spec = split_context_buckets(context_buckets(max_context), batches, prefills,
                                         spec_shapes_per_context(batches, verify_tokens, spec_batch, drafting),
                                         map_limit, 2 * mixed_per_context(batches, prefills, per_row))
+    spec = spec[-spec_contexts:] if spec_contexts else spec
     return RunnerConfig(
         page_size=PAGE_SIZE,
         batch_buckets=batches,
@@ -260,12 +269,13 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     rc = runner_config(cfg, dtype, budget - resident, max_batch, max_context,
                        verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
                        drafting=drafting, map_limit=limit, tensor_parallel=tensor_parallel,
-                       mixed_steps=mixed_steps)
+                       mixed_steps=mixed_steps,
+                       spec_contexts=SPEC_CONTEXTS_CPU if jax.default_backend() == "cpu" else None)
     if rc.context_buckets != ladder or rc.spec_contexts != ladder:
         note(progress, f"engine: context buckets {list(rc.context_buckets)}, speculation's "
                        f"{list(rc.spec_contexts)} (of {list(ladder)}): every compiled shape costs XLA:CPU "
-                       f"~{MAPS_PER_SHAPE} memory mappings and this host allows {limit} (vm.max_map_count); "
-                       f"~{estimated_mappings(rc, drafting):,.0f} budgeted")
+                       f"~40 MiB of host memory and ~{MAPS_PER_SHAPE} memory mappings, and this host allows "
+                       f"{limit} (vm.max_map_count); ~{estimated_mappings(rc, drafting):,.0f} budgeted")
     note(progress, f"engine: {cfg.name} {dtype}, KV pool {rc.global_pages - 1} global + "
                    f"{rc.local_pages - 1} local pages of {PAGE_SIZE} tokens, max batch {max_batch}, "
                    f"context {rc.max_context}"

@@ -23,7 +23,9 @@
    technique not ready yet decodes plainly, so serving never compiles.
 5. `stop()` (shutdown) starts no further job and waits for the one under way
    (XLA cannot interrupt a compile); unfinished techniques read "stopped".
-6. Before each job it checks the process's memory mappings (XLA:CPU maps
+6. Once every job has run, JAX's lowerings of the compiled shapes are dropped
+   (`engine.compiles.release_lowerings`) and the heap trimmed.
+7. Before each job it checks the process's memory mappings (XLA:CPU maps
    every compiled kernel; Linux kills a process past vm.max_map_count): with
    fewer than MAP_MARGIN left it compiles no more, and the techniques not yet
    ready read "failed" (logged) instead of the daemon dying.
@@ -39,7 +41,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from engine.compiles import compile_count, map_limit, memory_mappings, serving_compiles, trim_heap, warming
+from engine.compiles import (compile_count, map_limit, memory_mappings, release_lowerings, serving_compiles,
+                             trim_heap, warming)
 from engine.progress import Reporter, note
 
 log = logging.getLogger("crossover.engine")
@@ -124,6 +127,7 @@ class SpecWarmup:
                 note(progress, f"warmup: speculation: {technique} ready after "
                                f"{time.perf_counter() - t0:.1f}s")
         self.seconds = time.perf_counter() - t0
+        release_lowerings()  # every shape is compiled: JAX's copies of their lowerings go
         trim_heap()  # the compiles' scratch memory, freed but still resident
         used, limit = memory_mappings(), map_limit()
         note(progress, f"warmup: speculation's shapes compiled in {self.seconds:.1f}s; "

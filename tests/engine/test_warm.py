@@ -11,7 +11,7 @@ import time
 
 from engine import warm
 from engine.chooser import StepChooser
-from engine.compiles import compile_count, fit_shape, limit_malloc_arenas, trim_heap
+from engine.compiles import compile_count, fit_shape, limit_malloc_arenas, release_lowerings, trim_heap
 from engine.drafting import add_model_proposers
 from engine.heads import DraftHeads
 from engine.policy import BatchRule, TunedPolicy
@@ -124,6 +124,32 @@ def test_mixed_calls_wait_for_their_shapes_while_plain_calls_pad(tiny, monkeypat
 def test_the_serving_process_caps_its_malloc_arenas_and_trims_its_heap():
     assert limit_malloc_arenas(8)  # glibc (Linux): what `crossover serve` does with MALLOC_ARENAS
     trim_heap()
+
+
+def test_released_lowerings_keep_their_executables():
+    import jax
+    import numpy as np
+
+    f = jax.jit(lambda x: x * 2 + 1)
+    x = np.arange(5, dtype=np.float32)
+    f.lower(x).compile()  # ahead of time, as the warmup jobs compile
+    assert release_lowerings() >= 1
+    before = compile_count()
+    assert f(x).tolist() == [1, 3, 5, 7, 9] and compile_count() == before  # found, not lowered again
+    f(np.arange(6, dtype=np.float32))
+    assert compile_count() == before + 1  # a new shape still compiles
+
+
+def test_warmup_releases_the_lowerings_and_serving_compiles_nothing(tiny):
+    plain = run_prompts(make_engine(tiny, **SMALL), PROMPTS, SP)[0]
+    e = make_engine(tiny, **SMALL)
+    e.warmup(progress=False)
+    assert release_lowerings() == 0  # the warmup dropped every compiled shape's lowering
+    e.set_policy(NGRAM)
+    before = compile_count()
+    out, stats = run_prompts(e, PROMPTS, SP)
+    assert out == plain and any(s.technique == "ngram" for s in stats)
+    assert compile_count() == before and e.compiles_since_warmup() == 0
 
 
 def test_covering_and_fitting_shapes():

@@ -1,0 +1,46 @@
+"""bench/memory_probe.py: the memory report of a warmed engine and of compiled shapes."""
+
+from __future__ import annotations
+
+import json
+
+from bench import memory_probe
+from engine.core import EngineConfig, EngineCore
+from engine.runner import RunnerConfig
+from tests.engine.conftest import TINY_RC, ByteTokenizer
+
+
+def test_process_memory_reads_this_process():
+    m = memory_probe.process_memory()
+    assert m["rss"] > 10 << 20 and m["mappings"] > 10
+    assert m["anon"] + m["file"] == m["rss"] and m["anon"] > 0
+
+
+def test_serving_report_of_a_tiny_engine(tiny):
+    cfg, params = tiny
+    rc = RunnerConfig(**{**TINY_RC.__dict__, "verify_tokens": (2, 3), "spec_max_batch": 2})
+
+    def load():
+        return EngineCore(cfg, params, ByteTokenizer(), EngineConfig(runner=rc, token_budget=32,
+                                                                      background_warmup=True))
+
+    out = memory_probe.serving(load=load, requests=3)
+    json.dumps(out)  # the CLI prints it
+    assert out["warmup_finished"] and out["compiles_while_serving"] == 0
+    assert out["executables"] > 0 and out["by_function"].get("_forward", 0) >= len(rc.context_buckets)
+    b = out["breakdown"]
+    assert b["kv_pool"] > 0 and b["weights"] > 0 and sum(b.values()) == out["rss_steady"]
+    assert out["limit"] == b["weights"] + out["settings"]["kv_budget_bytes"] + memory_probe.HEADROOM
+    assert out["meets_limit"] == (out["rss_steady"] <= out["limit"])
+    assert out["rss_steady"] >= out["rss_loaded"] > out["rss_runtime"] > 0
+
+
+def test_executables_report_per_shape(tiny):
+    from engine.runner import ModelRunner
+
+    cfg, params = tiny
+    runner = ModelRunner(cfg, params, RunnerConfig(**{**TINY_RC.__dict__, "context_buckets": (32, 64)}))
+    out = memory_probe.executables([(1, 1, 64), (2, 1, 64), (4, 1, 64)], runner=runner, release=True)
+    assert [r["shape"] for r in out["rows"]] == ["none", "1x1x64", "2x1x64", "4x1x64"]
+    assert out["rows"][-1]["mappings"] > out["rows"][0]["mappings"]  # compiled code is mapped
+    assert out["per_shape_rss"] > 0
