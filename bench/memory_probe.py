@@ -1,6 +1,6 @@
 """Where the serving process's memory goes: RSS at steady state, and per compiled shape.
 
-Two measurements, each in a process of its own (XLA flags are read once, at start):
+Three measurements, each in a process of its own (XLA flags are read once, at start):
 
 1. `serving`: load the engine as `crossover serve` does (default settings, staged warmup),
    wait until the background warmup has compiled every shape, trim the heap, and report
@@ -13,11 +13,14 @@ Two measurements, each in a process of its own (XLA flags are read once, at star
 2. `executables`: compile plain forward shapes of the serving runner one at a time and
    report the RSS and memory mappings each adds (under the XLA_FLAGS given), to see what one
    compiled forward costs on the host, with or without JAX's lowerings kept.
+3. `verify`: what the memory of more speculation context buckets buys: one verify forward
+   timed at each bucket a short context may pad to.
 
     python -m bench.memory_probe serving [--model M] [--max-batch 32] ...
     XLA_FLAGS=... python -m bench.memory_probe executables [--shapes 1x1x64,2x1x64] [--release]
+    python -m bench.memory_probe verify [--batch 8] [--depth 4] [--tokens 300]
 
-Both print one JSON object on stdout.
+Each prints one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import json
 import os
 import sys
 import time
+
+import numpy as np
 
 MiB, GiB = 1 << 20, 1 << 30
 HEADROOM = 3 * GiB // 2
@@ -208,6 +213,36 @@ def executables(shapes: list[tuple[int, int, int]], model: str | None = None, dr
     return out
 
 
+def verify_contexts(model: str | None, batch: int, depth: int, tokens: int, rounds: int = 15) -> dict:
+    """Median and best time (ms) of one verify forward of `batch` rows, `depth` drafts each, at
+    a `tokens`-long context, padded to each speculation context bucket the engine compiles with
+    no cap (what engine.loader.SPEC_CONTEXTS_CPU trades for host memory). The buckets take
+    turns call by call, so load from other processes hits them alike."""
+    import engine.loader
+
+    engine.loader.SPEC_CONTEXTS_CPU = None
+    runner = engine.loader.load_engine(model=model, max_batch=max(8, batch), max_context=4096,
+                                       model_proposers=(), progress=False).runner
+    calls = {}
+    for ctx in runner.rc.spec_contexts:
+        if ctx < tokens + 1 + depth:
+            continue
+        c = runner.new_verify_call(batch, depth, ctx)
+        c.n_new[:], c.start[:] = 1 + depth, tokens
+        c.counter[:] = tokens + 1 + np.arange(c.counter.shape[1])
+        calls[ctx] = (c, np.full(c.tokens.shape, -1, np.int32))
+        runner.run_verify(*calls[ctx])  # compiles
+    times: dict[int, list[float]] = {ctx: [] for ctx in calls}
+    for _ in range(rounds):
+        for ctx, (c, cand) in calls.items():
+            t = time.perf_counter()
+            runner.run_verify(c, cand)
+            times[ctx].append((time.perf_counter() - t) * 1e3)
+    return {"batch": batch, "depth": depth, "tokens": tokens,
+            "ms": {ctx: {"median": round(float(np.median(v)), 1), "min": round(float(np.min(v)), 1)}
+                   for ctx, v in times.items()}}
+
+
 def _shapes(text: str) -> list[tuple[int, int, int]]:
     return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
 
@@ -233,8 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--shapes", default="1x1x64,2x1x64,4x1x64")
     e.add_argument("--drop", action="store_true")
     e.add_argument("--release", action="store_true")
+    v = sub.add_parser("verify")
+    v.add_argument("--model")
+    v.add_argument("--batch", type=int, default=8)
+    v.add_argument("--depth", type=int, default=4)
+    v.add_argument("--tokens", type=int, default=300, help="context the rows hold")
     args = p.parse_args(argv)
-    if args.what == "serving":
+    if args.what == "verify":
+        out = verify_contexts(args.model, args.batch, args.depth, args.tokens)
+    elif args.what == "serving":
         import engine.loader
 
         if args.spec_contexts is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import memory_probe
 from engine.core import EngineConfig, EngineCore
 from engine.runner import RunnerConfig
@@ -44,3 +46,13 @@ def test_executables_report_per_shape(tiny):
     assert [r["shape"] for r in out["rows"]] == ["none", "1x1x64", "2x1x64", "4x1x64"]
     assert out["rows"][-1]["mappings"] > out["rows"][0]["mappings"]  # compiled code is mapped
     assert out["per_shape_rss"] > 0
+
+
+@pytest.mark.slow
+def test_verify_contexts_times_every_bucket_a_short_context_may_pad_to():
+    """`python -m bench.memory_probe verify` on Gemma 3 270M: one timing per speculation context
+    bucket that holds the rows (buckets too short for them are skipped)."""
+    out = memory_probe.verify_contexts(None, batch=2, depth=2, tokens=100, rounds=2)
+    assert out["ms"] and all(ctx >= 100 + 3 for ctx in out["ms"])
+    assert max(out["ms"]) == 4096 and min(out["ms"]) == 128  # 64 cannot hold 103 positions
+    assert all(0 < v["min"] <= v["median"] for v in out["ms"].values())
