@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -223,6 +224,14 @@ def _seq(name: str, value: Any) -> tuple:
     return tuple(value)
 
 
+def _parsed(name: str, parse: Callable[[Any], Any], value: Any) -> Any:
+    """parse(value), its PolicyError placed under `name` (e.g. "rules[1]")."""
+    try:
+        return parse(value)
+    except PolicyError as exc:
+        raise exc.within(name) from None
+
+
 def _cell(name: str, value: Any) -> tuple[str, int]:
     """A (technique, depth) pair that speculates, e.g. ("ngram", 2)."""
     if not isinstance(value, (tuple, list)) or len(value) != 2:
@@ -363,22 +372,9 @@ class TunedPolicy:
         engine.policy.PolicyError: rules[0]: max_batch=1.5 must be an integer
         """
         rest = dict(_keys("", d, TunedPolicy))
-        if "rules" in rest:
-            rules = []
-            for i, r in enumerate(_seq("rules", rest["rules"])):
-                try:
-                    rules.append(BatchRule.from_dict(r))
-                except PolicyError as exc:
-                    raise exc.within(f"rules[{i}]") from None
-            rest["rules"] = tuple(rules)
-        if "tenants" in rest:
-            tenants = []
-            for i, t in enumerate(_seq("tenants", rest["tenants"])):
-                try:
-                    tenants.append(TenantRule.from_dict(t))
-                except PolicyError as exc:
-                    raise exc.within(f"tenants[{i}]") from None
-            rest["tenants"] = tuple(tenants)
+        for name, parse in (("rules", BatchRule.from_dict), ("tenants", TenantRule.from_dict)):
+            if name in rest:
+                rest[name] = tuple(_parsed(f"{name}[{i}]", parse, x) for i, x in enumerate(_seq(name, rest[name])))
         if rest.get("explore") is not None:
             try:
                 rest["explore"] = Exploration.from_dict(rest["explore"])
