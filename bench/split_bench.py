@@ -124,8 +124,8 @@ def _trace(cfg: Any, engine: Any, name: str) -> dict[str, Any]:
     label = f"{name}-tuned" + (f" (median of {len(rounds)} rounds)" if len(rounds) > 1 else "")
     _log(f"{label}: split {chosen.pool_split:g}, goodput {tuned['goodput']:.1f} tok/s, "
          f"{ratio:.3f}x the best fixed split ({best})" if ratio else f"{label}: no goodput")
-    per_round = [round(rd["tuned"]["goodput"] / max(rd[k]["goodput"] for k in rd if k != "tuned"), 4)
-                 if max(rd[k]["goodput"] for k in rd if k != "tuned") > 0 else None for rd in rounds]
+    bests = [max(run["goodput"] for k, run in rd.items() if k != "tuned") for rd in rounds]
+    per_round = [round(rd["tuned"]["goodput"] / b, 4) if b > 0 else None for rd, b in zip(rounds, bests)]
     return {"requests": len(arrivals), "max_tokens": trace.max_tokens, "fixed": runs,
             "tuned": tuned, "decision": decision, "rounds": rounds if len(rounds) > 1 else None,
             "ratio_per_round": per_round, "chosen_split": chosen.pool_split,
