@@ -103,6 +103,9 @@ class ServeBenchConfig:
     speculation: bool = True
     """The engine started here loads the n-gram proposer and serves the policy a new daemon
     starts with (daemon.tuning.starter_policy), in both phases; False: plain decoding only."""
+    mixed_steps: bool = False
+    """The engine started here carries prefill chunks inside decode calls (engine/mixed.py), as
+    `crossover serve --mixed-steps` does."""
     engine_rates: str | None = None
     """A `crossover bench engine` JSON whose rates the efficiency bound uses (else measured here)."""
     tenant_keys: str | None = None
@@ -347,7 +350,8 @@ def _load_engine(cfg: ServeBenchConfig) -> Any:
     _log("loading the model")
     engine = load_engine(model=cfg.model, dtype=cfg.dtype, max_batch=cfg.max_batch,
                          max_context=cfg.max_context, speculation=cfg.speculation, model_proposers=(),
-                         progress=progress, prefix_cache=cfg.prefix_cache)
+                         progress=progress, prefix_cache=cfg.prefix_cache,
+                         mixed_steps=cfg.mixed_steps)
     _log("warming up (every bucket compiles once; cached on disk for the next run)")
     engine.warmup(progress=progress)
     return engine
