@@ -24,6 +24,7 @@ from sqlalchemy import (
     BigInteger,
     CheckConstraint,
     Double,
+    ForeignKey,
     Index,
     Integer,
     MetaData,
@@ -145,6 +146,33 @@ class Step(Base):
     row_classes: Mapped[list[Any] | None]
     """JSON list of objects, one per (tenant, technique, depth) of the decode rows (the engine's
     RowClass fields); NULL on rows before revision 0009."""
+
+
+class StepRowClass(Base):
+    """One row class of one raw step (an object of its `row_classes`), as a table for SQL readers.
+
+    Written with its step, in the same transaction; deleted with it (retention, or ON DELETE
+    CASCADE on a server). Since revision 0010; the columns after `time` mirror the engine's
+    `RowClass` (a test checks)."""
+
+    __tablename__ = "xo_step_row_classes"
+
+    id: Mapped[int] = mapped_column(RowId, primary_key=True)
+    step: Mapped[int] = mapped_column(RowId, ForeignKey("xo_steps.id", ondelete="CASCADE"), index=True)
+    """`xo_steps.id` of its step (not the engine's `step_id`)."""
+    instance: Mapped[str] = mapped_column(String(64), default="")
+    time: Mapped[float] = mapped_column(index=True)
+    """Its step's time."""
+    tenant: Mapped[str] = mapped_column(String(128))
+    technique: Mapped[str] = mapped_column(String(64))
+    """"none" (depth 0) for rows that did not draft."""
+    depth: Mapped[int]
+    rows: Mapped[int]
+    """Decode rows of the class in the step."""
+    proposed: Mapped[int] = mapped_column(default=0)
+    accepted: Mapped[int] = mapped_column(default=0)
+    accepted_per_pos: Mapped[list[Any]]
+    """JSON list: drafts accepted at each draft position (len == depth)."""
 
 
 class StepRollup(Base):

@@ -1,6 +1,7 @@
 """Retention: raw steps age into per-minute rollups; old rollups and requests go.
 
-    0. raw steps already older than the rollup window are simply deleted;
+    0. raw steps already older than the rollup window are simply deleted
+       (a step's `xo_step_row_classes` rows always go with it);
     1. cutoff = start of the minute holding (now - raw_steps_s)
     2. steps older than cutoff are aggregated per (minute, instance, technique,
        depth) — counts, sums, maxima, per-position sums, batch-size histogram —
@@ -30,7 +31,7 @@ from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.orm import Session
 
 from store.db import session_scope
-from store.models import Request, Step, StepRollup
+from store.models import Request, Step, StepRollup, StepRowClass
 from telemetry.rowclasses import classes_of, drafts
 from telemetry.sql import bucket_start, minute_of
 
@@ -86,7 +87,7 @@ def apply_retention(
     with session_scope(engine) as session:  # too old to be worth a rollup
         expired = [Step.time < now - config.rollups_s]
         expired += [Step.instance == instance] if instance is not None else []
-        gone_steps = _delete(session, Step, *expired)
+        gone_steps = _delete_steps(session, *expired)
     rolled = rows = 0
     while True:
         with session_scope(engine) as session:
@@ -113,7 +114,7 @@ def roll_up(session: Session, before: float, instance: str | None = None) -> tup
     _add_histograms(session, where, aggregates)
     _add_positions(session, where, aggregates)
     _merge(session, aggregates)
-    deleted = _delete(session, Step, *where)
+    deleted = _delete_steps(session, *where)
     return deleted, len(aggregates)
 
 
@@ -234,6 +235,12 @@ def _fold_into(rollup: StepRollup, values: dict[str, Any]) -> None:
     rollup.batch_hist = dict(hist)
     for name, value in values.items():
         setattr(rollup, name, getattr(rollup, name) + value)
+
+
+def _delete_steps(session: Session, *where: Any) -> int:
+    """Delete the steps matching `where`, their row classes first (they point at the steps)."""
+    _delete(session, StepRowClass, StepRowClass.step.in_(select(Step.id).where(*where)))
+    return _delete(session, Step, *where)
 
 
 def _delete(session: Session, model: type, *where: Any) -> int:

@@ -4,7 +4,9 @@ Runs on the recorder's thread (never on the caller's). A step record is the
 engine's `StepStats` (or any object with its attributes); the `xo_steps`
 columns, and the conversion each needs, are read off the table model, so
 the one definition of a step (`StepStats`, mirrored by `store.models.Step`)
-is the only list of its fields.
+is the only list of its fields. Each object of a step row's `row_classes`
+also becomes an `xo_step_row_classes` row, written in the step's transaction
+and pointing at the step's id.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from sqlalchemy import JSON, Connection, Table, insert
 
-from store.models import Request, Step
+from store.models import Request, Step, StepRowClass
 from telemetry.records import request_status
 
 Row = dict[str, Any]
@@ -26,6 +28,7 @@ _REQUIRED = object()
 
 STEP_TABLE = Step.__table__
 REQUEST_TABLE = Request.__table__
+CLASS_TABLE = StepRowClass.__table__
 _FILLED_BY_WRITER = frozenset({"id", "instance", "status"})
 """Columns a record does not carry: the row id, the recorder's instance, the derived status."""
 
@@ -114,15 +117,67 @@ def request_row(rec: Any, instance: str = "") -> Row:
     return row
 
 
+def class_rows(step: Row, step_pk: int) -> list[Row]:
+    """The `xo_step_row_classes` rows of a step row whose `xo_steps.id` is `step_pk`.
+
+    >>> step = {"instance": "a", "time": 2.0, "row_classes": [{"tenant": "acme", "technique": "ngram",
+    ...         "depth": 2, "rows": 1, "proposed": 2, "accepted": 1, "accepted_per_pos": [1, 0]}]}
+    >>> class_rows(step, 7)
+    [{'step': 7, 'instance': 'a', 'time': 2.0, 'tenant': 'acme', 'technique': 'ngram', 'depth': 2, 'rows': 1, 'proposed': 2, 'accepted': 1, 'accepted_per_pos': [1, 0]}]
+    >>> class_rows({"instance": "a", "time": 2.0, "row_classes": None}, 7)
+    []
+    """
+    head = {"step": step_pk, "instance": step["instance"], "time": step["time"]}
+    return [{**head, **{name: c[name] if default is _REQUIRED else c.get(name, default)
+                        for name, default in _CLASS_FIELDS}}
+            for c in step.get("row_classes") or ()]
+
+
+_CLASS_FIELDS = tuple(
+    (c.name, c.default.arg if c.default is not None else [] if isinstance(c.type, JSON) else _REQUIRED)
+    for c in CLASS_TABLE.columns if c.name not in ("id", "step", "instance", "time")
+)
+"""(column, value when a class object lacks it) for the table's RowClass fields."""
+
+
 def write_rows(conn: Connection, steps: Sequence[Row], requests: Sequence[Row]) -> None:
-    """Insert both batches (executemany); the caller owns the transaction."""
-    for table, rows in ((STEP_TABLE, steps), (REQUEST_TABLE, requests)):
-        if not rows:
-            continue
-        if conn.dialect.name == "sqlite":
-            _insert_sqlite(conn, table, rows)
-        else:
-            conn.execute(insert(table), list(rows))
+    """Insert both batches (executemany), the steps with their row classes; the caller owns the
+    transaction, so a step and its classes are written together or not at all."""
+    sqlite = conn.dialect.name == "sqlite"
+    if steps and not any(row.get("row_classes") for row in steps):
+        _insert(conn, STEP_TABLE, steps, sqlite)
+    elif steps:
+        pks = _insert_steps(conn, steps, sqlite)
+        classes = [c for row, pk in zip(steps, pks, strict=True) for c in class_rows(row, pk)]
+        if classes:
+            _insert(conn, CLASS_TABLE, classes, sqlite)
+    if requests:
+        _insert(conn, REQUEST_TABLE, requests, sqlite)
+
+
+def _insert(conn: Connection, table: Table, rows: Sequence[Row], sqlite: bool) -> None:
+    if sqlite:
+        _insert_sqlite(conn, table, rows)
+    else:
+        conn.execute(insert(table), list(rows))
+
+
+def _insert_steps(conn: Connection, steps: Sequence[Row], sqlite: bool) -> list[int]:
+    """Insert the steps; their ids, in order.
+
+    SQLite gives a row without an id the largest id in the table plus one, and the
+    transaction holds the write lock from the first insert to the commit, so a batch's ids
+    run consecutively up to last_insert_rowid(). A server returns them (RETURNING, in
+    parameter order).
+    """
+    if not sqlite:
+        statement = insert(STEP_TABLE).returning(STEP_TABLE.c.id, sort_by_parameter_order=True)
+        return list(conn.execute(statement, list(steps)).scalars())
+    _insert_sqlite(conn, STEP_TABLE, steps)
+    if not conn.connection.dbapi_connection.in_transaction:  # autocommit: others may interleave
+        raise RuntimeError("write_rows needs a transaction on SQLite (step ids are read back)")
+    last = int(conn.exec_driver_sql("SELECT last_insert_rowid()").scalar_one())
+    return list(range(last - len(steps) + 1, last + 1))
 
 
 def _insert_sqlite(conn: Connection, table: Table, rows: Sequence[Row]) -> None:

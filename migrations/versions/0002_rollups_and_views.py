@@ -7,8 +7,10 @@ per-minute series whatever the retention window. The minute bucket is
 
 Later revisions that batch-alter `xo_steps`, `xo_step_rollups` or
 `xo_requests` on SQLite must drop these views first and re-create them after
-(SQLite checks views when a table is renamed): use `drop_views()` and
-`create_views()` from here as a model.
+(SQLite checks views when a table is renamed). Revisions 0003 to 0009 use
+`drop_views()` and `create_views()` from here; from 0010 on, use those of
+revision 0010, whose `xo_v_acceptance` counts per row class and which adds
+`xo_v_tenant_acceptance` (this module's would bring back the old views).
 
 Revision ID: 0002
 Revises: 0001

@@ -184,7 +184,7 @@ def test_not_at_head_is_refused_not_recreated(rev1_url: str) -> None:
 
 def test_downgrade_then_upgrade_again(db_url: str) -> None:
     views = {"xo_v_steps_minute", "xo_v_acceptance", "xo_v_goodput_minute", "xo_v_requests",
-             "xo_v_tenant_minute"}
+             "xo_v_tenant_minute", "xo_v_tenant_acceptance"}
     assert _names(db_url)[1] == views
     command.downgrade(migrate.alembic_config(db_url), "0001")
     assert migrate.current_revision(db_url) == "0001"

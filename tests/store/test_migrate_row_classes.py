@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from alembic import command
-from sqlalchemy import inspect
-
 from engine.types import RowClass, StepStats
-from store import migrate
 from store.db import make_engine, session_scope
-from telemetry.writer import step_row, write_rows
+from telemetry.writer import step_row
+from tests.store.migration_helpers import record_without, round_trip
 from tuner.data import read_steps
 
 OLD_STEP = (
@@ -26,14 +23,6 @@ CLASSES = (RowClass("acme", "ngram", 4, 2, 7, 3, (2, 1, 0, 0)), RowClass("globex
            RowClass("initech", "none", 0, 1))
 
 
-def _step_columns(url: str) -> set[str]:
-    engine = make_engine(url)
-    try:
-        return {c["name"] for c in inspect(engine).get_columns("xo_steps")}
-    finally:
-        engine.dispose()
-
-
 def _read(url: str) -> list[StepStats]:
     engine = make_engine(url)
     try:
@@ -44,42 +33,26 @@ def _read(url: str) -> list[StepStats]:
 
 
 def test_0009_adds_row_classes_old_rows_read_none(db_url: str, run_sql: Callable[..., list]) -> None:
-    cfg = migrate.alembic_config(db_url)
-    command.downgrade(cfg, "0008")
-    assert "row_classes" not in _step_columns(db_url)
-    run_sql(OLD_STEP)  # a row written before the column existed
-    command.upgrade(cfg, "0009")
-    assert "row_classes" in _step_columns(db_url)
-    assert run_sql("SELECT row_classes FROM xo_steps") == [(None,)]
-    (old,) = _read(db_url)
-    assert old.row_classes == () and old.accepted_per_pos == (1, 0)
-    migrate.upgrade(db_url)
-    engine = make_engine(db_url)
     stats = StepStats(step_id=2, time=1_700_000_010.0, batch_size=4, decode_tokens=9, technique="ngram",
                       depth=4, proposed=9, accepted=5, accepted_per_pos=(3, 2, 0, 0), step_ms=3.0,
                       tenants=("acme", "globex", "initech"), row_classes=CLASSES)
-    with engine.begin() as conn:  # the writer reads the column off the model
-        write_rows(conn, [step_row(stats)], [])
-    engine.dispose()
-    new = _read(db_url)[-1]
-    assert new == stats and new.row_classes == CLASSES
-    assert run_sql("SELECT SUM(steps) FROM xo_v_steps_minute") == [(2,)]  # the views read the table still
-    command.downgrade(cfg, "0008")
-    assert "row_classes" not in _step_columns(db_url)
-    assert run_sql("SELECT step_id FROM xo_steps ORDER BY step_id") == [(1,), (2,)]
-    assert run_sql("SELECT SUM(steps) FROM xo_v_steps_minute") == [(2,)]
-    migrate.upgrade(db_url)
-    assert migrate.check_schema(db_url) == migrate.head_revision()
+
+    def old_row_reads_none() -> None:  # a row written before the column existed
+        assert run_sql("SELECT row_classes FROM xo_steps") == [(None,)]
+        (old,) = _read(db_url)
+        assert old.row_classes == () and old.accepted_per_pos == (1, 0)
+
+    def classes_written() -> None:  # the writer reads the column off the model
+        new = _read(db_url)[-1]
+        assert new == stats and new.row_classes == CLASSES
+
+    round_trip(db_url, run_sql, previous="0008", revision="0009", added={"xo_steps.row_classes"},
+               old_steps=[OLD_STEP], check_old=old_row_reads_none, new_steps=[stats],
+               check_new=classes_written)
 
 
 def test_step_row_writes_null_for_records_without_row_classes() -> None:
-    class Old:  # a record type from before the field
-        def __getattr__(self, name: str) -> object:
-            if name == "row_classes":
-                raise AttributeError(name)
-            return getattr(StepStats(), name)
-
-    assert step_row(Old())["row_classes"] is None
+    assert step_row(record_without("row_classes"))["row_classes"] is None
     assert step_row(StepStats())["row_classes"] == []
     assert step_row(StepStats(row_classes=CLASSES[2:]))["row_classes"] == [
         {"tenant": "initech", "technique": "none", "depth": 0, "rows": 1, "proposed": 0, "accepted": 0,

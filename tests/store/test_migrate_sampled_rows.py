@@ -11,7 +11,8 @@ from sqlalchemy import inspect
 from engine.types import StepStats
 from store import migrate
 from store.db import make_engine
-from telemetry.writer import step_row, write_rows
+from telemetry.writer import step_row
+from tests.store.migration_helpers import record_without, round_trip, step_columns
 
 OLD_STEP = (
     "INSERT INTO xo_steps (instance, step_id, time, batch_size, prefill_tokens, decode_tokens, "
@@ -22,51 +23,24 @@ OLD_STEP = (
 )
 
 
-def _step_columns(url: str) -> set[str]:
-    engine = make_engine(url)
-    try:
-        return {c["name"] for c in inspect(engine).get_columns("xo_steps")}
-    finally:
-        engine.dispose()
-
-
 def test_0007_adds_sampled_rows_old_rows_read_zero(
     db_url: str, run_sql: Callable[..., list]
 ) -> None:
-    cfg = migrate.alembic_config(db_url)
-    command.downgrade(cfg, "0006")
-    assert "sampled_rows" not in _step_columns(db_url)
-    run_sql(OLD_STEP)  # a row written before the column existed
-    command.upgrade(cfg, "0007")
-    assert "sampled_rows" in _step_columns(db_url)
-    assert run_sql("SELECT step_id, sampled_rows FROM xo_steps") == [(1, 0)]
-    # the writer reads the column off the model: a StepStats' count lands in it
-    migrate.upgrade(db_url)
-    engine = make_engine(db_url)
-    with engine.begin() as conn:
-        write_rows(conn, [step_row(StepStats(step_id=2, time=1_700_000_010.0, batch_size=4,
-                                             decode_tokens=4, sampled_rows=3, tenants=("a",)))],
-                   [])  # fmt: skip
-    engine.dispose()
-    assert run_sql("SELECT step_id, sampled_rows FROM xo_steps ORDER BY step_id") == [(1, 0), (2, 3)]
-    # the views still read the table after the batch ALTER
-    assert run_sql("SELECT SUM(steps) FROM xo_v_steps_minute") == [(2,)]
-    command.downgrade(cfg, "0006")
-    assert "sampled_rows" not in _step_columns(db_url)
-    assert run_sql("SELECT step_id FROM xo_steps ORDER BY step_id") == [(1,), (2,)]
-    assert run_sql("SELECT SUM(steps) FROM xo_v_steps_minute") == [(2,)]
-    migrate.upgrade(db_url)
-    assert migrate.check_schema(db_url) == migrate.head_revision()
+    def old_row_reads_zero() -> None:  # a row written before the column existed
+        assert run_sql("SELECT step_id, sampled_rows FROM xo_steps") == [(1, 0)]
+
+    def count_written() -> None:  # the writer reads the column off the model
+        assert run_sql("SELECT step_id, sampled_rows FROM xo_steps ORDER BY step_id") == [(1, 0), (2, 3)]
+
+    round_trip(db_url, run_sql, previous="0006", revision="0007", added={"xo_steps.sampled_rows"},
+               old_steps=[OLD_STEP], check_old=old_row_reads_zero,
+               new_steps=[StepStats(step_id=2, time=1_700_000_010.0, batch_size=4, decode_tokens=4,
+                                    sampled_rows=3, tenants=("a",))],
+               check_new=count_written)  # fmt: skip
 
 
 def test_step_row_defaults_sampled_rows_for_records_without_it() -> None:
-    class Old:  # a record type from before the field (any object with StepStats' attributes)
-        def __getattr__(self, name: str) -> object:
-            if name == "sampled_rows":
-                raise AttributeError(name)
-            return getattr(StepStats(), name)
-
-    assert step_row(Old())["sampled_rows"] == 0
+    assert step_row(record_without("sampled_rows"))["sampled_rows"] == 0
     assert step_row(StepStats(sampled_rows=5))["sampled_rows"] == 5
 
 
@@ -81,6 +55,7 @@ def test_a_downgrade_refused_below_0007_leaves_the_schema_whole(
     engine = make_engine(db_url)
     try:
         views = set(inspect(engine).get_view_names())
+        tables = set(inspect(engine).get_table_names())
     finally:
         engine.dispose()
     with pytest.raises(RuntimeError, match="several instances"):
@@ -89,11 +64,12 @@ def test_a_downgrade_refused_below_0007_leaves_the_schema_whole(
     engine = make_engine(db_url)
     try:
         found = inspect(engine)
-        assert set(found.get_view_names()) == views and len(views) == 5
+        assert set(found.get_view_names()) == views and len(views) == 6
+        assert set(found.get_table_names()) == tables  # 0010's table too
         assert not [t for t in found.get_table_names() if t.startswith("_alembic_tmp")]
     finally:
         engine.dispose()
-    assert "sampled_rows" in _step_columns(db_url)
+    assert "sampled_rows" in step_columns(db_url)
     run_sql("DELETE FROM xo_policies WHERE instance = 'a'")
     command.downgrade(migrate.alembic_config(db_url), "0005")  # and now it goes through
-    assert "sampled_rows" not in _step_columns(db_url)
+    assert "sampled_rows" not in step_columns(db_url)
