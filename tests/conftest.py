@@ -80,6 +80,16 @@ def pytest_configure(config: pytest.Config) -> None:
         "it does not run on PostgreSQL")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for `pytest -n N --dist loadgroup` (pytest-xdist; `make test`): every real-model
+    (`slow`) test runs in one worker, one after another, so no two 270M engines share the
+    machine's memory at once; every other test module stays whole in one worker, so a module's
+    fixtures are built once. Without xdist the marks do nothing."""
+    for item in items:
+        group = "real-model" if item.get_closest_marker("slow") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Run `db_backend` (hence `db_url`, `db`) tests in BOTH_BACKENDS on both databases."""
     if "db_backend" not in metafunc.fixturenames:
