@@ -17,12 +17,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 serve: $(STAMP)
 	$(BIN)/crossover serve
 
-# The suite waits more than it computes (servers, subprocesses, databases): TEST_WORKERS
-# processes share the machine; every real-model test runs in one of them (tests/conftest.py).
-TEST_WORKERS ?= 3
-
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -6,8 +6,9 @@ cached. The suite builds hundreds of engines and compiles tens of thousands of
 executables in one process; left alone their mappings pass Linux's
 `vm.max_map_count` (65530 by default), and the next compile then dies inside
 LLVM with SIGSEGV or SIGABRT. So after each test module, once the process
-holds many mappings, the in-memory compilation caches are dropped (engines
-still in use recompile, from the persistent cache, on their next call).
+holds many mappings or much memory, the in-memory compilation caches are
+dropped (engines still in use recompile, from the persistent cache, on their
+next call).
 
 Databases: `db_url` / `db` are a fresh database at head. In tests/store,
 tests/telemetry and tests/tuner they are parametrized over SQLite and
@@ -41,6 +42,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 MAPS_BEFORE_CLEARING = 20_000
 """Clear the compilation caches after a module once the process has this many mappings."""
+RSS_BEFORE_CLEARING = 6 << 30
+"""... or once it holds this much memory: each compiled real-model forward keeps tens of MiB of
+host memory while cached, and the suite's one process reached 17 GB of the machine's 24."""
 
 
 def _mappings() -> int:
@@ -51,14 +55,25 @@ def _mappings() -> int:
         return 0
 
 
+def _rss() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_code():
     yield
-    if _mappings() > MAPS_BEFORE_CLEARING:
+    if _mappings() > MAPS_BEFORE_CLEARING or _rss() > RSS_BEFORE_CLEARING:
         import jax
+
+        from engine.compiles import trim_heap
 
         jax.clear_caches()
         gc.collect()
+        trim_heap()  # hand the freed executables' memory back to the system
 
 
 PG_ENV = "CROSSOVER_TEST_PG_URL"
@@ -78,16 +93,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "sqlite_only(reason): the test checks something only SQLite has; "
         "it does not run on PostgreSQL")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for `pytest -n N --dist loadgroup` (pytest-xdist; `make test`): every real-model
-    (`slow`) test runs in one worker, one after another, so no two 270M engines share the
-    machine's memory at once; every other test module stays whole in one worker, so a module's
-    fixtures are built once. Without xdist the marks do nothing."""
-    for item in items:
-        group = "real-model" if item.get_closest_marker("slow") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
