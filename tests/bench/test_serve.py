@@ -185,3 +185,26 @@ def test_speculation_reaches_the_engine_started_here(monkeypatch: pytest.MonkeyP
     assert seen == [(True, (), False), (False, (), False), (True, (), True)]
     assert policies[0].choose(2) == ("ngram", 4) and policies[0].crossover == 8
     assert policies[1].choose(2) == ("none", 0)
+
+
+def test_each_phase_starts_with_the_prefix_cache_emptied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every phase sends the same prompts: the engine's prefix cache is emptied before each, while
+    the engine is idle, so no phase skips the prefill of prompts the one before it sent."""
+    import bench.serve as serve
+
+    resets: list[bool] = []
+    load = serve._load_engine
+
+    def loaded(cfg: Any) -> FakeEngine:
+        engine = load(cfg)
+
+        class Pool:  # the fake engine has no pages; this one records when it is reset
+            def reset(self) -> None:
+                resets.append(engine.has_work())
+
+        engine.pool = Pool()
+        return engine
+
+    monkeypatch.setattr(serve, "_load_engine", loaded)
+    bench(tmp_path, "--requests", "4", "--concurrency", "2", "--max-tokens", "4", "--rounds", "2", "--no-db")
+    assert resets == [False] * 4  # 2 rounds of an HTTP and an engine-only phase, each on an idle engine
