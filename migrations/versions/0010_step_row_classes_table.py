@@ -129,9 +129,10 @@ SELECT minute_start, technique, depth, SUM(steps) AS steps,
        CASE WHEN SUM(proposed) > 0 THEN 1.0 * SUM(accepted) / SUM(proposed) END AS acceptance_rate
 FROM (
     SELECT {minute} AS minute_start, technique, depth, COUNT(*) AS steps,
-           SUM(CASE WHEN {has_classes} THEN 0 ELSE proposed END) AS proposed,
-           SUM(CASE WHEN {has_classes} THEN 0 ELSE accepted END) AS accepted
-    FROM xo_steps AS s
+           SUM(CASE WHEN has_classes THEN 0 ELSE proposed END) AS proposed,
+           SUM(CASE WHEN has_classes THEN 0 ELSE accepted END) AS accepted
+    FROM (SELECT {q("time")}, technique, depth, proposed, accepted, {has_classes} AS has_classes
+          FROM xo_steps AS s) AS s
     GROUP BY {minute}, technique, depth
     UNION ALL
     SELECT {minute} AS minute_start, technique, depth, 0 AS steps,
