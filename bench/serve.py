@@ -168,7 +168,7 @@ def _forget_prefixes(engine: Any) -> None:
     prefill (the engine-only phase served twice the HTTP phase's tokens/s partly from that).
     Only an idle engine's pool may be reset; the fake engine has no pages to forget."""
     pool = getattr(engine, "pool", None)
-    if pool is not None and hasattr(pool, "reset") and not engine.has_work():
+    if pool is not None and not engine.has_work():
         pool.reset()
 
 

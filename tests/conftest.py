@@ -29,6 +29,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
@@ -55,18 +56,10 @@ def _mappings() -> int:
         return 0
 
 
-def _rss() -> int:
-    try:
-        with open(f"/proc/{os.getpid()}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_code():
     yield
-    if _mappings() > MAPS_BEFORE_CLEARING or _rss() > RSS_BEFORE_CLEARING:
+    if _mappings() > MAPS_BEFORE_CLEARING or psutil.Process().memory_info().rss > RSS_BEFORE_CLEARING:
         import jax
 
         from engine.compiles import trim_heap

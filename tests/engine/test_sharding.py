@@ -31,8 +31,8 @@ sp = SamplingParams(max_tokens=12, ignore_eos=True)
 out = {"devices": len(jax.devices())}
 n = int(sys.argv[1])
 layout = lambda a: str(getattr(a.sharding, "spec", "single device"))
-# One N per process: every compiled shape holds memory mappings (engine/loader.py). One bucket
-# each of batch, chunk and context: what the check needs, compiled 3 times over (N = 1, 2, 4).
+# One N per process: every compiled shape holds memory mappings (engine/loader.py). Batch 1 and
+# one batch for all prompts, one chunk, one context: what the check needs, compiled for N = 1, 2, 4.
 e = make_engine(tiny, verify_tokens=(3,), spec_max_batch=8, tensor_parallel=n, batch_buckets=(1, 8),
                 prefill_buckets=(16,), context_buckets=(128,))
 e.runner.warmup(progress=False)
