@@ -163,6 +163,9 @@ def measure(engine, grid: CrossoverGrid, log=None, progress: Reporter = None) ->
         if log:
             log("warming up (compiles every bucket once; cached on disk for the next run)")
         engine.warmup(progress=progress if progress is not None else log is not None)
+        from bench.engine import run_each_shape_once
+
+        run_each_shape_once(engine, progress)
     log = log or (lambda msg: None)
     kinds, cells, done = {}, len(grid.kinds) * len(grid.batches), 0
     report(progress, "bench crossover", 0, cells)

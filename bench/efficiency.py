@@ -3,8 +3,10 @@
 1. Rates (`EngineRates`): prefill tokens/s and decode tokens/s per batch
    size of the same engine. `measure_rates` measures them in-process with
    `bench.engine`'s `decode_throughput` and `prefill_throughput` (the
-   functions of `crossover bench engine`); `rates_from_file` reads a
-   `crossover bench engine` JSON, for a daemon benched by URL.
+   functions of `crossover bench engine`), decoding the served prompts in
+   a closed loop (so speculation meets their acceptance); `rates_from_file`
+   reads a `crossover bench engine` JSON, for a daemon benched by URL (its
+   synthetic prompts overstate speculation's rate).
 2. Schedule (`decode_schedule`): the decode steps an ideal closed loop of
    `concurrency` slots needs for the requests sent, in send order: each
    request decodes its output tokens but the first (the prefill pass yields
@@ -144,23 +146,64 @@ def efficiency(served_tokens_per_s: float | None, prompt_tokens: Sequence[int],
             "bound": bound, "rates": rates.to_json()}
 
 
+DECODE_GROUPS = 4
+"""Decode at batch b is measured on at most this many times b served prompts (`measure_rates`)."""
+
+
 def measure_rates(engine: Any, batches: Sequence[int], prompt_len: int, new_tokens: int,
-                  prefill_len: int) -> EngineRates:
+                  prefill_len: int, prompts: Sequence[Sequence[int]] = ()) -> EngineRates:
     """Prefill tokens/s and decode tokens/s at each of `batches` of an idle `engine`, with
     `crossover bench engine`'s functions.
 
-    Prefill runs first, once: its prompt is the same as decode's third one of that length, so
-    afterwards a prefix cache would serve it from memory and overstate the rate.
+    Prefill runs first (the best of three prompts): they are decode's fourth to sixth prompts of
+    that length, so afterwards a prefix cache would serve them from memory and overstate the rate.
+    `prompts`: decode at batch b runs through up to DECODE_GROUPS * b of these in a closed loop
+    of b slots (`_decode_rate`), so speculation meets the acceptance of the requests served
+    (`bench.engine`'s own prompts repeat a few words, where n-gram drafts nearly always land).
     """
-    from bench.engine import decode_throughput, prefill_throughput
+    from bench.engine import prefill_throughput
 
     prefill = float(prefill_throughput(engine, prefill_len)["tokens_per_s"])
-    decode = {b: float(decode_throughput(engine, b, prompt_len, new_tokens)["tokens_per_s"])
-              for b in sorted(set(batches))}
+    decode = {b: _decode_rate(engine, b, prompt_len, new_tokens, prompts) for b in sorted(set(batches))}
     return EngineRates(prefill, decode, "measured in this run on the same engine, after the "
                        "phases (bench.engine.prefill_throughput, then decode_throughput)",
                        {"decode_prompt_tokens": prompt_len, "decode_new_tokens": new_tokens,
-                        "prefill_prompt_tokens": prefill_len})
+                        "prefill_prompt_tokens": prefill_len,
+                        "decode_prompts": f"{min(len(prompts), DECODE_GROUPS * max(batches, default=1))} "
+                                          "of the served prompts" if prompts else "bench.engine's"})
+
+
+def _decode_rate(engine: Any, batch: int, prompt_len: int, new_tokens: int,
+                 prompts: Sequence[Sequence[int]]) -> float:
+    """Decode tokens/s at `batch`: bench.engine's (`prompts` empty), else a closed loop of `batch`
+    slots through `prompts` (a slot takes the next prompt when its request ends), counting the
+    steps without prefill. A closed loop keeps the mix in flight that serving has: requests whose
+    drafts land finish sooner and are replaced, where `batch` requests started together would
+    count their fast start alone."""
+    from bench.engine import decode_throughput
+    from engine.types import Request, SamplingParams
+
+    if not prompts:
+        return float(decode_throughput(engine, batch, prompt_len, new_tokens)["tokens_per_s"])
+    sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    todo = deque(list(p) for p in prompts[: DECODE_GROUPS * batch])
+    sent, tokens, ms = 0, 0, 0.0
+
+    def send() -> None:
+        nonlocal sent
+        engine.add_request(Request(f"rate-b{batch}-{sent}", todo.popleft(), sp))
+        sent += 1
+
+    for _ in range(min(batch, len(todo))):
+        send()
+    while engine.has_work():
+        out = engine.step()
+        if out.stats is not None and out.stats.prefill_tokens == 0:
+            tokens += out.stats.decode_tokens
+            ms += out.stats.step_ms
+        for _ in (e for e in out.events if e.finished and todo):
+            send()
+    return tokens / (ms / 1e3) if ms else 0.0
 
 
 def rates_from_file(path: str) -> EngineRates:

@@ -334,6 +334,9 @@ def load(cfg: FindingsConfig, log: Any) -> Any:
                          progress=progress)
     log(f"proposers: {', '.join(sorted(engine.proposers))}; warming up (compiles are cached on disk)")
     engine.warmup(progress=progress)
+    from bench.engine import run_each_shape_once
+
+    run_each_shape_once(engine, progress)
     return engine
 
 

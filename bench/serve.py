@@ -151,7 +151,7 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
         result["compiles_since_warmup"] = _compiles(engine)
     _log(f"http_over_engine: {result['http_over_engine']}")
     best = max(range(len(rounds)), key=lambda i: rounds[i]["http"]["output_tokens_per_s"] or 0.0)
-    result["efficiency"] = _efficiency(cfg, engine, file_rates, result, served[best])
+    result["efficiency"] = _efficiency(cfg, engine, file_rates, result, served[best], jobs)
     _log(f"efficiency: {result['efficiency'].get('ratio')} (served "
          f"{result['efficiency'].get('served_tokens_per_s')} of a bound of "
          f"{result['efficiency'].get('bound_tokens_per_s')} output tok/s)")
@@ -166,10 +166,19 @@ def _forget_prefixes(engine: Any) -> None:
     """Empty the prefix cache of the engine started here before a phase. Every phase sends the
     same prompts, so a phase after the first would find them cached and skip most of their
     prefill (the engine-only phase served twice the HTTP phase's tokens/s partly from that).
-    Only an idle engine's pool may be reset; the fake engine has no pages to forget."""
+    Only an idle engine's pool may be reset; the fake engine has no pages to forget. A closed
+    HTTP stream leaves an abort in the engine's inbox, so the engine steps until it is idle first
+    (an abort of a finished request changes nothing else); a reset skipped for it once let the
+    engine-only phase find the HTTP phase's prompts cached."""
     pool = getattr(engine, "pool", None)
-    if pool is not None and not engine.has_work():
-        pool.reset()
+    if pool is None:
+        return
+    for _ in range(1000):
+        if not engine.has_work():
+            pool.reset()
+            return
+        engine.step()
+    raise RuntimeError("the engine still has work after the phase ended; its prefix cache stays")
 
 
 def _best_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -229,10 +238,14 @@ async def _http_phase(cfg: ServeBenchConfig, engine: Any, jobs: list[Job],
 async def _measure_http(cfg: ServeBenchConfig, url: str, model: str, jobs: list[Job],
                         seconds: float | None, keys: dict[str, str]
                         ) -> tuple[dict[str, Any], list[Sample]]:
-    warm = Job(-1, jobs[0].prompt, 2)
-    warm_samples, _ = await run_http(url, model, [warm], 1, None, cfg.api_key, keys=keys)
-    if warm_samples[0].error:
-        raise UserError(f"the warm-up request to {url} failed: {warm_samples[0].error}")
+    # One short request per route the jobs use (completions, chat), one after the other: the
+    # first request of each route runs code paths (and lazy imports) for the first time.
+    firsts = {job.route(): job for job in reversed(jobs)}
+    warm = [Job(-1 - i, job.prompt, 2) for i, job in enumerate(firsts.values())]
+    warm_samples, _ = await run_http(url, model, warm, 1, None, cfg.api_key, keys=keys)
+    failed = [s.error for s in warm_samples if s.error]
+    if failed:
+        raise UserError(f"the warm-up request to {url} failed: {failed[0]}")
     meter = CpuMeter()
     samples, wall = await run_http(url, model, jobs, cfg.concurrency, cfg.rate, cfg.api_key,
                                    seconds, _progress("http", len(jobs)), keys)
@@ -241,7 +254,7 @@ async def _measure_http(cfg: ServeBenchConfig, url: str, model: str, jobs: list[
 
 # ---- the efficiency bound -----------------------------------------------------------
 def _efficiency(cfg: ServeBenchConfig, engine: Any, file_rates: EngineRates | None,
-                result: dict[str, Any], samples: list[Sample]) -> dict[str, Any]:
+                result: dict[str, Any], samples: list[Sample], jobs: list[Job]) -> dict[str, Any]:
     """The `efficiency` block for the served (error-free) samples of the fastest HTTP round."""
     ok = [s for s in samples if s.error is None]
     http = result["http"]
@@ -259,7 +272,7 @@ def _efficiency(cfg: ServeBenchConfig, engine: Any, file_rates: EngineRates | No
                 "reason": "no engine here to measure (--url): pass --engine-rates FILE, the JSON of "
                           "`crossover bench engine` on the daemon's machine and model"}
     if rates is None:
-        rates = _measure(cfg, engine, ok, concurrency)
+        rates = _measure(cfg, engine, ok, concurrency, jobs)
     block = efficiency(http["output_tokens_per_s"], [s.prompt_tokens for s in ok],
                        [s.output_tokens for s in ok], concurrency, rates,
                        result.get("engine_only", {}).get("output_tokens_per_s"))
@@ -267,10 +280,11 @@ def _efficiency(cfg: ServeBenchConfig, engine: Any, file_rates: EngineRates | No
     return block
 
 
-def _measure(cfg: ServeBenchConfig, engine: Any, ok: list[Sample], concurrency: int
-             ) -> EngineRates:
+def _measure(cfg: ServeBenchConfig, engine: Any, ok: list[Sample], concurrency: int,
+             jobs: list[Job]) -> EngineRates:
     """Rates of the idle `engine` at the batch sizes an ideal closed loop of `concurrency` runs,
-    decoding after prompts of the served prompts' mean length."""
+    decoding the served prompts (speculation meets their acceptance), prefilling one of their
+    mean length."""
     from bench.efficiency import decode_schedule
 
     batches = list(decode_schedule([s.output_tokens for s in ok], concurrency)) or [1]
@@ -280,7 +294,9 @@ def _measure(cfg: ServeBenchConfig, engine: Any, ok: list[Sample], concurrency: 
     _log(f"measuring the engine's rates: decode at batch {sorted(batches)}, prefill of "
          f"{prompt_len} tokens")
     meter = CpuMeter()
-    rates = measure_rates(engine, batches, prompt_len, new_tokens, prompt_len)
+    by_index = {job.index: job for job in jobs}
+    prompts = [by_index[s.index].request(engine.tokenizer, "rate").prompt_ids for s in ok if s.index in by_index]
+    rates = measure_rates(engine, batches, prompt_len, new_tokens, prompt_len, prompts)
     return replace(rates, detail={**rates.detail, "other_processes_cpu_share": meter.share()})
 
 
@@ -368,6 +384,9 @@ def _load_engine(cfg: ServeBenchConfig) -> Any:
                          mixed_steps=cfg.mixed_steps)
     _log("warming up (every bucket compiles once; cached on disk for the next run)")
     engine.warmup(progress=progress)
+    from bench.engine import run_each_shape_once
+
+    run_each_shape_once(engine, progress)  # a daemon does this while idle; a benchmark measures after
     return engine
 
 

@@ -321,6 +321,9 @@ def load_engine(cfg: TunerBenchConfig) -> Any:
                   spec_max_batch=cfg.max_batch, model_proposers=proposers, progress=progress)
     _log(f"proposers: {', '.join(sorted(engine.proposers)) or 'none'}; warming up")
     engine.warmup(progress=progress)
+    from bench.engine import run_each_shape_once
+
+    run_each_shape_once(engine, progress)
     return engine
 
 

@@ -7,7 +7,10 @@ Data flow of one request:
    `engine.add_request` (a ValueError unregisters and propagates, so the
    handler answers 400) and sets the wake-up Event.
 2. The engine thread runs `engine.warmup()` once, then loops on
-   `engine.step()`; when the engine has no work it sleeps on the Event.
+   `engine.step()`; when the engine has no work it gives the engine an idle
+   moment (`engine.idle()`, where it has one: EngineCore runs one compiled
+   shape for the first time, engine/first_runs.py) and, once that returns
+   False, sleeps on the Event.
 3. The step's StepStats and RequestResults go to the sink (`on_step`,
    `on_result`) on the engine thread, so sinks must only buffer. This
    happens before step 4, so a stream that has ended has its result recorded.
@@ -345,8 +348,16 @@ class EngineThread:
                 if now >= self._abort_at and not aborted:
                     aborted = True
                     log.warning("drain deadline passed; aborting %d requests", self.abort_all())
-            if not busy or not self._step_once():  # no progress: wait, never spin
-                self._wake.wait(self._idle_wait_s)
+            if busy and self._step_once():
+                continue
+            if not busy and not self._stopping.is_set() and self._idle_work():
+                continue  # it ran one shape for the first time (EngineCore.idle): look for work again
+            self._wake.wait(self._idle_wait_s)  # no progress: wait, never spin
+
+    def _idle_work(self) -> bool:
+        """The engine's use of an idle moment (EngineCore.idle; the fake engine has none)."""
+        idle = getattr(self.engine, "idle", None)
+        return bool(idle is not None and idle())
 
     def _step_once(self) -> bool:
         """One step, its telemetry and its events; whether it did anything."""

@@ -32,6 +32,7 @@ from engine.chooser import StepChooser
 from engine.compiles import compile_count, serving_compiles
 from engine.config import ModelConfig
 from engine.faults import unadmitted
+from engine.first_runs import FirstRuns
 from engine.kv import KVPool, KVState
 from engine.mixed import mixed_jobs
 from engine.model import Params
@@ -96,6 +97,7 @@ class EngineCore:
         self.proposers: dict[str, Proposer] = {}
         self._keep_hidden = False
         self.spec_warmup, self.warmed_up = SpecWarmup(), False
+        self.first_runs: FirstRuns | None = None  # shapes not yet executed once (engine/first_runs.py)
         self.add_proposer(NgramProposer())
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
@@ -333,7 +335,14 @@ class EngineCore:
     def warmup(self, progress: Reporter = True) -> None:
         """Compile every shape, speculation's on a thread with background_warmup (engine/warm.py)."""
         self.spec_warmup = warm_engine(self, progress, self.ecfg.background_warmup)
+        self.first_runs = FirstRuns(self)
         self.warmed_up = True
+
+    def idle(self) -> bool:
+        """Use a moment with no work: run one compiled shape that has not run yet, so its costly
+        first execution is not a serving step's (engine/first_runs.py); whether one ran.
+        Call it on the thread that steps, only while `has_work()` is False."""
+        return self.first_runs is not None and self.first_runs.run_one()
 
     def close(self) -> None:
         """Stop a background warmup, waiting for the compile under way."""

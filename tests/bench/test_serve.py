@@ -147,7 +147,10 @@ def test_no_prefix_cache_reaches_the_engine_started_here(monkeypatch: pytest.Mon
 
     class Loaded:
         def warmup(self, progress: object = None) -> None:
-            pass
+            self.first_runs = self  # bench serve runs each shape once after warmup
+
+        def run_all(self, progress: object = None) -> int:
+            return 0
 
     def load_engine(**kw: object) -> Loaded:
         seen.append(bool(kw["prefix_cache"]))
@@ -208,3 +211,23 @@ def test_each_phase_starts_with_the_prefix_cache_emptied(tmp_path: Path, monkeyp
     monkeypatch.setattr(serve, "_load_engine", loaded)
     bench(tmp_path, "--requests", "4", "--concurrency", "2", "--max-tokens", "4", "--rounds", "2", "--no-db")
     assert resets == [False] * 4  # 2 rounds of an HTTP and an engine-only phase, each on an idle engine
+
+
+def test_the_prefix_cache_is_emptied_after_a_leftover_abort() -> None:
+    """A closed HTTP stream leaves an abort in the engine's inbox after the phase: the engine
+    steps it away and the cache is still emptied (it was once skipped, so the engine-only
+    phase found the HTTP phase's prompts cached and ran at twice the speed)."""
+    import bench.serve as serve
+
+    engine = FakeEngine()
+    resets: list[bool] = []
+
+    class Pool:
+        def reset(self) -> None:
+            resets.append(engine.has_work())
+
+    engine.pool = Pool()
+    engine.abort("a-request-that-already-finished")
+    assert engine.has_work()
+    serve._forget_prefixes(engine)
+    assert resets == [False]

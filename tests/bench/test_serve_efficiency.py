@@ -7,6 +7,7 @@ import json
 import sqlite3
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,7 @@ def test_efficiency_measured_on_the_fake_engine_in_the_same_run(tmp_path: Path) 
     assert "measured in this run" in eff["rates"]["source"]
     assert "other_processes_cpu_share" in eff["rates"]  # how busy the machine was meanwhile
     assert set(eff["rates"]["decode_tokens_per_s"]) == {"4"}  # the batch the bound needs
+    assert eff["rates"]["decode_prompts"] == "8 of the served prompts"
     # the fake decodes a step of 4 in about STEP_MS: near 4 tokens per STEP_MS
     assert 0.3 < eff["rates"]["decode_tokens_per_s"]["4"] * STEP_MS / 4000 <= 1.05
     assert eff["engine_only_ratio"] > 0
@@ -177,3 +179,22 @@ def test_by_url_tenant_keys_send_each_tenant_as_itself(
     assert "--tenant-keys" in result["workload"]["tenants"]["sent"]
     served = Counter(r.tenant for r in server.sink.results)
     assert set(served) == set(names) and sum(served.values()) == 9  # 8 and the warm-up
+
+
+def test_decode_rates_are_measured_on_the_prompts_given() -> None:
+    """Speculation's rate depends on what is decoded: bench serve measures decode on its served
+    prompts, in a closed loop of `batch` slots (the next prompt starts as a request ends), not on
+    the synthetic prompts of `bench engine`, where n-gram drafts nearly always land."""
+    from bench.efficiency import measure_rates
+
+    seen: list[list[int]] = []
+
+    class Recording(FakeEngine):
+        def add_request(self, req: Any) -> None:
+            seen.append(list(req.prompt_ids))
+            super().add_request(req)
+
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13, 14]]
+    rates = measure_rates(Recording(step_delay_s=0.001), [2], 10, 4, 10, prompts)
+    assert seen[3:] == prompts  # after the three prefill prompts: each served prompt once
+    assert rates.decode_tokens_per_s[2] > 0 and rates.detail["decode_prompts"] == "3 of the served prompts"

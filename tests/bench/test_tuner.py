@@ -228,11 +228,16 @@ def test_the_model_verifies_every_batch_size_with_the_compared_techniques(
 
         def warmup(self, progress: bool) -> None:
             asked["warmed"] = True
+            self.first_runs = self  # then each shape runs once
+
+        def run_all(self, progress: object = None) -> int:
+            asked["first_runs"] = True
+            return 0
 
     monkeypatch.setattr(engine.loader, "load_engine", lambda **kw: asked.update(kw) or Loaded())
     load_engine(TunerBenchConfig(techniques=techniques, max_batch=48))
     assert asked["spec_max_batch"] == 48 and asked["max_batch"] == 48
-    assert asked["model_proposers"] == proposers and asked["warmed"]
+    assert asked["model_proposers"] == proposers and asked["warmed"] and asked["first_runs"]
 
 
 def test_the_trace_samples_the_kinds_it_is_told_to_with_a_seed_each() -> None:

@@ -192,3 +192,28 @@ def test_both_engines_have_the_protocols_surface() -> None:
     assert all(hasattr(fake, n) for n in members)
     core_members = set(vars(EngineCore)) | {"tokenizer", "model_name", "max_context"}
     assert members <= core_members
+
+
+def test_the_step_loop_hands_an_idle_engine_its_idle_moments() -> None:
+    """The step loop calls `idle()` while the engine has no work (EngineCore runs a shape for the
+    first time there), again at once while it reports work done, and never while busy."""
+
+    class IdleFake(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[bool] = []  # has_work() at each idle() call
+
+        def idle(self) -> bool:
+            self.calls.append(self.has_work())
+            return len(self.calls) < 3  # work for the first two idle moments, then none
+
+    engine = IdleFake()
+
+    async def body(thread: EngineThread, sink: MemorySink) -> None:
+        await until(lambda: len(engine.calls) >= 3)
+        stream = thread.submit(req("r1", "hello", max_tokens=16))
+        async for _ in stream:
+            pass
+
+    run_with(engine, body)
+    assert len(engine.calls) >= 3 and not any(engine.calls[:3])  # (a submit may race a later one)

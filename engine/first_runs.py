@@ -1,0 +1,89 @@
+"""First executions: every compiled plain and verify shape runs once before serving needs it.
+
+XLA:CPU's first execution of an executable costs 100-400 ms more CPU than its later ones on
+this machine, even right after warmup compiled or loaded it (measured per shape: no tracing,
+no compile, a few page faults; XNNPACK off changes nothing), and grows with the batch. A
+serving step that is first to use a shape stalls by that much, and a fresh daemon meets
+dozens of shapes in its first minute. So the engine runs each shape once on the scratch page
+(all-zero page tables: padding rows write there anyway, nothing reads it as a sequence's):
+- `run_all` runs every compiled shape now (a benchmark before it measures);
+- `run_one` runs the next one, for the daemon's step loop while it has nothing to do
+  (`EngineCore.idle`), so a fresh daemon does this in its first idle seconds.
+A shape still compiling in the background is skipped until it is compiled (running it would
+compile it on the engine thread); verify shapes wait until a technique is ready. A shape
+serving already ran may run once more here: harmless, and cheaper than tracking every call.
+Mixed calls and proposers' own executables are not run here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from engine.progress import Reporter, Steps
+
+log = logging.getLogger("crossover.engine")
+
+Shape = tuple[int, int, int]
+
+
+class FirstRuns:
+    """The plain and verify shapes of one engine not yet run, cheapest first."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+        runner = core.runner
+        plain = sorted(runner.shapes(), key=lambda s: (s[0] * s[1], s[2]))
+        spec = sorted(runner.verify_shapes(), key=lambda s: (s[0] * s[1], s[2])) if core.proposers else []
+        self.left: list[tuple[bool, Shape]] = [(False, s) for s in plain] + [(True, s) for s in spec]
+        self.seconds = 0.0
+        """Time spent running shapes here."""
+
+    def run_one(self) -> bool:
+        """Run the cheapest shape not yet run that is compiled; whether one ran."""
+        for i, (verify, shape) in enumerate(self.left):
+            if self._compiled(verify, shape):
+                del self.left[i]
+                t0 = time.perf_counter()
+                try:
+                    self._run(verify, shape)
+                except Exception:  # never worth failing serving for: the shape just runs cold later
+                    log.exception("running shape %s once failed; no more first runs", shape)
+                    self.left.clear()
+                self.seconds += time.perf_counter() - t0
+                return True
+        return False
+
+    def run_all(self, progress: Reporter = False) -> int:
+        """Run every compiled shape not yet run; how many ran."""
+        n = sum(self._compiled(v, s) for v, s in self.left)
+        with Steps(progress, "warmup: running each shape once", n) as bar:
+            for _ in range(n):
+                if not self.run_one():
+                    break
+                bar.advance()
+        return n
+
+    def _compiled(self, verify: bool, shape: Shape) -> bool:
+        if verify:
+            warm = self.core.spec_warmup
+            return warm is not None and any(s == "ready" for s in warm.status().values())
+        usable = self.core.runner.usable
+        return usable is None or shape in usable
+
+    def _run(self, verify: bool, shape: Shape) -> None:
+        runner = self.core.runner
+        b, t, context = shape
+        if verify:
+            c = runner.new_verify_call(b, t - 1, context)
+            c.n_new[:] = t
+            runner.run_verify(c, np.full(c.tokens.shape, -1, np.int32))
+            return
+        c = runner.new_call(b, t, context)
+        if (c.tokens.shape[0], c.tokens.shape[1], c.global_table.shape[1] * runner.rc.page_size) != shape:
+            return  # padded to another shape: this one is not what serving would run
+        c.n_new[:] = t
+        c.logit_idx[:, 0] = t - 1
+        runner.run(c)

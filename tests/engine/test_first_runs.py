@@ -1,0 +1,86 @@
+"""First runs (engine/first_runs.py): each compiled shape executes once on the scratch page,
+before serving needs it, without compiling, taking pages or changing any output."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from engine import first_runs, warm
+from engine.compiles import compile_count
+from engine.policy import BatchRule, TunedPolicy
+from engine.types import SamplingParams
+from tests.engine.conftest import make_engine, run_prompts
+
+RC = dict(batch_buckets=(1, 2), context_buckets=(32, 128), verify_tokens=(3,), spec_max_batch=2)
+SP = SamplingParams(max_tokens=8, ignore_eos=True)
+PROMPTS = ["abcabcabcabcab", "xyzxyzxyz", "hello there, hello there"]
+NGRAM = TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=64, version=1)
+
+
+def _ran(monkeypatch) -> list[tuple[bool, tuple]]:
+    """Record every shape FirstRuns executes."""
+    ran, run = [], first_runs.FirstRuns._run
+    monkeypatch.setattr(first_runs.FirstRuns, "_run", lambda self, v, s: (ran.append((v, s)), run(self, v, s)))
+    return ran
+
+
+def test_every_shape_runs_once_without_compiling_or_changing_outputs(tiny, monkeypatch):
+    plain = run_prompts(make_engine(tiny, **RC), PROMPTS, SP)[0]
+    e = make_engine(tiny, **RC)
+    e.warmup(progress=False)
+    e.set_policy(NGRAM)
+    ran = _ran(monkeypatch)
+    before, used = compile_count(), e.pool.used
+    n = e.first_runs.run_all()
+    plain_shapes, verify_shapes = e.runner.shapes(), e.runner.verify_shapes()
+    assert n == len(plain_shapes) + len(verify_shapes) == len(ran)
+    assert sorted(s for v, s in ran if not v) == sorted(plain_shapes)
+    assert sorted(s for v, s in ran if v) == sorted(verify_shapes)
+    assert compile_count() == before and e.pool.used == used == 0  # nothing compiled, no page taken
+    assert not e.idle() and e.first_runs.left == []  # nothing left for idle moments
+    out, stats = run_prompts(e, PROMPTS, SP)
+    assert out == plain  # the scratch page's writes reach no sequence (speculation is lossless)
+    assert any(s.technique == "ngram" for s in stats) and e.compiles_since_warmup() == 0
+
+
+def test_idle_moments_run_one_shape_each_cheapest_first(tiny, monkeypatch):
+    e = make_engine(tiny, **{**RC, "verify_tokens": ()})
+    e.warmup(progress=False)
+    ran = _ran(monkeypatch)
+    total = len(e.runner.shapes())
+    assert e.idle() and len(ran) == 1 and ran[0] == (False, (1, 1, 32))  # batch 1 decode, smallest context
+    while e.idle():
+        pass
+    assert len(ran) == total and e.first_runs.left == []
+
+
+def test_shapes_still_compiling_wait_until_compiled(tiny, monkeypatch):
+    """With the background warmup holding back every shape but the covering ones, only those run;
+    the rest run once the background has compiled them."""
+    e = make_engine(tiny, **{**RC, "verify_tokens": ()})
+    e.ecfg = dataclasses.replace(e.ecfg, background_warmup=True)
+    gate, one = threading.Event(), warm._one_shape
+    monkeypatch.setattr(warm, "_one_shape", lambda *a, **k: (gate.wait(120), one(*a, **k)))
+    ran = _ran(monkeypatch)
+    try:
+        e.warmup(progress=False)
+        usable = e.runner.usable
+        assert usable is not None and e.first_runs.run_all() == len(usable)
+        assert sorted(s for _, s in ran) == sorted(usable) and not e.idle()
+    finally:
+        gate.set()
+    assert e.spec_warmup.join(600) and e.runner.usable is None
+    e.first_runs.run_all()
+    assert sorted(s for _, s in ran) == sorted(e.runner.shapes()) and e.compiles_since_warmup() == 0
+
+
+def test_a_failing_first_run_stops_first_runs_and_serving_goes_on(tiny, monkeypatch, caplog):
+    e = make_engine(tiny, **{**RC, "verify_tokens": ()})
+    e.warmup(progress=False)
+    monkeypatch.setattr(e.runner, "run", lambda c: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert e.idle()  # it tried one
+    assert e.first_runs.left == [] and "no more first runs" in caplog.text
+    monkeypatch.undo()
+    out, _ = run_prompts(e, PROMPTS[:1], SP)
+    assert len(out[0]) == SP.max_tokens
