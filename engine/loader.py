@@ -20,6 +20,7 @@ from engine.config import ModelConfig
 from engine.core import EngineConfig, EngineCore
 from engine.layer_draft import DRAFT_VOCABS
 from engine.memory import KV_DTYPE_BYTES, size_pool
+from engine.prefill_groups import group_shapes
 from engine.scheduler import mix_chunk, mixed_shapes
 from engine.progress import Reporter, note
 from engine.runner import RunnerConfig, prefill_shapes
@@ -91,7 +92,8 @@ def estimated_mappings(rc: RunnerConfig, drafting: bool) -> float:
     plain = len(rc.batch_buckets) * len(rc.context_buckets) + len(prefill_shapes(rc.prefill_buckets,
                                                                                    rc.context_buckets))
     spec = spec_shapes_per_context(rc.batch_buckets, rc.verify_tokens, rc.spec_max_batch, drafting)
-    plain += len(mixed_shapes(rc))
+    plain += len(mixed_shapes(rc)) + len(group_shapes(rc.batch_buckets, rc.prefill_buckets, rc.context_buckets,
+                                                      rc.prefill_rows))
     return MAPS_RESERVE + MAPS_PER_SHAPE * (plain + spec * len(rc.spec_contexts))
 
 
@@ -124,6 +126,9 @@ MIX_TOKENS_PER_ROW = 8
 to a prefill bucket (at most engine.scheduler.MIX_MAX_CHUNK). Measured on this CPU (Gemma 3
 270M, float32): a prefill token costs ~1 ms, a decode step ~70 ms at batch 8, so batches up
 to 8 carry 32 tokens and 16 or more carry 128, keeping a step within ~2x a plain one."""
+PREFILL_ROWS = 8
+"""Most short prompts' chunks one prefill call carries (engine/prefill_groups.py): a call
+costs ~35 ms plus ~1 ms a token here, so 8 chunks of 32 tokens take half their time apart."""
 MIX_MIN_CONTEXT = 512
 """Mixed calls compile for context buckets from this one up; a shorter context pads up to it
 (attention costs little at the batches that mix; fewer executables and memory mappings)."""
@@ -200,9 +205,12 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     prefills = tuple(b for b in (32, 128, 512) if b <= cap) or (cap,)
     spec_batch = min(spec_max_batch, max_batch)
     per_row = MIX_TOKENS_PER_ROW if mixed_steps else 0
+    rows = 1 if mixed_steps else PREFILL_ROWS  # mixed calls carry short chunks instead
+    kept = 2 * mixed_per_context(batches, prefills, per_row) + len(group_shapes(batches, prefills,
+                                                                                context_buckets(max_context), rows))
     plain, spec = split_context_buckets(context_buckets(max_context), batches, prefills,
                                         spec_shapes_per_context(batches, verify_tokens, spec_batch, drafting),
-                                        map_limit, 2 * mixed_per_context(batches, prefills, per_row))
+                                        map_limit, kept)
     spec = spec[-spec_contexts:] if spec_contexts else spec
     return RunnerConfig(
         page_size=PAGE_SIZE,
@@ -221,6 +229,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
         tensor_parallel=tensor_parallel,
         mix_tokens_per_row=per_row,
         mix_context_buckets=mix_context_buckets(plain),
+        prefill_rows=rows,
     )
 
 

@@ -3,15 +3,13 @@
 1. The scheduler hands over numpy arrays for one call (tokens, page tables, ...).
 2. `bucket_shape` pads them to the smallest configured bucket (batch, new
    tokens, page-table width), so only warmed-up shapes reach `jax.jit`.
-3. `_forward` (jitted) runs the layers over the cache; `_write` (jitted, KV
-   donated) scatters the new K/V in place;
-   `_sample` (jitted apart, its shapes do not depend on context) picks tokens.
+3. `_forward` (jitted) runs the layers over the cache; `_write` (jitted, KV donated) scatters
+   the new K/V in place; `_sample` (jitted apart: its shapes ignore the context) picks tokens.
 4. The runner keeps the new KV state and returns tokens/logprobs as numpy.
-A process-wide counter of jit compilations (engine/compiles.py) lets tests
-prove that serving after `warmup()` compiles nothing. `warmup` runs the shapes
-of plain decoding and prefill; `spec_jobs` compiles verification's ahead of
-time without touching device state, so it may run on another thread while
-this one serves (engine/warm.py).
+A process-wide counter of jit compilations (engine/compiles.py) lets tests prove that
+serving after `warmup()` compiles nothing. `warmup` runs the shapes of plain decoding and
+prefill; `spec_jobs` compiles verification's ahead of time without touching device state,
+so it may run on another thread while this one serves (engine/warm.py).
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ from engine.config import ModelConfig
 from engine.kv import Batch, KVState, cache_reader, write_new
 from engine.model import Params, forward, logits, unstack_layers
 from engine.progress import Reporter, Steps, note
+from engine.prefill_groups import group_shapes
 from engine.scheduler import mix_chunk
 from engine.penalties import SPARE_ENTRIES
 from engine.sampling import (Adjust, SamplingArrays, adjust_logits, greedy, sample, top_candidates, top_logprobs,
@@ -86,6 +85,8 @@ class RunnerConfig:
     """Mixed steps (engine/mixed.py): prefill tokens a decode call carries per decode row; 0: off."""
     mix_context_buckets: tuple[int, ...] = ()
     """Page-table widths compiled for mixed calls: the largest of context_buckets; () = all."""
+    prefill_rows: int = 1
+    """Most short prompts' chunks one prefill call carries (engine/prefill_groups.py); 1: off."""
 
     def __post_init__(self) -> None:
         cap = self.ring_pages * self.page_size
@@ -368,10 +369,10 @@ class ModelRunner:
     def shapes(self) -> list[tuple[int, int, int]]:
         """Every (batch, new_tokens, context) the engine may call with."""
         rc = self.rc
-        out = [(b, 1, c) for b in rc.batch_buckets for c in rc.context_buckets]
-        # mixed steps: a short chunk runs beside a padding decode row (engine/step.py)
-        alone = mix_chunk(rc.batch_buckets[0], rc.mix_tokens_per_row, rc.prefill_buckets)
-        return out + [(1, t, c) for t, c in prefill_shapes(rc.prefill_buckets, rc.context_buckets) if t > alone]
+        out = [(b, 1, c) for b in rc.batch_buckets for c in rc.context_buckets]  # then prefill's:
+        alone = mix_chunk(rc.batch_buckets[0], rc.mix_tokens_per_row, rc.prefill_buckets)  # mixed calls carry those
+        return (out + [(1, t, c) for t, c in prefill_shapes(rc.prefill_buckets, rc.context_buckets) if t > alone]
+                + group_shapes(rc.batch_buckets, rc.prefill_buckets, rc.context_buckets, rc.prefill_rows))
 
     def verify_shapes(self) -> list[tuple[int, int, int]]:
         """Every (batch, 1 + depth, context) speculation may verify with."""

@@ -8,8 +8,9 @@
    accepting its own prefix, so every row stays lossless.
 2. Plain decoding with prefill chunks planned (engine/mixed.py): the chunks
    ride in the decode call as a second segment, one forward for both.
-3. Chunks not carried (speculation ran, or no decode rows): each runs alone,
-   as a mixed call whose decode segment is one padding row where a mixed
+3. Chunks not carried (speculation ran, or no decode rows): short ones side by
+   side as the rows of one call (engine/prefill_groups.py), the others each
+   alone, as a mixed call whose decode segment is one padding row where a mixed
    shape fits it (so no prefill shape of its own is compiled for short
    chunks), else in a prefill call of its own.
 4. Each row's sampled tokens go to its sequence (`EngineCore._emit`); a row
@@ -26,6 +27,7 @@ import numpy as np
 from engine.faults import build_rows, propose_alone
 from engine.mixed import new_mixed_calls, run_mixed
 from engine.penalties import wants_adjust
+from engine.prefill_groups import run_group, split_groups
 from engine.scheduler import StepPlan
 from engine.sequence import Sequence, Status
 from engine.types import RowClass
@@ -66,6 +68,9 @@ def run_step(core, plan: StepPlan, events, finished) -> SpecResult:
     """Run `plan` on `core` (an EngineCore): decode or verify (module docstring), then the chunks."""
     chunks = list(plan.prefill)  # _run_decode takes out those it carries
     spec = _run_decode(core, plan, chunks, events, finished)
+    groups, chunks = split_groups(core.runner.rc, chunks, core.runner.usable is None)
+    for group in groups:
+        run_group(core, group, events, finished)
     for seq, n in chunks:
         if seq.status is not Status.RUNNING:  # failed earlier in this step
             continue

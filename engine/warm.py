@@ -163,14 +163,15 @@ Shape = tuple[int, int, int]
 
 
 def covering_shapes(shapes: list[Shape]) -> list[Shape]:
-    """Per kind of call (decode: 1 new token, prefill: more), the shape no smaller in any
-    dimension than every other of that kind; every plain call can be padded to one of them.
-    [] when a kind has no such shape (then nothing may be left for later).
-    Example: covering_shapes([(1, 1, 64), (4, 1, 64), (4, 1, 512), (1, 32, 64), (1, 128, 512)])
-    == [(4, 1, 512), (1, 128, 512)].
+    """Per kind of call (decode: 1 new token, prefill: more, one row), the shape no smaller in
+    any dimension than every other of that kind; every plain call can be padded to one of them.
+    [] when a kind has no such shape (then nothing may be left for later). Grouped prefill calls
+    (engine/prefill_groups.py) wait for their own shapes: they cover nothing.
+    Example: covering_shapes([(1, 1, 64), (4, 1, 64), (4, 1, 512), (1, 32, 64), (1, 128, 512),
+    (2, 32, 64)]) == [(4, 1, 512), (1, 128, 512)].
     """
     out = []
-    for kind in ({s for s in shapes if s[1] == 1}, {s for s in shapes if s[1] > 1}):
+    for kind in ({s for s in shapes if s[1] == 1}, {s for s in shapes if s[1] > 1 and s[0] == 1}):
         if kind:
             top = tuple(max(s[i] for s in kind) for i in range(3))
             if top not in kind:
