@@ -5,8 +5,9 @@ the weights streamed once) plus ~1 ms a token. Measured on Gemma 3 270M, float32
 512: one 32-token chunk alone takes 68 ms; 4 and 8 of them as the rows of one call take 139
 and 241 ms, not 272 and 544. Two 128-token chunks gain little (261 ms together, 272 apart), so
 only chunks of at most the smallest prefill bucket, whose context fits GROUP_MAX_CONTEXT, are
-grouped: up to `RunnerConfig.prefill_rows` of them (padded to a batch bucket) per call. The
-rest run alone, as before. With mixed steps (engine/mixed.py) chunks ride in decode calls
+grouped: up to `RunnerConfig.prefill_rows` of them (padded to a batch bucket) per call, at one
+context bucket (a 32-token chunk alone takes 66 ms at context 64 and 64 ms at 512: padding the
+context costs little, and each bucket is more executables). The rest run alone, as before. With mixed steps (engine/mixed.py) chunks ride in decode calls
 instead, and groups are off; while the background warmup still compiles plain shapes, a
 chunk runs alone (padded to a compiled shape).
 """
@@ -23,16 +24,17 @@ Chunk = tuple[Sequence, int]
 
 
 def group_contexts(contexts: tuple[int, ...]) -> tuple[int, ...]:
-    """The context buckets grouped calls compile for: those up to GROUP_MAX_CONTEXT (else the
-    smallest). Example: group_contexts((64, 128, 512, 2048)) == (64, 128, 512)."""
-    return tuple(c for c in contexts if c <= GROUP_MAX_CONTEXT) or contexts[:1]
+    """The one context bucket grouped calls compile for: the smallest that holds
+    GROUP_MAX_CONTEXT, else the largest. Example: group_contexts((64, 128, 512, 2048)) == (512,);
+    group_contexts((32, 128)) == (128,)."""
+    return tuple([c for c in contexts if c >= GROUP_MAX_CONTEXT] or list(contexts[-1:]))[:1]
 
 
 def group_shapes(batches: tuple[int, ...], prefills: tuple[int, ...], contexts: tuple[int, ...],
                  rows: int) -> list[tuple[int, int, int]]:
     """(batch, chunk, context) of every grouped call: batch buckets from 2 up to `rows`, the
     smallest prefill bucket, group_contexts. Example: group_shapes((1, 2, 4, 8, 16), (32, 128),
-    (64, 2048), 8) == [(2, 32, 64), (4, 32, 64), (8, 32, 64)]."""
+    (64, 2048), 8) == [(2, 32, 2048), (4, 32, 2048), (8, 32, 2048)]."""
     return [(b, prefills[0], c) for b in batches if 1 < b <= rows for c in group_contexts(contexts)]
 
 
@@ -42,7 +44,7 @@ def split_groups(rc, chunks: list[Chunk], compiled: bool) -> tuple[list[list[Chu
     shapes = group_shapes(rc.batch_buckets, rc.prefill_buckets, rc.context_buckets, rc.prefill_rows)
     if not shapes or not compiled or rc.mix_tokens_per_row:
         return [], list(chunks)
-    most, top = max(s[0] for s in shapes), max(s[2] for s in shapes)
+    most, top = max(s[0] for s in shapes), min(shapes[0][2], GROUP_MAX_CONTEXT)
     short = [(s, n) for s, n in chunks if n <= rc.prefill_buckets[0] and s.num_cached + n <= top]
     groups = [short[i : i + most] for i in range(0, len(short), most)]
     groups = [g for g in groups if len(g) > 1]
@@ -55,9 +57,9 @@ def run_group(core, group: list[Chunk], events, finished) -> None:
     end yields the sequence's first token, as a prefill call of its own would."""
     n_of = {id(s): n for s, n in group}
     live = [s for s, _ in group if s.status is Status.RUNNING]  # a row may have failed this step
+    context = group_contexts(core.runner.rc.context_buckets)[0]  # every row pads up to it
     seqs, c = build_rows(live, lambda ss: core.runner.new_call(
-                             len(ss), max(2, max(n_of[id(s)] for s in ss)),
-                             max(s.num_cached + n_of[id(s)] for s in ss)),
+                             len(ss), max(2, max(n_of[id(s)] for s in ss)), context),
                          lambda c, i, s: core._fill_row(c, i, s, n_of[id(s)]), core._failer(events, finished))
     if c is None:
         return
