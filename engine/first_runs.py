@@ -18,7 +18,6 @@ Mixed calls and proposers' own executables are not run here.
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 
@@ -38,21 +37,17 @@ class FirstRuns:
         plain = sorted(runner.shapes(), key=lambda s: (s[0] * s[1], s[2]))
         spec = sorted(runner.verify_shapes(), key=lambda s: (s[0] * s[1], s[2])) if core.proposers else []
         self.left: list[tuple[bool, Shape]] = [(False, s) for s in plain] + [(True, s) for s in spec]
-        self.seconds = 0.0
-        """Time spent running shapes here."""
 
     def run_one(self) -> bool:
         """Run the cheapest shape not yet run that is compiled; whether one ran."""
         for i, (verify, shape) in enumerate(self.left):
             if self._compiled(verify, shape):
                 del self.left[i]
-                t0 = time.perf_counter()
                 try:
                     self._run(verify, shape)
                 except Exception:  # never worth failing serving for: the shape just runs cold later
                     log.exception("running shape %s once failed; no more first runs", shape)
                     self.left.clear()
-                self.seconds += time.perf_counter() - t0
                 return True
         return False
 

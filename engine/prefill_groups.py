@@ -7,9 +7,10 @@ and 241 ms, not 272 and 544. Two 128-token chunks gain little (261 ms together, 
 only chunks of at most the smallest prefill bucket, whose context fits GROUP_MAX_CONTEXT, are
 grouped: up to `RunnerConfig.prefill_rows` of them (padded to a batch bucket) per call, at one
 context bucket (a 32-token chunk alone takes 66 ms at context 64 and 64 ms at 512: padding the
-context costs little, and each bucket is more executables). The rest run alone, as before. With mixed steps (engine/mixed.py) chunks ride in decode calls
-instead, and groups are off; while the background warmup still compiles plain shapes, a
-chunk runs alone (padded to a compiled shape).
+context costs little, and each bucket is more executables). The rest run alone, as before.
+With mixed steps (engine/mixed.py) chunks ride in decode calls instead, and groups are off;
+while the background warmup still compiles plain shapes, a chunk runs alone (padded to a
+compiled shape).
 """
 
 from __future__ import annotations
