@@ -21,30 +21,34 @@ import logging
 
 import numpy as np
 
+from engine.mixed import new_mixed_calls, run_mixed
 from engine.progress import Reporter, Steps
+from engine.scheduler import mixed_shapes
 
 log = logging.getLogger("crossover.engine")
 
-Shape = tuple[int, int, int]
+Shape = tuple[int, ...]  # plain and verify (batch, tokens, context); mixed (batch, rows, chunk, context)
 
 
 class FirstRuns:
-    """The plain and verify shapes of one engine not yet run, cheapest first."""
+    """The plain, mixed and verify shapes of one engine not yet run, cheapest first."""
 
     def __init__(self, core) -> None:
         self.core = core
         runner = core.runner
         plain = sorted(runner.shapes(), key=lambda s: (s[0] * s[1], s[2]))
+        mixed = sorted(mixed_shapes(runner.rc), key=lambda s: (s[0] + s[1] * s[2], s[3]))
         spec = sorted(runner.verify_shapes(), key=lambda s: (s[0] * s[1], s[2])) if core.proposers else []
-        self.left: list[tuple[bool, Shape]] = [(False, s) for s in plain] + [(True, s) for s in spec]
+        self.left: list[tuple[str, Shape]] = ([("plain", s) for s in plain] + [("mixed", s) for s in mixed]
+                                              + [("verify", s) for s in spec])
 
     def run_one(self) -> bool:
         """Run the cheapest shape not yet run that is compiled; whether one ran."""
-        for i, (verify, shape) in enumerate(self.left):
-            if self._compiled(verify, shape):
+        for i, (kind, shape) in enumerate(self.left):
+            if self._compiled(kind, shape):
                 del self.left[i]
                 try:
-                    self._run(verify, shape)
+                    self._run(kind, shape)
                 except Exception:  # never worth failing serving for: the shape just runs cold later
                     log.exception("running shape %s once failed; no more first runs", shape)
                     self.left.clear()
@@ -61,17 +65,29 @@ class FirstRuns:
                 bar.advance()
         return n
 
-    def _compiled(self, verify: bool, shape: Shape) -> bool:
-        if verify:
+    def _compiled(self, kind: str, shape: Shape) -> bool:
+        if kind == "verify":
             warm = self.core.spec_warmup
             return warm is not None and any(s == "ready" for s in warm.status().values())
+        if kind == "mixed":
+            return self._mixed_calls(shape) is not None
         usable = self.core.runner.usable
         return usable is None or shape in usable
 
-    def _run(self, verify: bool, shape: Shape) -> None:
+    def _mixed_calls(self, shape: Shape):
+        b, rows, chunk, context = shape
+        return new_mixed_calls(self.core.runner, b, rows, chunk, context)
+
+    def _run(self, kind: str, shape: Shape) -> None:
         runner = self.core.runner
+        if kind == "mixed":
+            d, p = self._mixed_calls(shape)
+            d.n_new[:], p.n_new[:] = 1, shape[2]
+            d.logit_idx[:, 0], p.logit_idx[:, 0] = 0, shape[2] - 1
+            run_mixed(runner, (d, p))
+            return
         b, t, context = shape
-        if verify:
+        if kind == "verify":
             c = runner.new_verify_call(b, t - 1, context)
             c.n_new[:] = t
             runner.run_verify(c, np.full(c.tokens.shape, -1, np.int32))

@@ -121,11 +121,15 @@ def split_context_buckets(ladder: tuple[int, ...], batches: tuple[int, ...], pre
     return ladder[-1:], ladder[-1:]
 
 
-MIX_TOKENS_PER_ROW = 8
+MIX_TOKENS_PER_ROW = 4
 """Mixed steps: prefill tokens a step may carry per decode row (engine/mixed.py), rounded down
 to a prefill bucket (at most engine.scheduler.MIX_MAX_CHUNK). Measured on this CPU (Gemma 3
-270M, float32): a prefill token costs ~1 ms, a decode step ~70 ms at batch 8, so batches up
-to 8 carry 32 tokens and 16 or more carry 128, keeping a step within ~2x a plain one."""
+270M, float32, `python -m bench.long_prefill`): a decode step at batch 4 takes ~42 ms and each
+prefill token a mixed call carries ~1.3 ms more, so a 32-token chunk doubled the streams' step
+(83 ms) and a 16-token one, which batches up to 4 carry, keeps it near 1.5x; batches of 8-16
+carry 32 tokens, 32 carry 128."""
+MIX_PREFILL_BUCKETS = (16, 32, 128, 512)
+"""Prefill chunk buckets with mixed steps: the 16-token bucket is the chunk small batches carry."""
 PREFILL_ROWS = 8
 """Most short prompts' chunks one prefill call carries (engine/prefill_groups.py): a call
 costs ~35 ms plus ~1 ms a token here, so 8 chunks of 32 tokens take half their time apart."""
@@ -135,17 +139,17 @@ MIX_MIN_CONTEXT = 512
 
 
 def mix_context_buckets(contexts: tuple[int, ...]) -> tuple[int, ...]:
-    """Two context buckets for mixed calls: the smallest from MIX_MIN_CONTEXT up and the largest
-    (only Gemma 3's few global layers read past the sliding window, so padding a mixed call's
-    page table up to the largest bucket costs little, and each width is a set of executables).
-    Example: mix_context_buckets((64, 128, 512, 2048, 4096)) == (512, 4096)."""
-    up = [c for c in contexts if c >= MIX_MIN_CONTEXT] or list(contexts[-1:])
-    return tuple(sorted({up[0], up[-1]}))
+    """Context buckets mixed calls compile for: every one from MIX_MIN_CONTEXT up (a shorter
+    context pads up to the smallest). Padding past the next bucket is not cheap: with a 2,000-token
+    prompt prefilled beside 4 streams (`python -m bench.long_prefill`), mixed steps took 110-140 ms
+    padded to 4096 and 66-86 ms at 2048, against 48 ms a decode step.
+    Example: mix_context_buckets((64, 128, 512, 2048, 4096)) == (512, 2048, 4096)."""
+    return tuple(c for c in contexts if c >= MIX_MIN_CONTEXT) or tuple(contexts[-1:])
 
 
 def mixed_per_context(batches: tuple[int, ...], prefills: tuple[int, ...], per_row: int) -> int:
     """Mixed-call shapes per context bucket (engine.scheduler.mixed_shapes without the contexts).
-    Example: mixed_per_context((1, 2, 4, 8, 16, 32), (32, 128, 512), 8) == 8."""
+    Example: mixed_per_context((1, 2, 4, 8, 16, 32), (16, 32, 128, 512), 4) == 10."""
     return sum(t <= mix_chunk(b, per_row, prefills) for b in batches for t in prefills) if per_row else 0
 
 
@@ -202,13 +206,14 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     sizes = size_pool(cfg, kv_budget_bytes, PAGE_SIZE, kv_dtype, max_context, MAX_SPEC_DEPTH)
     cap = sizes.ring_pages * PAGE_SIZE
     batches = batch_buckets(max_batch, smallest_batch(dtype))
-    prefills = tuple(b for b in (32, 128, 512) if b <= cap) or (cap,)
+    prefills = tuple(b for b in (MIX_PREFILL_BUCKETS if mixed_steps else (32, 128, 512)) if b <= cap) or (cap,)
     spec_batch = min(spec_max_batch, max_batch)
     per_row = MIX_TOKENS_PER_ROW if mixed_steps else 0
     rows = 1 if mixed_steps else PREFILL_ROWS  # mixed calls carry short chunks instead
-    kept = 2 * mixed_per_context(batches, prefills, per_row) + len(group_shapes(batches, prefills,
-                                                                                context_buckets(max_context), rows))
-    plain, spec = split_context_buckets(context_buckets(max_context), batches, prefills,
+    ladder = context_buckets(max_context)
+    kept = (len(mix_context_buckets(ladder)) * mixed_per_context(batches, prefills, per_row)
+            + len(group_shapes(batches, prefills, ladder, rows)))
+    plain, spec = split_context_buckets(ladder, batches, prefills,
                                         spec_shapes_per_context(batches, verify_tokens, spec_batch, drafting),
                                         map_limit, kept)
     spec = spec[-spec_contexts:] if spec_contexts else spec

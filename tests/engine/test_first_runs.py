@@ -9,6 +9,7 @@ import threading
 from engine import first_runs, warm
 from engine.compiles import compile_count
 from engine.policy import BatchRule, TunedPolicy
+from engine.scheduler import mixed_shapes
 from engine.types import SamplingParams
 from tests.engine.conftest import make_engine, run_prompts
 
@@ -18,10 +19,10 @@ PROMPTS = ["abcabcabcabcab", "xyzxyzxyz", "hello there, hello there"]
 NGRAM = TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=64, version=1)
 
 
-def _ran(monkeypatch) -> list[tuple[bool, tuple]]:
-    """Record every shape FirstRuns executes."""
+def _ran(monkeypatch) -> list[tuple[str, tuple]]:
+    """Record every (kind, shape) FirstRuns executes."""
     ran, run = [], first_runs.FirstRuns._run
-    monkeypatch.setattr(first_runs.FirstRuns, "_run", lambda self, v, s: (ran.append((v, s)), run(self, v, s)))
+    monkeypatch.setattr(first_runs.FirstRuns, "_run", lambda self, k, s: (ran.append((k, s)), run(self, k, s)))
     return ran
 
 
@@ -35,8 +36,8 @@ def test_every_shape_runs_once_without_compiling_or_changing_outputs(tiny, monke
     n = e.first_runs.run_all()
     plain_shapes, verify_shapes = e.runner.shapes(), e.runner.verify_shapes()
     assert n == len(plain_shapes) + len(verify_shapes) == len(ran)
-    assert sorted(s for v, s in ran if not v) == sorted(plain_shapes)
-    assert sorted(s for v, s in ran if v) == sorted(verify_shapes)
+    assert sorted(s for k, s in ran if k == "plain") == sorted(plain_shapes)
+    assert sorted(s for k, s in ran if k == "verify") == sorted(verify_shapes)
     assert compile_count() == before and e.pool.used == used == 0  # nothing compiled, no page taken
     assert not e.idle() and e.first_runs.left == []  # nothing left for idle moments
     out, stats = run_prompts(e, PROMPTS, SP)
@@ -49,7 +50,7 @@ def test_idle_moments_run_one_shape_each_cheapest_first(tiny, monkeypatch):
     e.warmup(progress=False)
     ran = _ran(monkeypatch)
     total = len(e.runner.shapes())
-    assert e.idle() and len(ran) == 1 and ran[0] == (False, (1, 1, 32))  # batch 1 decode, smallest context
+    assert e.idle() and len(ran) == 1 and ran[0] == ("plain", (1, 1, 32))  # batch 1 decode, smallest context
     while e.idle():
         pass
     assert len(ran) == total and e.first_runs.left == []
@@ -84,3 +85,17 @@ def test_a_failing_first_run_stops_first_runs_and_serving_goes_on(tiny, monkeypa
     monkeypatch.undo()
     out, _ = run_prompts(e, PROMPTS[:1], SP)
     assert len(out[0]) == SP.max_tokens
+
+
+def test_mixed_calls_run_once_too_without_compiling_or_changing_outputs(tiny, monkeypatch):
+    rc = {**RC, "verify_tokens": (), "mix_tokens_per_row": 4}
+    plain = run_prompts(make_engine(tiny, **rc), PROMPTS, SP)[0]
+    e = make_engine(tiny, **rc)
+    e.warmup(progress=False)
+    ran = _ran(monkeypatch)
+    before = compile_count()
+    e.first_runs.run_all()
+    mixed = mixed_shapes(e.runner.rc)
+    assert mixed and sorted(s for k, s in ran if k == "mixed") == sorted(mixed)
+    assert compile_count() == before and e.pool.used == 0
+    assert run_prompts(e, PROMPTS, SP)[0] == plain and e.compiles_since_warmup() == 0
