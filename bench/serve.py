@@ -32,7 +32,12 @@
    the batch sizes the bound needs, measured on the same engine after the
    phases (or read from --engine-rates, a `crossover bench engine` JSON);
    the bound for the requests the fastest HTTP round served, and served
-   tokens/s over it. JSON goes to --out, progress to stderr.
+   tokens/s over it.
+8. TTFT against an idle daemon (unless --no-idle-ttft): each job of the
+   fastest HTTP round once more, alone and for one token, on a fresh in-process
+   daemon with the prefix cache emptied (or the one at --url); `ttft_vs_idle`
+   has the loaded p99 over the idle p99 and, per request, loaded / idle.
+JSON goes to --out, progress to stderr.
 """
 
 from __future__ import annotations
@@ -112,6 +117,9 @@ class ServeBenchConfig:
     """A `crossover bench engine` JSON whose rates the efficiency bound uses (else measured here)."""
     tenant_keys: str | None = None
     """--url: a JSON file {tenant: API key}; a tenant's requests are sent with its key."""
+    idle_ttft: bool = True
+    """After the rounds, send each served job alone (one token) and compare its TTFT with the
+    fastest HTTP round's (`ttft_vs_idle` in the JSON)."""
 
 
 def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, Any]:
@@ -152,6 +160,13 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
     _log(f"http_over_engine: {result['http_over_engine']}")
     best = max(range(len(rounds)), key=lambda i: rounds[i]["http"]["output_tokens_per_s"] or 0.0)
     result["efficiency"] = _efficiency(cfg, engine, file_rates, result, served[best], jobs)
+    if cfg.idle_ttft:
+        _forget_prefixes(engine)
+        result["ttft_vs_idle"] = _ttft_vs_idle(served[best], *asyncio.run(_idle_phase(cfg, engine, jobs,
+                                                                                     remote_keys)))
+        _log(f"ttft vs idle: p99 {result['ttft_vs_idle']['loaded_p99_over_idle_p99']}x the idle p99; "
+             f"per request p50 / p99 {result['ttft_vs_idle']['per_request']['p50']} / "
+             f"{result['ttft_vs_idle']['per_request']['p99']}x")
     _log(f"efficiency: {result['efficiency'].get('ratio')} (served "
          f"{result['efficiency'].get('served_tokens_per_s')} of a bound of "
          f"{result['efficiency'].get('bound_tokens_per_s')} output tok/s)")
@@ -250,6 +265,36 @@ async def _measure_http(cfg: ServeBenchConfig, url: str, model: str, jobs: list[
     samples, wall = await run_http(url, model, jobs, cfg.concurrency, cfg.rate, cfg.api_key,
                                    seconds, _progress("http", len(jobs)), keys)
     return summarize(samples, wall, meter.share()), samples
+
+
+# ---- TTFT against an idle daemon ----------------------------------------------------
+async def _idle_phase(cfg: ServeBenchConfig, engine: Any, jobs: list[Job], remote_keys: dict[str, str]
+                      ) -> tuple[list[Sample], bool]:
+    """Each job's TTFT with the daemon otherwise idle: the jobs one at a time, each for one
+    token (TTFT is its prefill and first token), the engine started here with its prefix cache
+    emptied first (a daemon at --url keeps its cache: the load phase's prompts may hit it).
+    (samples, whether the cache was emptied)."""
+    alone = [Job(job.index, job.prompt, 1) for job in jobs]
+    _, samples = await _http_phase(replace(cfg, concurrency=1, rate=None, seconds=None), engine, alone,
+                                   remote_keys, deadline=False)
+    return samples, engine is not None
+
+
+def _ttft_vs_idle(loaded: list[Sample], idle: list[Sample], cache_emptied: bool) -> dict[str, Any]:
+    """Loaded TTFT against the same requests' idle TTFT: the two p99s' ratio, and per request
+    the ratio loaded / idle (its distribution; the ratios, not ms)."""
+    alone = {s.index: s.ttft_s for s in idle if s.error is None and s.ttft_s}
+    pairs = [(s.ttft_s, alone[s.index]) for s in loaded if s.error is None and s.ttft_s and s.index in alone]
+    if not pairs:
+        return {"reason": "no request has both a loaded and an idle TTFT"}
+    ratios = [a / b for a, b in pairs]
+    loaded_ms, idle_ms = distribution([a for a, _ in pairs]), distribution([b for _, b in pairs])
+    per_request = {k: (None if v is None else round(v / 1000.0, 3)) for k, v in distribution(ratios).items()}
+    per_request["n"] = len(ratios)
+    return {"requests": len(pairs), "prefix_cache_emptied": cache_emptied,
+            "loaded_ttft_ms": loaded_ms, "idle_ttft_ms": idle_ms,
+            "loaded_p99_over_idle_p99": round(loaded_ms["p99"] / idle_ms["p99"], 3),
+            "per_request": per_request}
 
 
 # ---- the efficiency bound -----------------------------------------------------------
@@ -451,16 +496,25 @@ def _tenants_of(jobs: list[Job]) -> list[str]:
 
 def _create_tenants(database: Any, names: list[str], jobs: int) -> dict[str, str]:
     """Add the workload's tenants to the in-process daemon's database, none of them limited
-    below the whole load; name -> API key."""
-    from daemon.tenants.admin_ops import create_tenant
+    below the whole load; name -> API key. A tenant an earlier phase added to the same --db
+    gets a new key (keys are stored hashed, so the old one cannot be read back)."""
+    from daemon.tenants.admin_ops import create_tenant, find
+    from store.apikeys import generate_api_key, hash_api_key
     from store.db import session_scope
 
     if database is None:
         raise UserError("the workload's tenants need the telemetry database for their API "
                         "keys: drop --no-db")
-    limits = {"max_concurrent": max(1, jobs)}
+    limits, keys = {"max_concurrent": max(1, jobs)}, {}
     with session_scope(database.engine) as session:
-        return {name: create_tenant(session, name, dict(limits))[1] for name in names}
+        for name in names:
+            tenant = find(session, name)
+            if tenant is None:
+                keys[name] = create_tenant(session, name, dict(limits))[1]
+            else:
+                keys[name] = generate_api_key()
+                tenant.api_key_hash = hash_api_key(keys[name])
+    return keys
 
 
 def _tenant_keys(path: str | None) -> dict[str, str]:

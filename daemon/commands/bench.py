@@ -78,6 +78,8 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
              "(default: measured on the engine started here; with --url, none: no ratio)")
     add("--tenant-keys", default=None, metavar="FILE",
         help="with --url and --shared-prefix: JSON {tenant: API key} the tenants send with")
+    add("--no-idle-ttft", action="store_true",
+        help="skip sending each request again alone to compare its TTFT with an idle daemon's")
 
 
 def _add_crossover(c: argparse.ArgumentParser) -> None:
@@ -228,7 +230,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
         url=args.url, api_key=args.api_key or os.environ.get("CROSSOVER_API_KEY"), db=args.db,
         no_db=args.no_db, shared_prefix=args.shared_prefix, prefix_tokens=args.prefix_tokens,
         engine_rates=args.engine_rates, tenant_keys=args.tenant_keys, prefix_cache=not args.no_prefix_cache,
-        speculation=not args.no_speculation, mixed_steps=args.mixed_steps)
+        speculation=not args.no_speculation, mixed_steps=args.mixed_steps, idle_ttft=not args.no_idle_ttft)
 
 
 def _add_tuner(t: argparse.ArgumentParser) -> None:

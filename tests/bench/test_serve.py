@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from bench.serve import distribution
+from bench.loadgen import Sample
+from bench.serve import _ttft_vs_idle, distribution
 from daemon.cli import main as cli
 from engine.fake import FakeEngine
 from tests.daemon.helpers import LiveServer
@@ -57,6 +58,29 @@ def test_closed_loop_http_and_engine_only(tmp_path: Path, capsys: pytest.Capture
     err = capsys.readouterr().err
     assert "http: 12/12 requests done" in err and "round 2 engine only" in err
     assert "http_over_engine" in err
+    idle = result["ttft_vs_idle"]  # each request sent again alone, for one token
+    assert idle["requests"] == idle["per_request"]["n"] == idle["idle_ttft_ms"]["n"] == 12
+    assert idle["prefix_cache_emptied"] is True and "ttft vs idle" in err
+    assert idle["loaded_p99_over_idle_p99"] == pytest.approx(
+        idle["loaded_ttft_ms"]["p99"] / idle["idle_ttft_ms"]["p99"], rel=1e-2)
+    assert idle["loaded_ttft_ms"]["p50"] == pytest.approx(http["ttft_ms"]["p50"], rel=1e-3)
+
+
+def test_ttft_vs_idle_pairs_each_request_with_itself() -> None:
+    loaded = [Sample(0, ttft_s=0.3), Sample(1, ttft_s=0.8), Sample(2, ttft_s=0.5, error="boom"),
+              Sample(3, ttft_s=0.9)]
+    idle = [Sample(1, ttft_s=0.2), Sample(0, ttft_s=0.1), Sample(2, ttft_s=0.1)]  # 3: never alone
+    out = _ttft_vs_idle(loaded, idle, True)
+    assert out["requests"] == 2  # 2 failed loaded, 3 has no idle TTFT
+    assert out["per_request"]["p50"] == pytest.approx(3.5) and out["per_request"]["p99"] == pytest.approx(3.99)
+    assert out["loaded_p99_over_idle_p99"] == pytest.approx(0.795 / 0.199, rel=1e-3)
+    assert "reason" in _ttft_vs_idle(loaded, [], False)
+
+
+def test_no_idle_ttft_skips_the_idle_phase(tmp_path: Path) -> None:
+    result = bench(tmp_path, "--requests", "3", "--concurrency", "3", "--max-tokens", "2", "--no-db",
+                   "--no-idle-ttft")
+    assert "ttft_vs_idle" not in result and result["config"]["idle_ttft"] is False
 
 
 def test_open_loop_sends_every_request(tmp_path: Path) -> None:
@@ -84,7 +108,8 @@ def test_a_running_daemon_by_url(tmp_path: Path, live: Callable[..., LiveServer]
     assert result["config"]["api_key"] == "***"
     assert "xo-secret" not in (tmp_path / "serve.json").read_text()
     assert "engine_only" not in result and result["http_over_engine"] is None
-    assert server.sink.results[-1].output_tokens == 4
+    assert server.sink.results[-1].output_tokens == 1  # the last one sent alone, for TTFT
+    assert result["ttft_vs_idle"]["requests"] == 5 and result["ttft_vs_idle"]["prefix_cache_emptied"] is False
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -210,7 +235,8 @@ def test_each_phase_starts_with_the_prefix_cache_emptied(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(serve, "_load_engine", loaded)
     bench(tmp_path, "--requests", "4", "--concurrency", "2", "--max-tokens", "4", "--rounds", "2", "--no-db")
-    assert resets == [False] * 4  # 2 rounds of an HTTP and an engine-only phase, each on an idle engine
+    # 2 rounds of an HTTP and an engine-only phase, then the idle-TTFT phase, each on an idle engine
+    assert resets == [False] * 5
 
 
 def test_the_prefix_cache_is_emptied_after_a_leftover_abort() -> None:

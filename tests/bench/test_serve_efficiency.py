@@ -147,7 +147,10 @@ def test_shared_prefix_sends_each_tenants_requests_with_its_own_key(tmp_path: Pa
     assert tenants["requests"] == {f"prefix-tenant-{i}": 2 for i in range(4)}
     with sqlite3.connect(db) as conn:  # the daemon saw the 4 tenants (and the warm-up request)
         rows = Counter(t for (t,) in conn.execute("SELECT tenant FROM xo_requests"))
-    assert {t for t in rows} == set(tenants["requests"]) and sum(rows.values()) == 9
+    # twice: the load phase, then each request alone (the idle TTFT), each with a warm-up request;
+    # the second phase's daemon knew the tenants by their new keys
+    assert {t for t in rows} == set(tenants["requests"]) and sum(rows.values()) == 2 * 9
+    assert result["ttft_vs_idle"]["requests"] == 8
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -178,7 +181,9 @@ def test_by_url_tenant_keys_send_each_tenant_as_itself(
     check_phase(result["http"], 8, 3)
     assert "--tenant-keys" in result["workload"]["tenants"]["sent"]
     served = Counter(r.tenant for r in server.sink.results)
-    assert set(served) == set(names) and sum(served.values()) == 9  # 8 and the warm-up
+    # 8 and the warm-up, twice: the load phase, then each request alone (the idle TTFT)
+    assert set(served) == set(names) and sum(served.values()) == 2 * 9
+    assert result["ttft_vs_idle"]["prefix_cache_emptied"] is False  # the daemon at --url keeps its cache
 
 
 def test_decode_rates_are_measured_on_the_prompts_given() -> None:
