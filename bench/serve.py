@@ -164,9 +164,10 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
         _forget_prefixes(engine)
         result["ttft_vs_idle"] = _ttft_vs_idle(served[best], *asyncio.run(_idle_phase(cfg, engine, jobs,
                                                                                      remote_keys)))
-        _log(f"ttft vs idle: p99 {result['ttft_vs_idle']['loaded_p99_over_idle_p99']}x the idle p99; "
-             f"per request p50 / p99 {result['ttft_vs_idle']['per_request']['p50']} / "
-             f"{result['ttft_vs_idle']['per_request']['p99']}x")
+        idle = result["ttft_vs_idle"]
+        _log(f"ttft vs idle: {idle['reason']}" if "reason" in idle else
+             f"ttft vs idle: p99 {idle['loaded_p99_over_idle_p99']}x the idle p99; per request "
+             f"p50 / p99 {idle['per_request']['p50']} / {idle['per_request']['p99']}x")
     _log(f"efficiency: {result['efficiency'].get('ratio')} (served "
          f"{result['efficiency'].get('served_tokens_per_s')} of a bound of "
          f"{result['efficiency'].get('bound_tokens_per_s')} output tok/s)")

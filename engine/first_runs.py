@@ -1,4 +1,4 @@
-"""First executions: every compiled plain and verify shape runs once before serving needs it.
+"""First executions: every compiled plain, mixed and verify shape runs once before serving needs it.
 
 XLA:CPU's first execution of an executable costs 100-400 ms more CPU than its later ones on
 this machine, even right after warmup compiled or loaded it (measured per shape: no tracing,
@@ -10,9 +10,11 @@ dozens of shapes in its first minute. So the engine runs each shape once on the 
 - `run_one` runs the next one, for the daemon's step loop while it has nothing to do
   (`EngineCore.idle`), so a fresh daemon does this in its first idle seconds.
 A shape still compiling in the background is skipped until it is compiled (running it would
-compile it on the engine thread); verify shapes wait until a technique is ready. A shape
-serving already ran may run once more here: harmless, and cheaper than tracking every call.
-Mixed calls and proposers' own executables are not run here.
+compile it on the engine thread); a mixed call (engine/mixed.py) waits until both its
+segments' plain shapes are usable unpadded, as serving does (warmup compiles it before them);
+verify shapes wait until a technique is ready. A shape serving already ran may run once more
+here: harmless, and cheaper than tracking every call. Proposers' own executables (MTP heads,
+layer drafts, the draft model) are not run here.
 """
 
 from __future__ import annotations
@@ -69,19 +71,19 @@ class FirstRuns:
         if kind == "verify":
             warm = self.core.spec_warmup
             return warm is not None and any(s == "ready" for s in warm.status().values())
-        if kind == "mixed":
-            return self._mixed_calls(shape) is not None
         usable = self.core.runner.usable
+        if kind == "mixed":  # serving runs one only with both segments unpadded (new_mixed_calls)
+            b, rows, chunk, context = shape
+            return usable is None or {(b, 1, context), (rows, chunk, context)} <= usable
         return usable is None or shape in usable
-
-    def _mixed_calls(self, shape: Shape):
-        b, rows, chunk, context = shape
-        return new_mixed_calls(self.core.runner, b, rows, chunk, context)
 
     def _run(self, kind: str, shape: Shape) -> None:
         runner = self.core.runner
         if kind == "mixed":
-            d, p = self._mixed_calls(shape)
+            calls = new_mixed_calls(runner, *shape)
+            if calls is None:
+                return  # padded to another shape: not what serving would run
+            d, p = calls
             d.n_new[:], p.n_new[:] = 1, shape[2]
             d.logit_idx[:, 0], p.logit_idx[:, 0] = 0, shape[2] - 1
             run_mixed(runner, (d, p))

@@ -77,6 +77,19 @@ def test_ttft_vs_idle_pairs_each_request_with_itself() -> None:
     assert "reason" in _ttft_vs_idle(loaded, [], False)
 
 
+def test_an_idle_phase_without_a_ttft_reports_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    import bench.serve as serve
+
+    async def failed(*_a: Any) -> tuple[list[Sample], bool]:
+        return [Sample(0, error="HTTP 503")], True
+
+    monkeypatch.setattr(serve, "_idle_phase", failed)
+    result = bench(tmp_path, "--requests", "2", "--concurrency", "2", "--max-tokens", "2", "--no-db")
+    assert "no request has both" in result["ttft_vs_idle"]["reason"]
+    assert "ttft vs idle: no request has both" in capsys.readouterr().err
+
+
 def test_no_idle_ttft_skips_the_idle_phase(tmp_path: Path) -> None:
     result = bench(tmp_path, "--requests", "3", "--concurrency", "3", "--max-tokens", "2", "--no-db",
                    "--no-idle-ttft")
