@@ -17,11 +17,14 @@ $(STAMP): pyproject.toml | $(BIN)/python
 serve: $(STAMP)
 	$(BIN)/crossover serve
 
+# Two workers: the real-model tests on one, the other files beside them (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,6 +10,13 @@ holds many mappings or much memory, the in-memory compilation caches are
 dropped (engines still in use recompile, from the persistent cache, on their
 next call).
 
+Two workers (`make test` runs `pytest -n 2 --dist loadgroup`, pytest-xdist):
+the tests marked `slow` (the real model: several GiB each while compiled) all
+go to one worker, one after another, so two real engines never share the
+machine's memory; every other file goes whole to one worker (its module
+fixtures build once) and runs beside them. Each worker clears its compiled
+code at a lower memory mark than a lone process does.
+
 Databases: `db_url` / `db` are a fresh database at head. In tests/store,
 tests/telemetry and tests/tuner they are parametrized over SQLite and
 PostgreSQL (`[sqlite]`, `[postgresql]` in the test id); elsewhere they are
@@ -43,9 +50,13 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 MAPS_BEFORE_CLEARING = 20_000
 """Clear the compilation caches after a module once the process has this many mappings."""
-RSS_BEFORE_CLEARING = 6 << 30
+RSS_BEFORE_CLEARING = (4 << 30) if os.environ.get("PYTEST_XDIST_WORKER") else (6 << 30)
 """... or once it holds this much memory: each compiled real-model forward keeps tens of MiB of
-host memory while cached, and the suite's one process reached 17 GB of the machine's 24."""
+host memory while cached, and the suite's one process reached 17 GB of the machine's 24 (two
+workers share those 24, hence the lower mark there)."""
+
+REAL_MODEL_GROUP = "real-model"
+"""The pytest-xdist group of every `slow` test: one worker runs them all."""
 
 
 def _mappings() -> int:
@@ -86,6 +97,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "sqlite_only(reason): the test checks something only SQLite has; "
         "it does not run on PostgreSQL")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's loadgroup: `slow` tests in one group, every other file a group of its own."""
+    for item in items:
+        group = REAL_MODEL_GROUP if item.get_closest_marker("slow") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

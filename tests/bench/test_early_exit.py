@@ -140,11 +140,12 @@ def test_bad_flags_are_user_errors(capsys):
 def test_real_model_runs_every_cell(tmp_path):
     from bench.early_exit import run_bench
 
-    grid = EarlyExitGrid(batches=(1, 4), thresholds=(0.5, 0.9), new_tokens=4, quality_batch=4, ppl_tokens=8,
+    # One batch size and one threshold: the tiny-model tests above cover the grid's bookkeeping;
+    # this one checks that the real model, its shipped adapters and both fills run end to end.
+    grid = EarlyExitGrid(batches=(2,), thresholds=(0.9,), new_tokens=4, quality_batch=2, ppl_tokens=8,
                          kv_fills=FILLS)
     results = run_bench(str(tmp_path / "ee.json"), grid)
     for f, res in results.items():
-        assert {(c["batch"], c["threshold"]) for c in res["cells"]} == {
-            (b, t) for b in (1, 4) for t in ("never", 0.5, 0.9)}
+        assert {(c["batch"], c["threshold"]) for c in res["cells"]} == {(2, "never"), (2, 0.9)}
         assert res["compiles"]["during_timed_runs"] == 0
         assert json.loads((tmp_path / f"ee-{f}.json").read_text())["kv_fill"] == f

@@ -2,7 +2,9 @@
 
 XLA_FLAGS=--xla_force_host_platform_device_count must be set before jax is
 imported, so each check runs in a fresh Python process with the flag set and
-prints its findings as JSON.
+prints its findings as JSON. The real 270M runs its golden prompts over 2
+devices (its 4 query heads split, its one KV head replicated); 4 devices are
+checked on the tiny model, whose KV heads replicate there too.
 """
 
 from __future__ import annotations
@@ -145,11 +147,6 @@ def _check_golden(n: int) -> None:
 @pytest.mark.slow
 def test_real_270m_golden_prompts_over_2_devices_equal_transformers():
     _check_golden(2)
-
-
-@pytest.mark.slow
-def test_real_270m_golden_prompts_over_4_devices_equal_transformers():
-    _check_golden(4)
 
 
 def test_serve_flag_reaches_the_setting_and_bad_values_are_refused():
