@@ -276,3 +276,24 @@ def run_engine(engine: Any, jobs: list[Job], concurrency: int, rate: float | Non
                 if rate is None and pending:
                     send()
     return [samples[i] for i in sorted(sent)], time.perf_counter() - start
+
+
+def forget_prefixes(engine: Any) -> None:
+    """Empty the prefix cache of an engine a benchmark reuses, before a phase or a policy's run.
+    Every phase (bench serve) or run (bench tuner) sends the same prompts, so one after the first
+    would find them cached and skip most of their prefill (bench serve's engine-only phase served
+    twice the HTTP phase's tokens/s partly from that; every bench tuner policy after the first
+    prefilled 6% of the prompt tokens the first one did).
+    Only an idle engine's pool may be reset; the fake engine has no pages to forget. A closed
+    HTTP stream leaves an abort in the engine's inbox, so the engine steps until it is idle first
+    (an abort of a finished request changes nothing else); a reset skipped for it once let the
+    engine-only phase find the HTTP phase's prompts cached."""
+    pool = getattr(engine, "pool", None)
+    if pool is None:
+        return
+    for _ in range(1000):
+        if not engine.has_work():
+            pool.reset()
+            return
+        engine.step()
+    raise RuntimeError("the engine still has work after the phase ended; its prefix cache stays")

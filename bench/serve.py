@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from bench.efficiency import EngineRates, efficiency, measure_rates, rates_from_file
-from bench.loadgen import Job, Sample, make_jobs, run_engine, run_http
+from bench.loadgen import Job, Sample, forget_prefixes, make_jobs, run_engine, run_http
 from daemon.user_error import UserError
 
 PERCENTILES = (50, 90, 99)
@@ -138,7 +138,7 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
     _log(f"{len(jobs)} requests of {cfg.max_tokens} tokens, {mode}, {cfg.rounds} round(s)")
     rounds, served = [], []
     for r in range(cfg.rounds):
-        _forget_prefixes(engine)
+        forget_prefixes(engine)
         http, samples = asyncio.run(_http_phase(cfg, engine, jobs, remote_keys, deadline=r == 0))
         jobs = jobs[:len(samples)]  # later rounds, and the engine, send what the first round sent
         sent = len(jobs)
@@ -147,7 +147,7 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
         served.append(samples)
         if engine is not None:
             engine.set_policy(_policy(cfg, engine))  # the HTTP phase's daemon may have retuned it
-            _forget_prefixes(engine)
+            forget_prefixes(engine)
             meter = CpuMeter()
             direct, wall = run_engine(engine, jobs, cfg.concurrency, cfg.rate,
                                       _progress("engine", sent), tag=f"r{r}")
@@ -161,7 +161,7 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
     best = max(range(len(rounds)), key=lambda i: rounds[i]["http"]["output_tokens_per_s"] or 0.0)
     result["efficiency"] = _efficiency(cfg, engine, file_rates, result, served[best], jobs)
     if cfg.idle_ttft:
-        _forget_prefixes(engine)
+        forget_prefixes(engine)
         result["ttft_vs_idle"] = _ttft_vs_idle(served[best], *asyncio.run(_idle_phase(cfg, engine, jobs,
                                                                                      remote_keys)))
         idle = result["ttft_vs_idle"]
@@ -176,25 +176,6 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
         Path(out_path).write_text(json.dumps(result, indent=2) + "\n")
         _log(f"wrote {out_path}")
     return result
-
-
-def _forget_prefixes(engine: Any) -> None:
-    """Empty the prefix cache of the engine started here before a phase. Every phase sends the
-    same prompts, so a phase after the first would find them cached and skip most of their
-    prefill (the engine-only phase served twice the HTTP phase's tokens/s partly from that).
-    Only an idle engine's pool may be reset; the fake engine has no pages to forget. A closed
-    HTTP stream leaves an abort in the engine's inbox, so the engine steps until it is idle first
-    (an abort of a finished request changes nothing else); a reset skipped for it once let the
-    engine-only phase find the HTTP phase's prompts cached."""
-    pool = getattr(engine, "pool", None)
-    if pool is None:
-        return
-    for _ in range(1000):
-        if not engine.has_work():
-            pool.reset()
-            return
-        engine.step()
-    raise RuntimeError("the engine still has work after the phase ended; its prefix cache stays")
 
 
 def _best_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:

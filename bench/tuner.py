@@ -422,6 +422,7 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
     import aiohttp
     from aiohttp import web
 
+    from bench.loadgen import forget_prefixes
     from bench.serve import CpuMeter
     from bench.tuner_report import read_history
     from daemon.app import make_app
@@ -430,6 +431,9 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
     from daemon.tuning import TUNER
     from telemetry.recorder import RecorderConfig, RetentionConfig
 
+    # Every run replays the same prompts: a prefix cache kept from the run before would skip
+    # most of this run's prefill (the first run, the autotuned one, would pay for all the others).
+    forget_prefixes(engine)
     admin = secrets.token_hex(16)
     recording = RecordingEngine(engine)
     with tempfile.TemporaryDirectory(prefix="crossover-bench-tuner-") as tmp:

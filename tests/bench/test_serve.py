@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench.loadgen import Sample
+from bench.loadgen import Sample, forget_prefixes
 from bench.serve import _ttft_vs_idle, distribution
 from daemon.cli import main as cli
 from engine.fake import FakeEngine
@@ -256,8 +256,6 @@ def test_the_prefix_cache_is_emptied_after_a_leftover_abort() -> None:
     """A closed HTTP stream leaves an abort in the engine's inbox after the phase: the engine
     steps it away and the cache is still emptied (it was once skipped, so the engine-only
     phase found the HTTP phase's prompts cached and ran at twice the speed)."""
-    import bench.serve as serve
-
     engine = FakeEngine()
     resets: list[bool] = []
 
@@ -268,5 +266,5 @@ def test_the_prefix_cache_is_emptied_after_a_leftover_abort() -> None:
     engine.pool = Pool()
     engine.abort("a-request-that-already-finished")
     assert engine.has_work()
-    serve._forget_prefixes(engine)
+    forget_prefixes(engine)
     assert resets == [False]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
+import bench.tuner
 from bench.plots import MET, MISSED, REFERENCE, ratio_bars, tuner_figure
 from bench.tuner_report import TARGETS
 from daemon.cli import main as cli
@@ -36,10 +37,36 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, 
              "--search-in-thread", "--probe-retunes", str(PROBE_RETUNES), "--probe-quiet", "0.5",
              "--out", str(out)]
     err = io.StringIO()
+    load = bench.tuner.load_engine
+
+    def loaded(cfg: Any) -> Any:
+        engine = load(cfg)
+
+        class Pool:  # the fake engine has no pages; this one records when it is reset
+            def reset(self) -> None:
+                RESETS.append(engine.has_work())
+
+        engine.pool = Pool()
+        return engine
+
     with pytest.MonkeyPatch.context() as patch:  # capsys is per test; progress goes to stderr
         patch.setattr(sys, "stderr", err)
+        patch.setattr(bench.tuner, "load_engine", loaded)
         assert cli(["bench", "tuner", *flags]) == 0
     return json.loads(out.read_text()), err.getvalue(), out
+
+
+RESETS: list[bool] = []
+"""Whether the engine had work at each reset of its prefix cache during the `run` fixture."""
+
+
+def test_each_policy_runs_with_the_prefix_cache_emptied(run: tuple) -> None:
+    """Every policy replays the same prompts: the engine's prefix cache is emptied, while it is
+    idle, before each run, so no run skips the prefill the run before it paid for (the first
+    run, the autotuned one, once prefilled 16x the prompt tokens of every later one)."""
+    result, _, _ = run
+    assert len(result["policies"]) >= 3
+    assert RESETS == [False] * len(result["policies"])
 
 
 def test_every_policy_and_phase_is_there_with_positive_goodput(run: tuple) -> None:
