@@ -13,6 +13,7 @@ from bench.loadgen import Sample, forget_prefixes
 from bench.serve import _ttft_vs_idle, distribution
 from daemon.cli import main as cli
 from engine.fake import FakeEngine
+from tests.bench.conftest import recording_resets
 from tests.daemon.helpers import LiveServer
 
 STEP_MS = 4.0
@@ -234,19 +235,7 @@ def test_each_phase_starts_with_the_prefix_cache_emptied(tmp_path: Path, monkeyp
     import bench.serve as serve
 
     resets: list[bool] = []
-    load = serve._load_engine
-
-    def loaded(cfg: Any) -> FakeEngine:
-        engine = load(cfg)
-
-        class Pool:  # the fake engine has no pages; this one records when it is reset
-            def reset(self) -> None:
-                resets.append(engine.has_work())
-
-        engine.pool = Pool()
-        return engine
-
-    monkeypatch.setattr(serve, "_load_engine", loaded)
+    monkeypatch.setattr(serve, "_load_engine", recording_resets(serve._load_engine, resets))
     bench(tmp_path, "--requests", "4", "--concurrency", "2", "--max-tokens", "4", "--rounds", "2", "--no-db")
     # 2 rounds of an HTTP and an engine-only phase, then the idle-TTFT phase, each on an idle engine
     assert resets == [False] * 5

@@ -21,6 +21,7 @@ from bench.plots import MET, MISSED, REFERENCE, ratio_bars, tuner_figure
 from bench.tuner_report import TARGETS
 from daemon.cli import main as cli
 from engine.policy import TunedPolicy
+from tests.bench.conftest import recording_resets
 
 POLICIES = {"autotuned", "never", "fixed:ngram@4", "table"}
 PHASES = ["low-copy", "high-mixed", "low-prose"]
@@ -37,21 +38,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, 
              "--search-in-thread", "--probe-retunes", str(PROBE_RETUNES), "--probe-quiet", "0.5",
              "--out", str(out)]
     err = io.StringIO()
-    load = bench.tuner.load_engine
-
-    def loaded(cfg: Any) -> Any:
-        engine = load(cfg)
-
-        class Pool:  # the fake engine has no pages; this one records when it is reset
-            def reset(self) -> None:
-                RESETS.append(engine.has_work())
-
-        engine.pool = Pool()
-        return engine
-
     with pytest.MonkeyPatch.context() as patch:  # capsys is per test; progress goes to stderr
         patch.setattr(sys, "stderr", err)
-        patch.setattr(bench.tuner, "load_engine", loaded)
+        patch.setattr(bench.tuner, "load_engine", recording_resets(bench.tuner.load_engine, RESETS))
         assert cli(["bench", "tuner", *flags]) == 0
     return json.loads(out.read_text()), err.getvalue(), out
 
