@@ -15,7 +15,7 @@ above the last range, which never speculate). Steps:
    current choice, each range takes the cell maximizing T - g M / 1000 (for a
    fixed g the ranges are independent); repeat until no range changes. Each
    round raises g, and when none does, g is the maximum (a few rounds). On a
-   tie a range keeps its cell, so ranges without traffic stay "none".
+   tie a range keeps its cell.
 3. KV pages: what speculation needs grows with the techniques a policy uses,
    its deepest draft and its crossover, and with nothing else; what tenants
    need depends on none of them. So for every footprint (techniques S, depth
@@ -25,6 +25,18 @@ above the last range, which never speculate). Steps:
    policy: every feasible policy lies inside its own footprint, and every
    policy inside a feasible footprint is feasible.
 4. One solve per MTP draft vocabulary (it changes MTP's cells only).
+5. Ranges without traffic: a range none of whose batch sizes the window
+   observed adds nothing to either sum, so every cell ties there. Left at
+   "none", a policy tuned on batch-8 steps would stop speculating when the
+   load eases to batch 3, until a retune has seen batch 3. So each such range
+   takes the cell with the lowest predicted step time per output token at
+   its probe batch (the geometric middle of the range, `Traffic.probe`:
+   the window's tenant mix and sampling share), among the cells its
+   footprint allows: the marginal choice, since a little traffic there adds
+   share × (1 − g × ms/token) to the ratio's terms whatever g is. This never
+   changes the predicted goodput on the observed traffic; between footprints
+   of equal goodput the one whose unobserved ranges run fastest wins, then
+   the one lending fewer pages.
 
 The p95 TPOT constraint and the Pareto front of the two-objective mode are
 not sums over ranges: there the search (tuner.search) starts TPE from this
@@ -78,18 +90,77 @@ def solve(space: SearchSpace, model: PerfModel, traffic: Traffic,
     if not splits:
         return None
     cells = [("none", 0)] + [(t, d) for t in space.techniques if t != "none" for d in space.depths]
-    best: tuple[float, int, TunedPolicy] | None = None
+    best: tuple[float, float, int, TunedPolicy] | None = None
     for vocab in space.draft_vocabs or (0,):
         tokens, ms, rest = _range_sums(space, cells, vocab, model, traffic, capacity)
+        empty, reach = _reach_costs(space, cells, vocab, model, traffic, capacity)
         for allowed in _footprints(space, cells, traffic, capacity, splits):
             choice, goodput = _maximize(tokens, ms, rest, allowed)
+            choice, fill = _fill(choice, reach, empty, allowed)
             policy = _policy(space, cells, choice, vocab)
             pages, split = _smallest_split(policy, traffic, capacity, splits)
-            if best is None or goodput > best[0] * (1 + 1e-12) or (
-                    goodput >= best[0] * (1 - 1e-12) and pages < best[1]):
-                best = (goodput, pages, TunedPolicy(policy.rules, policy.crossover, split,
-                                                    draft_vocab=vocab, source="tuner"))
-    return None if best is None else best[2]
+            if best is None or _better((goodput, fill, pages), best[:3]):
+                best = (goodput, fill, pages, TunedPolicy(policy.rules, policy.crossover, split,
+                                                          draft_vocab=vocab, source="tuner"))
+    return None if best is None else best[3]
+
+
+def _better(new: tuple[float, float, int], old: tuple[float, float, int]) -> bool:
+    """(goodput, ms per token over the unobserved ranges, pages): higher goodput, then on a
+    tie faster unobserved ranges, then fewer pages (module doc, 3 and 5)."""
+    if new[0] != old[0] and not math.isclose(new[0], old[0], rel_tol=1e-12):
+        return new[0] > old[0]
+    if new[1] != old[1] and not math.isclose(new[1], old[1], rel_tol=1e-9):
+        return new[1] < old[1]
+    return new[2] < old[2]
+
+
+def probe_batches(space: SearchSpace, traffic: Traffic, capacity: Capacity) -> dict[int, int]:
+    """Range index -> the batch size an unobserved range is priced at: the geometric middle
+    of (lower, upper], for each range that holds no observed batch size and that the engine
+    can run (its lower end within `capacity.max_batch`).
+
+    >>> from tuner.config import TunerConfig
+    >>> space = SearchSpace.build(TunerConfig(ranges=(2, 4, 8, 16, 64)), Capacity(64, 16))
+    >>> probe_batches(space, Traffic(1, {7: 1.0}, {}, 7.0, 7), Capacity(64, 16))
+    {0: 1, 1: 3, 3: 12, 4: 32}
+    """
+    out, lower = {}, 0
+    for i, upper in enumerate(space.ranges):
+        if lower < capacity.max_batch and not any(lower < b <= upper for b in traffic.batch_weights):
+            out[i] = min(math.isqrt((lower + 1) * upper), capacity.max_batch)
+        lower = upper
+    return out
+
+
+def _reach_costs(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, model: PerfModel,
+                 traffic: Traffic, capacity: Capacity) -> tuple[np.ndarray, np.ndarray]:
+    """(ranges to fill [ranges], each cell's predicted ms per output token at their probe
+    batch [ranges, cells]; module doc, 5)."""
+    probes = probe_batches(space, traffic, capacity)
+    empty = np.zeros(len(space.ranges), dtype=bool)
+    cost = np.zeros((len(space.ranges), len(cells)))
+    for r, batch in probes.items():
+        empty[r] = True
+        at = traffic.probe(batch)
+        for c, (technique, depth) in enumerate(cells):
+            one = TunedPolicy((BatchRule(EVERYWHERE, technique, depth),), crossover=EVERYWHERE,
+                              draft_vocab=vocab)
+            per_step, step_ms = next(iter(evaluate(one, model, at, capacity).per_batch.values()))
+            cost[r, c] = step_ms / per_step
+    return empty, cost
+
+
+def _fill(choice: np.ndarray, cost: np.ndarray, empty: np.ndarray,
+          allowed: np.ndarray) -> tuple[np.ndarray, float]:
+    """`choice` with each unobserved range at its fastest allowed cell ("none" on a tie), and
+    the sum of those cells' ms per token (module doc, 5)."""
+    if not empty.any():
+        return choice, 0.0
+    costs = np.where(allowed, cost, np.inf)
+    fastest = costs.argmin(axis=1)
+    filled = np.where(empty, fastest, choice)
+    return filled, float(costs[empty, fastest[empty]].sum())
 
 
 def _range_sums(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, model: PerfModel,

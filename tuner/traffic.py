@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -89,6 +90,28 @@ class Traffic:
             return self.token_weights
         total = sum(b * w for b, w in self.batch_weights.items())
         return {b: b * w / total for b, w in self.batch_weights.items()}
+
+    def probe(self, batch: int) -> Traffic:
+        """This traffic as if all of it ran at `batch`, a size it was not seen at: the tenant
+        mix of that size's bucket (else the window's), the window's share of sampled rows and
+        of steps that sample, no prefill and no queue. What the exact solve prices a batch-size
+        range with no observed steps at (tuner.exact, "ranges without traffic").
+
+        >>> t = Traffic(1, {2: 0.5, 6: 0.5}, {2: 9.0}, 4.0, 6, sampled_rows={6: 3.0},
+        ...             sampled_steps={6: 1.0})
+        >>> p = t.probe(16)
+        >>> p.batch_weights, p.sampled_rows, p.sampled_steps, p.prefill_per_step
+        ({16: 1.0}, {16: 6.0}, {16: 0.5}, {})
+        """
+        rows = sum(b * w for b, w in self.batch_weights.items())
+        sampled = sum(self.sampled_rows.get(b, 0.0) * w for b, w in self.batch_weights.items())
+        any_share = sum(self.sampled_steps.get(b, 0.0) * w for b, w in self.batch_weights.items())
+        return dataclasses.replace(
+            self, batch_weights={batch: 1.0}, token_weights={batch: 1.0}, prefill_per_step={},
+            tokens_per_step={}, queue_per_step={},
+            sampled_rows={batch: batch * sampled / rows} if sampled > 0 and rows > 0 else {},
+            sampled_steps={batch: any_share} if any_share > 0 else {},
+        )  # fmt: skip
 
     @property
     def required_concurrency(self) -> float:

@@ -107,15 +107,41 @@ def test_nothing_fits_gives_none() -> None:
     assert ev.feasible and ev.tenant_pages_needed == 17 and ev.admitted == (100 - int(100 * best.pool_split)) // 17
 
 
-def test_ranges_without_traffic_do_not_speculate() -> None:
-    """Only batch 1 observed: speculation pays there; the ranges above stay "none" (the
-    objective cannot tell their cells apart) and the crossover ends at the first range."""
-    model, _ = fitted(1, 2.0)
+def test_ranges_without_traffic_take_their_fastest_cell() -> None:
+    """Only batch 1 observed. The ranges above hold no steps, so the objective cannot tell
+    their cells apart; each takes the cell with the fewest predicted ms per token at its probe
+    batch (tuner.exact, module doc 5). With t0 = 10 ms a step, 1 ms a row and every draft
+    position accepted at 0.5, per token: batch 3 (range (2, 4]) plain 4.33, depth 1 3.56,
+    depth 2 3.62; batch 6 ((4, 8]) 2.67, 2.44, 2.67; batch 12 ((8, 16]) 1.83, 1.89; batch 32
+    1.31, 1.54. So depth 1 up to batch 8 and nothing above, where before the fill every
+    range but the observed one stayed "none" and the crossover was 2."""
+    model = PerfModel(target=(10.0, 0.0, 0.0, 1.0, 0.0), acceptance={"ngram": (0.5,) * 4})
+    capacity = Capacity(total_pages=4096, page_size=16, max_depth=4, depths=(1, 2, 4),
+                        proposers={"ngram": (0, 0)})
     traffic = Traffic(steps=100, batch_weights={1: 1.0}, prefill_per_step={}, concurrency=1.0,
                       concurrency_max=1)
-    policy = solve(SearchSpace.build(SMALL, LOOSE), model, traffic, LOOSE)
-    assert policy is not None and policy.choose(1)[0] != "none"
-    assert [r.technique for r in policy.rules[1:]] == ["none", "none"] and policy.crossover == 2
+    space = SearchSpace.build(TunerConfig(ranges=(2, 4, 8, 16, 64), max_depth=4), capacity)
+    policy = solve(space, model, traffic, capacity)
+    assert policy is not None
+    assert [(r.technique, r.depth) for r in policy.rules] == [
+        ("ngram", 2), ("ngram", 1), ("ngram", 1), ("none", 0), ("none", 0)]
+    assert policy.crossover == 8
+    # the fill does not move the goodput predicted on the observed traffic
+    bare = TunedPolicy((BatchRule(2, "ngram", 2), *(BatchRule(u, "none", 0) for u in (4, 8, 16, 64))), 2)
+    assert evaluate(policy, model, traffic, capacity).goodput == pytest.approx(
+        evaluate(bare, model, traffic, capacity).goodput, rel=1e-12)
+
+
+def test_an_unobserved_range_beyond_the_engine_stays_plain() -> None:
+    """A range whose batch sizes the engine never runs (above its max_batch) is not probed."""
+    model = PerfModel(target=(10.0, 0.0, 0.0, 1.0, 0.0), acceptance={"ngram": (0.5,) * 4})
+    capacity = Capacity(total_pages=4096, page_size=16, max_depth=4, depths=(1, 2, 4),
+                        proposers={"ngram": (0, 0)}, max_batch=4)
+    traffic = Traffic(steps=100, batch_weights={1: 1.0}, prefill_per_step={}, concurrency=1.0,
+                      concurrency_max=1)
+    space = SearchSpace.build(TunerConfig(ranges=(2, 4, 8), max_depth=4), capacity)
+    policy = solve(space, model, traffic, capacity)
+    assert [(r.technique, r.depth) for r in policy.rules] == [("ngram", 2), ("ngram", 1), ("none", 0)]
 
 
 def job(db_url: str, config: TunerConfig, incumbent: TunedPolicy = NEVER) -> SearchJob:
