@@ -58,7 +58,7 @@ from typing import Any
 
 from bench.workloads.trace import PHASE_NAMES
 from daemon.user_error import UserError
-from engine.policy import BatchRule, TunedPolicy
+from engine.policy import BatchRule, TenantRule, TunedPolicy
 from engine.types import StepStats
 
 
@@ -109,7 +109,15 @@ class TunerBenchConfig:
     pool_split: float = 0.25
     """Pool split of static policies using a model-based proposer (n-gram uses 0)."""
     runs: tuple[str, ...] = ("autotuned", "never", "fixed", "table")
-    """Which policies to run: autotuned, never, fixed, table."""
+    """Which policies to run: autotuned, never, fixed, table, tenants."""
+    tenant_policy: tuple[tuple[str, str, int], ...] = (
+        ("*", "ngram", 2), ("copy-tenant", "ngram", 4), ("code-tenant", "ngram", 4),
+        ("prose-tenant", "none", 0))
+    """The "tenants" run's fixed per-tenant policy: (tenant or "*" for every other row,
+    technique, depth) at every batch size. Rows of copy and code (greedy, self-quoting) draft
+    deep, sampled prose not at all, chat at the base depth: what a per-tenant rule would give
+    them by their acceptance. It is measured beside the single-depth policies, not counted
+    among the static policies the autotuned run is compared with (bench.tuner_report)."""
     retune_interval_s: float | None = None
     """Scheduled retune interval (None: phase_s / 6, as 10 min is to the 1 h fit window)."""
     fit_window_s: float | None = None
@@ -175,9 +183,14 @@ class TunerBenchConfig:
             raise ValueError(f"split_repeats={self.split_repeats} must be at least 1")
         if not self.phase_s > 0 or not self.rate_scale > 0:
             raise ValueError(f"phase_s={self.phase_s} and rate_scale={self.rate_scale} must be > 0")
-        unknown = set(self.runs) - {"autotuned", "never", "fixed", "table"}
+        unknown = set(self.runs) - {"autotuned", "never", "fixed", "table", "tenants"}
         if unknown or not self.runs:
-            raise ValueError(f"runs={self.runs} must name some of autotuned, never, fixed, table")
+            raise ValueError(f"runs={self.runs} must name some of autotuned, never, fixed, table, tenants")
+        names = [n for n, _, _ in self.tenant_policy]
+        if names.count("*") != 1 or len(set(names)) != len(names) or any(
+                (t == "none") != (d == 0) or not 0 <= d <= 8 for _, t, d in self.tenant_policy):
+            raise ValueError(f"tenant_policy={self.tenant_policy} needs one \"*\" entry, each tenant "
+                             f"once, and depth 0 exactly with technique none (else 1-8)")
         bounds = [b for b, _ in self.table]
         if not self.table or bounds != sorted(set(bounds)) or any(not 1 <= d <= 8 for _, d in self.table):
             raise ValueError(f"table={self.table} needs ascending batch bounds and depths in 1-8")
@@ -384,6 +397,8 @@ def static_policies(cfg: TunerBenchConfig, engine: Any) -> dict[str, TunedPolicy
     loaded = sorted(proposers)
     techniques = cfg.techniques or tuple(loaded)
     wanted = set(techniques) | ({cfg.table_technique} if "table" in cfg.runs else set())
+    if "tenants" in cfg.runs:
+        wanted |= {t for _, t, _ in cfg.tenant_policy if t != "none"}
     missing = sorted(wanted - set(loaded))
     if missing:
         raise UserError(f"technique(s) {', '.join(missing)} not loaded (loaded: {', '.join(loaded)})")
@@ -402,7 +417,26 @@ def static_policies(cfg: TunerBenchConfig, engine: Any) -> dict[str, TunedPolicy
         rules = tuple(BatchRule(b, t, d) for b, d in cfg.table)
         rules += (BatchRule(max(top, rules[-1].max_batch + 1)),)
         out["table"] = TunedPolicy(rules, crossover=cfg.table[-1][0], **_memory(cfg, engine, t))
+    if "tenants" in cfg.runs:
+        out["tenants"] = tenant_policy(cfg, engine)
     return out
+
+
+def tenant_policy(cfg: TunerBenchConfig, engine: Any) -> TunedPolicy:
+    """The "tenants" run's policy (TunerBenchConfig.tenant_policy) at every batch size the
+    engine runs; each technique no deeper than it drafts or the engine verifies."""
+    cap = engine.capacity()
+    top = engine.max_batch
+
+    def depth(t: str, d: int) -> int:
+        return 0 if t == "none" else min(d, cap.proposers[t].max_depth, cap.max_depth)
+
+    base = next((t, depth(t, d)) for n, t, d in cfg.tenant_policy if n == "*")
+    rules = tuple(TenantRule(n, t, depth(t, d), max_batch=top) for n, t, d in cfg.tenant_policy
+                  if n != "*")
+    used = [t for _, t, _ in cfg.tenant_policy if t != "none"]
+    memory = _memory(cfg, engine, used[0]) if used else {}
+    return TunedPolicy((BatchRule(top, *base),), crossover=top, tenants=rules, **memory)
 
 
 def _memory(cfg: TunerBenchConfig, engine: Any, technique: str) -> dict[str, Any]:

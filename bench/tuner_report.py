@@ -21,6 +21,10 @@
      the best single-depth policy of that phase (the fixed policies and
      never), with the share of its steps whose rows drafted with several
      choices; in the mid-mixed phase (--mid-mixed) the target is >= 1.08;
+   - with a "tenants" run (a fixed per-tenant policy, --runs ...,tenants):
+     per phase, it over the best single-depth policy of that phase, no
+     target: what a per-tenant rule can gain on this machine where the
+     tuner is not in the way. It is not one of the static policies above;
    - for reference, no target: the static oracle (each phase served by that
      phase's best static policy) over the best fixed policy and over the
      table, which bound what switching policies once per phase can gain on
@@ -195,17 +199,21 @@ def ratios(policies: dict[str, dict[str, Any]], names: list[str] | None = None) 
     """Autotuned over the static policies (module doc, 2); empty without an autotuned run.
     `names`: the phases' names (the mid-mixed phase's per-tenant ratio has a target)."""
     auto = policies.get("autotuned")
-    static = {n: p for n, p in policies.items() if n != "autotuned"}
+    static = {n: p for n, p in policies.items() if n not in ("autotuned", "tenants")}
+    fixed = [n for n in static if n.startswith("fixed:") or n == "never"]
+    ruled = {}
+    if "tenants" in policies and fixed:
+        ruled = {"tenants_vs_single_depth": single_depth(policies["tenants"], static, fixed, names or [],
+                                                         target=False)}
     if auto is None or not static:
-        return {}
+        return ruled
     per_phase = []
     for i, phase in enumerate(auto["phases"]):
         best = max(static, key=lambda n: static[n]["phases"][i]["goodput"])
         per_phase.append(_ratio(phase["goodput"], static[best]["phases"][i]["goodput"],
                                 TARGETS["phase"], phase=i, best_static=best))
-    out: dict[str, Any] = {"per_phase": per_phase}
+    out: dict[str, Any] = {"per_phase": per_phase, **ruled}
     whole = auto["whole"]["goodput"]
-    fixed = [n for n in static if n.startswith("fixed:") or n == "never"]
     if fixed:
         out["per_phase_vs_single_depth"] = single_depth(auto, static, fixed, names or [])
     oracle = _oracle(static, len(auto["phases"]))
@@ -230,17 +238,18 @@ def ratios(policies: dict[str, dict[str, Any]], names: list[str] | None = None) 
 
 
 def single_depth(auto: dict[str, Any], static: dict[str, dict[str, Any]], fixed: list[str],
-                 names: list[str]) -> list[dict[str, Any]]:
-    """Per phase: the autotuned run (free to give tenants rules of their own) over the best
-    single-depth policy of that phase (one technique and depth for every row at every batch
-    size, or never speculating), with the share of the autotuned steps whose rows drafted
-    with several choices. Target only in the mid-mixed phase (module doc, 2)."""
+                 names: list[str], target: bool = True) -> list[dict[str, Any]]:
+    """Per phase: the autotuned run (free to give tenants rules of their own; or the fixed
+    "tenants" run, `target` False) over the best single-depth policy of that phase (one
+    technique and depth for every row at every batch size, or never speculating), with the
+    share of its steps whose rows drafted with several choices. Target only in the mid-mixed
+    phase, for the autotuned run (module doc, 2)."""
     out = []
     for i, phase in enumerate(auto["phases"]):
         best = max(fixed, key=lambda n: static[n]["phases"][i]["goodput"])
         name = names[i] if i < len(names) else None
-        target = TARGETS["mid_single_depth"] if name == MID_PHASE else None
-        out.append(_ratio(phase["goodput"], static[best]["phases"][i]["goodput"], target,
+        goal = TARGETS["mid_single_depth"] if name == MID_PHASE and target else None
+        out.append(_ratio(phase["goodput"], static[best]["phases"][i]["goodput"], goal,
                           phase=i, name=name, best_single_depth=best,
                           per_row_steps=phase.get("per_row_steps", 0.0)))
     return out
@@ -343,8 +352,11 @@ def headline(result: dict[str, Any]) -> list[str]:
     rows += [((f"phase {r['phase'] + 1} per-tenant vs best single depth ({r['best_single_depth']}; "
                f"{r['per_row_steps']:.0%} of steps with per-row choices)"), r)
              for r in ratios.get("per_phase_vs_single_depth", [])]
+    rows += [((f"phase {r['phase'] + 1} fixed per-tenant policy vs best single depth "
+               f"({r['best_single_depth']}; {r['per_row_steps']:.0%} of steps with per-row choices)"), r)
+             for r in ratios.get("tenants_vs_single_depth", [])]
     rows += [(key, r) for key, r in ratios.items()
-             if key not in ("per_phase", "per_phase_vs_single_depth")]
+             if key not in ("per_phase", "per_phase_vs_single_depth", "tenants_vs_single_depth")]
     for label, r in rows:
         verdict = "" if r["target"] is None else f" (target {r['target']}: {'met' if r['met'] else 'missed'})"
         lines.append(f"{label}: {r['ratio']}{verdict}")

@@ -33,7 +33,9 @@ above the last range, which never speculate). Steps:
    its probe batch (the geometric middle of the range, `Traffic.probe`:
    the window's tenant mix and sampling share), among the cells its
    footprint allows: the marginal choice, since a little traffic there adds
-   share × (1 − g × ms/token) to the ratio's terms whatever g is. This never
+   share × (1 − g × ms/token) to the ratio's terms whatever g is. Only where
+   the probe lies within the batch sizes the step-time fit saw
+   (`PerfModel.batch_span`): beyond them the model extrapolates. This never
    changes the predicted goodput on the observed traffic; between footprints
    of equal goodput the one whose unobserved ranges run fastest wins, then
    the one lending fewer pages.
@@ -115,20 +117,29 @@ def _better(new: tuple[float, float, int], old: tuple[float, float, int]) -> boo
     return new[2] < old[2]
 
 
-def probe_batches(space: SearchSpace, traffic: Traffic, capacity: Capacity) -> dict[int, int]:
+def probe_batches(space: SearchSpace, traffic: Traffic, capacity: Capacity,
+                  span: tuple[int, int] | None = None) -> dict[int, int]:
     """Range index -> the batch size an unobserved range is priced at: the geometric middle
-    of (lower, upper], for each range that holds no observed batch size and that the engine
-    can run (its lower end within `capacity.max_batch`).
+    of (lower, upper], for each range that holds no observed batch size, that the engine can
+    run (its lower end within `capacity.max_batch`) and whose probe lies within `span` (the
+    batch sizes the step-time fit saw, `PerfModel.batch_span`; None: any). A model fitted on
+    batch-1 steps alone cannot tell a step's cost from a row's, and priced n-gram@8 fastest
+    at batch 32.
 
     >>> from tuner.config import TunerConfig
     >>> space = SearchSpace.build(TunerConfig(ranges=(2, 4, 8, 16, 64)), Capacity(64, 16))
     >>> probe_batches(space, Traffic(1, {7: 1.0}, {}, 7.0, 7), Capacity(64, 16))
     {0: 1, 1: 3, 3: 12, 4: 32}
+    >>> probe_batches(space, Traffic(1, {7: 1.0}, {}, 7.0, 7), Capacity(64, 16), span=(2, 16))
+    {1: 3, 3: 12}
     """
+    lo, hi = span or (0, 1 << 30)
     out, lower = {}, 0
     for i, upper in enumerate(space.ranges):
-        if lower < capacity.max_batch and not any(lower < b <= upper for b in traffic.batch_weights):
-            out[i] = min(math.isqrt((lower + 1) * upper), capacity.max_batch)
+        probe = min(math.isqrt((lower + 1) * upper), capacity.max_batch)
+        if (lower < capacity.max_batch and lo <= probe <= hi
+                and not any(lower < b <= upper for b in traffic.batch_weights)):
+            out[i] = probe
         lower = upper
     return out
 
@@ -137,7 +148,7 @@ def _reach_costs(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, m
                  traffic: Traffic, capacity: Capacity) -> tuple[np.ndarray, np.ndarray]:
     """(ranges to fill [ranges], each cell's predicted ms per output token at their probe
     batch [ranges, cells]; module doc, 5)."""
-    probes = probe_batches(space, traffic, capacity)
+    probes = probe_batches(space, traffic, capacity, model.batch_span)
     empty = np.zeros(len(space.ranges), dtype=bool)
     cost = np.zeros((len(space.ranges), len(cells)))
     for r, batch in probes.items():

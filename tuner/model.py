@@ -149,6 +149,10 @@ class PerfModel:
     sampling: tuple[float, float] = (0.0, 0.0)
     """(s0, s1): ms per sampled row and verified position; ms per padded row and position of
     a step where any row samples (see the module docstring)."""
+    batch_span: tuple[int, int] | None = None
+    """(smallest, largest) batch size among the steps the step-time fit saw (the fit window and
+    the cost history); None: no bound (a model made by hand). Beyond it the per-row and
+    per-step costs are extrapolated: the exact solve prices no unobserved range there."""
 
     # -- fitting ------------------------------------------------------------
     @staticmethod
@@ -175,6 +179,7 @@ class PerfModel:
             depth_factor=fit_depth_factors(steps, vocab_of, acceptance, draft_share),
             floor_ms=0.25 * min(s.step_ms for s in steps),
             padding=buckets,
+            batch_span=(min(s.batch_size for s in timed), max(s.batch_size for s in timed)),
         )
 
     @staticmethod
@@ -342,7 +347,8 @@ class PerfModel:
                 "depth_factor": {k: {str(d): round(f, 4) for d, f in v.items()}
                                  for k, v in self.depth_factor.items()},
                 "coverage": {k: {str(d): n for d, n in v.items()}
-                             for k, v in self.coverage.items()}}
+                             for k, v in self.coverage.items()},
+                "batch_span": list(self.batch_span) if self.batch_span else None}
 
 
 MIN_SHAPE_STEPS = 10

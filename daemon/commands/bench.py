@@ -264,6 +264,9 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
                   pool_split_help="pool split of static model-based policies")
     add("--table", default="4:4,8:2", help="batch-size table BATCH:DEPTH,... (larger batches do not speculate)")
     add("--table-technique", default="ngram", help="technique of the batch-size table")
+    add("--tenant-policy", default="*=ngram@2,copy-tenant=ngram@4,code-tenant=ngram@4,prose-tenant=none",
+        help="the 'tenants' run (--runs ...,tenants): TENANT=TECHNIQUE@DEPTH or TENANT=none, "
+             "comma-separated, '*' for every other tenant's rows")
     add("--retune-interval", type=float, default=None, help="seconds between retunes (default: phase/6)")
     add("--fit-window", type=float, default=None, help="tuner's telemetry window in s (default: a phase)")
     add("--traffic-window", type=float, default=None,
@@ -300,6 +303,15 @@ QUICK: dict[str, tuple[Any, Any]] = {"phase_seconds": (60.0, 20.0), "depths": ("
 """`bench tuner --quick`: flag -> (its default, the quick value); a flag given explicitly wins."""
 
 
+def _tenant_choice(text: str) -> tuple[str, str, int]:
+    """"copy-tenant=ngram@4" -> ("copy-tenant", "ngram", 4); "prose-tenant=none" -> (..., "none", 0)."""
+    name, sep, choice = text.partition("=")
+    technique, _, depth = choice.partition("@")
+    if not sep or not name.strip() or not technique.strip() or (technique.strip() != "none") != bool(depth):
+        raise ValueError(f"--tenant-policy entry {text!r} must be TENANT=TECHNIQUE@DEPTH or TENANT=none")
+    return name.strip(), technique.strip(), int(depth) if depth else 0
+
+
 def _tuner_config(args: argparse.Namespace) -> Any:
     """The bench tuner config from flags; UserError naming what is wrong."""
     from bench.tuner import TunerBenchConfig
@@ -316,6 +328,7 @@ def _tuner_config(args: argparse.Namespace) -> Any:
     try:
         depths = tuple(int(d) for d in items(args.depths))
         table = tuple((int(b), int(d)) for b, d in (x.split(":") for x in items(args.table)))
+        tenants = tuple(_tenant_choice(x) for x in items(args.tenant_policy))
         temps = () if args.temperatures == "none" else tuple(
             _kind_value("--temperatures", x) for x in items(args.temperatures))
         return TunerBenchConfig(
@@ -326,6 +339,7 @@ def _tuner_config(args: argparse.Namespace) -> Any:
             temperatures=temps,
             techniques=items(args.techniques), depths=depths, table=table,
             table_technique=args.table_technique, pool_split=args.pool_split, runs=items(args.runs),
+            tenant_policy=tenants,
             retune_interval_s=args.retune_interval, fit_window_s=args.fit_window,
             traffic_window_s=args.traffic_window,
             validation_s=args.validation_seconds, trials=args.trials,

@@ -2,7 +2,8 @@
 the per-phase comparison of the autotuned run (free to give tenants rules of their own) with
 the best single-depth policy of each phase.
 
-One short fake run (2.5 s phases, in-thread searches, no probe) serves the module's tests.
+One short fake run (2.5 s phases, in-thread searches, no probe) serves the module's tests; it
+includes the fixed per-tenant policy ("tenants").
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     out = tmp_path_factory.mktemp("bench-tuner-mid") / "tuner.json"
     flags = ["--fake", "--phase-seconds", "2.5", "--rate-scale", "4", "--low-rate", "0.5",
              "--high-rate", "6", "--mid-mixed", "--mid-rate", "3", "--max-tokens", "32",
-             "--techniques", "ngram", "--depths", "2,4", "--runs", "autotuned,never,fixed",
+             "--techniques", "ngram", "--depths", "2,4", "--runs", "autotuned,never,fixed,tenants",
              "--retune-interval", "0.4", "--trials", "8", "--min-new-steps", "20",
              "--profile-steps", "30", "--validation-min-steps", "20", "--search-in-thread",
              "--probe-retunes", "0", "--out", str(out)]
@@ -64,6 +65,40 @@ def test_per_tenant_against_the_best_single_depth_policy_per_phase(run: tuple) -
         assert r["target"] == (TARGETS["mid_single_depth"] if PHASES[i] == "mid-mixed" else None)
         assert 0.0 <= r["per_row_steps"] <= 1.0
     assert "phase 4 per-tenant vs best single depth" in err
+
+
+def test_the_fixed_per_tenant_policy_runs_beside_the_single_depth_ones(run: tuple) -> None:
+    """The "tenants" run pins its per-tenant rules (each tenant's rows at its own depth in one
+    step), is compared with each phase's best single-depth policy without a target, and is
+    not one of the static policies the autotuned run is compared with."""
+    from engine.policy import TunedPolicy
+
+    result, err = run
+    policies = result["policies"]
+    ruled = TunedPolicy.from_dict(policies["tenants"]["policy"])
+    assert ruled.choose(8) == ("ngram", 2)
+    assert [ruled.choose_row(8, t) for t in ("copy-tenant", "code-tenant", "chat-tenant", "prose-tenant")] == [
+        ("ngram", 4), ("ngram", 4), ("ngram", 2), ("none", 0)]
+    mid = policies["tenants"]["phases"][3]
+    assert mid["goodput"] > 0 and mid["errors"] == 0
+    assert mid["per_row_steps"] > 0.5  # at batches of 4-8 most steps mix tenants
+    assert {"ngram@4", "ngram@2", "none"} <= set(mid["cells"])
+    rows = result["ratios"]["tenants_vs_single_depth"]
+    single = [n for n in policies if n.startswith("fixed:") or n == "never"]
+    for i, r in enumerate(rows):
+        best = max(single, key=lambda n: policies[n]["phases"][i]["goodput"])
+        assert r["best_single_depth"] == best and r["target"] is None and r["met"] is None
+        assert r["ratio"] == pytest.approx(policies["tenants"]["phases"][i]["goodput"] / r["static"], abs=1e-4)
+    assert all(r["best_static"] != "tenants" for r in result["ratios"]["per_phase"])
+    assert "phase 4 fixed per-tenant policy vs best single depth" in err
+
+
+def test_a_bad_tenant_policy_is_a_user_error(capsys: pytest.CaptureFixture) -> None:
+    for bad, named in (("copy-tenant=ngram@4", "tenant_policy="), ("*=ngram", "'*=ngram'"),
+                       ("*=ngram@2,prose-tenant=none@2", "prose-tenant=none@2"),
+                       ("*=ngram@2,copy-tenant=ngram@9", "tenant_policy=")):
+        assert cli(["bench", "tuner", "--fake", "--runs", "tenants", "--tenant-policy", bad]) == 2, bad
+        assert named in capsys.readouterr().err, bad
 
 
 def test_every_real_retune_weighed_per_tenant_rules(run: tuple) -> None:

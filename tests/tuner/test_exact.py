@@ -132,6 +132,31 @@ def test_ranges_without_traffic_take_their_fastest_cell() -> None:
         evaluate(bare, model, traffic, capacity).goodput, rel=1e-12)
 
 
+def test_no_range_is_filled_beyond_the_batch_sizes_the_fit_saw() -> None:
+    """The same model fitted on steps of batch 1-4 only (`batch_span`): the (2, 4] range is
+    filled, the ones whose probes (6, 12, 32) lie beyond stay "none", the crossover at 4."""
+    model = PerfModel(target=(10.0, 0.0, 0.0, 1.0, 0.0), acceptance={"ngram": (0.5,) * 4},
+                      batch_span=(1, 4))
+    capacity = Capacity(total_pages=4096, page_size=16, max_depth=4, depths=(1, 2, 4),
+                        proposers={"ngram": (0, 0)})
+    traffic = Traffic(steps=100, batch_weights={1: 1.0}, prefill_per_step={}, concurrency=1.0,
+                      concurrency_max=1)
+    space = SearchSpace.build(TunerConfig(ranges=(2, 4, 8, 16, 64), max_depth=4), capacity)
+    policy = solve(space, model, traffic, capacity)
+    assert [(r.technique, r.depth) for r in policy.rules] == [
+        ("ngram", 2), ("ngram", 1), ("none", 0), ("none", 0), ("none", 0)]
+    assert policy.crossover == 4
+
+
+def test_a_fitted_model_knows_its_batch_span() -> None:
+    gen = synth.Synth(seed=4)
+    steps = gen.explore(200, mean_batch=3.0)
+    model = PerfModel.fit(steps)
+    sizes = [s.batch_size for s in steps]
+    assert model.batch_span == (min(sizes), max(sizes))
+    assert model.summary()["batch_span"] == [min(sizes), max(sizes)]
+
+
 def test_an_unobserved_range_beyond_the_engine_stays_plain() -> None:
     """A range whose batch sizes the engine never runs (above its max_batch) is not probed."""
     model = PerfModel(target=(10.0, 0.0, 0.0, 1.0, 0.0), acceptance={"ngram": (0.5,) * 4})
