@@ -30,13 +30,14 @@ above the last range, which never speculate). Steps:
    "none", a policy tuned on batch-8 steps would stop speculating when the
    load eases to batch 3, until a retune has seen batch 3. So each such range
    takes the cell with the lowest predicted step time per output token at
-   its probe batch (the geometric middle of the range, `Traffic.probe`:
-   the window's tenant mix and sampling share), among the cells its
-   footprint allows: the marginal choice, since a little traffic there adds
-   share × (1 − g × ms/token) to the ratio's terms whatever g is. Only where
-   the probe lies within the batch sizes the step-time fit saw
-   (`PerfModel.batch_span`): beyond them the model extrapolates. This never
-   changes the predicted goodput on the observed traffic; between footprints
+   its probe batch (the geometric middle of the range, `Traffic.probe`: the
+   window's tenant mix and sampling share), among the cells its footprint
+   allows: the marginal choice, since a little traffic there adds share ×
+   (1 − g × ms/token) to the ratio's terms whatever g is. Only within what
+   the step-time fit saw: a probe batch inside `PerfModel.batch_span`, a cell
+   whose step runs no more rows (batch × query length) than
+   `PerfModel.max_rows`; beyond them the model extrapolates. The fill never
+   changes the goodput predicted on the observed traffic; between footprints
    of equal goodput the one whose unobserved ranges run fastest wins, then
    the one lending fewer pages.
 
@@ -123,8 +124,7 @@ def probe_batches(space: SearchSpace, traffic: Traffic, capacity: Capacity,
     of (lower, upper], for each range that holds no observed batch size, that the engine can
     run (its lower end within `capacity.max_batch`) and whose probe lies within `span` (the
     batch sizes the step-time fit saw, `PerfModel.batch_span`; None: any). A model fitted on
-    batch-1 steps alone cannot tell a step's cost from a row's, and priced n-gram@8 fastest
-    at batch 32.
+    batch-1 steps alone cannot tell a step's cost from a row's: it put n-gram@8 up to batch 16.
 
     >>> from tuner.config import TunerConfig
     >>> space = SearchSpace.build(TunerConfig(ranges=(2, 4, 8, 16, 64)), Capacity(64, 16))
@@ -147,7 +147,8 @@ def probe_batches(space: SearchSpace, traffic: Traffic, capacity: Capacity,
 def _reach_costs(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, model: PerfModel,
                  traffic: Traffic, capacity: Capacity) -> tuple[np.ndarray, np.ndarray]:
     """(ranges to fill [ranges], each cell's predicted ms per output token at their probe
-    batch [ranges, cells]; module doc, 5)."""
+    batch [ranges, cells], infinite for a cell whose step runs more rows than any the fit saw;
+    module doc, 5)."""
     probes = probe_batches(space, traffic, capacity, model.batch_span)
     empty = np.zeros(len(space.ranges), dtype=bool)
     cost = np.zeros((len(space.ranges), len(cells)))
@@ -155,6 +156,10 @@ def _reach_costs(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, m
         empty[r] = True
         at = traffic.probe(batch)
         for c, (technique, depth) in enumerate(cells):
+            padded, q = model.padding.pad(batch, 1 + drafted_depth(technique, depth, capacity))
+            if c and model.max_rows is not None and padded * q > model.max_rows:
+                cost[r, c] = np.inf
+                continue
             one = TunedPolicy((BatchRule(EVERYWHERE, technique, depth),), crossover=EVERYWHERE,
                               draft_vocab=vocab)
             per_step, step_ms = next(iter(evaluate(one, model, at, capacity).per_batch.values()))

@@ -153,6 +153,9 @@ class PerfModel:
     """(smallest, largest) batch size among the steps the step-time fit saw (the fit window and
     the cost history); None: no bound (a model made by hand). Beyond it the per-row and
     per-step costs are extrapolated: the exact solve prices no unobserved range there."""
+    max_rows: int | None = None
+    """The most rows (padded batch × query length) one of those steps ran; None: no bound. The
+    exact solve fills no unobserved range with a cell whose step would run more (tuner.exact)."""
 
     # -- fitting ------------------------------------------------------------
     @staticmethod
@@ -180,6 +183,7 @@ class PerfModel:
             floor_ms=0.25 * min(s.step_ms for s in steps),
             padding=buckets,
             batch_span=(min(s.batch_size for s in timed), max(s.batch_size for s in timed)),
+            max_rows=int(max(b * q for b, q in (buckets.pad(s.batch_size, 1 + s.depth) for s in timed))),
         )
 
     @staticmethod
@@ -348,7 +352,8 @@ class PerfModel:
                                  for k, v in self.depth_factor.items()},
                 "coverage": {k: {str(d): n for d, n in v.items()}
                              for k, v in self.coverage.items()},
-                "batch_span": list(self.batch_span) if self.batch_span else None}
+                "batch_span": list(self.batch_span) if self.batch_span else None,
+                "max_rows": self.max_rows}
 
 
 MIN_SHAPE_STEPS = 10

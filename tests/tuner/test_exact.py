@@ -148,6 +148,23 @@ def test_no_range_is_filled_beyond_the_batch_sizes_the_fit_saw() -> None:
     assert policy.crossover == 4
 
 
+def test_no_range_is_filled_with_a_step_larger_than_the_fit_saw() -> None:
+    """Every draft accepted at 0.9: at batch 3 depth 4 runs fastest per token (2.03 ms against
+    2.34 at depth 2), but its step runs 15 rows and the fit saw at most 9 (`max_rows`), so the
+    unobserved (2, 4] range takes depth 2. The observed range is not bounded."""
+    model = PerfModel(target=(10.0, 0.0, 0.0, 1.0, 0.0), acceptance={"ngram": (0.9,) * 4},
+                      max_rows=9)
+    capacity = Capacity(total_pages=4096, page_size=16, max_depth=4, depths=(1, 2, 4),
+                        proposers={"ngram": (0, 0)})
+    traffic = Traffic(steps=100, batch_weights={1: 1.0}, prefill_per_step={}, concurrency=1.0,
+                      concurrency_max=1)
+    space = SearchSpace.build(TunerConfig(ranges=(2, 4), max_depth=4), capacity)
+    policy = solve(space, model, traffic, capacity)
+    assert [(r.technique, r.depth) for r in policy.rules] == [("ngram", 4), ("ngram", 2)]
+    unbounded = solve(space, dataclasses.replace(model, max_rows=None), traffic, capacity)
+    assert unbounded.choose(3) == ("ngram", 4)
+
+
 def test_a_fitted_model_knows_its_batch_span() -> None:
     gen = synth.Synth(seed=4)
     steps = gen.explore(200, mean_batch=3.0)
@@ -155,6 +172,8 @@ def test_a_fitted_model_knows_its_batch_span() -> None:
     sizes = [s.batch_size for s in steps]
     assert model.batch_span == (min(sizes), max(sizes))
     assert model.summary()["batch_span"] == [min(sizes), max(sizes)]
+    assert model.max_rows == max(s.batch_size * (1 + s.depth) for s in steps)  # unpadded
+    assert model.summary()["max_rows"] == model.max_rows
 
 
 def test_an_unobserved_range_beyond_the_engine_stays_plain() -> None:
