@@ -177,10 +177,14 @@ class TunerBenchConfig:
     turn, each policy's goodput the median over the rounds (a shared machine's drift hits all)."""
     kv_budget: int | None = None
     """KV pool bytes of the engine (None: the backend's default); the fake: 64 KiB a page."""
+    repeats: int = 1
+    """Rounds of the shifting trace: every policy once per round, the order rotated each round
+    (so no policy always runs first); each policy's phase and whole-trace figures are the
+    median round's (bench.tuner_report.combine_rounds). The machine drifts between runs."""
 
     def __post_init__(self) -> None:
-        if self.split_repeats < 1:
-            raise ValueError(f"split_repeats={self.split_repeats} must be at least 1")
+        if self.split_repeats < 1 or self.repeats < 1:
+            raise ValueError(f"split_repeats={self.split_repeats} and repeats={self.repeats} must be at least 1")
         if not self.phase_s > 0 or not self.rate_scale > 0:
             raise ValueError(f"phase_s={self.phase_s} and rate_scale={self.rate_scale} must be > 0")
         unknown = set(self.runs) - {"autotuned", "never", "fixed", "table", "tenants"}
@@ -287,7 +291,7 @@ class RecordingEngine:
 # ---- the bench ---------------------------------------------------------------------
 def run_bench(cfg: TunerBenchConfig, out_path: str | None = None) -> dict[str, Any]:
     """Run every policy over the trace and return (and write) the JSON result."""
-    from bench.tuner_report import headline, summarize, write_result
+    from bench.tuner_report import combine_rounds, headline, summarize, write_result
     from daemon.progress import reporter
     from engine.progress import Steps
 
@@ -296,13 +300,21 @@ def run_bench(cfg: TunerBenchConfig, out_path: str | None = None) -> dict[str, A
     policies = static_policies(cfg, engine)
     _log(f"{len(arrivals)} requests over {len(phases)} phases of {cfg.phase_s:g} s; policies: "
          + ", ".join((["autotuned"] if "autotuned" in cfg.runs else []) + list(policies)))
-    runs: dict[str, dict[str, Any]] = {}
     order = ([("autotuned", None)] if "autotuned" in cfg.runs else []) + list(policies.items())
-    with Steps(reporter(), "bench tuner: runs", len(order)) as bar:
-        for name, policy in order:
-            runs[name] = asyncio.run(_run(cfg, engine, name, policy, phases, arrivals))
-            bar.advance()
-    result = summarize(cfg, engine, phases, arrivals, runs)
+    rounds: list[dict[str, Any]] = []
+    with Steps(reporter(), "bench tuner: runs", len(order) * cfg.repeats) as bar:
+        for r in range(cfg.repeats):
+            # later rounds rotate the order and skip the retune-latency probe (round 1 has it)
+            at = cfg if r == 0 else dataclasses.replace(cfg, probe_retunes=0)
+            runs: dict[str, dict[str, Any]] = {}
+            for name, policy in order[r % len(order):] + order[:r % len(order)]:
+                if cfg.repeats > 1:
+                    _log(f"round {r + 1}/{cfg.repeats}: {name}")
+                tag = f"-r{r + 1}" if cfg.repeats > 1 else ""
+                runs[name] = asyncio.run(_run(at, engine, name, policy, phases, arrivals, tag))
+                bar.advance()
+            rounds.append(summarize(cfg, engine, phases, arrivals, runs))
+    result = combine_rounds(rounds)
     for line in headline(result):
         _log(line)
     if out_path:
@@ -451,8 +463,9 @@ def _memory(cfg: TunerBenchConfig, engine: Any, technique: str) -> dict[str, Any
 
 # ---- one run: a fresh daemon, the trace, the probe ----------------------------------
 async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolicy | None,
-               phases: list[Any], arrivals: list[Arrival]) -> dict[str, Any]:
-    """Serve the trace under `policy` (None: the tuner) on a fresh daemon; the raw record."""
+               phases: list[Any], arrivals: list[Arrival], tag: str = "") -> dict[str, Any]:
+    """Serve the trace under `policy` (None: the tuner) on a fresh daemon; the raw record.
+    `tag` ends the kept database's file name (a round of --repeats)."""
     import aiohttp
     from aiohttp import web
 
@@ -475,7 +488,7 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
                                   retention=RetentionConfig())
         path = Path(tmp) / "telemetry.db"
         if cfg.keep_db:  # each run's database, for a look at what the tuner saw
-            path = Path(cfg.keep_db) / f"{name.replace(':', '-').replace('@', '-')}.db"
+            path = Path(cfg.keep_db) / f"{name.replace(':', '-').replace('@', '-')}{tag}.db"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.unlink(missing_ok=True)
         database = open_database(f"sqlite:///{path}", recorder_config=recorder)

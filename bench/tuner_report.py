@@ -35,7 +35,11 @@
 3. The autotuned run's history, read from its telemetry database: every
    policy version (who made it, when, its rules) and every retune that ran
    (skips are only counted), with how it searched and for how long.
-4. The PNG (bench.plots.tuner_plot): goodput bars per phase and whole trace
+4. With --repeats N, every policy runs once per round (the order rotated
+   each round) and each policy's figures are its median round's per phase
+   and whole trace; the ratios come from those, each round's are in
+   `rounds` (combine_rounds).
+5. The PNG (bench.plots.tuner_plot): goodput bars per phase and whole trace
    for every policy, then the ratios as bars with their targets marked (the
    oracle's in grey).
 """
@@ -82,6 +86,46 @@ def summarize(cfg: Any, engine: Any, phases: list[Any], arrivals: list[Any],
             "ratio": result["retune_itl"]["p99_ratio"], "target": TARGETS["retune_itl"],
             "met": _met(result["retune_itl"]["p99_ratio"], TARGETS["retune_itl"], below=True)}
     return result
+
+
+def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from the summaries of several rounds (`bench tuner --repeats`): each policy's
+    phases and whole trace are its median round's there (the lower middle of an even count,
+    by goodput; a phase's figures stay those of one run), the ratios are recomputed from them,
+    the retune-latency probe and the autotuned history are round 1's, and `rounds` lists each
+    round's goodputs and ratios. One round: that round's summary as it is.
+
+    >>> def summary(g):
+    ...     return {"trace": [{"name": "low-copy"}], "policies": {
+    ...         "never": {"phases": [{"goodput": g, "engine_tokens": g, "engine_s": 1.0}],
+    ...                   "whole": {"goodput": g}}}, "ratios": {}}
+    >>> out = combine_rounds([summary(3.0), summary(1.0), summary(2.0)])
+    >>> out["policies"]["never"]["phases"][0]["goodput"], [r["policies"]["never"]["whole"] for r in out["rounds"]]
+    (2.0, [3.0, 1.0, 2.0])
+    """
+    if len(rounds) == 1:
+        return rounds[0]
+    first = rounds[0]
+    policies: dict[str, Any] = {}
+    for name, run in first["policies"].items():
+        each = [r["policies"][name] for r in rounds]
+        phases = [_median([e["phases"][i] for e in each]) for i in range(len(run["phases"]))]
+        policies[name] = {**run, "phases": phases, "whole": _median([e["whole"] for e in each])}
+    out = {**first, "policies": policies,
+           "ratios": ratios(policies, [p["name"] for p in first["trace"]])}
+    if "retune_itl" in first["ratios"]:
+        out["ratios"]["retune_itl"] = first["ratios"]["retune_itl"]
+    out["rounds"] = [{"policies": {n: {"phases": [p["goodput"] for p in run["phases"]],
+                                        "whole": run["whole"]["goodput"]}
+                                   for n, run in r["policies"].items()},
+                      "ratios": {k: v for k, v in r["ratios"].items() if k != "retune_itl"}}
+                     for r in rounds]
+    return out
+
+
+def _median(figures: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one of `figures` whose goodput is the median (the lower middle of an even count)."""
+    return sorted(figures, key=lambda f: f["goodput"])[(len(figures) - 1) // 2]
 
 
 def _run_summary(run: dict[str, Any]) -> dict[str, Any]:

@@ -280,6 +280,9 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
     add("--validation-min-steps", type=int, default=60, help="validation ends with this many steps")
     add("--search-in-thread", action="store_true", help="search in a thread, not a spawned process")
     add("--probe-retunes", type=int, default=12, help="retunes measured for inter-token latency (0: none)")
+    add("--repeats", type=int, default=1,
+        help="rounds of the trace, every policy once per round in a rotated order; each policy's "
+             "figures are its median round's")
     add("--probe-concurrency", type=int, default=4, help="closed-loop clients during the probe")
     add("--probe-quiet", type=float, default=None, help="quiet seconds between probe retunes (default: phase/4)")
     _add_engine(add, heads=True, sized=True)
@@ -351,7 +354,7 @@ def _tuner_config(args: argparse.Namespace) -> Any:
             fake=args.fake, fake_time_scale=args.fake_time_scale,
             traces=() if args.trace == "shifting" else items(args.trace),
             splits=tuple(float(x) for x in items(args.splits)), split_technique=args.split_technique,
-            split_depth=args.split_depth, split_repeats=args.split_repeats,
+            split_depth=args.split_depth, split_repeats=args.split_repeats, repeats=args.repeats,
             kv_budget=None if args.kv_budget is None else parse_size("--kv-budget", args.kv_budget))
     except ValueError as exc:
         raise UserError(f"bench tuner: {exc}") from None

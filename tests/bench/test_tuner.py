@@ -306,3 +306,40 @@ def test_fixed_policies_stay_within_the_engine_s_verify_depth() -> None:
     engine = fake_engine(cfg)
     assert engine.capacity().proposers["mtp"].max_depth > engine.capacity().max_depth == 4
     assert sorted(static_policies(cfg, engine)) == ["fixed:mtp@2", "fixed:mtp@4", "fixed:ngram@2", "fixed:ngram@4"]
+
+
+def test_repeats_run_every_policy_each_round_and_report_medians(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """--repeats 3: every policy runs once per round, the order rotated (round 2 starts with
+    the second policy), each kept database tagged with its round; a policy's phase and
+    whole-trace figures are its median round's, and the ratios are computed from them."""
+    from bench.tuner_report import ratios
+
+    out = tmp_path / "tuner.json"
+    flags = ["--fake", "--phase-seconds", "1", "--rate-scale", "4", "--max-tokens", "16",
+             "--techniques", "ngram", "--depths", "2", "--runs", "autotuned,never,fixed",
+             "--repeats", "3", "--retune-interval", "0.3", "--trials", "8", "--min-new-steps", "20",
+             "--profile-steps", "30", "--validation-min-steps", "20", "--probe-retunes", "0",
+             "--search-in-thread", "--keep-db", str(tmp_path / "db"), "--out", str(out)]
+    assert cli(["bench", "tuner", *flags]) == 0
+    err = capsys.readouterr().err
+    assert err.index("round 1/3: autotuned") < err.index("round 1/3: never")
+    assert err.index("round 2/3: never") < err.index("round 2/3: autotuned")
+    assert err.index("round 3/3: fixed:ngram@2") < err.index("round 3/3: never")
+    result = json.loads(out.read_text())
+    assert len(result["rounds"]) == 3 and "retune_itl" not in result["ratios"]
+    assert sorted(p.name for p in (tmp_path / "db").glob("*.db")) == sorted(
+        f"{n}-r{r}.db" for n in ("autotuned", "never", "fixed-ngram-2") for r in (1, 2, 3))
+    for name, run in result["policies"].items():
+        for i, phase in enumerate(run["phases"]):
+            each = sorted(r["policies"][name]["phases"][i] for r in result["rounds"])
+            assert phase["goodput"] == each[1]
+        assert run["whole"]["goodput"] == sorted(r["policies"][name]["whole"] for r in result["rounds"])[1]
+    assert result["ratios"] == ratios(result["policies"], PHASES)
+    assert result["ratios"]["per_phase"] and result["ratios"]["whole_vs_never"]["static"] == (
+        result["policies"]["never"]["whole"]["goodput"])
+
+
+def test_bad_repeats_are_user_errors(capsys: pytest.CaptureFixture) -> None:
+    assert cli(["bench", "tuner", "--fake", "--repeats", "0"]) == 2
+    assert "repeats=0" in capsys.readouterr().err
