@@ -92,6 +92,7 @@ def fixed_policy(cfg: Any, engine: Any, split: float) -> TunedPolicy:
 
 def _trace(cfg: Any, engine: Any, name: str) -> dict[str, Any]:
     from bench.tuner import _log, _run
+    from bench.tuner_report import median_run
     from bench.workloads.memory import split_trace
 
     rate = (cfg.high_rate if name == "memory-bound" else cfg.low_rate) * cfg.rate_scale
@@ -117,7 +118,7 @@ def _trace(cfg: Any, engine: Any, name: str) -> dict[str, Any]:
         runs["tuned"] = measure(asyncio.run(_run(cfg, engine, label, chosen, phases, arrivals)))
         _log(f"{label}: split {chosen.pool_split:g}, goodput {runs['tuned']['goodput']:.1f} tok/s")
         rounds.append(runs)
-    runs = {k: _median_run([rd[k] for rd in rounds]) for k in rounds[0]}
+    runs = {k: median_run([rd[k] for rd in rounds]) for k in rounds[0]}
     tuned = runs.pop("tuned")
     best = max(runs, key=lambda k: runs[k]["goodput"])
     ratio = tuned["goodput"] / runs[best]["goodput"] if runs[best]["goodput"] > 0 else None
@@ -131,17 +132,6 @@ def _trace(cfg: Any, engine: Any, name: str) -> dict[str, Any]:
             "ratio_per_round": per_round, "chosen_split": chosen.pool_split,
             "best_fixed_split": float(best), "ratio": None if ratio is None else round(ratio, 4),
             "met": ratio is not None and ratio >= TARGET}
-
-
-def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run whose goodput is the median of `runs` (the lower middle one of an even count), so
-    its other figures belong to the same run; with one run, that run.
-
-    >>> _median_run([{"goodput": 3.0}, {"goodput": 1.0}, {"goodput": 2.0}])
-    {'goodput': 2.0}
-    """
-    ordered = sorted(runs, key=lambda r: r["goodput"])
-    return ordered[(len(ordered) - 1) // 2]
 
 
 def build_arrivals(cfg: Any, engine: Any, trace: Any) -> tuple[list[Any], list[Any]]:

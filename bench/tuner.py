@@ -335,7 +335,7 @@ def load_engine(cfg: TunerBenchConfig) -> Any:
     # batch size and the tuner's crossover ranges over all of them (`crossover serve` stops at
     # SPEC_MAX_BATCH). Only the proposers the static policies use are loaded: the autotuned
     # daemon chooses among the same techniques as the policies it is compared with.
-    wanted = set(cfg.techniques) | ({cfg.table_technique} if "table" in cfg.runs else set())
+    wanted = set(cfg.techniques) | named_techniques(cfg)
     proposers = tuple(t for t in MODEL_PROPOSERS if not cfg.techniques or t in wanted)
     from daemon.progress import reporter
 
@@ -408,9 +408,7 @@ def static_policies(cfg: TunerBenchConfig, engine: Any) -> dict[str, TunedPolicy
     proposers = engine.capacity().proposers
     loaded = sorted(proposers)
     techniques = cfg.techniques or tuple(loaded)
-    wanted = set(techniques) | ({cfg.table_technique} if "table" in cfg.runs else set())
-    if "tenants" in cfg.runs:
-        wanted |= {t for _, t, _ in cfg.tenant_policy if t != "none"}
+    wanted = set(techniques) | named_techniques(cfg)
     missing = sorted(wanted - set(loaded))
     if missing:
         raise UserError(f"technique(s) {', '.join(missing)} not loaded (loaded: {', '.join(loaded)})")
@@ -419,9 +417,8 @@ def static_policies(cfg: TunerBenchConfig, engine: Any) -> dict[str, TunedPolicy
     if "never" in cfg.runs:
         out["never"] = TunedPolicy()
     if "fixed" in cfg.runs:
-        for t in techniques:  # no deeper than the proposer drafts (e.g. MTP: its heads) or verify compiled
-            deepest = min(proposers[t].max_depth, engine.capacity().max_depth)
-            for d in (d for d in cfg.depths if d <= deepest):
+        for t in techniques:
+            for d in (d for d in cfg.depths if d <= _deepest(engine, t)):
                 out[f"fixed:{t}@{d}"] = TunedPolicy((BatchRule(top, t, d),), crossover=top,
                                                     **_memory(cfg, engine, t))
     if "table" in cfg.runs:
@@ -434,14 +431,29 @@ def static_policies(cfg: TunerBenchConfig, engine: Any) -> dict[str, TunedPolicy
     return out
 
 
+def named_techniques(cfg: TunerBenchConfig) -> set[str]:
+    """The techniques the static policies name besides `techniques`: the table's and the
+    "tenants" run's (the engine loads them too)."""
+    named = {cfg.table_technique} if "table" in cfg.runs else set()
+    if "tenants" in cfg.runs:
+        named |= {t for _, t, _ in cfg.tenant_policy if t != "none"}
+    return named
+
+
+def _deepest(engine: Any, technique: str) -> int:
+    """The deepest a static policy drafts with `technique`: no deeper than the proposer drafts
+    (e.g. MTP: its heads) or the engine's verify compiled."""
+    cap = engine.capacity()
+    return min(cap.proposers[technique].max_depth, cap.max_depth)
+
+
 def tenant_policy(cfg: TunerBenchConfig, engine: Any) -> TunedPolicy:
     """The "tenants" run's policy (TunerBenchConfig.tenant_policy) at every batch size the
     engine runs; each technique no deeper than it drafts or the engine verifies."""
-    cap = engine.capacity()
     top = engine.max_batch
 
     def depth(t: str, d: int) -> int:
-        return 0 if t == "none" else min(d, cap.proposers[t].max_depth, cap.max_depth)
+        return 0 if t == "none" else min(d, _deepest(engine, t))
 
     base = next((t, depth(t, d)) for n, t, d in cfg.tenant_policy if n == "*")
     rules = tuple(TenantRule(n, t, depth(t, d), max_batch=top) for n, t, d in cfg.tenant_policy

@@ -109,8 +109,8 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     policies: dict[str, Any] = {}
     for name, run in first["policies"].items():
         each = [r["policies"][name] for r in rounds]
-        phases = [_median([e["phases"][i] for e in each]) for i in range(len(run["phases"]))]
-        policies[name] = {**run, "phases": phases, "whole": _median([e["whole"] for e in each])}
+        phases = [median_run([e["phases"][i] for e in each]) for i in range(len(run["phases"]))]
+        policies[name] = {**run, "phases": phases, "whole": median_run([e["whole"] for e in each])}
     out = {**first, "policies": policies,
            "ratios": ratios(policies, [p["name"] for p in first["trace"]])}
     if "retune_itl" in first["ratios"]:
@@ -123,9 +123,15 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _median(figures: list[dict[str, Any]]) -> dict[str, Any]:
-    """The one of `figures` whose goodput is the median (the lower middle of an even count)."""
-    return sorted(figures, key=lambda f: f["goodput"])[(len(figures) - 1) // 2]
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run (or phase) whose goodput is the median of `runs` (the lower middle one of an
+    even count), so its other figures belong to the same run; with one run, that run.
+
+    >>> median_run([{"goodput": 3.0}, {"goodput": 1.0}, {"goodput": 2.0}])
+    {'goodput': 2.0}
+    """
+    ordered = sorted(runs, key=lambda r: r["goodput"])
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def _run_summary(run: dict[str, Any]) -> dict[str, Any]:

@@ -93,6 +93,16 @@ def test_the_fixed_per_tenant_policy_runs_beside_the_single_depth_ones(run: tupl
     assert "phase 4 fixed per-tenant policy vs best single depth" in err
 
 
+def test_the_engine_loads_the_tenant_policy_s_techniques() -> None:
+    """The techniques the table and the "tenants" run name are loaded beside --techniques."""
+    from bench.tuner import TunerBenchConfig, named_techniques
+
+    cfg = TunerBenchConfig(techniques=("ngram",), runs=("tenants", "table"),
+                           tenant_policy=(("*", "ngram", 2), ("copy-tenant", "mtp", 2), ("prose-tenant", "none", 0)))
+    assert named_techniques(cfg) == {"ngram", "mtp"}
+    assert named_techniques(TunerBenchConfig(runs=("fixed",))) == set()
+
+
 def test_a_bad_tenant_policy_is_a_user_error(capsys: pytest.CaptureFixture) -> None:
     for bad, named in (("copy-tenant=ngram@4", "tenant_policy="), ("*=ngram", "'*=ngram'"),
                        ("*=ngram@2,prose-tenant=none@2", "prose-tenant=none@2"),

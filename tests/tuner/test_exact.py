@@ -107,6 +107,20 @@ def test_nothing_fits_gives_none() -> None:
     assert ev.feasible and ev.tenant_pages_needed == 17 and ev.admitted == (100 - int(100 * best.pool_split)) // 17
 
 
+def solve_at_batch_1(ranges: tuple[int, ...], rate: float = 0.5, max_batch: int = 1 << 30,
+                     **fitted: object) -> tuple[TunedPolicy, PerfModel, Traffic, Capacity]:
+    """The fill tests' case: t0 = 10 ms a step, 1 ms a row, every draft position accepted at
+    `rate` (PerfModel fields `fitted`, e.g. its batch span); n-gram at depths 1, 2, 4; only
+    batch 1 observed. The solved policy and what it was solved on."""
+    model = PerfModel(target=(10.0, 0.0, 0.0, 1.0, 0.0), acceptance={"ngram": (rate,) * 4}, **fitted)
+    capacity = Capacity(total_pages=4096, page_size=16, max_depth=4, depths=(1, 2, 4),
+                        proposers={"ngram": (0, 0)}, max_batch=max_batch)
+    traffic = Traffic(steps=100, batch_weights={1: 1.0}, prefill_per_step={}, concurrency=1.0,
+                      concurrency_max=1)
+    space = SearchSpace.build(TunerConfig(ranges=ranges, max_depth=4), capacity)
+    return solve(space, model, traffic, capacity), model, traffic, capacity
+
+
 def test_ranges_without_traffic_take_their_fastest_cell() -> None:
     """Only batch 1 observed. The ranges above hold no steps, so the objective cannot tell
     their cells apart; each takes the cell with the fewest predicted ms per token at its probe
@@ -115,13 +129,7 @@ def test_ranges_without_traffic_take_their_fastest_cell() -> None:
     depth 2 3.62; batch 6 ((4, 8]) 2.67, 2.44, 2.67; batch 12 ((8, 16]) 1.83, 1.89; batch 32
     1.31, 1.54. So depth 1 up to batch 8 and nothing above, where before the fill every
     range but the observed one stayed "none" and the crossover was 2."""
-    model = PerfModel(target=(10.0, 0.0, 0.0, 1.0, 0.0), acceptance={"ngram": (0.5,) * 4})
-    capacity = Capacity(total_pages=4096, page_size=16, max_depth=4, depths=(1, 2, 4),
-                        proposers={"ngram": (0, 0)})
-    traffic = Traffic(steps=100, batch_weights={1: 1.0}, prefill_per_step={}, concurrency=1.0,
-                      concurrency_max=1)
-    space = SearchSpace.build(TunerConfig(ranges=(2, 4, 8, 16, 64), max_depth=4), capacity)
-    policy = solve(space, model, traffic, capacity)
+    policy, model, traffic, capacity = solve_at_batch_1((2, 4, 8, 16, 64))
     assert policy is not None
     assert [(r.technique, r.depth) for r in policy.rules] == [
         ("ngram", 2), ("ngram", 1), ("ngram", 1), ("none", 0), ("none", 0)]
@@ -135,14 +143,7 @@ def test_ranges_without_traffic_take_their_fastest_cell() -> None:
 def test_no_range_is_filled_beyond_the_batch_sizes_the_fit_saw() -> None:
     """The same model fitted on steps of batch 1-4 only (`batch_span`): the (2, 4] range is
     filled, the ones whose probes (6, 12, 32) lie beyond stay "none", the crossover at 4."""
-    model = PerfModel(target=(10.0, 0.0, 0.0, 1.0, 0.0), acceptance={"ngram": (0.5,) * 4},
-                      batch_span=(1, 4))
-    capacity = Capacity(total_pages=4096, page_size=16, max_depth=4, depths=(1, 2, 4),
-                        proposers={"ngram": (0, 0)})
-    traffic = Traffic(steps=100, batch_weights={1: 1.0}, prefill_per_step={}, concurrency=1.0,
-                      concurrency_max=1)
-    space = SearchSpace.build(TunerConfig(ranges=(2, 4, 8, 16, 64), max_depth=4), capacity)
-    policy = solve(space, model, traffic, capacity)
+    policy, *_ = solve_at_batch_1((2, 4, 8, 16, 64), batch_span=(1, 4))
     assert [(r.technique, r.depth) for r in policy.rules] == [
         ("ngram", 2), ("ngram", 1), ("none", 0), ("none", 0), ("none", 0)]
     assert policy.crossover == 4
@@ -152,16 +153,9 @@ def test_no_range_is_filled_with_a_step_larger_than_the_fit_saw() -> None:
     """Every draft accepted at 0.9: at batch 3 depth 4 runs fastest per token (2.03 ms against
     2.34 at depth 2), but its step runs 15 rows and the fit saw at most 9 (`max_rows`), so the
     unobserved (2, 4] range takes depth 2. The observed range is not bounded."""
-    model = PerfModel(target=(10.0, 0.0, 0.0, 1.0, 0.0), acceptance={"ngram": (0.9,) * 4},
-                      max_rows=9)
-    capacity = Capacity(total_pages=4096, page_size=16, max_depth=4, depths=(1, 2, 4),
-                        proposers={"ngram": (0, 0)})
-    traffic = Traffic(steps=100, batch_weights={1: 1.0}, prefill_per_step={}, concurrency=1.0,
-                      concurrency_max=1)
-    space = SearchSpace.build(TunerConfig(ranges=(2, 4), max_depth=4), capacity)
-    policy = solve(space, model, traffic, capacity)
+    policy, *_ = solve_at_batch_1((2, 4), rate=0.9, max_rows=9)
     assert [(r.technique, r.depth) for r in policy.rules] == [("ngram", 4), ("ngram", 2)]
-    unbounded = solve(space, dataclasses.replace(model, max_rows=None), traffic, capacity)
+    unbounded, *_ = solve_at_batch_1((2, 4), rate=0.9)
     assert unbounded.choose(3) == ("ngram", 4)
 
 
@@ -178,13 +172,7 @@ def test_a_fitted_model_knows_its_batch_span() -> None:
 
 def test_an_unobserved_range_beyond_the_engine_stays_plain() -> None:
     """A range whose batch sizes the engine never runs (above its max_batch) is not probed."""
-    model = PerfModel(target=(10.0, 0.0, 0.0, 1.0, 0.0), acceptance={"ngram": (0.5,) * 4})
-    capacity = Capacity(total_pages=4096, page_size=16, max_depth=4, depths=(1, 2, 4),
-                        proposers={"ngram": (0, 0)}, max_batch=4)
-    traffic = Traffic(steps=100, batch_weights={1: 1.0}, prefill_per_step={}, concurrency=1.0,
-                      concurrency_max=1)
-    space = SearchSpace.build(TunerConfig(ranges=(2, 4, 8), max_depth=4), capacity)
-    policy = solve(space, model, traffic, capacity)
+    policy, *_ = solve_at_batch_1((2, 4, 8), max_batch=4)
     assert [(r.technique, r.depth) for r in policy.rules] == [("ngram", 2), ("ngram", 1), ("none", 0)]
 
 
