@@ -111,7 +111,7 @@ class ServeBenchConfig:
     """The engine started here loads the n-gram proposer and serves the policy a new daemon
     starts with (daemon.tuning.starter_policy), in both phases; False: plain decoding only."""
     mixed_steps: bool = False
-    """The engine started here carries prefill chunks inside decode calls (engine/mixed.py), as
+    """The engine started here prefills long prompts inside decode calls (engine/mixed.py), as
     `crossover serve --mixed-steps` does."""
     engine_rates: str | None = None
     """A `crossover bench engine` JSON whose rates the efficiency bound uses (else measured here)."""

@@ -73,8 +73,8 @@ class Settings:
     prefix_cache: bool = True
     """Share the KV pages of common prompt prefixes between requests (engine/prefix_cache.py)."""
     mixed_steps: bool = False
-    """Prefill chunks ride in the decode call (engine/mixed.py); off by default until its step
-    budget serves bursts without starving prefill (docs in daemon/README.md)."""
+    """Long prompts' chunks ride in the decode call (engine/mixed.py); off by default: its
+    executables leave speculation fewer context buckets (docs in daemon/README.md)."""
     heads: str | None = None
     """Draft heads file from `crossover train-heads`; None: the one shipped for the model."""
     db_url: str | None = None

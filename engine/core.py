@@ -70,6 +70,8 @@ class EngineConfig:
     """warmup() returns once plain decoding is compiled; speculation compiles on a thread (engine/warm.py)."""
     prefix_cache: bool = True
     """Share the KV pages of prompt prefixes between requests (engine/prefix_cache.py)."""
+    chunk_slack: int = 0
+    """SchedulerConfig.chunk_slack: tokens padding a prefill chunk may waste; 0: its smallest bucket."""
 
 
 class EngineCore:
@@ -89,7 +91,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(max_batch=rc.max_batch, token_budget=max(ecfg.token_budget, rc.max_batch),
                             max_chunk=rc.max_chunk, lookahead=max(rc.verify_tokens, default=1) - 1,
-                            chunk_buckets=rc.prefill_buckets, mix_tokens_per_row=rc.mix_tokens_per_row),
+                            chunk_buckets=rc.prefill_buckets, mix_tokens_per_row=rc.mix_tokens_per_row,
+                            mix_long=rc.max_chunk, chunk_slack=ecfg.chunk_slack),
             self.pool,
         )
         self.stop_ids = frozenset(getattr(tokenizer, "stop_ids", (cfg.eos_id,)))

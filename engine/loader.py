@@ -20,7 +20,7 @@ from engine.config import ModelConfig
 from engine.core import EngineConfig, EngineCore
 from engine.layer_draft import DRAFT_VOCABS
 from engine.memory import KV_DTYPE_BYTES, size_pool
-from engine.prefill_groups import group_shapes
+from engine.prefill_groups import GROUP_CHUNK, group_shapes, group_tokens
 from engine.scheduler import mix_chunk, mixed_shapes
 from engine.progress import Reporter, note
 from engine.runner import RunnerConfig, prefill_shapes
@@ -92,7 +92,7 @@ def estimated_mappings(rc: RunnerConfig, drafting: bool) -> float:
     plain = len(rc.batch_buckets) * len(rc.context_buckets) + len(prefill_shapes(rc.prefill_buckets,
                                                                                    rc.context_buckets))
     spec = spec_shapes_per_context(rc.batch_buckets, rc.verify_tokens, rc.spec_max_batch, drafting)
-    plain += len(mixed_shapes(rc)) + len(group_shapes(rc.batch_buckets, rc.prefill_buckets, rc.context_buckets,
+    plain += len(mixed_shapes(rc)) + len(group_shapes(rc.batch_buckets, group_tokens(rc), rc.context_buckets,
                                                       rc.prefill_rows))
     return MAPS_RESERVE + MAPS_PER_SHAPE * (plain + spec * len(rc.spec_contexts))
 
@@ -128,8 +128,12 @@ to a prefill bucket (at most engine.scheduler.MIX_MAX_CHUNK). Measured on this C
 prefill token a mixed call carries ~1.3 ms more, so a 32-token chunk doubled the streams' step
 (83 ms) and a 16-token one, which batches up to 4 carry, keeps it near 1.5x; batches of 8-16
 carry 32 tokens, 32 carry 128."""
+PREFILL_BUCKETS = (32, 128, 512)
+"""Prefill chunk buckets; a prompt is cut where padding its chunk up would waste 32 tokens or more
+(`engine.scheduler.fit_chunk`), with mixed steps too."""
 MIX_PREFILL_BUCKETS = (16, 32, 128, 512)
-"""Prefill chunk buckets with mixed steps: the 16-token bucket is the chunk small batches carry."""
+"""Prefill chunk buckets with mixed steps: the 16-token bucket is the chunk small batches carry
+(a long prompt's, engine/scheduler.py)."""
 PREFILL_ROWS = 8
 """Most short prompts' chunks one prefill call carries (engine/prefill_groups.py): a call
 costs ~35 ms plus ~1 ms a token here, so 8 chunks of 32 tokens take half their time apart."""
@@ -206,13 +210,12 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     sizes = size_pool(cfg, kv_budget_bytes, PAGE_SIZE, kv_dtype, max_context, MAX_SPEC_DEPTH)
     cap = sizes.ring_pages * PAGE_SIZE
     batches = batch_buckets(max_batch, smallest_batch(dtype))
-    prefills = tuple(b for b in (MIX_PREFILL_BUCKETS if mixed_steps else (32, 128, 512)) if b <= cap) or (cap,)
+    prefills = tuple(b for b in (MIX_PREFILL_BUCKETS if mixed_steps else PREFILL_BUCKETS) if b <= cap) or (cap,)
     spec_batch = min(spec_max_batch, max_batch)
     per_row = MIX_TOKENS_PER_ROW if mixed_steps else 0
-    rows = 1 if mixed_steps else PREFILL_ROWS  # mixed calls carry short chunks instead
     ladder = context_buckets(max_context)
     kept = (len(mix_context_buckets(ladder)) * mixed_per_context(batches, prefills, per_row)
-            + len(group_shapes(batches, prefills, ladder, rows)))
+            + len(group_shapes(batches, GROUP_CHUNK, ladder, PREFILL_ROWS)))
     plain, spec = split_context_buckets(ladder, batches, prefills,
                                         spec_shapes_per_context(batches, verify_tokens, spec_batch, drafting),
                                         map_limit, kept)
@@ -234,7 +237,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
         tensor_parallel=tensor_parallel,
         mix_tokens_per_row=per_row,
         mix_context_buckets=mix_context_buckets(plain),
-        prefill_rows=rows,
+        prefill_rows=PREFILL_ROWS,  # short prompts' chunks run side by side with mixed steps too
     )
 
 
@@ -298,7 +301,8 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                    + (f", tensor parallel over {tensor_parallel} devices" if tensor_parallel > 1 else ""))
     engine = EngineCore(cfg, params, tokenizer, EngineConfig(runner=rc, token_budget=token_budget,
                                                              prefix_cache=prefix_cache,
-                                                             background_warmup=background_warmup),
+                                                             background_warmup=background_warmup,
+                                                             chunk_slack=PREFILL_BUCKETS[0]),
                         model_name=cfg.name)
     engine.budget_bytes = budget
     if loaded is not None:

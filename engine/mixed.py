@@ -1,9 +1,10 @@
 """Mixed calls: one forward carries a step's decode rows and a prefill chunk together.
 
-1. The scheduler caps a step's prefill tokens while sequences decode
+1. The scheduler caps a long prompt's prefill tokens while sequences decode
    (`engine.scheduler.mix_chunk`: a few tokens per decode row, rounded down to
-   a prefill bucket), so a step with a chunk stays within about twice a plain
-   decode step and running streams keep their pace.
+   a prefill bucket), so a step with its chunk stays within about twice a
+   plain decode step and running streams keep their pace; short prompts are
+   prefilled whole, in calls of their own (engine/step.py carries one chunk).
 2. `new_mixed_calls` makes two bucket-padded CallArrays sharing one page-table
    width: the decode segment [Bd, 1] and the prefill segment [Bp, Tp].
 3. `_forward_mixed` (jitted) runs `engine.model.forward_segments`: projections

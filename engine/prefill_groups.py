@@ -4,13 +4,13 @@ A prefill call costs a fixed ~35 ms on this CPU (as a batch-1 decode step: the o
 the weights streamed once) plus ~1 ms a token. Measured on Gemma 3 270M, float32, context
 512: one 32-token chunk alone takes 68 ms; 4 and 8 of them as the rows of one call take 139
 and 241 ms, not 272 and 544. Two 128-token chunks gain little (261 ms together, 272 apart), so
-only chunks of at most the smallest prefill bucket, whose context fits GROUP_MAX_CONTEXT, are
-grouped: up to `RunnerConfig.prefill_rows` of them (padded to a batch bucket) per call, at one
-context bucket (a 32-token chunk alone takes 66 ms at context 64 and 64 ms at 512: padding the
-context costs little, and each bucket is more executables). The rest run alone, as before.
-With mixed steps (engine/mixed.py) chunks ride in decode calls instead, and groups are off;
-while the background warmup still compiles plain shapes, a chunk runs alone (padded to a
-compiled shape).
+only chunks of at most `group_tokens` (32, with mixed steps too) whose context fits
+GROUP_MAX_CONTEXT are grouped: up to `RunnerConfig.prefill_rows` of them (padded to a batch
+bucket) per call, at one context bucket (a 32-token chunk alone takes 66 ms at context 64 and
+64 ms at 512: padding the context costs little, and each bucket is more executables). The rest
+run alone, as before. With mixed steps (engine/mixed.py) a long prompt's chunk rides in the
+decode call and short prompts' chunks are grouped as without them. While the background warmup
+still compiles plain shapes, a chunk runs alone (padded to a compiled shape).
 """
 
 from __future__ import annotations
@@ -18,10 +18,18 @@ from __future__ import annotations
 from engine.faults import build_rows
 from engine.sequence import Sequence, Status
 
+GROUP_CHUNK = 32
+"""Chunks of at most this many tokens are grouped, where it is a prefill bucket (see group_tokens)."""
 GROUP_MAX_CONTEXT = 512
 """Largest context bucket grouped calls compile for (short prompts are what groups serve)."""
 
 Chunk = tuple[Sequence, int]
+
+
+def group_tokens(rc) -> int:
+    """The chunk bucket grouped rows pad to: GROUP_CHUNK where it is a prefill bucket (with mixed
+    steps the 16-token bucket is a long prompt's, engine/scheduler.py), else the smallest."""
+    return GROUP_CHUNK if GROUP_CHUNK in rc.prefill_buckets else rc.prefill_buckets[0]
 
 
 def group_contexts(contexts: tuple[int, ...]) -> tuple[int, ...]:
@@ -31,22 +39,22 @@ def group_contexts(contexts: tuple[int, ...]) -> tuple[int, ...]:
     return tuple([c for c in contexts if c >= GROUP_MAX_CONTEXT] or list(contexts[-1:]))[:1]
 
 
-def group_shapes(batches: tuple[int, ...], prefills: tuple[int, ...], contexts: tuple[int, ...],
+def group_shapes(batches: tuple[int, ...], chunk: int, contexts: tuple[int, ...],
                  rows: int) -> list[tuple[int, int, int]]:
     """(batch, chunk, context) of every grouped call: batch buckets from 2 up to `rows`, the
-    smallest prefill bucket, group_contexts. Example: group_shapes((1, 2, 4, 8, 16), (32, 128),
-    (64, 2048), 8) == [(2, 32, 2048), (4, 32, 2048), (8, 32, 2048)]."""
-    return [(b, prefills[0], c) for b in batches if 1 < b <= rows for c in group_contexts(contexts)]
+    group chunk (`group_tokens`), group_contexts. Example: group_shapes((1, 2, 4, 8,
+    16), 32, (64, 2048), 8) == [(2, 32, 2048), (4, 32, 2048), (8, 32, 2048)]."""
+    return [(b, chunk, c) for b in batches if 1 < b <= rows for c in group_contexts(contexts)]
 
 
 def split_groups(rc, chunks: list[Chunk], compiled: bool) -> tuple[list[list[Chunk]], list[Chunk]]:
     """(groups of 2+ chunks to run as one call each, chunks to run alone), in `chunks`' order.
     `compiled`: every plain shape is compiled (the runner pads to nothing)."""
-    shapes = group_shapes(rc.batch_buckets, rc.prefill_buckets, rc.context_buckets, rc.prefill_rows)
-    if not shapes or not compiled or rc.mix_tokens_per_row:
+    shapes = group_shapes(rc.batch_buckets, group_tokens(rc), rc.context_buckets, rc.prefill_rows)
+    if not shapes or not compiled:
         return [], list(chunks)
     most, top = max(s[0] for s in shapes), min(shapes[0][2], GROUP_MAX_CONTEXT)
-    short = [(s, n) for s, n in chunks if n <= rc.prefill_buckets[0] and s.num_cached + n <= top]
+    short = [(s, n) for s, n in chunks if n <= group_tokens(rc) and s.num_cached + n <= top]
     groups = [short[i : i + most] for i in range(0, len(short), most)]
     groups = [g for g in groups if len(g) > 1]
     grouped = {id(s) for g in groups for s, _ in g}
@@ -59,8 +67,7 @@ def run_group(core, group: list[Chunk], events, finished) -> None:
     n_of = {id(s): n for s, n in group}
     live = [s for s, _ in group if s.status is Status.RUNNING]  # a row may have failed this step
     context = group_contexts(core.runner.rc.context_buckets)[0]  # every row pads up to it
-    seqs, c = build_rows(live, lambda ss: core.runner.new_call(
-                             len(ss), max(2, max(n_of[id(s)] for s in ss)), context),
+    seqs, c = build_rows(live, lambda ss: core.runner.new_call(len(ss), group_tokens(core.runner.rc), context),
                          lambda c, i, s: core._fill_row(c, i, s, n_of[id(s)]), core._failer(events, finished))
     if c is None:
         return

@@ -29,7 +29,7 @@ from engine.config import ModelConfig
 from engine.kv import Batch, KVState, cache_reader, write_new
 from engine.model import Params, forward, logits, unstack_layers
 from engine.progress import Reporter, Steps, note
-from engine.prefill_groups import group_shapes
+from engine.prefill_groups import group_shapes, group_tokens
 from engine.scheduler import mix_chunk
 from engine.penalties import SPARE_ENTRIES
 from engine.sampling import (Adjust, SamplingArrays, adjust_logits, greedy, sample, top_candidates, top_logprobs,
@@ -372,7 +372,7 @@ class ModelRunner:
         out = [(b, 1, c) for b in rc.batch_buckets for c in rc.context_buckets]  # then prefill's:
         alone = mix_chunk(rc.batch_buckets[0], rc.mix_tokens_per_row, rc.prefill_buckets)  # mixed calls carry those
         return (out + [(1, t, c) for t, c in prefill_shapes(rc.prefill_buckets, rc.context_buckets) if t > alone]
-                + group_shapes(rc.batch_buckets, rc.prefill_buckets, rc.context_buckets, rc.prefill_rows))
+                + group_shapes(rc.batch_buckets, group_tokens(rc), rc.context_buckets, rc.prefill_rows))
 
     def verify_shapes(self) -> list[tuple[int, int, int]]:
         """Every (batch, 1 + depth, context) speculation may verify with."""

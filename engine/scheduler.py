@@ -13,10 +13,15 @@ One step's plan, in order:
    bucket where padding it up would waste more than the smallest bucket
    (`fit_chunk`). An admitted sequence starts after the longest prefix of its
    tokens the prefix cache holds (KVPool.lookup).
-   Mixed steps (`mix_tokens_per_row`): while sequences decode, the step's
-   prefill is at most `mix_rows` chunks of `mix_chunk` tokens in all, so it
-   rides in the decode call (engine/mixed.py) without stretching the step
-   much; with nobody decoding the whole token budget is used.
+   Mixed steps (`mix_tokens_per_row`): while sequences decode, a long prompt
+   (more than `mix_long` tokens to compute at admission: one that needs
+   several chunks) is prefilled `mix_chunk` tokens a step, at most `mix_rows`
+   of them at once, so its chunk rides in the decode call (engine/mixed.py)
+   and the running streams keep their pace however long it is. A short
+   prompt still takes the step's budget (one stall of at most a chunk, and
+   bursts of short requests keep their time to first token), as vLLM's
+   long-prefill threshold does. With nobody decoding the whole budget is
+   used.
 Before both, the pool split yields (KVPool.yield_to) so the longest sequence
 running or at the queue's head can finish alone: a split that grows while a
 large request waits shrinks for it instead of blocking the queue behind it.
@@ -49,10 +54,16 @@ class SchedulerConfig:
     """Extra positions a decode reserves pages for (speculation's verify slots)."""
     chunk_buckets: tuple[int, ...] = ()
     """Prefill chunk lengths compiled (`fit_chunk` cuts chunks to them); () = any length."""
+    chunk_slack: int = 0
+    """Padding a chunk up to its bucket may waste fewer tokens than this (`fit_chunk`); 0: the
+    smallest chunk bucket."""
     mix_tokens_per_row: int = 0
     """While sequences decode: prefill tokens a step may add per decode row (`mix_chunk`); 0 = no cap."""
     mix_rows: int = 1
-    """While sequences decode: most prefill chunks (sequences) one step carries, with mix_tokens_per_row."""
+    """While sequences decode: most long prompts' chunks one step carries, with mix_tokens_per_row."""
+    mix_long: int = 0
+    """With mix_tokens_per_row: a prompt with more tokens than this to compute at admission is
+    long (capped while others decode); 0: every prompt is."""
 
     def __post_init__(self) -> None:
         if self.token_budget < self.max_batch:
@@ -97,17 +108,19 @@ def mixed_shapes(rc) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def fit_chunk(n: int, buckets: tuple[int, ...]) -> int:
-    """A chunk of up to n tokens that pads to its bucket wasting less than the smallest bucket:
-    n itself, or else the largest bucket below it (the rest goes in later chunks).
+def fit_chunk(n: int, buckets: tuple[int, ...], slack: int = 0) -> int:
+    """A chunk of up to n tokens that pads to its bucket wasting less than `slack` (0: the
+    smallest bucket): n itself, or else the largest bucket below it (the rest goes in later chunks).
 
     >>> [fit_chunk(n, (32, 128, 512)) for n in (20, 100, 140, 500, 600)]
     [20, 100, 128, 500, 512]
+    >>> fit_chunk(100, (16, 32, 128, 512)), fit_chunk(100, (16, 32, 128, 512), slack=32)
+    (32, 100)
     """
     if not buckets or n <= buckets[0]:
         return n
     up = min([b for b in buckets if b >= n], default=None)
-    if up is not None and up - n < buckets[0]:
+    if up is not None and up - n < (slack or buckets[0]):
         return n
     return max(b for b in buckets if b <= n)
 
@@ -184,22 +197,33 @@ class Scheduler:
 
     def _plan_prefill(self, plan: StepPlan, budget: int) -> None:
         in_decode = set(map(id, plan.decode))
-        rows = len(self.running) + len(self.waiting)
-        if plan.decode and self.cfg.mix_tokens_per_row:  # a mixed step: keep it near a decode step's time
-            budget = min(budget, mix_chunk(len(plan.decode), self.cfg.mix_tokens_per_row, self.cfg.chunk_buckets))
-            rows = self.cfg.mix_rows
+        mixing = bool(plan.decode and self.cfg.mix_tokens_per_row)  # long prompts: keep it near a decode step
+        cap = mix_chunk(len(plan.decode), self.cfg.mix_tokens_per_row, self.cfg.chunk_buckets) if mixing else 0
+        longs = 0
+
+        def room(seq: Sequence) -> int:
+            """Tokens `seq` may prefill now; 0 when another long prompt has this step's place."""
+            nonlocal longs
+            if not (mixing and seq.long_prefill):
+                return budget
+            longs += 1
+            return min(budget, cap) if longs <= self.cfg.mix_rows else 0
+
         for seq in self.running:
-            if budget <= 0 or len(plan.prefill) >= rows:
+            if budget <= 0:
                 return
             if id(seq) in in_decode or seq.remaining <= 1 and seq.num_cached > 0:
                 continue
-            budget -= self._add_chunk(plan, seq, budget)
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch and len(plan.prefill) < rows:
+            if n := room(seq):
+                budget -= self._add_chunk(plan, seq, n)
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_batch:
             seq = self.waiting[0]
             # Pages for the whole prompt (and the first decode) are taken at admission,
             # so a running prefill never stalls for want of pages.
             seq.num_cached = self.pool.lookup(seq.pages, seq.tokens, seq.req.tenant)
-            if not self.pool.grow(seq.pages, len(seq.tokens) + 1 + self.cfg.lookahead):
+            seq.long_prefill = seq.remaining > self.cfg.mix_long
+            n = room(seq)
+            if not n or not self.pool.grow(seq.pages, len(seq.tokens) + 1 + self.cfg.lookahead):
                 self.pool.release(seq.pages)  # the hit's pages are cached again
                 seq.num_cached = 0
                 return  # strict FCFS: nobody jumps the queue
@@ -210,7 +234,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self._insert_running(seq)
-            budget -= self._add_chunk(plan, seq, budget)
+            budget -= self._add_chunk(plan, seq, n)
 
     def _final_length(self, seq: Sequence) -> int:
         """Tokens `seq` holds pages for when it reaches max_tokens (verify slots included)."""
@@ -224,7 +248,7 @@ class Scheduler:
         return n
 
     def _add_chunk(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
-        n = fit_chunk(min(seq.remaining, budget, self.cfg.max_chunk), self.cfg.chunk_buckets)
+        n = fit_chunk(min(seq.remaining, budget, self.cfg.max_chunk), self.cfg.chunk_buckets, self.cfg.chunk_slack)
         if not self.pool.grow(seq.pages, seq.num_cached + n):  # pages were taken at admission
             raise RuntimeError(f"{seq.request_id}: prefill chunk without pages")
         self.pool.prepare(seq.pages, seq.num_cached, seq.num_cached + n)

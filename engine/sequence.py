@@ -83,6 +83,9 @@ class Sequence:
     scheduled_time: float | None = None
     """When a step first ran this sequence (set by EngineCore.step)."""
     preemptions: int = 0
+    long_prefill: bool = False
+    """Admitted with more uncached tokens than SchedulerConfig.mix_long: its chunks ride in
+    decode calls (engine/scheduler.py, mixed steps)."""
     proposed: int = 0
     accepted: int = 0
     hidden: np.ndarray | None = None

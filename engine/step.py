@@ -6,13 +6,14 @@
    verify call at the deepest group's depth checks [last token, drafts...]
    per row, rows with fewer or no drafts padded (candidate -1), each row
    accepting its own prefix, so every row stays lossless.
-2. Plain decoding with prefill chunks planned (engine/mixed.py): the chunks
-   ride in the decode call as a second segment, one forward for both.
-3. Chunks not carried (speculation ran, or no decode rows): short ones side by
-   side as the rows of one call (engine/prefill_groups.py), the others each
-   alone, as a mixed call whose decode segment is one padding row where a mixed
-   shape fits it (so no prefill shape of its own is compiled for short
-   chunks), else in a prefill call of its own.
+2. Plain decoding with a long prompt's chunk planned (mixed steps: the
+   scheduler capped it, engine/mixed.py): the chunk rides in the decode call as
+   a second segment, one forward for both, where a mixed shape fits it.
+3. Chunks not carried (short prompts', or speculation ran, or no decode rows):
+   short ones side by side as the rows of one call (engine/prefill_groups.py),
+   the others each alone, as a mixed call whose decode segment is one padding
+   row where a mixed shape fits it (so no prefill shape of its own is compiled
+   for the shortest chunks), else in a prefill call of its own.
 4. Each row's sampled tokens go to its sequence (`EngineCore._emit`); a row
    whose own inputs fail is dropped alone (engine/faults.py).
 """
@@ -96,10 +97,13 @@ def _run_decode(core, plan: StepPlan, chunks, events, finished) -> SpecResult:
             return _run_speculative(core, plan, rows, propose_ms, events, finished)
     if not seqs:
         return SpecResult()
-    mixed = _mixed_calls(core, seqs, chunks) if chunks else None
+    # The decode call carries a long prompt's chunk (the scheduler capped it); short prompts'
+    # chunks run as without mixed steps (item 3).
+    carry = next((c for c in chunks if c[0].long_prefill), None)
+    mixed = _mixed_calls(core, seqs, [carry]) if carry else None
     if mixed is not None:
-        plan.decode, carried = _run_mixed(core, seqs, chunks, mixed, events, finished)
-        chunks.clear()
+        plan.decode, carried = _run_mixed(core, seqs, [carry], mixed, events, finished)
+        chunks.remove(carry)
         return SpecResult(mixed=carried)
     seqs, c = build_rows(seqs, lambda ss: core.runner.new_call(len(ss), 1, max(s.num_cached + 1 for s in ss)),
                          lambda c, i, s: core._fill_row(c, i, s, 1), core._failer(events, finished))

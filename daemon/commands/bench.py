@@ -61,7 +61,7 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
     add("--no-speculation", action="store_true",
         help="the engine started here decodes plainly (default: n-gram loaded, the starter policy served)")
     add("--mixed-steps", action="store_true",
-        help="the engine started here carries prefill chunks inside decode calls (crossover serve --mixed-steps)")
+        help="the engine started here prefills long prompts inside decode calls (crossover serve --mixed-steps)")
     add("--url", default=None,
         help="bench the daemon at this URL instead of one started here (no engine-only run)")
     add("--api-key", default=None, help="bearer key for --url (default: $CROSSOVER_API_KEY)")

@@ -83,7 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
         help="share the KV pages of common prompt prefixes between requests (default on)")
     add("--mixed-steps", action=argparse.BooleanOptionalAction, default=None,
-        help="carry prefill chunks in the decode call instead of calls of their own (default off)")
+        help="prefill long prompts a few tokens a step inside the decode call, not in calls of their "
+             "own that stall running streams (default off)")
     add("--heads", metavar="FILE", help="draft heads file (default: the one train-heads wrote to the user "
                                         "cache, else the one shipped for the model)")
     add("--max-body-bytes", metavar="BYTES", help="largest request body (default 4MiB)")

@@ -19,13 +19,16 @@ TOK = ByteTokenizer()
 MIX = dict(mix_tokens_per_row=4)
 
 
-def _count_mixed(monkeypatch) -> list[int]:
-    """Counts calls of engine.step's run_mixed (the chunks each carried)."""
+def _count_mixed(monkeypatch, sizes: list | None = None) -> list[int]:
+    """Counts calls of engine.step's run_mixed (the chunks each carried); `sizes` gets each
+    call's (decode rows, prefill tokens)."""
     seen: list[int] = []
     real = step_mod.run_mixed
 
     def spy(runner, calls):
         seen.append(int((calls[1].n_new > 0).sum()))
+        if sizes is not None:
+            sizes.append((int((calls[0].n_new > 0).sum()), int(calls[1].n_new.sum())))
         return real(runner, calls)
 
     monkeypatch.setattr(step_mod, "run_mixed", spy)
@@ -55,16 +58,14 @@ PROMPTS = [TOK.encode(("the quick brown fox %d " % i) * (1 + i % 4)) for i in ra
 def test_mixed_steps_keep_greedy_output_and_carry_chunks(tiny, monkeypatch):
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
     plain, _ = _staggered(make_engine(tiny), PROMPTS, sp)
-    seen = _count_mixed(monkeypatch)
+    sizes: list[tuple[int, int]] = []
+    seen = _count_mixed(monkeypatch, sizes)
     engine = make_engine(tiny, **MIX)
-    mixed, stats = _staggered(engine, PROMPTS, sp)
+    mixed, _ = _staggered(engine, PROMPTS, sp)
     assert mixed == plain
     assert len(seen) >= 5 and all(k == 1 for k in seen)
-    # a step that decodes carries at most mix_chunk prefill tokens
-    for s in stats:
-        decoders = s.decode_tokens
-        if decoders and s.prefill_tokens:
-            assert s.prefill_tokens <= mix_chunk(decoders, 4, (4, 8, 16))
+    # a decode call carries at most mix_chunk prefill tokens
+    assert all(0 < n <= mix_chunk(d, 4, (4, 8, 16)) for d, n in sizes if d)
     assert engine.pool.used == 0 and engine.pool.free == engine.pool.total
 
 
@@ -127,3 +128,41 @@ def test_a_long_prompt_is_cut_at_buckets_instead_of_padded_up(tiny):
     engine.add_request(Request("a", list(range(3, 3 + 10)), SamplingParams(max_tokens=1)))
     engine.step()  # 10 tokens: padding to 16 wastes 6 >= 4, so 8 now and 2 next
     assert engine._seqs["a"].num_cached == 8
+
+
+def test_only_long_prompts_are_capped_while_others_decode(tiny, monkeypatch):
+    """A prompt longer than the largest chunk (16 here) is prefilled mix_chunk tokens a step in
+    the decode call; a short one that arrives with it is prefilled whole in the same step."""
+    seen = _count_mixed(monkeypatch)
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = {"s0": TOK.encode("ab cd ef"), "s1": TOK.encode("gh ij kl"), "long": TOK.encode("the lazy dog " * 5),
+               "short": TOK.encode("the quick fox")}
+    outputs = {}
+    for mix in ({}, MIX):
+        engine = make_engine(tiny, **mix)
+        out = {k: [] for k in prompts}
+        for k in ("s0", "s1"):
+            engine.add_request(Request(k, prompts[k], sp))
+        while not (out["s0"] and out["s1"]):  # both streams decoding
+            for ev in engine.step().events:
+                out[ev.request_id] += ev.token_ids
+        engine.add_request(Request("long", prompts["long"], SamplingParams(max_tokens=4, ignore_eos=True)))
+        engine.add_request(Request("short", prompts["short"], SamplingParams(max_tokens=4, ignore_eos=True)))
+        first = engine.step()
+        for ev in first.events:
+            out[ev.request_id] += ev.token_ids
+        if mix:
+            cap = mix_chunk(2, 4, (4, 8, 16))
+            assert first.stats.prefill_tokens == cap + len(prompts["short"])
+            assert out["short"], "the short prompt was not prefilled whole in the step it arrived in"
+            assert engine._seqs["long"].num_cached == cap
+        while engine.has_work():
+            o = engine.step()
+            if mix and "long" in engine._seqs and engine._seqs["long"].remaining > 1 and o.stats.decode_tokens:
+                assert o.stats.prefill_tokens <= cap
+            for ev in o.events:
+                out[ev.request_id] += ev.token_ids
+        assert engine.pool.used == 0
+        outputs[bool(mix)] = out
+    assert outputs[True] == outputs[False]
+    assert len(seen) >= 3 and all(k == 1 for k in seen)

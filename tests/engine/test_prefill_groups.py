@@ -26,7 +26,7 @@ def test_grouped_prefill_gives_the_outputs_of_prefill_alone(tiny):
     alone, _ = run_prompts(alone_engine, PROMPTS, SP)
     e = make_engine(tiny, prefill_rows=4)
     e.warmup(progress=False)
-    assert set(group_shapes((1, 2, 4, 8), (4, 8, 16), (32, 128), 4)) <= set(e.runner.shapes())
+    assert set(group_shapes((1, 2, 4, 8), 4, (32, 128), 4)) <= set(e.runner.shapes())
     calls = _calls(e)
     out, stats = run_prompts(e, PROMPTS, SP)
     assert out == alone
@@ -52,5 +52,5 @@ def test_only_short_chunks_within_the_group_context_are_grouped():
     assert [[s for s, _ in g] for g in groups] == [[s for s, _ in short[:4]]]  # 4 rows at most
     assert alone == [long_chunk, short[4], late]  # a lone short chunk left over runs alone
     assert split_groups(rc, short, compiled=False) == ([], short)  # still compiling: alone
-    mixed = RunnerConfig(**{**rc.__dict__, "mix_tokens_per_row": 4})
-    assert split_groups(mixed, short, compiled=True) == ([], short)  # mixed calls carry them
+    mixed = RunnerConfig(**{**rc.__dict__, "mix_tokens_per_row": 4})  # short prompts are still grouped
+    assert split_groups(mixed, short, compiled=True) == split_groups(rc, short, compiled=True)
