@@ -1,0 +1,167 @@
+"""What a verify that runs each row at its own length would save: one padded call against segments.
+
+Today a step whose rows draft different depths verifies every row at the deepest one
+(engine/step.py): a row that drafts nothing still pays 1 + depth positions of the forward and
+of the output layer. This bench times, on the loaded model, for batches where `plain` rows draft
+nothing and `drafting` rows draft `--depth` tokens:
+
+1. `padded`: one verify call [plain + drafting, 1 + depth] (what the engine runs);
+2. `two_calls`: a decode call [plain, 1] and a verify call [drafting, 1 + depth];
+3. `segmented`: one forward over both as segments (engine.model.forward_segments, as mixed
+   steps run decode rows and a prefill chunk), logits per segment, then sampling for the
+   plain rows and verification for the drafting rows.
+
+Each is the median of `--repeats` timed runs after two untimed ones, interleaved per batch so
+that a noisy machine affects all three alike. The engine does not run segmented verifies:
+each (plain, drafting, depth, context) would be an executable of its own (~30-40 MiB and ~440
+memory mappings each on XLA:CPU, engine/loader.py). `segmented_call` is what such a call would
+compute; tests/bench/test_verify_segments.py checks that it gives each row the padded call's
+tokens and acceptance.
+
+    python -m bench.verify_segments --out bench/results/verify-segments/depth4.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.kv import Batch, cache_reader, write_new
+from engine.model import forward_segments
+from engine.progress import Steps
+from engine.runner import CallArrays, ModelRunner, RunnerConfig, _sample, _verify, output_scores, write_batch
+from engine.sampling import SamplingArrays
+
+SPLITS = ((2, 2), (3, 3), (4, 4), (6, 2), (2, 6))
+"""(plain rows, drafting rows) timed by default: batches 4-8, the mid-load range."""
+
+
+@partial(jax.jit, static_argnames=("cfg", "ring_pages"))
+def _forward_segments(cfg, ring_pages: int, params, kv, batches: tuple[Batch, ...], logit_idx: tuple):
+    """Scores per segment at its own logit positions, and each segment's new K/V."""
+    segs = tuple((b.tokens, b.positions(), cache_reader(kv, b, ring_pages)) for b in batches)
+    hs, new_kv = forward_segments(cfg, params, segs)
+    scores = tuple(output_scores(params, jnp.take_along_axis(h, i[:, :, None], axis=1))
+                   for h, i in zip(hs, logit_idx))
+    return scores, tuple(new_kv)
+
+
+@partial(jax.jit, static_argnames=("ring_pages",), donate_argnames=("kv",))
+def _write_segments(ring_pages: int, kv, batches: tuple[Batch, ...], new_kv: tuple):
+    for b, n in zip(batches, new_kv):
+        kv = write_new(kv, b, n, ring_pages)
+    return kv
+
+
+def _batch(c: CallArrays) -> Batch:
+    return Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
+
+
+def segmented_call(runner: ModelRunner, plain: CallArrays, drafting: CallArrays, cand: np.ndarray):
+    """One forward over a decode call's rows and a verify call's rows; ((tokens, logprobs) of the
+    plain rows [Bp, 1], (tokens, accepted, logprobs) of the drafting rows [Bv, T]) as numpy."""
+    rc = runner.rc
+    batches = (_batch(plain), _batch(drafting))
+    (sp, sv), new_kv = _forward_segments(runner.cfg, rc.ring_pages, runner.params, runner.kv, batches,
+                                         (plain.logit_idx, drafting.logit_idx))
+    writes = tuple(write_batch(b, rc.page_size, rc.ring_pages, c.local_write)
+                   for b, c in zip(batches, (plain, drafting)))
+    runner.kv = _write_segments(rc.ring_pages, runner.kv, writes, new_kv)
+    tok, lp, *_ = _sample(sp, SamplingArrays(**plain.samp), plain.counter)
+    vtok, acc, vlp, *_ = _verify(sv, cand, SamplingArrays(**drafting.samp), drafting.counter)
+    return (np.asarray(tok), np.asarray(lp)), (np.asarray(vtok), np.asarray(acc), np.asarray(vlp))
+
+
+def fill(c: CallArrays, tokens: np.ndarray, context: int, first_page: int, pages_per_row: int) -> CallArrays:
+    """Rows of `c` at `context` cached tokens with `tokens` [B, n] new, on distinct pages."""
+    B, n = tokens.shape
+    c.tokens[:, :n] = tokens
+    c.start[:], c.n_new[:] = context, n
+    for i in range(B):
+        base = first_page + i * pages_per_row
+        c.global_table[i] = base + np.arange(c.global_table.shape[1])
+        c.local_table[i] = base + np.arange(c.local_table.shape[1])
+    c.counter[:] = context + np.arange(c.counter.shape[1])
+    return c
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn(), fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return round(1e3 * float(np.median(times)), 2)
+
+
+def measure(runner: ModelRunner, splits, depth: int, context: int, repeats: int, progress=True) -> list[dict]:
+    """The three timings of the module docstring per (plain, drafting) split."""
+    rng = np.random.default_rng(0)
+    T, per_row = 1 + depth, runner.rc.max_context // runner.rc.page_size
+    out = []
+    with Steps(progress, "verify segments", len(splits)) as bar:
+        for plain, drafting in splits:
+            B = plain + drafting
+            draft = lambda b: rng.integers(100, 20000, (b, T)).astype(np.int32)  # noqa: E731
+            padded = fill(runner.new_verify_call(B, depth, context + T), draft(B), context, 1, per_row)
+            alone = fill(runner.new_call(plain, 1, context + 1), draft(plain)[:, :1], context, 1, per_row)
+            verify = fill(runner.new_verify_call(drafting, depth, context + T), draft(drafting), context,
+                          1 + plain * per_row, per_row)
+            whole = fill(runner.new_call(B, 1, context + 1), draft(B)[:, :1], context, 1, per_row)
+            cand = lambda c: np.full(c.tokens.shape, -1, np.int32)  # noqa: E731
+            runs = {
+                "padded": lambda: runner.run_verify(padded, cand(padded)),
+                "two_calls": lambda: (runner.run(alone), runner.run_verify(verify, cand(verify))),
+                "segmented": lambda: segmented_call(runner, alone, verify, cand(verify)),
+                "plain_decode": lambda: runner.run(whole),  # every row decoding, for scale
+            }
+            ms = {k: _median_ms(f, repeats) for k, f in runs.items()}
+            out.append({"plain_rows": plain, "drafting_rows": drafting, "depth": depth, "context": context,
+                        "ms": ms, "segmented_over_padded": round(ms["segmented"] / ms["padded"], 3),
+                        "two_calls_over_padded": round(ms["two_calls"] / ms["padded"], 3)})
+            bar.advance()
+    return out
+
+
+def runner_for(cfg, params, max_batch: int, depth: int, max_context: int) -> ModelRunner:
+    """A runner with every batch size up to max_batch (no padding to a bucket), one context,
+    pages for max_batch rows, and the engine's CPU output scoring (RunnerConfig.fast_output)."""
+    pages = max_batch * (max_context // 16) + 1
+    rc = RunnerConfig(page_size=16, batch_buckets=tuple(range(1, max_batch + 1)), prefill_buckets=(32,),
+                      context_buckets=(max_context,), global_pages=pages, local_pages=pages,
+                      verify_tokens=(1 + depth,), spec_max_batch=max_batch,
+                      fast_output=params["embed"].dtype == jnp.float32 and jax.default_backend() == "cpu")
+    return ModelRunner(cfg, params, rc)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="JSON output file")
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--context", type=int, default=300, help="cached tokens per row")
+    ap.add_argument("--repeats", type=int, default=12)
+    args = ap.parse_args(argv)
+    from engine.loader import default_dtype
+    from engine.weights import load_model
+
+    dtype = default_dtype()
+    cfg, params = load_model(None, dtype, progress=True)
+    runner = runner_for(cfg, params, max(p + d for p, d in SPLITS), args.depth, 1024)
+    result = {"bench": "verify_segments", "model": cfg.name, "dtype": dtype, "backend": jax.default_backend(),
+              "repeats": args.repeats, "splits": measure(runner, SPLITS, args.depth, args.context, args.repeats)}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
