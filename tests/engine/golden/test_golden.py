@@ -88,3 +88,39 @@ def test_prompt_logits_match_within_tolerance(engine, golden):
     ref = case["prompt_last_logits_top20"]
     ours = np.asarray(sc.logits)[0, 0, ref["ids"]]
     np.testing.assert_allclose(ours, ref["logits"], atol=2e-3)
+
+
+def test_mixed_steps_keep_greedy_continuations(golden, monkeypatch):
+    """With mixed steps the 899-token case arrives while the others decode: it is a long prompt
+    (more than one 512-token chunk), prefilled a few tokens a step inside their decode calls;
+    every case still equals transformers, and the calls carried its chunks."""
+    import engine.step as step_mod
+    from engine.loader import load_engine
+
+    carried: list[int] = []
+    real = step_mod.run_mixed
+
+    def spy(runner, calls):
+        carried.append(int(calls[1].n_new.sum()))
+        return real(runner, calls)
+
+    monkeypatch.setattr(step_mod, "run_mixed", spy)
+    engine = load_engine(dtype="float32", max_batch=8, max_context=1024, progress=False, speculation=False,
+                         mixed_steps=True)
+    near_tie = golden["settings"]["near_tie_margin"]
+    cases = sorted(golden["cases"], key=lambda c: c["prompt_len"])  # the long ones arrive last
+    got: dict[str, list[int]] = {c["name"]: [] for c in cases}
+    for i, c in enumerate(cases):
+        sp = SamplingParams(max_tokens=len(c["generated_ids"]), ignore_eos=True, stop_token_ids=(1,))
+        engine.add_request(Request(c["name"], c["prompt_ids"], sp))
+        for _ in range(2 if i < len(cases) - 1 else 0):  # the earlier ones are decoding by then
+            for ev in engine.step().events:
+                got[ev.request_id] += ev.token_ids
+    while engine.has_work():
+        for ev in engine.step().events:
+            got[ev.request_id] += ev.token_ids
+    for c in cases:
+        n = _compared_steps(c, near_tie)
+        assert got[c["name"]][:n] == c["generated_ids"][:n], c["name"]
+    assert len(carried) >= 10 and max(carried) <= 128  # the 899-token prompt, a capped chunk a step
+    assert engine.pool.used == 0
