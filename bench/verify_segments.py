@@ -7,16 +7,16 @@ nothing and `drafting` rows draft `--depth` tokens:
 
 1. `padded`: one verify call [plain + drafting, 1 + depth] (what the engine runs);
 2. `two_calls`: a decode call [plain, 1] and a verify call [drafting, 1 + depth];
-3. `segmented`: one forward over both as segments (engine.model.forward_segments, as mixed
-   steps run decode rows and a prefill chunk), logits per segment, then sampling for the
-   plain rows and verification for the drafting rows.
+3. `segmented`: one forward over both as segments, then sampling for the plain rows and
+   verification for the drafting rows: the engine's segmented verify (engine/segments.py).
 
 Each is the median of `--repeats` timed runs after two untimed ones, interleaved per batch so
-that a noisy machine affects all three alike. The engine does not run segmented verifies:
-each (plain, drafting, depth, context) would be an executable of its own (~30-40 MiB and ~440
-memory mappings each on XLA:CPU, engine/loader.py). `segmented_call` is what such a call would
-compute; tests/bench/test_verify_segments.py checks that it gives each row the padded call's
-tokens and acceptance.
+that a noisy machine affects all three alike. The engine runs segmented verifies for a small
+set of shapes (engine/segments.py, `crossover serve --segment-rows`): each (plain, drafting,
+depth, context) is an executable of its own (~30-40 MiB and ~440 memory mappings each on
+XLA:CPU, engine/loader.py). Here every split runs at its exact row counts.
+tests/bench/test_verify_segments.py checks that the segmented call gives each row the padded
+call's tokens and acceptance.
 
     python -m bench.verify_segments --out bench/results/verify-segments/depth4.json
 """
@@ -26,57 +26,25 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.kv import Batch, cache_reader, write_new
-from engine.model import forward_segments
 from engine.progress import Steps
-from engine.runner import CallArrays, ModelRunner, RunnerConfig, _sample, _verify, output_scores, write_batch
-from engine.sampling import SamplingArrays
+from engine.runner import CallArrays, ModelRunner, RunnerConfig
+from engine.segments import run_segmented
 
 SPLITS = ((2, 2), (3, 3), (4, 4), (6, 2), (2, 6))
 """(plain rows, drafting rows) timed by default: batches 4-8, the mid-load range."""
 
 
-@partial(jax.jit, static_argnames=("cfg", "ring_pages"))
-def _forward_segments(cfg, ring_pages: int, params, kv, batches: tuple[Batch, ...], logit_idx: tuple):
-    """Scores per segment at its own logit positions, and each segment's new K/V."""
-    segs = tuple((b.tokens, b.positions(), cache_reader(kv, b, ring_pages)) for b in batches)
-    hs, new_kv = forward_segments(cfg, params, segs)
-    scores = tuple(output_scores(params, jnp.take_along_axis(h, i[:, :, None], axis=1))
-                   for h, i in zip(hs, logit_idx))
-    return scores, tuple(new_kv)
-
-
-@partial(jax.jit, static_argnames=("ring_pages",), donate_argnames=("kv",))
-def _write_segments(ring_pages: int, kv, batches: tuple[Batch, ...], new_kv: tuple):
-    for b, n in zip(batches, new_kv):
-        kv = write_new(kv, b, n, ring_pages)
-    return kv
-
-
-def _batch(c: CallArrays) -> Batch:
-    return Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-
-
 def segmented_call(runner: ModelRunner, plain: CallArrays, drafting: CallArrays, cand: np.ndarray):
-    """One forward over a decode call's rows and a verify call's rows; ((tokens, logprobs) of the
-    plain rows [Bp, 1], (tokens, accepted, logprobs) of the drafting rows [Bv, T]) as numpy."""
-    rc = runner.rc
-    batches = (_batch(plain), _batch(drafting))
-    (sp, sv), new_kv = _forward_segments(runner.cfg, rc.ring_pages, runner.params, runner.kv, batches,
-                                         (plain.logit_idx, drafting.logit_idx))
-    writes = tuple(write_batch(b, rc.page_size, rc.ring_pages, c.local_write)
-                   for b, c in zip(batches, (plain, drafting)))
-    runner.kv = _write_segments(rc.ring_pages, runner.kv, writes, new_kv)
-    tok, lp, *_ = _sample(sp, SamplingArrays(**plain.samp), plain.counter)
-    vtok, acc, vlp, *_ = _verify(sv, cand, SamplingArrays(**drafting.samp), drafting.counter)
-    return (np.asarray(tok), np.asarray(lp)), (np.asarray(vtok), np.asarray(acc), np.asarray(vlp))
+    """One forward over a decode call's rows and a verify call's rows (the engine's segmented
+    verify, engine.segments.run_segmented); ((tokens, logprobs) of the plain rows [Bp, 1],
+    (tokens, accepted, logprobs) of the drafting rows [Bv, T]) as numpy."""
+    return run_segmented(runner, plain, drafting, cand)
 
 
 def fill(c: CallArrays, tokens: np.ndarray, context: int, first_page: int, pages_per_row: int) -> CallArrays:

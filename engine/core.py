@@ -35,6 +35,7 @@ from engine.faults import unadmitted
 from engine.first_runs import FirstRuns
 from engine.kv import KVPool, KVState
 from engine.mixed import mixed_jobs
+from engine.segments import segment_shapes
 from engine.model import Params
 from engine.penalties import fill_adjust, wants_adjust
 from engine.policy import TunedPolicy, check_servable
@@ -154,7 +155,7 @@ class EngineCore:
             max_depth=max(rc.verify_tokens, default=1) - 1,
             verify_depths=tuple(sorted(q - 1 for q in rc.verify_tokens if q > 1)),
             max_batch=rc.max_batch, spec_max_batch=rc.spec_max_batch,
-            batch_buckets=tuple(rc.batch_buckets),
+            batch_buckets=tuple(rc.batch_buckets), segment_shapes=tuple(sorted({s[:3] for s in segment_shapes(rc)})),
             proposers={n: ProposerCapacity(p.resident_bytes(), p.per_sequence_bytes(1), p.max_depth,
                                            tuple(getattr(p, "vocab_sizes", ())))  # MTP heads only
                        for n, p in self.proposers.items()},
@@ -329,7 +330,7 @@ class EngineCore:
             kv_pages_used=self.pool.used, kv_pages_free=self.pool.free,
             queue_len=len(self.scheduler.waiting), policy_version=self.policy.version,
             preempted=plan.preempted, tenants=tuple(sorted({s.req.tenant for s in seqs})),
-            sampled_rows=sum(1 for s in seqs if s.req.sampling.temperature > 0),
+            sampled_rows=sum(1 for s in seqs if s.req.sampling.temperature > 0), plain_rows=spec.plain_rows,
             prefix_hit_tokens=plan.prefix_hit_tokens, prefix_query_tokens=plan.prefix_query_tokens,
             row_classes=spec.row_classes(plan.decode),
         )

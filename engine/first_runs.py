@@ -12,7 +12,8 @@ dozens of shapes in its first minute. So the engine runs each shape once on the 
 A shape still compiling in the background is skipped until it is compiled (running it would
 compile it on the engine thread); a mixed call (engine/mixed.py) waits until both its
 segments' plain shapes are usable unpadded, as serving does (warmup compiles it before them);
-verify shapes wait until a technique is ready. A shape serving already ran may run once more
+verify shapes wait until a technique is ready, segmented verifies (engine/segments.py) until
+theirs are compiled. A shape serving already ran may run once more
 here: harmless, and cheaper than tracking every call. Proposers' own executables (MTP heads,
 layer drafts, the draft model) are not run here.
 """
@@ -26,6 +27,7 @@ import numpy as np
 from engine.mixed import new_mixed_calls, run_mixed
 from engine.progress import Reporter, Steps
 from engine.scheduler import mixed_shapes
+from engine.segments import new_segment_calls, run_segmented, segment_shapes
 
 log = logging.getLogger("crossover.engine")
 
@@ -41,8 +43,9 @@ class FirstRuns:
         plain = sorted(runner.shapes(), key=lambda s: (s[0] * s[1], s[2]))
         mixed = sorted(mixed_shapes(runner.rc), key=lambda s: (s[0] + s[1] * s[2], s[3]))
         spec = sorted(runner.verify_shapes(), key=lambda s: (s[0] * s[1], s[2])) if core.proposers else []
+        segments = sorted(segment_shapes(runner.rc), key=lambda s: s[0] + s[1] * s[2]) if core.proposers else []
         self.left: list[tuple[str, Shape]] = ([("plain", s) for s in plain] + [("mixed", s) for s in mixed]
-                                              + [("verify", s) for s in spec])
+                                              + [("verify", s) for s in spec] + [("segments", s) for s in segments])
 
     def run_one(self) -> bool:
         """Run the cheapest shape not yet run that is compiled; whether one ran."""
@@ -68,6 +71,8 @@ class FirstRuns:
         return n
 
     def _compiled(self, kind: str, shape: Shape) -> bool:
+        if kind == "segments":
+            return shape in self.core.runner.segments_ready
         if kind == "verify":
             warm = self.core.spec_warmup
             return warm is not None and any(s == "ready" for s in warm.status().values())
@@ -87,6 +92,12 @@ class FirstRuns:
             d.n_new[:], p.n_new[:] = 1, shape[2]
             d.logit_idx[:, 0], p.logit_idx[:, 0] = 0, shape[2] - 1
             run_mixed(runner, (d, p))
+            return
+        if kind == "segments":
+            p, v, q, context = shape
+            cp, cv = new_segment_calls(runner, p, v, q, context)
+            cp.n_new[:], cv.n_new[:] = 1, q
+            run_segmented(runner, cp, cv, np.full(cv.tokens.shape, -1, np.int32))
             return
         b, t, context = shape
         if kind == "verify":

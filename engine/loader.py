@@ -24,6 +24,7 @@ from engine.prefill_groups import GROUP_CHUNK, group_shapes, group_tokens
 from engine.scheduler import mix_chunk, mixed_shapes
 from engine.progress import Reporter, note
 from engine.runner import RunnerConfig, prefill_shapes
+from engine.segments import segment_shapes
 
 PAGE_SIZE = 16
 MAX_SPEC_DEPTH = 8
@@ -93,7 +94,7 @@ def estimated_mappings(rc: RunnerConfig, drafting: bool) -> float:
                                                                                    rc.context_buckets))
     spec = spec_shapes_per_context(rc.batch_buckets, rc.verify_tokens, rc.spec_max_batch, drafting)
     plain += len(mixed_shapes(rc)) + len(group_shapes(rc.batch_buckets, group_tokens(rc), rc.context_buckets,
-                                                      rc.prefill_rows))
+                                                      rc.prefill_rows)) + len(segment_shapes(rc))
     return MAPS_RESERVE + MAPS_PER_SHAPE * (plain + spec * len(rc.spec_contexts))
 
 
@@ -180,6 +181,13 @@ Above it every step decodes plainly: a policy speculating there is served clampe
 offers no crossover above it (tuner/space.py)."""
 
 
+SEGMENT_ROWS = 12
+"""Segmented verifies (engine/segments.py) when on: plain and drafting rows together up to this
+many, the drafting part up to half; 36 executables with verify lengths 3, 5 and 9 at one
+context (batches 4-8 of the mid-load phase split as 3+3, 6+2 or 5+3 fit; busier batches are
+compute-bound, where a segment saves less)."""
+
+
 SPEC_CONTEXTS_CPU: int | None = None
 """At most this many context buckets (the largest) for speculation's calls (verify, layer-chain
 drafting) on XLA:CPU; None: every bucket the mapping cap leaves. Each compiled forward shape
@@ -193,7 +201,8 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
                   max_context: int, kv_dtype: str | None = None, verify_tokens: tuple[int, ...] = (),
                   spec_max_batch: int = SPEC_MAX_BATCH, drafting: bool = False,
                   map_limit: int | None = None, tensor_parallel: int = 1,
-                  mixed_steps: bool = False, spec_contexts: int | None = None) -> RunnerConfig:
+                  mixed_steps: bool = False, spec_contexts: int | None = None,
+                  segment_rows: int = 0) -> RunnerConfig:
     """Size the pools with the memory planner and choose the compiled buckets.
 
     `drafting`: layer-chain proposers (early exit, draft model) will compile per context too.
@@ -203,6 +212,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     `tensor_parallel`: devices the params and KV pools are split over (engine/sharding.py).
     `mixed_steps`: prefill chunks ride in decode calls (engine/mixed.py); False: calls of their own.
     `spec_contexts`: at most this many context buckets (the largest) for speculation; None: no cap.
+    `segment_rows`: segmented verifies up to this many rows (engine/segments.py); 0: none.
     """
     kv_dtype = kv_dtype or dtype
     if kv_dtype not in KV_DTYPE_BYTES:
@@ -214,8 +224,11 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     spec_batch = min(spec_max_batch, max_batch)
     per_row = MIX_TOKENS_PER_ROW if mixed_steps else 0
     ladder = context_buckets(max_context)
+    segments = len(segment_shapes(RunnerConfig(batch_buckets=batches, prefill_buckets=(PAGE_SIZE,),
+                                               context_buckets=ladder[-1:], verify_tokens=verify_tokens,
+                                               spec_max_batch=spec_batch, segment_rows=segment_rows)))
     kept = (len(mix_context_buckets(ladder)) * mixed_per_context(batches, prefills, per_row)
-            + len(group_shapes(batches, GROUP_CHUNK, ladder, PREFILL_ROWS)))
+            + len(group_shapes(batches, GROUP_CHUNK, ladder, PREFILL_ROWS)) + segments)
     plain, spec = split_context_buckets(ladder, batches, prefills,
                                         spec_shapes_per_context(batches, verify_tokens, spec_batch, drafting),
                                         map_limit, kept)
@@ -238,6 +251,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
         mix_tokens_per_row=per_row,
         mix_context_buckets=mix_context_buckets(plain),
         prefill_rows=PREFILL_ROWS,  # short prompts' chunks run side by side with mixed steps too
+        segment_rows=segment_rows,
     )
 
 
@@ -247,7 +261,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                 verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH,
                 model_proposers: tuple[str, ...] = MODEL_PROPOSERS, tensor_parallel: int = 1,
                 prefix_cache: bool = True, background_warmup: bool = False,
-                mixed_steps: bool = False) -> EngineCore:
+                mixed_steps: bool = False, segment_rows: int = 0) -> EngineCore:
     """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine.
 
     With `speculation`, the verify buckets are compiled and the proposers load:
@@ -262,6 +276,8 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     `background_warmup`: `warmup()` returns once plain decoding and prefill are compiled and
     speculation's shapes compile on a thread (engine/warm.py; `crossover serve` does so).
     `mixed_steps`: decode calls carry prefill chunks (engine/mixed.py).
+    `segment_rows`: rows that draft nothing decode beside the drafting rows' verify, in batches
+    of up to this many rows (engine/segments.py; SEGMENT_ROWS); 0: every row at the verify depth.
     """
     from engine.gguf_file import default_gguf_path
     from engine.tokenizer import Tokenizer
@@ -288,7 +304,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     rc = runner_config(cfg, dtype, budget - resident, max_batch, max_context,
                        verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
                        drafting=drafting, map_limit=limit, tensor_parallel=tensor_parallel,
-                       mixed_steps=mixed_steps,
+                       mixed_steps=mixed_steps, segment_rows=segment_rows if speculation else 0,
                        spec_contexts=SPEC_CONTEXTS_CPU if jax.default_backend() == "cpu" else None)
     if rc.context_buckets != ladder or rc.spec_contexts != ladder:
         note(progress, f"engine: context buckets {list(rc.context_buckets)}, speculation's "

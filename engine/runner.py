@@ -78,7 +78,7 @@ class RunnerConfig:
     """Storage dtype of the KV pools."""
     fast_output: bool = False
     """Float32 model: score the vocabulary in bfloat16 for 2+ rows, rescoring the top 16 exactly
-    (see output_logits; costs a bfloat16 copy of the embedding)."""
+    (see output_scores; costs a bfloat16 copy of the embedding)."""
     tensor_parallel: int = 1
     """Devices the params and KV pools are split over (engine/sharding.py); 1: one device."""
     mix_tokens_per_row: int = 0
@@ -87,6 +87,8 @@ class RunnerConfig:
     """Page-table widths compiled for mixed calls: the largest of context_buckets; () = all."""
     prefill_rows: int = 1
     """Most short prompts' chunks one prefill call carries (engine/prefill_groups.py); 1: off."""
+    segment_rows: int = 0
+    """Segmented verifies (engine/segments.py): most rows of both segments together; 0: off."""
 
     def __post_init__(self) -> None:
         cap = self.ring_pages * self.page_size
@@ -159,11 +161,6 @@ def output_scores(params: Params, hs: jax.Array) -> Scores:
     b = jnp.arange(B)[:, None, None]
     t = jnp.arange(Tl)[None, :, None]
     return Scores(approx.at[b, t, top].set(exact), best.astype(jnp.int32))
-
-
-def output_logits(params: Params, hs: jax.Array) -> jax.Array:
-    """The logits of output_scores, [B, Tl, V] float32."""
-    return output_scores(params, hs).logits
 
 
 @partial(jax.jit, static_argnames=("cfg", "ring_pages"))
@@ -295,6 +292,7 @@ class ModelRunner:
             self.params, self.kv = shard_params(cfg, self.params, self.mesh), shard_kv(cfg, self.kv, self.mesh)
         self.warm_compiles: int | None = None
         self.usable: frozenset | None = None  # plain shapes compiled so far while warming (engine/warm.py)
+        self.segments_ready: frozenset = frozenset()  # segmented verifies compiled (engine/segments.py)
         self.extra_jobs = lambda: ([], [])  # (forward, sampling) thunks of mixed calls: EngineCore sets them
         self.last_hidden = None  # [B, Tl, d] final hidden states of the latest call
         self.last_top = None  # ([B, Tl, k] ids, [B, Tl, k] logprobs) of the latest call, if asked

@@ -5,7 +5,9 @@
    each group drafts with its proposer at its depth. With any drafts, one
    verify call at the deepest group's depth checks [last token, drafts...]
    per row, rows with fewer or no drafts padded (candidate -1), each row
-   accepting its own prefix, so every row stays lossless.
+   accepting its own prefix, so every row stays lossless. Where rows draft
+   nothing and `engine.types.segment_split` says it pays, they decode as a
+   plain segment of the same forward instead (engine/segments.py).
 2. Plain decoding with a long prompt's chunk planned (mixed steps: the
    scheduler capped it, engine/mixed.py): the chunk rides in the decode call as
    a second segment, one forward for both, where a mixed shape fits it.
@@ -29,9 +31,11 @@ from engine.faults import build_rows, propose_alone
 from engine.mixed import new_mixed_calls, run_mixed
 from engine.penalties import wants_adjust
 from engine.prefill_groups import run_group, split_groups
+from engine.runner import bucket
 from engine.scheduler import StepPlan
+from engine.segments import new_segment_calls, run_segmented
 from engine.sequence import Sequence, Status
-from engine.types import RowClass
+from engine.types import RowClass, segment_split
 
 PLAIN = ("none", 0)
 
@@ -54,6 +58,8 @@ class SpecResult:
     """Prefill chunks that rode in the decode call."""
     classes: dict[tuple[str, str, int], list] = field(default_factory=dict)
     """(tenant, technique, depth) -> [rows, proposed, accepted, per_pos] of the verified rows."""
+    plain_rows: int = 0
+    """Rows verified as a plain segment beside the drafting rows (engine/segments.py)."""
 
     def row_classes(self, decode: list[Sequence]) -> tuple[RowClass, ...]:
         """One RowClass per class of the verified rows, or (plain decode) per tenant of `decode`."""
@@ -193,10 +199,13 @@ def _shape(core, c) -> tuple[int, int, int]:
 
 
 def _run_speculative(core, plan: StepPlan, rows, propose_ms, events, finished) -> SpecResult:
-    """Verify [last token, drafts...] per row in one forward at the deepest drafting group's
-    depth; each row keeps its accepted prefix + one. `rows`: (sequence, choice, drafts)."""
+    """Verify [last token, drafts...] per row at the deepest drafting group's depth, in one
+    padded forward or, where rows draft nothing and a compiled shape fits, as two segments
+    (engine/segments.py); each row keeps its accepted prefix + one. `rows`: (sequence, choice,
+    drafts)."""
     t0 = time.perf_counter()
     depth = max(c[1] for _, c, d in rows if d)
+    fail = core._failer(events, finished)
 
     def fill(c, i, row):
         s, _, d = row
@@ -207,20 +216,25 @@ def _run_speculative(core, plan: StepPlan, rows, propose_ms, events, finished) -
         if wants_adjust(s.req.sampling, s.num_output):  # position j counts drafts[:j] as output
             core._fill_adjust(c, i, s, d)
 
-    rows, c = build_rows(rows, lambda rows: core.runner.new_verify_call(
-        len(rows), depth, max(s.num_cached + 1 + depth for s, _, _ in rows)), fill, core._failer(events, finished))
-    plan.decode = [s for s, _, _ in rows]
-    if not rows:
+    out = _segmented(core, rows, depth, fill, fail)
+    if out is None:
+        rows, c = build_rows(rows, lambda rows: core.runner.new_verify_call(
+            len(rows), depth, max(s.num_cached + 1 + depth for s, _, _ in rows)), fill, fail)
+        if not rows:
+            plan.decode = []
+            return SpecResult()
+        tok, acc, lp = core.runner.run_verify(c, _candidates(c, [d for _, _, d in rows]))
+        out = [(*row, tok[i], acc[i], lp[i], i) for i, row in enumerate(rows)], 0
+    done, plain_rows = out
+    plan.decode = [r[0] for r in done]
+    if not done:
         return SpecResult()
-    cand = np.full(c.tokens.shape, -1, np.int32)  # -1: no draft there (a padded or plain row)
-    for i, (_, _, d) in enumerate(rows):
-        cand[i, : len(d)] = d
-    tok, acc, lp = core.runner.run_verify(c, cand)
     hidden = core._hidden()
-    res = SpecResult(_most_rows(rows), depth, propose_ms, (time.perf_counter() - t0) * 1e3, [0] * depth)
-    for i, (s, choice, d) in enumerate(rows):
+    res = SpecResult(_most_rows(done), depth, propose_ms, (time.perf_counter() - t0) * 1e3, [0] * depth,
+                     plain_rows=plain_rows)
+    for s, choice, d, tok, acc, lp, row in done:
         a = 0
-        while a < len(d) and acc[i, a]:
+        while a < len(d) and acc[a]:
             a += 1
         cls = res.classes.setdefault((s.req.tenant, *choice), [0, 0, 0, [0] * choice[1]])
         for j in range(a):
@@ -235,15 +249,60 @@ def _run_speculative(core, plan: StepPlan, rows, propose_ms, events, finished) -
         s.accepted += a
         s.num_cached += 1 + a  # the fed token and the accepted drafts are now valid cache
         if hidden is not None:
-            s.hidden = hidden[i, a]
-        core._emit(s, list(d[:a]) + [int(tok[i, a])], [float(x) for x in lp[i, : a + 1]], events, finished, i)
+            s.hidden = hidden[row, a]
+        core._emit(s, list(d[:a]) + [int(tok[a])], [float(x) for x in lp[: a + 1]], events, finished, row)
     return res
+
+
+def _candidates(c, drafts) -> np.ndarray:
+    """[B, q] drafts to verify per row of `c`, -1 where there is none (a padded or plain row)."""
+    cand = np.full(c.tokens.shape, -1, np.int32)
+    for i, d in enumerate(drafts):
+        cand[i, : len(d)] = d
+    return cand
+
+
+def _segmented(core, rows, depth: int, fill, fail):
+    """Run `rows` as a segmented verify when `engine.types.segment_split` says so and its shape is
+    compiled: ((sequence, choice, drafts, tokens, accepted, logprobs, row of the call) per row
+    kept, in batch order; plain rows kept), else None (the caller pads)."""
+    runner = core.runner
+    if not runner.segments_ready:
+        return None
+    q = bucket(1 + depth, runner.rc.verify_tokens)
+    plain, drafting = [r for r in rows if not r[2]], [r for r in rows if r[2]]
+    spec_buckets = tuple(b for b in runner.rc.batch_buckets if b <= runner.rc.spec_max_batch)
+    split = segment_split(len(plain), len(drafting), q, spec_buckets, {s[:3] for s in runner.segments_ready})
+    context = max(s.num_cached + 1 + depth for s, _, _ in rows)
+    if not split or new_segment_calls(runner, *split, q, context) is None:
+        return None
+    make = lambda k: new_segment_calls(runner, *split, q, context)[k]  # noqa: E731  (a refill after a failure)
+    plain, cp = build_rows(plain, lambda _: make(0), lambda c, i, r: core._fill_row(c, i, r[0], 1), fail)
+    drafting, cv = build_rows(drafting, lambda _: make(1), fill, fail)
+    if not plain or not drafting:  # a whole segment failed: the other runs alone, as it would padded
+        return _alone(core, plain, drafting, cp, cv)
+    (tok, lp), (vtok, acc, vlp) = run_segmented(runner, cp, cv, _candidates(cv, [d for _, _, d in drafting]))
+    out = [(*r, tok[i], (), lp[i], i) for i, r in enumerate(plain)]
+    out += [(*r, vtok[j], acc[j], vlp[j], split[0] + j) for j, r in enumerate(drafting)]
+    order = {id(r[0]): i for i, r in enumerate(rows)}
+    return sorted(out, key=lambda r: order[id(r[0])]), len(plain)
+
+
+def _alone(core, plain, drafting, cp, cv):
+    """The segment left when every row of the other failed its inputs, run as a call of its own."""
+    if drafting:
+        tok, acc, lp = core.runner.run_verify(cv, _candidates(cv, [d for _, _, d in drafting]))
+        return [(*r, tok[j], acc[j], lp[j], j) for j, r in enumerate(drafting)], 0
+    if plain:
+        tok, lp = core.runner.run(cp)
+        return [(*r, tok[i], (), lp[i], i) for i, r in enumerate(plain)], len(plain)
+    return [], 0
 
 
 def _most_rows(rows) -> str:
     """The technique most of the rows that drafted use (ties: the first by name)."""
     counts: dict[str, int] = {}
-    for _, (technique, _), drafts in rows:
+    for _, (technique, _), drafts, *_ in rows:
         if drafts:
             counts[technique] = counts.get(technique, 0) + 1
     return max(sorted(counts), key=counts.__getitem__)

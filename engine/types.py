@@ -316,6 +316,11 @@ class StepStats:
     """The decode rows by (tenant, technique, depth), one RowClass each; empty without decode
     rows. With rows of several techniques the step-level fields sum theirs: technique is that
     of the most drafting rows, depth the verify depth (the deepest row's)."""
+    plain_rows: int = 0
+    """Decode rows that ran as a plain segment [rows, 1] beside the drafting rows' verify
+    segment in one forward (engine/segments.py); the other decode rows (sum of row_classes'
+    rows minus these) ran at the verify depth. 0: one padded verify (every row at the verify
+    depth) or no verify at all."""
 
     @property
     def speculating(self) -> float:
@@ -377,3 +382,30 @@ class EngineCapacity:
     """Compiled batch sizes (a batch runs padded to the next one); empty: unpadded."""
     proposers: dict[str, ProposerCapacity] = field(default_factory=dict)
     """Technique name -> the loaded proposer."""
+    segment_shapes: tuple[tuple[int, int, int], ...] = ()
+    """(plain rows, drafting rows, 1 + depth) of the segmented verifies compiled, both row
+    counts batch buckets (engine/segments.py; `segment_split` says when a step runs one)."""
+
+
+def segment_split(plain: int, drafting: int, q: int, batch_buckets: tuple[int, ...],
+                  shapes) -> tuple[int, int] | None:
+    """The padded (plain rows, drafting rows) of a segmented verify for a decode batch of `plain`
+    rows that draft nothing and `drafting` rows verified at q = 1 + depth (already a verify
+    bucket); None when one padded verify [bucket(plain + drafting), q] runs instead: a part is
+    empty, no compiled shape of `shapes` ((plain, drafting, q) triples) fits, or the segments
+    would run no fewer rows. Engine (engine/step.py) and tuner (tuner/shapes.py) both decide so.
+
+    >>> segment_split(3, 3, 5, (1, 2, 4, 8), {(4, 4, 5)})   # 4 + 4 * 5 = 24 rows against 8 * 5
+    (4, 4)
+    >>> segment_split(1, 3, 5, (1, 2, 4, 8), {(1, 4, 5)}) is None   # 1 + 20 against 4 * 5
+    True
+    """
+    if plain <= 0 or drafting <= 0 or not batch_buckets:
+        return None
+    pad = lambda n: next((b for b in batch_buckets if b >= n), None)  # noqa: E731
+    bp, bv, whole = pad(plain), pad(drafting), pad(plain + drafting)
+    if bp is None or bv is None or (bp, bv, q) not in shapes:
+        return None
+    if whole is not None and bp + bv * q >= whole * q:
+        return None
+    return bp, bv

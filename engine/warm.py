@@ -44,6 +44,7 @@ from functools import partial
 from engine.compiles import (compile_count, map_limit, memory_mappings, release_lowerings, serving_compiles,
                              trim_heap, warming)
 from engine.progress import Reporter, note
+from engine.segments import segment_jobs
 
 log = logging.getLogger("crossover.engine")
 
@@ -83,14 +84,15 @@ class SpecWarmup:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self, verify: list[Job], own: dict[str, list[Job]], progress: Reporter,
-              background: bool) -> None:
-        """Run `verify` then each technique's `own` jobs (in that order), here or on a thread.
-        `verify` may begin with the plain shapes left to compile (`warm_engine`)."""
+              background: bool, after: list[Job] = ()) -> None:
+        """Run `verify`, each technique's `own` jobs, then `after` (in that order), here or on a
+        thread. `verify` may begin with the plain shapes left to compile (`warm_engine`);
+        `after` (segmented verifies, engine/segments.py) readies no technique."""
         self._state = {t: "waiting" for t in own}
         if not background:
-            self._run(verify, own, progress)
+            self._run(verify, own, progress, after)
             return
-        self._thread = threading.Thread(target=self._background, args=(verify, own, progress),
+        self._thread = threading.Thread(target=self._background, args=(verify, own, progress, after),
                                         name="crossover-spec-warmup", daemon=True)
         self._thread.start()
 
@@ -108,15 +110,16 @@ class SpecWarmup:
             self._thread.join(timeout_s)
         return not self.running
 
-    def _background(self, verify: list[Job], own: dict[str, list[Job]], progress: Reporter) -> None:
+    def _background(self, verify: list[Job], own: dict[str, list[Job]], progress: Reporter,
+                    after: list[Job]) -> None:
         try:  # Linux: niceness is per thread; a compile started here keeps it
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
         except (AttributeError, OSError):
             pass
         with warming():
-            self._run(verify, own, progress)
+            self._run(verify, own, progress, after)
 
-    def _run(self, verify: list[Job], own: dict[str, list[Job]], progress: Reporter) -> None:
+    def _run(self, verify: list[Job], own: dict[str, list[Job]], progress: Reporter, after: list[Job] = ()) -> None:
         t0 = time.perf_counter()
         self._state = {t: "compiling" for t in own}
         if not self._jobs(verify, list(own)):
@@ -126,6 +129,8 @@ class SpecWarmup:
                 self._state[technique] = "ready"
                 note(progress, f"warmup: speculation: {technique} ready after "
                                f"{time.perf_counter() - t0:.1f}s")
+        if after and self._jobs(list(after), []):
+            note(progress, f"warmup: {len(after)} segmented verify shapes ready after {time.perf_counter() - t0:.1f}s")
         self.seconds = time.perf_counter() - t0
         release_lowerings()  # every shape is compiled: JAX's copies of their lowerings go
         trim_heap()  # the compiles' scratch memory, freed but still resident
@@ -255,7 +260,7 @@ def warm_engine(core, progress: Reporter, background: bool) -> SpecWarmup:
     verify = runner.spec_jobs() if runner.rc.verify_tokens else []
     if not verify:  # nothing verifies: no technique can run
         own = {}
-    warm.start(plain_left + verify, own, progress, background)
+    warm.start(plain_left + verify, own, progress, background, segment_jobs(runner) if verify else [])
     runner.warm_compiles = serving_compiles()
     core._chooser.ready = warm.is_ready
     if not warm.running:

@@ -90,7 +90,7 @@ class TunerConfig:
     cost_window_s: float = field(default=21600.0, metadata=between(0.0, 30 * DAY_S))
     """Older telemetry whose steps fill the step-time fit's gaps, seconds before the fit window:
     a (batch, query length) shape with fewer than MIN_SHAPE_STEPS steps in the fit window takes
-    its newest ones from here (tuner.model.cost_history). Step times follow the machine and
+    its newest ones from here (tuner.shapes.cost_history). Step times follow the machine and
     the shapes, not the traffic; acceptance and traffic come from the fit window only."""
     min_new_steps: int = field(default=500, metadata=between(0, 1 << 30))
     """A scheduled retune is skipped (and recorded) with fewer new steps since the last one,

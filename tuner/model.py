@@ -2,13 +2,18 @@
 
 Step time splits into the target model's forward and the proposer's work:
 
-    step_ms = target(B, q, P) + sampling(S, A, B, q) + propose(technique, B, depth)
-    target  = t0 + t1*B + t3*B*q + t4*P               (q = 1 + depth, P = prefill tokens)
-    sampling = s0*S*q + s1*A*B*q                      (S = rows that sample, A = 1 if any does)
+    step_ms = target(B, R, P) + sampling(S, A, R, q) + propose(technique, B, depth)
+    target  = t0 + t1*B + t3*R + t4*P                 (R = B*q, q = 1 + depth, P = prefill tokens)
+    sampling = s0*S*q + s1*A*R                        (S = rows that sample, A = 1 if any does)
     propose = p0 + p1*B + p2*B*depth                  (per technique, on its rows; 0 for "none")
 
-B*q is the rows the forward runs (every row passes the layers and the full
-output layer), B the sequences whose cache it reads. The fit has no q-only
+R is the rows the forward runs (every row passes the layers and the full
+output layer), B the sequences whose cache it reads; with one verify for the
+whole batch R = B*q. A segmented verify (engine/segments.py) runs the rows
+that draft nothing as a plain segment [Bp, 1] beside the drafting rows
+[Bv, q] in one forward: B = Bp + Bv and R = Bp + Bv*q (tuner.shapes:
+`Padding.rows`, `Padding.ran`; the engine's own rule,
+`engine.types.segment_split`, says when). The fit has no q-only
 term (t2 is kept in the tuple for a caller's own model, fitted as 0): with
 one, steps measured at small batches could explain the cost of deeper
 verifies by q alone, and the model would carry that to large batches as
@@ -22,7 +27,9 @@ compiled batch size and a verify to its next compiled query length (the
 The target part is shared by all techniques (verification is the same
 forward whatever drafted it), fitted on step_ms - propose_ms by least squares
 weighted by 1/step_ms (so it minimizes relative error), with q the verify
-depth (the deepest row's: every row is padded to it). The proposers' parts
+depth (the deepest row's: every drafting row is padded to it, and so is every
+row of a step that ran one padded verify; a step that ran segmented,
+`StepStats.plain_rows` > 0, counts its plain rows at 1). The proposers' parts
 are fitted jointly on propose_ms, each on the rows that drafted with it
 (tuner.rows): under per-tenant rules one step may run several proposers and
 records their sum. Every coefficient is a cost, so both fits are
@@ -34,16 +41,18 @@ Sampling (temperature > 0) costs more than an argmax: the top-k / top-p
 filter and the rejection test run at each verified position. An engine that
 samples only the rows that ask pays s0 per sampled row and position; one that
 runs its sampler over the whole padded verify once any row samples (this
-engine's `lax.cond`) pays s1 per row and position of such steps. Both terms are
+engine's `lax.cond`) pays s1 per row and position of such steps (R). A sampled row
+counts at q even where it ran in a plain segment (steps do not record which segment
+their sampled rows ran in): an approximation on segmented steps. Both terms are
 fitted with the target part (non-negative; 0 where no step sampled), so a
 window of greedy steps predicts sampled traffic no cheaper than it runs, and
 the objective prices the share of sampled rows the traffic shows
 (`Traffic.sampled_rows`, `Traffic.sampled_steps`).
 
 A window of busy traffic may hold only one or two shapes; `cost_history`
-adds older steps of the shapes it lacks to the step-time fits (not to
-acceptance), because step times follow the machine and the shapes, not the
-traffic.
+(tuner.shapes) adds older steps of the shapes it lacks to the step-time fits
+(not to acceptance), because step times follow the machine and the shapes,
+not the traffic.
 
 Acceptance (conditional rates per technique, draft position and tenant; the
 share of rows that draft; a factor per measured depth) is fitted in
@@ -64,6 +73,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.types import StepStats
 from tuner.acceptance import (
     MAX_RATE,
     drafted,
@@ -76,37 +86,15 @@ from tuner.acceptance import (
     tenant_factors,
     to_depth,
 )
-from engine.types import StepStats
 from tuner.data import RequestRow
 from tuner.rows import propose_columns
+from tuner.shapes import Padding, next_size
 
 MIN_FIT_ROWS = 8
 
 
 class NotEnoughTelemetry(ValueError):
     """Too few steps to fit the model."""
-
-
-@dataclass(frozen=True)
-class Padding:
-    """The compiled shapes steps run padded to (empty: the step's own sizes).
-
-    >>> Padding(batch=(1, 2, 4, 8), query=(1, 2, 3, 5)).pad(3, 4)
-    (4, 5)
-    """
-
-    batch: tuple[int, ...] = ()
-    """Compiled batch sizes, ascending."""
-    query: tuple[int, ...] = ()
-    """Compiled query lengths (1 + depth), ascending."""
-
-    def pad(self, batch: float, q: int) -> tuple[float, int]:
-        return _next(batch, self.batch), int(_next(q, self.query))
-
-
-def _next(n: float, sizes: tuple[int, ...]) -> float:
-    """The smallest of `sizes` >= n (n itself beyond the largest)."""
-    return next((s for s in sizes if s >= n), n)
 
 
 @dataclass(frozen=True)
@@ -154,8 +142,9 @@ class PerfModel:
     the cost history); None: no bound (a model made by hand). Beyond it the per-row and
     per-step costs are extrapolated: the exact solve prices no unobserved range there."""
     max_rows: int | None = None
-    """The most rows (padded batch × query length) one of those steps ran; None: no bound. The
-    exact solve fills no unobserved range with a cell whose step would run more (tuner.exact)."""
+    """The most rows one of those steps ran (padded batch × query length, or a segmented
+    verify's Bp + Bv × q: Padding.ran); None: no bound. The exact solve fills no unobserved
+    range with a cell whose step would run more (tuner.exact)."""
 
     # -- fitting ------------------------------------------------------------
     @staticmethod
@@ -183,7 +172,7 @@ class PerfModel:
             floor_ms=0.25 * min(s.step_ms for s in steps),
             padding=buckets,
             batch_span=(min(s.batch_size for s in timed), max(s.batch_size for s in timed)),
-            max_rows=int(max(b * q for b, q in (buckets.pad(s.batch_size, 1 + s.depth) for s in timed))),
+            max_rows=int(max(buckets.ran(s)[1] for s in timed)),
         )
 
     @staticmethod
@@ -201,20 +190,37 @@ class PerfModel:
     # -- predictions ----------------------------------------------------------
     def predict_step_ms(self, technique: str, depth: int, batch: float, prefill: float = 0.0,
                         draft_vocab: int = 0, sampled: float = 0.0,
-                        any_sampled: float | None = None) -> float:
+                        any_sampled: float | None = None, plain: float = 0.0) -> float:
         """Predicted step time (ms) of a decode batch of `batch` at `depth`, `sampled` of its
-        rows sampling (a mean for traffic) and `any_sampled` the chance that any row does
-        (default: 1 when sampled > 0)."""
-        padded, q = self.padding.pad(batch, 1 + depth)
+        rows sampling (a mean for traffic), `any_sampled` the chance that any row does
+        (default: 1 when sampled > 0) and `plain` of its rows drafting nothing (they run in a
+        plain segment where the engine runs a segmented verify: Padding.rows).
+
+        >>> m = PerfModel(target=(10.0, 0, 0, 1.0, 0), padding=Padding((1, 2, 4), (1, 5),
+        ...               frozenset({(2, 2, 5)})))
+        >>> m.predict_step_ms("none", 4, 4), m.predict_step_ms("none", 4, 4, plain=2)  # 4*5, 2+2*5
+        (30.0, 22.0)
+        """
+        read, rows = self.padding.rows(batch, 1 + depth, plain)
+        q = int(next_size(1 + depth, self.padding.query))
+        ms = self._forward_ms(read, rows, q, prefill, sampled, any_sampled)
+        if depth and technique != "none":  # proposers work on the real rows (fitted so)
+            ms += self._propose_ms(technique, depth, batch, draft_vocab)
+        return max(ms, self.floor_ms)
+
+    def _forward_ms(self, read: float, rows: float, q: int, prefill: float, sampled: float,
+                    any_sampled: float | None = None) -> float:
+        """The target forward and sampling terms of a step reading `read` rows' cache and
+        running `rows` rows at (padded) query length `q` (module docstring)."""
         t = self.target
-        ms = t[0] + t[1] * padded + t[2] * q + t[3] * padded * q + t[4] * prefill
+        ms = t[0] + t[1] * read + t[2] * q + t[3] * rows + t[4] * prefill
         if any_sampled is None:
             any_sampled = 1.0 if sampled > 0 else 0.0
-        ms += self.sampling[0] * sampled * q + self.sampling[1] * any_sampled * padded * q
-        if depth and technique != "none":  # proposers work on the real rows (fitted so)
-            p = self._lookup(self.propose, technique, draft_vocab) or (0.0, 0.0, 0.0)
-            ms += max(0.0, p[0] + p[1] * batch + p[2] * batch * depth)
-        return max(ms, self.floor_ms)
+        return ms + self.sampling[0] * sampled * q + self.sampling[1] * any_sampled * rows
+
+    def _propose_ms(self, technique: str, depth: int, batch: float, draft_vocab: int) -> float:
+        p = self._lookup(self.propose, technique, draft_vocab) or (0.0, 0.0, 0.0)
+        return max(0.0, p[0] + p[1] * batch + p[2] * batch * depth)
 
     def propose_terms(self, technique: str, draft_vocab: int = 0) -> tuple[float, float, float]:
         """(p0, p1, p2) of a proposer (zeros for "none" or one never measured)."""
@@ -303,8 +309,10 @@ class PerfModel:
             if len({(c.technique, c.depth) for c in s.row_classes}) > 1:
                 ms, tokens = self._per_row(s, vocab)
             else:
-                ms = self.predict_step_ms(s.technique, s.depth, s.batch_size, s.prefill_tokens,
-                                          vocab, s.sampled_rows)
+                ms = self._ran_ms(s)
+                if s.depth and s.technique != "none":
+                    ms += self._propose_ms(s.technique, s.depth, s.batch_size, vocab)
+                ms = max(ms, self.floor_ms)
                 tokens = s.batch_size * self.expected_tokens_per_seq(s.technique, s.depth, None,
                                                                      vocab)
             ms_err.append(abs(ms - s.step_ms) / s.step_ms)
@@ -319,12 +327,19 @@ class PerfModel:
                            float(np.quantile(ms_a, 0.9)), float(np.median(gp_a)),
                            float(gp_a.mean()))
 
+    def _ran_ms(self, s: StepStats) -> float:
+        """The target forward and sampling of a recorded step at the rows it ran (Padding.ran:
+        segmented or not, as the engine decided)."""
+        read, rows = self.padding.ran(s)
+        q = int(next_size(1 + s.depth, self.padding.query))
+        return self._forward_ms(read, rows, q, s.prefill_tokens, s.sampled_rows)
+
     def _per_row(self, s: StepStats, vocab: int) -> tuple[float, float]:
         """(step ms, tokens) predicted for a step whose rows drafted with several (technique,
-        depth) choices: the target at the verify depth, each proposer on its own rows, each
-        row class's tokens at its own choice and tenant."""
-        ms = self.predict_step_ms("none", s.depth, s.batch_size, s.prefill_tokens, vocab,
-                                  s.sampled_rows)
+        depth) choices: the target at the rows it ran (the verify depth, plain rows at 1 in a
+        segmented verify), each proposer on its own rows, each row class's tokens at its own
+        choice and tenant."""
+        ms = max(self._ran_ms(s), self.floor_ms)
         for technique, (ran, rows, rows_depth) in propose_columns(s, lambda t: t).items():
             p0, p1, p2 = self.propose_terms(technique, vocab)
             ms += max(0.0, p0 * ran + p1 * rows + p2 * rows_depth)
@@ -353,36 +368,8 @@ class PerfModel:
                 "coverage": {k: {str(d): n for d, n in v.items()}
                              for k, v in self.coverage.items()},
                 "batch_span": list(self.batch_span) if self.batch_span else None,
-                "max_rows": self.max_rows}
-
-
-MIN_SHAPE_STEPS = 10
-"""Steps of a (batch, query length) shape the fit window needs before older ones stay out."""
-
-
-def cost_history(recent: Sequence[StepStats], older: Sequence[StepStats],
-                 buckets: Padding = Padding()) -> list[StepStats]:
-    """The newest `older` steps of each padded (batch, query length) shape that `recent` holds
-    fewer than MIN_SHAPE_STEPS of, up to that many: what the step-time fit adds to the fit
-    window. A busy minute may hold steps of one batch size at one or two depths, from which
-    alone the fit cannot tell the cost per row from the cost per step.
-
-    >>> def s(b, d): return StepStats(batch_size=b, decode_tokens=b, depth=d, step_ms=10.0)
-    >>> len(cost_history([s(32, 1)] * 12, [s(32, 1)] * 5 + [s(1, 8)] * 30))
-    10
-    """
-    counts: dict[tuple, int] = {}
-    for s in recent:
-        shape = buckets.pad(s.batch_size, 1 + s.depth)
-        counts[shape] = counts.get(shape, 0) + 1
-    out = []
-    for s in reversed(older):  # newest first
-        shape = buckets.pad(s.batch_size, 1 + s.depth)
-        if counts.get(shape, 0) < MIN_SHAPE_STEPS:
-            counts[shape] = counts.get(shape, 0) + 1
-            out.append(s)
-    out.reverse()
-    return out
+                "max_rows": self.max_rows,
+                "segments": sorted(list(t) for t in self.padding.segments)}
 
 
 def _weighted_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -403,13 +390,15 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def _fit_target(steps: Sequence[StepStats],
                 buckets: Padding) -> tuple[tuple[float, ...], tuple[float, float]]:
-    """((t0, t1, t2 = 0, t3, t4), (s0, s1)): the target forward and the sampling terms."""
-    shapes = [buckets.pad(s.batch_size, 1 + s.depth) for s in steps]
+    """((t0, t1, t2 = 0, t3, t4), (s0, s1)): the target forward and the sampling terms, each
+    step at the rows it ran (Padding.ran: B*q, or Bp + Bv*q for a segmented verify)."""
+    shapes = [buckets.ran(s) for s in steps]
     b = np.array([shape[0] for shape in shapes], float)
-    q = np.array([shape[1] for shape in shapes], float)
+    rows = np.array([shape[1] for shape in shapes], float)
+    q = np.array([buckets.pad(0, 1 + s.depth)[1] for s in steps], float)
     p = np.array([s.prefill_tokens for s in steps], float)
     sampled = np.array([s.sampled_rows for s in steps], float)
-    x = np.column_stack([np.ones_like(b), b, b * q, p, sampled * q, (sampled > 0) * b * q])
+    x = np.column_stack([np.ones_like(b), b, rows, p, sampled * q, (sampled > 0) * rows])
     y = np.array([max(s.step_ms - s.propose_ms, 1e-3) for s in steps], float)
     t0, t1, t3, t4, s0, s1 = (float(c) for c in _weighted_lstsq(x, y))
     return (t0, t1, 0.0, t3, t4), (s0, s1)

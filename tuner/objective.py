@@ -18,8 +18,10 @@ as the window holds both).
 Tenant rules (engine.policy.TenantRule): at a batch size where one applies,
 the rows of the traffic's tenant mix draft with their own (technique,
 depth) and the batch is priced row by row (tuner.mixed: tokens from each
-tenant's own rates, step time from the deepest row's verify depth and the
-proposers that run); elsewhere as above.
+tenant's own rates, step time from the deepest row's verify depth, every
+row padded to it unless the engine's segmented verifies run the rows that
+draft nothing as a plain segment, and the proposers that run); elsewhere as
+above.
 
 Memory, in pages of the KV pool: speculation gets floor(total * pool_split)
 and must fit its proposers' resident bytes, their per-sequence bytes and
@@ -56,7 +58,8 @@ from tuner.capacity import (
     under_split,
 )
 from tuner.mixed import Pricer
-from tuner.model import Padding, PerfModel
+from tuner.model import PerfModel
+from tuner.shapes import Padding
 from tuner.traffic import Traffic
 
 
@@ -79,6 +82,9 @@ class Capacity:
     """Largest batch the engine speculates at."""
     batch_buckets: tuple[int, ...] = ()
     """Batch sizes the engine compiles (a batch runs padded to the next one; empty: unpadded)."""
+    segment_shapes: tuple[tuple[int, int, int], ...] = ()
+    """(plain rows, drafting rows, 1 + depth) of the segmented verifies the engine compiles
+    (EngineCapacity.segment_shapes; empty: every verify is one padded call)."""
     proposers: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """Technique -> (resident bytes, bytes per speculating sequence per draft)."""
     draft_vocabs: tuple[int, ...] = ()
@@ -111,6 +117,7 @@ class Capacity:
             max_depth=cap.max_depth, depths=cap.verify_depths,
             proposer_depths={n: p.max_depth for n, p in cap.proposers.items()},
             spec_max_batch=cap.spec_max_batch, batch_buckets=cap.batch_buckets,
+            segment_shapes=tuple(tuple(s) for s in cap.segment_shapes),
             proposers={n: (p.resident_bytes, p.bytes_per_draft) for n, p in cap.proposers.items()},
             draft_vocabs=mtp.draft_vocabs if mtp else (), max_batch=cap.max_batch, lent_kv=lent,
             pools=tuple(getattr(cap, "pools", None) or ()),
@@ -167,14 +174,17 @@ class Evaluation:
 
 
 def padding_of(capacity: Capacity) -> Padding:
-    """The shapes the engine pads steps to: its compiled batch sizes, and query lengths 1
-    (decode) and 1 + each verified depth.
+    """The shapes the engine pads steps to: its compiled batch sizes, query lengths 1
+    (decode) and 1 + each verified depth, and its segmented verifies.
 
     >>> padding_of(Capacity(64, 16, depths=(1, 2, 4), batch_buckets=(1, 2, 4)))
-    Padding(batch=(1, 2, 4), query=(1, 2, 3, 5))
+    Padding(batch=(1, 2, 4), query=(1, 2, 3, 5), segments=frozenset())
+    >>> padding_of(Capacity(64, 16, batch_buckets=(1, 2), segment_shapes=((1, 1, 3),))).segments
+    frozenset({(1, 1, 3)})
     """
     return Padding(capacity.batch_buckets,
-                   (1, *(1 + d for d in capacity.depths)) if capacity.depths else ())
+                   (1, *(1 + d for d in capacity.depths)) if capacity.depths else (),
+                   frozenset(capacity.segment_shapes))
 
 
 def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: Capacity,

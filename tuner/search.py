@@ -67,8 +67,9 @@ from store.history import draft_vocab_by_instance
 from tuner.acceptance import fit_acceptance, fit_depth_factors, fit_draft_share
 from tuner.config import TunerConfig
 from tuner.data import read_requests, read_steps, read_steps_by_instance
-from tuner.model import MIN_FIT_ROWS, MIN_SHAPE_STEPS, PerfModel, cost_history
+from tuner.model import MIN_FIT_ROWS, PerfModel
 from tuner.objective import Capacity, Evaluation, evaluate, padding_of
+from tuner.shapes import MIN_SHAPE_STEPS, cost_history
 from tuner.space import SearchSpace
 from tuner.split import solve_splits
 from tuner.tenants import add_tenant_rules

@@ -299,6 +299,7 @@ def _add_tuner(t: argparse.ArgumentParser) -> None:
         help="--trace memory-bound|light: rounds of every fixed split and the tuned policy, in turn; "
              "each policy's goodput is its median over the rounds")
     add("--kv-budget", default=None, help="KV pool size of the engine, e.g. 96MiB (default: the backend's)")
+    add("--segment-rows", type=int, default=None, help="segmented verifies up to N rows (default 12; 0: off)")
 
 
 QUICK: dict[str, tuple[Any, Any]] = {"phase_seconds": (60.0, 20.0), "depths": ("2,4,8", "2,4"),
@@ -352,9 +353,9 @@ def _tuner_config(args: argparse.Namespace) -> Any:
             probe_quiet_s=args.probe_quiet, model=args.model, heads=args.heads, dtype=args.dtype,
             max_batch=args.max_batch, max_context=1024 if args.max_context is None else args.max_context, keep_db=args.keep_db,
             fake=args.fake, fake_time_scale=args.fake_time_scale,
-            traces=() if args.trace == "shifting" else items(args.trace),
-            splits=tuple(float(x) for x in items(args.splits)), split_technique=args.split_technique,
+            traces=() if args.trace == "shifting" else items(args.trace), splits=tuple(float(x) for x in items(args.splits)), split_technique=args.split_technique,
             split_depth=args.split_depth, split_repeats=args.split_repeats, repeats=args.repeats,
+            segment_rows=args.segment_rows,
             kv_budget=None if args.kv_budget is None else parse_size("--kv-budget", args.kv_budget))
     except ValueError as exc:
         raise UserError(f"bench tuner: {exc}") from None

@@ -1,6 +1,7 @@
 """Per-tenant speculation on the real Gemma 3 270M: one batch of four tenants, each drafting with
 its own (technique, depth) or not at all, gives plain decoding's greedy tokens, compiles
-nothing after warmup and returns every page."""
+nothing after warmup and returns every page; rows that draft nothing run as a plain segment
+beside the drafting rows' verify (engine/segments.py) with the same tokens."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def engine():
     from engine.loader import load_engine
 
     e = load_engine(dtype="float32", max_batch=4, max_context=128, progress=False, speculation=True,
-                    spec_max_batch=4)
+                    spec_max_batch=4, segment_rows=4)
     e.warmup(progress=False)
     return e
 
@@ -65,3 +66,17 @@ def test_tenants_drafting_differently_in_one_batch_equal_plain_on_the_real_model
     assert engine.compiles_since_warmup() == 0
     assert engine.pool.used == 0 and engine.pool.free == engine.pool.total
     assert engine.proposers["draft"].held_pages() == 0
+
+
+def test_rows_without_drafts_run_as_a_plain_segment_on_the_real_model(engine, requests):
+    """copy and code draft, chat and prose do not: two plain rows beside two drafting ones."""
+    plain, _ = _run(engine, requests, NEVER)
+    policy = TunedPolicy((BatchRule(64),), crossover=64, version=6,
+                         tenants=(TenantRule("copy", "ngram", 6), TenantRule("code", "mtp", 3)))
+    out, stats = _run(engine, requests, policy)
+    assert out == plain
+    segmented = [s for s in stats if s.plain_rows]
+    assert segmented and all(s.plain_rows <= 2 for s in segmented), [s.plain_rows for s in stats]
+    assert sum(s.accepted for s in segmented) > 0
+    assert engine.compiles_since_warmup() == 0
+    assert engine.pool.used == 0 and engine.pool.free == engine.pool.total

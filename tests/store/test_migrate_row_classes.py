@@ -39,11 +39,10 @@ def test_0009_adds_row_classes_old_rows_read_none(db_url: str, run_sql: Callable
 
     def old_row_reads_none() -> None:  # a row written before the column existed
         assert run_sql("SELECT row_classes FROM xo_steps") == [(None,)]
-        (old,) = _read(db_url)
-        assert old.row_classes == () and old.accepted_per_pos == (1, 0)
 
-    def classes_written() -> None:  # the writer reads the column off the model
-        new = _read(db_url)[-1]
+    def classes_written() -> None:  # the writer reads the column off the model; the tuner reads
+        old, new = _read(db_url)  # at head (its read path names later revisions' columns too)
+        assert old.row_classes == () and old.accepted_per_pos == (1, 0)
         assert new == stats and new.row_classes == CLASSES
 
     round_trip(db_url, run_sql, previous="0008", revision="0009", added={"xo_steps.row_classes"},

@@ -12,7 +12,7 @@ from engine.types import EngineCapacity, ProposerCapacity, StepStats
 from tuner.capacity import held_share, served_batches, under_split
 from tuner.config import TunerConfig
 from tuner.model import PerfModel
-from tuner.objective import Capacity, evaluate
+from tuner.objective import Capacity, evaluate, padding_of
 from tuner.space import SearchSpace
 from tuner.split import solve_splits
 from tuner.traffic import Traffic, observe
@@ -157,8 +157,10 @@ def test_a_draft_that_pays_for_its_pages_lends_on_a_memory_bound_load_too() -> N
 
 def test_capacity_from_the_engine_names_the_lent_kv_techniques() -> None:
     proposers = {"draft": ProposerCapacity(0, 0, 4), "mtp": ProposerCapacity(1, 2, 2)}
-    cap = Capacity.from_engine(EngineCapacity(100, 100, 16, 0, 4, (), 24, 24, (), proposers))
+    cap = Capacity.from_engine(EngineCapacity(100, 100, 16, 0, 4, (), 24, 24, (1, 2, 4),
+                                              segment_shapes=((2, 2, 5),), proposers=proposers))
     assert dict(cap.lent_kv) == {"draft": 1.0} and cap.max_batch == 24
+    assert padding_of(cap).segments == frozenset({(2, 2, 5)})  # the segmented verifies carry
 
 
 def test_the_split_solve_matches_brute_force_over_splits() -> None:

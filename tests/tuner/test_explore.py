@@ -14,7 +14,7 @@ from engine.policy import NEVER, BatchRule, Exploration, TunedPolicy
 from engine.types import Request, SamplingParams, StepStats
 from tuner.config import TunerConfig
 from tuner.explore import ExplorationPlan, is_exploration
-from tuner.model import Padding
+from tuner.shapes import Padding
 from tuner.objective import Capacity, padding_of
 from tuner.validate import own_steps
 

@@ -15,13 +15,8 @@ from store.db import session_scope
 from tests.tuner import synth
 from tuner.acceptance import NEUTRAL_RATE, PRIOR_OFFERS
 from tuner.data import RequestRow, read_requests, read_steps
-from tuner.model import (
-    MIN_SHAPE_STEPS,
-    NotEnoughTelemetry,
-    Padding,
-    PerfModel,
-    cost_history,
-)
+from tuner.model import NotEnoughTelemetry, PerfModel
+from tuner.shapes import MIN_SHAPE_STEPS, Padding, cost_history
 
 STATED_MEDIAN_APE = 0.10
 """The stated bound: median absolute % error of step time on held-out steps."""
