@@ -75,6 +75,8 @@ MAPS_PER_SHAPE = 440
 MAPS_PER_DRAFTING_BATCH = 1100
 """Mappings the layer-chain proposers (early exit, draft model, with the MTP heads') take per
 batch size and context."""
+MAPS_PER_SEGMENT = 510
+"""Mappings one segmented verify shape takes (engine/segments.py; measured 445-510 on Gemma 3 270M)."""
 MAPS_RESERVE = 8000
 """Mappings kept for everything else: the process itself, MTP heads, threads, sockets."""
 
@@ -94,7 +96,7 @@ def estimated_mappings(rc: RunnerConfig, drafting: bool) -> float:
                                                                                    rc.context_buckets))
     spec = spec_shapes_per_context(rc.batch_buckets, rc.verify_tokens, rc.spec_max_batch, drafting)
     plain += len(mixed_shapes(rc)) + len(group_shapes(rc.batch_buckets, group_tokens(rc), rc.context_buckets,
-                                                      rc.prefill_rows)) + len(segment_shapes(rc))
+                                                      rc.prefill_rows)) + len(segment_shapes(rc)) * MAPS_PER_SEGMENT / MAPS_PER_SHAPE
     return MAPS_RESERVE + MAPS_PER_SHAPE * (plain + spec * len(rc.spec_contexts))
 
 
@@ -183,7 +185,7 @@ offers no crossover above it (tuner/space.py)."""
 
 SEGMENT_ROWS = 12
 """Segmented verifies (engine/segments.py) when on: plain and drafting rows together up to this
-many, the drafting part up to half; 36 executables with verify lengths 3, 5 and 9 at one
+many, the drafting part up to half; 24 executables with verify lengths 3 and 5 at one
 context (batches 4-8 of the mid-load phase split as 3+3, 6+2 or 5+3 fit; busier batches are
 compute-bound, where a segment saves less)."""
 
@@ -227,6 +229,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     segments = len(segment_shapes(RunnerConfig(batch_buckets=batches, prefill_buckets=(PAGE_SIZE,),
                                                context_buckets=ladder[-1:], verify_tokens=verify_tokens,
                                                spec_max_batch=spec_batch, segment_rows=segment_rows)))
+    segments *= MAPS_PER_SEGMENT / MAPS_PER_SHAPE
     kept = (len(mix_context_buckets(ladder)) * mixed_per_context(batches, prefills, per_row)
             + len(group_shapes(batches, GROUP_CHUNK, ladder, PREFILL_ROWS)) + segments)
     plain, spec = split_context_buckets(ladder, batches, prefills,

@@ -23,8 +23,8 @@ Measured on this CPU (`python -m bench.verify_segments`): 0.55-0.79 of the
 padded call's time where half the rows or more draft nothing. Each (Bp, Bv, q,
 context) is an executable of its own (~440 memory mappings on XLA:CPU), so
 `segment_shapes` keeps a small set: both parts batch buckets, Bv at most half
-of RunnerConfig.segment_rows and Bp + Bv at most it, q > 2 (a depth-1 verify
-saves one position a row), one context (the largest). Whether a step
+of RunnerConfig.segment_rows and Bp + Bv at most it, q in SEGMENT_QUERIES, one
+context (the largest). Whether a step
 runs segmented is `engine.types.segment_split` (the tuner prices steps with
 it too); the shapes compile after speculation's others (engine/warm.py) and a
 step uses one only once it is compiled (`ModelRunner.segments_ready`).
@@ -44,8 +44,11 @@ from engine.model import forward_segments
 from engine.runner import CallArrays, ModelRunner, RunnerConfig, _adjust, _sample, _verify, _write, bucket, output_scores, write_batch
 from engine.sampling import SamplingArrays
 
-SEGMENT_MIN_QUERY = 3
-"""Verify lengths (1 + depth) from which segments compile: at 2 a plain row saves one position."""
+SEGMENT_QUERIES = (3, 5)
+"""Verify lengths (1 + depth) segments compile for: depths 2 and 3-4, where speculation pays at
+batches 4-8 on this CPU (`crossover bench tuner --mid-mixed`: n-gram@2 was the mid-load phase's
+best policy). Each shape costs ~500 memory mappings (engine.loader.MAPS_PER_SEGMENT), so a
+depth 5-8 verify pads every row to 9 as without segments."""
 
 
 def segment_contexts(rc: RunnerConfig) -> tuple[int, ...]:
@@ -66,7 +69,7 @@ def segment_pairs(rc: RunnerConfig) -> list[tuple[int, int]]:
 
 def segment_shapes(rc: RunnerConfig) -> list[tuple[int, int, int, int]]:
     """(plain rows, drafting rows, 1 + depth, context) of every segmented verify compiled."""
-    qs = [q for q in rc.verify_tokens if q >= SEGMENT_MIN_QUERY]
+    qs = [q for q in rc.verify_tokens if q in SEGMENT_QUERIES]
     return [(p, v, q, c) for p, v in segment_pairs(rc) for q in qs for c in segment_contexts(rc)]
 
 

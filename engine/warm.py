@@ -15,6 +15,8 @@
    engine/drafting.py), cheapest technique first. A job compiles ahead of
    time (`jit(...).lower(...).compile()`) from array metadata only: it reads
    no device buffer and changes no state, so it runs safely beside steps.
+   Segmented verifies (engine/segments.py) compile last; each is used once
+   compiled (`ModelRunner.segments_ready`), no technique waits for them.
 3. With `background`, a daemon thread at a lower CPU priority runs the jobs
    inside `compiles.warming()` (its lowerings count as warmup, not serving);
    otherwise they run here, before `warmup()` returns. A technique turns

@@ -76,7 +76,7 @@ def test_shape_set_is_small_and_bounded():
     assert all(v <= 6 and p + v <= 12 for p, v in pairs) and (8, 4) in pairs and (8, 8) not in pairs
     assert len(pairs) == 12
     shapes = segment_shapes(rc)
-    assert {q for _, _, q, _ in shapes} == {3, 5, 9} and {c for *_, c in shapes} == {1024}
+    assert {q for _, _, q, _ in shapes} == {3, 5} and {c for *_, c in shapes} == {1024}  # 1 + depth 2 and 4
     assert segment_shapes(RunnerConfig(verify_tokens=(2, 5), segment_rows=0)) == []
 
 
@@ -169,3 +169,20 @@ def test_first_runs_run_each_segment_shape_without_compiling(segmented):
     runs.run_all()
     assert not [s for k, s in runs.left if k == "segments"]
     assert segmented.compiles_since_warmup() == 0
+
+
+def test_the_mapping_budget_counts_the_segment_shapes():
+    """24 shapes (12 row pairs, 1 + depth 2 and 4, one context) at MAPS_PER_SEGMENT each; under a
+    mapping cap they leave speculation fewer context buckets, never more."""
+    from engine.config import GEMMA3_270M
+    from engine.loader import MAPS_PER_SEGMENT, VERIFY_TOKENS, estimated_mappings, runner_config
+
+    def rc(rows, limit=None):
+        return runner_config(GEMMA3_270M, "float32", 2 << 30, 32, 1024, verify_tokens=VERIFY_TOKENS,
+                             spec_max_batch=32, map_limit=limit, segment_rows=rows)
+
+    assert len(segment_shapes(rc(12))) == 24
+    assert estimated_mappings(rc(12), False) - estimated_mappings(rc(0), False) == pytest.approx(24 * MAPS_PER_SEGMENT)
+    capped, free = rc(12, 60000), rc(0, 60000)
+    assert set(capped.spec_contexts) <= set(free.spec_contexts)
+    assert estimated_mappings(capped, False) <= 60000

@@ -71,8 +71,8 @@ def test_tenants_drafting_differently_in_one_batch_equal_plain_on_the_real_model
 def test_rows_without_drafts_run_as_a_plain_segment_on_the_real_model(engine, requests):
     """copy and code draft, chat and prose do not: two plain rows beside two drafting ones."""
     plain, _ = _run(engine, requests, NEVER)
-    policy = TunedPolicy((BatchRule(64),), crossover=64, version=6,
-                         tenants=(TenantRule("copy", "ngram", 6), TenantRule("code", "mtp", 3)))
+    policy = TunedPolicy((BatchRule(64),), crossover=64, version=6,  # depths up to 4: segments hold 1 + 4
+                         tenants=(TenantRule("copy", "ngram", 4), TenantRule("code", "mtp", 3)))
     out, stats = _run(engine, requests, policy)
     assert out == plain
     segmented = [s for s in stats if s.plain_rows]
