@@ -185,7 +185,7 @@ offers no crossover above it (tuner/space.py)."""
 
 SEGMENT_ROWS = 12
 """Segmented verifies (engine/segments.py) when on: plain and drafting rows together up to this
-many, the drafting part up to half; 24 executables with verify lengths 3 and 5 at one
+many, the drafting part up to half; 24 executables with verify lengths 5 and 9 at one
 context (batches 4-8 of the mid-load phase split as 3+3, 6+2 or 5+3 fit; busier batches are
 compute-bound, where a segment saves less)."""
 

@@ -44,11 +44,13 @@ from engine.model import forward_segments
 from engine.runner import CallArrays, ModelRunner, RunnerConfig, _adjust, _sample, _verify, _write, bucket, output_scores, write_batch
 from engine.sampling import SamplingArrays
 
-SEGMENT_QUERIES = (3, 5)
-"""Verify lengths (1 + depth) segments compile for: depths 2 and 3-4, where speculation pays at
-batches 4-8 on this CPU (`crossover bench tuner --mid-mixed`: n-gram@2 was the mid-load phase's
-best policy). Each shape costs ~500 memory mappings (engine.loader.MAPS_PER_SEGMENT), so a
-depth 5-8 verify pads every row to 9 as without segments."""
+SEGMENT_QUERIES = (5, 9)
+"""Verify lengths (1 + depth) segments compile for: depths 3-4 and 5-8. Measured in the mid-load
+phase (`crossover bench tuner --quick --mid-mixed`, bench/README.md "Segmented verifies"): at
+batch 8 with ~4.5 plain rows a segmented depth-4 step took 0.77x the padded one's time, a
+depth-2 step 0.93-0.97x (two attention segments, two output-layer calls and two writes cost
+about what 2 positions a row save). Each shape costs ~500 memory mappings
+(engine.loader.MAPS_PER_SEGMENT), so depths 1-2 verify padded as without segments."""
 
 
 def segment_contexts(rc: RunnerConfig) -> tuple[int, ...]:

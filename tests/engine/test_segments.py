@@ -76,7 +76,7 @@ def test_shape_set_is_small_and_bounded():
     assert all(v <= 6 and p + v <= 12 for p, v in pairs) and (8, 4) in pairs and (8, 8) not in pairs
     assert len(pairs) == 12
     shapes = segment_shapes(rc)
-    assert {q for _, _, q, _ in shapes} == {3, 5} and {c for *_, c in shapes} == {1024}  # 1 + depth 2 and 4
+    assert {q for _, _, q, _ in shapes} == {5, 9} and {c for *_, c in shapes} == {1024}  # 1 + depth 4 and 8
     assert segment_shapes(RunnerConfig(verify_tokens=(2, 5), segment_rows=0)) == []
 
 
@@ -172,7 +172,7 @@ def test_first_runs_run_each_segment_shape_without_compiling(segmented):
 
 
 def test_the_mapping_budget_counts_the_segment_shapes():
-    """24 shapes (12 row pairs, 1 + depth 2 and 4, one context) at MAPS_PER_SEGMENT each; under a
+    """24 shapes (12 row pairs, 1 + depth 4 and 8, one context) at MAPS_PER_SEGMENT each; under a
     mapping cap they leave speculation fewer context buckets, never more."""
     from engine.config import GEMMA3_270M
     from engine.loader import MAPS_PER_SEGMENT, VERIFY_TOKENS, estimated_mappings, runner_config
