@@ -40,13 +40,6 @@ SPLITS = ((2, 2), (3, 3), (4, 4), (6, 2), (2, 6))
 """(plain rows, drafting rows) timed by default: batches 4-8, the mid-load range."""
 
 
-def segmented_call(runner: ModelRunner, plain: CallArrays, drafting: CallArrays, cand: np.ndarray):
-    """One forward over a decode call's rows and a verify call's rows (the engine's segmented
-    verify, engine.segments.run_segmented); ((tokens, logprobs) of the plain rows [Bp, 1],
-    (tokens, accepted, logprobs) of the drafting rows [Bv, T]) as numpy."""
-    return run_segmented(runner, plain, drafting, cand)
-
-
 def fill(c: CallArrays, tokens: np.ndarray, context: int, first_page: int, pages_per_row: int) -> CallArrays:
     """Rows of `c` at `context` cached tokens with `tokens` [B, n] new, on distinct pages."""
     B, n = tokens.shape
@@ -88,7 +81,7 @@ def measure(runner: ModelRunner, splits, depth: int, context: int, repeats: int,
             runs = {
                 "padded": lambda: runner.run_verify(padded, cand(padded)),
                 "two_calls": lambda: (runner.run(alone), runner.run_verify(verify, cand(verify))),
-                "segmented": lambda: segmented_call(runner, alone, verify, cand(verify)),
+                "segmented": lambda: run_segmented(runner, alone, verify, cand(verify)),
                 "plain_decode": lambda: runner.run(whole),  # every row decoding, for scale
             }
             ms = {k: _median_ms(f, repeats) for k, f in runs.items()}

@@ -30,7 +30,7 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.heads import DraftHeads, Head
-from engine.kv import Batch, KVPool, SeqPages
+from engine.kv import KVPool, SeqPages
 from engine.layer_draft import (
     DRAFT_VOCABS,
     _identity_head,
@@ -167,7 +167,7 @@ class DraftModelProposer(_LayerDrafter):
             c.tokens[0, :n] = s.tokens[held.cached : held.cached + n]
             c.start[0], c.n_new[0] = held.cached, n
             self.pool.fill_tables(held.pages, c.global_table[0], c.local_table[0])
-            batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
+            batch = c.batch()
             _, new_kv = _layers_draft(self.dcfg, rc.ring_pages, self.dparams, self.head, self.emb,
                                       self.ids, self.runner.kv, batch)
             self.runner.kv = _write(rc.ring_pages, self.runner.kv, write_batch(batch, rc.page_size, rc.ring_pages),

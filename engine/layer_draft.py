@@ -84,7 +84,7 @@ def _layer_jobs(drafter: _LayerDrafter, runner: ModelRunner, shapes: list[tuple[
 
     def job(b: int, t: int, c: int) -> None:
         call = runner.new_call(b, t, c, spec=True)
-        batch = Batch(call.tokens, call.start, call.n_new, call.global_table, call.local_table)
+        batch = call.batch()
         compiled = _layers_draft.lower(drafter.dcfg, ring, *fixed, kv, batch).compile()
         new_kv = outputs(compiled, committed)[1]
         _write.lower(ring, kv, write_batch(batch, runner.rc.page_size, ring), new_kv).compile()

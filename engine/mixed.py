@@ -77,14 +77,10 @@ def new_mixed_calls(runner: ModelRunner, decode: int, prefill: int, chunk: int,
     return d, p
 
 
-def _batch(c: CallArrays) -> Batch:
-    return Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-
-
 def run_mixed(runner: ModelRunner, calls: tuple[CallArrays, ...]) -> tuple[np.ndarray, np.ndarray]:
     """Execute one mixed call; (tokens [sum B_i, 1], logprobs [sum B_i, 1]) as numpy."""
     rc = runner.rc
-    batches = tuple(_batch(c) for c in calls)
+    batches = tuple(c.batch() for c in calls)
     writes = tuple(write_batch(b, rc.page_size, rc.ring_pages, c.local_write) for b, c in zip(batches, calls))
     sc, runner.last_hidden, new_kv = _forward_mixed(runner.cfg, rc.ring_pages, runner.params, runner.kv, batches,
                                                     tuple(c.logit_idx for c in calls))
@@ -110,7 +106,7 @@ def mixed_jobs(runner: ModelRunner) -> tuple[list, list]:
 
     def forward(b: int, bp: int, t: int, c: int) -> None:
         calls = new_mixed_calls(runner, b, bp, t, c)
-        batches = tuple(_batch(x) for x in calls)
+        batches = tuple(x.batch() for x in calls)
         fwd = _forward_mixed.lower(runner.cfg, ring, params, kv, batches,
                                    tuple(x.logit_idx for x in calls)).compile()
         sc, _, new_kv = outputs(fwd, committed)

@@ -274,6 +274,10 @@ class CallArrays:
     """[B, R] int32 ring pages the new tokens are written to, where they differ from the pages
     read (a prefix-cached ring entry replaced on wrap: engine.kv.KVPool.prepare); None: local_table."""
 
+    def batch(self) -> Batch:
+        """The arrays a forward reads (engine.kv.Batch)."""
+        return Batch(self.tokens, self.start, self.n_new, self.global_table, self.local_table)
+
 
 class ModelRunner:
     """Device state plus the compiled step for one model."""
@@ -348,18 +352,16 @@ class ModelRunner:
 
     def run(self, c: CallArrays) -> tuple[np.ndarray, np.ndarray]:
         """Execute one call; returns (tokens [B, Tl], logprobs [B, Tl]) as numpy."""
-        batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-        self.kv, sc, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch,
-                                                          c.logit_idx, c.local_write)
+        self.kv, sc, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv,
+                                                          c.batch(), c.logit_idx, c.local_write)
         tok, lp, *top = _sample(sc, SamplingArrays(**c.samp), c.counter, _adjust(c))
         self.last_top = tuple(map(np.asarray, top)) if c.samp["want_logprobs"].any() else None
         return np.asarray(tok), np.asarray(lp)
 
     def run_verify(self, c: CallArrays, cand: np.ndarray):
         """Forward over [last token, drafts...] and verify: (tokens, accepted, logprobs) [B, T]."""
-        batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-        self.kv, sc, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv, batch,
-                                                          c.logit_idx, c.local_write)
+        self.kv, sc, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv,
+                                                          c.batch(), c.logit_idx, c.local_write)
         tok, acc, lp, *top = _verify(sc, cand, SamplingArrays(**c.samp), c.counter, _adjust(c))
         self.last_top = tuple(map(np.asarray, top)) if c.samp["want_logprobs"].any() else None
         return np.asarray(tok), np.asarray(acc), np.asarray(lp)
@@ -426,7 +428,7 @@ class ModelRunner:
 
         def forward(b: int, t: int, c: int) -> None:
             call = self.new_verify_call(b, t - 1, c) if verify else self.new_call(b, t, c)
-            batch = Batch(call.tokens, call.start, call.n_new, call.global_table, call.local_table)
+            batch = call.batch()
             fwd = _forward.lower(self.cfg, ring, params, kv, batch, call.logit_idx).compile()
             sc, _, new_kv = outputs(fwd, committed)
             scores[sc.best.shape] = sc

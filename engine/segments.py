@@ -106,15 +106,11 @@ def _forward_segmented(cfg, ring_pages: int, params, kv, plain: Batch, drafting:
     return output_scores(params, hp), output_scores(params, hv), hidden, tuple(new_kv)
 
 
-def _batch(c: CallArrays) -> Batch:
-    return Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-
-
 def run_segmented(runner: ModelRunner, plain: CallArrays, drafting: CallArrays, cand: np.ndarray):
     """Execute one segmented verify; ((tokens, logprobs) [Bp, 1] of the plain rows, (tokens,
     accepted, logprobs) [Bv, q] of the drafting rows) as numpy."""
     rc = runner.rc
-    bp, bv = _batch(plain), _batch(drafting)
+    bp, bv = plain.batch(), drafting.batch()
     sp, sv, runner.last_hidden, (kp, kv) = _forward_segmented(runner.cfg, rc.ring_pages, runner.params, runner.kv,
                                                               bp, bv, drafting.logit_idx)
     runner.kv = _write(rc.ring_pages, runner.kv, write_batch(bp, rc.page_size, rc.ring_pages, plain.local_write), kp)
@@ -138,7 +134,7 @@ def segment_jobs(runner: ModelRunner) -> list:
 
     def forward(p: int, v: int, q: int, c: int) -> None:
         cp, cv = runner.new_call(p, 1, c, spec=True), runner.new_verify_call(v, q - 1, c)
-        _forward_segmented.lower(runner.cfg, ring, params, kv, _batch(cp), _batch(cv), cv.logit_idx).compile()
+        _forward_segmented.lower(runner.cfg, ring, params, kv, cp.batch(), cv.batch(), cv.logit_idx).compile()
         runner.segments_ready = runner.segments_ready | {(p, v, q, c)}
 
     return [partial(forward, *s) for s in segment_shapes(runner.rc)]

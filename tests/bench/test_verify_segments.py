@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from bench.verify_segments import fill, measure, segmented_call
+from bench.verify_segments import fill, measure
+from engine.segments import run_segmented
 from tests.engine.conftest import make_engine
 
 CONTEXT, PAGES = 10, 8  # cached tokens per row; pages per row (context bucket 32 / page size 4)
@@ -37,7 +38,7 @@ def test_segmented_call_gives_each_row_the_padded_calls_tokens_and_acceptance(ti
     cand = np.full(padded.tokens.shape, -1, np.int32)
     cand[plain:, :2] = tokens[plain:, 1:]
     tok, acc, lp = runner.run_verify(padded, cand)
-    (ptok, plp), (vtok, vacc, vlp) = segmented_call(runner, alone, verify, cand[plain:])
+    (ptok, plp), (vtok, vacc, vlp) = run_segmented(runner, alone, verify, cand[plain:])
     assert acc[plain:, 0].all()  # the check below compares accepting rows, not only rejections
     np.testing.assert_array_equal(ptok[:, 0], tok[:plain, 0])
     np.testing.assert_array_equal(vacc, acc[plain:])
