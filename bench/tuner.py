@@ -186,6 +186,8 @@ class TunerBenchConfig:
     median round's (bench.tuner_report.combine_rounds). The machine drifts between runs."""
 
     def __post_init__(self) -> None:
+        if self.segment_rows is not None and not 0 <= self.segment_rows <= 64:
+            raise ValueError(f"segment_rows={self.segment_rows} must be in 0-64")
         if self.split_repeats < 1 or self.repeats < 1:
             raise ValueError(f"split_repeats={self.split_repeats} and repeats={self.repeats} must be at least 1")
         if not self.phase_s > 0 or not self.rate_scale > 0:

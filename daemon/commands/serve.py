@@ -87,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "own that stall running streams (default off)")
     add("--segment-rows", type=int, metavar="N",
         help="rows that draft nothing decode beside the drafting rows' verify in one forward, in batches "
-             "up to N rows (12 suits per-tenant rules at batches 4-8; default 0: off)")
+             "up to N rows (12 covers batches 4-8; default 0: off)")
     add("--heads", metavar="FILE", help="draft heads file (default: the one train-heads wrote to the user "
                                         "cache, else the one shipped for the model)")
     add("--max-body-bytes", metavar="BYTES", help="largest request body (default 4MiB)")

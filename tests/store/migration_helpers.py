@@ -10,10 +10,22 @@ from sqlalchemy import inspect
 
 from engine.types import StepStats
 from store import migrate
-from store.db import make_engine
+from store.db import make_engine, session_scope
 from telemetry.writer import step_row, write_rows
 
 RunSql = Callable[..., list]
+
+
+def read_all_steps(url: str) -> list[StepStats]:
+    """Every step of the database, through the tuner's read path (tuner.data.read_steps)."""
+    from tuner.data import read_steps
+
+    engine = make_engine(url)
+    try:
+        with session_scope(engine) as session:
+            return read_steps(session, 0.0)
+    finally:
+        engine.dispose()
 
 
 def schema_names(url: str) -> set[str]:

@@ -6,10 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.types import RowClass, StepStats
-from store.db import make_engine, session_scope
 from telemetry.writer import step_row
-from tests.store.migration_helpers import record_without, round_trip
-from tuner.data import read_steps
+from tests.store.migration_helpers import read_all_steps, record_without, round_trip
 
 OLD_STEP = (
     "INSERT INTO xo_steps (instance, step_id, time, batch_size, prefill_tokens, decode_tokens, "
@@ -22,15 +20,6 @@ OLD_STEP = (
 CLASSES = (RowClass("acme", "ngram", 4, 2, 7, 3, (2, 1, 0, 0)), RowClass("initech", "none", 0, 3))
 
 
-def _read(url: str) -> list[StepStats]:
-    engine = make_engine(url)
-    try:
-        with session_scope(engine) as session:
-            return read_steps(session, 0.0)
-    finally:
-        engine.dispose()
-
-
 def test_0011_adds_plain_rows_old_rows_read_zero(db_url: str, run_sql: Callable[..., list]) -> None:
     stats = StepStats(step_id=2, time=1_700_000_010.0, batch_size=5, decode_tokens=8, technique="ngram",
                       depth=4, proposed=7, accepted=3, accepted_per_pos=(2, 1, 0, 0), step_ms=3.0,
@@ -38,12 +27,12 @@ def test_0011_adds_plain_rows_old_rows_read_zero(db_url: str, run_sql: Callable[
 
     def old_row_reads_zero() -> None:  # a row written before the column existed
         assert run_sql("SELECT step_id, plain_rows FROM xo_steps") == [(1, 0)]
-        (old,) = _read(db_url)
+        (old,) = read_all_steps(db_url)
         assert old.plain_rows == 0
 
     def count_written_and_read_back() -> None:  # the writer and the reader follow the model
         assert run_sql("SELECT step_id, plain_rows FROM xo_steps ORDER BY step_id") == [(1, 0), (2, 3)]
-        new = _read(db_url)[-1]
+        new = read_all_steps(db_url)[-1]
         assert new == stats and new.plain_rows == 3
 
     round_trip(db_url, run_sql, previous="0010", revision="0011", added={"xo_steps.plain_rows"},

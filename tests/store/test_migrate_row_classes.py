@@ -6,10 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.types import RowClass, StepStats
-from store.db import make_engine, session_scope
 from telemetry.writer import step_row
-from tests.store.migration_helpers import record_without, round_trip
-from tuner.data import read_steps
+from tests.store.migration_helpers import read_all_steps, record_without, round_trip
 
 OLD_STEP = (
     "INSERT INTO xo_steps (instance, step_id, time, batch_size, prefill_tokens, decode_tokens, "
@@ -23,15 +21,6 @@ CLASSES = (RowClass("acme", "ngram", 4, 2, 7, 3, (2, 1, 0, 0)), RowClass("globex
            RowClass("initech", "none", 0, 1))
 
 
-def _read(url: str) -> list[StepStats]:
-    engine = make_engine(url)
-    try:
-        with session_scope(engine) as session:
-            return read_steps(session, 0.0)
-    finally:
-        engine.dispose()
-
-
 def test_0009_adds_row_classes_old_rows_read_none(db_url: str, run_sql: Callable[..., list]) -> None:
     stats = StepStats(step_id=2, time=1_700_000_010.0, batch_size=4, decode_tokens=9, technique="ngram",
                       depth=4, proposed=9, accepted=5, accepted_per_pos=(3, 2, 0, 0), step_ms=3.0,
@@ -41,7 +30,7 @@ def test_0009_adds_row_classes_old_rows_read_none(db_url: str, run_sql: Callable
         assert run_sql("SELECT row_classes FROM xo_steps") == [(None,)]
 
     def classes_written() -> None:  # the writer reads the column off the model; the tuner reads
-        old, new = _read(db_url)  # at head (its read path names later revisions' columns too)
+        old, new = read_all_steps(db_url)  # at head (its read path names later revisions' columns too)
         assert old.row_classes == () and old.accepted_per_pos == (1, 0)
         assert new == stats and new.row_classes == CLASSES
 
