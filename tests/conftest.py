@@ -99,11 +99,24 @@ def pytest_configure(config: pytest.Config) -> None:
         "it does not run on PostgreSQL")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist's loadgroup: `slow` tests in one group, every other file a group of its own."""
     for item in items:
         group = REAL_MODEL_GROUP if item.get_closest_marker("slow") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On a loadgroup worker, stop unless pytest-xdist took the groups (it appends each to the node
+    id): pytest 9.2 keeps node ids where xdist 3.8 cannot, and the real-model tests then ran on
+    both workers at once and module fixtures were built on each (pyproject.toml pins pytest)."""
+    if not session.config.getvalue("loadgroup"):
+        return
+    lost = [i.nodeid for i in session.items if "@" not in i.nodeid.rpartition("::")[2]]
+    if lost:
+        pytest.exit(f"pytest-xdist's loadgroup did not group {len(lost)} tests (e.g. {lost[0]}); "
+                    f"pytest {pytest.__version__} may not work with this pytest-xdist", returncode=3)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -279,3 +292,4 @@ def rev1_url(tmp_path: Path) -> str:
     path = tmp_path / "rev1.db"
     shutil.copyfile(FIXTURES / "telemetry_rev1.sqlite", path)
     return f"sqlite:///{path}"
+
