@@ -99,7 +99,10 @@ class TunerBenchConfig:
     drain: bool = True
     """Start each phase once the previous one's requests finished (no backlog carried over)."""
     techniques: tuple[str, ...] = ()
-    """Techniques of the fixed policies (empty: every loaded proposer)."""
+    """Proposers loaded, hence the autotuned run's choices, and the fixed policies'
+    techniques unless `fixed_techniques` says (empty: every proposer the model has)."""
+    fixed_techniques: tuple[str, ...] = ()
+    """Techniques of the fixed policies, among those loaded (empty: every loaded one)."""
     depths: tuple[int, ...] = (2, 4, 8)
     """Depths of the fixed policies."""
     table: tuple[tuple[int, int], ...] = ((4, 4), (8, 2))
@@ -338,8 +341,8 @@ def load_engine(cfg: TunerBenchConfig) -> Any:
 
     # Verification is compiled up to the largest batch, so a fixed policy speculates at every
     # batch size and the tuner's crossover ranges over all of them (`crossover serve` stops at
-    # SPEC_MAX_BATCH). Only the proposers the static policies use are loaded: the autotuned
-    # daemon chooses among the same techniques as the policies it is compared with.
+    # SPEC_MAX_BATCH). Only --techniques' proposers and those the static policies name are
+    # loaded: the autotuned daemon chooses among them.
     wanted = set(cfg.techniques) | named_techniques(cfg)
     proposers = tuple(t for t in MODEL_PROPOSERS if not cfg.techniques or t in wanted)
     from daemon.progress import reporter
@@ -413,7 +416,7 @@ def static_policies(cfg: TunerBenchConfig, engine: Any) -> dict[str, TunedPolicy
     """name -> policy: "never", "fixed:<technique>@<depth>" for each, and "table"."""
     proposers = engine.capacity().proposers
     loaded = sorted(proposers)
-    techniques = cfg.techniques or tuple(loaded)
+    techniques = cfg.fixed_techniques or cfg.techniques or tuple(loaded)
     wanted = set(techniques) | named_techniques(cfg)
     missing = sorted(wanted - set(loaded))
     if missing:
@@ -438,9 +441,10 @@ def static_policies(cfg: TunerBenchConfig, engine: Any) -> dict[str, TunedPolicy
 
 
 def named_techniques(cfg: TunerBenchConfig) -> set[str]:
-    """The techniques the static policies name besides `techniques`: the table's and the
-    "tenants" run's (the engine loads them too)."""
-    named = {cfg.table_technique} if "table" in cfg.runs else set()
+    """The techniques the static policies name besides `techniques`: the fixed policies', the
+    table's and the "tenants" run's (the engine loads them too)."""
+    named = set(cfg.fixed_techniques) if "fixed" in cfg.runs else set()
+    named |= {cfg.table_technique} if "table" in cfg.runs else set()
     if "tenants" in cfg.runs:
         named |= {t for _, t, _ in cfg.tenant_policy if t != "none"}
     return named

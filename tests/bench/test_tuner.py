@@ -6,6 +6,7 @@ One short run (2.5 s phases, in-thread searches) serves every test in this modul
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import sys
@@ -20,6 +21,7 @@ import bench.tuner
 from bench.plots import MET, MISSED, REFERENCE, ratio_bars, tuner_figure
 from bench.tuner_report import TARGETS
 from daemon.cli import main as cli
+from daemon.user_error import UserError
 from engine.policy import TunedPolicy
 from tests.bench.conftest import recording_resets
 
@@ -283,18 +285,39 @@ def test_bad_temperatures_are_user_errors(capsys: pytest.CaptureFixture) -> None
 
 def test_quick_sets_its_values_unless_a_flag_is_given() -> None:
     from daemon.cli import build_parser
-    from daemon.commands.bench import QUICK, _tuner_config
+    from daemon.commands.bench_tuner import QUICK, tuner_config
 
     def config(*flags: str) -> Any:
-        return _tuner_config(build_parser().parse_args(["bench", "tuner", "--fake", *flags]))
+        return tuner_config(build_parser().parse_args(["bench", "tuner", "--fake", *flags]))
 
     full, quick = config(), config("--quick")
     assert (full.phase_s, full.depths, full.probe_retunes) == (60.0, (2, 4, 8), 12)
-    assert (quick.phase_s, quick.depths, quick.probe_retunes) == (20.0, (2, 4), 3)
+    assert (quick.phase_s, quick.depths, quick.probe_retunes) == (20.0, (2,), 3)
+    # every proposer stays loaded for the autotuned run; the fixed policies are the table's technique's
+    assert (full.techniques, full.fixed_techniques) == ((), ())
+    assert (quick.techniques, quick.fixed_techniques) == ((), ("ngram",))
     assert {k: d for k, (d, _) in QUICK.items()} == {
         "phase_seconds": full.phase_s, "depths": "2,4,8", "probe_retunes": full.probe_retunes}
-    given = config("--quick", "--phase-seconds", "30", "--depths", "1")
+    given = config("--quick", "--phase-seconds", "30", "--depths", "1", "--fixed-techniques", "mtp,ngram",
+                   "--table-technique", "mtp")
     assert (given.phase_s, given.depths, given.probe_retunes) == (30.0, (1,), 3)
+    assert given.fixed_techniques == ("mtp", "ngram")
+    assert config("--quick", "--table-technique", "mtp").fixed_techniques == ("mtp",)
+
+
+def test_fixed_techniques_choose_the_fixed_policies_among_the_loaded_ones() -> None:
+    from bench.tuner import TunerBenchConfig, fake_engine, named_techniques, static_policies
+
+    cfg = TunerBenchConfig(fake=True, phase_s=4.0, depths=(2,), fixed_techniques=("ngram",))
+    engine = fake_engine(cfg)
+    assert sorted(engine.capacity().proposers) == ["mtp", "ngram"]
+    assert sorted(static_policies(cfg, engine)) == ["fixed:ngram@2", "never", "table"]
+    every = static_policies(dataclasses.replace(cfg, fixed_techniques=()), engine)
+    assert sorted(every) == ["fixed:mtp@2", "fixed:ngram@2", "never", "table"]
+    # a fixed technique is loaded even when --techniques leaves it out; one never loaded is refused
+    assert named_techniques(dataclasses.replace(cfg, techniques=("mtp",))) == {"ngram"}
+    with pytest.raises(UserError, match="draft"):
+        static_policies(dataclasses.replace(cfg, fixed_techniques=("draft",)), engine)
 
 
 def test_fixed_policies_stay_within_the_engine_s_verify_depth() -> None:
