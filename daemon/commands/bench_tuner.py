@@ -81,7 +81,7 @@ def add_tuner(t: argparse.ArgumentParser) -> None:
     add("--segment-rows", type=int, default=None, help="segmented verifies up to N rows (default 12; 0: off)")
 
 
-QUICK: dict[str, tuple[Any, Any]] = {"phase_seconds": (60.0, 20.0), "depths": ("2,4,8", "2"),
+QUICK: dict[str, tuple[Any, Any]] = {"phase_seconds": (60.0, 15.0), "depths": ("2,4,8", "2"),
                                      "probe_retunes": (12, 3)}
 """`bench tuner --quick`: flag -> (its default, the quick value); a flag given explicitly wins.
 It also runs the fixed policies of the table's technique only (--fixed-techniques)."""

@@ -292,7 +292,7 @@ def test_quick_sets_its_values_unless_a_flag_is_given() -> None:
 
     full, quick = config(), config("--quick")
     assert (full.phase_s, full.depths, full.probe_retunes) == (60.0, (2, 4, 8), 12)
-    assert (quick.phase_s, quick.depths, quick.probe_retunes) == (20.0, (2,), 3)
+    assert (quick.phase_s, quick.depths, quick.probe_retunes) == (15.0, (2,), 3)
     # every proposer stays loaded for the autotuned run; the fixed policies are the table's technique's
     assert (full.techniques, full.fixed_techniques) == ((), ())
     assert (quick.techniques, quick.fixed_techniques) == ((), ("ngram",))
