@@ -111,7 +111,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """On a loadgroup worker, stop unless pytest-xdist took the groups (it appends each to the node
     id): pytest 9.2 keeps node ids where xdist 3.8 cannot, and the real-model tests then ran on
     both workers at once and module fixtures were built on each (pyproject.toml pins pytest)."""
-    if not session.config.getvalue("loadgroup"):
+    if not getattr(session.config.option, "loadgroup", False):  # set on xdist workers only
         return
     lost = [i.nodeid for i in session.items if "@" not in i.nodeid.rpartition("::")[2]]
     if lost:
