@@ -526,6 +526,11 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
             await web.TCPSite(runner, "127.0.0.1", 0).start()
             while not app[ENGINE_THREAD].ready:
                 await asyncio.sleep(0.01)
+            # a daemon's search process warms up while its engine compiles; here the engine
+            # is warm already, so wait for it (bounded) as traffic would after a real start
+            deadline = time.monotonic() + 120.0
+            while not tuner.search_ready and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             base = f"http://127.0.0.1:{runner.addresses[0][1]}"
             timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),

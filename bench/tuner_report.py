@@ -15,8 +15,10 @@
    to 4 digits from the goodputs in the JSON):
    - per phase, autotuned over the best static policy of that phase (>= 0.95);
    - whole trace, autotuned over the best fixed policy: never, or one
-     (technique, depth) at every batch size (>= 1.15);
-   - whole trace, autotuned over the batch-size table (>= 1.05);
+     (technique, depth) at every batch size (>= 1.05);
+   - whole trace, autotuned over the static oracle (each phase served by
+     that phase's best static policy; >= 0.98);
+   - whole trace, autotuned over the batch-size table (no target);
    - per phase, autotuned (which may give tenants rules of their own) over
      the best single-depth policy of that phase (the fixed policies and
      never), with the share of its steps whose rows drafted with several
@@ -25,11 +27,10 @@
      per phase, it over the best single-depth policy of that phase, no
      target: what a per-tenant rule can gain on this machine where the
      tuner is not in the way. It is not one of the static policies above;
-   - for reference, no target: the static oracle (each phase served by that
-     phase's best static policy) over the best fixed policy and over the
-     table, which bound what switching policies once per phase can gain on
-     this trace (a trace where they are near 1 cannot show a tuner's worth),
-     and autotuned over that oracle;
+   - for reference, no target: the static oracle over the best fixed policy
+     and over the table, which bound what switching policies once per phase
+     can gain on this trace (a trace where they are near 1 cannot show a
+     tuner's worth);
    - p99 inter-token gap while a retune searches over p99 while none runs
      (<= 1.10), from the probe after the autotuned trace.
 3. The autotuned run's history, read from its telemetry database: every
@@ -55,8 +56,10 @@ import numpy as np
 
 from bench.serve import distribution
 
-TARGETS = {"phase": 0.95, "best_fixed": 1.15, "table": 1.05, "retune_itl": 1.10,
-           "mid_single_depth": 1.08}
+TARGETS = {"phase": 0.95, "best_fixed": 1.05, "oracle": 0.98, "table": None,
+           "retune_itl": 1.10, "mid_single_depth": 1.08}
+"""Issue 18's targets on this CPU (issue 5's 1.15x the best fixed policy was set for an
+accelerator, where the oracle itself reaches more); None: reported without a target."""
 MID_PHASE = "mid-mixed"
 """The phase of mixed tenants at moderate load, where per-tenant rules are to beat the best
 single-depth policy by TARGETS["mid_single_depth"]."""
@@ -276,7 +279,7 @@ def ratios(policies: dict[str, dict[str, Any]], names: list[str] | None = None) 
             **oracle, "best_fixed": best, "target": None, "met": None,
             "ratio": round(oracle["goodput"] / static[best]["whole"]["goodput"], 4)
             if static[best]["whole"]["goodput"] else None}
-    out["whole_vs_oracle"] = _ratio(whole, oracle["goodput"], None)
+    out["whole_vs_oracle"] = _ratio(whole, oracle["goodput"], TARGETS["oracle"])
     if "table" in static:
         table = static["table"]["whole"]["goodput"]
         out["whole_vs_table"] = _ratio(whole, table, TARGETS["table"])

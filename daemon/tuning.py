@@ -18,7 +18,8 @@ startup:
 
 and at shutdown stops the scheduler and closes the tuner (a validation
 window in progress ends early), before the engine thread and the database
-close. Searches run in a spawned process (`tuner.search_process`).
+close. Searches run in a spawned process (`tuner.search_process`), started
+and warmed up at startup when the tuner is enabled.
 The keeper and the Tuner serve the database's instance (`Database.instance`):
 its own policies, versions and retunes.
 
@@ -93,6 +94,7 @@ async def _tuner_ctx(app: web.Application, plan: ExplorationPlan,
               profile=[f"{t}@{d}" for t, d in profile_cells])
     scheduler = None
     if config.enabled:
+        tuner.start_search()  # warms up while the daemon starts, not in the first retune
         scheduler = AsyncIOScheduler()
         scheduler.add_job(tuner.scheduled, "interval", seconds=config.interval_s,
                           id=JOB_ID, max_instances=1, coalesce=True)

@@ -97,9 +97,15 @@ def solve(space: SearchSpace, model: PerfModel, traffic: Traffic,
     for vocab in space.draft_vocabs or (0,):
         tokens, ms, rest = _range_sums(space, cells, vocab, model, traffic, capacity)
         empty, reach = _reach_costs(space, cells, vocab, model, traffic, capacity)
+        seen: set[bytes] = set()
         for allowed in _footprints(space, cells, traffic, capacity, splits):
             choice, goodput = _maximize(tokens, ms, rest, allowed)
             choice, fill = _fill(choice, reach, empty, allowed)
+            # many footprints give the same choice, and one that loses on goodput loses
+            # whatever its pages: build and price a policy only for a new contender
+            if choice.tobytes() in seen or (best is not None and _better(best[:2] + (0,), (goodput, fill, 0))):
+                continue
+            seen.add(choice.tobytes())
             policy = _policy(space, cells, choice, vocab)
             pages, split = _smallest_split(policy, traffic, capacity, splits)
             if best is None or _better((goodput, fill, pages), best[:3]):

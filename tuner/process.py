@@ -3,7 +3,11 @@
 `ProcessSearch` (the daemon's default, `search_process`) runs each search in
 one spawned worker process at the lowest CPU priority (`lower_priority`):
 
-1. The pool is made on first use. Before each search its worker reports its
+1. The pool is made by `start()` (the daemon calls it at startup), or else on
+   first use. `start()` also has the worker import and run once what a search
+   uses (`tuner.search.warm_up`), so the first retune does not pay for it at
+   the lowest priority while the engine is busy; `ready` says when that is
+   done. Before each search its worker reports its
    pid (so it can be killed later without reaching into the executor); a
    worker that died while idle fails to answer, and is replaced.
 2. A search waits at most `job.config.search_timeout_s` (the pool's start
@@ -29,11 +33,11 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
+from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from tuner.search import SearchJob, SearchOutcome, run_search
+from tuner.search import SearchJob, SearchOutcome, run_search, warm_up
 
 SearchRunner = Callable[[SearchJob], SearchOutcome]
 
@@ -74,6 +78,21 @@ class ProcessSearch:
         self._pool: ProcessPoolExecutor | None = None
         self.pid: int | None = None
         """The worker process's id (None before the first search and after a kill)."""
+        self._warming: Future | None = None
+
+    def start(self) -> None:
+        """Make the pool and warm its worker up (`tuner.search.warm_up`) without waiting."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = self._new_pool()
+                self._warming = self._pool.submit(warm_up)
+
+    @property
+    def ready(self) -> bool:
+        """Whether a started worker finished warming up (or failed to: a search then makes
+        a new one); True when `start()` was never called."""
+        with self._lock:
+            return self._warming is None or self._warming.done()
 
     def __call__(self, job: SearchJob) -> SearchOutcome:
         timeout = job.config.search_timeout_s
@@ -104,9 +123,7 @@ class ProcessSearch:
         for attempt in (1, 2):
             with self._lock:
                 if self._pool is None:
-                    self._pool = ProcessPoolExecutor(
-                        1, mp_context=multiprocessing.get_context("spawn"),
-                        initializer=lower_priority)
+                    self._pool = self._new_pool()
                 pool = self._pool
             try:
                 pid = pool.submit(os.getpid).result(
@@ -125,12 +142,17 @@ class ProcessSearch:
             return pool
         raise AssertionError("unreachable")
 
+    @staticmethod
+    def _new_pool() -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=lower_priority)
+
     def _drop(self, pool: ProcessPoolExecutor, kill: bool = False) -> None:
         """Forget `pool` (the next search makes a new one); with `kill`, SIGKILL its worker."""
         with self._lock:
             pid = self.pid
             if self._pool is pool:
-                self._pool, self.pid = None, None
+                self._pool, self.pid, self._warming = None, None, None
         if kill and pid is not None:
             try:
                 os.kill(pid, signal.SIGKILL)

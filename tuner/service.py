@@ -207,11 +207,22 @@ class Tuner:
             "instance": self.instance, "config": dataclasses.asdict(self.config),
             "policy": self.keeper.current.to_dict(), "pinned": self.keeper.pinned,
             "running": self._running.id if self._running else None,
+            "search_ready": self.search_ready,
             "last_search": None if last is None else {
                 "study_name": last.study_name, "best_trial": last.best_trial, "fit": last.fit,
                 "method": last.method, "seconds": last.seconds, "tenants": last.tenants,
                 "traffic": last.traffic, "pareto": last.pareto, "predicted": last.predicted},
         }  # fmt: skip
+
+    def start_search(self) -> None:
+        """Start the search process and warm it up, when searches run in one (no wait)."""
+        if isinstance(self._search, ProcessSearch):
+            self._search.start()
+
+    @property
+    def search_ready(self) -> bool:
+        """Whether a search would start at once: no search process, or its worker is warm."""
+        return not isinstance(self._search, ProcessSearch) or self._search.ready
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop waiting in a validation window and join the worker (bounded)."""

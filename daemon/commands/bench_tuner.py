@@ -100,6 +100,7 @@ def tuner_config(args: argparse.Namespace) -> Any:
     """The bench tuner config from flags; UserError naming what is wrong."""
     from bench.tuner import TunerBenchConfig
     from daemon.commands.plan import parse_size
+    from engine.loader import MODEL_PROPOSERS
 
     if args.quick:
         for name, (default, quick) in QUICK.items():
@@ -111,6 +112,13 @@ def tuner_config(args: argparse.Namespace) -> Any:
     def items(text: str | None) -> tuple[str, ...]:
         return tuple(x.strip() for x in (text or "").split(",") if x.strip())
 
+    known = ("ngram", *MODEL_PROPOSERS)  # refused now, not after the model loads (a minute)
+    for flag, given in (("--techniques", args.techniques), ("--fixed-techniques", args.fixed_techniques),
+                        ("--table-technique", args.table_technique)):
+        unknown = [t for t in items(given) if t not in known]
+        if unknown:
+            raise UserError(f"bench tuner: {flag}: unknown technique {unknown[0]!r} "
+                            f"(known: {', '.join(known)})")
     try:
         depths = tuple(int(d) for d in items(args.depths))
         table = tuple((int(b), int(d)) for b, d in (x.split(":") for x in items(args.table)))

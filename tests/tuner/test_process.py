@@ -138,3 +138,27 @@ def test_the_search_timeout_is_a_bounded_setting() -> None:
             TunerConfig(search_timeout_s=bad)
     with pytest.raises(ValueError, match="ranges"):
         TunerConfig(ranges=tuple(range(1, 100)))  # more rules than a policy may hold
+
+
+def lazy_modules_loaded(job: SearchJob) -> list[bool]:
+    """Whether what a search imports lazily is already imported in this worker."""
+    import sys
+
+    return [name in sys.modules for name in ("scipy.optimize", "optuna.storages._rdb.storage")]
+
+
+def test_a_started_worker_warms_up_before_the_first_search(
+        db: Engine, make_tuner: Callable[..., Tuner]) -> None:
+    from tests.tuner.test_search import job
+
+    search = ProcessSearch(lazy_modules_loaded)
+    tuner = make_tuner(NO_WAIT, search=search)
+    assert search.ready and tuner.search_ready  # nothing started: a search would start at once
+    tuner.start_search()
+    assert wait_until(lambda: tuner.search_ready, 120), "the search worker never warmed up"
+    assert tuner.describe()["search_ready"] is True
+    warmed = search._warming.result()
+    assert search(job("sqlite://", NO_WAIT)) == [True, True]  # type: ignore[comparison-overlap]
+    assert search.pid == warmed  # the search ran in the warmed worker
+    search.close()
+    assert search.ready  # a dropped pool is no longer warming
