@@ -80,12 +80,13 @@ class ProcessSearch:
         """The worker process's id (None before the first search and after a kill)."""
         self._warming: Future | None = None
 
-    def start(self) -> None:
-        """Make the pool and warm its worker up (`tuner.search.warm_up`) without waiting."""
+    def start(self, db_url: str | None = None) -> None:
+        """Make the pool and warm its worker up (`tuner.search.warm_up`, on the database
+        searches will use) without waiting."""
         with self._lock:
             if self._pool is None:
                 self._pool = self._new_pool()
-                self._warming = self._pool.submit(warm_up)
+                self._warming = self._pool.submit(warm_up, db_url)
 
     @property
     def ready(self) -> bool:

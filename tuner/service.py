@@ -18,7 +18,12 @@
 4. Otherwise the keeper applies it (next version, source "tuner").
 5. Validation window: every `poll_s` the worker reads the new
    version's steps until `validation_min_steps` of them (exploration left
-   out) or `validation_s` has passed, then compares them at matched batch
+   out) or `validation_s` has passed (a window with fewer than
+   MIN_PREDICTION_STEPS steps or MIN_MATCHED sequences in them, the fewest
+   any verdict uses, runs on to
+   VALIDATION_STRETCH times `validation_s` for them: at batch 32 a short
+   window held 3-4 steps and ended "inconclusive", keeping whatever it
+   had applied), then compares them at matched batch
    sizes with the previous policy's steps of the `baseline_s` before the
    apply, or, where it has none there (a low phase at batch 1-2), with the
    model's prediction for it at the batch sizes served (tuner.validate).
@@ -76,6 +81,8 @@ from tuner.process import ProcessSearch, SearchRunner, bounded, lower_priority
 from tuner.search import SearchJob, SearchOutcome, run_search
 from tuner.space import SearchSpace
 from tuner.validate import (
+    MIN_MATCHED,
+    MIN_PREDICTION_STEPS,
     Verdict,
     against_prediction,
     against_replaced,
@@ -86,6 +93,8 @@ from tuner.validate import (
 )
 
 log = logging.getLogger("crossover.tuner")
+VALIDATION_STRETCH = 4.0
+"""How far past `validation_s` a window with fewer than MIN_PREDICTION_STEPS steps runs on."""
 __all__ = ["ProcessSearch", "RetuneHandle", "SearchRunner", "Tuner", "lower_priority"]
 
 
@@ -217,7 +226,7 @@ class Tuner:
     def start_search(self) -> None:
         """Start the search process and warm it up, when searches run in one (no wait)."""
         if isinstance(self._search, ProcessSearch):
-            self._search.start()
+            self._search.start(self.db_url)
 
     @property
     def search_ready(self) -> bool:
@@ -316,9 +325,17 @@ class Tuner:
         cfg = self.config
         start = time.time()
         rows = self._steps(start, applied.version)
-        while (len(own_steps(rows, applied)) < cfg.validation_min_steps
-               and time.time() - start < cfg.validation_s
-               and self.keeper.current.version == applied.version
+
+        def waiting() -> bool:
+            own, elapsed = own_steps(rows, applied), time.time() - start
+            if len(own) >= cfg.validation_min_steps:
+                return False
+            thin = (len(own) < MIN_PREDICTION_STEPS
+                    or sum(r.batch_size for r in own) < MIN_MATCHED)
+            return elapsed < cfg.validation_s or (
+                thin and elapsed < cfg.validation_s * VALIDATION_STRETCH)
+
+        while (waiting() and self.keeper.current.version == applied.version
                and not self._stop.wait(cfg.poll_s)):
             rows = self._steps(start, applied.version)
         rows = self._steps(start, applied.version)

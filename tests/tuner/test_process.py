@@ -157,6 +157,9 @@ def test_a_started_worker_warms_up_before_the_first_search(
     tuner.start_search()
     assert wait_until(lambda: tuner.search_ready, 120), "the search worker never warmed up"
     assert tuner.describe()["search_ready"] is True
+    from sqlalchemy import inspect
+
+    assert inspect(db).has_table("studies")  # Optuna's storage was opened on the tuner's database
     warmed = search._warming.result()
     assert search(job("sqlite://", NO_WAIT)) == [True, True]  # type: ignore[comparison-overlap]
     assert search.pid == warmed  # the search ran in the warmed worker

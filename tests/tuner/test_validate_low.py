@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 import time
 from collections.abc import Callable
 
@@ -15,7 +16,9 @@ from engine.types import StepStats
 from tests.tuner import synth
 from tests.tuner.conftest import FAST, Host, history
 from tests.tuner.test_service import finished
-from tuner.service import Tuner
+from store.db import session_scope
+from store.history import get_policy
+from tuner.service import VALIDATION_STRETCH, Tuner
 from tuner.validate import MIN_PREDICTION_STEPS, against_replaced, compare, own_steps
 
 OLD = TunedPolicy(version=1)  # plain decoding
@@ -105,3 +108,31 @@ def test_the_tuner_concludes_in_a_low_phase_the_old_policy_never_ran(
     assert validation["decision"] == "keep" and validation["baseline"] == "predicted", validation
     assert validation["matched_steps"] == 0 and r["status"] == "applied"
     assert validation["change"] > -validation["threshold"]
+
+
+def test_a_window_too_short_for_a_verdict_runs_on_until_it_has_one(
+        db: Engine, host: Host, make_tuner: Callable[..., Tuner]) -> None:
+    """Steps come slowly (a large batch, or a time-compressed bench): by `validation_s` the
+    new policy has run fewer steps than any verdict needs, so the window runs on (up to
+    VALIDATION_STRETCH times as long) and concludes instead of ending "inconclusive"."""
+    history(db, end=time.time() - 120.0)
+    gen = synth.Synth(seed=9)
+
+    def on_apply(policy: TunedPolicy) -> None:
+        def serve() -> None:
+            for _ in range(60):  # one step every 50 ms: 8 steps, 12 sequences in 0.4 s
+                synth.write(db, gen.serve(policy, 1, start=time.time(), batches=(1, 2)))
+                time.sleep(0.05)
+        if policy.source == "tuner":
+            threading.Thread(target=serve, daemon=True).start()
+    host.on_apply = on_apply
+    cfg = dataclasses.replace(FAST, baseline_s=30.0, validation_s=0.4, validation_min_steps=60)
+    tuner = make_tuner(cfg)
+    r = finished(tuner, tuner.trigger("admin")[0])
+    validation = r["details"]["validation"]
+    assert validation["decision"] == "keep" and validation["baseline"] == "predicted", validation
+    assert r["status"] == "applied"
+    with session_scope(db) as s:
+        applied_at = get_policy(s, 1).applied_at
+    assert r["finished_at"] - applied_at > cfg.validation_s  # it ran past validation_s
+    assert r["finished_at"] - applied_at < cfg.validation_s * VALIDATION_STRETCH + 2.0
