@@ -18,6 +18,8 @@ one spawned worker process at the lowest CPU priority (`lower_priority`):
    next search gets a fresh process: one crash never disables later retunes.
 4. `close()` kills a worker still searching, so a stopping daemon does not
    wait out a search (the executor's exit hook would join it).
+5. A worker whose daemon died without `close()` (SIGKILL, the OOM killer)
+   exits within a second (`_worker_init` watches its parent).
 
 `bounded(search, job)` gives a search run in the daemon's own process (the
 `search_process = false` setting, tests) the same time bound. A thread cannot
@@ -66,6 +68,21 @@ def lower_priority(niceness: int = 19) -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux, or not allowed: nice alone
         pass
+
+
+def _worker_init(poll_s: float = 1.0) -> None:
+    """The search worker's initializer: the lowest priority, and exit once the daemon that
+    started it is gone. A pool worker waits on a queue whose write end it holds itself, so
+    a daemon that was killed (SIGKILL, the OOM killer) would leave it waiting forever."""
+    lower_priority()
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 class ProcessSearch:
@@ -146,7 +163,7 @@ class ProcessSearch:
     @staticmethod
     def _new_pool() -> ProcessPoolExecutor:
         return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=lower_priority)
+                                   initializer=_worker_init)
 
     def _drop(self, pool: ProcessPoolExecutor, kill: bool = False) -> None:
         """Forget `pool` (the next search makes a new one); with `kill`, SIGKILL its worker."""

@@ -165,3 +165,22 @@ def test_a_started_worker_warms_up_before_the_first_search(
     assert search.pid == warmed  # the search ran in the warmed worker
     search.close()
     assert search.ready  # a dropped pool is no longer warming
+
+
+def test_the_worker_of_a_killed_daemon_exits() -> None:
+    """A daemon killed without close() (SIGKILL, the OOM killer): its warmed, idle search
+    worker exits too instead of waiting on its queue forever."""
+    import subprocess
+    import sys
+
+    script = ("import os, time\n"
+              "from tuner.process import ProcessSearch\n"
+              "s = ProcessSearch(); s.start()\n"
+              "while not s.ready: time.sleep(0.05)\n"
+              "print(s._warming.result(), flush=True)\n"
+              "os.kill(os.getpid(), 9)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == -9, out.stderr
+    worker = int(out.stdout.split()[-1])
+    assert wait_until(lambda: not alive(worker), 10), "the dead daemon's search worker still runs"
