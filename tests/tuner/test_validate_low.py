@@ -117,18 +117,24 @@ def test_a_window_too_short_for_a_verdict_runs_on_until_it_has_one(
     VALIDATION_STRETCH times as long) and concludes instead of ending "inconclusive"."""
     history(db, end=time.time() - 120.0)
     gen = synth.Synth(seed=9)
+    stop, serving = threading.Event(), []
 
     def on_apply(policy: TunedPolicy) -> None:
         def serve() -> None:
             for _ in range(60):  # one step every 50 ms: 8 steps, 12 sequences in 0.4 s
+                if stop.wait(0.05):
+                    return
                 synth.write(db, gen.serve(policy, 1, start=time.time(), batches=(1, 2)))
-                time.sleep(0.05)
         if policy.source == "tuner":
-            threading.Thread(target=serve, daemon=True).start()
+            serving.append(threading.Thread(target=serve, daemon=True))
+            serving[-1].start()
     host.on_apply = on_apply
     cfg = dataclasses.replace(FAST, baseline_s=30.0, validation_s=0.4, validation_min_steps=60)
     tuner = make_tuner(cfg)
     r = finished(tuner, tuner.trigger("admin")[0])
+    stop.set()  # stop writing before the database goes with the test
+    for thread in serving:
+        thread.join(5)
     validation = r["details"]["validation"]
     assert validation["decision"] == "keep" and validation["baseline"] == "predicted", validation
     assert r["status"] == "applied"
