@@ -212,7 +212,10 @@ def test_connections_killed_by_the_server_lose_no_rows(pg_url: str) -> None:
                 "WHERE datname = current_database() AND pid <> pg_backend_pid()")
     killed, sent = 0, 0
     with Recorder(pg_url, flush_interval_s=0.02, retry_max_s=0.1) as rec:
-        for round_ in range(10):
+        # rounds until 5 kills found a connection open (one in backoff has none to cut)
+        for _round in range(40):
+            if killed >= 5 and _round >= 10:
+                break
             for _ in range(200):
                 rec.record_step(sample_step(sent, 1e9 + sent))
                 sent += 1
@@ -223,5 +226,5 @@ def test_connections_killed_by_the_server_lose_no_rows(pg_url: str) -> None:
         stats = rec.stats()
     killer.dispose()
     assert killed >= 5  # the recorder's connections really were cut
-    assert rec.dropped == 0 and stats["written_steps"] == sent == 2000
+    assert rec.dropped == 0 and stats["written_steps"] == sent >= 2000
     assert _count(pg_url) == sent
