@@ -103,9 +103,10 @@ def solve(space: SearchSpace, model: PerfModel, traffic: Traffic,
             choice, fill = _fill(choice, reach, empty, allowed)
             # many footprints give the same choice, and one that loses on goodput loses
             # whatever its pages: build and price a policy only for a new contender
-            if choice.tobytes() in seen or (best is not None and _better(best[:2] + (0,), (goodput, fill, 0))):
+            key = choice.tobytes()
+            if key in seen or (best is not None and _better(best[:2] + (0,), (goodput, fill, 0))):
                 continue
-            seen.add(choice.tobytes())
+            seen.add(key)
             policy = _policy(space, cells, choice, vocab)
             pages, split = _smallest_split(policy, traffic, capacity, splits)
             if best is None or _better((goodput, fill, pages), best[:3]):

@@ -18,9 +18,8 @@
 4. Otherwise the keeper applies it (next version, source "tuner").
 5. Validation window: every `poll_s` the worker reads the new
    version's steps until `validation_min_steps` of them (exploration left
-   out) or `validation_s` has passed (a window with fewer than
-   MIN_PREDICTION_STEPS steps or MIN_MATCHED sequences in them, the fewest
-   any verdict uses, runs on to
+   out) or `validation_s` has passed (a window whose steps are too few for
+   any verdict, `tuner.validate.enough_evidence`, runs on to
    VALIDATION_STRETCH times `validation_s` for them: at batch 32 a short
    window held 3-4 steps and ended "inconclusive", keeping whatever it
    had applied), then compares them at matched batch
@@ -81,12 +80,11 @@ from tuner.process import ProcessSearch, SearchRunner, bounded, lower_priority
 from tuner.search import SearchJob, SearchOutcome, run_search
 from tuner.space import SearchSpace
 from tuner.validate import (
-    MIN_MATCHED,
-    MIN_PREDICTION_STEPS,
     Verdict,
     against_prediction,
     against_replaced,
     compare,
+    enough_evidence,
     measured_goodput,
     own_steps,
     weighted_rate,
@@ -94,7 +92,8 @@ from tuner.validate import (
 
 log = logging.getLogger("crossover.tuner")
 VALIDATION_STRETCH = 4.0
-"""How far past `validation_s` a window with fewer than MIN_PREDICTION_STEPS steps runs on."""
+"""How far past `validation_s` a window runs on while its steps are too few for a verdict
+(tuner.validate.enough_evidence)."""
 __all__ = ["ProcessSearch", "RetuneHandle", "SearchRunner", "Tuner", "lower_priority"]
 
 
@@ -330,10 +329,8 @@ class Tuner:
             own, elapsed = own_steps(rows, applied), time.time() - start
             if len(own) >= cfg.validation_min_steps:
                 return False
-            thin = (len(own) < MIN_PREDICTION_STEPS
-                    or sum(r.batch_size for r in own) < MIN_MATCHED)
             return elapsed < cfg.validation_s or (
-                thin and elapsed < cfg.validation_s * VALIDATION_STRETCH)
+                not enough_evidence(own) and elapsed < cfg.validation_s * VALIDATION_STRETCH)
 
         while (waiting() and self.keeper.current.version == applied.version
                and not self._stop.wait(cfg.poll_s)):

@@ -116,6 +116,12 @@ MIN_PREDICTION_STEPS = 8
 sequences in them)."""
 
 
+def enough_evidence(steps: Sequence[StepStats]) -> bool:
+    """Whether `steps` are enough for a verdict against a prediction: MIN_PREDICTION_STEPS
+    steps and MIN_MATCHED sequences in them (8 steps of batch 32 are 256 sequences' drafts)."""
+    return len(steps) >= MIN_PREDICTION_STEPS and sum(s.batch_size for s in steps) >= MIN_MATCHED
+
+
 def against_prediction(verdict: Verdict, own: Sequence[StepStats], measured: float | None,
                        predicted: float | None, margin: float) -> Verdict:
     """An inconclusive `verdict` turned into a rollback when the candidate's `own` steps
@@ -132,9 +138,7 @@ def against_prediction(verdict: Verdict, own: Sequence[StepStats], measured: flo
     >>> against_prediction(v, own[:7], 23.0, 48.0, 0.3).decision
     'inconclusive'
     """
-    enough = (len(own) >= MIN_PREDICTION_STEPS
-              and sum(s.batch_size for s in own) >= MIN_MATCHED)
-    if (verdict.decision != "inconclusive" or not enough or not measured or not predicted
+    if (verdict.decision != "inconclusive" or not enough_evidence(own) or not measured or not predicted
             or measured >= (1.0 - margin) * predicted):
         return verdict
     change = measured / predicted - 1.0
@@ -167,8 +171,7 @@ def against_replaced(verdict: Verdict, own: Sequence[StepStats],
     'keep'
     """
     rows = [r for r in own if r.batch_size in replaced]
-    if (verdict.decision != "inconclusive" or len(rows) < MIN_PREDICTION_STEPS
-            or sum(r.batch_size for r in rows) < MIN_MATCHED):
+    if verdict.decision != "inconclusive" or not enough_evidence(rows):
         return verdict
     served = sorted({r.batch_size for r in rows})
     if all(_choices(policy, b) == _choices(previous, b) for b in served):

@@ -100,7 +100,7 @@ def tuner_config(args: argparse.Namespace) -> Any:
     """The bench tuner config from flags; UserError naming what is wrong."""
     from bench.tuner import TunerBenchConfig
     from daemon.commands.plan import parse_size
-    from engine.loader import MODEL_PROPOSERS
+    from engine.policy import TECHNIQUES
 
     if args.quick:
         for name, (default, quick) in QUICK.items():
@@ -112,7 +112,7 @@ def tuner_config(args: argparse.Namespace) -> Any:
     def items(text: str | None) -> tuple[str, ...]:
         return tuple(x.strip() for x in (text or "").split(",") if x.strip())
 
-    known = ("ngram", *MODEL_PROPOSERS)  # refused now, not after the model loads (a minute)
+    known = tuple(t for t in TECHNIQUES if t != "none")  # refused now, not after the model loads
     for flag, given in (("--techniques", args.techniques), ("--fixed-techniques", args.fixed_techniques),
                         ("--table-technique", args.table_technique)):
         unknown = [t for t in items(given) if t not in known]
