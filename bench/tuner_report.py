@@ -330,14 +330,19 @@ def _met(ratio: float | None, target: float, below: bool = False) -> bool | None
 
 
 def retune_itl(probe: dict[str, Any]) -> dict[str, Any]:
-    """Inter-token gaps ending while a retune searched vs those overlapping no retune."""
+    """Inter-token gaps ending while a retune searched vs those of the quiet windows before
+    each retune, overlapping none. A retune may apply a new policy, which changes the gaps by
+    more than a search does; the quiet window before a retune is served by the policy its
+    search runs under, so the gaps after the last retune (a policy no search ran under)
+    are left out."""
     windows = probe["windows"]
     busy = [(probe["settle"]["start"], probe["settle"]["end"])] + [(w["start"], w["end"]) for w in windows]
     after = probe["settle"]["end"]
+    until = windows[-1]["end"] if windows else probe["end"]
     during, without = [], []
     for s in probe["streams"]:
         for a, b in zip(s.chunks, s.chunks[1:]):
-            if a < after:
+            if a < after or b > until:
                 continue
             if any(w["start"] <= b <= w["search_end"] for w in windows):
                 during.append(b - a)
@@ -350,7 +355,8 @@ def retune_itl(probe: dict[str, Any]) -> dict[str, Any]:
               "start_s": round(x["start"] - t0, 3), "search_s": round(x["search_end"] - x["start"], 3),
               "total_s": round(x["end"] - x["start"], 3)} for x in [probe["settle"], *windows]]
     return {"definition": "gap between two streamed chunks of one request; 'during' ends while "
-                          "a retune searches, 'without' overlaps no retune (the settling one included)",
+                          "a retune searches, 'without' lies in a quiet window before a retune and "
+                          "overlaps none (the settling one included)",
             "retunes": shown, "during_ms": d, "without_ms": w, "p99_ratio": ratio,
             "requests": len(probe["streams"]), "seconds": round(probe["end"] - t0, 3)}
 

@@ -74,6 +74,7 @@ from tuner.space import SearchSpace
 from tuner.split import solve_splits
 from tuner.tenants import add_tenant_rules
 from tuner.traffic import Traffic, observe
+from tuner.validate import MAX_FIGURE_BATCH, decode_figures
 
 CONSTRAINT_NAMES = ("tenant_kv_pages", "speculation_kv_pages", "p95_tpot_ms")
 REVISIT = 3
@@ -116,10 +117,12 @@ class SearchOutcome:
     trials: list[int] = field(default_factory=list)
     pareto: list[dict[str, Any]] = field(default_factory=list)
     per_batch: dict[int, tuple[float, float]] = field(default_factory=dict)
-    """The chosen policy's predicted (tokens per step, step ms) at each observed batch size."""
+    """The chosen policy's predicted (tokens per step, step ms) of a step without prefill at
+    each batch size up to the engine's largest (`decode_figures`): what validation compares
+    its measured decode steps with, wherever the load takes the batch."""
     incumbent_per_batch: dict[int, tuple[float, float]] = field(default_factory=dict)
     """The same for the serving policy (what validation compares with when the serving
-    policy has no steps at the batch sizes the chosen one ran)."""
+    policy has too few steps at the batch sizes the chosen one ran)."""
     method: str = "tpe"
     """"exact" (the solved optimum and the serving policy were told) or "tpe" (module doc, 4-5)."""
     seconds: float = 0.0
@@ -251,6 +254,7 @@ def run_search(job: SearchJob) -> SearchOutcome:
             return evaluate(policy, model, on, job.capacity, cfg.tpot_p95_ms)
 
         incumbent = job.incumbent
+        sizes = range(1, min(job.capacity.max_batch, MAX_FIGURE_BATCH) + 1)
         exact = solve_splits(space, model, traffic, job.capacity) if cfg.exact else None
         if exact is not None and not cfg.two_objective and score(exact).feasible:
             method, trials = "exact", _enqueue(study, None, space, [exact, incumbent], cfg.trials)
@@ -282,8 +286,8 @@ def run_search(job: SearchJob) -> SearchOutcome:
             model={**model.summary(), "acceptance_from": pooled_from},
             trials=[t.number for t in told],
             pareto=[_front_entry(t) for t in pareto],
-            per_batch=score(chosen).per_batch if chosen else {},
-            incumbent_per_batch=score(incumbent).per_batch,
+            per_batch=decode_figures(chosen, score, traffic, sizes) if chosen else {},
+            incumbent_per_batch=decode_figures(incumbent, score, traffic, sizes),
             method=method, seconds=round(time.perf_counter() - start, 3), tenants=tenants,
         )  # fmt: skip
     finally:

@@ -51,6 +51,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -341,14 +342,15 @@ class Tuner:
                                   instance=self.instance)
         verdict = compare(rows, baseline, applied, previous, cfg.rollback_margin, cfg.noise_z)
         own = own_steps(rows, applied)
-        weights = {int(b): w for b, w in outcome.traffic.get("batch_weights", {}).items()}
-        served = {r.batch_size for r in own}
+        weights = {b: float(n) for b, n in Counter(r.batch_size for r in own).items()}
+        served = set(weights)
         predicted = weighted_rate({b: v for b, v in outcome.per_batch.items() if b in served},
                                   weights)
         measured = measured_goodput(own, weights)
         verdict = against_prediction(verdict, own, measured, predicted, cfg.prediction_margin)
         verdict = against_replaced(verdict, own, outcome.incumbent_per_batch, weights, applied,
-                                   previous, cfg.rollback_margin, cfg.noise_z)
+                                   previous, cfg.rollback_margin, cfg.noise_z,
+                                   own_steps(baseline, previous))
         return verdict, measured, predicted
 
     def _steps(self, since: float, version: int) -> list:

@@ -16,9 +16,12 @@ unless `against_prediction` finds the policy far below what the model
 promised where the previous one has nothing to compare (a shift in load
 moved the batch sizes, e.g. from batch 1-2 to batch 32). What is still
 inconclusive then goes to `against_replaced`: the candidate's measured
-goodput against the model's prediction for the policy it replaced, at the
-batch sizes the candidate served, so a low phase (batch 1-2, where the old
-policy was never measured) still concludes keep or rollback.
+goodput against the replaced policy's figures at the batch sizes the
+candidate served (its measured steps where it has enough there, the model's
+prediction elsewhere), so a low phase (batch 1-2, where the old policy was
+never measured) and a draining one (each batch size seen a step or two)
+still conclude keep or rollback. Only decode steps count (`own_steps`):
+prefill is the same work under any policy.
 
     >>> from engine.types import StepStats
     >>> def s(b, tok, ms, v): return StepStats(batch_size=b, decode_tokens=tok, step_ms=ms, policy_version=v)
@@ -32,12 +35,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import asdict, dataclass, field
 
 from engine.policy import TunedPolicy
 from engine.types import StepStats
 from tuner.explore import is_exploration
+from tuner.traffic import Traffic
 
 MIN_PER_BATCH = 3
 MIN_MATCHED = 20
@@ -66,7 +71,8 @@ class Verdict:
     matched_steps: int = 0
     per_batch: list[BatchComparison] = field(default_factory=list)
     baseline: str = "measured"
-    """"measured": the previous policy's steps; "predicted": the model's figure for it."""
+    """"measured": the previous policy's steps; "predicted": the model's figure for it;
+    "pooled": its steps at some batch sizes, the model's figure at the others."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -76,8 +82,12 @@ class Verdict:
 
 
 def own_steps(rows: Sequence[StepStats], policy: TunedPolicy) -> list[StepStats]:
-    """The rows of `policy`'s version that were not exploration."""
-    return [r for r in rows if r.policy_version == policy.version
+    """The decode steps of `policy`'s version that were not exploration. Steps that carried
+    prefill are left out: their prefill is the same work whatever the policy, and how many
+    of them a short window catches depends on when requests arrived (at batch 32 one
+    admitting 500 prompt tokens took 1.0-1.6 s against 0.3-0.4 s without), which would
+    read as one policy being slower than another."""
+    return [r for r in rows if r.policy_version == policy.version and not r.prefill_tokens
             and not is_exploration(policy, r.batch_size, r.technique, r.depth)]
 
 
@@ -85,7 +95,8 @@ def compare(candidate: Sequence[StepStats], baseline: Sequence[StepStats], polic
             previous: TunedPolicy | None = None, margin: float = 0.05, z: float = 2.0) -> Verdict:
     """Judge `policy` from its steps against `previous`'s (all baseline rows without one)."""
     cand = _by_batch(own_steps(candidate, policy))
-    base = _by_batch(own_steps(baseline, previous) if previous is not None else baseline)
+    base = _by_batch(own_steps(baseline, previous) if previous is not None
+                     else [r for r in baseline if not r.prefill_tokens])
     matched = [b for b in sorted(cand) if len(cand[b]) >= MIN_PER_BATCH
                and len(base.get(b, ())) >= MIN_PER_BATCH]
     n = sum(len(cand[b]) for b in matched)
@@ -151,17 +162,21 @@ def against_prediction(verdict: Verdict, own: Sequence[StepStats], measured: flo
 def against_replaced(verdict: Verdict, own: Sequence[StepStats],
                      replaced: dict[int, tuple[float, float]], batch_weights: dict[int, float],
                      policy: TunedPolicy, previous: TunedPolicy, margin: float = 0.05,
-                     z: float = 2.0) -> Verdict:
-    """An inconclusive `verdict` decided against the model's prediction for the `previous`
-    policy (`replaced`: its predicted (tokens per step, step ms) per batch size) at the batch
-    sizes the candidate's `own` steps served: rollback when the candidate measured below it
-    by more than max(margin, z standard errors of its per-step goodput), else keep. Where
-    both policies choose the same at every batch size served there is nothing to compare:
-    keep. Too few steps (MIN_PREDICTION_STEPS, MIN_MATCHED sequences) stay inconclusive.
+                     z: float = 2.0, previous_own: Sequence[StepStats] = ()) -> Verdict:
+    """An inconclusive `verdict` decided against the `previous` policy's figures at the batch
+    sizes the candidate's `own` steps served: its measured (tokens per step, step ms) where
+    `previous_own` (its own steps of the baseline window) has MIN_PER_BATCH steps at that
+    size, else the model's prediction (`replaced`, per batch size). So a window that matched
+    too few steps for `compare` (a drain moving through batch sizes one step each) pools the
+    matched evidence with the prediction for the rest instead of ending inconclusive.
+    Rollback when the candidate measured below that by more than max(margin, z standard
+    errors of the per-step goodputs compared), else keep. Where both policies choose the
+    same at every batch size served there is nothing to compare: keep. Too few steps
+    (MIN_PREDICTION_STEPS, MIN_MATCHED sequences) stay inconclusive.
 
     >>> from engine.policy import BatchRule
     >>> from engine.types import StepStats
-    >>> def s(ms): return StepStats(batch_size=1, decode_tokens=1, step_ms=ms, policy_version=2)
+    >>> def s(ms, v=2): return StepStats(batch_size=1, decode_tokens=1, step_ms=ms, policy_version=v)
     >>> own = [s(20.0 + i % 2) for i in range(30)]  # ~49 tokens/s at batch 1
     >>> old, new = TunedPolicy(version=1), TunedPolicy((BatchRule(4, "ngram", 2),), 4, version=2)
     >>> v = Verdict("inconclusive", "no matched steps")
@@ -169,6 +184,10 @@ def against_replaced(verdict: Verdict, own: Sequence[StepStats],
     'rollback'
     >>> against_replaced(v, own, {1: (1.0, 20.0)}, {1: 1.0}, new, old).decision  # 50 predicted
     'keep'
+    >>> measured = against_replaced(v, own, {1: (1.0, 10.0)}, {1: 1.0}, new, old,
+    ...                             previous_own=[s(22.0, 1)] * 5)  # measured: 45 tokens/s
+    >>> measured.decision, measured.baseline
+    ('keep', 'measured')
     """
     rows = [r for r in own if r.batch_size in replaced]
     if verdict.decision != "inconclusive" or not enough_evidence(rows):
@@ -178,27 +197,65 @@ def against_replaced(verdict: Verdict, own: Sequence[StepStats],
         return dataclasses.replace(verdict, decision="keep", reason=(
             f"the replaced policy v{previous.version} chooses the same at the batch sizes "
             f"served ({_sizes(served)}); nothing to compare"))
+    before = {b: steps for b, steps in _rows_by_batch(previous_own).items()
+              if b in served and len(steps) >= MIN_PER_BATCH}
+    figures = {b: (_mean([r.decode_tokens for r in before[b]]), _mean([r.step_ms for r in before[b]]))
+               if b in before else replaced[b] for b in served}
     measured = measured_goodput(rows, batch_weights)
-    predicted = weighted_rate({b: replaced[b] for b in served}, batch_weights)
-    if not measured or not predicted:
+    baseline = weighted_rate(figures, batch_weights)
+    if not measured or not baseline:
         return verdict
     per = _by_batch(rows)
     w = {b: len(per[b]) / len(rows) for b in served}
     mean = sum(w[b] * _mean(per[b]) for b in served)
-    noise = z * math.sqrt(sum(w[b] ** 2 * _sem2(per[b]) for b in served)) / mean if mean else 0.0
-    threshold, change = max(margin, noise), measured / predicted - 1.0
-    where = (f"at batch sizes {_sizes(served)}, where v{previous.version} has no matched steps "
-             f"(threshold {threshold:.1%})")
+    spread = sum(w[b] ** 2 * (_sem2(per[b]) + (_sem2([r.goodput for r in before[b]])
+                                                if b in before else 0.0)) for b in served)
+    noise = z * math.sqrt(spread) / mean if mean else 0.0
+    threshold, change = max(margin, noise), measured / baseline - 1.0
+    kind = "measured" if len(before) == len(served) else "pooled" if before else "predicted"
+    what = {"measured": f"v{previous.version}'s measured figures",
+            "predicted": f"the model's figures for the replaced policy v{previous.version}",
+            "pooled": (f"v{previous.version}'s measured figures at {_sizes(sorted(before))} "
+                       "and the model's for it elsewhere")}[kind]
+    where = f"at batch sizes {_sizes(served)} (threshold {threshold:.1%})"
     if change < -threshold:
         decision, reason = "rollback", (
-            f"measured goodput {measured:.1f} tokens/s is {-change:.1%} below the model's "
-            f"{predicted:.1f} for the replaced policy {where}")
+            f"measured goodput {measured:.1f} tokens/s is {-change:.1%} below the "
+            f"{baseline:.1f} of {what} {where}")
     else:
         decision, reason = "keep", (
-            f"measured goodput {measured:.1f} tokens/s vs the model's {predicted:.1f} for the "
-            f"replaced policy ({change:+.1%}) {where}")
-    return Verdict(decision, reason, measured, predicted, change, threshold,
-                   verdict.matched_steps, verdict.per_batch, baseline="predicted")
+            f"measured goodput {measured:.1f} tokens/s vs the {baseline:.1f} of {what} "
+            f"({change:+.1%}) {where}")
+    return Verdict(decision, reason, measured, baseline, change, threshold,
+                   verdict.matched_steps, verdict.per_batch, baseline=kind)
+
+
+MAX_FIGURE_BATCH = 256
+"""Largest batch size `decode_figures` predicts (an engine with no batch cap: tests)."""
+
+
+def decode_figures(policy: TunedPolicy, score: Callable[[TunedPolicy, Traffic], Any],
+                   traffic: Traffic, sizes: range) -> dict[int, tuple[float, float]]:
+    """`policy`'s predicted (tokens per step, step ms) of a decode step without prefill at
+    every batch size of `sizes`: the window's own tenant mix and sampling at the sizes it
+    observed, `Traffic.probe`'s elsewhere. Validation measures the new policy's decode steps
+    only (`own_steps`), at whatever batch sizes the load brings during its window,
+    often ones the search's traffic never showed (a busy phase draining).
+
+    >>> from tuner.model import PerfModel
+    >>> from tuner.objective import Capacity, evaluate
+    >>> m = PerfModel(target=(10.0, 1.0, 0.0, 0.0, 1.0))
+    >>> t = Traffic(10, {4: 1.0}, {4: 500.0}, 4.0, 4)
+    >>> fig = decode_figures(TunedPolicy(), lambda p, on: evaluate(p, m, on, Capacity(999, 16)),
+    ...                      t, range(1, 9))
+    >>> sorted(fig) == list(range(1, 9)), fig[4], fig[8]  # no 500 ms of prefill at batch 4
+    (True, (4.0, 14.0), (8.0, 18.0))
+    """
+    out = dict(score(policy, dataclasses.replace(traffic, prefill_per_step={})).per_batch)
+    for batch in sizes:
+        if batch not in out:
+            out.update(score(policy, traffic.probe(batch)).per_batch)
+    return out
 
 
 def _choices(policy: TunedPolicy, batch: int) -> tuple:
@@ -214,7 +271,8 @@ def _sizes(batches: Sequence[int]) -> str:
 
 def measured_goodput(rows: Sequence[StepStats], batch_weights: dict[int, float]) -> float | None:
     """Tokens/s of `rows` in the predicted figure's form, over the batch sizes present:
-    1000 * sum_B w_B mean_tokens_B / sum_B w_B mean_ms_B (w: the observed traffic's weights)."""
+    1000 * sum_B w_B mean_tokens_B / sum_B w_B mean_ms_B (validation weighs each batch size
+    by the candidate's own steps there: its tokens over its time)."""
     tokens: dict[int, list[float]] = {}
     ms: dict[int, list[float]] = {}
     for r in rows:
@@ -237,6 +295,13 @@ def weighted_rate(per_batch: dict[int, tuple[float, float]],
     w = {b: batch_weights.get(b, 1.0) for b in per_batch}
     time_ms = sum(w[b] * per_batch[b][1] for b in per_batch)
     return 1000.0 * sum(w[b] * per_batch[b][0] for b in per_batch) / time_ms if time_ms else None
+
+
+def _rows_by_batch(rows: Sequence[StepStats]) -> dict[int, list[StepStats]]:
+    out: dict[int, list[StepStats]] = {}
+    for r in rows:
+        out.setdefault(r.batch_size, []).append(r)
+    return out
 
 
 def _by_batch(rows: Sequence[StepStats]) -> dict[int, list[float]]:

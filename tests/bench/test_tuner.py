@@ -19,7 +19,7 @@ from matplotlib.image import imread
 
 import bench.tuner
 from bench.plots import MET, MISSED, REFERENCE, ratio_bars, tuner_figure
-from bench.tuner_report import TARGETS
+from bench.tuner_report import TARGETS, retune_itl
 from daemon.cli import main as cli
 from daemon.user_error import UserError
 from engine.policy import TunedPolicy
@@ -144,6 +144,25 @@ def test_retune_itl_comparison(run: tuple) -> None:
     assert itl["p99_ratio"] == pytest.approx(during["p99"] / without["p99"], abs=1e-4)
     assert result["ratios"]["retune_itl"]["ratio"] == itl["p99_ratio"]
     assert result["ratios"]["retune_itl"]["target"] == TARGETS["retune_itl"]
+
+
+def test_retune_itl_leaves_out_the_policy_the_last_retune_applied() -> None:
+    """Gaps of 100 ms throughout, 110 ms while each retune searches; after the last retune
+    (which applied a policy no search ran under) gaps of 300 ms, which must not count."""
+    retune = lambda start: {"id": start, "start": start, "search_end": start + 2.0,
+                            "end": start + 3.0, "status": "applied", "version": 1, "note": None}
+    windows = [retune(10.0), retune(20.0)]
+    t, chunks = 0.0, [0.0]
+    while t < 40.0:
+        searching = any(w["start"] <= t + 0.1 <= w["search_end"] for w in windows)
+        t += 0.3 if t > 23.0 else 0.11 if searching else 0.1
+        chunks.append(t)
+    probe = {"settle": {**retune(0.0), "end": 3.0}, "windows": windows, "end": 40.0,
+             "streams": [type("Stream", (), {"chunks": chunks})()]}
+    itl = retune_itl(probe)
+    assert itl["without_ms"]["p99"] == pytest.approx(100.0, abs=1.0)
+    assert itl["during_ms"]["p99"] == pytest.approx(110.0, abs=1.0)
+    assert itl["p99_ratio"] == pytest.approx(1.1, abs=0.02)
 
 
 def test_the_tuner_learns_that_speculation_pays_on_copy_traffic(run: tuple) -> None:

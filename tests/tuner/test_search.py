@@ -26,6 +26,7 @@ from tuner.search import (
     trial_constraints,
 )
 from tuner.space import SearchSpace
+from tuner.validate import MAX_FIGURE_BATCH
 
 TPE = dataclasses.replace(FAST, exact=False)
 
@@ -80,6 +81,11 @@ def test_the_search_finds_speculation_where_it_pays(db: Engine, db_url: str, exa
     assert out.predicted["goodput"] > out.incumbent["goodput"] * 1.2
     assert out.fit["step_ms_median_ape"] < 0.10
     assert set(out.traffic["tenant_mix"]) == {"chat", "code"}
+    # validation's figures cover every batch size the engine may run, seen in the window or not
+    seen = {int(b) for b in out.traffic["batch_weights"]}
+    for figures in (out.per_batch, out.incumbent_per_batch):
+        assert set(range(1, MAX_FIGURE_BATCH + 1)) <= set(figures) and seen < set(figures)
+        assert all(tokens >= b and ms > 0 for b, (tokens, ms) in figures.items())
 
 
 def test_constraints_exclude_policies_that_starve_tenants(db: Engine, db_url: str) -> None:

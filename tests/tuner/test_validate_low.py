@@ -64,7 +64,7 @@ def test_a_low_phase_concludes_rollback_when_it_falls_short_of_the_replaced_pred
     rows = low_phase(ms=18.0)  # 2100 / 18 = 117 tokens/s: 17 % below plain decoding's 140
     v = judge(rows, REPLACED)
     assert v.decision == "rollback" and v.baseline == "predicted", v.reason
-    assert v.change < -v.threshold and "below the model's" in v.reason
+    assert v.change < -v.threshold and "below the" in v.reason and "model's figures" in v.reason
     assert v.to_dict()["baseline"] == "predicted"
 
 
@@ -80,6 +80,53 @@ def test_noise_widens_the_threshold_and_thin_evidence_stays_inconclusive() -> No
     assert thin.decision == "inconclusive"
     # no prediction for the batch sizes served: nothing to compare with
     assert judge(low_phase(ms=18.0), {32: (32.0, 30.0)}).decision == "inconclusive"
+
+
+def drain(ms_at: Callable[[int], float], version: int, batches: range, per_batch: int,
+          technique: str = "none", depth: int = 0) -> list[StepStats]:
+    """`per_batch` decode steps at each batch size of `batches`, one token a sequence."""
+    rng = random.Random(version)
+    return [StepStats(batch_size=b, decode_tokens=b, technique=technique, depth=depth,
+                      step_ms=ms_at(b) * rng.uniform(0.98, 1.02), policy_version=version)
+            for b in batches for _ in range(per_batch)]
+
+
+def test_a_draining_window_pools_matched_steps_with_the_prediction() -> None:
+    """A busy phase drains while the new policy is validated: it runs 6 steps at batch 32,
+    where the old policy has 40, then one step at each batch size down to 20, where the old
+    one has none. Too few matched steps for `compare`; pooled with the model's figures for
+    the old policy at 20-31, the candidate (12% slower everywhere) is rolled back."""
+    plain = lambda b: 10.0 + 9.0 * b  # the old policy's step time, measured and predicted
+    spec = TunedPolicy((BatchRule(64, "ngram", 1),), crossover=64, version=2)
+    old = drain(plain, 1, range(32, 33), 40)
+    new = (drain(lambda b: plain(b) * 1.12, 2, range(32, 33), 6, "ngram", 1)
+           + drain(lambda b: plain(b) * 1.12, 2, range(20, 32), 1, "ngram", 1))
+    first = compare(new, old, spec, OLD)
+    assert first.decision == "inconclusive" and first.matched_steps == 6
+    predicted = {b: (float(b), plain(b)) for b in range(1, 65)}
+    weights = {b: float(sum(r.batch_size == b for r in new)) for b in range(20, 33)}
+    v = against_replaced(first, own_steps(new, spec), predicted, weights, spec, OLD,
+                         previous_own=own_steps(old, OLD))
+    assert v.decision == "rollback" and v.baseline == "pooled", v.reason
+    assert -0.13 < v.change < -0.09 and "v1's measured figures at 32" in v.reason
+    # the prediction alone for the sizes never measured: still concludes
+    alone = against_replaced(first, own_steps(new, spec), predicted, weights, spec, OLD)
+    assert alone.decision == "rollback" and alone.baseline == "predicted"
+
+
+def test_steps_carrying_prefill_are_left_out_of_the_comparison() -> None:
+    """The old policy's window caught three admissions (500 prompt tokens each, 1.5 s steps at
+    batch 32), the new one's none. Counted, they made a policy 10% slower per decode step
+    look 2% faster; left out, it is rolled back."""
+    spec = TunedPolicy((BatchRule(64, "ngram", 1),), crossover=64, version=2)
+    old = drain(lambda b: 300.0, 1, range(32, 33), 30)
+    old += [dataclasses.replace(old[0], prefill_tokens=500, step_ms=1500.0)] * 3
+    new = drain(lambda b: 330.0, 2, range(32, 33), 30, "ngram", 1)
+    with_prefill = [dataclasses.replace(r, prefill_tokens=0) for r in old]
+    assert compare(new, with_prefill, spec, OLD).decision == "keep"  # what counting them did
+    v = compare(new, old, spec, OLD)
+    assert v.decision == "rollback" and v.per_batch[0].baseline_steps == 30, v.reason
+    assert not own_steps(old[-3:], OLD)
 
 
 def test_policies_that_agree_where_served_keep_without_a_comparison() -> None:
