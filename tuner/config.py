@@ -103,8 +103,8 @@ class TunerConfig:
     """Quantile of observed concurrency (running + waiting) the KV pool must hold."""
     validation_s: float = field(default=120.0, metadata=between(0.0, DAY_S))
     """Longest validation window after applying a policy, seconds; one that has seen fewer
-    steps than a verdict needs (tuner.validate's MIN_PREDICTION_STEPS steps, MIN_MATCHED
-    sequences) runs on for them, to 4x as long (tuner.service, 5)."""
+    steps than a verdict needs (tuner.validate.enough_evidence) runs on for them, to 4x as
+    long (tuner.service, 5)."""
     validation_min_steps: int = field(default=200, metadata=between(1, 1 << 30))
     """Validation ends early once the new policy has this many matched steps."""
     validation_poll_s: float = field(default=0.0, metadata=between(0.0, 3600.0))

@@ -19,7 +19,13 @@ from tests.tuner.test_service import finished
 from store.db import session_scope
 from store.history import get_policy
 from tuner.service import VALIDATION_STRETCH, Tuner
-from tuner.validate import MIN_PREDICTION_STEPS, against_replaced, compare, own_steps
+from tuner.validate import (
+    MIN_PREDICTION_STEPS,
+    against_prediction,
+    against_replaced,
+    compare,
+    own_steps,
+)
 
 OLD = TunedPolicy(version=1)  # plain decoding
 NEW = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4, version=2)
@@ -127,6 +133,18 @@ def test_steps_carrying_prefill_are_left_out_of_the_comparison() -> None:
     v = compare(new, old, spec, OLD)
     assert v.decision == "rollback" and v.per_batch[0].baseline_steps == 30, v.reason
     assert not own_steps(old[-3:], OLD)
+
+
+def test_a_few_steps_of_a_large_batch_are_enough_for_a_verdict() -> None:
+    """4 steps at batch 32 (n-gram@4 took 0.85 s a step there): 128 sequences' drafts, a
+    verdict against the prediction; 2 such steps are not."""
+    spec = TunedPolicy((BatchRule(64, "ngram", 4),), crossover=64, version=2)
+    slow = drain(lambda b: 850.0, 2, range(32, 33), 4, "ngram", 4)  # 37.6 tokens/s
+    first = compare(slow, [], spec, OLD)
+    assert first.decision == "inconclusive"
+    v = against_prediction(first, own_steps(slow, spec), 37.6, 60.0, 0.3)
+    assert v.decision == "rollback", v.reason
+    assert against_prediction(first, own_steps(slow[:2], spec), 37.6, 60.0, 0.3).decision == "inconclusive"
 
 
 def test_policies_that_agree_where_served_keep_without_a_comparison() -> None:
