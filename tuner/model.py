@@ -67,7 +67,6 @@ tuner.acceptance, whose docstring says how and why:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -81,7 +80,6 @@ from tuner.acceptance import (
     fit_acceptance,
     fit_depth_factors,
     fit_draft_share,
-    remembered,
     scale_odds,
     step_coverage,
     technique_key,
@@ -188,15 +186,6 @@ class PerfModel:
         report = PerfModel.fit(train, requests, vocab_of, buckets, history).error_report(
             held, vocab_of)
         return PerfModel.fit(steps, requests, vocab_of, buckets, history), report
-
-    def remembering(self, recent: Sequence[StepStats], older: Sequence[StepStats],
-                    vocab_of: Mapping[int, int]) -> PerfModel:
-        """This model with the per-tenant acceptance of techniques its window (`recent`)
-        barely ran, fitted on their `older` steps (tuner.acceptance.remembered)."""
-        acceptance, share, depth = remembered(recent, older, vocab_of, self.acceptance,
-                                              self.draft_share, self.depth_factor)
-        return dataclasses.replace(self, acceptance=acceptance, draft_share=share,
-                                   depth_factor=depth)
 
     # -- predictions ----------------------------------------------------------
     def predict_step_ms(self, technique: str, depth: int, batch: float, prefill: float = 0.0,
