@@ -119,15 +119,19 @@ class StepChooser:
                 self._profile_turn += 1
                 return explore.profile[(self._profile_turn - 1) % len(explore.profile)]
         if explore.share and self._rng.random() < explore.share:
-            return self._neighbour(explore, chosen)
+            return self._neighbour(explore, chosen, batch_size)
         return chosen
 
-    def _neighbour(self, explore: Exploration, chosen: tuple[str, int]) -> tuple[str, int]:
+    def _neighbour(self, explore: Exploration, chosen: tuple[str, int],
+                   batch_size: int) -> tuple[str, int]:
         technique, depth = chosen
         if technique == "none" or not depth:
+            tried = [t for t in explore.techniques
+                     if t not in explore.catch_up or batch_size <= self.policy.crossover]
+            if not tried:
+                return chosen
             self._technique_turn += 1
-            turn = (self._technique_turn - 1) % len(explore.techniques)
-            return explore.techniques[turn], explore.depths[0]
+            return tried[(self._technique_turn - 1) % len(tried)], explore.depths[0]
         options = ([d for d in explore.depths if d < depth][-1:]
                    + [d for d in explore.depths if d > depth][:1])
         if not options:

@@ -114,6 +114,9 @@ class ExplorationPlan:
         """The depths exploration tries (those verified without padding)."""
         self.proposer_depth = {t: min(self.max_depth, capacity.proposer_depths.get(t, self.max_depth))
                                for t in self.techniques}
+        self.catch_up = tuple(t for t in self.techniques if t in capacity.lent_kv)
+        """Techniques whose first drafts for a row prefill it into a cache of their own (the
+        draft model): explored only up to the policy's crossover (engine.policy.Exploration)."""
         self.share = config.explore_share
         self.profile_steps = config.profile_steps
         self.gaps: list[tuple[str, int]] = []
@@ -138,4 +141,5 @@ class ExplorationPlan:
         profile, self.gaps = tuple(self.gaps), []  # only the first policy after startup profiles
         return dataclasses.replace(policy, explore=Exploration(
             share=self.share, techniques=tuple(self.techniques), depths=self.depths,
-            profile=profile, profile_steps=self.profile_steps if profile else 0))
+            profile=profile, profile_steps=self.profile_steps if profile else 0,
+            catch_up=self.catch_up))
