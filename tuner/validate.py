@@ -36,8 +36,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from engine.policy import TunedPolicy
 from engine.types import StepStats
@@ -87,8 +87,13 @@ def own_steps(rows: Sequence[StepStats], policy: TunedPolicy) -> list[StepStats]
     of them a short window catches depends on when requests arrived (at batch 32 one
     admitting 500 prompt tokens took 1.0-1.6 s against 0.3-0.4 s without), which would
     read as one policy being slower than another."""
-    return [r for r in rows if r.policy_version == policy.version and not r.prefill_tokens
+    return [r for r in _decode(rows) if r.policy_version == policy.version
             and not is_exploration(policy, r.batch_size, r.technique, r.depth)]
+
+
+def _decode(rows: Sequence[StepStats]) -> list[StepStats]:
+    """The steps that carried no prefill (`own_steps`)."""
+    return [r for r in rows if not r.prefill_tokens]
 
 
 def compare(candidate: Sequence[StepStats], baseline: Sequence[StepStats], policy: TunedPolicy,
@@ -96,7 +101,7 @@ def compare(candidate: Sequence[StepStats], baseline: Sequence[StepStats], polic
     """Judge `policy` from its steps against `previous`'s (all baseline rows without one)."""
     cand = _by_batch(own_steps(candidate, policy))
     base = _by_batch(own_steps(baseline, previous) if previous is not None
-                     else [r for r in baseline if not r.prefill_tokens])
+                     else _decode(baseline))
     matched = [b for b in sorted(cand) if len(cand[b]) >= MIN_PER_BATCH
                and len(base.get(b, ())) >= MIN_PER_BATCH]
     n = sum(len(cand[b]) for b in matched)
@@ -165,8 +170,8 @@ def against_prediction(verdict: Verdict, own: Sequence[StepStats], measured: flo
     >>> against_prediction(v, own[:7], 23.0, 48.0, 0.3).decision
     'inconclusive'
     """
-    if (verdict.decision != "inconclusive" or not enough_evidence(own) or not measured or not predicted
-            or measured >= (1.0 - margin) * predicted):
+    if (verdict.decision != "inconclusive" or not enough_evidence(own) or not measured
+            or not predicted or measured >= (1.0 - margin) * predicted):
         return verdict
     change = measured / predicted - 1.0
     return Verdict("rollback", f"measured goodput {measured:.1f} tokens/s is {-change:.1%} below "
@@ -215,8 +220,7 @@ def against_replaced(verdict: Verdict, own: Sequence[StepStats],
             f"served ({_sizes(served)}); nothing to compare"))
     before = {b: steps for b, steps in _rows_by_batch(previous_own).items()
               if b in served and len(steps) >= MIN_PER_BATCH}
-    figures = {b: (_mean([r.decode_tokens for r in before[b]]), _mean([r.step_ms for r in before[b]]))
-               if b in before else replaced[b] for b in served}
+    figures = {**{b: replaced[b] for b in served}, **_figures(before)}
     measured = measured_goodput(rows, batch_weights)
     baseline = weighted_rate(figures, batch_weights)
     if not measured or not baseline:
@@ -262,8 +266,8 @@ def decode_figures(policy: TunedPolicy, score: Callable[[TunedPolicy, Traffic], 
     >>> from tuner.objective import Capacity, evaluate
     >>> m = PerfModel(target=(10.0, 1.0, 0.0, 0.0, 1.0))
     >>> t = Traffic(10, {4: 1.0}, {4: 500.0}, 4.0, 4)
-    >>> fig = decode_figures(TunedPolicy(), lambda p, on: evaluate(p, m, on, Capacity(999, 16)),
-    ...                      t, range(1, 9))
+    >>> score = lambda p, on: evaluate(p, m, on, Capacity(999, 16))
+    >>> fig = decode_figures(TunedPolicy(), score, t, range(1, 9))
     >>> sorted(fig) == list(range(1, 9)), fig[4], fig[8]  # no 500 ms of prefill at batch 4
     (True, (4.0, 14.0), (8.0, 18.0))
     """
@@ -289,13 +293,13 @@ def measured_goodput(rows: Sequence[StepStats], batch_weights: dict[int, float])
     """Tokens/s of `rows` in the predicted figure's form, over the batch sizes present:
     1000 * sum_B w_B mean_tokens_B / sum_B w_B mean_ms_B (validation weighs each batch size
     by the candidate's own steps there: its tokens over its time)."""
-    tokens: dict[int, list[float]] = {}
-    ms: dict[int, list[float]] = {}
-    for r in rows:
-        tokens.setdefault(r.batch_size, []).append(r.decode_tokens)
-        ms.setdefault(r.batch_size, []).append(r.step_ms)
-    means = {b: (_mean(tokens[b]), _mean(ms[b])) for b in tokens}
-    return weighted_rate(means, batch_weights)
+    return weighted_rate(_figures(_rows_by_batch(rows)), batch_weights)
+
+
+def _figures(by_batch: dict[int, list[StepStats]]) -> dict[int, tuple[float, float]]:
+    """Batch size -> (mean tokens per step, mean step ms) of its steps."""
+    return {b: (_mean([r.decode_tokens for r in steps]), _mean([r.step_ms for r in steps]))
+            for b, steps in by_batch.items()}
 
 
 def weighted_rate(per_batch: dict[int, tuple[float, float]],
@@ -321,10 +325,8 @@ def _rows_by_batch(rows: Sequence[StepStats]) -> dict[int, list[StepStats]]:
 
 
 def _by_batch(rows: Sequence[StepStats]) -> dict[int, list[float]]:
-    out: dict[int, list[float]] = {}
-    for r in rows:
-        out.setdefault(r.batch_size, []).append(r.goodput)
-    return out
+    """Batch size -> the per-step goodputs of its steps."""
+    return {b: [r.goodput for r in steps] for b, steps in _rows_by_batch(rows).items()}
 
 
 def _mean(xs: list[float]) -> float:
