@@ -88,3 +88,31 @@ def test_a_pinned_tenant_rule_drafts_for_its_tenant_only_and_stays_lossless(serv
     together = [c for batch, c in classes if batch == 2]
     assert {(c["tenant"], c["technique"]) for c in together} >= {("copy", "ngram"), ("prose", "none")}
     wait_for(lambda: not server.engine.has_work() and server.engine.pool.used == 0, 30, "every page back")
+
+
+def test_an_exploration_with_catch_up_techniques_is_checked_and_served(server: LiveServer) -> None:
+    """`explore.catch_up` over HTTP on the real engine: a technique not among the explored ones
+    is a 400 naming the field; a valid one that may be tried only up to the crossover (0 here)
+    never drafts, and the output is plain decoding's."""
+    bad = {**PLAIN, "explore": {"share": 1.0, "techniques": ["ngram"], "depths": [1],
+                                "catch_up": ["mtp"]}}
+    r = http_request(server.port, "PUT", "/admin/policy/pin", bad, ADMIN)
+    assert r.status == 400 and "catch_up" in json.dumps(r.json()), r.json()
+    r = server.post("/admin/tenants", {"name": "explorer"}, ADMIN)
+    assert r.status == 201, r.json()
+    key = {"Authorization": f"Bearer {r.json()['api_key']}"}
+    _pin(server, PLAIN)
+    body = {"model": "gemma3-270m", "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    plain = server.post("/v1/completions", body, key).json()["choices"][0]["text"]
+    server.database.recorder.flush()
+    with server.database.engine.connect() as conn:
+        first = conn.execute(text("SELECT MAX(id) FROM xo_steps")).scalar()
+    _pin(server, {**bad, "explore": {**bad["explore"], "catch_up": ["ngram"]}})
+    r = server.post("/v1/completions", body, key)
+    assert r.status == 200 and r.json()["choices"][0]["text"] == plain, r.json()
+    server.database.recorder.flush()
+    with server.database.engine.connect() as conn:
+        techniques = conn.execute(text("SELECT DISTINCT technique FROM xo_steps WHERE id > :i"),
+                                  {"i": first}).scalars().all()
+    assert techniques == ["none"]
+    wait_for(lambda: not server.engine.has_work() and server.engine.pool.used == 0, 30, "every page back")
