@@ -299,3 +299,64 @@ def step_coverage(steps: Sequence[StepStats]) -> dict[str, dict[int, int]]:
         per = out.setdefault(s.technique, {})
         per[s.depth] = per.get(s.depth, 0) + 1
     return out
+
+
+MIN_WINDOW_STEPS = 20
+"""Drafting steps of a technique a fit window needs for its per-tenant acceptance to stand on
+the window alone (`remembered`)."""
+
+
+def _root(key: str) -> str:
+    return key.split("|", 1)[0].split("@", 1)[0]
+
+
+def remembered(recent: Sequence[StepStats], older: Sequence[StepStats],
+               vocab_of: Mapping[int, int], acceptance: dict[str, tuple],
+               draft_share: dict[str, float],
+               depth_factor: dict[str, dict[int, float]]) -> tuple[dict, dict, dict]:
+    """`acceptance`, `draft_share` and `depth_factor` (fitted on the window's `recent` steps)
+    with the per-tenant entries ("ngram|copy") of each technique the window drafted with on
+    fewer than MIN_WINDOW_STEPS steps, fitted on that technique's `older` steps and its
+    recent ones, where the window has none of its own; and those techniques' depth factors
+    where the window has none.
+
+    Acceptance follows the technique and the tenant's text, not the load, but a window only
+    holds what its policy ran: after a busy stretch served plainly (speculation does not pay
+    at batch 32 here) it holds one n-gram step per few hundred (exploration), so when the
+    batch drains to the copy tenant's long requests the search knew no n-gram rates at all
+    and kept decoding plainly, where the batch-size table's n-gram steps emitted 1.3-1.7x
+    the tokens per second (`bench tuner --quick`). Only tenants measured before get
+    remembered rates; the others keep the window's (a technique's pooled rate stays the
+    window's, so a tenant never measured is not credited with the copy tenant's).
+
+    >>> from engine.types import StepStats
+    >>> def s(t, d, acc): return StepStats(batch_size=1, decode_tokens=1 + acc, technique=t,
+    ...     depth=d, proposed=d, accepted=acc, accepted_per_pos=tuple(int(i < acc) for i in range(d)),
+    ...     step_ms=10.0, tenants=("copy",))
+    >>> old = [s("ngram", 4, 3)] * 30
+    >>> acc, share, depth = remembered([s("none", 0, 0)] * 50, old, {}, {}, {}, {})
+    >>> sorted(acc), round(acc["ngram|copy"][0], 2), share["ngram|copy"], sorted(depth)
+    (['ngram|copy'], 0.99, 1.0, ['ngram'])
+    >>> remembered([s("ngram", 4, 1)] * 20, old, {}, {"ngram": (0.5,)}, {}, {})[0]  # enough of its own
+    {'ngram': (0.5,)}
+    """
+    drafting: dict[str, int] = {}
+    for s in recent:
+        if s.technique != "none" and s.proposed > 0:
+            drafting[s.technique] = drafting.get(s.technique, 0) + 1
+    sparse = {s.technique for s in older if s.technique != "none" and s.proposed > 0
+              and drafting.get(s.technique, 0) < MIN_WINDOW_STEPS}
+    if not sparse:
+        return acceptance, draft_share, depth_factor
+    steps = [s for s in (*older, *recent) if s.technique in sparse]
+    old_rates, old_share = fit_acceptance(steps, vocab_of), fit_draft_share(steps, vocab_of)
+    old_depth = fit_depth_factors(steps, vocab_of, old_rates, old_share)
+    acceptance, draft_share = dict(acceptance), dict(draft_share)
+    for key, rates in old_rates.items():
+        if "|" in key and _root(key) in sparse and key not in acceptance:
+            acceptance[key] = rates
+    for key, share in old_share.items():
+        if "|" in key and _root(key) in sparse and key not in draft_share:
+            draft_share[key] = share
+    depth_factor = {**{k: v for k, v in old_depth.items() if _root(k) in sparse}, **depth_factor}
+    return acceptance, draft_share, depth_factor

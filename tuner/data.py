@@ -66,8 +66,8 @@ def read_steps(
 ) -> list[StepStats]:
     """Raw steps of `instance` (None: every instance) in [since, until), optionally of one
     policy version, and with `per_shape` only the newest that many of each (batch size,
-    depth): the newest `limit` of them, oldest first. The one typed accessor through which
-    the tuner reads steps."""
+    depth, technique): the newest `limit` of them, oldest first. The one typed accessor
+    through which the tuner reads steps."""
     query = select(*_STEP_COLUMNS).where(Step.time >= since, Step.step_ms > 0)
     if instance is not None:
         query = query.where(Step.instance == instance)
@@ -76,7 +76,7 @@ def read_steps(
     if version is not None:
         query = query.where(Step.policy_version == version)
     if per_shape is not None:
-        rank = func.row_number().over(partition_by=(Step.batch_size, Step.depth),
+        rank = func.row_number().over(partition_by=(Step.batch_size, Step.depth, Step.technique),
                                       order_by=Step.time.desc())
         ranked = query.add_columns(rank.label("rank")).subquery()
         query = select(*(ranked.c[c.key] for c in _STEP_COLUMNS)).where(ranked.c.rank <= per_shape)

@@ -3,7 +3,7 @@
 Step time splits into the target model's forward and the proposer's work:
 
     step_ms = target(B, R, P) + sampling(S, A, R, q) + propose(technique, B, depth)
-    target  = t0 + t1*B + t3*R + t4*P                 (R = B*q, q = 1 + depth, P = prefill tokens)
+    target  = t0 + t1*B + t3*R + t5*R^2 + t4*P        (R = B*q, q = 1 + depth, P = prefill tokens)
     sampling = s0*S*q + s1*A*R                        (S = rows that sample, A = 1 if any does)
     propose = p0 + p1*B + p2*B*depth                  (per technique, on its rows; 0 for "none")
 
@@ -17,8 +17,16 @@ that draft nothing as a plain segment [Bp, 1] beside the drafting rows
 term (t2 is kept in the tuple for a caller's own model, fitted as 0): with
 one, steps measured at small batches could explain the cost of deeper
 verifies by q alone, and the model would carry that to large batches as
-almost free. A row costs about the same in a small deep verify as in a
-large batch, so the rows term carries across batch sizes.
+almost free. The rows term carries across batch sizes, but a row does not
+cost the same everywhere: a forward of a few rows is bound by reading the
+weights, and a row it adds costs 1-2 ms here, while in a batch-32 verify of
+96 rows each drafted row added 4.6 ms (`bench tuner --quick`, the fixed
+n-gram@2 run). Linear in R, a fit of every shape priced that verify at 0.77
+of its measured time even with 57 of its steps in the fit; t5*R^2 makes
+the row cost grow with the rows (convex, as non-negative), which priced it
+at 1.00 and, with every verify above batch 8 left out of the fit, at 0.90
+(linear: 0.77), so a large verify the window has not run is priced closer
+to its cost instead of far below it.
 
 B and q are the shape the step ran at: the engine pads a batch to its next
 compiled batch size and a verify to its next compiled query length (the
@@ -49,6 +57,12 @@ window of greedy steps predicts sampled traffic no cheaper than it runs, and
 the objective prices the share of sampled rows the traffic shows
 (`Traffic.sampled_rows`, `Traffic.sampled_steps`).
 
+The terms are one smooth surface; a compiled shape that at least 3 steps
+without prefill ran also gets a factor on its decode forward, its measured
+steps' median ratio to the terms shrunk toward 1 (`shape_factor`, fitted in
+tuner.stepfit, which holds all the step-time fits): a shape measured often
+enough is priced by its measurement, any other by the terms.
+
 A window of busy traffic may hold only one or two shapes; `cost_history`
 (tuner.shapes) adds older steps of the shapes it lacks to the step-time fits
 (not to acceptance), because step times follow the machine and the shapes,
@@ -67,9 +81,9 @@ tuner.acceptance, whose docstring says how and why:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -80,15 +94,16 @@ from tuner.acceptance import (
     fit_acceptance,
     fit_depth_factors,
     fit_draft_share,
+    remembered,
     scale_odds,
     step_coverage,
-    technique_key,
     tenant_factors,
     to_depth,
 )
 from tuner.data import RequestRow
 from tuner.rows import propose_columns
 from tuner.shapes import Padding, next_size
+from tuner.stepfit import fit_propose, fit_target, shape_factors
 
 MIN_FIT_ROWS = 8
 
@@ -134,6 +149,11 @@ class PerfModel:
     """Predictions never go below this (a quarter of the fastest step seen)."""
     padding: Padding = Padding()
     """The shapes steps run padded to; step time is a function of those."""
+    rows_sq: float = 0.0
+    """t5: ms per squared forward row (the convex part of the rows cost; module docstring)."""
+    shape_factor: Mapping[tuple[int, int, int], float] = field(default_factory=dict)
+    """(cache rows read, forward rows run, query length) -> factor on the decode forward of
+    that shape: its measured steps' correction of the terms (tuner.stepfit.shape_factors)."""
     sampling: tuple[float, float] = (0.0, 0.0)
     """(s0, s1): ms per sampled row and verified position; ms per padded row and position of
     a step where any row samples (see the module docstring)."""
@@ -159,11 +179,12 @@ class PerfModel:
         timed = [*history, *steps]
         acceptance = fit_acceptance(steps, vocab_of)
         draft_share = fit_draft_share(steps, vocab_of)
-        target, sampling = _fit_target(timed, buckets)
-        return PerfModel(
+        target, rows_sq, sampling = fit_target(timed, buckets)
+        model = PerfModel(
             target=target,
+            rows_sq=rows_sq,
             sampling=sampling,
-            propose=_fit_propose(timed, vocab_of),
+            propose=fit_propose(timed, vocab_of),
             acceptance=acceptance,
             tenant_factor=tenant_factors(requests),
             coverage=step_coverage(steps),
@@ -174,6 +195,7 @@ class PerfModel:
             batch_span=(min(s.batch_size for s in timed), max(s.batch_size for s in timed)),
             max_rows=int(max(buckets.ran(s)[1] for s in timed)),
         )
+        return replace(model, shape_factor=shape_factors(timed, buckets, model._ran_ms))
 
     @staticmethod
     def fit_with_report(steps: Sequence[StepStats], requests: Sequence[RequestRow] = (),
@@ -186,6 +208,15 @@ class PerfModel:
         report = PerfModel.fit(train, requests, vocab_of, buckets, history).error_report(
             held, vocab_of)
         return PerfModel.fit(steps, requests, vocab_of, buckets, history), report
+
+    def remembering(self, recent: Sequence[StepStats], older: Sequence[StepStats],
+                    vocab_of: Mapping[int, int]) -> PerfModel:
+        """This model with the per-tenant acceptance of techniques its window (`recent`)
+        barely ran, fitted on their `older` steps (tuner.acceptance.remembered)."""
+        acceptance, share, depth = remembered(recent, older, vocab_of, self.acceptance,
+                                              self.draft_share, self.depth_factor)
+        return dataclasses.replace(self, acceptance=acceptance, draft_share=share,
+                                   depth_factor=depth)
 
     # -- predictions ----------------------------------------------------------
     def predict_step_ms(self, technique: str, depth: int, batch: float, prefill: float = 0.0,
@@ -213,10 +244,11 @@ class PerfModel:
         """The target forward and sampling terms of a step reading `read` rows' cache and
         running `rows` rows at (padded) query length `q` (module docstring)."""
         t = self.target
-        ms = t[0] + t[1] * read + t[2] * q + t[3] * rows + t[4] * prefill
         if any_sampled is None:
             any_sampled = 1.0 if sampled > 0 else 0.0
-        return ms + self.sampling[0] * sampled * q + self.sampling[1] * any_sampled * rows
+        ms = (t[0] + t[1] * read + t[2] * q + t[3] * rows + self.rows_sq * rows * rows
+              + self.sampling[0] * sampled * q + self.sampling[1] * any_sampled * rows)
+        return ms * self.shape_factor.get((read, rows, q), 1.0) + t[4] * prefill
 
     def _propose_ms(self, technique: str, depth: int, batch: float, draft_vocab: int) -> float:
         p = self._lookup(self.propose, technique, draft_vocab) or (0.0, 0.0, 0.0)
@@ -358,6 +390,8 @@ class PerfModel:
     def summary(self) -> dict:
         """A JSON-able description (for retune details and /admin/tuner)."""
         return {"target": [round(c, 5) for c in self.target],
+                "rows_sq": round(self.rows_sq, 6),
+                "shape_factor": [[*k, round(f, 4)] for k, f in sorted(self.shape_factor.items())],
                 "sampling": [round(c, 5) for c in self.sampling],
                 "propose": {k: [round(c, 5) for c in v] for k, v in self.propose.items()},
                 "acceptance": {k: [round(r, 4) for r in v] for k, v in self.acceptance.items()},
@@ -371,67 +405,3 @@ class PerfModel:
                 "max_rows": self.max_rows,
                 "segments": sorted(list(t) for t in self.padding.segments)}
 
-
-def _weighted_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares of relative error: rows scaled by 1 / y."""
-    w = 1.0 / np.maximum(y, 1e-6)
-    return _nnls(x * w[:, None], y * w)
-
-
-def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """min |x c - y| over c >= 0 (columns scaled to unit norm first, for conditioning)."""
-    from scipy.optimize import nnls
-
-    norms = np.linalg.norm(x, axis=0)
-    norms[norms == 0] = 1.0
-    coef, _ = nnls(x / norms, y, maxiter=50 * x.shape[1])
-    return coef / norms
-
-
-def _fit_target(steps: Sequence[StepStats],
-                buckets: Padding) -> tuple[tuple[float, ...], tuple[float, float]]:
-    """((t0, t1, t2 = 0, t3, t4), (s0, s1)): the target forward and the sampling terms, each
-    step at the rows it ran (Padding.ran: B*q, or Bp + Bv*q for a segmented verify)."""
-    shapes = [buckets.ran(s) for s in steps]
-    b = np.array([shape[0] for shape in shapes], float)
-    rows = np.array([shape[1] for shape in shapes], float)
-    q = np.array([buckets.pad(0, 1 + s.depth)[1] for s in steps], float)
-    p = np.array([s.prefill_tokens for s in steps], float)
-    sampled = np.array([s.sampled_rows for s in steps], float)
-    x = np.column_stack([np.ones_like(b), b, rows, p, sampled * q, (sampled > 0) * rows])
-    y = np.array([max(s.step_ms - s.propose_ms, 1e-3) for s in steps], float)
-    t0, t1, t3, t4, s0, s1 = (float(c) for c in _weighted_lstsq(x, y))
-    return (t0, t1, 0.0, t3, t4), (s0, s1)
-
-
-def _fit_propose(steps: Sequence[StepStats], vocab_of: Mapping[int, int]) -> dict[str, tuple]:
-    """Proposer key -> (p0, p1, p2), every proposer's terms fitted jointly on propose_ms: a
-    step whose rows drafted with several techniques ran several proposers, and its
-    propose_ms is their sum (tuner.rows.propose_columns). Fitted twice: over the plain
-    techniques (pooling every MTP vocabulary) and over the vocabulary keys."""
-    out: dict[str, tuple] = {}
-    plain = _joint_propose(steps, lambda s, t: t)
-    out.update(plain)
-    vocab = _joint_propose(steps, lambda s, t: technique_key(t, s.policy_version, vocab_of))
-    out.update({k: v for k, v in vocab.items() if k not in plain})
-    return out
-
-
-def _joint_propose(steps: Sequence[StepStats], key_of: Any) -> dict[str, tuple]:
-    """NNLS of propose_ms over (ran, rows, rows * depth) columns per proposer key."""
-    per_step = [propose_columns(s, lambda t, s=s: key_of(s, t)) for s in steps]
-    keys = sorted({k for cols in per_step for k in cols})
-    if not keys:
-        return {}
-    x = np.zeros((len(steps), 3 * len(keys)))
-    for i, cols in enumerate(per_step):
-        for k, col in cols.items():
-            j = 3 * keys.index(k)
-            x[i, j:j + 3] = col
-    used = x.any(axis=1)
-    if not used.any():
-        return {}
-    y = np.array([s.propose_ms for s in steps], float)
-    coef = _nnls(x[used], y[used])
-    return {k: (float(coef[3 * j]), float(coef[3 * j + 1]), float(coef[3 * j + 2]))
-            for j, k in enumerate(keys)}

@@ -7,11 +7,11 @@ or a thread (tests). Data flow:
 1. Read this instance's raw steps and finished requests of the fit window,
    and each policy version's draft vocabulary, in one session; and the
    steps of every other instance sharing the database.
-2. Fit the PerfModel (error measured on held-out steps) on this instance's
-   steps, then refit its acceptance (rates, draft shares, depth factors) on
-   every instance's steps (`pool_acceptance`: acceptance follows the model,
-   heads and text, not the hardware); observe the Traffic of the last
-   `traffic_window_s` (what to optimize for).
+2. Fit the PerfModel (error held out) on this instance's steps, refit its
+   acceptance (rates, shares, depth factors) on every instance's steps
+   (`pool_acceptance`: it follows model, heads and text, not hardware) and
+   recall older per-tenant rates of techniques the window barely ran
+   (`PerfModel.remembering`); observe the last `traffic_window_s`' Traffic.
 3. Open the study in the same database (RDB storage, `load_if_exists`), its
    name carrying the space's fingerprint (and a generation number once a
    study holds `max_study_trials`); the sampler's seed, when one is
@@ -241,6 +241,7 @@ def run_search(job: SearchJob) -> SearchOutcome:
     model, report = PerfModel.fit_with_report(steps, requests, vocab_of, buckets=buckets,
                                               history=cost_history(steps, older, buckets))
     model, pooled_from = pool_acceptance(model, job.instance, steps, vocab_of, others)
+    model = model.remembering(steps, older, vocab_of)
     traffic = observe_recent(steps, requests, job.until - cfg.traffic_window_s,
                              cfg.concurrency_quantile)
     space = SearchSpace.build(cfg, job.capacity)

@@ -275,16 +275,19 @@ def test_the_cost_window_is_read_as_the_newest_steps_of_each_shape(db: Engine) -
     """The search reads the 6 h cost window per_shape (see tuner.search._read): what it
     returns is what cost_history would take from the whole window."""
     gen = synth.Synth(seed=8)
-    synth.write(db, gen.explore(600, max_batch=4, max_depth=2, techniques=("none", "ngram")))
+    synth.write(db, gen.explore(600, max_batch=4, max_depth=2, techniques=("none", "ngram", "mtp")))
     with session_scope(db) as s:
         whole = read_steps(s, 0.0)
         newest = read_steps(s, 0.0, per_shape=3)
         enough = read_steps(s, 0.0, per_shape=MIN_SHAPE_STEPS)
-    shapes = {(r.batch_size, r.depth) for r in whole}
+    # per technique too: the remembered acceptance (tuner.acceptance.remembered) reads its
+    # steps from here, and another technique's steps of the same shape must not crowd them out
+    shapes = {(r.batch_size, r.depth, r.technique) for r in whole}
+    assert {t for _, d, t in shapes if d} == {"ngram", "mtp"}
     assert len(newest) == 3 * len(shapes) < len(whole)
     for shape in shapes:
-        assert [r for r in newest if (r.batch_size, r.depth) == shape] == \
-            [r for r in whole if (r.batch_size, r.depth) == shape][-3:]
+        assert [r for r in newest if (r.batch_size, r.depth, r.technique) == shape] == \
+            [r for r in whole if (r.batch_size, r.depth, r.technique) == shape][-3:]
     assert newest == sorted(newest, key=lambda r: r.time)
     assert cost_history([], enough) == cost_history([], whole)
     assert cost_history(whole[-50:], enough) == cost_history(whole[-50:], whole)

@@ -12,7 +12,7 @@ import optuna
 import pytest
 from sqlalchemy import Engine, inspect
 
-from engine.policy import NEVER, TunedPolicy
+from engine.policy import NEVER, BatchRule, TunedPolicy
 from store.migrate import check_schema, head_revision
 from tests.tuner import synth
 from tests.tuner.conftest import CAPACITY, FAST, history
@@ -147,3 +147,27 @@ def test_the_traffic_optimized_for_is_the_recent_one() -> None:
     assert recent.batch_weights == {1: 1.0} and recent.steps == 50
     thin = observe_recent(old + new[:3], [], synth.T0 + 3000, 0.95)
     assert thin.batch_weights.keys() == {1, 16} and thin.steps == 203
+
+
+def test_a_technique_the_window_never_ran_keeps_its_tenants_acceptance(
+        db: Engine, db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy tenant drafted with n-gram at batch 1-2, then a stretch decoded plainly (as a
+    busy phase is): the fit window holds no n-gram step. When its traffic is the copy tenant
+    at batch 4, the search still knows n-gram pays for it (tuner.acceptance.remembered);
+    fitted on the window alone, n-gram has no rates there and plain decoding wins."""
+    gen, now = synth.Synth(seed=11), time.time()
+    copy = lambda steps: [dataclasses.replace(s, tenants=("copy",)) for s in steps]
+    ngram = TunedPolicy((BatchRule(2, "ngram", 4), BatchRule(64)), crossover=2)
+    synth.write(db, copy(gen.serve(ngram, 300, start=now - 200.0, batches=(1, 2))))
+    synth.write(db, copy(gen.serve(NEVER, 300, start=now - 60.0, every_s=0.1, batches=(4,))))
+    config = dataclasses.replace(FAST, trials=4, exact=True, cost_window_s=600.0,
+                                 fit_window_s=60.0, traffic_window_s=60.0)
+    run = lambda: run_search(SearchJob(db_url, config, CAPACITY, NEVER, since=now - 61.0,
+                                       until=now + 1))
+    out = run()
+    assert "ngram|copy" in out.model["acceptance"] and out.best.choose(4)[0] == "ngram", out.model
+    assert out.predicted["goodput"] > 1.2 * out.incumbent["goodput"]
+    monkeypatch.setattr("tuner.model.PerfModel.remembering", lambda self, *a: self)
+    forgot = run()
+    assert not any(k.startswith("ngram") for k in forgot.model["acceptance"])
+    assert forgot.best is None or forgot.best.choose(4)[0] == "none"

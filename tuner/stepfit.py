@@ -1,0 +1,125 @@
+"""The step-time fits of tuner.model: least squares of recorded steps' times.
+
+The target forward and sampling terms are one non-negative least squares of
+relative error over every step (`fit_target`); the proposers' terms one over
+their rows (`fit_propose`); and `shape_factors` corrects the fitted forward,
+shape by shape, toward what the steps of a compiled shape measured (see
+tuner.model's docstring for the terms and why each is there).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from engine.types import StepStats
+from tuner.acceptance import technique_key
+from tuner.rows import propose_columns
+from tuner.shapes import Padding
+
+
+def _weighted_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares of relative error: rows scaled by 1 / y."""
+    w = 1.0 / np.maximum(y, 1e-6)
+    return _nnls(x * w[:, None], y * w)
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """min |x c - y| over c >= 0 (columns scaled to unit norm first, for conditioning)."""
+    from scipy.optimize import nnls
+
+    norms = np.linalg.norm(x, axis=0)
+    norms[norms == 0] = 1.0
+    coef, _ = nnls(x / norms, y, maxiter=50 * x.shape[1])
+    return coef / norms
+
+
+def fit_target(steps: Sequence[StepStats],
+                buckets: Padding) -> tuple[tuple[float, ...], float, tuple[float, float]]:
+    """((t0, t1, t2 = 0, t3, t4), t5, (s0, s1)): the target forward, its convex rows term and
+    the sampling terms, each step at the rows it ran (Padding.ran: B*q, or Bp + Bv*q for a
+    segmented verify)."""
+    shapes = [buckets.ran(s) for s in steps]
+    b = np.array([shape[0] for shape in shapes], float)
+    rows = np.array([shape[1] for shape in shapes], float)
+    q = np.array([buckets.pad(0, 1 + s.depth)[1] for s in steps], float)
+    p = np.array([s.prefill_tokens for s in steps], float)
+    sampled = np.array([s.sampled_rows for s in steps], float)
+    x = np.column_stack([np.ones_like(b), b, rows, p, sampled * q, (sampled > 0) * rows, rows * rows])
+    y = np.array([max(s.step_ms - s.propose_ms, 1e-3) for s in steps], float)
+    t0, t1, t3, t4, s0, s1, t5 = (float(c) for c in _weighted_lstsq(x, y))
+    return (t0, t1, 0.0, t3, t4), t5, (s0, s1)
+
+
+def fit_propose(steps: Sequence[StepStats], vocab_of: Mapping[int, int]) -> dict[str, tuple]:
+    """Proposer key -> (p0, p1, p2), every proposer's terms fitted jointly on propose_ms: a
+    step whose rows drafted with several techniques ran several proposers, and its
+    propose_ms is their sum (tuner.rows.propose_columns). Fitted twice: over the plain
+    techniques (pooling every MTP vocabulary) and over the vocabulary keys."""
+    out: dict[str, tuple] = {}
+    plain = _joint_propose(steps, lambda s, t: t)
+    out.update(plain)
+    vocab = _joint_propose(steps, lambda s, t: technique_key(t, s.policy_version, vocab_of))
+    out.update({k: v for k, v in vocab.items() if k not in plain})
+    return out
+
+
+def _joint_propose(steps: Sequence[StepStats], key_of: Any) -> dict[str, tuple]:
+    """NNLS of propose_ms over (ran, rows, rows * depth) columns per proposer key."""
+    per_step = [propose_columns(s, lambda t, s=s: key_of(s, t)) for s in steps]
+    keys = sorted({k for cols in per_step for k in cols})
+    if not keys:
+        return {}
+    x = np.zeros((len(steps), 3 * len(keys)))
+    for i, cols in enumerate(per_step):
+        for k, col in cols.items():
+            j = 3 * keys.index(k)
+            x[i, j:j + 3] = col
+    used = x.any(axis=1)
+    if not used.any():
+        return {}
+    y = np.array([s.propose_ms for s in steps], float)
+    coef = _nnls(x[used], y[used])
+    return {k: (float(coef[3 * j]), float(coef[3 * j + 1]), float(coef[3 * j + 2]))
+            for j, k in enumerate(keys)}
+
+
+SHAPE_PRIOR_STEPS = 10
+"""Steps of a shape at which its own measurement and the fitted terms weigh the same."""
+MIN_FACTOR_STEPS = 3
+"""Steps a shape needs before its measurement corrects the fitted terms."""
+
+
+def shape_factors(steps: Sequence[StepStats], buckets: Padding,
+                  fitted_ms: Callable[[StepStats], float]) -> dict[tuple[int, int, int], float]:
+    """(cache rows read, forward rows run, query length) of each shape the steps without
+    prefill ran (Padding.ran) -> the factor on the fitted forward `fitted_ms` that moves it
+    toward what they measured: the median of log(measured / fitted) over the shape's n
+    steps, weighed n / (n + SHAPE_PRIOR_STEPS), for shapes of at least MIN_FACTOR_STEPS.
+
+    The terms are one smooth surface over every shape, so the few steps of a shape it
+    does not fit are outweighed by thousands of others: on the kept databases of
+    `bench tuner --quick` a segmented verify of one plain and one drafting row at depth 4
+    ran at 1.2-1.35x what the fit priced (slower than the padded verify of both rows),
+    and that error decides whether a per-tenant rule pays at batch 2. A shape measured
+    often enough is priced by its measurement; any other by the terms.
+
+    >>> def s(b, ms): return StepStats(batch_size=b, decode_tokens=b, step_ms=ms)
+    >>> f = shape_factors([s(1, 20.0)] * 10 + [s(2, 10.0)] * 2, Padding(), lambda s: 10.0)
+    >>> round(f[(1, 1, 1)], 3), (2, 2, 1) in f   # 2 ** (10 / 20); too few steps of batch 2
+    (1.414, False)
+    """
+    logs: dict[tuple[int, int, int], list[float]] = {}
+    for s in steps:
+        if s.prefill_tokens or s.step_ms <= 0:
+            continue
+        read, rows = buckets.ran(s)
+        key = (int(read), int(rows), int(buckets.pad(0, 1 + s.depth)[1]))
+        fitted = fitted_ms(s)
+        if fitted > 0 and s.step_ms > s.propose_ms:
+            logs.setdefault(key, []).append(math.log((s.step_ms - s.propose_ms) / fitted))
+    return {key: math.exp(float(np.median(v)) * len(v) / (len(v) + SHAPE_PRIOR_STEPS))
+            for key, v in logs.items() if len(v) >= MIN_FACTOR_STEPS}
