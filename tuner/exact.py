@@ -39,7 +39,12 @@ above the last range, which never speculate). Steps:
    `PerfModel.max_rows`; beyond them the model extrapolates. The fill never
    changes the goodput predicted on the observed traffic; between footprints
    of equal goodput the one whose unobserved ranges run fastest wins, then
-   the one lending fewer pages.
+   the one lending fewer pages. A range beyond what the fit saw keeps the
+   serving policy's cell (`incumbent`), where a footprint allows it (between
+   footprints of equal goodput and fill, the one keeping more wins): the
+   window holds no evidence to change it. Left at "none", the first retune
+   of a run, fitted on batch 1-2, stopped the default policy's n-gram at
+   batch 3-8 (`bench tuner --quick`, the low phase's rise to batch 8).
 
 The p95 TPOT constraint and the Pareto front of the two-objective mode are
 not sums over ranges: there the search (tuner.search) starts TPE from this
@@ -86,9 +91,10 @@ EVERYWHERE = 1 << 30
 
 
 def solve(space: SearchSpace, model: PerfModel, traffic: Traffic,
-          capacity: Capacity) -> TunedPolicy | None:
+          capacity: Capacity, incumbent: TunedPolicy | None = None) -> TunedPolicy | None:
     """The feasible policy of `space` with the highest predicted goodput (KV pages only, no
-    TPOT target), or None when no policy fits the pool; see the module docstring."""
+    TPOT target), or None when no policy fits the pool; ranges beyond the fit keep the
+    `incumbent`'s cells (see the module docstring)."""
     splits = _split_pages(space, capacity, tenant_pages_needed(traffic, capacity))
     if not splits:
         return None
@@ -97,32 +103,36 @@ def solve(space: SearchSpace, model: PerfModel, traffic: Traffic,
     for vocab in space.draft_vocabs or (0,):
         tokens, ms, rest = _range_sums(space, cells, vocab, model, traffic, capacity)
         empty, reach = _reach_costs(space, cells, vocab, model, traffic, capacity)
+        kept = _kept_cells(space, cells, vocab, traffic, capacity, empty, incumbent)
         seen: set[bytes] = set()
         for allowed in _footprints(space, cells, traffic, capacity, splits):
             choice, goodput = _maximize(tokens, ms, rest, allowed)
             choice, fill = _fill(choice, reach, empty, allowed)
+            keep = (kept >= 0) & allowed[np.arange(len(kept)), np.maximum(kept, 0)]
+            choice, held = np.where(keep, kept, choice), -int(keep.sum())
             # many footprints give the same choice, and one that loses on goodput loses
             # whatever its pages: build and price a policy only for a new contender
             key = choice.tobytes()
-            if key in seen or (best is not None and _better(best[:2] + (0,), (goodput, fill, 0))):
+            if key in seen or (best is not None and _better(best[:3] + (0,), (goodput, fill, held, 0))):
                 continue
             seen.add(key)
             policy = _policy(space, cells, choice, vocab)
             pages, split = _smallest_split(policy, traffic, capacity, splits)
-            if best is None or _better((goodput, fill, pages), best[:3]):
-                best = (goodput, fill, pages, TunedPolicy(policy.rules, policy.crossover, split,
-                                                          draft_vocab=vocab, source="tuner"))
-    return None if best is None else best[3]
+            if best is None or _better((goodput, fill, held, pages), best[:4]):
+                best = (goodput, fill, held, pages, TunedPolicy(
+                    policy.rules, policy.crossover, split, draft_vocab=vocab, source="tuner"))
+    return None if best is None else best[4]
 
 
-def _better(new: tuple[float, float, int], old: tuple[float, float, int]) -> bool:
-    """(goodput, ms per token over the unobserved ranges, pages): higher goodput, then on a
-    tie faster unobserved ranges, then fewer pages (module doc, 3 and 5)."""
+def _better(new: tuple[float, float, int, int], old: tuple[float, float, int, int]) -> bool:
+    """(goodput, ms per token over the unobserved ranges, minus the ranges that keep the
+    incumbent's cell, pages): higher goodput, then on a tie faster unobserved ranges, then
+    more kept ranges, then fewer pages (module doc, 3 and 5)."""
     if new[0] != old[0] and not math.isclose(new[0], old[0], rel_tol=1e-12):
         return new[0] > old[0]
     if new[1] != old[1] and not math.isclose(new[1], old[1], rel_tol=1e-9):
         return new[1] < old[1]
-    return new[2] < old[2]
+    return new[2:] < old[2:]
 
 
 def probe_batches(space: SearchSpace, traffic: Traffic, capacity: Capacity,
@@ -172,6 +182,37 @@ def _reach_costs(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, m
             per_step, step_ms = next(iter(evaluate(one, model, at, capacity).per_batch.values()))
             cost[r, c] = step_ms / per_step
     return empty, cost
+
+
+def _kept_cells(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, traffic: Traffic,
+                capacity: Capacity, filled: np.ndarray,
+                incumbent: TunedPolicy | None) -> np.ndarray:
+    """Per range, the index of the incumbent's cell at its probe batch where the window
+    observed none of its batch sizes and the fill does not price it (beyond the fit's batch
+    span), else -1 (module doc, 5).
+
+    >>> from tuner.config import TunerConfig
+    >>> space = SearchSpace.build(TunerConfig(ranges=(2, 4, 8, 64)), Capacity(64, 16))
+    >>> table = TunedPolicy((BatchRule(4, "ngram", 4), BatchRule(8, "ngram", 2), BatchRule(64)), 8)
+    >>> cells = [("none", 0), ("ngram", 2), ("ngram", 4)]
+    >>> _kept_cells(space, cells, 0, Traffic(1, {1: 1.0}, {}, 1.0, 1), Capacity(64, 16),
+    ...             np.zeros(4, dtype=bool), table).tolist()
+    [-1, 2, 1, 0]
+    """
+    out = np.full(len(space.ranges), -1)
+    if incumbent is None:
+        return out
+    lower = 0
+    for r, upper in enumerate(space.ranges):
+        probe = min(math.isqrt((lower + 1) * upper), capacity.max_batch)
+        observed = any(lower < b <= upper for b in traffic.batch_weights)
+        cell = incumbent.choose(probe)
+        same_vocab = cell[0] != "mtp" or incumbent.draft_vocab == vocab
+        if lower < capacity.max_batch and not observed and not filled[r] and same_vocab \
+                and cell in cells:
+            out[r] = cells.index(cell)
+        lower = upper
+    return out
 
 
 def _fill(choice: np.ndarray, cost: np.ndarray, empty: np.ndarray,

@@ -256,7 +256,7 @@ def run_search(job: SearchJob) -> SearchOutcome:
 
         incumbent = job.incumbent
         sizes = range(1, min(job.capacity.max_batch, MAX_FIGURE_BATCH) + 1)
-        exact = solve_splits(space, model, traffic, job.capacity) if cfg.exact else None
+        exact = solve_splits(space, model, traffic, job.capacity, job.incumbent) if cfg.exact else None
         if exact is not None and not cfg.two_objective and score(exact).feasible:
             method, trials = "exact", _enqueue(study, None, space, [exact, incumbent], cfg.trials)
         else:

@@ -47,18 +47,18 @@ from tuner.traffic import Traffic
 
 
 def solve_splits(space: SearchSpace, model: PerfModel, traffic: Traffic,
-                 capacity: Capacity) -> TunedPolicy | None:
+                 capacity: Capacity, incumbent: TunedPolicy | None = None) -> TunedPolicy | None:
     """The feasible policy of `space` with the highest predicted goodput over its pool splits
     (KV pages only, no TPOT target), or None when none fits; see the module docstring."""
     grid = space.pool_splits() if space.max_pool_split > 0 else [0.0]
     lent = set(capacity.lent_kv) & set(space.techniques)
     if not lent and all(under_split(traffic, capacity, s) is traffic for s in grid):
-        return solve(space, model, traffic, capacity)
+        return solve(space, model, traffic, capacity, incumbent)
     best: tuple[float, TunedPolicy] | None = None
     for split in grid:
         at = dataclasses.replace(capacity, priced_split=split)
         one = dataclasses.replace(space, max_pool_split=split, pool_split_step=split or 1.0)
-        policy = solve(one, model, under_split(traffic, capacity, split), at)
+        policy = solve(one, model, under_split(traffic, capacity, split), at, incumbent)
         if policy is None:
             continue
         policy = dataclasses.replace(policy, pool_split=split)

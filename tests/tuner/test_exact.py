@@ -108,6 +108,7 @@ def test_nothing_fits_gives_none() -> None:
 
 
 def solve_at_batch_1(ranges: tuple[int, ...], rate: float = 0.5, max_batch: int = 1 << 30,
+                     incumbent: TunedPolicy | None = None,
                      **fitted: object) -> tuple[TunedPolicy, PerfModel, Traffic, Capacity]:
     """The fill tests' case: t0 = 10 ms a step, 1 ms a row, every draft position accepted at
     `rate` (PerfModel fields `fitted`, e.g. its batch span); n-gram at depths 1, 2, 4; only
@@ -118,7 +119,7 @@ def solve_at_batch_1(ranges: tuple[int, ...], rate: float = 0.5, max_batch: int 
     traffic = Traffic(steps=100, batch_weights={1: 1.0}, prefill_per_step={}, concurrency=1.0,
                       concurrency_max=1)
     space = SearchSpace.build(TunerConfig(ranges=ranges, max_depth=4), capacity)
-    return solve(space, model, traffic, capacity), model, traffic, capacity
+    return solve(space, model, traffic, capacity, incumbent), model, traffic, capacity
 
 
 def test_ranges_without_traffic_take_their_fastest_cell() -> None:
@@ -147,6 +148,25 @@ def test_no_range_is_filled_beyond_the_batch_sizes_the_fit_saw() -> None:
     assert [(r.technique, r.depth) for r in policy.rules] == [
         ("ngram", 2), ("ngram", 1), ("none", 0), ("none", 0), ("none", 0)]
     assert policy.crossover == 4
+
+
+def test_a_range_beyond_the_fit_keeps_the_serving_policys_cell() -> None:
+    """Fitted on batch 1-4 only, with the batch-size table serving (n-gram@4 up to batch 8,
+    @1 up to 16, nothing above): the ranges beyond the fit keep the table's cells, the
+    observed and filled ones are solved as before, the predicted goodput unchanged. A cell
+    the space lacks (depth 3) is not kept."""
+    table = TunedPolicy((BatchRule(8, "ngram", 4), BatchRule(16, "ngram", 1), BatchRule(64)), 16)
+    policy, model, traffic, capacity = solve_at_batch_1((2, 4, 8, 16, 64), batch_span=(1, 4),
+                                                        incumbent=table)
+    assert [(r.technique, r.depth) for r in policy.rules] == [
+        ("ngram", 2), ("ngram", 1), ("ngram", 4), ("ngram", 1), ("none", 0)]
+    assert policy.crossover == 16
+    bare, *_ = solve_at_batch_1((2, 4, 8, 16, 64), batch_span=(1, 4))
+    assert evaluate(policy, model, traffic, capacity).goodput == pytest.approx(
+        evaluate(bare, model, traffic, capacity).goodput, rel=1e-12)
+    odd = TunedPolicy((BatchRule(64, "ngram", 3),), 64)
+    kept, *_ = solve_at_batch_1((2, 4, 8, 16, 64), batch_span=(1, 4), incumbent=odd)
+    assert [(r.technique, r.depth) for r in kept.rules][2:] == [("none", 0)] * 3
 
 
 def test_no_range_is_filled_with_a_step_larger_than_the_fit_saw() -> None:
