@@ -70,10 +70,6 @@ PRIOR_OFFERS = 5.0
 """Strength of the beta prior, in offers: a rate measured on that many is half prior, half data."""
 NEUTRAL_RATE = 0.5
 """The prior where no pool has seen the position (only while nothing at all was measured)."""
-UNSEEN = "*"
-"""The tenant a hedged traffic mix gives the rows of tenants the fit window did not see
-(tuner.traffic.Traffic.hedged): the model credits it with no acceptance (PerfModel.factor_of).
-No API key's tenant is named so (daemon.tenants.admin_ops.NAME_PATTERN)."""
 MAX_RATE = 0.99
 TENANT_FACTOR_RANGE = (0.25, 2.0)
 DEPTH_FACTOR_RANGE = (0.25, 4.0)

@@ -63,11 +63,6 @@ class TunerConfig:
     tenant_min_gain: float = field(default=0.03, metadata=between(0.0, 1.0))
     """Per-tenant rules are chosen only when their predicted goodput beats the best
     single-rule policy's by more than this share (a margin against the model's error)."""
-    unseen_share: float = field(default=0.1, metadata=between(0.0, 0.9))
-    """Share of the traffic's rows the search prices as a tenant the window has not seen
-    (no acceptance credit; tuner.traffic.Traffic.hedged): a policy is chosen for the mix
-    that comes next as well as the one observed, so the rows a window never showed (a new
-    tenant's, a phase change's) are not drafted deep on another tenant's acceptance."""
     tenant_trials: int = field(default=64, metadata=between(1, 2000))
     """TPE trials of the per-tenant search when its space is too large to enumerate."""
     tenant_exact_limit: int = field(default=1024, metadata=between(1, 1 << 20))

@@ -90,7 +90,6 @@ import numpy as np
 from engine.types import StepStats
 from tuner.acceptance import (
     MAX_RATE,
-    UNSEEN,
     drafted,
     fit_acceptance,
     fit_depth_factors,
@@ -280,19 +279,17 @@ class PerfModel:
         technique never measured earns nothing. Factor 1 (or the lowest measured factor)
         would credit new tenants with the rates of whichever tenants happened to be
         measured, e.g. a copy-heavy one. With no tenant measured at all, the pooled rates
-        are all there is about anyone: factor 1. UNSEEN (a hedged mix's rows of tenants the
-        window did not see) always gets 0.
+        are all there is about anyone: factor 1.
 
         >>> PerfModel(target=(1, 0, 0, 0, 0), tenant_factor={"copy": 1.0}).factor_of("chat")
         0.0
-        >>> m = PerfModel(target=(1, 0, 0, 0, 0))
-        >>> m.factor_of("chat"), m.factor_of(UNSEEN)
-        (1.0, 0.0)
+        >>> PerfModel(target=(1, 0, 0, 0, 0)).factor_of("chat")
+        1.0
         """
         known = self.tenant_factor.get(tenant)
         if known is not None:
             return known
-        return 0.0 if self.tenant_factor or tenant == UNSEEN else 1.0
+        return 0.0 if self.tenant_factor else 1.0
 
     def share(self, technique: str, tenant: str | None = None, draft_vocab: int = 0) -> float:
         """Share of decode rows that draft (the tenant's own when measured, else pooled, else 1)."""

@@ -9,9 +9,9 @@ or a thread (tests). Data flow:
    steps of every other instance sharing the database.
 2. Fit the PerfModel (error held out) on this instance's steps, refit its
    acceptance (rates, shares, depth factors) on every instance's steps
-   (`pool_acceptance`: it follows model, heads and text, not hardware),
-   recall rates of techniques the window barely ran (`remembering`); observe
-   the last `traffic_window_s`' Traffic, priced hedged (`Traffic.hedged`).
+   (`pool_acceptance`: it follows model, heads and text, not hardware) and
+   recall older per-tenant rates of techniques the window barely ran
+   (`PerfModel.remembering`); observe the last `traffic_window_s`' Traffic.
 3. Open the study in the same database (RDB storage, `load_if_exists`), its
    name carrying the space's fingerprint (and a generation number once a
    study holds `max_study_trials`); the sampler's seed, when one is
@@ -234,7 +234,8 @@ def warm_up(db_url: str | None = None) -> int:
 
 def run_search(job: SearchJob) -> SearchOutcome:
     """See the module docstring."""
-    start, cfg = time.perf_counter(), job.config
+    start = time.perf_counter()
+    cfg = job.config
     steps, requests, vocab_of, older, others = _read(job)
     buckets = padding_of(job.capacity)
     model, report = PerfModel.fit_with_report(steps, requests, vocab_of, buckets=buckets,
@@ -243,7 +244,6 @@ def run_search(job: SearchJob) -> SearchOutcome:
     model = model.remembering(steps, older, vocab_of)
     traffic = observe_recent(steps, requests, job.until - cfg.traffic_window_s,
                              cfg.concurrency_quantile)
-    planned = traffic.hedged(cfg.unseen_share)
     space = SearchSpace.build(cfg, job.capacity)
     storage = make_storage(job.db_url)
     try:
@@ -251,17 +251,17 @@ def run_search(job: SearchJob) -> SearchOutcome:
                                     cfg.max_study_trials)
         study = open_study(storage, name, cfg.two_objective, cfg.seed)
 
-        def score(policy: TunedPolicy, on: Traffic = planned) -> Evaluation:
+        def score(policy: TunedPolicy, on: Traffic = traffic) -> Evaluation:
             return evaluate(policy, model, on, job.capacity, cfg.tpot_p95_ms)
 
         incumbent = job.incumbent
         sizes = range(1, min(job.capacity.max_batch, MAX_FIGURE_BATCH) + 1)
-        exact = solve_splits(space, model, planned, job.capacity, job.incumbent) if cfg.exact else None
+        exact = solve_splits(space, model, traffic, job.capacity, job.incumbent) if cfg.exact else None
         if exact is not None and not cfg.two_objective and score(exact).feasible:
             method, trials = "exact", _enqueue(study, None, space, [exact, incumbent], cfg.trials)
         else:
             donor = optuna.load_study(study_name=previous, storage=storage) if previous else study
-            _enqueue(study, donor, space, [incumbent, greedy_policy(space, score, planned), exact],
+            _enqueue(study, donor, space, [incumbent, greedy_policy(space, score, traffic), exact],
                      cfg.trials)
             method, trials = "tpe", cfg.trials
         told = [_one_trial(study, space, score, job.retune_id) for _ in range(trials)]
@@ -271,7 +271,7 @@ def run_search(job: SearchJob) -> SearchOutcome:
         tenants = None
         if chosen is not None and cfg.tenant_rules and not cfg.two_objective:
             ruled, record = add_tenant_rules(
-                chosen, space, model, planned, job.capacity, tpot_target_ms=cfg.tpot_p95_ms,
+                chosen, space, model, traffic, job.capacity, tpot_target_ms=cfg.tpot_p95_ms,
                 min_gain=cfg.tenant_min_gain, exact_limit=cfg.tenant_exact_limit,
                 trials=cfg.tenant_trials, seed=cfg.seed)
             tenants = record.to_dict()

@@ -30,13 +30,6 @@ the best policy may draft deep for one tenant and not at all for another.
    that draft nothing too unless a segmented verify runs them as a plain
    segment, tuner.mixed; each proposer's fixed cost is paid once), so the
    objective is not a sum over tenants.
-   Where the traffic is hedged (Traffic.hedged: a share of rows from tenants
-   the window did not see), the search runs a second time on the base with
-   every batch rule at "none": the rows of unseen tenants then decode plainly
-   and each measured tenant drafts by its own rule, where the base would
-   have drafted for them all on the measured tenants' acceptance. Such a
-   candidate needs no margin (4): what it gains is the unseen rows' plain
-   decoding, not a bet on the model's pricing of one tenant against another.
 4. The best feasible candidate is kept only when its predicted goodput beats
    the base's by more than `min_gain` (a margin against the model's error:
    considering tenant rules must not cost goodput where they do not pay);
@@ -59,7 +52,6 @@ from typing import Any
 import optuna
 
 from engine.policy import BatchRule, TenantRule, TunedPolicy
-from tuner.acceptance import UNSEEN
 from tuner.capacity import under_split
 from tuner.mixed import Pricer
 from tuner.model import PerfModel
@@ -148,29 +140,23 @@ def add_tenant_rules(base: TunedPolicy, space: SearchSpace, model: PerfModel, tr
         info.seconds = round(time.perf_counter() - start, 4)
         return base, info
 
-    def search(under: TunedPolicy) -> tuple[float, TunedPolicy, Evaluation]:
-        def value(choice: Sequence[Option]) -> tuple[float, TunedPolicy, Evaluation]:
-            policy, ev = score(with_tenants(under, dict(zip(tenants, choice))))
-            return (ev.goodput if ev.feasible else -math.inf), policy, ev
-
-        if info.space <= exact_limit:
-            info.method = "exact"
-            return max((value(c) for c in itertools.product(*lists)), key=lambda v: v[0])
-        info.method = "tpe"
-        return _tpe(tenants, lists, value, _ascent(lists, value), trials, seed)
+    def value(choice: Sequence[Option]) -> tuple[float, TunedPolicy, Evaluation]:
+        policy, ev = score(with_tenants(base, dict(zip(tenants, choice))))
+        return (ev.goodput if ev.feasible else -math.inf), policy, ev
 
     lists = [options[t] for t in tenants]
-    best, margin = search(base), min_gain
-    if any(UNSEEN in at_split.mix_at(b) for b in at_split.batch_weights) and base.crossover:
-        quiet = search(dataclasses.replace(base, rules=tuple(BatchRule(r.max_batch) for r in base.rules),
-                                           crossover=0))
-        if quiet[0] > best[0] * (1 + 1e-9):
-            best, margin = quiet, 0.0  # its gain is on the rows no tenant rule drafts for
+    if info.space <= exact_limit:
+        info.method = "exact"
+        best = max((value(c) for c in itertools.product(*lists)), key=lambda v: v[0])
+    else:
+        info.method = "tpe"
+        ascent = _ascent(lists, value)
+        best = _tpe(tenants, lists, value, ascent, trials, seed)
     goodput, policy, _ = best
     if math.isfinite(goodput):
         info.tenant_goodput = goodput
         info.rules = [dataclasses.asdict(r) for r in policy.tenants]
-    info.chosen = bool(policy.tenants) and goodput > single.goodput * (1.0 + margin)
+    info.chosen = bool(policy.tenants) and goodput > single.goodput * (1.0 + min_gain)
     info.seconds = round(time.perf_counter() - start, 4)
     return (policy if info.chosen else base), info
 
@@ -187,8 +173,7 @@ def _wider_split(space: SearchSpace, capacity: Capacity, split: float, pages: in
 def candidate_tenants(traffic: Traffic, capacity: Capacity) -> list[str]:
     """Tenants with at least MIN_SHARE of the mix (rows, or tokens) at batch sizes that may
     speculate, weighted by each batch size's share of the tokens; the largest first (at most
-    MAX_TENANTS); never UNSEEN, a hedged mix's rows of tenants the window did not see, which
-    the batch rules serve.
+    MAX_TENANTS).
 
     >>> t = Traffic(1, {1: 0.5, 64: 0.5}, {}, 1.0, 64, token_weights={1: 0.2, 64: 0.8},
     ...             bucket_mix={1: {"a": 0.9, "b": 0.1}, 64: {"c": 1.0}})
@@ -202,8 +187,7 @@ def candidate_tenants(traffic: Traffic, capacity: Capacity) -> list[str]:
             for tenant, w in traffic.mix_at(batch).items():
                 weight[tenant] = weight.get(tenant, 0.0) + share * w
     total = sum(weight.values())
-    ranked = sorted((t for t, w in weight.items()
-                     if total and w / total >= MIN_SHARE and t != UNSEEN),  # the batch rules are its
+    ranked = sorted((t for t, w in weight.items() if total and w / total >= MIN_SHARE),
                     key=lambda t: (-weight[t], t))
     return ranked[:MAX_TENANTS]
 

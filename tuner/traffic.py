@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.types import StepStats
-from tuner.acceptance import UNSEEN
 from tuner.data import RequestRow
 
 HIGH_FOOTPRINT = 0.9
@@ -91,30 +90,6 @@ class Traffic:
             return self.token_weights
         total = sum(b * w for b, w in self.batch_weights.items())
         return {b: b * w / total for b, w in self.batch_weights.items()}
-
-    def hedged(self, share: float) -> Traffic:
-        """This traffic with `share` of every tenant mix given to UNSEEN, the rows of tenants
-        the window did not see. The model credits that tenant with no acceptance
-        (PerfModel.factor_of), so a policy priced on the hedged mix drafts
-        for the tenants it measured and pays for drafting on rows it knows nothing about: a
-        retune fitted while one copy tenant filled the window put n-gram@8 on every row at
-        batch 1-2, and a prose tenant's requests then ran under it at 0.5x plain decoding
-        until a later search replaced it (bench/README.md). A traffic without tenants is
-        returned as it is.
-
-        >>> t = Traffic(1, {1: 1.0}, {}, 1.0, 1, tenant_mix={"copy": 1.0}, bucket_mix={1: {"copy": 1.0}})
-        >>> h = t.hedged(0.1)
-        >>> h.tenant_mix, h.bucket_mix
-        ({'copy': 0.9, '*': 0.1}, {1: {'copy': 0.9, '*': 0.1}})
-        """
-        if share <= 0 or not self.tenant_mix:
-            return self
-
-        def blend(mix: dict[str, float]) -> dict[str, float]:
-            return {**{t: w * (1.0 - share) for t, w in mix.items()}, UNSEEN: share} if mix else mix
-
-        return dataclasses.replace(self, tenant_mix=blend(self.tenant_mix),
-                                   bucket_mix={b: blend(m) for b, m in self.bucket_mix.items()})
 
     def probe(self, batch: int) -> Traffic:
         """This traffic as if all of it ran at `batch`, a size it was not seen at: the tenant

@@ -165,9 +165,9 @@ def test_a_technique_the_window_never_ran_keeps_its_tenants_acceptance(
     run = lambda: run_search(SearchJob(db_url, config, CAPACITY, NEVER, since=now - 61.0,
                                        until=now + 1))
     out = run()
-    assert "ngram|copy" in out.model["acceptance"] and out.best.choose_row(4, "copy")[0] == "ngram", out.model
+    assert "ngram|copy" in out.model["acceptance"] and out.best.choose(4)[0] == "ngram", out.model
     assert out.predicted["goodput"] > 1.2 * out.incumbent["goodput"]
     monkeypatch.setattr("tuner.model.PerfModel.remembering", lambda self, *a: self)
     forgot = run()
     assert not any(k.startswith("ngram") for k in forgot.model["acceptance"])
-    assert forgot.best is None or forgot.best.choose_row(4, "copy")[0] == "none"
+    assert forgot.best is None or forgot.best.choose(4)[0] == "none"

@@ -176,9 +176,7 @@ def test_a_retune_search_records_per_tenant_decisions(db, db_url: str) -> None:
     assert outcome.best.choose_row(1, "copy") == ("ngram", 4)
     assert outcome.best.choose_row(1, "prose") == ("none", 0)
     assert outcome.predicted["goodput"] == pytest.approx(record["tenant_goodput"], rel=1e-6)
-    # either prose gets "none" beside a drafting batch rule, or copy its own draft beside
-    # batch rules of "none" (the hedged mix's other variant: tuner.tenants, module doc 3)
-    assert {r["tenant"] for r in record["rules"]} & {"copy", "prose"}
+    assert "prose" in {r["tenant"] for r in record["rules"]}  # copy may follow the batch rule
     # without tenant rules the same search keeps one rule for both
     plain = run_search(dataclasses.replace(job, config=dataclasses.replace(FAST, tenant_rules=False)))
     assert plain.tenants is None and not plain.best.tenants
@@ -218,25 +216,3 @@ def test_tenant_rules_that_need_more_verify_slots_get_a_wider_split() -> None:
     assert ruled.pool_split == 0.1
     ev = evaluate(ruled, MODEL, traffic, cap)
     assert ev.feasible and ev.spec_pages_needed > 5
-
-
-def test_a_hedged_mix_drafts_for_the_measured_tenant_and_not_for_rows_it_never_saw() -> None:
-    """A window of the copy tenant alone at batch 1: its best single policy drafts n-gram@4 on
-    every row. Hedged (a tenth of the rows from tenants the window did not see, which earn
-    nothing from drafting once any tenant is measured), the search also tries the base with
-    every batch rule at "none": copy keeps drafting by its own rule, every other tenant's rows
-    decode plainly, as a prose tenant arriving next is best served. Unhedged, the base stays.
-    A row costs 2 ms a position here, so a depth-4 step costs 1.7x a plain one (n-gram@8 at
-    batch 1 on this CPU: 1.6x)."""
-    model = dataclasses.replace(MODEL, target=(10.0, 0.0, 0.0, 2.0, 0.0))
-    copy_only = mixed({1: 1.0}, {"copy": 1.0})
-    base = best_single(copy_only, model)
-    assert base.choose(1)[0] == "ngram"
-    plain, _ = add_tenant_rules(base, SearchSpace.build(CONFIG, CAP), model, copy_only, CAP)
-    assert plain is base
-    hedged = copy_only.hedged(0.1)
-    policy, info = add_tenant_rules(best_single(hedged, model), SearchSpace.build(CONFIG, CAP),
-                                    model, hedged, CAP)
-    assert info.chosen and policy.choose_row(1, "copy")[0] == "ngram", info
-    assert policy.choose_row(1, "prose") == ("none", 0) and policy.choose_row(1, "new") == ("none", 0)
-    assert evaluate(policy, model, hedged, CAP).goodput > 1.03 * evaluate(base, model, hedged, CAP).goodput
