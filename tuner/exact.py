@@ -202,16 +202,11 @@ def _kept_cells(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, tr
     out = np.full(len(space.ranges), -1)
     if incumbent is None:
         return out
-    lower = 0
-    for r, upper in enumerate(space.ranges):
-        probe = min(math.isqrt((lower + 1) * upper), capacity.max_batch)
-        observed = any(lower < b <= upper for b in traffic.batch_weights)
+    for r, probe in probe_batches(space, traffic, capacity).items():
         cell = incumbent.choose(probe)
         same_vocab = cell[0] != "mtp" or incumbent.draft_vocab == vocab
-        if lower < capacity.max_batch and not observed and not filled[r] and same_vocab \
-                and cell in cells:
+        if not filled[r] and same_vocab and cell in cells:
             out[r] = cells.index(cell)
-        lower = upper
     return out
 
 

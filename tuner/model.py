@@ -81,7 +81,6 @@ tuner.acceptance, whose docstring says how and why:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
@@ -215,8 +214,7 @@ class PerfModel:
         barely ran, fitted on their `older` steps (tuner.acceptance.remembered)."""
         acceptance, share, depth = remembered(recent, older, vocab_of, self.acceptance,
                                               self.draft_share, self.depth_factor)
-        return dataclasses.replace(self, acceptance=acceptance, draft_share=share,
-                                   depth_factor=depth)
+        return replace(self, acceptance=acceptance, draft_share=share, depth_factor=depth)
 
     # -- predictions ----------------------------------------------------------
     def predict_step_ms(self, technique: str, depth: int, batch: float, prefill: float = 0.0,

@@ -38,7 +38,7 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_target(steps: Sequence[StepStats],
-                buckets: Padding) -> tuple[tuple[float, ...], float, tuple[float, float]]:
+               buckets: Padding) -> tuple[tuple[float, ...], float, tuple[float, float]]:
     """((t0, t1, t2 = 0, t3, t4), t5, (s0, s1)): the target forward, its convex rows term and
     the sampling terms, each step at the rows it ran (Padding.ran: B*q, or Bp + Bv*q for a
     segmented verify)."""
