@@ -34,7 +34,6 @@ from engine.kv import KVPool, SeqPages
 from engine.layer_draft import (
     DRAFT_VOCABS,
     _identity_head,
-    _layer_jobs,
     _LayerDrafter,
     _layers_draft,
     _spec_buckets,
@@ -229,11 +228,11 @@ class DraftModelProposer(_LayerDrafter):
         arrays = 0 if self.lends or not hasattr(self, "runner") else self.runner.kv.nbytes()
         return own + arrays + _tree_bytes(self._head) + self.slices.nbytes()
 
-    def compile_jobs(self) -> list:
+    def _job_shapes(self):
         """The draft chain's shapes and the catch-up prefill's, over the pools it writes."""
         rc = self.runner.rc
         prefills = [(1, t, c) for t, c in prefill_shapes(rc.prefill_buckets, rc.spec_contexts)]
-        return _layer_jobs(self, self.runner, self._chain_shapes(self.runner) + prefills)
+        return self.runner, self._chain_shapes(self.runner) + prefills
 
 
 def _page_bytes(cfg: ModelConfig, rc: RunnerConfig, kind: str) -> int:

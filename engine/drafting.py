@@ -41,7 +41,7 @@ import numpy as np
 from engine.compiles import abstract
 from engine.draft_model import DraftModelProposer
 from engine.heads import DraftHeads, Head, apply_chain_head, apply_head, token_features
-from engine.layer_draft import DRAFT_VOCABS, _layer_jobs, _LayerDrafter, _spec_buckets, _VocabSlices
+from engine.layer_draft import DRAFT_VOCABS, _LayerDrafter, _spec_buckets, _VocabSlices
 from engine.policy import TunedPolicy
 from engine.proposers import Proposer
 from engine.runner import bucket
@@ -159,6 +159,17 @@ class MtpProposer(Proposer):
 
         return [partial(job, b, n, k) for b in self._buckets for n in self.vocab_sizes for k in ks]
 
+    def first_run_jobs(self) -> list:
+        """Each shape of `compile_jobs` run once on zeros, as `propose` calls it (engine/first_runs.py)."""
+        ks = sorted({len(self._heads_for(k)) for k in range(1, self.max_depth + 1)})
+
+        def run(b: int, n: int, k: int) -> None:
+            emb, ids = self.slices.get(n)
+            h = jnp.asarray(np.zeros((b, self._d), np.float32), self._dtype)
+            np.asarray(self._draft(self.heads[:k], h, np.zeros((b,), np.int32), emb, ids))
+
+        return [partial(run, b, n, k) for b in self._buckets for n in self.vocab_sizes for k in ks]
+
     def warmup(self, progress: bool = True) -> None:
         for job in self.compile_jobs():
             job()
@@ -194,9 +205,9 @@ class EarlyExitProposer(_LayerDrafter):
     def resident_bytes(self) -> int:
         return self.head_bytes + self.slices.nbytes()
 
-    def compile_jobs(self) -> list:
+    def _job_shapes(self):
         """The draft chain's shapes over the target's pools."""
-        return _layer_jobs(self, self._core.runner, self._chain_shapes(self._core.runner))
+        return self._core.runner, self._chain_shapes(self._core.runner)
 
 
 def add_model_proposers(core, heads: DraftHeads, techniques=("mtp", "early_exit", "draft"),

@@ -13,9 +13,11 @@ A shape still compiling in the background is skipped until it is compiled (runni
 compile it on the engine thread); a mixed call (engine/mixed.py) waits until both its
 segments' plain shapes are usable unpadded, as serving does (warmup compiles it before them);
 verify shapes wait until a technique is ready, segmented verifies (engine/segments.py) until
-theirs are compiled. A shape serving already ran may run once more
-here: harmless, and cheaper than tracking every call. Proposers' own executables (MTP heads,
-layer drafts, the draft model) are not run here.
+theirs are compiled. Proposers' own executables (MTP heads, the early-exit and draft-model
+layer stacks and the draft model's catch-up prefill: each proposer's `first_run_jobs`) run
+last, once their technique is ready, so the first step that drafts with one at a batch bucket
+does not pay for it either. A shape serving already ran may run once more here: harmless, and
+cheaper than tracking every call.
 """
 
 from __future__ import annotations
@@ -44,8 +46,11 @@ class FirstRuns:
         mixed = sorted(mixed_shapes(runner.rc), key=lambda s: (s[0] + s[1] * s[2], s[3]))
         spec = sorted(runner.verify_shapes(), key=lambda s: (s[0] * s[1], s[2])) if core.proposers else []
         segments = sorted(segment_shapes(runner.rc), key=lambda s: s[0] + s[1] * s[2]) if core.proposers else []
+        self.jobs = {name: getattr(p, "first_run_jobs", list)() for name, p in core.proposers.items()}
+        own = [(name, (i,)) for name, jobs in self.jobs.items() for i in range(len(jobs))]
         self.left: list[tuple[str, Shape]] = ([("plain", s) for s in plain] + [("mixed", s) for s in mixed]
-                                              + [("verify", s) for s in spec] + [("segments", s) for s in segments])
+                                              + [("verify", s) for s in spec] + [("segments", s) for s in segments]
+                                              + own)
 
     def run_one(self) -> bool:
         """Run the cheapest shape not yet run that is compiled; whether one ran."""
@@ -71,6 +76,9 @@ class FirstRuns:
         return n
 
     def _compiled(self, kind: str, shape: Shape) -> bool:
+        if kind in self.jobs:  # a proposer's shape: compiled once its technique is ready
+            warm = self.core.spec_warmup
+            return warm is not None and warm.status().get(kind) == "ready"
         if kind == "segments":
             return shape in self.core.runner.segments_ready
         if kind == "verify":
@@ -83,6 +91,9 @@ class FirstRuns:
         return usable is None or shape in usable
 
     def _run(self, kind: str, shape: Shape) -> None:
+        if kind in self.jobs:
+            self.jobs[kind][shape[0]]()
+            return
         runner = self.core.runner
         if kind == "mixed":
             calls = new_mixed_calls(runner, *shape)

@@ -92,6 +92,23 @@ def _layer_jobs(drafter: _LayerDrafter, runner: ModelRunner, shapes: list[tuple[
     return [partial(job, *s) for s in shapes]
 
 
+def _layer_first_runs(drafter: _LayerDrafter, runner: ModelRunner, shapes: list[tuple[int, int, int]]) -> list:
+    """Thunks running `drafter`'s layer stack and its KV write once at each shape `_layer_jobs`
+    compiles, on the scratch page (all-zero page tables: engine/first_runs.py)."""
+    ring, page = runner.rc.ring_pages, runner.rc.page_size
+
+    def run(b: int, t: int, c: int) -> None:
+        call = runner.new_call(b, t, c, spec=True)
+        call.n_new[:] = t
+        batch = call.batch()
+        tokens, new_kv = _layers_draft(drafter.dcfg, ring, drafter.dparams, drafter.head, drafter.emb,
+                                       drafter.ids, runner.kv, batch)
+        runner.kv = _write(ring, runner.kv, write_batch(batch, page, ring), new_kv)
+        np.asarray(tokens)
+
+    return [partial(run, *s) for s in shapes]
+
+
 class _LayerDrafter(Proposer):
     """Shared by early exit and the draft model: an autoregressive layer-stack chain."""
 
@@ -125,6 +142,18 @@ class _LayerDrafter(Proposer):
 
     def _chain_shapes(self, runner: ModelRunner) -> list[tuple[int, int, int]]:
         return [(b, 1, c) for b in self._buckets for c in runner.rc.spec_contexts]
+
+    def _job_shapes(self) -> tuple[ModelRunner, list[tuple[int, int, int]]]:
+        """The runner whose pools the layer stack reads and writes, and every (batch, new tokens,
+        context) it runs at."""
+        raise NotImplementedError
+
+    def compile_jobs(self) -> list:
+        return _layer_jobs(self, *self._job_shapes())
+
+    def first_run_jobs(self) -> list:
+        """Each compiled shape run once (engine/first_runs.py)."""
+        return _layer_first_runs(self, *self._job_shapes())
 
     def warmup(self, progress: bool = True) -> None:
         for job in self.compile_jobs():

@@ -11,7 +11,7 @@ from engine.compiles import compile_count
 from engine.policy import BatchRule, TunedPolicy
 from engine.scheduler import mixed_shapes
 from engine.types import SamplingParams
-from tests.engine.conftest import make_engine, run_prompts
+from tests.engine.conftest import SPEC_RC, make_engine, run_prompts
 
 RC = dict(batch_buckets=(1, 2), context_buckets=(32, 128), verify_tokens=(3,), spec_max_batch=2)
 SP = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -99,3 +99,31 @@ def test_mixed_calls_run_once_too_without_compiling_or_changing_outputs(tiny, mo
     assert mixed and sorted(s for k, s in ran if k == "mixed") == sorted(mixed)
     assert compile_count() == before and e.pool.used == 0
     assert run_prompts(e, PROMPTS, SP)[0] == plain and e.compiles_since_warmup() == 0
+
+
+def test_proposers_shapes_run_once_without_compiling_or_changing_outputs(tiny, monkeypatch):
+    """MTP heads, the early-exit and draft-model layer stacks: each shape their warmup compiled
+    runs once (on the scratch page of the pools they write), and drafting afterwards compiles
+    nothing and decodes what plain decoding does."""
+    from engine.drafting import add_model_proposers
+    from engine.heads import DraftHeads
+
+    rc = {**SPEC_RC, "verify_tokens": (3, 5), "spec_max_batch": 2, "batch_buckets": (1, 2),
+          "context_buckets": (32, 128)}
+    plain = run_prompts(make_engine(tiny, **rc), PROMPTS, SP)[0]
+    e = make_engine(tiny, **rc)
+    add_model_proposers(e, DraftHeads.random(tiny[0], 4, (2,), 128, seed=1, scale=0.3), vocab_sizes=(0, 128))
+    e.warmup(progress=False)
+    ran = _ran(monkeypatch)
+    before = compile_count()
+    e.first_runs.run_all()
+    own = {name: len(jobs) for name, jobs in e.first_runs.jobs.items()}
+    assert own["mtp"] and own["early_exit"] and own["draft"] and own["ngram"] == 0
+    assert {k: sum(r[0] == k for r in ran) for k in own if own[k]} == {k: n for k, n in own.items() if n}
+    assert compile_count() == before and e.pool.used == 0 and e.first_runs.left == []
+    for technique in ("mtp", "early_exit", "draft"):
+        e.set_policy(TunedPolicy(rules=(BatchRule(64, technique, 2),), crossover=64, pool_split=0.2,
+                                 version=len(technique)))
+        out, stats = run_prompts(e, PROMPTS, SP)
+        assert out == plain and any(s.technique == technique for s in stats), technique
+    assert e.compiles_since_warmup() == 0 and e.pool.used == 0
