@@ -144,9 +144,13 @@ class MtpProposer(Proposer):
     def resident_bytes(self) -> int:
         return self.head_bytes + self.slices.nbytes()
 
-    def compile_jobs(self) -> list:
-        """One thunk per (batch, draft vocabulary, heads run) `propose` may use."""
+    def _job_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (batch, draft vocabulary, heads run) `propose` may use."""
         ks = sorted({len(self._heads_for(k)) for k in range(1, self.max_depth + 1)})
+        return [(b, n, k) for b in self._buckets for n in self.vocab_sizes for k in ks]
+
+    def compile_jobs(self) -> list:
+        """One thunk per shape of `_job_shapes`."""
         heads, embed = abstract(self.heads), abstract(self.embed)
 
         def job(b: int, n: int, k: int) -> None:
@@ -157,18 +161,17 @@ class MtpProposer(Proposer):
             else:
                 _mtp_draft.lower(heads[:k], h, emb, ids).compile()
 
-        return [partial(job, b, n, k) for b in self._buckets for n in self.vocab_sizes for k in ks]
+        return [partial(job, *s) for s in self._job_shapes()]
 
     def first_run_jobs(self) -> list:
-        """Each shape of `compile_jobs` run once on zeros, as `propose` calls it (engine/first_runs.py)."""
-        ks = sorted({len(self._heads_for(k)) for k in range(1, self.max_depth + 1)})
+        """Each shape of `_job_shapes` run once on zeros, as `propose` calls it (engine/first_runs.py)."""
 
         def run(b: int, n: int, k: int) -> None:
             emb, ids = self.slices.get(n)
             h = jnp.asarray(np.zeros((b, self._d), np.float32), self._dtype)
             np.asarray(self._draft(self.heads[:k], h, np.zeros((b,), np.int32), emb, ids))
 
-        return [partial(run, b, n, k) for b in self._buckets for n in self.vocab_sizes for k in ks]
+        return [partial(run, *s) for s in self._job_shapes()]
 
     def warmup(self, progress: bool = True) -> None:
         for job in self.compile_jobs():
