@@ -365,30 +365,42 @@ def distribution(seconds: list[float | None]) -> dict[str, float | None]:
 
 
 class CpuMeter:
-    """Share of the machine's CPU time that other processes used since it was made."""
+    """Share of the machine's CPU time that other processes used since it was made, and
+    `steal()`: the share the hypervisor gave to other machines while ours wanted it (a VM's
+    steal time, which "other processes" includes: /proc/stat counts it busy)."""
 
     def __init__(self) -> None:
         self._start = _cpu_sample()
 
     def share(self) -> float | None:
+        return self._share(0)
+
+    def steal(self) -> float | None:
+        return self._share(3)
+
+    def _share(self, which: int) -> float | None:
         end = _cpu_sample()
         if self._start is None or end is None:
             return None
-        busy, own, wall = (b - a for a, b in zip(self._start, end, strict=True))
+        busy, own, wall, steal = (b - a for a, b in zip(self._start, end, strict=True))
         capacity = wall * (os.cpu_count() or 1)
-        return round(max(0.0, busy - own) / capacity, 3) if capacity > 0 else None
+        used = max(0.0, busy - own) if which == 0 else steal
+        return round(used / capacity, 3) if capacity > 0 else None
 
 
-def _cpu_sample() -> tuple[float, float, float] | None:
-    """(seconds of busy CPU machine-wide, this process's CPU seconds, wall seconds)."""
+def _cpu_sample() -> tuple[float, float, float, float] | None:
+    """(seconds of busy CPU machine-wide, this process's CPU seconds, wall seconds, seconds
+    of steal machine-wide)."""
     try:
         with open("/proc/stat") as f:
             ticks = [int(x) for x in f.readline().split()[1:]]
     except (OSError, ValueError):
         return None
-    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle, iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / hz  # all but idle, iowait
+    steal = ticks[7] / hz if len(ticks) > 7 else 0.0
     own = os.times()
-    return busy, own.user + own.system, time.perf_counter()
+    return busy, own.user + own.system, time.perf_counter(), steal
 
 
 # ---- setup ----------------------------------------------------------------------

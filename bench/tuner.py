@@ -544,16 +544,18 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
                 wall = time.perf_counter()
                 streams, bounds = await replay(client, phases, arrivals, name, cfg.drain)
                 search_cpu = _children_cpu(children)
-                share = meter.share()
+                share, steal = meter.share(), meter.steal()
                 capacity = (time.perf_counter() - wall) * (os.cpu_count() or 1)
                 contention = {  # the search process is this bench's own, not "other"
                     "other_processes_cpu_share":
                         None if share is None else round(max(0.0, share - search_cpu / capacity), 3),
+                    "steal_share": steal,
                     "search_process_cpu_s": round(search_cpu, 2),
                     "compiles_during_trace": _compiles(engine) - compiles}
                 if (contention["other_processes_cpu_share"] or 0.0) > 0.1:
                     _log(f"{name}: other processes took {contention['other_processes_cpu_share']:.0%} "
-                         "of the CPU during the trace: its figures are not comparable")
+                         f"of the CPU during the trace (the hypervisor's steal {steal or 0:.0%} of it): "
+                         "its figures are not comparable")
                 probe = (await _probe(client, cfg, tuner, arrivals)
                          if policy is None and cfg.probe_retunes else None)
                 history = await asyncio.to_thread(read_history, database, bounds[0][0])

@@ -43,6 +43,13 @@
 5. The PNG (bench.plots.tuner_plot): goodput bars per phase and whole trace
    for every policy, then the ratios as bars with their targets marked (the
    oracle's in grey).
+6. `drift`: how fast the machine was in each run and phase (bench.drift: a
+   speed index from the steps of shapes that several runs share), the
+   goodputs and ratios with every step's time divided by its stretch's
+   index (with --repeats, medians over the rounds as above; each round's
+   indexes in `rounds`), and `search_slowdown`: the autotuned run's steps
+   while a retune searched over those while none did. A diagnostic of the
+   shared machine's drift; the targets are judged on the measured figures.
 """
 
 from __future__ import annotations
@@ -83,12 +90,35 @@ def summarize(cfg: Any, engine: Any, phases: list[Any], arrivals: list[Any],
         "bench": "tuner", "config": config, "engine": _describe(engine), "trace": trace,
         "goodput_unit": "output tokens per second of engine step time (module doc, 1)", "policies": policies,
         "ratios": ratios(policies, [PHASE_NAMES[i] for i in range(len(phases))])}
+    result["drift"] = drift(runs, [PHASE_NAMES[i] for i in range(len(phases))])
     if auto is not None and auto["probe"] is not None:
         result["retune_itl"] = retune_itl(auto["probe"])
         result["ratios"]["retune_itl"] = {
             "ratio": result["retune_itl"]["p99_ratio"], "target": TARGETS["retune_itl"],
             "met": _met(result["retune_itl"]["p99_ratio"], TARGETS["retune_itl"], below=True)}
     return result
+
+
+def drift(runs: dict[str, dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """The machine's speed per run and phase (bench.drift) and the goodputs and ratios with
+    each step's time divided by it (module doc, 6): a diagnostic next to the measured ones."""
+    from bench import drift as d
+
+    fitted = d.fit(runs)
+    policies = {}
+    for name, run in runs.items():
+        tokens, ms = _attribute(run, d.adjusted_ms(run, fitted["index"][name]))
+        policies[name] = {"phases": [_goodput(tokens[i], ms[i]) for i in range(len(run["bounds"]))],
+                          "whole": _goodput(sum(tokens.values()), sum(ms.values()))}
+    out = {"speed_index": fitted["index"], "shared_steps": fitted["steps"], "policies": policies,
+           "ratios": ratios(policies, names)}
+    auto = runs.get("autotuned")
+    if auto is not None and auto.get("history"):
+        start = auto["bounds"][0][0]
+        windows = [(start + r["started_s"], start + (r["finished_s"] or r["started_s"]))
+                   for r in auto["history"]["retunes"] if r["started_s"] is not None]
+        out["search_slowdown"] = d.search_slowdown(fitted["residual"].get("autotuned", []), windows)
+    return out
 
 
 def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -118,12 +148,29 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
            "ratios": ratios(policies, [p["name"] for p in first["trace"]])}
     if "retune_itl" in first["ratios"]:
         out["ratios"]["retune_itl"] = first["ratios"]["retune_itl"]
+    if all("drift" in r for r in rounds):
+        adjusted = {}
+        for name, run in first["drift"]["policies"].items():
+            each = [r["drift"]["policies"][name] for r in rounds]
+            adjusted[name] = {"phases": [median_run([e["phases"][i] for e in each])
+                                         for i in range(len(run["phases"]))],
+                              "whole": median_run([e["whole"] for e in each])}
+        out["drift"] = {"policies": adjusted,
+                        "ratios": ratios(adjusted, [p["name"] for p in first["trace"]])}
     out["rounds"] = [{"policies": {n: {"phases": [p["goodput"] for p in run["phases"]],
                                         "whole": run["whole"]["goodput"]}
                                    for n, run in r["policies"].items()},
-                      "ratios": {k: v for k, v in r["ratios"].items() if k != "retune_itl"}}
+                      "ratios": {k: v for k, v in r["ratios"].items() if k != "retune_itl"},
+                      **({"drift": _round_drift(r["drift"])} if "drift" in r else {})}
                      for r in rounds]
     return out
+
+
+def _round_drift(drift: dict[str, Any]) -> dict[str, Any]:
+    """What `rounds` keeps of a round's drift figures: goodputs, indexes and ratios."""
+    return {"policies": {n: {"phases": [p["goodput"] for p in run["phases"]], "whole": run["whole"]["goodput"]}
+                         for n, run in drift["policies"].items()},
+            **{k: drift[k] for k in ("speed_index", "ratios", "search_slowdown") if k in drift}}
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -150,13 +197,15 @@ def _run_summary(run: dict[str, Any]) -> dict[str, Any]:
     steps = [stats for stats, _ in run["steps"] if start <= stats.time < end]
     whole = _goodput(sum(tokens.values()), sum(ms.values()))
     return {"policy": run["policy"], "other_processes_cpu_share": run["other_processes_cpu_share"],
+            "steal_share": run.get("steal_share"),
             "search_process_cpu_s": run["search_process_cpu_s"],
             "compiles_during_trace": run["compiles_during_trace"], "phases": out,
             "whole": {**whole, **_steps(steps), **_clients(run["streams"]), "wall_s": round(end - start, 3)}}
 
 
-def _attribute(run: dict[str, Any]) -> tuple[Counter, Counter]:
-    """Phase -> output tokens and engine ms of the requests that arrived in it (module doc, 1)."""
+def _attribute(run: dict[str, Any], ms_of: Any = None) -> tuple[Counter, Counter]:
+    """Phase -> output tokens and engine ms of the requests that arrived in it (module doc, 1).
+    `ms_of(stats)`: a step's time (default its measured step_ms)."""
     phase_of = {s.request_id: s.phase for s in run["streams"] if s.request_id}
     tokens: Counter = Counter()
     ms: Counter = Counter()
@@ -165,7 +214,7 @@ def _attribute(run: dict[str, Any]) -> tuple[Counter, Counter]:
             phase = phase_of.get(request_id)
             if phase is not None:
                 tokens[phase] += n
-                ms[phase] += stats.step_ms / len(per_request)
+                ms[phase] += (stats.step_ms if ms_of is None else ms_of(stats)) / len(per_request)
     return tokens, ms
 
 
@@ -423,7 +472,26 @@ def headline(result: dict[str, Any]) -> list[str]:
     if auto is not None:
         lines.append(search_line(auto["history"]["retunes"]))
         lines.append(tenant_search_line(auto["history"]["retunes"]))
+    if "drift" in result:
+        lines.append(drift_line(result))
     return lines
+
+
+def drift_line(result: dict[str, Any]) -> str:
+    """The drift-adjusted ratios (module doc, 6) in one line, with each run's speed index."""
+    drift, parts = result["drift"], []
+    r = drift["ratios"]
+    if "per_phase" in r:
+        parts.append("per phase " + " / ".join(f"{x['ratio']}" for x in r["per_phase"]))
+    for key, label in (("whole_vs_best_fixed", "best fixed"), ("whole_vs_oracle", "oracle")):
+        if key in r:
+            parts.append(f"{r[key]['ratio']}x {label}")
+    rounds = [x["drift"] for x in result.get("rounds", [])] or [drift]
+    speeds = "; ".join(", ".join(f"{n} {'/'.join(f'{v:.2f}' for v in idx)}"
+                                 for n, idx in d["speed_index"].items()) for d in rounds if "speed_index" in d)
+    slow = [d["search_slowdown"]["ratio"] for d in rounds if d.get("search_slowdown", {}).get("ratio")]
+    return (f"drift-adjusted (a diagnostic): {', '.join(parts)}; speed index per phase: {speeds}"
+            + (f"; steps while searching / not: {', '.join(f'{x:.2f}' for x in slow)}" if slow else ""))
 
 
 def search_line(retunes: list[dict[str, Any]]) -> str:

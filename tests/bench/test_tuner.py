@@ -386,6 +386,16 @@ def test_repeats_run_every_policy_each_round_and_report_medians(tmp_path: Path,
     assert result["ratios"] == ratios(result["policies"], PHASES)
     assert result["ratios"]["per_phase"] and result["ratios"]["whole_vs_never"]["static"] == (
         result["policies"]["never"]["whole"]["goodput"])
+    # the drift-adjusted figures: each round's speed indexes, medians over rounds as above
+    assert all(len(r["drift"]["speed_index"][n]) == len(PHASES) for r in result["rounds"]
+               for n in result["policies"])
+    drift = result["drift"]
+    for name, run in drift["policies"].items():
+        for i, phase in enumerate(run["phases"]):
+            assert phase["goodput"] == sorted(r["drift"]["policies"][name]["phases"][i]
+                                              for r in result["rounds"])[1]
+    assert drift["ratios"] == ratios(drift["policies"], PHASES)
+    assert "drift-adjusted (a diagnostic): per phase" in err
 
 
 def test_bad_repeats_are_user_errors(capsys: pytest.CaptureFixture) -> None:
