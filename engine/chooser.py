@@ -6,6 +6,14 @@ batch size take the rule's choice, the others the batch rules' choice with the
 policy's exploration (one decision per step, drawn from the engine's seeded
 random stream). A technique whose shapes are still compiling, or a batch above
 the engine's largest verified batch, decodes plainly.
+
+The startup profile (engine.policy.Exploration.profile) measures each cell the
+telemetry lacks on live traffic; `observe` retires a cell whose first steps
+emitted tokens at under half the rate of the policy's own steps interleaved
+with them (a draft that cannot pay here: early exit at depth 8 beside n-gram on
+copy text emitted 15 tokens/s where n-gram emitted 95-107, on this CPU), so the
+profile does not spend its other turns on it. Its few steps are still recorded,
+and exploration keeps visiting techniques where the policy says "none".
 """
 
 from __future__ import annotations
@@ -22,6 +30,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("crossover.engine")
 
 PLAIN = ("none", 0)
+PROFILE_OWN = ("policy", -1)
+"""`observe`'s key for the profile's turns that follow the policy."""
+PROFILE_MIN_STEPS = 4
+"""Decode steps without prefill a profile cell and the policy's own choices each need before
+the cell can be retired."""
+PROFILE_RETIRE = 0.5
+"""A profile cell whose steps emitted tokens at less than this share of the rate (tokens per
+ms of step time) of the policy's own steps in the same profile is retired: it cannot pay on
+this traffic, and each further step of it is the profile's costliest (see `observe`)."""
 
 
 class StepChooser:
@@ -63,6 +80,10 @@ class StepChooser:
         self._profile_left = 0
         self._profile_turn = 0
         self._technique_turn = 0
+        self._last: tuple[str, int] | None = None  # the profile's last decision: a cell, or PROFILE_OWN
+        self._tally: dict = {}  # cell (or PROFILE_OWN) -> [steps, tokens, ms] during the profile
+        self.retired: list[tuple[str, int]] = []
+        """Profile cells `observe` retired, in order (since the last `start`)."""
 
     def start(self, policy: TunedPolicy) -> None:
         """Serve `policy` from the next decision on; its profile starts over."""
@@ -70,6 +91,7 @@ class StepChooser:
         explore = policy.explore
         self._profile_left = explore.profile_steps if explore and explore.profile else 0
         self._profile_turn = 0
+        self._last, self._tally, self.retired = None, {}, []
         top = speculates_up_to(policy)
         self.clamped = None
         if top > self.spec_max_batch:
@@ -113,14 +135,58 @@ class StepChooser:
         explore = self.policy.explore
         if explore is None or not explore.techniques:
             return chosen
+        self._last = None
         if self._profile_left > 0:
             self._profile_left -= 1
             if self._profile_left % 2 == 0:
-                self._profile_turn += 1
-                return explore.profile[(self._profile_turn - 1) % len(explore.profile)]
+                cells = [c for c in explore.profile if c not in self.retired]
+                if cells:
+                    self._profile_turn += 1
+                    self._last = cells[(self._profile_turn - 1) % len(cells)]
+                    return self._last
+                self._profile_left = 0  # every cell retired: the profile is over
+            else:
+                self._last = PROFILE_OWN
+                return chosen
         if explore.share and self._rng.random() < explore.share:
             return self._neighbour(explore, chosen, batch_size)
         return chosen
+
+    def observe(self, technique: str, depth: int, tokens: int, ms: float, prefill_tokens: int = 0) -> None:
+        """What the last decode step did (its step-level technique and depth, tokens emitted,
+        step time): during the profile, tallied for the cell that step was decided for (the
+        policy's own choices apart), and a cell retired once both have `PROFILE_MIN_STEPS`
+        steps and the cell's token rate is under `PROFILE_RETIRE` of the policy's. A step that
+        also prefilled, or that did not run what was decided (plain fallback), is left out.
+
+        >>> import numpy as np
+        >>> from engine.policy import BatchRule
+        >>> chooser = StepChooser(np.random.default_rng(0))
+        >>> chooser.start(TunedPolicy((BatchRule(4, "ngram", 4), BatchRule(64)), crossover=4,
+        ...     explore=Exploration(share=0.0, techniques=("ngram", "early_exit"), depths=(1, 2, 4, 8),
+        ...                         profile=(("ngram", 8), ("early_exit", 8)), profile_steps=40)))
+        >>> for _ in range(24):  # the policy's ngram@4 emits 4 tokens in 50 ms, early exit 2 in 140
+        ...     t, d = chooser.choose(1)
+        ...     chooser.observe(t, d, {"ngram": 4, "early_exit": 2}[t], {"ngram": 50.0, "early_exit": 140.0}[t])
+        >>> chooser.retired, chooser.choose(1), chooser.choose(1), chooser.choose(1), chooser.choose(1)
+        ([('early_exit', 8)], ('ngram', 4), ('ngram', 8), ('ngram', 4), ('ngram', 8))
+        """
+        last, self._last = self._last, None
+        if last is None or prefill_tokens or ms <= 0:
+            return
+        if last != PROFILE_OWN and (technique, depth) != last:
+            return
+        tally = self._tally.setdefault(last, [0, 0, 0.0])
+        tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + tokens, tally[2] + ms
+        own = self._tally.get(PROFILE_OWN)
+        if own is None or own[0] < PROFILE_MIN_STEPS:
+            return
+        for cell, (n, emitted, spent) in self._tally.items():
+            if (cell != PROFILE_OWN and cell not in self.retired and n >= PROFILE_MIN_STEPS
+                    and emitted / spent < PROFILE_RETIRE * own[1] / own[2]):
+                self.retired.append(cell)
+                log.info("profile: %s@%d retired after %d steps (%.1f tokens/s; the policy's own "
+                         "steps %.1f)", cell[0], cell[1], n, 1e3 * emitted / spent, 1e3 * own[1] / own[2])
 
     def _neighbour(self, explore: Exploration, chosen: tuple[str, int],
                    batch_size: int) -> tuple[str, int]:

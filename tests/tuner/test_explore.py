@@ -99,6 +99,84 @@ def test_the_startup_profile_visits_every_gap_then_stops() -> None:
     assert set(picks[12:]) == {("none", 0)}
 
 
+def _profiled(profile_steps: int = 60, depth: int = 8) -> TunedPolicy:
+    return dataclasses.replace(POLICY, explore=Exploration(
+        0.0, ("ngram", "early_exit"), (1, 2, 4, 8)[:3 + (depth == 8)],
+        profile=(("ngram", depth), ("early_exit", depth)), profile_steps=profile_steps))
+
+
+@pytest.mark.parametrize("rate, retired", [(2 / 140, True), (3.2 / 50, False)])
+def test_the_profile_retires_a_cell_that_cannot_pay_next_to_the_policy(rate: float, retired: bool) -> None:
+    """A profile cell whose steps emit tokens at under half the rate of the policy's own steps
+    (interleaved with them) is retired after PROFILE_MIN_STEPS steps each, and the profile's
+    turns go to the other cells; one at 0.8x the policy's rate stays."""
+    from engine.chooser import PROFILE_MIN_STEPS
+
+    steps = chooser(_profiled())
+    picks = []
+    for _ in range(60):
+        t, d = steps.choose(1)
+        picks.append((t, d))
+        tokens, ms = (3, 3 / rate) if t == "early_exit" else (4 if d == 2 else 5, 50.0)  # ngram@2 4 in 50 ms
+        steps.observe(t, d, tokens, ms)
+    assert (steps.retired == [("early_exit", 8)]) == retired
+    n = picks.count(("early_exit", 8))
+    if retired:
+        assert n == PROFILE_MIN_STEPS and picks.count(("ngram", 8)) == 30 - n
+    else:
+        assert n == 15 == picks.count(("ngram", 8))
+    assert picks.count(("ngram", 2)) == 30  # the policy's own turns are untouched
+
+
+def test_steps_that_prefilled_or_fell_back_do_not_count_toward_retiring() -> None:
+    steps = chooser(_profiled())
+    for _ in range(60):
+        t, d = steps.choose(1)
+        if t == "early_exit":  # its steps either prefilled too or ran plain (a proposer fallback)
+            steps.observe(t, d, 1, 500.0, prefill_tokens=32)
+            continue
+        steps.observe(t, d, 4, 50.0)
+    assert steps.retired == []
+    steps = chooser(_profiled())
+    for _ in range(60):
+        t, d = steps.choose(1)
+        steps.observe(*(("none", 0) if t == "early_exit" else (t, d)), 1 if t == "early_exit" else 4,
+                      500.0 if t == "early_exit" else 50.0)
+    assert steps.retired == []
+
+
+def test_when_every_profile_cell_is_retired_the_profile_ends() -> None:
+    steps = chooser(dataclasses.replace(POLICY, explore=Exploration(
+        0.0, ("early_exit",), (1, 2, 4, 8), profile=(("early_exit", 8),), profile_steps=60)))
+    picks = []
+    for _ in range(40):
+        t, d = steps.choose(1)
+        picks.append((t, d))
+        steps.observe(t, d, 1 if t == "early_exit" else 4, 150.0 if t == "early_exit" else 50.0)
+    assert steps.retired == [("early_exit", 8)] and set(picks[10:]) == {("ngram", 2)}
+    steps.start(_profiled())  # a new policy starts a new profile with nothing retired
+    assert steps.retired == [] and [steps.choose(1) for _ in range(2)] == [("ngram", 2), ("ngram", 8)]
+
+
+def test_the_fake_engine_retires_a_poor_proposer_from_its_profile() -> None:
+    """The engine calls `observe` after each step: with a proposer that never gets a draft
+    accepted, the profile stops trying it after PROFILE_MIN_STEPS steps."""
+    from engine.chooser import PROFILE_MIN_STEPS
+
+    engine = FakeEngine(proposers={"ngram": FakeProposer("ngram", (0.95,)),
+                                   "early_exit": FakeProposer("early_exit", (0.0,))},
+                        cost=FakeCost(), seed=1)
+    engine.set_policy(_profiled(profile_steps=80, depth=4))  # the fake verifies up to depth 4
+    engine.add_request(Request("r", engine.tokenizer.encode("abcdefghijkl" * 3),
+                               SamplingParams(max_tokens=400, ignore_eos=True)))
+    stats = []
+    while engine.has_work():
+        stats += [s] if (s := engine.step().stats) else []
+    cells = [(s.technique, s.depth) for s in stats[:80]]
+    assert cells.count(("early_exit", 4)) == PROFILE_MIN_STEPS
+    assert cells.count(("ngram", 4)) > 2 * PROFILE_MIN_STEPS
+
+
 def test_the_engine_applies_exploration_with_its_own_seeded_stream() -> None:
     """Steps are stamped with the cell they ran and the policy's version; the engine's random
     stream is seeded once, so the same seed explores the same steps."""
