@@ -554,8 +554,8 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
                     "compiles_during_trace": _compiles(engine) - compiles}
                 if (contention["other_processes_cpu_share"] or 0.0) > 0.1:
                     _log(f"{name}: other processes took {contention['other_processes_cpu_share']:.0%} "
-                         f"of the CPU during the trace (the hypervisor's steal {steal or 0:.0%} of it): "
-                         "its figures are not comparable")
+                         f"of the CPU during the trace (the hypervisor's steal: {steal or 0:.0%} of the "
+                         "CPU): its figures are not comparable")
                 probe = (await _probe(client, cfg, tuner, arrivals)
                          if policy is None and cfg.probe_retunes else None)
                 history = await asyncio.to_thread(read_history, database, bounds[0][0])
