@@ -55,12 +55,13 @@ def shape(stats: Any) -> tuple:
             stats.sampled_rows > 0, getattr(stats, "plain_rows", 0) > 0)
 
 
-def _stretch(bounds: list[tuple[float, float]], t: float) -> int:
-    """The phase whose time `t` falls in; steps of the drain count with the last phase."""
+def _stretch(bounds: list[tuple[float, float]], t: float) -> int | None:
+    """The phase whose time `t` falls in (before the first, the first); None after the last
+    (the autotuned run's retune-latency probe, which is no phase's)."""
     for i, (_, hi) in enumerate(bounds):
         if t < hi:
             return i
-    return len(bounds) - 1
+    return None
 
 
 def fit(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -72,9 +73,9 @@ def fit(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     samples = []  # (run, phase, shape, log ms, time)
     for name, run in runs.items():
         for stats, _ in run["steps"]:
-            if stats.step_ms > 0:
-                samples.append((name, _stretch(run["bounds"], stats.time), shape(stats),
-                                math.log(stats.step_ms), stats.time))
+            phase = _stretch(run["bounds"], stats.time)
+            if stats.step_ms > 0 and phase is not None:
+                samples.append((name, phase, shape(stats), math.log(stats.step_ms), stats.time))
     owners: dict[tuple, set] = defaultdict(set)
     for name, _, key, _, _ in samples:
         owners[key].add(name)
@@ -107,7 +108,10 @@ def fit(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def adjusted_ms(run: dict[str, Any], index: list[float]):
     """A function of a step's stats: its time on the round's reference machine."""
-    return lambda stats: stats.step_ms / index[_stretch(run["bounds"], stats.time)]
+    def ms(stats: Any) -> float:
+        phase = _stretch(run["bounds"], stats.time)
+        return stats.step_ms / index[len(index) - 1 if phase is None else phase]
+    return ms
 
 
 def search_slowdown(residual: list[tuple[float, float]], windows: list[tuple[float, float]]

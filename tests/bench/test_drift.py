@@ -51,11 +51,13 @@ def test_adjusted_goodputs_agree_when_only_the_machine_differed() -> None:
     runs = {"never": _run(SHAPES[:2], [1.0, 1.0], 4), "fixed:ngram@2": _run(SHAPES[:2], [1.4, 1.0], 5)}
     runs["fixed:ngram@2"]["steps"] += [(StepStats(time=5.0, batch_size=64, technique="ngram", depth=8,
                                                   step_ms=5000.0, kv_pages_used=300), {})]
-    out = report_drift(runs, ["low", "high"])
+    runs["never"]["steps"] += [(StepStats(time=25.0, batch_size=32, step_ms=9e4, kv_pages_used=300), {})]
+    out = report_drift(runs, ["low", "high"])  # a step after the last phase (a probe's) is no stretch's
     g = {n: [p["goodput"] for p in out["policies"][n]["phases"]] for n in runs}
     assert g["never"][0] == pytest.approx(g["fixed:ngram@2"][0], rel=0.05)
     assert g["never"][1] == pytest.approx(g["fixed:ngram@2"][1], rel=0.05)
     assert out["shared_steps"]["fixed:ngram@2"][0] == 60  # the 64-row step is nobody else's shape
+    assert out["shared_steps"]["never"] == [60, 60]
 
 
 def test_search_slowdown_compares_steps_inside_and_outside_retunes() -> None:
