@@ -122,8 +122,9 @@ def search_slowdown(residual: list[tuple[float, float]], windows: list[tuple[flo
     >>> search_slowdown([(1, 0.0), (2, 0.1), (3, 0.0), (4, 0.1)], [(1.5, 2.5), (3.5, 4.5)])
     {'ratio': 1.1052, 'steps_in': 2, 'steps_out': 2}
     """
-    inside = [r for t, r in residual if any(a <= t <= b for a, b in windows)]
-    outside = [r for t, r in residual if not any(a <= t <= b for a, b in windows)]
+    inside, outside = [], []
+    for t, r in residual:
+        (inside if any(a <= t <= b for a, b in windows) else outside).append(r)
     ratio = (round(math.exp(float(np.median(inside)) - float(np.median(outside))), 4)
              if inside and outside else None)
     return {"ratio": ratio, "steps_in": len(inside), "steps_out": len(outside)}

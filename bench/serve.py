@@ -373,19 +373,20 @@ class CpuMeter:
         self._start = _cpu_sample()
 
     def share(self) -> float | None:
-        return self._share(0)
+        return self._of_capacity(lambda busy, own, steal: max(0.0, busy - own))
 
     def steal(self) -> float | None:
-        return self._share(3)
+        return self._of_capacity(lambda busy, own, steal: steal)
 
-    def _share(self, which: int) -> float | None:
+    def _of_capacity(self, seconds) -> float | None:
+        """`seconds(busy, own, steal)` (CPU seconds since the start) over the machine's CPU
+        seconds in that time."""
         end = _cpu_sample()
         if self._start is None or end is None:
             return None
         busy, own, wall, steal = (b - a for a, b in zip(self._start, end, strict=True))
         capacity = wall * (os.cpu_count() or 1)
-        used = max(0.0, busy - own) if which == 0 else steal
-        return round(used / capacity, 3) if capacity > 0 else None
+        return round(seconds(busy, own, steal) / capacity, 3) if capacity > 0 else None
 
 
 def _cpu_sample() -> tuple[float, float, float, float] | None:

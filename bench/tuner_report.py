@@ -89,8 +89,8 @@ def summarize(cfg: Any, engine: Any, phases: list[Any], arrivals: list[Any],
     result: dict[str, Any] = {
         "bench": "tuner", "config": config, "engine": _describe(engine), "trace": trace,
         "goodput_unit": "output tokens per second of engine step time (module doc, 1)", "policies": policies,
-        "ratios": ratios(policies, [PHASE_NAMES[i] for i in range(len(phases))])}
-    result["drift"] = drift(runs, [PHASE_NAMES[i] for i in range(len(phases))])
+        "ratios": ratios(policies, names := [PHASE_NAMES[i] for i in range(len(phases))])}
+    result["drift"] = drift(runs, names)
     if auto is not None and auto["probe"] is not None:
         result["retune_itl"] = retune_itl(auto["probe"])
         result["ratios"]["retune_itl"] = {
@@ -138,38 +138,41 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """
     if len(rounds) == 1:
         return rounds[0]
-    first = rounds[0]
-    policies: dict[str, Any] = {}
-    for name, run in first["policies"].items():
-        each = [r["policies"][name] for r in rounds]
-        phases = [median_run([e["phases"][i] for e in each]) for i in range(len(run["phases"]))]
-        policies[name] = {**run, "phases": phases, "whole": median_run([e["whole"] for e in each])}
-    out = {**first, "policies": policies,
-           "ratios": ratios(policies, [p["name"] for p in first["trace"]])}
+    first, names = rounds[0], [p["name"] for p in rounds[0]["trace"]]
+    policies = _median_policies([r["policies"] for r in rounds])
+    out = {**first, "policies": policies, "ratios": ratios(policies, names)}
     if "retune_itl" in first["ratios"]:
         out["ratios"]["retune_itl"] = first["ratios"]["retune_itl"]
     if all("drift" in r for r in rounds):
-        adjusted = {}
-        for name, run in first["drift"]["policies"].items():
-            each = [r["drift"]["policies"][name] for r in rounds]
-            adjusted[name] = {"phases": [median_run([e["phases"][i] for e in each])
-                                         for i in range(len(run["phases"]))],
-                              "whole": median_run([e["whole"] for e in each])}
-        out["drift"] = {"policies": adjusted,
-                        "ratios": ratios(adjusted, [p["name"] for p in first["trace"]])}
-    out["rounds"] = [{"policies": {n: {"phases": [p["goodput"] for p in run["phases"]],
-                                        "whole": run["whole"]["goodput"]}
-                                   for n, run in r["policies"].items()},
+        adjusted = _median_policies([r["drift"]["policies"] for r in rounds])
+        out["drift"] = {"policies": adjusted, "ratios": ratios(adjusted, names)}
+    out["rounds"] = [{"policies": _goodputs(r["policies"]),
                       "ratios": {k: v for k, v in r["ratios"].items() if k != "retune_itl"},
                       **({"drift": _round_drift(r["drift"])} if "drift" in r else {})}
                      for r in rounds]
     return out
 
 
+def _median_policies(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each policy of the rounds' {policy: figures} with its phases and whole trace its median
+    round's (median_run; other fields from round 1)."""
+    out = {}
+    for name, run in rounds[0].items():
+        each = [r[name] for r in rounds]
+        phases = [median_run([e["phases"][i] for e in each]) for i in range(len(run["phases"]))]
+        out[name] = {**run, "phases": phases, "whole": median_run([e["whole"] for e in each])}
+    return out
+
+
+def _goodputs(policies: dict[str, Any]) -> dict[str, Any]:
+    """{policy: {"phases": [goodput per phase], "whole": goodput}}: what `rounds` keeps."""
+    return {n: {"phases": [p["goodput"] for p in run["phases"]], "whole": run["whole"]["goodput"]}
+            for n, run in policies.items()}
+
+
 def _round_drift(drift: dict[str, Any]) -> dict[str, Any]:
     """What `rounds` keeps of a round's drift figures: goodputs, indexes and ratios."""
-    return {"policies": {n: {"phases": [p["goodput"] for p in run["phases"]], "whole": run["whole"]["goodput"]}
-                         for n, run in drift["policies"].items()},
+    return {"policies": _goodputs(drift["policies"]),
             **{k: drift[k] for k in ("speed_index", "ratios", "search_slowdown") if k in drift}}
 
 
