@@ -39,7 +39,7 @@ DEFAULT_MAX_BATCH = 64
 WORKSPACE_BYTES = 1 * GiB
 """Fixed part of the default reserve: XLA scratch, executables, prefill activations."""
 LOGIT_COPIES = 2
-"""float32 logits plus one same-sized copy (probabilities for rejection sampling)."""
+"""float32 logits plus one same-sized copy (sampling weights)."""
 
 
 @dataclass(frozen=True)

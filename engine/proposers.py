@@ -3,7 +3,8 @@
 A proposer looks at running sequences and suggests up to `depth` next tokens
 for each; the target model then verifies them all in one forward
 (engine/core.py). Proposals are deterministic (a point mass), which is what
-makes the rejection rule in engine/sampling.verify lossless.
+lets engine/sampling.verify accept a draft exactly when it is the target's own
+draw at that position: lossless, and accepted with probability p(draft).
 """
 
 from __future__ import annotations

@@ -202,9 +202,9 @@ def _uniforms(s: SamplingArrays, counter, n: int):
     return jax.vmap(lambda k: jax.random.uniform(k, (n,), jnp.float32))(keys)
 
 
-def _draw(k: Kept, u, drop):
-    """Index drawn by inverse CDF from k's distribution with token `drop` [N] removed
-    (-1: none), uniforms u [N]; never a zero-probability index.
+def _draw(k: Kept, u):
+    """Index drawn by inverse CDF from k's distribution with uniforms u [N]; never a
+    zero-probability index.
 
     Two levels when V is a multiple of TOP_BLOCK: the block by the running sum
     of block masses, then the index by the running sum inside that block (a
@@ -213,24 +213,15 @@ def _draw(k: Kept, u, drop):
     N, V = k.scaled.shape
     rows = jnp.arange(N)
     if V % TOP_BLOCK:
-        w = jnp.where(jnp.arange(V)[None, :] == drop[:, None], 0.0, k.weights(k.scaled))
-        return _inverse_cdf(w, u)
+        return _inverse_cdf(k.weights(k.scaled), u)
     blocks = k.scaled.reshape(N, V // TOP_BLOCK, TOP_BLOCK)
-
-    def block_weights(bi):  # [N] block ids -> [N, TOP_BLOCK] weights, drop removed
-        w = k.weights(jnp.take_along_axis(blocks, bi[:, None, None], axis=1)[:, 0])
-        ids = bi[:, None] * TOP_BLOCK + jnp.arange(TOP_BLOCK)[None, :]
-        return jnp.where(ids == drop[:, None], 0.0, w)
-
     mass = k.block_mass()
-    db = jnp.maximum(drop, 0) // TOP_BLOCK  # the dropped token's block, its mass recounted exactly
-    mass = mass.at[rows, db].set(jnp.where(drop >= 0, jnp.sum(block_weights(db), axis=-1), mass[rows, db]))
     cb = jnp.cumsum(mass, axis=-1)
     target = u * cb[:, -1]
     last = jnp.max(jnp.where(mass > 0, jnp.arange(mass.shape[-1])[None, :], 0), axis=-1)
     bi = jnp.minimum(jnp.sum(cb <= target[:, None], axis=-1), last)  # first block past the target
     before = jnp.where(bi > 0, cb[rows, jnp.maximum(bi - 1, 0)], 0.0)
-    inner = block_weights(bi)
+    inner = k.weights(jnp.take_along_axis(blocks, bi[:, None, None], axis=1)[:, 0])
     j = _inverse_cdf(inner, jnp.clip((target - before) / jnp.sum(inner, axis=-1), 0.0, 1.0))
     return (bi * TOP_BLOCK + j).astype(jnp.int32)
 
@@ -244,23 +235,17 @@ def _inverse_cdf(w, u):
 
 
 def _sample_rows(logits, s: SamplingArrays, counter):
-    N = logits.shape[0]
-    return _draw(kept(logits, s), _uniforms(s, counter, 1)[:, 0], jnp.full(N, -1, jnp.int32))
+    return _draw(kept(logits, s), _uniforms(s, counter, 1)[:, 0])
 
 
 def _verify_rows(logits, cand, s: SamplingArrays, counter):
-    """Rejection sampling of deterministic drafts: accept d with probability p(d),
-    else draw from p with d removed. The output is distributed exactly as p."""
-    k = kept(logits, s)
-    u = _uniforms(s, counter, 2)
-    has = cand >= 0
-    total = jnp.sum(k.weights(k.scaled), axis=-1)
-    wd = k.weights(jnp.take_along_axis(k.scaled, jnp.maximum(cand, 0)[:, None], axis=1)[:, 0], 0)
-    pd = jnp.where(has, wd / total, 0.0)
-    accept = has & (u[:, 0] < pd)
-    # a draft holding all the mass is always accepted: the redraw never meets an empty row
-    drop = jnp.where(has & (wd < total), cand, -1)
-    return jnp.where(accept, cand, _draw(k, u[:, 1], drop)), accept
+    """Coupled verification of deterministic drafts: the token is drawn from p with the
+    uniform plain decoding uses at that position, and the draft is accepted when it is
+    that token. The output is p's own draw (lossless), a draft d is accepted with
+    probability p(d) (as rejection sampling of a point mass would), and a seeded
+    request's tokens do not depend on whether, or how deep, it speculated."""
+    tok = _sample_rows(logits, s, counter)
+    return tok, (cand >= 0) & (tok == cand)
 
 
 def verify(logits: jax.Array, cand: jax.Array, s: SamplingArrays, counter: jax.Array, best: jax.Array | None = None,
@@ -270,7 +255,7 @@ def verify(logits: jax.Array, cand: jax.Array, s: SamplingArrays, counter: jax.A
     logits: [N, V] f32 at one position each; cand: [N] int32, the draft token
     that follows that position (-1 where there is none: the bonus position).
     Greedy rows accept exactly when the draft equals the argmax; sampled rows
-    use rejection sampling (see _verify_rows). `best` [N]: the greedy tokens
+    when it equals the token drawn there (see _verify_rows). `best` [N]: the greedy tokens
     when the caller already knows them (see engine.runner.output_scores);
     `raw` [N, V]: the model's logits when `logits` were adjusted (logprobs
     report the model's). Returns (tokens [N], accepted [N] bool, logprobs [N]).

@@ -46,7 +46,7 @@ nearly one batch size) can otherwise fit negative per-row costs whose
 extrapolation predicts deep drafts far faster than plain decoding.
 
 Sampling (temperature > 0) costs more than an argmax: the top-k / top-p
-filter and the rejection test run at each verified position. An engine that
+filter and the draw run at each verified position. An engine that
 samples only the rows that ask pays s0 per sampled row and position; one that
 runs its sampler over the whole padded verify once any row samples (this
 engine's `lax.cond`) pays s1 per row and position of such steps (R). A sampled row

@@ -195,25 +195,27 @@ def test_blocked_draw_matches_the_distribution_across_blocks():
     np.testing.assert_allclose(freq[hot], p[hot], atol=0.01)
 
 
-def test_rejection_redraw_removes_the_draft_even_alone_in_its_block():
-    """A rejected draft is redrawn from p without it; its block's mass is recounted exactly
-    (token 5 is alone in block 0, so that block must never be picked)."""
+def test_verification_draws_what_plain_sampling_draws_and_accepts_a_matching_draft():
+    """A sampled row's verified token is the token plain sampling draws at that position
+    (same key, same counter), whatever the draft: the draft is accepted exactly when it is
+    that token, so with probability p(draft) (token 5 is alone in block 0)."""
     lg, hot = _wide_logits()
     n = 40000
     s = SamplingArrays.host(n)
     s["temperature"][:] = 1.0
     s["key"][:] = np.random.SeedSequence(6).generate_state(2, np.uint32)
     rows = jnp.asarray(np.tile(lg, (n, 1)))
-    tok, acc, _ = jax.jit(verify)(rows, jnp.full(n, 5, jnp.int32), SamplingArrays(**s), jnp.arange(n, dtype=jnp.int32))
-    tok, acc = np.asarray(tok), np.asarray(acc)
+    counter = jnp.arange(n, dtype=jnp.int32)
+    plain, _ = jax.jit(sample)(rows, SamplingArrays(**s), counter)
+    plain = np.asarray(plain)
     p = np.exp(lg) / np.exp(lg).sum()
-    assert abs(acc.mean() - p[5]) < 0.01
-    redrawn = tok[~acc]
-    assert not (redrawn == 5).any() and not (redrawn < TOP_BLOCK).any()
-    freq = np.bincount(redrawn, minlength=lg.size) / redrawn.size
-    np.testing.assert_allclose(freq[hot[1:]], p[hot[1:]] / (1 - p[5]), atol=0.012)
-    # and the output as a whole is distributed as p
-    np.testing.assert_allclose(np.bincount(tok, minlength=lg.size)[hot] / n, p[hot], atol=0.01)
+    for d in (5, hot[1], hot[-1], -1):
+        tok, acc, _ = jax.jit(verify)(rows, jnp.full(n, d, jnp.int32), SamplingArrays(**s), counter)
+        tok, acc = np.asarray(tok), np.asarray(acc)
+        assert (tok == plain).all()
+        assert (acc == (tok == d)).all()
+        assert abs(acc.mean() - (p[d] if d >= 0 else 0.0)) < 0.01
+    np.testing.assert_allclose(np.bincount(plain, minlength=lg.size)[hot] / n, p[hot], atol=0.01)
 
 
 def test_top_candidates_are_the_top_k_and_greedy_takes_the_lowest_id_on_ties():

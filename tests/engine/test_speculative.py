@@ -72,8 +72,8 @@ def test_leak_with_speculation_and_random_aborts(tiny):
     assert e.pool.used == 0 and e.pool.free == e.pool.total
 
 
-def test_verify_rejection_sampling_preserves_the_distribution():
-    """Deterministic draft d: accept with p(d), else resample without d -> p exactly."""
+def test_sampled_verification_preserves_the_distribution():
+    """Deterministic draft d: the output is p's own draw, d accepted when it is that draw."""
     logits = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05], np.float32))
     n = 40000
     s = SamplingArrays.host(n)
@@ -87,6 +87,22 @@ def test_verify_rejection_sampling_preserves_the_distribution():
         np.testing.assert_allclose(freq, np.exp(logits), atol=0.01)
         assert abs(acc.mean() - np.exp(logits[d])) < 0.01
         assert (tok[acc] == d).all() and (tok[~acc] != d).all()
+
+
+@pytest.mark.parametrize("depth", (1, 3, 8))
+def test_seeded_sampled_output_is_the_same_with_and_without_speculation(tiny, depth):
+    """Verification draws each position with the numbers plain decoding uses there, so a
+    seeded request's tokens do not depend on the policy (and drafts are still accepted)."""
+    sp = SamplingParams(max_tokens=24, temperature=0.7, top_k=4, seed=11, ignore_eos=True)
+    plain = _run(make_engine(tiny, **SPEC_RC), PROMPTS, sp)[0]
+    e = make_engine(tiny, **SPEC_RC)
+    e.set_policy(_policy(depth))
+    spec, stats = _run(e, PROMPTS, sp)
+    assert spec == plain
+    steps = [s for s in stats if s.technique == "ngram"]
+    assert steps and all(s.sampled_rows > 0 for s in steps)
+    assert sum(s.accepted for s in steps) > 0
+    assert e.pool.used == 0
 
 
 def test_pool_split_lends_pages_to_speculation_and_tenants_see_fewer(tiny):

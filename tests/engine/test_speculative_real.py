@@ -1,4 +1,5 @@
-"""Every technique at depths 1..8 on the real Gemma 3 270M: greedy output equals plain decoding.
+"""Every technique at depths 1..8 on the real Gemma 3 270M: greedy output equals plain decoding,
+and so does a seeded sampled request's.
 
 One batch of mixed-length prompts from all four workload kinds; the shipped
 heads (engine/data) load by default, so MTP, early exit and the draft model
@@ -86,6 +87,27 @@ def test_greedy_speculation_equals_plain_on_the_real_model(engine, prompts, plai
         assert engine.pool.used == 0
     assert accepted > 0, f"{technique} never had a draft accepted"
     assert engine.compiles_since_warmup() == 0
+
+
+SAMPLED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, top_p=0.95, seed=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_sampled(engine, prompts):
+    engine.set_policy(NEVER)
+    return run_requests(engine, prompts, SAMPLED)[0]
+
+
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_seeded_sampled_output_does_not_depend_on_speculation_on_the_real_model(engine, prompts, plain_sampled,
+                                                                             technique):
+    """Sampled verification draws with the numbers plain decoding uses at each position."""
+    for depth in (2, 6):
+        engine.set_policy(TunedPolicy(rules=(BatchRule(4, technique, depth),), crossover=4, pool_split=0.25))
+        out, stats = run_requests(engine, prompts, SAMPLED)
+        assert out == plain_sampled, f"{technique} depth {depth}"
+        assert any(s.technique == technique and s.sampled_rows for s in stats)
+        assert engine.pool.used == 0
 
 
 def test_plan_memory_formulas_match_the_loaded_proposers(engine):
