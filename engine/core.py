@@ -188,9 +188,9 @@ class EngineCore:
         spec = run_step(self, plan, events, finished)  # engine/step.py
         self._step_id += 1
         stats = self._stats(plan, wall, (time.perf_counter() - t0) * 1e3, spec)
-        if stats is not None:  # the startup profile retires cells that cannot pay (engine/chooser.py)
+        if stats is not None:  # the profile and exploration learn what their steps paid (engine/chooser.py)
             self._chooser.observe(stats.technique, stats.depth, stats.decode_tokens, stats.step_ms,
-                                  stats.prefill_tokens)
+                                  stats.prefill_tokens, stats.batch_size)
         return StepOutput(events, stats, finished)
 
     def _drain_inbox(self, events: list[TokenEvent], finished: list[RequestResult]) -> None:

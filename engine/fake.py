@@ -245,7 +245,7 @@ class FakeEngine:
                             for (t, tech, d), c in sorted(classes.items()) if c[0])
         stats = self._stats(start, batch, prefill, emitted, per_pos, row_classes)
         self._chooser.observe(stats.technique, stats.depth, stats.decode_tokens, stats.step_ms,
-                              stats.prefill_tokens)  # as EngineCore
+                              stats.prefill_tokens, stats.batch_size)  # as EngineCore
         return StepOutput(events=events, stats=stats, finished=finished)
 
     def recover(self) -> list[RequestResult]:

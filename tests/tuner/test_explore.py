@@ -177,6 +177,26 @@ def test_the_fake_engine_retires_a_poor_proposer_from_its_profile() -> None:
     assert cells.count(("ngram", 4)) > 2 * PROFILE_MIN_STEPS
 
 
+def test_exploration_backs_off_a_technique_far_slower_than_plain_steps_at_that_batch() -> None:
+    """Where the policy says none, a technique whose exploration steps emit under EXPLORE_WORSE
+    of the plain steps' token rate at their batch size skips its next turns (more after each
+    miss in a row) but is still tried; one that keeps up is tried at every turn."""
+    engine = FakeEngine(proposers={"ngram": FakeProposer("ngram", (0.95,)),
+                                   "early_exit": FakeProposer("early_exit", (0.0,))},
+                        cost=FakeCost(per_token_ms=2.0, per_draft_ms=1.0), seed=1)
+    engine.set_policy(TunedPolicy((BatchRule(64),), crossover=0, explore=Exploration(
+        0.5, ("ngram", "early_exit"), (1, 2, 4))))
+    for i in range(8):
+        engine.add_request(Request(f"r{i}", engine.tokenizer.encode("abcdefghijkl" * 3),
+                                   SamplingParams(max_tokens=300, ignore_eos=True)))
+    stats = []
+    while engine.has_work():
+        stats += [s] if (s := engine.step().stats) else []
+    full = [s.technique for s in stats if s.batch_size == 8 and not s.prefill_tokens]
+    assert full.count("early_exit") >= 2
+    assert full.count("ngram") > 4 * full.count("early_exit")
+
+
 def test_the_engine_applies_exploration_with_its_own_seeded_stream() -> None:
     """Steps are stamped with the cell they ran and the policy's version; the engine's random
     stream is seeded once, so the same seed explores the same steps."""
