@@ -50,6 +50,11 @@ PROFILE_RETIRE = 0.5
 """A profile cell whose steps emitted tokens at less than this share of the rate (tokens per
 ms of step time) of the policy's own steps in the same profile is retired: it cannot pay on
 this traffic, and each further step of it is the profile's costliest (see `observe`)."""
+PROFILE_FIRST_STEPS = 2
+PROFILE_FIRST_RETIRE = 0.25
+"""A cell already this far below the policy's rate after PROFILE_FIRST_STEPS steps each is
+retired then: a sequential test, so a cell that clearly cannot pay (early exit at depth 8
+beside n-gram on copy text: ~0.2 of its rate) costs two steps, not four."""
 EXPLORE_WORSE = 0.8
 """An exploration step where the policy says "none" misses when it emitted tokens at less than
 this share of the rate of plain steps at the same batch size (module doc)."""
@@ -179,7 +184,8 @@ class StepChooser:
         """What the last decode step did (its step-level technique and depth, tokens emitted,
         step time): during the profile, tallied for the cell that step was decided for (the
         policy's own choices apart), and a cell retired once both have `PROFILE_MIN_STEPS`
-        steps and the cell's token rate is under `PROFILE_RETIRE` of the policy's. A step that
+        steps and the cell's token rate is under `PROFILE_RETIRE` of the policy's (or both
+        `PROFILE_FIRST_STEPS` and under `PROFILE_FIRST_RETIRE`). A step that
         also prefilled, or that did not run what was decided (plain fallback), is left out.
 
         >>> import numpy as np
@@ -209,11 +215,12 @@ class StepChooser:
         tally = self._tally.setdefault(last, [0, 0, 0.0])
         tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + tokens, tally[2] + ms
         own = self._tally.get(PROFILE_OWN)
-        if own is None or own[0] < PROFILE_MIN_STEPS:
+        if own is None or own[0] < PROFILE_FIRST_STEPS:
             return
         for cell, (n, emitted, spent) in self._tally.items():
-            if (cell != PROFILE_OWN and cell not in self.retired and n >= PROFILE_MIN_STEPS
-                    and emitted / spent < PROFILE_RETIRE * own[1] / own[2]):
+            bar = PROFILE_RETIRE if min(n, own[0]) >= PROFILE_MIN_STEPS else PROFILE_FIRST_RETIRE
+            if (cell != PROFILE_OWN and cell not in self.retired and n >= PROFILE_FIRST_STEPS
+                    and emitted / spent < bar * own[1] / own[2]):
                 self.retired.append(cell)
                 log.info("profile: %s@%d retired after %d steps (%.1f tokens/s; the policy's own "
                          "steps %.1f)", cell[0], cell[1], n, 1e3 * emitted / spent, 1e3 * own[1] / own[2])

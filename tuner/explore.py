@@ -117,6 +117,10 @@ class ExplorationPlan:
         self.catch_up = tuple(t for t in self.techniques if t in capacity.lent_kv)
         """Techniques whose first drafts for a row prefill it into a cache of their own (the
         draft model): explored only up to the policy's crossover (engine.policy.Exploration)."""
+        self.lend_split = config.pool_split_step if config.max_pool_split > 0 else 0.0
+        """The pool split a policy is served with at least while its profile has a cell of a
+        technique that drafts in lent pages (the smallest split the search tries): lent no
+        pages, the draft model cannot draft, and its turns would run plain and measure nothing."""
         self.share = config.explore_share
         self.profile_steps = config.profile_steps
         self.gaps: list[tuple[str, int]] = []
@@ -135,11 +139,31 @@ class ExplorationPlan:
         self.gaps = self.gaps_of(seen)
 
     def __call__(self, policy: TunedPolicy) -> TunedPolicy:
-        """`policy` as served: with exploration (and, the first time, the profile)."""
+        """`policy` as served: with exploration (and, the first time, the profile). A profile
+        with a lent-pages technique's cell is served with at least `lend_split` (the recorded
+        policy keeps its own split; the next retune's policy says what it lends); where the
+        served policy lends nothing, exploration leaves those techniques out.
+
+        >>> cap = Capacity(64, 16, max_depth=8, depths=(1, 2, 4, 8), proposers={"ngram": (0, 0),
+        ...                "draft": (1 << 20, 0)}, lent_kv={"draft": 1.0})
+        >>> plan = ExplorationPlan(cap, TunerConfig(pool_split_step=0.05))
+        >>> plan.gaps = [("ngram", 8), ("draft", 8)]
+        >>> first = plan(TunedPolicy(version=1))
+        >>> first.pool_split, first.explore.profile, first.explore.techniques
+        (0.05, (('ngram', 8), ('draft', 8)), ('ngram', 'draft'))
+        >>> later = plan(TunedPolicy(version=2))
+        >>> later.pool_split, later.explore.profile, later.explore.techniques
+        (0.0, (), ('ngram',))
+        """
         if not self.enabled:
             return policy
         profile, self.gaps = tuple(self.gaps), []  # only the first policy after startup profiles
-        return dataclasses.replace(policy, explore=Exploration(
-            share=self.share, techniques=tuple(self.techniques), depths=self.depths,
+        split = policy.pool_split
+        if not split and any(t in self.catch_up for t, _ in profile):
+            split = self.lend_split
+            profile = profile if split else tuple(c for c in profile if c[0] not in self.catch_up)
+        techniques = tuple(t for t in self.techniques if split or t not in self.catch_up)
+        return dataclasses.replace(policy, pool_split=split, explore=Exploration(
+            share=self.share, techniques=techniques, depths=self.depths,
             profile=profile, profile_steps=self.profile_steps if profile else 0,
-            catch_up=self.catch_up))
+            catch_up=tuple(t for t in self.catch_up if t in techniques)))

@@ -70,8 +70,28 @@ def test_a_technique_with_a_cache_to_catch_up_is_explored_only_up_to_the_crossov
     cap = Capacity(4096, 16, proposers={"ngram": (0, 0), "draft": (1 << 20, 100)},
                    lent_kv={"draft": 1.0})
     plan = ExplorationPlan(cap, TunerConfig(explore_share=0.05))
-    assert plan(POLICY).explore.catch_up == ("draft",)
-    assert TunedPolicy.from_dict(plan(POLICY).to_dict()).explore.catch_up == ("draft",)
+    lending = dataclasses.replace(POLICY, pool_split=0.25)
+    assert plan(lending).explore.catch_up == ("draft",)
+    assert TunedPolicy.from_dict(plan(lending).to_dict()).explore.catch_up == ("draft",)
+    # a policy that lends no pages: the draft model cannot draft, so exploration leaves it out
+    assert (plan(POLICY).explore.techniques, plan(POLICY).explore.catch_up) == (("ngram",), ())
+
+
+def test_a_profile_of_the_draft_model_is_served_with_pages_to_draft_in() -> None:
+    """The first policy's profile includes the draft model's cell; a policy lending no pages is
+    served with the search's smallest split while it profiles, so those turns draft (the
+    engine's draft model drafts only in lent pages), and recorded as it is."""
+    cap = Capacity(4096, 16, max_depth=8, depths=(1, 2, 4, 8),
+                   proposers={"ngram": (0, 0), "draft": (1 << 20, 100)}, lent_kv={"draft": 1.0})
+    plan = ExplorationPlan(cap, TunerConfig(explore_share=0.05, pool_split_step=0.05))
+    plan.gaps = plan.gaps_of({})
+    served = plan(POLICY)
+    assert served.explore.profile == (("ngram", 8), ("draft", 8)) and served.pool_split == 0.05
+    assert POLICY.pool_split == 0.0  # what the keeper records
+    assert plan(POLICY).pool_split == 0.0  # no profile after the first policy: nothing lent
+    unlent = ExplorationPlan(cap, TunerConfig(explore_share=0.05, max_pool_split=0.0, pool_split_step=0.01))
+    unlent.gaps = unlent.gaps_of({})
+    assert unlent(POLICY).explore.profile == (("ngram", 8),) and unlent(POLICY).pool_split == 0.0
 
 
 def test_exploration_is_a_field_of_an_immutable_policy() -> None:
@@ -105,24 +125,26 @@ def _profiled(profile_steps: int = 60, depth: int = 8) -> TunedPolicy:
         profile=(("ngram", depth), ("early_exit", depth)), profile_steps=profile_steps))
 
 
-@pytest.mark.parametrize("rate, retired", [(2 / 140, True), (3.2 / 50, False)])
-def test_the_profile_retires_a_cell_that_cannot_pay_next_to_the_policy(rate: float, retired: bool) -> None:
-    """A profile cell whose steps emit tokens at under half the rate of the policy's own steps
-    (interleaved with them) is retired after PROFILE_MIN_STEPS steps each, and the profile's
-    turns go to the other cells; one at 0.8x the policy's rate stays."""
-    from engine.chooser import PROFILE_MIN_STEPS
+@pytest.mark.parametrize("rate, after", [(1 / 140, 2), (3 / 140, 4), (3.2 / 50, None)])
+def test_the_profile_retires_a_cell_that_cannot_pay_next_to_the_policy(rate: float, after: int | None) -> None:
+    """A profile cell whose steps emit tokens at under a quarter of the rate of the policy's own
+    steps (interleaved with them) is retired after PROFILE_FIRST_STEPS steps each, one under
+    half after PROFILE_MIN_STEPS, and the profile's turns go to the other cells; one at 0.8x
+    the policy's rate stays. (The policy's n-gram@2 emits 4 tokens in 50 ms.)"""
+    from engine.chooser import PROFILE_FIRST_STEPS, PROFILE_MIN_STEPS
 
+    assert (after or 2) in (PROFILE_FIRST_STEPS, PROFILE_MIN_STEPS)
     steps = chooser(_profiled())
     picks = []
     for _ in range(60):
         t, d = steps.choose(1)
         picks.append((t, d))
-        tokens, ms = (3, 3 / rate) if t == "early_exit" else (4 if d == 2 else 5, 50.0)  # ngram@2 4 in 50 ms
+        tokens, ms = (3, 3 / rate) if t == "early_exit" else (4 if d == 2 else 5, 50.0)
         steps.observe(t, d, tokens, ms)
-    assert (steps.retired == [("early_exit", 8)]) == retired
+    assert (steps.retired == [("early_exit", 8)]) == (after is not None)
     n = picks.count(("early_exit", 8))
-    if retired:
-        assert n == PROFILE_MIN_STEPS and picks.count(("ngram", 8)) == 30 - n
+    if after:
+        assert n == after and picks.count(("ngram", 8)) == 30 - n
     else:
         assert n == 15 == picks.count(("ngram", 8))
     assert picks.count(("ngram", 2)) == 30  # the policy's own turns are untouched
@@ -160,7 +182,8 @@ def test_when_every_profile_cell_is_retired_the_profile_ends() -> None:
 
 def test_the_fake_engine_retires_a_poor_proposer_from_its_profile() -> None:
     """The engine calls `observe` after each step: with a proposer that never gets a draft
-    accepted, the profile stops trying it after PROFILE_MIN_STEPS steps."""
+    accepted (a third of the policy's rate), the profile stops trying it after
+    PROFILE_MIN_STEPS steps."""
     from engine.chooser import PROFILE_MIN_STEPS
 
     engine = FakeEngine(proposers={"ngram": FakeProposer("ngram", (0.95,)),
