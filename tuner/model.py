@@ -61,7 +61,11 @@ The terms are one smooth surface; a compiled shape that at least 3 steps
 without prefill ran also gets a factor on its decode forward, its measured
 steps' median ratio to the terms shrunk toward 1 (`shape_factor`, fitted in
 tuner.stepfit, which holds all the step-time fits): a shape measured often
-enough is priced by its measurement, any other by the terms.
+enough is priced by its measurement, any other by the terms. A verify shape
+(query length > 1) is priced above the terms by their typical error until
+its own steps say otherwise (`unmeasured_verify`, and its factor shrinks
+toward that price): the terms priced a batch-32 verify at depth 1 at 0.72 of
+what it took here, and the tuner drafted there at 0.84x plain decoding.
 
 A window of busy traffic may hold only one or two shapes; `cost_history`
 (tuner.shapes) adds older steps of the shapes it lacks to the step-time fits
@@ -153,6 +157,10 @@ class PerfModel:
     shape_factor: Mapping[tuple[int, int, int], float] = field(default_factory=dict)
     """(cache rows read, forward rows run, query length) -> factor on the decode forward of
     that shape: its measured steps' correction of the terms (tuner.stepfit.shape_factors)."""
+    unmeasured_verify: float = 1.0
+    """Factor on the decode forward of a verify shape (query length > 1) without a factor of
+    its own: the terms' typical error (tuner.stepfit.shape_factors), so speculation is
+    decided on an upper estimate of what a shape not yet measured costs."""
     sampling: tuple[float, float] = (0.0, 0.0)
     """(s0, s1): ms per sampled row and verified position; ms per padded row and position of
     a step where any row samples (see the module docstring)."""
@@ -194,7 +202,8 @@ class PerfModel:
             batch_span=(min(s.batch_size for s in timed), max(s.batch_size for s in timed)),
             max_rows=int(max(buckets.ran(s)[1] for s in timed)),
         )
-        return replace(model, shape_factor=shape_factors(timed, buckets, model._ran_ms))
+        factors, unmeasured = shape_factors(timed, buckets, model._ran_ms)
+        return replace(model, shape_factor=factors, unmeasured_verify=unmeasured)
 
     @staticmethod
     def fit_with_report(steps: Sequence[StepStats], requests: Sequence[RequestRow] = (),
@@ -246,7 +255,10 @@ class PerfModel:
             any_sampled = 1.0 if sampled > 0 else 0.0
         ms = (t[0] + t[1] * read + t[2] * q + t[3] * rows + self.rows_sq * rows * rows
               + self.sampling[0] * sampled * q + self.sampling[1] * any_sampled * rows)
-        return ms * self.shape_factor.get((read, rows, q), 1.0) + t[4] * prefill
+        factor = self.shape_factor.get((read, rows, q))
+        if factor is None:
+            factor = self.unmeasured_verify if q > 1 else 1.0
+        return ms * factor + t[4] * prefill
 
     def _propose_ms(self, technique: str, depth: int, batch: float, draft_vocab: int) -> float:
         p = self._lookup(self.propose, technique, draft_vocab) or (0.0, 0.0, 0.0)
@@ -390,6 +402,7 @@ class PerfModel:
         return {"target": [round(c, 5) for c in self.target],
                 "rows_sq": round(self.rows_sq, 6),
                 "shape_factor": [[*k, round(f, 4)] for k, f in sorted(self.shape_factor.items())],
+                "unmeasured_verify": round(self.unmeasured_verify, 4),
                 "sampling": [round(c, 5) for c in self.sampling],
                 "propose": {k: [round(c, 5) for c in v] for k, v in self.propose.items()},
                 "acceptance": {k: [round(r, 4) for r in v] for k, v in self.acceptance.items()},

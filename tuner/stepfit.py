@@ -93,12 +93,11 @@ MIN_FACTOR_STEPS = 3
 """Steps a shape needs before its measurement corrects the fitted terms."""
 
 
-def shape_factors(steps: Sequence[StepStats], buckets: Padding,
-                  fitted_ms: Callable[[StepStats], float]) -> dict[tuple[int, int, int], float]:
-    """(cache rows read, forward rows run, query length) of each shape the steps without
+def shape_factors(steps: Sequence[StepStats], buckets: Padding, fitted_ms: Callable[[StepStats], float]
+                  ) -> tuple[dict[tuple[int, int, int], float], float]:
+    """((cache rows read, forward rows run, query length) of each shape the steps without
     prefill ran (Padding.ran) -> the factor on the fitted forward `fitted_ms` that moves it
-    toward what they measured: the median of log(measured / fitted) over the shape's n
-    steps, weighed n / (n + SHAPE_PRIOR_STEPS), for shapes of at least MIN_FACTOR_STEPS.
+    toward what they measured, and the price of a verify shape not measured enough).
 
     The terms are one smooth surface over every shape, so the few steps of a shape it
     does not fit are outweighed by thousands of others: on the kept databases of
@@ -107,10 +106,24 @@ def shape_factors(steps: Sequence[StepStats], buckets: Padding,
     and that error decides whether a per-tenant rule pays at batch 2. A shape measured
     often enough is priced by its measurement; any other by the terms.
 
-    >>> def s(b, ms): return StepStats(batch_size=b, decode_tokens=b, step_ms=ms)
-    >>> f = shape_factors([s(1, 20.0)] * 10 + [s(2, 10.0)] * 2, Padding(), lambda s: 10.0)
-    >>> round(f[(1, 1, 1)], 3), (2, 2, 1) in f   # 2 ** (10 / 20); too few steps of batch 2
-    (1.414, False)
+    The second value is exp of the median |log(measured / fitted)| over every step: the
+    terms' typical error. A verify shape (query length > 1) with fewer than
+    MIN_FACTOR_STEPS steps is priced that much above the terms, and one with more has its
+    steps' median log ratio (n of them) shrunk toward that price with SHAPE_PRIOR_STEPS of
+    weight: speculation is decided on an upper estimate of what a shape not yet run costs.
+    Plain shapes shrink toward the terms themselves: plain decoding is what every policy
+    falls back to. On a quick run's kept databases the terms priced a batch-32 verify at
+    depth 1 (the [32, 2] shape, a handful of exploration steps) at 242 ms where it took 335,
+    and the tuner drafted there at 0.84x plain decoding's tokens per second.
+
+    >>> def s(b, ms, depth=0): return StepStats(batch_size=b, decode_tokens=b, step_ms=ms, depth=depth)
+    >>> f, verify = shape_factors([s(1, 20.0)] * 10 + [s(2, 10.0)] * 2 + [s(1, 10.0, 1)] * 10,
+    ...                           Padding(), lambda s: 10.0)
+    >>> round(f[(1, 1, 1)], 3), (2, 2, 1) in f, round(verify, 3)   # 2 ** (10 / 20); too few at batch 2
+    (1.414, False, 1.0)
+    >>> f, verify = shape_factors([s(1, 11.0)] * 10 + [s(1, 9.0, 1)] * 10, Padding(), lambda s: 10.0)
+    >>> round(verify, 3), round(f[(1, 2, 2)], 3), round(f[(1, 1, 1)], 3)   # the verify toward 1.106
+    (1.106, 0.997, 1.049)
     """
     logs: dict[tuple[int, int, int], list[float]] = {}
     for s in steps:
@@ -121,5 +134,11 @@ def shape_factors(steps: Sequence[StepStats], buckets: Padding,
         fitted = fitted_ms(s)
         if fitted > 0 and s.step_ms > s.propose_ms:
             logs.setdefault(key, []).append(math.log((s.step_ms - s.propose_ms) / fitted))
-    return {key: math.exp(float(np.median(v)) * len(v) / (len(v) + SHAPE_PRIOR_STEPS))
-            for key, v in logs.items() if len(v) >= MIN_FACTOR_STEPS}
+    spread = float(np.median(np.abs(np.concatenate([np.asarray(v) for v in logs.values()])))) if logs else 0.0
+    factors = {}
+    for key, v in logs.items():
+        if len(v) >= MIN_FACTOR_STEPS:
+            prior = spread if key[2] > 1 else 0.0
+            factors[key] = math.exp((float(np.median(v)) * len(v) + prior * SHAPE_PRIOR_STEPS)
+                                    / (len(v) + SHAPE_PRIOR_STEPS))
+    return factors, math.exp(spread)

@@ -57,3 +57,24 @@ def test_a_shape_measured_often_enough_is_priced_by_its_measurement() -> None:
     thin = PerfModel.fit(few, buckets=PAD)
     assert (2, 10, 5) not in thin.shape_factor  # too few steps: the surface prices it
     assert "shape_factor" in thin.summary()
+
+
+def test_a_verify_shape_not_yet_measured_is_priced_above_the_terms_by_their_typical_error() -> None:
+    """The terms' typical error (median |log(measured / fitted)|, ~2.5% for steps within +-5%)
+    prices a verify shape with too few steps above them, and that decides a close call: at
+    batch 32, a depth-1 verify the terms give a 1% edge in tokens per ms is not drafted until
+    its own steps show that it pays. A plain shape is priced at the terms."""
+    import dataclasses
+
+    model = PerfModel.fit(steps_of(SMALL, 12), buckets=PAD)
+    assert 1.01 < model.unmeasured_verify < 1.05
+    terms = dataclasses.replace(model, unmeasured_verify=1.0)
+    assert (32, 64, 2) not in model.shape_factor
+    assert model.predict_step_ms("ngram", 1, 32) == pytest.approx(
+        model.unmeasured_verify * terms.predict_step_ms("ngram", 1, 32))
+    assert model.predict_step_ms("none", 0, 32) == terms.predict_step_ms("none", 0, 32)
+    # tokens per row that give the verify a 1% edge on the terms
+    edge = 1.01 * terms.predict_step_ms("ngram", 1, 32) / terms.predict_step_ms("none", 0, 32)
+    assert edge / model.predict_step_ms("ngram", 1, 32) < 1 / model.predict_step_ms("none", 0, 32)
+    measured = PerfModel.fit(steps_of(SMALL + [(32, 2)], 12), buckets=PAD)  # it ran: priced by its steps
+    assert measured.predict_step_ms("ngram", 1, 32) == pytest.approx(true_ms(32, 2), rel=0.04)
