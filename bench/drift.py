@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.types import pow2_bucket
+
 MIN_STEPS = 10
 """Steps of shared shapes a (run, phase) stretch needs for an index of its own."""
 ROUNDS = 20
@@ -48,7 +50,7 @@ def shape(stats: Any) -> tuple:
     ...                 kv_pages_used=800, sampled_rows=3))
     ('ngram', 2, 32, 128, 19, True, False)
     """
-    batch = 1 << max(0, int(stats.batch_size) - 1).bit_length()
+    batch = pow2_bucket(stats.batch_size)
     prefill = next((b for b in (0, 32, 128, 512) if stats.prefill_tokens <= b), 4096)
     pages = round(2 * math.log2(max(1, stats.kv_pages_used)))
     return (stats.technique, int(stats.depth), batch, prefill, pages,

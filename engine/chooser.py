@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from engine.policy import MAX_BATCH, NEVER, Exploration, TunedPolicy, speculates_up_to
+from engine.types import pow2_bucket
 
 if TYPE_CHECKING:
     import numpy as np
@@ -252,7 +253,7 @@ class StepChooser:
             return
         if explored is None or explored != (technique, depth) or batch not in self._plain_ms:
             return
-        state = self._misses.setdefault((technique, _bucket(batch)), [0, 0])
+        state = self._misses.setdefault((technique, pow2_bucket(batch)), [0, 0])
         if tokens / ms < EXPLORE_WORSE * batch / self._plain_ms[batch]:
             state[0] += 1
             state[1] = min(2 ** state[0] - 1, EXPLORE_MAX_SKIP)
@@ -261,7 +262,7 @@ class StepChooser:
 
     def _skips(self, technique: str, batch: int) -> bool:
         """Whether `technique`'s exploration turn at `batch` is skipped (counting it down)."""
-        state = self._misses.get((technique, _bucket(batch)))
+        state = self._misses.get((technique, pow2_bucket(batch)))
         if not state or state[1] <= 0:
             return False
         state[1] -= 1
@@ -286,12 +287,3 @@ class StepChooser:
         if not options:
             return chosen
         return technique, options[int(self._rng.integers(len(options)))]
-
-
-def _bucket(batch: int) -> int:
-    """The power of two at or above `batch`: exploration's misses are kept per bucket.
-
-    >>> [_bucket(b) for b in (1, 2, 3, 17, 32)]
-    [1, 2, 4, 32, 32]
-    """
-    return 1 << max(batch - 1, 0).bit_length()

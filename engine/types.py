@@ -387,6 +387,16 @@ class EngineCapacity:
     counts batch buckets (engine/segments.py; `segment_split` says when a step runs one)."""
 
 
+def pow2_bucket(n: float) -> int:
+    """The power of two at or above `n` (1 for n <= 1): the batch buckets that exploration's
+    backoff, the traffic's per-bucket tenant mix and the bench's drift fit group steps by.
+
+    >>> [pow2_bucket(b) for b in (0, 1, 2, 3, 17, 32)]
+    [1, 1, 2, 4, 32, 32]
+    """
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def segment_split(plain: int, drafting: int, q: int, batch_buckets: tuple[int, ...],
                   shapes) -> tuple[int, int] | None:
     """The padded (plain rows, drafting rows) of a segmented verify for a decode batch of `plain`

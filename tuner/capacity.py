@@ -66,6 +66,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+from engine.types import pow2_bucket
 from tuner.traffic import Traffic
 
 if TYPE_CHECKING:
@@ -203,11 +204,9 @@ def under_split(traffic: Traffic, capacity: Capacity, split: float) -> Traffic:
 def _merged_mixes(traffic: Traffic, served: dict[int, int],
                   shares: dict[int, float]) -> dict[int, dict[str, float]]:
     """Bucket -> tenant mix of the tokens that run in it after the remap."""
-    from tuner.traffic import _bucket
-
     mixes: dict[int, dict[str, float]] = {}
     for b, to in served.items():
-        into = mixes.setdefault(_bucket(to), {})
+        into = mixes.setdefault(pow2_bucket(to), {})
         for tenant, w in traffic.mix_at(b).items():
             into[tenant] = into.get(tenant, 0.0) + w * shares.get(b, 0.0)
     out = {}

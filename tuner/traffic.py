@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.types import StepStats
+from engine.types import StepStats, pow2_bucket
 from tuner.data import RequestRow
 
 HIGH_FOOTPRINT = 0.9
@@ -82,7 +82,7 @@ class Traffic:
         >>> Traffic(1, {1: 1.0}, {}, 1.0, 1, tenant_mix={"a": 1.0}, bucket_mix={4: {"b": 1.0}}).mix_at(3)
         {'b': 1.0}
         """
-        return self.bucket_mix.get(_bucket(batch)) or self.tenant_mix
+        return self.bucket_mix.get(pow2_bucket(batch)) or self.tenant_mix
 
     def token_shares(self) -> dict[int, float]:
         """token_weights, or batch_weights weighted by the batch size (one token per sequence)."""
@@ -191,15 +191,10 @@ def observe(steps: Sequence[StepStats], requests: Sequence[RequestRow],
     )
 
 
-def _bucket(batch: int) -> int:
-    """The power of two at or above `batch`."""
-    return 1 << max(0, int(batch) - 1).bit_length()
-
-
 def _bucket_mixes(steps: Sequence[StepStats]) -> dict[int, dict[str, float]]:
     groups: dict[int, list[StepStats]] = {}
     for s in steps:
-        groups.setdefault(_bucket(s.batch_size), []).append(s)
+        groups.setdefault(pow2_bucket(s.batch_size), []).append(s)
     mixes = {b: _served_mix(rows) for b, rows in sorted(groups.items())}
     return {b: mix for b, mix in mixes.items() if mix}
 
