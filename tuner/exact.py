@@ -95,6 +95,19 @@ def solve(space: SearchSpace, model: PerfModel, traffic: Traffic,
     """The feasible policy of `space` with the highest predicted goodput (KV pages only, no
     TPOT target), or None when no policy fits the pool; ranges beyond the fit keep the
     `incumbent`'s cells (see the module docstring)."""
+    ranked = solve_ranked(space, model, traffic, capacity, incumbent)
+    return None if ranked is None else ranked[1]
+
+
+Rank = tuple[float, float, int, int]
+"""(goodput, ms per token over the unobserved ranges, minus the ranges kept from the
+incumbent, pages): how `better` orders two solutions."""
+
+
+def solve_ranked(space: SearchSpace, model: PerfModel, traffic: Traffic, capacity: Capacity,
+                 incumbent: TunedPolicy | None = None) -> tuple[Rank, TunedPolicy] | None:
+    """`solve`'s policy with its rank, so that a caller comparing solves (tuner.split, one per
+    pool split) breaks a goodput tie as one solve does: on the unobserved ranges' speed."""
     splits = _split_pages(space, capacity, tenant_pages_needed(traffic, capacity))
     if not splits:
         return None
@@ -113,18 +126,18 @@ def solve(space: SearchSpace, model: PerfModel, traffic: Traffic,
             # many footprints give the same choice, and one that loses on goodput loses
             # whatever its pages: build and price a policy only for a new contender
             key = choice.tobytes()
-            if key in seen or (best is not None and _better(best[:3] + (0,), (goodput, fill, held, 0))):
+            if key in seen or (best is not None and better(best[:3] + (0,), (goodput, fill, held, 0))):
                 continue
             seen.add(key)
             policy = _policy(space, cells, choice, vocab)
             pages, split = _smallest_split(policy, traffic, capacity, splits)
-            if best is None or _better((goodput, fill, held, pages), best[:4]):
+            if best is None or better((goodput, fill, held, pages), best[:4]):
                 best = (goodput, fill, held, pages, TunedPolicy(
                     policy.rules, policy.crossover, split, draft_vocab=vocab, source="tuner"))
-    return None if best is None else best[4]
+    return None if best is None else (best[:4], best[4])
 
 
-def _better(new: tuple[float, float, int, int], old: tuple[float, float, int, int]) -> bool:
+def better(new: Rank, old: Rank) -> bool:
     """(goodput, ms per token over the unobserved ranges, minus the ranges that keep the
     incumbent's cell, pages): higher goodput, then on a tie faster unobserved ranges, then
     more kept ranges, then fewer pages (module doc, 3 and 5)."""

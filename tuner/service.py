@@ -14,7 +14,12 @@
    replaced for the next retune (tuner.process).
 3. No feasible candidate, a candidate equal to the serving policy, or one
    that does not beat the serving policy's predicted goodput by `min_gain`:
-   the retune ends "rejected" with that evidence.
+   the retune ends "rejected" with that evidence. A candidate that drafts as
+   the serving policy does at every batch size the window observed (same
+   predicted goodput) and differs only at sizes it did not is applied: it
+   fills those with what the model prefers for them now (tuner.exact, 5),
+   e.g. n-gram for when a busy phase drains to batch 1-4, and where it was
+   observed nothing changes that `min_gain` would guard against.
 4. Otherwise the keeper applies it (next version, source "tuner").
 5. Validation window: every `poll_s` the worker reads the new
    version's steps until `validation_min_steps` of them (exploration left
@@ -84,10 +89,12 @@ from tuner.validate import (
     Verdict,
     against_prediction,
     against_replaced,
+    chooses_same,
     compare,
     enough_evidence,
     measured_goodput,
     own_steps,
+    unmatched,
     weighted_rate,
 )
 
@@ -314,6 +321,9 @@ class Tuner:
         best, current = _goodput(outcome.predicted) or 0.0, outcome.incumbent["goodput"]
         if _shape(candidate) == _shape(incumbent):
             return None, "the serving policy is still the best found"
+        observed = [int(b) for b in outcome.traffic.get("batch_weights", {})]
+        if observed and chooses_same(candidate, incumbent, observed) and best >= current * (1 - 1e-9):
+            return candidate, ""  # only batch sizes the window did not see change (module doc, 3)
         if outcome.incumbent["feasible"] and best < current * (1 + self.config.min_gain):
             return None, (f"best predicted goodput {best:.1f} does not beat the serving "
                           f"policy's {current:.1f} by {self.config.min_gain:.0%}")
@@ -347,10 +357,15 @@ class Tuner:
         predicted = weighted_rate({b: v for b, v in outcome.per_batch.items() if b in served},
                                   weights)
         measured = measured_goodput(own, weights)
-        verdict = against_prediction(verdict, own, measured, predicted, cfg.prediction_margin)
+        before = own_steps(baseline, previous)
+        alone = unmatched(own, before)  # the prediction judges only where `before` cannot
+        sizes = {r.batch_size for r in alone}
+        verdict = against_prediction(
+            verdict, alone, measured_goodput(alone, weights),
+            weighted_rate({b: v for b, v in outcome.per_batch.items() if b in sizes}, weights),
+            cfg.prediction_margin)
         verdict = against_replaced(verdict, own, outcome.incumbent_per_batch, weights, applied,
-                                   previous, cfg.rollback_margin, cfg.noise_z,
-                                   own_steps(baseline, previous))
+                                   previous, cfg.rollback_margin, cfg.noise_z, before)
         return verdict, measured, predicted
 
     def _steps(self, since: float, version: int) -> list:

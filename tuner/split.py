@@ -11,8 +11,17 @@ draft model's lent pages hold. So for every split s on the grid:
 2. solve exactly over the footprints that fit s's lent pages;
 3. give the optimum the split s and score it as any policy is scored.
 
-The best of those, the smaller split on a tie, is the best policy of the
-space: any policy at split s is one of step 2's candidates. Where no split
+The best of those is the best policy of the space: any policy at split s is
+one of step 2's candidates. Among the splits that tie on goodput the
+smallest wins, with one exception: speculating needs a few lent pages
+(verify slots), so at split 0 every batch-size range without traffic is left
+plain (tuner.exact, 5), and the smallest split above 0 wins over it where its
+solve fills those ranges faster. With split 0 on any tie, a busy phase's
+retune (batch 29 observed, the same goodput at 0 and 0.05) chose a policy
+that stopped speculating when the phase drained to batch 1-4, where the solve
+at 0.05 filled n-gram (`bench tuner --quick`, the high-mixed phase's tail).
+Larger splits are not lent for the fill: pages a tenant may need are not
+spent on batch sizes nobody has run. Where no split
 moves anything (no technique of the space keeps its KV in lent pages and the
 pool holds every demand at every split), one solve is all of them, and
 tuner.exact's smallest feasible split is the answer.
@@ -39,7 +48,7 @@ import dataclasses
 
 from engine.policy import TunedPolicy
 from tuner.capacity import under_split
-from tuner.exact import solve
+from tuner.exact import Rank, better, solve, solve_ranked
 from tuner.model import PerfModel
 from tuner.objective import Capacity, evaluate
 from tuner.space import SearchSpace
@@ -54,15 +63,27 @@ def solve_splits(space: SearchSpace, model: PerfModel, traffic: Traffic,
     lent = set(capacity.lent_kv) & set(space.techniques)
     if not lent and all(under_split(traffic, capacity, s) is traffic for s in grid):
         return solve(space, model, traffic, capacity, incumbent)
-    best: tuple[float, TunedPolicy] | None = None
+    found: list[tuple[float, Rank, TunedPolicy]] = []
     for split in grid:
         at = dataclasses.replace(capacity, priced_split=split)
         one = dataclasses.replace(space, max_pool_split=split, pool_split_step=split or 1.0)
-        policy = solve(one, model, under_split(traffic, capacity, split), at, incumbent)
-        if policy is None:
+        ranked = solve_ranked(one, model, under_split(traffic, capacity, split), at, incumbent)
+        if ranked is None:
             continue
+        (_, fill, held, _), policy = ranked
         policy = dataclasses.replace(policy, pool_split=split)
         ev = evaluate(policy, model, traffic, capacity)
-        if ev.feasible and (best is None or ev.goodput > best[0] * (1 + 1e-9)):
-            best = (ev.goodput, policy)
+        if ev.feasible:
+            found.append((split, (ev.goodput, fill, held, 0), policy))
+    if not found:
+        return None
+    top = max(rank[0] for _, rank, _ in found)
+    tied = [(s, rank, p) for s, rank, p in found if rank[0] >= top * (1 - 1e-9)]
+    # the fill may lend the smallest split that speculates at all, not more (module doc)
+    reach = max(min(s for s, _, _ in tied), min((s for s in grid if s > 0), default=0.0))
+    best = None
+    for split, rank, policy in tied:  # the grid ascends: a full tie keeps the smaller split
+        rank = (top, *rank[1:])
+        if split <= reach and (best is None or better(rank, best[0])):
+            best = (rank, policy)
     return None if best is None else best[1]

@@ -180,6 +180,25 @@ def against_prediction(verdict: Verdict, own: Sequence[StepStats], measured: flo
                    measured, None, change, margin, verdict.matched_steps, verdict.per_batch)
 
 
+def unmatched(own: Sequence[StepStats], previous_own: Sequence[StepStats]) -> list[StepStats]:
+    """The steps of `own` at batch sizes where `previous_own` has fewer than MIN_PER_BATCH
+    steps: where only the model's prediction can judge the candidate (`against_prediction`).
+    Where the previous policy was measured, `against_replaced` compares with its steps: a
+    prediction made for the search's traffic is no baseline once the traffic has moved on.
+    In three kept `bench tuner --quick` runs, seven retunes were rolled back 38-60 % below
+    their prediction (most chose for a copy-heavy drain and were measured on the next
+    phase's prose); in four of them the candidate's steps were within -18 to +17 % of the
+    previous policy's at the same batch sizes, too few steps for `compare`.
+
+    >>> from engine.types import StepStats
+    >>> def s(b): return StepStats(batch_size=b, decode_tokens=b, step_ms=9.0)
+    >>> [r.batch_size for r in unmatched([s(1), s(2), s(2)], [s(1)] * 3 + [s(2)] * 2)]
+    [2, 2]
+    """
+    measured = {b for b, steps in _rows_by_batch(previous_own).items() if len(steps) >= MIN_PER_BATCH}
+    return [r for r in own if r.batch_size not in measured]
+
+
 def against_replaced(verdict: Verdict, own: Sequence[StepStats],
                      replaced: dict[int, tuple[float, float]], batch_weights: dict[int, float],
                      policy: TunedPolicy, previous: TunedPolicy, margin: float = 0.05,
@@ -214,7 +233,7 @@ def against_replaced(verdict: Verdict, own: Sequence[StepStats],
     if verdict.decision != "inconclusive" or not enough_evidence(rows):
         return verdict
     served = sorted({r.batch_size for r in rows})
-    if all(_choices(policy, b) == _choices(previous, b) for b in served):
+    if chooses_same(policy, previous, served):
         return dataclasses.replace(verdict, decision="keep", reason=(
             f"the replaced policy v{previous.version} chooses the same at the batch sizes "
             f"served ({_sizes(served)}); nothing to compare"))
@@ -276,6 +295,17 @@ def decode_figures(policy: TunedPolicy, score: Callable[[TunedPolicy, Traffic], 
         if batch not in out:
             out.update(score(policy, traffic.probe(batch)).per_batch)
     return out
+
+
+def chooses_same(policy: TunedPolicy, other: TunedPolicy, batches: Sequence[int]) -> bool:
+    """Whether the two policies draft alike (batch rule and every tenant rule) at each size.
+
+    >>> from engine.policy import BatchRule
+    >>> table = TunedPolicy((BatchRule(4, "ngram", 4), BatchRule(64)), 4)
+    >>> chooses_same(table, TunedPolicy(), [8, 29]), chooses_same(table, TunedPolicy(), [3, 29])
+    (True, False)
+    """
+    return all(_choices(policy, b) == _choices(other, b) for b in batches)
 
 
 def _choices(policy: TunedPolicy, batch: int) -> tuple:

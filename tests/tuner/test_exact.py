@@ -141,6 +141,29 @@ def test_ranges_without_traffic_take_their_fastest_cell() -> None:
         evaluate(bare, model, traffic, capacity).goodput, rel=1e-12)
 
 
+def test_a_busy_window_keeps_speculation_for_the_drain_when_splits_are_solved() -> None:
+    """A draft model makes every pool split a solve of its own (tuner.split). Only batch 29
+    observed, where plain wins (t0 = 10 ms, 1 ms a row: 1.34 ms a token against 1.60 at
+    n-gram depth 1); the ranges below take n-gram, as one solve fills them. Speculating
+    needs verify-slot pages, so the solve at split 0 fills nothing and ties on goodput with
+    the one at 0.05; the tie went to split 0 and the drain ran plain."""
+    model = PerfModel(target=(10.0, 0.0, 0.0, 1.0, 0.0),
+                      acceptance={"ngram": (0.5,) * 4, "draft": (0.1,) * 4},
+                      propose={"draft": (5.0, 0.5, 0.5)})
+    capacity = Capacity(total_pages=4096, page_size=16, max_depth=4, depths=(1, 2, 4), max_batch=32,
+                        proposers={"ngram": (0, 0), "draft": (0, 0)}, lent_kv={"draft": 1.0})
+    traffic = Traffic(steps=100, batch_weights={29: 1.0}, prefill_per_step={}, concurrency=29.0,
+                      concurrency_max=29)
+    space = SearchSpace.build(TunerConfig(ranges=(2, 4, 8, 16, 64), max_depth=4, max_pool_split=0.5,
+                                          pool_split_step=0.05), capacity)
+    policy = solve_splits(space, model, traffic, capacity)
+    assert policy is not None and policy.choose(29) == ("none", 0)
+    assert policy.choose(1)[0] == "ngram" and policy.choose(3)[0] == "ngram"
+    assert policy.pool_split == 0.05  # the smallest split that speculates, no more
+    assert evaluate(policy, model, traffic, capacity).goodput == pytest.approx(
+        evaluate(NEVER, model, traffic, capacity).goodput, rel=1e-9)
+
+
 def test_no_range_is_filled_beyond_the_batch_sizes_the_fit_saw() -> None:
     """The same model fitted on steps of batch 1-4 only (`batch_span`): the (2, 4] range is
     filled, the ones whose probes (6, 12, 32) lie beyond stay "none", the crossover at 4."""

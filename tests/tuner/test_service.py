@@ -13,7 +13,7 @@ import optuna
 import pytest
 from sqlalchemy import Engine
 
-from engine.policy import TunedPolicy
+from engine.policy import BatchRule, TunedPolicy
 from store.db import session_scope
 from store.history import active_policy, get_policy
 from tests.tuner import synth
@@ -228,3 +228,26 @@ def test_the_search_process_runs_only_on_idle_cores() -> None:
         niceness, policy = pool.submit(_scheduling).result(timeout=60)
     assert niceness == 19 and policy == os.SCHED_IDLE
     assert _scheduling()[1] != os.SCHED_IDLE  # the caller (the daemon) is untouched
+
+
+@pytest.mark.parametrize("observed", ["29", "3"])
+def test_a_policy_that_changes_only_unobserved_batch_sizes_is_applied_without_a_gain(
+        db: Engine, host: Host, make_tuner: Callable[..., Tuner], observed: str) -> None:
+    """The window saw batch 29 only; the candidate drafts as the serving policy (plain) there
+    and adds n-gram up to batch 4 for when the load drains (tuner.exact, 5): the same
+    predicted goodput, so `min_gain` rejected it and the drain ran plain. Applied now; the
+    same candidate where the window saw batch 3, which it changes, still needs the gain."""
+    history(db)
+    filled = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4, source="tuner")
+
+    def search(job: SearchJob) -> SearchOutcome:
+        out = run_search(job)
+        return dataclasses.replace(out, best=filled, predicted=dict(out.incumbent),
+                                   traffic={**out.traffic, "batch_weights": {observed: 1.0}})
+    tuner = make_tuner(NO_WAIT, search=search)
+    r = finished(tuner, tuner.trigger("admin")[0])
+    if observed == "29":
+        assert r["status"] == "applied" and host.policy.choose(2) == ("ngram", 2), r
+    else:
+        assert r["status"] == "rejected" and "does not beat" in r["details"]["reason"], r
+        assert host.policy.version == 0

@@ -207,3 +207,29 @@ def test_a_window_too_short_for_a_verdict_runs_on_until_it_has_one(
         applied_at = get_policy(s, 1).applied_at
     assert r["finished_at"] - applied_at > cfg.validation_s  # it ran past validation_s
     assert r["finished_at"] - applied_at < cfg.validation_s * VALIDATION_STRETCH + 2.0
+
+
+def test_a_shortfall_from_the_prediction_is_judged_against_the_replaced_policys_steps(
+        db: Engine, host: Host, make_tuner: Callable[..., Tuner]) -> None:
+    """The traffic turned harder after the search (`bench tuner --quick`: a retune chose for
+    the busy phase's copy-heavy drain, and the next phase's prose arrived): the old policy's
+    steps in the baseline window and the new policy's alike run 1.6x slower than the fit.
+    The candidate's 14 steps at batch 1-2 are too few for `compare` and 37 % below its
+    prediction, which rolled it back; but the old policy ran at those sizes in the same
+    world, so they are compared with its steps instead, and the candidate, faster than
+    them, stays."""
+    now = time.time()
+    history(db, end=now - 120.0)
+    slow = synth.Synth(seed=11, slowdown=1.6)
+    synth.write(db, [slow.step(now - 4.0 + k * 0.05, "none", 0, 1 + k % 2) for k in range(60)])
+
+    def on_apply(policy: TunedPolicy) -> None:
+        if policy.source == "tuner":
+            synth.write(db, slow.serve(policy, 14, start=time.time(), batches=(1, 2)))
+    host.on_apply = on_apply
+    tuner = make_tuner(dataclasses.replace(FAST, baseline_s=30.0, validation_s=1.0))
+    r = finished(tuner, tuner.trigger("admin")[0])
+    validation = r["details"]["validation"]
+    assert r["measured_goodput"] < (1 - FAST.prediction_margin) * r["predicted_goodput"]
+    assert validation["decision"] == "keep" and validation["baseline"] == "measured", validation
+    assert validation["change"] > 0 and r["status"] == "applied"
