@@ -299,7 +299,7 @@ class RecordingEngine:
 # ---- the bench ---------------------------------------------------------------------
 def run_bench(cfg: TunerBenchConfig, out_path: str | None = None) -> dict[str, Any]:
     """Run every policy over the trace and return (and write) the JSON result."""
-    from bench.tuner_report import combine_rounds, headline, summarize, write_result
+    from bench.tuner_report import combine_rounds, headline, summarize, with_pooled_probes, write_result
     from daemon.progress import reporter
     from engine.progress import Steps
 
@@ -310,19 +310,23 @@ def run_bench(cfg: TunerBenchConfig, out_path: str | None = None) -> dict[str, A
          + ", ".join((["autotuned"] if "autotuned" in cfg.runs else []) + list(policies)))
     order = ([("autotuned", None)] if "autotuned" in cfg.runs else []) + list(policies.items())
     rounds: list[dict[str, Any]] = []
+    probes: list[dict[str, Any]] = []
     with Steps(reporter(), "bench tuner: runs", len(order) * cfg.repeats) as bar:
         for r in range(cfg.repeats):
-            # later rounds rotate the order and skip the retune-latency probe (round 1 has it)
-            at = cfg if r == 0 else dataclasses.replace(cfg, probe_retunes=0)
+            # later rounds rotate the order; each round's autotuned run ends with the probe
             runs: dict[str, dict[str, Any]] = {}
             for name, policy in order[r % len(order):] + order[:r % len(order)]:
                 if cfg.repeats > 1:
                     _log(f"round {r + 1}/{cfg.repeats}: {name}")
                 tag = f"-r{r + 1}" if cfg.repeats > 1 else ""
-                runs[name] = asyncio.run(_run(at, engine, name, policy, phases, arrivals, tag))
+                runs[name] = asyncio.run(_run(cfg, engine, name, policy, phases, arrivals, tag))
                 bar.advance()
+            if runs.get("autotuned", {}).get("probe") is not None:
+                probes.append(runs["autotuned"]["probe"])
             rounds.append(summarize(cfg, engine, phases, arrivals, runs))
     result = combine_rounds(rounds)
+    if len(rounds) > 1:
+        result = with_pooled_probes(result, probes)
     for line in headline(result):
         _log(line)
     if out_path:

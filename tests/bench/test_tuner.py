@@ -360,14 +360,15 @@ def test_repeats_run_every_policy_each_round_and_report_medians(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture) -> None:
     """--repeats 3: every policy runs once per round, the order rotated (round 2 starts with
     the second policy), each kept database tagged with its round; a policy's phase and
-    whole-trace figures are its median round's, and the ratios are computed from them."""
+    whole-trace figures are its median round's, and the ratios are computed from them; the
+    retune-latency figures pool every round's probe."""
     from bench.tuner_report import ratios
 
     out = tmp_path / "tuner.json"
     flags = ["--fake", "--phase-seconds", "1", "--rate-scale", "4", "--max-tokens", "16",
              "--techniques", "ngram", "--depths", "2", "--runs", "autotuned,never,fixed",
              "--repeats", "3", "--retune-interval", "0.3", "--trials", "8", "--min-new-steps", "20",
-             "--profile-steps", "30", "--validation-min-steps", "20", "--probe-retunes", "0",
+             "--profile-steps", "30", "--validation-min-steps", "20", "--probe-retunes", "1",
              "--search-in-thread", "--keep-db", str(tmp_path / "db"), "--out", str(out)]
     assert cli(["bench", "tuner", *flags]) == 0
     err = capsys.readouterr().err
@@ -375,7 +376,12 @@ def test_repeats_run_every_policy_each_round_and_report_medians(tmp_path: Path,
     assert err.index("round 2/3: never") < err.index("round 2/3: autotuned")
     assert err.index("round 3/3: fixed:ngram@2") < err.index("round 3/3: never")
     result = json.loads(out.read_text())
-    assert len(result["rounds"]) == 3 and "retune_itl" not in result["ratios"]
+    assert len(result["rounds"]) == 3
+    # every round's autotuned run ends with a probe; the latency figures pool all three
+    itl = result["retune_itl"]
+    assert itl["probes"] == 3 and len(itl["retunes"]) == 3 * 2  # each: settling + 1 measured
+    assert result["ratios"]["retune_itl"]["ratio"] == itl["p99_ratio"]
+    assert all("retune_itl_p99_ratio" in r for r in result["rounds"])
     assert sorted(p.name for p in (tmp_path / "db").glob("*.db")) == sorted(
         f"{n}-r{r}.db" for n in ("autotuned", "never", "fixed-ngram-2") for r in (1, 2, 3))
     for name, run in result["policies"].items():
@@ -383,7 +389,7 @@ def test_repeats_run_every_policy_each_round_and_report_medians(tmp_path: Path,
             each = sorted(r["policies"][name]["phases"][i] for r in result["rounds"])
             assert phase["goodput"] == each[1]
         assert run["whole"]["goodput"] == sorted(r["policies"][name]["whole"] for r in result["rounds"])[1]
-    assert result["ratios"] == ratios(result["policies"], PHASES)
+    assert {k: v for k, v in result["ratios"].items() if k != "retune_itl"} == ratios(result["policies"], PHASES)
     assert result["ratios"]["per_phase"] and result["ratios"]["whole_vs_never"]["static"] == (
         result["policies"]["never"]["whole"]["goodput"])
     # the drift-adjusted figures: each round's speed indexes, medians over rounds as above
@@ -401,3 +407,26 @@ def test_repeats_run_every_policy_each_round_and_report_medians(tmp_path: Path,
 def test_bad_repeats_are_user_errors(capsys: pytest.CaptureFixture) -> None:
     assert cli(["bench", "tuner", "--fake", "--repeats", "0"]) == 2
     assert "repeats=0" in capsys.readouterr().err
+
+
+def test_retune_itl_pools_the_gaps_of_every_rounds_probe() -> None:
+    """Two rounds' probes: gaps of 100 ms in the quiet windows of both, 110 ms while the first
+    round's retune searches and 150 ms while the second's does. Pooled, each gap counts once:
+    the 'during' figures hold both rounds' gaps, and the ratio follows the pooled p99."""
+    def probe(slow_ms: float) -> dict:
+        window = {"id": 1, "start": 10.0, "search_end": 12.0, "end": 12.0, "status": "rejected",
+                  "version": None, "note": None}
+        t, chunks = 3.0, [3.0]
+        while t < 12.0:
+            t += (slow_ms if window["start"] <= t + 0.1 <= window["search_end"] else 100.0) / 1000.0
+            chunks.append(t)
+        return {"settle": {**window, "id": 0, "start": 0.0, "search_end": 3.0, "end": 3.0},
+                "windows": [window], "end": 12.0, "streams": [type("Stream", (), {"chunks": chunks})()]}
+    one, two = retune_itl(probe(110.0)), retune_itl(probe(150.0))
+    both = retune_itl(probe(110.0), probe(150.0))
+    assert both["probes"] == 2 and len(both["retunes"]) == 4
+    assert both["during_ms"]["n"] == one["during_ms"]["n"] + two["during_ms"]["n"]
+    assert both["without_ms"]["n"] == one["without_ms"]["n"] + two["without_ms"]["n"]
+    assert one["p99_ratio"] == pytest.approx(1.1, abs=0.02)
+    assert both["during_ms"]["mean"] == pytest.approx(
+        (110.0 * one["during_ms"]["n"] + 150.0 * two["during_ms"]["n"]) / both["during_ms"]["n"], abs=1.0)
