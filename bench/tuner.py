@@ -301,6 +301,7 @@ def run_bench(cfg: TunerBenchConfig, out_path: str | None = None) -> dict[str, A
     """Run every policy over the trace and return (and write) the JSON result."""
     from bench.tuner_report import combine_rounds, headline, summarize, with_pooled_probes, write_result
     from daemon.progress import reporter
+    from engine.compiles import freeze_heap
     from engine.progress import Steps
 
     engine = load_engine(cfg)
@@ -320,6 +321,9 @@ def run_bench(cfg: TunerBenchConfig, out_path: str | None = None) -> dict[str, A
                     _log(f"round {r + 1}/{cfg.repeats}: {name}")
                 tag = f"-r{r + 1}" if cfg.repeats > 1 else ""
                 runs[name] = asyncio.run(_run(cfg, engine, name, policy, phases, arrivals, tag))
+                # the records kept for the report live to the end: out of the collector's full
+                # walks, which would otherwise lengthen with every run and stall later runs' steps
+                freeze_heap()
                 bar.advance()
             if runs.get("autotuned", {}).get("probe") is not None:
                 probes.append(runs["autotuned"]["probe"])

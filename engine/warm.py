@@ -26,7 +26,9 @@
 5. `stop()` (shutdown) starts no further job and waits for the one under way
    (XLA cannot interrupt a compile); unfinished techniques read "stopped".
 6. Once every job has run, JAX's lowerings of the compiled shapes are dropped
-   (`engine.compiles.release_lowerings`) and the heap trimmed.
+   (`engine.compiles.release_lowerings`), the heap trimmed and what is left
+   frozen out of the garbage collector's full walks (`freeze_heap`: 2 s each
+   over a warmed-up engine's objects).
 7. Before each job it checks the process's memory mappings (XLA:CPU maps
    every compiled kernel; Linux kills a process past vm.max_map_count): with
    fewer than MAP_MARGIN left it compiles no more, and the techniques not yet
@@ -43,8 +45,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from engine.compiles import (compile_count, map_limit, memory_mappings, release_lowerings, serving_compiles,
-                             trim_heap, warming)
+from engine.compiles import (compile_count, freeze_heap, map_limit, memory_mappings, release_lowerings,
+                             serving_compiles, trim_heap, warming)
 from engine.progress import Reporter, note
 from engine.segments import segment_jobs
 
@@ -136,6 +138,7 @@ class SpecWarmup:
         self.seconds = time.perf_counter() - t0
         release_lowerings()  # every shape is compiled: JAX's copies of their lowerings go
         trim_heap()  # the compiles' scratch memory, freed but still resident
+        freeze_heap()  # what warmup built lives on: out of the collector's full walks
         used, limit = memory_mappings(), map_limit()
         note(progress, f"warmup: speculation's shapes compiled in {self.seconds:.1f}s; "
                        f"{compile_count()} executables compiled or loaded"
@@ -267,6 +270,7 @@ def warm_engine(core, progress: Reporter, background: bool) -> SpecWarmup:
     core._chooser.ready = warm.is_ready
     if not warm.running:
         trim_heap()
+    freeze_heap()  # the model and vocabulary now; a background warmup freezes its own when done
     used, limit = memory_mappings(), map_limit()
     if progress and used and limit:
         note(progress, f"warmup: plain decoding ready, {compile_count()} executables compiled or loaded; "
