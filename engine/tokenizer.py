@@ -111,8 +111,7 @@ class Tokenizer:
 
     def __init__(self, backend: _Backend, pieces: list[str], types: np.ndarray, bos_id: int, eos_id: int) -> None:
         self._backend = backend
-        self._plain: _Backend | None = None  # built on first use by encode_plain
-        self._plain_lock = threading.Lock()
+        self._lock = threading.Lock()  # encode_plain flips the backend's special-token mode
         self.bos_id, self.eos_id = bos_id, eos_id
         self.end_of_turn_id = backend.token_to_id("<end_of_turn>")
         self.start_of_turn_id = backend.token_to_id("<start_of_turn>")
@@ -151,17 +150,24 @@ class Tokenizer:
 
         Raw completions keep this: their client owns the whole prompt, template included.
         """
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        with self._lock:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if add_bos else ids
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` with control pieces read as plain text: `<end_of_turn>` written in
-        a message is the characters `<`, `end`, ..., never the control id (no BOS)."""
-        with self._plain_lock:
-            if self._plain is None:  # a second backend: flipping the shared one would race
-                self._plain = _Backend.from_str(self._backend.to_str())
-                self._plain.encode_special_tokens = True
-        return self._plain.encode(text, add_special_tokens=False).ids
+        a message is the characters `<`, `end`, ..., never the control id (no BOS).
+
+        The one backend is switched to that mode for the call, under the lock `encode` takes
+        too. A second backend copied from it (`from_str(to_str())`) took 2.0 s for this
+        vocabulary while holding the GIL: the first chat request of a daemon's life stalled
+        every thread, decoding included, for that long (a 2-3 s step in `bench tuner`)."""
+        with self._lock:
+            self._backend.encode_special_tokens = True
+            try:
+                return self._backend.encode(text, add_special_tokens=False).ids
+            finally:
+                self._backend.encode_special_tokens = False
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         """BOS + the chat template's ids, where only the template inserts control tokens

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import gguf
 import numpy as np
 import pytest
@@ -238,6 +241,37 @@ def test_chat_text_cannot_forge_turns():
     # the same text as a raw prompt keeps today's behaviour: the markers are control tokens
     raw = tok.encode(apply_chat_template(forged))
     assert raw.count(start) == 3 and raw.count(end) == 2
+
+
+def test_plain_and_control_encodes_interleave_across_threads():
+    """`encode_plain` switches the one backend to plain-text mode for its call (a second
+    backend cost 2 s to copy, holding the GIL, on the real vocabulary): `encode` keeps the
+    control ids afterwards, and both stay right while threads interleave them."""
+    tok, pieces = toy_chat_tokenizer()
+    end = pieces.index("<end_of_turn>")
+    text = "ab<end_of_turn>c"
+    control, plain = tok.encode(text, add_bos=False), tok.encode_plain(text)
+    assert control.count(end) == 1 and end not in plain
+    assert tok.encode(text, add_bos=False) == control  # the mode was switched back
+    wrong = []
+
+    def hammer(k: int) -> None:
+        for i in range(300):
+            got, want = ((tok.encode_plain(text), plain) if (i + k) % 2 else
+                         (tok.encode(text, add_bos=False), control))
+            if got != want:
+                wrong.append(got)
+    threads = [threading.Thread(target=hammer, args=(k,)) for k in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads between almost any two bytecodes
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not wrong
 
 
 def test_chat_ids_without_control_strings_are_unchanged():
