@@ -126,7 +126,8 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     phases and whole trace are its median round's there (the lower middle of an even count,
     by goodput; a phase's figures stay those of one run), the ratios are recomputed from them,
     the retune-latency probe and the autotuned history are round 1's (`with_pooled_probes`
-    pools every round's probe), and `rounds` lists each round's goodputs and ratios. One round: that round's summary as it is.
+    pools every round's probe), and `rounds` lists each round's goodputs and ratios. One
+    round: that round's summary as it is.
 
     >>> def summary(g):
     ...     return {"trace": [{"name": "low-copy"}], "policies": {
