@@ -196,9 +196,9 @@ def freeze_heap() -> int:
     """Move every object alive now into the collector's permanent generation (`gc.freeze`) and
     return how many are frozen. A warmed-up engine holds ~2.7 million objects (the vocabulary,
     JAX's executables and caches); a full collection walked all of them (`gc.collect(2)` after
-    warming up Gemma 3 270M with every proposer: 2.0-2.2 s here), which `bench tuner` saw as
-    one 2-3 s decode step every few minutes of serving. Frozen, they are never walked again; what serving
-    creates later is collected as before. Call it once warmup has built what lives for the
+    warming up Gemma 3 270M with every proposer: 2.0-2.2 s here), a pause that stalls
+    decoding whenever one falls during serving. Frozen, they are never walked again; what
+    serving creates later is collected as before. Call it once warmup has built what lives for the
     process's life (it does not collect first: that would be the same 2 s pause)."""
     import gc
 

@@ -195,8 +195,14 @@ def unmatched(own: Sequence[StepStats], previous_own: Sequence[StepStats]) -> li
     >>> [r.batch_size for r in unmatched([s(1), s(2), s(2)], [s(1)] * 3 + [s(2)] * 2)]
     [2, 2]
     """
-    measured = {b for b, steps in _rows_by_batch(previous_own).items() if len(steps) >= MIN_PER_BATCH}
+    measured = _measured_sizes(previous_own)
     return [r for r in own if r.batch_size not in measured]
+
+
+def _measured_sizes(steps: Sequence[StepStats]) -> dict[int, list[StepStats]]:
+    """Batch size -> `steps` there, for the sizes with at least MIN_PER_BATCH of them: where a
+    policy's own steps are evidence enough to compare with."""
+    return {b: rows for b, rows in _rows_by_batch(steps).items() if len(rows) >= MIN_PER_BATCH}
 
 
 def against_replaced(verdict: Verdict, own: Sequence[StepStats],
@@ -237,8 +243,7 @@ def against_replaced(verdict: Verdict, own: Sequence[StepStats],
         return dataclasses.replace(verdict, decision="keep", reason=(
             f"the replaced policy v{previous.version} chooses the same at the batch sizes "
             f"served ({_sizes(served)}); nothing to compare"))
-    before = {b: steps for b, steps in _rows_by_batch(previous_own).items()
-              if b in served and len(steps) >= MIN_PER_BATCH}
+    before = {b: steps for b, steps in _measured_sizes(previous_own).items() if b in served}
     figures = {**{b: replaced[b] for b in served}, **_figures(before)}
     measured = measured_goodput(rows, batch_weights)
     baseline = weighted_rate(figures, batch_weights)
