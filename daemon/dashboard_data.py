@@ -131,11 +131,15 @@ def retunes(session: Session, limit: int = 20, *, instance: str | None = "") -> 
 def _tenants(record: Any) -> dict[str, Any] | None:
     """The per-tenant decision of a retune's search (tuner.tenants.TenantSearch.to_dict()):
     whether rules were chosen, each tenant's technique, depth and largest batch, and the
-    predicted gain over the best single-rule policy; None when none was weighed."""
-    if not isinstance(record, dict) or record.get("method") in (None, "skipped"):
+    predicted gain over the best single-rule policy; `fill`, the rules given below the batch
+    sizes the window observed (tuner.tenant_fill); None when none was weighed or given."""
+    if not isinstance(record, dict):
+        return None
+    fill = list(record.get("fill") or [])
+    if record.get("method") in (None, "skipped") and not fill:
         return None
     keys = ("chosen", "gain", "method", "seconds", "margin", "single_goodput", "tenant_goodput")
-    return {**{k: record.get(k) for k in keys}, "rules": list(record.get("rules") or [])}
+    return {**{k: record.get(k) for k in keys}, "rules": list(record.get("rules") or []), "fill": fill}
 
 
 def _policy(p: Policy) -> dict[str, Any]:

@@ -185,16 +185,23 @@ def _reach_costs(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, m
     for r, batch in probes.items():
         empty[r] = True
         at = traffic.probe(batch)
-        for c, (technique, depth) in enumerate(cells):
-            padded, q = model.padding.pad(batch, 1 + drafted_depth(technique, depth, capacity))
-            if c and model.max_rows is not None and padded * q > model.max_rows:
-                cost[r, c] = np.inf
-                continue
-            one = TunedPolicy((BatchRule(EVERYWHERE, technique, depth),), crossover=EVERYWHERE,
-                              draft_vocab=vocab)
-            per_step, step_ms = next(iter(evaluate(one, model, at, capacity).per_batch.values()))
-            cost[r, c] = step_ms / per_step
+        for c, cell in enumerate(cells):
+            cost[r, c] = cell_cost(model, at, batch, cell, vocab, capacity)
     return empty, cost
+
+
+def cell_cost(model: PerfModel, at: Traffic, batch: int, cell: tuple[str, int], vocab: int,
+              capacity: Capacity) -> float:
+    """Predicted ms per output token of `cell` drafting every row of `at` (a probe at `batch`),
+    infinite for a drafting cell whose step runs more rows than any the fit saw."""
+    technique, depth = cell
+    padded, q = model.padding.pad(batch, 1 + drafted_depth(technique, depth, capacity))
+    if technique != "none" and model.max_rows is not None and padded * q > model.max_rows:
+        return math.inf
+    one = TunedPolicy((BatchRule(EVERYWHERE, technique, depth),), crossover=EVERYWHERE,
+                      draft_vocab=vocab)
+    per_step, step_ms = next(iter(evaluate(one, model, at, capacity).per_batch.values()))
+    return step_ms / per_step
 
 
 def _kept_cells(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, traffic: Traffic,

@@ -37,8 +37,10 @@ or a thread (tests). Data flow:
    `tenant_min_gain` (tuner.tenants: exact while the combinations are few,
    else coordinate ascent and TPE in an in-memory study; its method, seconds
    and predicted gain are the outcome's `tenants`). The study's parameters
-   are the batch rules only; tenant rules are a layer on its best. Return
-   the policy with the evidence.
+   are the batch rules only; tenant rules are a layer on its best. Then each
+   tenant of the window gets its own cell below the observed batch sizes
+   where its acceptance says so (tuner.tenant_fill; the outcome's
+   `tenants.fill`). Return the policy with the evidence.
 """
 
 from __future__ import annotations
@@ -55,13 +57,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from engine.policy import BatchRule, TunedPolicy
-from store.db import (
-    install_sqlite_pragmas,
-    is_sqlite,
-    make_engine,
-    resolve_url,
-    session_scope,
-)
+from store.db import install_sqlite_pragmas, is_sqlite, make_engine, resolve_url, session_scope
 from engine.types import StepStats
 from store.history import draft_vocab_by_instance
 from tuner.acceptance import fit_acceptance, fit_depth_factors, fit_draft_share
@@ -72,6 +68,7 @@ from tuner.objective import Capacity, Evaluation, evaluate, padding_of
 from tuner.shapes import MIN_SHAPE_STEPS, cost_history
 from tuner.space import SearchSpace
 from tuner.split import solve_splits
+from tuner.tenant_fill import fill_tenant_rules
 from tuner.tenants import add_tenant_rules
 from tuner.traffic import Traffic, observe
 from tuner.validate import MAX_FIGURE_BATCH, decode_figures
@@ -274,9 +271,10 @@ def run_search(job: SearchJob) -> SearchOutcome:
                 chosen, space, model, traffic, job.capacity, tpot_target_ms=cfg.tpot_p95_ms,
                 min_gain=cfg.tenant_min_gain, exact_limit=cfg.tenant_exact_limit,
                 trials=cfg.tenant_trials, seed=cfg.seed)
-            tenants = record.to_dict()
-            if ruled is not chosen:
-                chosen, predicted = ruled, score(ruled).to_dict()
+            filled, fill = fill_tenant_rules(ruled, space, model, traffic, job.capacity)
+            tenants = {**record.to_dict(), "fill": fill}
+            if filled is not chosen:
+                chosen, predicted = filled, score(filled).to_dict()
         return SearchOutcome(
             study_name=study.study_name,
             best=chosen,

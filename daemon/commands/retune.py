@@ -84,7 +84,8 @@ def describe(r: dict[str, Any]) -> str:
 def tenant_line(t: dict[str, Any] | None) -> str:
     """The per-tenant decision of a retune's search (details.tenants): which tenant got which
     technique and depth up to which batch size, and the predicted gain over the best
-    single-rule policy; empty when the search did not weigh any.
+    single-rule policy; then the rules below the batch sizes the window observed
+    (tuner.tenant_fill); empty when the search gave and weighed none.
 
     >>> tenant_line({"chosen": True, "gain": 0.087, "method": "tpe", "seconds": 0.06,
     ...              "margin": 0.03, "rules": [{"tenant": "copy", "technique": "ngram",
@@ -94,21 +95,33 @@ def tenant_line(t: dict[str, Any] | None) -> str:
     >>> tenant_line({"chosen": False, "gain": 0.01, "method": "exact", "seconds": 0.01,
     ...              "margin": 0.03, "rules": []})
     'per-tenant rules not chosen: +1.0% predicted over the best single-rule policy, margin 3% (exact, 0.01 s)'
+    >>> tenant_line({"method": "skipped", "fill": [{"tenant": "prose", "technique": "none",
+    ...              "depth": 0, "max_batch": 8}]})
+    'per-tenant rules below the observed batch sizes: prose none (up to batch 8)'
     """
-    if not t or t.get("method") == "skipped":
+    if not t:
         return ""
+    fill = f"per-tenant rules below the observed batch sizes: {_groups(t['fill'])}" if t.get("fill") else ""
+    if t.get("method") == "skipped":
+        return fill
     how = f"({t.get('method')}, {t.get('seconds', 0):.2g} s)"
     gain = f"{t.get('gain', 0.0):+.1%} predicted over the best single-rule policy"
     if not t.get("chosen"):
-        return f"per-tenant rules not chosen: {gain}, margin {t.get('margin', 0.0):.0%} {how}"
+        line = f"per-tenant rules not chosen: {gain}, margin {t.get('margin', 0.0):.0%} {how}"
+    else:
+        line = f"per-tenant rules, {gain} {how}: {_groups(t.get('rules') or [])}"
+    return "; ".join(x for x in (line, fill) if x)
+
+
+def _groups(rules: list[dict[str, Any]]) -> str:
+    """Tenant rules grouped by their largest batch size: "copy ngram@4, prose none (up to batch 8)"."""
     groups: dict[int, list[str]] = {}
-    for rule in t.get("rules") or []:
+    for rule in rules:
         cell = f"{rule['technique']}@{rule['depth']}" if rule.get("depth") else "none"
         groups.setdefault(int(rule.get("max_batch", 0)), []).append(f"{rule['tenant']} {cell}")
-    rules = "; ".join(f"{', '.join(names)} " + (f"(up to batch {upto})" if upto < 1 << 30
-                                                 else "(every batch size)")
-                      for upto, names in sorted(groups.items()))
-    return f"per-tenant rules, {gain} {how}: {rules}"
+    return "; ".join(f"{', '.join(names)} " + (f"(up to batch {upto})" if upto < 1 << 30
+                                              else "(every batch size)")
+                     for upto, names in sorted(groups.items()))
 
 
 def _summary(r: dict[str, Any]) -> str:

@@ -200,16 +200,20 @@ function retuneRow(t) {
 // its rules were chosen, and the predicted gain over the best single-rule policy either way.
 function tenantCell(t) {
   if (!t) return "";
+  const rule = r => `${esc(r.tenant)} ${r.depth ? `${esc(r.technique)}@${r.depth}` : "none"}` +
+                    (r.max_batch < 2 ** 30 ? ` &le;${r.max_batch}` : "");
+  const fill = (t.fill || []).length
+    ? `<br><span data-fill="${t.fill.length}">below the observed batch sizes: ` +
+      `${t.fill.map(rule).join(", ")}</span>` : "";
+  if (t.method == null || t.method === "skipped") return fill.slice(4);
   const gain = t.gain == null ? "" : `${t.gain >= 0 ? "+" : ""}${(100 * t.gain).toFixed(1)}%`;
   const how = `${esc(t.method)}, ${t.seconds == null ? "?" : Number(t.seconds).toFixed(2)} s`;
   if (!t.chosen) {
     return `<span class="note" data-tenants="0">single rule kept (per tenant ${gain} predicted, ` +
-           `margin ${Math.round(100 * (t.margin || 0))}%; ${how})</span>`;
+           `margin ${Math.round(100 * (t.margin || 0))}%; ${how})</span>` + fill;
   }
-  const rules = t.rules.map(r => `${esc(r.tenant)} ${r.depth ? `${esc(r.technique)}@${r.depth}` : "none"}` +
-                                 (r.max_batch < 2 ** 30 ? ` &le;${r.max_batch}` : ""));
-  return `<span data-tenants="${t.rules.length}">${rules.join("<br>")}</span>` +
-         `<br><span class="note">${gain} predicted over the best single rule (${how})</span>`;
+  return `<span data-tenants="${t.rules.length}">${t.rules.map(rule).join("<br>")}</span>` +
+         `<br><span class="note">${gain} predicted over the best single rule (${how})</span>` + fill;
 }
 
 function policyCell(p) {

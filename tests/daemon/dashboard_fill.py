@@ -148,7 +148,8 @@ def _history(session: Session, now: float) -> None:
 
 def _tenant_details(version: int | None) -> dict | None:
     """A retune's per-tenant decision (tuner.tenants.TenantSearch.to_dict()): v4 gave two
-    tenants rules of their own, v2's search weighed them and kept the single rule."""
+    tenants rules of their own, v2's search weighed them and kept the single rule (and gave
+    team-c none below the batch sizes its window observed, tuner.tenant_fill)."""
     if version == 4:
         rules = [{"tenant": "team-a", "technique": "ngram", "depth": 3, "max_batch": 8},
                  {"tenant": "team-c", "technique": "none", "depth": 0, "max_batch": 8}]
@@ -158,7 +159,8 @@ def _tenant_details(version: int | None) -> dict | None:
     if version == 2:
         return {"tenants": {"method": "tpe", "seconds": 0.3, "chosen": False, "gain": 0.011,
                             "margin": 0.03, "single_goodput": 1810.0, "tenant_goodput": 1830.0,
-                            "rules": []}}
+                            "rules": [], "fill": [{"tenant": "team-c", "technique": "none",
+                                                   "depth": 0, "max_batch": 4}]}}
     return None
 
 

@@ -92,6 +92,8 @@ def test_the_json_behind_the_charts(filled: LiveServer) -> None:
     assert [(r["tenant"], r["technique"], r["depth"]) for r in chosen["rules"]] == [
         ("team-a", "ngram", 3), ("team-c", "none", 0)]
     assert kept["chosen"] is False and retunes["retunes"][0]["tenants"] is None
+    assert kept["fill"] == [{"tenant": "team-c", "technique": "none", "depth": 0, "max_batch": 4}]
+    assert chosen["fill"] == []
     assert filled.get("/dashboard/api/batch?window_s=5", ADMIN).status == 400
 
 
@@ -141,3 +143,4 @@ def test_headless_chromium_draws_every_chart(filled: LiveServer, tmp_path: Path)
     assert re.search(r'<table data-chart="retunes" data-points="4">', dom)
     assert 'data-tenants="2">team-a ngram@3' in dom and "+6.2% predicted over the best single rule" in dom
     assert 'data-tenants="0">single rule kept (per tenant +1.1% predicted' in dom
+    assert 'data-fill="1">below the observed batch sizes: team-c none' in dom

@@ -36,3 +36,17 @@ def test_rules_weighed_and_not_chosen_say_so() -> None:
 def test_without_a_tenant_search_one_line_as_before() -> None:
     assert "\n" not in describe(retune(None))
     assert "\n" not in describe(retune({"method": "skipped", "seconds": 0.0}))
+
+
+def test_rules_below_the_observed_batch_sizes_follow_the_decision() -> None:
+    fill = [{"tenant": "prose-tenant", "technique": "none", "depth": 0, "max_batch": 8},
+            {"tenant": "copy-tenant", "technique": "ngram", "depth": 4, "max_batch": 8}]
+    text = describe(retune({"method": "exact", "seconds": 0.02, "chosen": False, "gain": 0.0,
+                            "margin": 0.03, "rules": [], "fill": fill}))
+    assert text.split("\n")[1] == (
+        "per-tenant rules not chosen: +0.0% predicted over the best single-rule policy, margin 3% "
+        "(exact, 0.02 s); per-tenant rules below the observed batch sizes: prose-tenant none, "
+        "copy-tenant ngram@4 (up to batch 8)")
+    alone = describe(retune({"method": "skipped", "seconds": 0.0, "fill": fill[:1]}))
+    assert alone.split("\n")[1] == ("per-tenant rules below the observed batch sizes: "
+                                    "prose-tenant none (up to batch 8)")
