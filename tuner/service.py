@@ -15,11 +15,12 @@
 3. No feasible candidate, a candidate equal to the serving policy, or one
    that does not beat the serving policy's predicted goodput by `min_gain`:
    the retune ends "rejected" with that evidence. A candidate that drafts as
-   the serving policy does at every batch size the window observed (same
-   predicted goodput) and differs only at sizes it did not is applied: it
-   fills those with what the model prefers for them now (tuner.exact, 5),
-   e.g. n-gram for when a busy phase drains to batch 1-4, and where it was
-   observed nothing changes that `min_gain` would guard against.
+   the serving policy does at every batch size the window observed, for
+   every tenant it served (same predicted goodput), and differs only at sizes
+   or for tenants it did not is applied: it fills those with what the model
+   prefers for them now (tuner.exact, 5; tuner.tenant_fill), e.g. n-gram for
+   when a busy phase drains to batch 1-4, and where it was observed nothing
+   changes that `min_gain` would guard against.
 4. Otherwise the keeper applies it (next version, source "tuner").
 5. Validation window: every `poll_s` the worker reads the new
    version's steps until `validation_min_steps` of them (exploration left
@@ -85,6 +86,7 @@ from tuner.objective import Capacity
 from tuner.process import ProcessSearch, SearchRunner, bounded, lower_priority
 from tuner.search import SearchJob, SearchOutcome, run_search
 from tuner.space import SearchSpace
+from tuner.tenant_fill import served_tenants
 from tuner.validate import (
     Verdict,
     against_prediction,
@@ -322,7 +324,8 @@ class Tuner:
         if _shape(candidate) == _shape(incumbent):
             return None, "the serving policy is still the best found"
         observed = [int(b) for b in outcome.traffic.get("batch_weights", {})]
-        if observed and chooses_same(candidate, incumbent, observed) and best >= current * (1 - 1e-9):
+        served = served_tenants(outcome.traffic.get("tenant_mix") or {}) or None  # others: tenant_fill
+        if observed and chooses_same(candidate, incumbent, observed, served) and best >= current * (1 - 1e-9):
             return candidate, ""  # only batch sizes the window did not see change (module doc, 3)
         if outcome.incumbent["feasible"] and best < current * (1 + self.config.min_gain):
             return None, (f"best predicted goodput {best:.1f} does not beat the serving "

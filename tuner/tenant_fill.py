@@ -10,17 +10,22 @@ for the 8-10 s until a retune had seen them, at 0.6-0.8x plain decoding
 (`bench tuner --quick`, kept databases of three rounds).
 
 `fill_tenant_rules` gives each tenant of the window (MIN_SHARE of its rows,
-at most MAX_TENANTS, none that already has a rule) a rule of its own there
+at most MAX_TENANTS in all, none that already has a rule) a rule of its own there
 when its own acceptance says another cell is faster: over the ranges that lie
 wholly below the smallest observed batch size (and within the crossover and
 the fit's batch span, `exact.probe_batches`), each option (cell, max_batch)
 covers the ranges up to max_batch and leaves the rest to the batch rules; its
 cost is the summed ms per output token of that tenant's rows alone at each
 range's probe batch (`exact.cell_cost`, the window's sampling share). The
-cheapest option wins; "no rule" on a tie. Cells are "none" and the techniques
+cheapest option wins; "no rule" on a tie. A tenant the model knows (its
+acceptance or factor, from the fit window) that the traffic window did not
+serve (less than MIN_SHARE of it, `served_tenants`) gets the same over every
+range up to the crossover: the window holds none or few of its rows, and a
+copy drain's window had set n-gram@8 at batch 1-4 for the prose and chat rows
+that came next (0.35x its prediction in one round). Cells are "none" and the techniques
 the batch rules draft with there, no deeper than they draft, so the policy
 needs no more speculation pages than before. A rule covers only batch sizes
-the window did not observe, so it changes no goodput predicted on it, and a
+or tenants the window did not observe, so it changes no goodput predicted on it, and a
 candidate differing from the serving policy only there is applied without
 the usual gain (tuner.service, `chooses_same`).
 """
@@ -41,44 +46,84 @@ from tuner.traffic import Traffic
 
 def fill_tenant_rules(policy: TunedPolicy, space: SearchSpace, model: PerfModel, traffic: Traffic,
                       capacity: Capacity) -> tuple[TunedPolicy, list[dict[str, Any]]]:
-    """`policy` with a rule for each tenant whose rows are faster below the observed batch
-    sizes with a cell of their own, and those rules as dicts (module docstring)."""
+    """`policy` with a rule for each tenant whose rows are faster with a cell of their own
+    where the window holds none of them, and those rules as dicts (module docstring)."""
     if not traffic.batch_weights or policy.crossover <= 0:
         return policy, []
-    smallest = min(traffic.batch_weights)
-    probes = probe_batches(space, traffic, capacity, model.batch_span)
-    prefix: list[tuple[int, int]] = []  # (range end, probe batch), ranges 0.. without a gap
-    for r, upper in enumerate(space.ranges):
-        if r not in probes or upper >= smallest or upper > policy.crossover:
-            break
-        prefix.append((upper, probes[r]))
-    base = [policy.choose(batch) for _, batch in prefix]
-    drafting = [cell for cell in base if cell[0] != "none"]
-    if not drafting:
-        return policy, []
-    deepest = max(d for _, d in drafting)
-    cells = [("none", 0)] + sorted({(t, d) for t, _ in drafting for d in space.depths if d <= deepest})
     ruled = {t.tenant for t in policy.tenants}
-    shares = sorted(((w, t) for t, w in traffic.tenant_mix.items() if w >= MIN_SHARE and t not in ruled),
-                    key=lambda wt: (-wt[0], wt[1]))
-    rules = []
-    for _, tenant in shares[:max(0, MAX_TENANTS - len(ruled))]:
-        costs = {}
-        for batch in {b for _, b in prefix}:
-            at = dataclasses.replace(traffic.probe(batch), tenant_mix={tenant: 1.0}, bucket_mix={})
-            for cell in {*cells, *base}:
-                costs[batch, cell] = cell_cost(model, at, batch, cell, policy.draft_vocab, capacity)
-        as_is = sum(costs[b, c] for (_, b), c in zip(prefix, base, strict=True))
-        best, option = as_is, None
-        for cell in cells:
-            for k, (upper, _) in enumerate(prefix):
-                cost = (sum(costs[b, cell] for _, b in prefix[:k + 1])
-                        + sum(costs[b, c] for (_, b), c in zip(prefix[k + 1:], base[k + 1:], strict=True)))
-                if cost < best * (1 - 1e-9):
-                    best, option = cost, TenantRule(tenant, cell[0], cell[1], upper)
-        if option is not None:
-            rules.append(option)
+    present = sorted(((w, t) for t, w in traffic.tenant_mix.items() if w >= MIN_SHARE and t not in ruled),
+                     key=lambda wt: (-wt[0], wt[1]))
+    absent = sorted(known_tenants(model) - served_tenants(traffic.tenant_mix) - ruled)
+    below = _prefix(policy, space, model, traffic, capacity, min(traffic.batch_weights))
+    anywhere = _prefix(policy, space, model, dataclasses.replace(traffic, batch_weights={}), capacity)
+    rules: list[TenantRule] = []
+    for tenant, prefix in [(t, below) for _, t in present] + [(t, anywhere) for t in absent]:
+        if len(ruled) + len(rules) >= MAX_TENANTS:
+            break
+        rule = _own_rule(tenant, prefix, policy, space, model, traffic, capacity)
+        if rule is not None:
+            rules.append(rule)
     if not rules:
         return policy, []
     return (dataclasses.replace(policy, tenants=(*policy.tenants, *rules)),
             [dataclasses.asdict(r) for r in rules])
+
+
+def served_tenants(mix: dict[str, float]) -> set[str]:
+    """The tenants a window served: MIN_SHARE of its mix or more. Rows of one with less, a
+    low phase's first prose rows in a copy drain, are too few for the batch rules to weigh.
+
+    >>> sorted(served_tenants({"copy": 0.99, "prose": 0.004}))
+    ['copy']
+    """
+    return {t for t, w in mix.items() if w >= MIN_SHARE}
+
+
+def known_tenants(model: PerfModel) -> set[str]:
+    """Tenants the model has acceptance figures or a factor for (the fit window's).
+
+    >>> sorted(known_tenants(PerfModel(target=(1, 0, 0, 0, 0), acceptance={"ngram|a": (0.5,),
+    ...                                "ngram": (0.4,)}, tenant_factor={"b": 1.0})))
+    ['a', 'b']
+    """
+    return {k.split("|", 1)[1] for k in model.acceptance if "|" in k} | set(model.tenant_factor)
+
+
+def _prefix(policy: TunedPolicy, space: SearchSpace, model: PerfModel, traffic: Traffic,
+            capacity: Capacity, smallest: int = 1 << 30) -> list[tuple[int, int]]:
+    """(range end, probe batch) of the ranges 0, 1, ... (no gap) that the window did not
+    observe, each below `smallest`, within the crossover and priced by the fill
+    (`exact.probe_batches`)."""
+    probes = probe_batches(space, traffic, capacity, model.batch_span)
+    prefix = []
+    for r, upper in enumerate(space.ranges):
+        if r not in probes or upper >= smallest or upper > policy.crossover:
+            break
+        prefix.append((upper, probes[r]))
+    return prefix
+
+
+def _own_rule(tenant: str, prefix: list[tuple[int, int]], policy: TunedPolicy, space: SearchSpace,
+              model: PerfModel, traffic: Traffic, capacity: Capacity) -> TenantRule | None:
+    """The cheapest (cell, up to which range) for `tenant`'s rows alone over `prefix`, the
+    ranges above it left to the batch rules; None where no option beats the batch rules."""
+    base = [policy.choose(batch) for _, batch in prefix]
+    drafting = [cell for cell in base if cell[0] != "none"]
+    if not drafting:
+        return None
+    deepest = max(d for _, d in drafting)
+    cells = [("none", 0)] + sorted({(t, d) for t, _ in drafting for d in space.depths if d <= deepest})
+    costs = {}
+    for batch in {b for _, b in prefix}:
+        at = dataclasses.replace(traffic.probe(batch), tenant_mix={tenant: 1.0}, bucket_mix={})
+        for cell in {*cells, *base}:
+            costs[batch, cell] = cell_cost(model, at, batch, cell, policy.draft_vocab, capacity)
+    best = sum(costs[b, c] for (_, b), c in zip(prefix, base, strict=True))
+    rule = None
+    for cell in cells:
+        for k, (upper, _) in enumerate(prefix):
+            cost = (sum(costs[b, cell] for _, b in prefix[:k + 1])
+                    + sum(costs[b, c] for (_, b), c in zip(prefix[k + 1:], base[k + 1:], strict=True)))
+            if cost < best * (1 - 1e-9):
+                best, rule = cost, TenantRule(tenant, cell[0], cell[1], upper)
+    return rule

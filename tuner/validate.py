@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -302,22 +302,28 @@ def decode_figures(policy: TunedPolicy, score: Callable[[TunedPolicy, Traffic], 
     return out
 
 
-def chooses_same(policy: TunedPolicy, other: TunedPolicy, batches: Sequence[int]) -> bool:
-    """Whether the two policies draft alike (batch rule and every tenant rule) at each size.
+def chooses_same(policy: TunedPolicy, other: TunedPolicy, batches: Sequence[int],
+                 tenants: Collection[str] | None = None) -> bool:
+    """Whether the two policies draft alike (batch rule and the tenant rules of `tenants`,
+    None: every tenant) at each size.
 
-    >>> from engine.policy import BatchRule
+    >>> from engine.policy import BatchRule, TenantRule
     >>> table = TunedPolicy((BatchRule(4, "ngram", 4), BatchRule(64)), 4)
     >>> chooses_same(table, TunedPolicy(), [8, 29]), chooses_same(table, TunedPolicy(), [3, 29])
     (True, False)
+    >>> chat = dataclasses.replace(table, tenants=(TenantRule("chat", max_batch=4),))
+    >>> chooses_same(table, chat, [2]), chooses_same(table, chat, [2], tenants=["copy"])
+    (False, True)
     """
-    return all(_choices(policy, b) == _choices(other, b) for b in batches)
+    return all(_choices(policy, b, tenants) == _choices(other, b, tenants) for b in batches)
 
 
-def _choices(policy: TunedPolicy, batch: int) -> tuple:
-    """What `policy` drafts with at `batch`: the batch rule's choice and each tenant rule's."""
-    tenants = tuple(sorted((t.tenant, *policy.choose_row(batch, t.tenant))
-                           for t in policy.tenants if policy.tenant_rule(batch, t.tenant)))
-    return policy.choose(batch), tenants
+def _choices(policy: TunedPolicy, batch: int, tenants: Collection[str] | None = None) -> tuple:
+    """What `policy` drafts with at `batch`: the batch rule's choice and each tenant rule's
+    (of `tenants` only, unless None)."""
+    ruled = tuple(sorted((t.tenant, *policy.choose_row(batch, t.tenant)) for t in policy.tenants
+                         if policy.tenant_rule(batch, t.tenant) and (tenants is None or t.tenant in tenants)))
+    return policy.choose(batch), ruled
 
 
 def _sizes(batches: Sequence[int]) -> str:

@@ -13,7 +13,7 @@ import optuna
 import pytest
 from sqlalchemy import Engine
 
-from engine.policy import BatchRule, TunedPolicy
+from engine.policy import BatchRule, TenantRule, TunedPolicy
 from store.db import session_scope
 from store.history import active_policy, get_policy
 from tests.tuner import synth
@@ -248,6 +248,30 @@ def test_a_policy_that_changes_only_unobserved_batch_sizes_is_applied_without_a_
     r = finished(tuner, tuner.trigger("admin")[0])
     if observed == "29":
         assert r["status"] == "applied" and host.policy.choose(2) == ("ngram", 2), r
+    else:
+        assert r["status"] == "rejected" and "does not beat" in r["details"]["reason"], r
+        assert host.policy.version == 0
+
+
+@pytest.mark.parametrize("served", [("copy",), ("copy", "chat")])
+def test_a_rule_for_a_tenant_the_window_did_not_serve_is_applied_without_a_gain(
+        db: Engine, host: Host, make_tuner: Callable[..., Tuner], served: tuple[str, ...]) -> None:
+    """The candidate drafts as the serving policy (plain) at the observed batch 3 for the
+    copy tenant the window served, and gives the chat tenant, which it did not serve, n-gram
+    (tuner.tenant_fill): applied as a fill. Had the window served chat, the rule changes
+    what was observed and needs the gain."""
+    history(db)
+    filled = TunedPolicy((BatchRule(4), BatchRule(64)), crossover=4, source="tuner",
+                         tenants=(TenantRule("chat", "ngram", 2, 4),))
+
+    def search(job: SearchJob) -> SearchOutcome:
+        out = run_search(job)
+        return dataclasses.replace(out, best=filled, predicted=dict(out.incumbent), traffic={
+            **out.traffic, "batch_weights": {"3": 1.0}, "tenant_mix": {t: 1 / len(served) for t in served}})
+    tuner = make_tuner(NO_WAIT, search=search)
+    r = finished(tuner, tuner.trigger("admin")[0])
+    if served == ("copy",):
+        assert r["status"] == "applied" and host.policy.choose_row(3, "chat") == ("ngram", 2), r
     else:
         assert r["status"] == "rejected" and "does not beat" in r["details"]["reason"], r
         assert host.policy.version == 0

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from engine.policy import BatchRule, TenantRule, TunedPolicy
-from tests.tuner.test_tenants import CAP, CONFIG, MODEL, best_single, mixed
+from tests.tuner.test_tenants import CAP, CONFIG, COPY, MODEL, best_single, mixed
 from tuner.objective import evaluate
 from tuner.space import SearchSpace
 from tuner.tenant_fill import fill_tenant_rules
@@ -41,7 +41,8 @@ def test_a_busy_window_leaves_the_drain_to_each_tenants_own_acceptance() -> None
     for b in (1, 2, 4):
         prose, copy = alone("prose", b), alone("copy", b)
         assert evaluate(filled, MODEL, prose, CAP).goodput > evaluate(base, MODEL, prose, CAP).goodput
-        assert evaluate(filled, MODEL, copy, CAP).goodput >= evaluate(base, MODEL, copy, CAP).goodput * (1 - 1e-9)
+        kept = evaluate(base, MODEL, copy, CAP).goodput
+        assert evaluate(filled, MODEL, copy, CAP).goodput >= kept * (1 - 1e-9)
 
 
 def test_nothing_below_the_smallest_observed_batch_size_no_rules() -> None:
@@ -74,3 +75,25 @@ def test_rules_stay_within_the_techniques_and_depth_the_fill_drafts_with() -> No
     filled, _ = fill_tenant_rules(shallow, SPACE, MODEL, traffic, CAP)
     assert filled.choose_row(2, "prose") == ("none", 0)
     assert all(t.depth <= 2 and t.technique in ("ngram", "none") for t in filled.tenants)
+
+
+@pytest.mark.parametrize("mix", [{"copy": 1.0}, {"copy": 0.995, "prose": 0.005}], ids=["none", "few"])
+def test_a_known_tenant_the_window_did_not_serve_gets_its_own_cell_everywhere(mix) -> None:
+    """A window at batch 1-2 of copy rows (and a few prose rows, below MIN_SHARE): the batch
+    rules draft deep for copy. Prose, measured in the fit window, gets "none" there: its
+    acceptance (0.1) says drafting loses. Nothing below batch 1, so copy gets no rule."""
+    traffic = mixed({1: 0.5, 2: 0.5}, mix)
+    base = best_single(traffic)
+    assert base.choose(2) == ("ngram", 4) and base.choose_row(2, "prose") == ("ngram", 4)
+    filled, rules = fill_tenant_rules(base, SPACE, MODEL, traffic, CAP)
+    assert [r["tenant"] for r in rules] == ["prose"]
+    assert filled.choose_row(1, "prose") == filled.choose_row(2, "prose") == ("none", 0)
+    assert filled.choose_row(2, "copy") == ("ngram", 4)
+    assert evaluate(filled, MODEL, traffic, CAP).goodput == pytest.approx(
+        evaluate(base, MODEL, traffic, CAP).goodput, rel=1e-3 if "prose" in mix else 1e-12)
+    prose = alone("prose", 2)
+    assert evaluate(filled, MODEL, prose, CAP).goodput > evaluate(base, MODEL, prose, CAP).goodput
+    # a model that knows no prose tenant leaves the policy as it is
+    blind = dataclasses.replace(MODEL, acceptance={"ngram": MODEL.acceptance["ngram"], "ngram|copy": COPY},
+                                tenant_factor={"copy": 1.5})
+    assert fill_tenant_rules(base, SPACE, blind, traffic, CAP) == (base, [])
