@@ -22,7 +22,12 @@ acceptance or factor, from the fit window) that the traffic window did not
 serve (less than MIN_SHARE of it, `served_tenants`) gets the same over every
 range up to the crossover: the window holds none or few of its rows, and a
 copy drain's window had set n-gram@8 at batch 1-4 for the prose and chat rows
-that came next (0.35x its prediction in one round). Cells are "none" and the techniques
+that came next (0.35x its prediction in one round). A tenant the model has
+not measured gets no rule: its rates are the no-credit prior
+(`PerfModel.factor_of`), which would give it "none" everywhere and keep its
+rows from ever drafting there, so they follow the batch rules and get
+measured (a busy window whose copy rows had not drafted yet gave copy "none"
+up to batch 4). Cells are "none" and the techniques
 the batch rules draft with there, no deeper than they draft, so the policy
 needs no more speculation pages than before. A rule covers only batch sizes
 or tenants the window did not observe, so it changes no goodput predicted on it, and a
@@ -50,10 +55,10 @@ def fill_tenant_rules(policy: TunedPolicy, space: SearchSpace, model: PerfModel,
     where the window holds none of them, and those rules as dicts (module docstring)."""
     if not traffic.batch_weights or policy.crossover <= 0:
         return policy, []
-    ruled = {t.tenant for t in policy.tenants}
-    present = sorted(((w, t) for t, w in traffic.tenant_mix.items() if w >= MIN_SHARE and t not in ruled),
-                     key=lambda wt: (-wt[0], wt[1]))
-    absent = sorted(known_tenants(model) - served_tenants(traffic.tenant_mix) - ruled)
+    ruled, known = {t.tenant for t in policy.tenants}, known_tenants(model)
+    present = sorted(((w, t) for t, w in traffic.tenant_mix.items()
+                      if w >= MIN_SHARE and t in known and t not in ruled), key=lambda wt: (-wt[0], wt[1]))
+    absent = sorted(known - served_tenants(traffic.tenant_mix) - ruled)
     below = _prefix(policy, space, model, traffic, capacity, min(traffic.batch_weights))
     anywhere = _prefix(policy, space, model, dataclasses.replace(traffic, batch_weights={}), capacity)
     rules: list[TenantRule] = []

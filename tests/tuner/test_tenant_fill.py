@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from engine.policy import BatchRule, TenantRule, TunedPolicy
-from tests.tuner.test_tenants import CAP, CONFIG, COPY, MODEL, best_single, mixed
+from tests.tuner.test_tenants import CAP, CONFIG, COPY, MODEL, PROSE, best_single, mixed
 from tuner.objective import evaluate
 from tuner.space import SearchSpace
 from tuner.tenant_fill import fill_tenant_rules
@@ -97,3 +97,16 @@ def test_a_known_tenant_the_window_did_not_serve_gets_its_own_cell_everywhere(mi
     blind = dataclasses.replace(MODEL, acceptance={"ngram": MODEL.acceptance["ngram"], "ngram|copy": COPY},
                                 tenant_factor={"copy": 1.5})
     assert fill_tenant_rules(base, SPACE, blind, traffic, CAP) == (base, [])
+
+
+def test_a_tenant_the_model_has_not_measured_gets_no_rule() -> None:
+    """Chat is served (a fifth of the window) but has no acceptance of its own and no factor:
+    its rates are the no-credit prior, which says "none"; a rule from that would keep its
+    rows from ever drafting below the observed sizes, so it follows the batch rules."""
+    traffic = mixed({16: 0.5, 24: 0.5}, {"copy": 0.4, "prose": 0.4, "chat": 0.2})
+    base = best_single(traffic)
+    _, rules = fill_tenant_rules(base, SPACE, MODEL, traffic, CAP)
+    assert {r["tenant"] for r in rules} == {"prose", "copy"}
+    measured = dataclasses.replace(MODEL, acceptance={**MODEL.acceptance, "ngram|chat": PROSE})
+    _, rules = fill_tenant_rules(base, SPACE, measured, traffic, CAP)
+    assert {"prose", "chat"} <= {r["tenant"] for r in rules}
