@@ -1,4 +1,5 @@
-"""Per-tenant drafting at the batch sizes below every one the window observed.
+"""Per-tenant drafting where the window holds none of a tenant's rows: at the batch sizes
+below every one it observed, and for the tenants it did not serve.
 
 The exact solve fills a batch-size range the window did not observe with the
 cell that is fastest per output token for the window's tenant mix
