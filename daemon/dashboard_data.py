@@ -131,8 +131,8 @@ def retunes(session: Session, limit: int = 20, *, instance: str | None = "") -> 
 def _tenants(record: Any) -> dict[str, Any] | None:
     """The per-tenant decision of a retune's search (tuner.tenants.TenantSearch.to_dict()):
     whether rules were chosen, each tenant's technique, depth and largest batch, and the
-    predicted gain over the best single-rule policy; `fill`, the rules given below the batch
-    sizes the window observed (tuner.tenant_fill); None when none was weighed or given."""
+    predicted gain over the best single-rule policy; `fill`, the rules given where the window
+    held none of a tenant's rows (tuner.tenant_fill); None when none was weighed or given."""
     if not isinstance(record, dict):
         return None
     fill = list(record.get("fill") or [])

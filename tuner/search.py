@@ -38,9 +38,10 @@ or a thread (tests). Data flow:
    else coordinate ascent and TPE in an in-memory study; its method, seconds
    and predicted gain are the outcome's `tenants`). The study's parameters
    are the batch rules only; tenant rules are a layer on its best. Then each
-   tenant of the window gets its own cell below the observed batch sizes
-   where its acceptance says so (tuner.tenant_fill; the outcome's
-   `tenants.fill`). Return the policy with the evidence.
+   measured tenant gets its own cell where the window held none of its rows
+   (below the observed batch sizes; anywhere for one it did not serve) where
+   its acceptance says so (tuner.tenant_fill; the outcome's `tenants.fill`).
+   Return the policy with the evidence.
 """
 
 from __future__ import annotations

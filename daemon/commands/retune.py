@@ -84,7 +84,7 @@ def describe(r: dict[str, Any]) -> str:
 def tenant_line(t: dict[str, Any] | None) -> str:
     """The per-tenant decision of a retune's search (details.tenants): which tenant got which
     technique and depth up to which batch size, and the predicted gain over the best
-    single-rule policy; then the rules below the batch sizes the window observed
+    single-rule policy; then the rules where the window held none of a tenant's rows
     (tuner.tenant_fill); empty when the search gave and weighed none.
 
     >>> tenant_line({"chosen": True, "gain": 0.087, "method": "tpe", "seconds": 0.06,
@@ -97,11 +97,12 @@ def tenant_line(t: dict[str, Any] | None) -> str:
     'per-tenant rules not chosen: +1.0% predicted over the best single-rule policy, margin 3% (exact, 0.01 s)'
     >>> tenant_line({"method": "skipped", "fill": [{"tenant": "prose", "technique": "none",
     ...              "depth": 0, "max_batch": 8}]})
-    'per-tenant rules below the observed batch sizes: prose none (up to batch 8)'
+    'per-tenant rules where the window held none of their rows: prose none (up to batch 8)'
     """
     if not t:
         return ""
-    fill = f"per-tenant rules below the observed batch sizes: {_groups(t['fill'])}" if t.get("fill") else ""
+    fill = (f"per-tenant rules where the window held none of their rows: {_groups(t['fill'])}"
+            if t.get("fill") else "")
     if t.get("method") == "skipped":
         return fill
     how = f"({t.get('method')}, {t.get('seconds', 0):.2g} s)"

@@ -203,7 +203,7 @@ function tenantCell(t) {
   const rule = r => `${esc(r.tenant)} ${r.depth ? `${esc(r.technique)}@${r.depth}` : "none"}` +
                     (r.max_batch < 2 ** 30 ? ` &le;${r.max_batch}` : "");
   const fill = (t.fill || []).length
-    ? `<br><span data-fill="${t.fill.length}">below the observed batch sizes: ` +
+    ? `<br><span data-fill="${t.fill.length}">where the window held none of their rows: ` +
       `${t.fill.map(rule).join(", ")}</span>` : "";
   if (t.method == null || t.method === "skipped") return fill.slice(4);
   const gain = t.gain == null ? "" : `${t.gain >= 0 ? "+" : ""}${(100 * t.gain).toFixed(1)}%`;

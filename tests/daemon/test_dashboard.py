@@ -143,4 +143,4 @@ def test_headless_chromium_draws_every_chart(filled: LiveServer, tmp_path: Path)
     assert re.search(r'<table data-chart="retunes" data-points="4">', dom)
     assert 'data-tenants="2">team-a ngram@3' in dom and "+6.2% predicted over the best single rule" in dom
     assert 'data-tenants="0">single rule kept (per tenant +1.1% predicted' in dom
-    assert 'data-fill="1">below the observed batch sizes: team-c none' in dom
+    assert 'data-fill="1">where the window held none of their rows: team-c none' in dom

@@ -45,8 +45,8 @@ def test_rules_below_the_observed_batch_sizes_follow_the_decision() -> None:
                             "margin": 0.03, "rules": [], "fill": fill}))
     assert text.split("\n")[1] == (
         "per-tenant rules not chosen: +0.0% predicted over the best single-rule policy, margin 3% "
-        "(exact, 0.02 s); per-tenant rules below the observed batch sizes: prose-tenant none, "
+        "(exact, 0.02 s); per-tenant rules where the window held none of their rows: prose-tenant none, "
         "copy-tenant ngram@4 (up to batch 8)")
     alone = describe(retune({"method": "skipped", "seconds": 0.0, "fill": fill[:1]}))
-    assert alone.split("\n")[1] == ("per-tenant rules below the observed batch sizes: "
+    assert alone.split("\n")[1] == ("per-tenant rules where the window held none of their rows: "
                                     "prose-tenant none (up to batch 8)")

@@ -1,4 +1,4 @@
-"""Per-tenant drafting below the observed batch sizes (tuner.tenant_fill)."""
+"""Per-tenant drafting where the window holds none of a tenant's rows (tuner.tenant_fill)."""
 
 from __future__ import annotations
 
