@@ -57,13 +57,13 @@ def fill_tenant_rules(policy: TunedPolicy, space: SearchSpace, model: PerfModel,
     if not traffic.batch_weights or policy.crossover <= 0:
         return policy, []
     ruled, known = {t.tenant for t in policy.tenants}, known_tenants(model)
-    present = sorted(((w, t) for t, w in traffic.tenant_mix.items()
-                      if w >= MIN_SHARE and t in known and t not in ruled), key=lambda wt: (-wt[0], wt[1]))
-    absent = sorted(known - served_tenants(traffic.tenant_mix) - ruled)
+    served = served_tenants(traffic.tenant_mix)
+    present = sorted(served & known - ruled, key=lambda t: (-traffic.tenant_mix[t], t))
+    absent = sorted(known - served - ruled)
     below = _prefix(policy, space, model, traffic, capacity, min(traffic.batch_weights))
     anywhere = _prefix(policy, space, model, dataclasses.replace(traffic, batch_weights={}), capacity)
     rules: list[TenantRule] = []
-    for tenant, prefix in [(t, below) for _, t in present] + [(t, anywhere) for t in absent]:
+    for tenant, prefix in [(t, below) for t in present] + [(t, anywhere) for t in absent]:
         if len(ruled) + len(rules) >= MAX_TENANTS:
             break
         rule = _own_rule(tenant, prefix, policy, space, model, traffic, capacity)
