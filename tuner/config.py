@@ -15,12 +15,8 @@ from typing import Any
 
 from engine.policy import MAX_BATCH, MAX_DEPTH, MAX_POOL_SPLIT, MAX_RULES
 
-DEFAULT_RANGES = (1, 2, 4, 8, 16, 64)
-"""Upper ends of the batch-size ranges that get their own (technique, depth). Batch 1 is a
-range of its own: one sequence reads the weights alone, so a verify's extra rows cost
-least there, and on the reference CPU a depth that paid at batch 1 lost at batch 2 (a
-range (0, 2] priced at batch 1 drafted 4 deep for prose rows that then ran at 0.6x plain
-decoding, `bench tuner --quick`; bench/README.md)."""
+DEFAULT_RANGES = (2, 4, 8, 16, 64)
+"""Upper ends of the batch-size ranges that get their own (technique, depth)."""
 DEFAULT_DRAFT_VOCABS = (8192, 32768)
 """MTP draft vocabularies offered to the search (the engine compiles these; drafting over the
 full vocabulary would cost as much as the target's own output layer)."""

@@ -20,11 +20,11 @@ CAPACITY = Capacity(total_pages=4096, page_size=16, max_depth=4, depths=(1, 2, 4
 
 
 def test_crossovers_stop_at_the_largest_verified_batch() -> None:
-    assert SearchSpace.build(TunerConfig(), CAPACITY).crossovers == (0, 1, 2, 4, 8, 16)
+    assert SearchSpace.build(TunerConfig(), CAPACITY).crossovers == (0, 2, 4, 8, 16)
     straddled = dataclasses.replace(CAPACITY, spec_max_batch=12)
-    assert SearchSpace.build(TunerConfig(), straddled).crossovers == (0, 1, 2, 4, 8, 12)
+    assert SearchSpace.build(TunerConfig(), straddled).crossovers == (0, 2, 4, 8, 12)
     unlimited = dataclasses.replace(CAPACITY, spec_max_batch=1 << 30)
-    assert SearchSpace.build(TunerConfig(), unlimited).crossovers == (0, 1, 2, 4, 8, 16, 64)
+    assert SearchSpace.build(TunerConfig(), unlimited).crossovers == (0, 2, 4, 8, 16, 64)
 
 
 def test_no_suggested_or_solved_policy_speculates_above_it() -> None:
