@@ -185,6 +185,7 @@ def ratio_bars(result: dict[str, Any]
     rows = [(f"phase {x['phase'] + 1} / best static", x) for x in r.get("per_phase", [])]
     rows += [(label, r[key]) for label, key in (("whole / best fixed", "whole_vs_best_fixed"),
                                                 ("whole / table", "whole_vs_table"),
+                                                ("whole / single-rule tuner", "whole_vs_single_rule"),
                                                 ("oracle / best fixed", "oracle_vs_best_fixed"),
                                                 ("oracle / table", "oracle_vs_table"),
                                                 ("ITL p99 during retune", "retune_itl")) if key in r]

@@ -23,7 +23,10 @@
    an admin token), sharing the engine: static policies are pinned over
    PUT /admin/policy/pin with the tuner off; the autotuned run has the tuner
    on with time-compressed settings (retune interval, fit window, validation
-   window and baselines scaled to the phase length). The trace is replayed
+   window and baselines scaled to the phase length); a "single-rule" run
+   (--runs ...,single-rule) is the same daemon with per-tenant rules off
+   (TunerConfig.tenant_rules), what the autotuned run is worth to compare
+   when it may also give tenants rules of their own. The trace is replayed
    open loop (a phase's max_concurrency holds later arrivals back). A thin
    wrapper around the engine keeps every step's StepStats and output tokens
    per request id; the client keeps each request's id (X-Request-Id) and
@@ -60,6 +63,10 @@ from bench.workloads.trace import PHASE_NAMES
 from daemon.user_error import UserError
 from engine.policy import BatchRule, TenantRule, TunedPolicy
 from engine.types import StepStats
+
+TUNED = ("autotuned", "single-rule")
+"""The runs with the tuner on, in the order they run: the autotuned daemon, and the same with
+per-tenant rules off (module doc, 3)."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,8 @@ class TunerBenchConfig:
     pool_split: float = 0.25
     """Pool split of static policies using a model-based proposer (n-gram uses 0)."""
     runs: tuple[str, ...] = ("autotuned", "never", "fixed", "table")
-    """Which policies to run: autotuned, never, fixed, table, tenants."""
+    """Which policies to run: autotuned, never, fixed, table, tenants, single-rule (TUNED:
+    the runs with the tuner on)."""
     tenant_policy: tuple[tuple[str, str, int], ...] = (
         ("*", "ngram", 2), ("copy-tenant", "ngram", 4), ("code-tenant", "ngram", 4),
         ("prose-tenant", "none", 0))
@@ -195,9 +203,10 @@ class TunerBenchConfig:
             raise ValueError(f"split_repeats={self.split_repeats} and repeats={self.repeats} must be at least 1")
         if not self.phase_s > 0 or not self.rate_scale > 0:
             raise ValueError(f"phase_s={self.phase_s} and rate_scale={self.rate_scale} must be > 0")
-        unknown = set(self.runs) - {"autotuned", "never", "fixed", "table", "tenants"}
+        unknown = set(self.runs) - {"never", "fixed", "table", "tenants", *TUNED}
         if unknown or not self.runs:
-            raise ValueError(f"runs={self.runs} must name some of autotuned, never, fixed, table, tenants")
+            raise ValueError(f"runs={self.runs} must name some of autotuned, never, fixed, table, tenants, "
+                             "single-rule")
         names = [n for n, _, _ in self.tenant_policy]
         if names.count("*") != 1 or len(set(names)) != len(names) or any(
                 (t == "none") != (d == 0) or not 0 <= d <= 8 for _, t, d in self.tenant_policy):
@@ -307,9 +316,10 @@ def run_bench(cfg: TunerBenchConfig, out_path: str | None = None) -> dict[str, A
     engine = load_engine(cfg)
     phases, arrivals = build_trace(cfg, engine)
     policies = static_policies(cfg, engine)
+    tuned = [name for name in TUNED if name in cfg.runs]
     _log(f"{len(arrivals)} requests over {len(phases)} phases of {cfg.phase_s:g} s; policies: "
-         + ", ".join((["autotuned"] if "autotuned" in cfg.runs else []) + list(policies)))
-    order = ([("autotuned", None)] if "autotuned" in cfg.runs else []) + list(policies.items())
+         + ", ".join(tuned + list(policies)))
+    order = [(name, None) for name in tuned] + list(policies.items())
     rounds: list[dict[str, Any]] = []
     probes: list[dict[str, Any]] = []
     with Steps(reporter(), "bench tuner: runs", len(order) * cfg.repeats) as bar:
@@ -525,7 +535,8 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
         # the split traces' requests wait in the engine, where the pool decides (no tenant cap)
         limits = {"max_concurrent": len(arrivals) + 1} if cfg.traces else {}
         keys = _tenants(database, sorted({a.tenant for a in arrivals}), limits)
-        app = make_app(_settings(cfg, engine, policy is None, admin, len(arrivals)), recording,
+        app = make_app(_settings(cfg, engine, policy is None, admin, len(arrivals),
+                                 tenant_rules=name != "single-rule"), recording,
                        database=database, warmup=False)
         tuner = app[TUNER]
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
@@ -565,7 +576,7 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
                          f"of the CPU during the trace (the hypervisor's steal: {steal or 0:.0%} of the "
                          "CPU): its figures are not comparable")
                 probe = (await _probe(client, cfg, tuner, arrivals)
-                         if policy is None and cfg.probe_retunes else None)
+                         if name == "autotuned" and cfg.probe_retunes else None)
                 history = await asyncio.to_thread(read_history, database, bounds[0][0])
         finally:
             await runner.cleanup()
@@ -595,12 +606,13 @@ def _compiles(engine: Any) -> int:
     return int(engine.status().get("compile_count") or 0)
 
 
-def _settings(cfg: TunerBenchConfig, engine: Any, tuned: bool, admin: str, requests: int) -> Any:
+def _settings(cfg: TunerBenchConfig, engine: Any, tuned: bool, admin: str, requests: int,
+              tenant_rules: bool = True) -> Any:
     from daemon.settings import Settings
     from tuner.config import TunerConfig
 
     tuner = TunerConfig(
-        enabled=tuned, min_new_steps=cfg.min_new_steps, trials=cfg.trials,
+        enabled=tuned, tenant_rules=tenant_rules, min_new_steps=cfg.min_new_steps, trials=cfg.trials,
         profile_steps=cfg.profile_steps, validation_min_steps=cfg.validation_min_steps,
         search_process=cfg.search_process, **cfg.tuner_times())
     return Settings(

@@ -34,7 +34,9 @@ def add_tuner(t: argparse.ArgumentParser) -> None:
              "kinds: greedy; 'none': all greedy)")
     add("--no-drain", action="store_true",
         help="replay the phases back to back (default: each starts once the last one's requests finished)")
-    add("--runs", default="autotuned,never,fixed,table", help="policies to run (comma-separated)")
+    add("--runs", default="autotuned,never,fixed,table",
+        help="policies to run (comma-separated): autotuned, never, fixed, table, tenants (a fixed "
+             "per-tenant policy), single-rule (the tuner with per-tenant rules off)")
     add_policies(add, techniques="proposers loaded: the autotuned run's choices, and the fixed policies' "
                                  "techniques unless --fixed-techniques says", depths="2,4,8",
                  depths_help="depths of the fixed policies",

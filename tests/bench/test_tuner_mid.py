@@ -3,7 +3,8 @@ the per-phase comparison of the autotuned run (free to give tenants rules of the
 the best single-depth policy of each phase.
 
 One short fake run (2.5 s phases, in-thread searches, no probe) serves the module's tests; it
-includes the fixed per-tenant policy ("tenants").
+includes the fixed per-tenant policy ("tenants") and the tuner with per-tenant rules off
+("single-rule").
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     out = tmp_path_factory.mktemp("bench-tuner-mid") / "tuner.json"
     flags = ["--fake", "--phase-seconds", "2.5", "--rate-scale", "4", "--low-rate", "0.5",
              "--high-rate", "6", "--mid-mixed", "--mid-rate", "3", "--max-tokens", "32",
-             "--techniques", "ngram", "--depths", "2,4", "--runs", "autotuned,never,fixed,tenants",
+             "--techniques", "ngram", "--depths", "2,4",
+             "--runs", "autotuned,never,fixed,tenants,single-rule",
              "--retune-interval", "0.4", "--trials", "8", "--min-new-steps", "20",
              "--profile-steps", "30", "--validation-min-steps", "20", "--search-in-thread",
              "--probe-retunes", "0", "--out", str(out)]
@@ -91,6 +93,31 @@ def test_the_fixed_per_tenant_policy_runs_beside_the_single_depth_ones(run: tupl
         assert r["ratio"] == pytest.approx(policies["tenants"]["phases"][i]["goodput"] / r["static"], abs=1e-4)
     assert all(r["best_static"] != "tenants" for r in result["ratios"]["per_phase"])
     assert "phase 4 fixed per-tenant policy vs best single depth" in err
+
+
+def test_the_single_rule_tuner_runs_without_per_tenant_rules_and_is_compared(run: tuple) -> None:
+    """The "single-rule" run is the tuned daemon with per-tenant rules off: its retunes weigh
+    none and apply none, it is not a static policy, and the autotuned run is compared with it
+    per phase and over the whole trace against the 2% bound."""
+    result, err = run
+    policies = result["policies"]
+    single = policies["single-rule"]
+    assert single["policy"] is None  # tuned, not pinned
+    retunes = [r for r in single["history"]["retunes"] if r.get("search")]
+    assert retunes and all(not r.get("tenants") for r in retunes)
+    assert all(not p["body"].get("tenants") for p in single["history"]["policies"])
+    assert all(r["best_static"] != "single-rule" for r in result["ratios"]["per_phase"])
+    assert "single-rule" not in result["ratios"]["oracle_vs_best_fixed"]["per_phase"]
+    rows = result["ratios"]["vs_single_rule"]
+    assert [r["phase"] for r in rows] == list(range(len(PHASES)))
+    for i, r in enumerate(rows):
+        assert r["ratio"] == pytest.approx(policies["autotuned"]["phases"][i]["goodput"]
+                                           / single["phases"][i]["goodput"], abs=1e-4)
+        assert r["target"] == TARGETS["single_rule"] == 0.98
+    whole = result["ratios"]["whole_vs_single_rule"]
+    assert whole["ratio"] == pytest.approx(policies["autotuned"]["whole"]["goodput"]
+                                           / single["whole"]["goodput"], abs=1e-4)
+    assert "phase 4 vs the single-rule tuner" in err and "whole_vs_single_rule" in err
 
 
 def test_the_engine_loads_the_tenant_policy_s_techniques() -> None:
