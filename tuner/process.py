@@ -58,16 +58,30 @@ def lower_priority(niceness: int = 19) -> None:
 
     On Linux the process also becomes SCHED_IDLE: it runs only on a core nothing else
     wants. At nice 19 alone, a search still runs between the engine's XLA threads when
-    the machine has few cores.
+    the machine has few cores. Linux keeps both per thread, and a thread inherits them
+    from the one that starts it, so every thread already running is lowered too: a
+    numerical library's pool started at import (OpenBLAS's) would otherwise keep
+    normal priority.
     """
+    threads = _threads()
+    for tid in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), niceness))
+        except (AttributeError, OSError):  # not on this OS, or not allowed: run at normal priority
+            pass
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):  # not Linux, or not allowed: nice alone
+            pass
+
+
+def _threads() -> list[int]:
+    """This process's thread ids where the OS lists them (Linux: /proc/self/task), else [0]
+    (the calling thread, for os.setpriority and os.sched_setscheduler)."""
     try:
-        os.nice(niceness)
-    except (AttributeError, OSError):  # not on this OS, or not allowed: run at normal priority
-        pass
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux, or not allowed: nice alone
-        pass
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
 
 
 def _worker_init(poll_s: float = 1.0) -> None:

@@ -212,12 +212,40 @@ def test_a_pin_during_the_search_wins_over_the_tuner(
     assert host.policy.source == "admin" and tuner.keeper.pinned
 
 
-def _scheduling() -> tuple[int, int]:
-    return os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0)
+def _scheduling(tid: int = 0) -> tuple[int, int]:
+    return os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid)
+
+
+_EARLY: dict[str, int] = {}
+"""The worker's thread started before its priority was lowered (`_start_early_thread`)."""
+
+
+def _start_early_thread() -> None:
+    """A worker initializer that starts a thread before lowering the process's priority, as
+    a numerical library's thread pool does at import."""
+    import threading
+
+    from tuner.process import lower_priority
+
+    ready = threading.Event()
+
+    def run() -> None:
+        _EARLY["tid"] = threading.get_native_id()
+        ready.set()
+        threading.Event().wait()  # alive for the worker's life
+
+    threading.Thread(target=run, daemon=True).start()
+    ready.wait()
+    lower_priority()
+
+
+def _early_thread_scheduling() -> tuple[int, int]:
+    return _scheduling(_EARLY["tid"])
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
 def test_the_search_process_runs_only_on_idle_cores() -> None:
+    """Every thread of the worker, one started before its priority was lowered included."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -227,6 +255,10 @@ def test_the_search_process_runs_only_on_idle_cores() -> None:
                              initializer=lower_priority) as pool:
         niceness, policy = pool.submit(_scheduling).result(timeout=60)
     assert niceness == 19 and policy == os.SCHED_IDLE
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_start_early_thread) as pool:
+        assert pool.submit(_early_thread_scheduling).result(timeout=60) == (19, os.SCHED_IDLE)
+        assert pool.submit(_scheduling).result(timeout=60) == (19, os.SCHED_IDLE)
     assert _scheduling()[1] != os.SCHED_IDLE  # the caller (the daemon) is untouched
 
 
