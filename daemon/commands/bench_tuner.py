@@ -81,6 +81,8 @@ def add_tuner(t: argparse.ArgumentParser) -> None:
              "each policy's goodput is its median over the rounds")
     add("--kv-budget", default=None, help="KV pool size of the engine, e.g. 96MiB (default: the backend's)")
     add("--segment-rows", type=int, default=None, help="segmented verifies up to N rows (default 12; 0: off)")
+    # None marks a --quick flag not given, so that one given at its default value still wins
+    t.set_defaults(**dict.fromkeys(QUICK))
 
 
 QUICK: dict[str, tuple[Any, Any]] = {"phase_seconds": (60.0, 15.0), "depths": ("2,4,8", "2"),
@@ -104,10 +106,10 @@ def tuner_config(args: argparse.Namespace) -> Any:
     from daemon.commands.plan import parse_size
     from engine.policy import TECHNIQUES
 
+    for name, (default, quick) in QUICK.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else default)
     if args.quick:
-        for name, (default, quick) in QUICK.items():
-            if getattr(args, name) == default:
-                setattr(args, name, quick)
         if args.fixed_techniques is None:  # every technique stays loaded for the autotuned run
             args.fixed_techniques = args.table_technique
 
