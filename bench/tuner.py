@@ -55,6 +55,7 @@ import os
 import secrets
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -532,8 +533,10 @@ async def _run(cfg: TunerBenchConfig, engine: Any, name: str, policy: TunedPolic
             path.parent.mkdir(parents=True, exist_ok=True)
             path.unlink(missing_ok=True)
         database = open_database(f"sqlite:///{path}", recorder_config=recorder)
-        # the split traces' requests wait in the engine, where the pool decides (no tenant cap)
-        limits = {"max_concurrent": len(arrivals) + 1} if cfg.traces else {}
+        # every request waits in the engine's queue, where the policy and the pool decide: the
+        # daemon's default tenant cap (half of max_batch in flight, none queued) would refuse
+        # a busy phase's backlog with 429s, fewer for a faster policy
+        limits = {"max_concurrent": len(arrivals) + 1}
         keys = _tenants(database, sorted({a.tenant for a in arrivals}), limits)
         app = make_app(_settings(cfg, engine, policy is None, admin, len(arrivals),
                                  tenant_rules=name != "single-rule"), recording,
@@ -699,8 +702,9 @@ async def replay(client: Client, phases: list[Any], arrivals: list[Arrival], nam
         bounds.append((begin, time.time() if drain else begin + phase.duration_s))
     await asyncio.gather(*tasks)
     bounds[-1] = (bounds[-1][0], max(bounds[-1][1], time.time()))
-    errors = sum(s.error is not None for s in streams)
-    _log(f"{name}: trace done in {time.time() - start:.1f} s, {errors} errors")
+    errors = Counter(s.error.split(":", 1)[0] for s in streams if s.error is not None)
+    _log(f"{name}: trace done in {time.time() - start:.1f} s, {sum(errors.values())} errors"
+         + "".join(f", {n} {e}" for e, n in errors.most_common(3)))
     return streams, bounds
 
 
