@@ -434,3 +434,19 @@ def test_retune_itl_pools_the_gaps_of_every_rounds_probe() -> None:
     assert one["p99_ratio"] == pytest.approx(1.1, abs=0.02)
     assert both["during_ms"]["mean"] == pytest.approx(
         (110.0 * one["during_ms"]["n"] + 150.0 * two["during_ms"]["n"]) / both["during_ms"]["n"], abs=1.0)
+
+
+def test_a_backlog_past_the_daemons_tenant_cap_waits_in_the_queue(tmp_path: Path) -> None:
+    """A busy phase sends each tenant more requests than the daemon's default tenant cap lets
+    in flight (half of max_batch, none queued): the bench's tenants may queue them all, so none
+    is refused with 429 and every policy serves the same trace (one 60-second run lost 56 of
+    180 requests so)."""
+    out = tmp_path / "tuner.json"
+    flags = ["--fake", "--phase-seconds", "1", "--high-rate", "120", "--max-tokens", "24", "--max-batch", "8",
+             "--fake-time-scale", "2", "--runs", "never", "--techniques", "ngram", "--depths", "2",
+             "--probe-retunes", "0", "--out", str(out)]
+    assert cli(["bench", "tuner", *flags]) == 0
+    result = json.loads(out.read_text())
+    busy = result["policies"]["never"]["phases"][1]
+    assert result["trace"][1]["requests"] > 4 * 8  # more per tenant than the cap of 4 lets in
+    assert busy["errors"] == 0 and busy["requests"] == result["trace"][1]["requests"]
