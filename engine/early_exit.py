@@ -55,7 +55,6 @@ from engine.early_exit_ops import (
     kv_weights,
     pad,
     pending_bucket,
-    pow2_bucket,
     propagate,
     propagate_kv,
     stage,
@@ -66,6 +65,7 @@ from engine.heads import DraftHeads
 from engine.kv import Batch, KVState
 from engine.model import Params, unstack_layers
 from engine.runner import forward_and_write
+from engine.types import pow2_bucket
 
 __all__ = ["FILLS", "NEVER", "EarlyExit", "Run", "kind_index", "pending_bucket", "pow2_bucket", "propagate_kv"]
 

@@ -20,11 +20,7 @@ from engine.heads import apply_head, head_logits
 from engine.kv import SCRATCH_PAGE, Batch, KVState, cache_reader
 from engine.model import KVView, block, embed, rms_norm, rope
 from engine.runner import output_scores
-
-
-def pow2_bucket(n: int) -> int:
-    """Smallest power of two >= n (n >= 1). Example: pow2_bucket(5) == 8."""
-    return 1 << max(0, (n - 1).bit_length())
+from engine.types import pow2_bucket
 
 
 def pending_bucket(n: int) -> int:
