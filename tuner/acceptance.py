@@ -58,7 +58,7 @@ to about 1/sqrt(n); factors spread about 0.15 around 1, so 1/0.15^2 ~ 50
 sequences of evidence weigh as much as the prior. Unshrunk, one busy step
 of an explored depth (25 drafting rows at batch 32) read 0.68 and kept the
 tuner off that depth for the whole busy phase, where the fixed policy of
-that depth served 1.10x faster. A depth not measured takes the nearest
+that depth served 1.09x faster. A depth not measured takes the nearest
 measured depth's factor (the deeper one on a tie); tuner.model caps the
 accepted draft at the depth.
 """
@@ -253,19 +253,19 @@ def fit_depth_factors(steps: Sequence[StepStats], vocab_of: Mapping[int, int],
             continue
         if predicted > 0:
             lo, hi = DEPTH_FACTOR_RANGE
-            ratio = (drafting * measured / predicted + DEPTH_PRIOR_SEQUENCES) / (drafting + DEPTH_PRIOR_SEQUENCES)
+            ratio = shrunk(drafting * measured / predicted, drafting, 1.0, DEPTH_PRIOR_SEQUENCES)
             out.setdefault(key, {})[depth] = min(hi, max(lo, ratio))
     return out
 
 
-def shrunk(accepted: float, offered: float, prior: float) -> float:
-    """The beta posterior mean (a + m p) / (n + m) of `accepted` of `offered` with m =
-    PRIOR_OFFERS pseudo-offers at the prior rate p.
+def shrunk(accepted: float, offered: float, prior: float, m: float = PRIOR_OFFERS) -> float:
+    """The beta posterior mean (a + m p) / (n + m) of `accepted` of `offered` with m
+    pseudo-offers (PRIOR_OFFERS unless given) at the prior rate p.
 
     >>> shrunk(3, 3, 0.5), shrunk(0, 0, 0.4)
     (0.6875, 0.4)
     """
-    return (accepted + PRIOR_OFFERS * prior) / (offered + PRIOR_OFFERS)
+    return (accepted + m * prior) / (offered + m)
 
 
 def _rates(reached: Sequence[float], accepted: Sequence[float],

@@ -324,8 +324,8 @@ def test_quick_sets_its_values_unless_a_flag_is_given() -> None:
     assert (given.phase_s, given.depths, given.probe_retunes) == (30.0, (1,), 3)
     assert given.fixed_techniques == ("mtp", "ngram")
     # a flag given at its full-run default is given too: --quick does not replace it
-    assert config("--quick", "--phase-seconds", "60", "--probe-retunes", "12").phase_s == 60.0
-    assert config("--quick", "--phase-seconds", "60", "--probe-retunes", "12").probe_retunes == 12
+    kept = config("--quick", "--phase-seconds", "60", "--probe-retunes", "12")
+    assert (kept.phase_s, kept.probe_retunes) == (60.0, 12)
     assert config("--quick", "--table-technique", "mtp").fixed_techniques == ("mtp",)
     # a misspelt technique is refused while the flags are read, naming the flag and the value
     for flag in ("--techniques", "--fixed-techniques", "--table-technique"):
