@@ -156,6 +156,7 @@ class EngineCore:
             verify_depths=tuple(sorted(q - 1 for q in rc.verify_tokens if q > 1)),
             max_batch=rc.max_batch, spec_max_batch=rc.spec_max_batch,
             batch_buckets=tuple(rc.batch_buckets), segment_shapes=tuple(sorted({s[:3] for s in segment_shapes(rc)})),
+            shape_ms=tuple(sorted(self.first_runs.timed.items())) if self.first_runs else (),
             proposers={n: ProposerCapacity(p.resident_bytes(), p.per_sequence_bytes(1), p.max_depth,
                                            tuple(getattr(p, "vocab_sizes", ())))  # MTP heads only
                        for n, p in self.proposers.items()},

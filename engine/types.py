@@ -385,6 +385,10 @@ class EngineCapacity:
     segment_shapes: tuple[tuple[int, int, int], ...] = ()
     """(plain rows, drafting rows, 1 + depth) of the segmented verifies compiled, both row
     counts batch buckets (engine/segments.py; `segment_split` says when a step runs one)."""
+    shape_ms: tuple[tuple[tuple[int, int], float], ...] = ()
+    """((batch, 1 + depth), ms) of each decode and verify shape timed so far at speculation's
+    context on the scratch page (engine/first_runs.py: filled as the shapes first run); empty
+    where none was (the fake engine, a daemon's first idle seconds)."""
 
 
 def pow2_bucket(n: float) -> int:

@@ -202,7 +202,7 @@ class PerfModel:
             batch_span=(min(s.batch_size for s in timed), max(s.batch_size for s in timed)),
             max_rows=int(max(buckets.ran(s)[1] for s in timed)),
         )
-        factors, unmeasured = shape_factors(timed, buckets, model._ran_ms)
+        factors, unmeasured = shape_factors(timed, buckets, model._ran_ms, model._terms_ms)
         return replace(model, shape_factor=factors, unmeasured_verify=unmeasured)
 
     @staticmethod
@@ -250,15 +250,19 @@ class PerfModel:
                     any_sampled: float | None = None) -> float:
         """The target forward and sampling terms of a step reading `read` rows' cache and
         running `rows` rows at (padded) query length `q` (module docstring)."""
-        t = self.target
         if any_sampled is None:
             any_sampled = 1.0 if sampled > 0 else 0.0
-        ms = (t[0] + t[1] * read + t[2] * q + t[3] * rows + self.rows_sq * rows * rows
+        ms = (self._terms_ms(read, rows, q)
               + self.sampling[0] * sampled * q + self.sampling[1] * any_sampled * rows)
         factor = self.shape_factor.get((read, rows, q))
         if factor is None:
             factor = self.unmeasured_verify if q > 1 else 1.0
-        return ms * factor + t[4] * prefill
+        return ms * factor + self.target[4] * prefill
+
+    def _terms_ms(self, read: float, rows: float, q: int) -> float:
+        """The target forward's terms alone (no sampling, prefill or shape factor)."""
+        t = self.target
+        return t[0] + t[1] * read + t[2] * q + t[3] * rows + self.rows_sq * rows * rows
 
     def _propose_ms(self, technique: str, depth: int, batch: float, draft_vocab: int) -> float:
         p = self._lookup(self.propose, technique, draft_vocab) or (0.0, 0.0, 0.0)

@@ -85,6 +85,9 @@ class Capacity:
     segment_shapes: tuple[tuple[int, int, int], ...] = ()
     """(plain rows, drafting rows, 1 + depth) of the segmented verifies the engine compiles
     (EngineCapacity.segment_shapes; empty: every verify is one padded call)."""
+    shape_ms: tuple[tuple[tuple[int, int], float], ...] = ()
+    """((batch, query length), ms) the engine timed for its decode and verify shapes
+    (EngineCapacity.shape_ms): the prices of verify shapes serving has not run (tuner.stepfit)."""
     proposers: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """Technique -> (resident bytes, bytes per speculating sequence per draft)."""
     draft_vocabs: tuple[int, ...] = ()
@@ -118,6 +121,7 @@ class Capacity:
             proposer_depths={n: p.max_depth for n, p in cap.proposers.items()},
             spec_max_batch=cap.spec_max_batch, batch_buckets=cap.batch_buckets,
             segment_shapes=tuple(tuple(s) for s in cap.segment_shapes),
+            shape_ms=tuple(getattr(cap, "shape_ms", ())),
             proposers={n: (p.resident_bytes, p.bytes_per_draft) for n, p in cap.proposers.items()},
             draft_vocabs=mtp.draft_vocabs if mtp else (), max_batch=cap.max_batch, lent_kv=lent,
             pools=tuple(getattr(cap, "pools", None) or ()),
@@ -178,13 +182,13 @@ def padding_of(capacity: Capacity) -> Padding:
     (decode) and 1 + each verified depth, and its segmented verifies.
 
     >>> padding_of(Capacity(64, 16, depths=(1, 2, 4), batch_buckets=(1, 2, 4)))
-    Padding(batch=(1, 2, 4), query=(1, 2, 3, 5), segments=frozenset())
+    Padding(batch=(1, 2, 4), query=(1, 2, 3, 5), segments=frozenset(), timed=())
     >>> padding_of(Capacity(64, 16, batch_buckets=(1, 2), segment_shapes=((1, 1, 3),))).segments
     frozenset({(1, 1, 3)})
     """
     return Padding(capacity.batch_buckets,
                    (1, *(1 + d for d in capacity.depths)) if capacity.depths else (),
-                   frozenset(capacity.segment_shapes))
+                   frozenset(capacity.segment_shapes), tuple(capacity.shape_ms))
 
 
 def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: Capacity,

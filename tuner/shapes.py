@@ -34,6 +34,9 @@ class Padding:
     segments: frozenset = frozenset()
     """Compiled segmented verifies: (plain rows, drafting rows, query length) triples, both row
     counts batch sizes (EngineCapacity.segment_shapes); empty: every verify is one padded call."""
+    timed: tuple[tuple[tuple[int, int], float], ...] = ()
+    """((batch, query length), ms) of the compiled decode and verify shapes the engine timed
+    (EngineCapacity.shape_ms); tuner.stepfit.shape_factors prices unmeasured verifies by them."""
 
     def pad(self, batch: float, q: int) -> tuple[float, int]:
         return next_size(batch, self.batch), int(next_size(q, self.query))

@@ -93,11 +93,13 @@ MIN_FACTOR_STEPS = 3
 """Steps a shape needs before its measurement corrects the fitted terms."""
 
 
-def shape_factors(steps: Sequence[StepStats], buckets: Padding, fitted_ms: Callable[[StepStats], float]
+def shape_factors(steps: Sequence[StepStats], buckets: Padding, fitted_ms: Callable[[StepStats], float],
+                  terms_ms: Callable[[float, float, int], float] | None = None
                   ) -> tuple[dict[tuple[int, int, int], float], float]:
     """((cache rows read, forward rows run, query length) of each shape the steps without
-    prefill ran (Padding.ran) -> the factor on the fitted forward `fitted_ms` that moves it
-    toward what they measured, and the price of a verify shape not measured enough).
+    prefill ran (Padding.ran), or the engine timed -> the factor on the fitted forward
+    `fitted_ms` that moves it toward what they measured, and the price of a verify shape not
+    measured enough).
 
     The terms are one smooth surface over every shape, so the few steps of a shape it
     does not fit are outweighed by thousands of others: on the kept databases of
@@ -116,6 +118,16 @@ def shape_factors(steps: Sequence[StepStats], buckets: Padding, fitted_ms: Calla
     depth 1 (the [32, 2] shape, a handful of exploration steps) at 242 ms where it took 335,
     and the tuner drafted there at 0.84x plain decoding's tokens per second.
 
+    Timed shapes. Where the engine timed a verify shape and plain decoding at its batch
+    (`Padding.timed`, engine/first_runs.py), that verify is priced (and its few steps shrink
+    toward) plain decoding's price at the batch (`terms_ms` times its factor) times the
+    timed ratio, over the terms: the cost of drafted rows relative to plain decoding is the
+    machine's and the compiled code's, and on XLA:CPU it is not smooth in the rows (batch 2
+    in `bench tuner --quick`: 50 ms plain, 60 at depth 2, 84 at depth 4), so an unmeasured
+    depth-2 verify priced from the terms and the pessimistic price cost 75 ms, and the tuner
+    kept prose at depth 4 or plain where depth 2 served 1.16x plain. The factor scales the
+    sampling terms too (the engine times greedy calls): an approximation.
+
     >>> def s(b, ms, depth=0): return StepStats(batch_size=b, decode_tokens=b, step_ms=ms, depth=depth)
     >>> f, verify = shape_factors([s(1, 20.0)] * 10 + [s(2, 10.0)] * 2 + [s(1, 10.0, 1)] * 10,
     ...                           Padding(), lambda s: 10.0)
@@ -124,6 +136,14 @@ def shape_factors(steps: Sequence[StepStats], buckets: Padding, fitted_ms: Calla
     >>> f, verify = shape_factors([s(1, 11.0)] * 10 + [s(1, 9.0, 1)] * 10, Padding(), lambda s: 10.0)
     >>> round(verify, 3), round(f[(1, 2, 2)], 3), round(f[(1, 1, 1)], 3)   # the verify toward 1.106
     (1.106, 0.997, 1.049)
+
+    Timed at batch 2: plain 50 ms, depth 2 (query 3) 60 ms; the terms price them 50 and 75:
+
+    >>> pad = Padding((1, 2), (1, 3), timed=(((2, 1), 50.0), ((2, 3), 60.0)))
+    >>> terms = lambda read, rows, q: 37.5 + 6.25 * rows
+    >>> f, _ = shape_factors([s(2, 50.0)] * 10, pad, lambda s: 50.0, terms)
+    >>> round(f[(2, 6, 3)] * terms(2, 6, 3), 1)   # 50 * 60 / 50
+    60.0
     """
     logs: dict[tuple[int, int, int], list[float]] = {}
     for s in steps:
@@ -136,9 +156,27 @@ def shape_factors(steps: Sequence[StepStats], buckets: Padding, fitted_ms: Calla
             logs.setdefault(key, []).append(math.log((s.step_ms - s.propose_ms) / fitted))
     spread = float(np.median(np.abs(np.concatenate([np.asarray(v) for v in logs.values()])))) if logs else 0.0
     factors = {}
-    for key, v in logs.items():
+    for key, v in sorted(logs.items(), key=lambda kv: kv[0][2]):  # plain shapes first: timed prices use them
         if len(v) >= MIN_FACTOR_STEPS:
-            prior = spread if key[2] > 1 else 0.0
+            prior = 0.0 if key[2] == 1 else _timed_log(key, buckets, factors, terms_ms)
+            prior = spread if prior is None else prior
             factors[key] = math.exp((float(np.median(v)) * len(v) + prior * SHAPE_PRIOR_STEPS)
                                     / (len(v) + SHAPE_PRIOR_STEPS))
+    for (batch, q), _ in buckets.timed:
+        key = (batch, batch * q, q)
+        if q > 1 and key not in factors and (log := _timed_log(key, buckets, factors, terms_ms)) is not None:
+            factors[key] = math.exp(log)
     return factors, math.exp(spread)
+
+
+def _timed_log(key: tuple[int, int, int], buckets: Padding, factors: Mapping[tuple[int, int, int], float],
+               terms_ms: Callable[[float, float, int], float] | None) -> float | None:
+    """The log factor the engine's timing sets for an unsegmented verify shape (see
+    shape_factors); None where it timed it or its batch's plain decoding not."""
+    read, rows, q = key
+    timed = dict(buckets.timed)
+    verify, plain = timed.get((read, q)), timed.get((read, 1))
+    if terms_ms is None or rows != read * q or not verify or not plain:
+        return None
+    base, priced = terms_ms(read, read, 1) * factors.get((read, read, 1), 1.0), terms_ms(read, rows, q)
+    return math.log(base * verify / plain / priced) if base > 0 and priced > 0 else None

@@ -20,9 +20,24 @@ NGRAM = TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=64, version=1)
 
 
 def _ran(monkeypatch) -> list[tuple[str, tuple]]:
-    """Record every (kind, shape) FirstRuns executes."""
-    ran, run = [], first_runs.FirstRuns._run
-    monkeypatch.setattr(first_runs.FirstRuns, "_run", lambda self, k, s: (ran.append((k, s)), run(self, k, s)))
+    """Record every (kind, shape) FirstRuns executes for its first run (not its timed runs)."""
+    ran, timing, cls = [], [], first_runs.FirstRuns
+    run, time_ = cls._run, cls._time
+
+    def record(self, kind, shape):
+        if not timing:
+            ran.append((kind, shape))
+        return run(self, kind, shape)
+
+    def timed(self, kind, shape):
+        timing.append(shape)
+        try:
+            time_(self, kind, shape)
+        finally:
+            timing.pop()
+
+    monkeypatch.setattr(cls, "_run", record)
+    monkeypatch.setattr(cls, "_time", timed)
     return ran
 
 
@@ -43,6 +58,22 @@ def test_every_shape_runs_once_without_compiling_or_changing_outputs(tiny, monke
     out, stats = run_prompts(e, PROMPTS, SP)
     assert out == plain  # the scratch page's writes reach no sequence (speculation is lossless)
     assert any(s.technique == "ngram" for s in stats) and e.compiles_since_warmup() == 0
+
+
+def test_decode_and_verify_shapes_at_speculations_context_are_timed_for_the_tuner(tiny):
+    from tuner.objective import Capacity, padding_of
+
+    e = make_engine(tiny, **RC)
+    assert e.capacity().shape_ms == ()  # nothing timed before the first runs
+    e.warmup(progress=False)
+    e.first_runs.run_all()
+    context = max(e.runner.rc.spec_contexts)
+    timed = dict(e.capacity().shape_ms)
+    want = {(b, 1) for b, t, c in e.runner.shapes() if t == 1 and c == context}
+    want |= {(b, t) for b, t, c in e.runner.verify_shapes() if c == context}
+    assert set(timed) == want and {(1, 1), (2, 3)} <= want  # plain decoding and the depth-2 verify
+    assert all(0 < ms < 60_000 for ms in timed.values())
+    assert padding_of(Capacity.from_engine(e.capacity())).timed == e.capacity().shape_ms
 
 
 def test_idle_moments_run_one_shape_each_cheapest_first(tiny, monkeypatch):

@@ -311,3 +311,26 @@ def test_a_depth_factor_from_few_drafting_sequences_stays_near_one() -> None:
     assert one > raw + 0.15
     many = fit_depth_factors([step] * 40, {}, rates, share)["ngram"][2]
     assert raw < many < raw + 0.02
+
+
+def test_a_verify_shape_not_yet_served_is_priced_by_the_engines_timing() -> None:
+    # What bench tuner's quick run measured on this CPU: at batch 2 plain 50 ms, depth 2
+    # 60, depth 4 84; at batch 8 plain 70, depth 4 145 (not smooth in the rows). Serving ran
+    # plain and depth 4 only; the engine's first runs timed every verify shape. Priced by
+    # the terms, depth 2 at batch 2 is off by more than a tenth; by the timing, near its cost.
+    timed = (((2, 1), 47.7), ((2, 3), 57.0), ((2, 5), 61.9))
+    pad = Padding(batch=(1, 2, 4, 8), query=(1, 2, 3, 5))
+    steps = [StepStats(batch_size=b, decode_tokens=b, technique="ngram" if d else "none", depth=d,
+                       proposed=b * d, accepted_per_pos=(0,) * d, step_ms=ms)
+             for b, d, ms in ((2, 0, 50.0), (2, 4, 84.0), (8, 0, 70.0), (8, 4, 145.0)) for _ in range(20)]
+    untimed = PerfModel.fit(steps, buckets=pad)
+    timed_model = PerfModel.fit(steps, buckets=dataclasses.replace(pad, timed=timed))
+    for model in (untimed, timed_model):  # what serving measured stays priced as measured
+        assert model.predict_step_ms("none", 0, 2) == pytest.approx(50.0, rel=0.05)
+        assert model.predict_step_ms("ngram", 4, 2) == pytest.approx(84.0, rel=0.1)
+    cost = 50.0 * 57.0 / 47.7  # plain's measured cost times the timed ratio: 59.7 ms
+    assert abs(untimed.predict_step_ms("ngram", 2, 2) / cost - 1) > 0.1
+    # priced at plain decoding's price times the timed ratio
+    plain = timed_model.predict_step_ms("none", 0, 2)
+    assert timed_model.predict_step_ms("ngram", 2, 2) == pytest.approx(plain * 57.0 / 47.7, rel=1e-6)
+    assert timed_model.predict_step_ms("ngram", 2, 2) == pytest.approx(cost, rel=0.05)
