@@ -243,6 +243,14 @@ def _early_thread_scheduling() -> tuple[int, int]:
     return _scheduling(_EARLY["tid"])
 
 
+def _cpus_of(tid: int = 0) -> set[int]:
+    return set(os.sched_getaffinity(tid))
+
+
+def _early_thread_cpus() -> set[int]:
+    return _cpus_of(_EARLY["tid"])
+
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
 def test_the_search_process_runs_only_on_idle_cores() -> None:
     """Every thread of the worker, one started before its priority was lowered included."""
@@ -255,11 +263,16 @@ def test_the_search_process_runs_only_on_idle_cores() -> None:
                              initializer=lower_priority) as pool:
         niceness, policy = pool.submit(_scheduling).result(timeout=60)
     assert niceness == 19 and policy == os.SCHED_IDLE
+    mine = _cpus_of()
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_start_early_thread) as pool:
         assert pool.submit(_early_thread_scheduling).result(timeout=60) == (19, os.SCHED_IDLE)
         assert pool.submit(_scheduling).result(timeout=60) == (19, os.SCHED_IDLE)
-    assert _scheduling()[1] != os.SCHED_IDLE  # the caller (the daemon) is untouched
+        # confined to one CPU where there are several, the early thread too
+        want = {max(mine)} if len(mine) > 1 else mine
+        assert pool.submit(_cpus_of).result(timeout=60) == want
+        assert pool.submit(_early_thread_cpus).result(timeout=60) == want
+    assert _scheduling()[1] != os.SCHED_IDLE and _cpus_of() == mine  # the caller is untouched
 
 
 @pytest.mark.parametrize("observed", ["29", "3"])
