@@ -156,25 +156,27 @@ def shape_factors(steps: Sequence[StepStats], buckets: Padding, fitted_ms: Calla
             logs.setdefault(key, []).append(math.log((s.step_ms - s.propose_ms) / fitted))
     spread = float(np.median(np.abs(np.concatenate([np.asarray(v) for v in logs.values()])))) if logs else 0.0
     factors = {}
+    timed = dict(buckets.timed)
     for key, v in sorted(logs.items(), key=lambda kv: kv[0][2]):  # plain shapes first: timed prices use them
         if len(v) >= MIN_FACTOR_STEPS:
-            prior = 0.0 if key[2] == 1 else _timed_log(key, buckets, factors, terms_ms)
+            prior = 0.0 if key[2] == 1 else _timed_log(key, timed, factors, terms_ms)
             prior = spread if prior is None else prior
             factors[key] = math.exp((float(np.median(v)) * len(v) + prior * SHAPE_PRIOR_STEPS)
                                     / (len(v) + SHAPE_PRIOR_STEPS))
-    for (batch, q), _ in buckets.timed:
+    for batch, q in timed:
         key = (batch, batch * q, q)
-        if q > 1 and key not in factors and (log := _timed_log(key, buckets, factors, terms_ms)) is not None:
+        if q > 1 and key not in factors and (log := _timed_log(key, timed, factors, terms_ms)) is not None:
             factors[key] = math.exp(log)
     return factors, math.exp(spread)
 
 
-def _timed_log(key: tuple[int, int, int], buckets: Padding, factors: Mapping[tuple[int, int, int], float],
+def _timed_log(key: tuple[int, int, int], timed: Mapping[tuple[int, int], float],
+               factors: Mapping[tuple[int, int, int], float],
                terms_ms: Callable[[float, float, int], float] | None) -> float | None:
-    """The log factor the engine's timing sets for an unsegmented verify shape (see
-    shape_factors); None where it timed it or its batch's plain decoding not."""
+    """The log factor the engine's timing (`timed`: (batch, query length) -> ms) sets for an
+    unsegmented verify shape (see shape_factors); None where the engine did not time both
+    that shape and plain decoding at its batch."""
     read, rows, q = key
-    timed = dict(buckets.timed)
     verify, plain = timed.get((read, q)), timed.get((read, 1))
     if terms_ms is None or rows != read * q or not verify or not plain:
         return None
