@@ -69,10 +69,11 @@ from __future__ import annotations
 
 import itertools
 import math
-
+from dataclasses import dataclass, field
 import numpy as np
 
 from engine.policy import BatchRule, TunedPolicy
+from tuner.capacity import under_split
 from tuner.model import PerfModel
 from tuner.objective import (
     Capacity,
@@ -90,6 +91,54 @@ EVERYWHERE = 1 << 30
 """A crossover and range end above any batch size."""
 
 
+@dataclass
+class SolveCache:
+    """What the solves of one search at its pool splits share (tuner.split). A split changes
+    the figures of a cell only through the batch sizes the traffic runs at (`under_split`
+    returns the same Traffic object where it moves none) and, for a technique whose KV the
+    split lends (`Capacity.lent_kv`), the rows it holds. So a cell's per-batch figures, the
+    footprints and the optimum over a footprint that allows no lent technique are computed
+    once per Traffic object and reused at every split that keeps it: the same numbers,
+    without re-pricing every cell at every split of the grid (11 by default), which took
+    half of a search's CPU."""
+
+    _held: dict[int, Traffic] = field(default_factory=dict)
+    """Every Traffic a key names by id(), held so that no id is reused while the cache lives."""
+    _probes: dict[tuple[int, int], Traffic] = field(default_factory=dict)
+    _moves: dict[tuple[int, float], bool] = field(default_factory=dict)
+    _figures: dict[tuple, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    footprints: dict[int, list[list[tuple[int, np.ndarray]]]] = field(default_factory=dict)
+    """id(traffic) -> `_footprint_groups`."""
+    optima: dict[tuple, tuple[np.ndarray, float]] = field(default_factory=dict)
+    """(id(traffic), vocabulary, allowed mask) -> `_maximize`'s optimum."""
+
+    def key(self, traffic: Traffic) -> int:
+        self._held.setdefault(id(traffic), traffic)
+        return id(traffic)
+
+    def probe(self, traffic: Traffic, batch: int) -> Traffic:
+        """traffic.probe(batch), one object per (traffic, batch)."""
+        key = (self.key(traffic), batch)
+        if key not in self._probes:
+            self._probes[key] = traffic.probe(batch)
+        return self._probes[key]
+
+    def figures(self, model: PerfModel, traffic: Traffic, cell: tuple[str, int], vocab: int,
+                capacity: Capacity) -> dict[int, tuple[float, float]]:
+        """cell_figures, once per key: the split priced is part of it for a lent technique
+        and where the split moves the traffic's batch sizes (a probe's may move where its
+        window's do not)."""
+        split = 0.0 if capacity.priced_split is None else capacity.priced_split  # as evaluate
+        moves = self._moves.get((id(traffic), split))
+        if moves is None:
+            moves = self._moves[(self.key(traffic), split)] = (
+                under_split(traffic, capacity, split) is not traffic)
+        key = (self.key(traffic), cell, vocab, split if moves or cell[0] in capacity.lent_kv else None)
+        if key not in self._figures:
+            self._figures[key] = cell_figures(model, traffic, cell, vocab, capacity)
+        return self._figures[key]
+
+
 def solve(space: SearchSpace, model: PerfModel, traffic: Traffic,
           capacity: Capacity, incumbent: TunedPolicy | None = None) -> TunedPolicy | None:
     """The feasible policy of `space` with the highest predicted goodput (KV pages only, no
@@ -105,21 +154,32 @@ incumbent, pages): how `better` orders two solutions."""
 
 
 def solve_ranked(space: SearchSpace, model: PerfModel, traffic: Traffic, capacity: Capacity,
-                 incumbent: TunedPolicy | None = None) -> tuple[Rank, TunedPolicy] | None:
+                 incumbent: TunedPolicy | None = None,
+                 cache: SolveCache | None = None) -> tuple[Rank, TunedPolicy] | None:
     """`solve`'s policy with its rank, so that a caller comparing solves (tuner.split, one per
-    pool split) breaks a goodput tie as one solve does: on the unobserved ranges' speed."""
+    pool split) breaks a goodput tie as one solve does: on the unobserved ranges' speed.
+    `cache` carries what solves of the same model at other splits computed (SolveCache)."""
     splits = _split_pages(space, capacity, tenant_pages_needed(traffic, capacity))
     if not splits:
         return None
+    cache = SolveCache() if cache is None else cache
     cells = [("none", 0)] + [(t, d) for t in space.techniques if t != "none" for d in space.depths]
+    lent = np.array([t in capacity.lent_kv for t, _ in cells])
     best: tuple[float, float, int, TunedPolicy] | None = None
     for vocab in space.draft_vocabs or (0,):
-        tokens, ms, rest = _range_sums(space, cells, vocab, model, traffic, capacity)
-        empty, reach = _reach_costs(space, cells, vocab, model, traffic, capacity)
+        tokens, ms, rest = _range_sums(space, cells, vocab, model, traffic, capacity, cache)
+        empty, reach = _reach_costs(space, cells, vocab, model, traffic, capacity, cache)
         kept = _kept_cells(space, cells, vocab, traffic, capacity, empty, incumbent)
         seen: set[bytes] = set()
-        for allowed in _footprints(space, cells, traffic, capacity, splits):
-            choice, goodput = _maximize(tokens, ms, rest, allowed)
+        for allowed in _footprints(space, cells, traffic, capacity, splits, cache):
+            # no lent technique allowed: the same optimum at every split keeping this traffic
+            shared = None if allowed[:, lent].any() else (cache.key(traffic), vocab, allowed.tobytes())
+            optimum = None if shared is None else cache.optima.get(shared)
+            if optimum is None:
+                optimum = _maximize(tokens, ms, rest, allowed)
+                if shared is not None:
+                    cache.optima[shared] = optimum
+            choice, goodput = optimum
             choice, fill = _fill(choice, reach, empty, allowed)
             keep = (kept >= 0) & allowed[np.arange(len(kept)), np.maximum(kept, 0)]
             choice, held = np.where(keep, kept, choice), -int(keep.sum())
@@ -175,7 +235,8 @@ def probe_batches(space: SearchSpace, traffic: Traffic, capacity: Capacity,
 
 
 def _reach_costs(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, model: PerfModel,
-                 traffic: Traffic, capacity: Capacity) -> tuple[np.ndarray, np.ndarray]:
+                 traffic: Traffic, capacity: Capacity,
+                 cache: SolveCache | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(ranges to fill [ranges], each cell's predicted ms per output token at their probe
     batch [ranges, cells], infinite for a cell whose step runs more rows than any the fit saw;
     module doc, 5)."""
@@ -184,24 +245,32 @@ def _reach_costs(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, m
     cost = np.zeros((len(space.ranges), len(cells)))
     for r, batch in probes.items():
         empty[r] = True
-        at = traffic.probe(batch)
+        at = traffic.probe(batch) if cache is None else cache.probe(traffic, batch)
         for c, cell in enumerate(cells):
-            cost[r, c] = cell_cost(model, at, batch, cell, vocab, capacity)
+            cost[r, c] = cell_cost(model, at, batch, cell, vocab, capacity, cache)
     return empty, cost
 
 
 def cell_cost(model: PerfModel, at: Traffic, batch: int, cell: tuple[str, int], vocab: int,
-              capacity: Capacity) -> float:
+              capacity: Capacity, cache: SolveCache | None = None) -> float:
     """Predicted ms per output token of `cell` drafting every row of `at` (a probe at `batch`),
     infinite for a drafting cell whose step runs more rows than any the fit saw."""
     technique, depth = cell
     padded, q = model.padding.pad(batch, 1 + drafted_depth(technique, depth, capacity))
     if technique != "none" and model.max_rows is not None and padded * q > model.max_rows:
         return math.inf
-    one = TunedPolicy((BatchRule(EVERYWHERE, technique, depth),), crossover=EVERYWHERE,
-                      draft_vocab=vocab)
-    per_step, step_ms = next(iter(evaluate(one, model, at, capacity).per_batch.values()))
+    figures = (cell_figures(model, at, cell, vocab, capacity) if cache is None
+               else cache.figures(model, at, cell, vocab, capacity))
+    per_step, step_ms = next(iter(figures.values()))
     return step_ms / per_step
+
+
+def cell_figures(model: PerfModel, traffic: Traffic, cell: tuple[str, int], vocab: int,
+                 capacity: Capacity) -> dict[int, tuple[float, float]]:
+    """Batch size -> (tokens per step, step ms) of a one-rule policy drafting with `cell` at
+    every batch size of `traffic` (evaluate's per_batch)."""
+    one = TunedPolicy((BatchRule(EVERYWHERE, *cell),), crossover=EVERYWHERE, draft_vocab=vocab)
+    return evaluate(one, model, traffic, capacity).per_batch
 
 
 def _kept_cells(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, traffic: Traffic,
@@ -243,17 +312,18 @@ def _fill(choice: np.ndarray, cost: np.ndarray, empty: np.ndarray,
 
 
 def _range_sums(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, model: PerfModel,
-                traffic: Traffic, capacity: Capacity) -> tuple[np.ndarray, np.ndarray, tuple]:
+                traffic: Traffic, capacity: Capacity,
+                cache: SolveCache | None = None) -> tuple[np.ndarray, np.ndarray, tuple]:
     """T, M ([ranges, cells]) and (T0, M0), in the objective's units (module doc, 1)."""
     owner = {b: next((i for i, upper in enumerate(space.ranges) if b <= upper), len(space.ranges))
              for b in traffic.batch_weights}
     n = len(space.ranges) + 1  # the last row: batch sizes above every range
     tokens, ms = np.zeros((n, len(cells))), np.zeros((n, len(cells)))
     shares = traffic.token_shares()
-    for c, (technique, depth) in enumerate(cells):
-        one = TunedPolicy((BatchRule(EVERYWHERE, technique, depth),), crossover=EVERYWHERE,
-                          draft_vocab=vocab)
-        for b, (per_step, step_ms) in evaluate(one, model, traffic, capacity).per_batch.items():
+    for c, cell in enumerate(cells):
+        figures = (cell_figures(model, traffic, cell, vocab, capacity) if cache is None
+                   else cache.figures(model, traffic, cell, vocab, capacity))
+        for b, (per_step, step_ms) in figures.items():
             share, share_ms = goodput_terms(shares[b], per_step, step_ms)
             tokens[owner[b], c] += share
             ms[owner[b], c] += share_ms
@@ -278,26 +348,47 @@ def _maximize(tokens: np.ndarray, ms: np.ndarray, rest: tuple[float, float],
 
 
 def _footprints(space: SearchSpace, cells: list[tuple[str, int]], traffic: Traffic,
-                capacity: Capacity, splits: list[tuple[int, float]]) -> list[np.ndarray]:
+                capacity: Capacity, splits: list[tuple[int, float]],
+                cache: SolveCache | None = None) -> list[np.ndarray]:
     """The allowed-cell masks ([ranges, cells]) of every footprint that fits (module doc, 3)."""
+    room = splits[-1][0]  # the most pages a split lends while tenants still fit
+    groups = None if cache is None else cache.footprints.get(cache.key(traffic))
+    if groups is None:
+        groups = _footprint_groups(space, cells, traffic, capacity)
+        if cache is not None:
+            cache.footprints[cache.key(traffic)] = groups
+    out = []
+    for group in groups:
+        for need, mask in group:
+            if need > room:
+                break  # a larger crossover needs at least as many pages
+            out.append(mask)
+    return out
+
+
+def _footprint_groups(space: SearchSpace, cells: list[tuple[str, int]], traffic: Traffic,
+                      capacity: Capacity) -> list[list[tuple[int, np.ndarray]]]:
+    """Per (techniques, depth), the (pages speculation needs, allowed-cell mask) of each
+    crossover, ascending: the footprints whatever the pages lent (`_footprints` takes those
+    that fit)."""
     techniques = [t for t in space.techniques if t != "none"]
     drafted = [drafted_depth(t, d, capacity) if t != "none" else 0 for t, d in cells]
     depths = sorted(set(drafted) - {0})
-    room = splits[-1][0]  # the most pages a split lends while tenants still fit
-    out = []
+    groups = []
     for k in range(len(techniques) + 1):
         for chosen in itertools.combinations(techniques, k):
             for depth in depths if chosen else [0]:
                 used = {t: min(depth, max(drafted[c] for c, (u, _) in enumerate(cells) if u == t))
                         for t in chosen}
+                cell_ok = np.array([t == "none" or (t in chosen and drafted[c] <= depth)
+                                    for c, (t, _) in enumerate(cells)])
+                group = []
                 for x, crossover in enumerate(space.ranges if chosen else [0]):
-                    if speculation_pages_needed(used, crossover, traffic, capacity) > room:
-                        break  # a larger crossover needs at least as many pages
-                    cell_ok = np.array([t == "none" or (t in chosen and drafted[c] <= depth)
-                                        for c, (t, _) in enumerate(cells)])
                     range_ok = np.arange(len(space.ranges))[:, None] <= (x if chosen else -1)
-                    out.append(cell_ok[None, :] & range_ok | (np.arange(len(cells)) == 0))
-    return out
+                    group.append((speculation_pages_needed(used, crossover, traffic, capacity),
+                                  cell_ok[None, :] & range_ok | (np.arange(len(cells)) == 0)))
+                groups.append(group)
+    return groups
 
 
 def _policy(space: SearchSpace, cells: list[tuple[str, int]], choice: np.ndarray,

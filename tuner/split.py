@@ -48,7 +48,7 @@ import dataclasses
 
 from engine.policy import TunedPolicy
 from tuner.capacity import under_split
-from tuner.exact import Rank, better, solve, solve_ranked
+from tuner.exact import Rank, SolveCache, better, solve, solve_ranked
 from tuner.model import PerfModel
 from tuner.objective import Capacity, evaluate
 from tuner.space import SearchSpace
@@ -64,10 +64,11 @@ def solve_splits(space: SearchSpace, model: PerfModel, traffic: Traffic,
     if not lent and all(under_split(traffic, capacity, s) is traffic for s in grid):
         return solve(space, model, traffic, capacity, incumbent)
     found: list[tuple[float, Rank, TunedPolicy]] = []
+    cache = SolveCache()  # what the splits' solves share (figures of cells they price alike)
     for split in grid:
         at = dataclasses.replace(capacity, priced_split=split)
         one = dataclasses.replace(space, max_pool_split=split, pool_split_step=split or 1.0)
-        ranked = solve_ranked(one, model, under_split(traffic, capacity, split), at, incumbent)
+        ranked = solve_ranked(one, model, under_split(traffic, capacity, split), at, incumbent, cache)
         if ranked is None:
             continue
         (_, fill, held, _), policy = ranked

@@ -9,6 +9,7 @@ import pytest
 
 from engine.policy import BatchRule, TunedPolicy
 from engine.types import EngineCapacity, ProposerCapacity, StepStats
+import tuner.exact as exact
 from tuner.capacity import held_share, served_batches, under_split
 from tuner.config import TunerConfig
 from tuner.model import PerfModel
@@ -185,3 +186,35 @@ def test_the_pool_that_runs_out_first_bounds_admission_and_the_draft() -> None:
     # verify-slot pages: about one sequence of 31 of the 3 in the batch
     ev = evaluate(draft(0.25), MODEL, bound, two)
     assert ev.admitted == 3 and ev.held_share == pytest.approx((33 - 3 * 132 / 590) / 31 / 3)
+
+
+
+def test_the_splits_solves_share_what_a_split_does_not_change(monkeypatch) -> None:
+    """tuner.exact.SolveCache: at every split, the solve with the cache all splits share equals
+    the solve alone (a lent technique and one that is not, a light and a memory-bound load),
+    and where the split moves no batch size (light) the cells it does not touch are priced
+    once, not once per split."""
+    cap = dataclasses.replace(CAP, proposers={"draft": (0, 0), "ngram": (0, 0)})
+    model = dataclasses.replace(MODEL, acceptance={"draft": (0.6, 0.4), "ngram": (0.5, 0.3)})
+    space = SearchSpace.build(TunerConfig(ranges=(4, 64), max_pool_split=0.5), cap)
+    real, calls = exact.evaluate, []
+    monkeypatch.setattr(exact, "evaluate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for traffic in (light(), memory_bound()):
+        cache, alone, shared, found = exact.SolveCache(), 0, 0, 0
+        for split in space.pool_splits():
+            at = dataclasses.replace(cap, priced_split=split)
+            one = dataclasses.replace(space, max_pool_split=split, pool_split_step=split or 1.0)
+            moved = under_split(traffic, cap, split)
+            calls.clear()
+            single = exact.solve_ranked(one, model, moved, at)
+            alone += len(calls)
+            calls.clear()
+            both = exact.solve_ranked(one, model, moved, at, cache=cache)
+            shared += len(calls)
+            assert both == single
+            found += single is not None
+        assert found > 1
+        if all(under_split(traffic, cap, s) is traffic for s in space.pool_splits()):
+            # light: no split moves its batch sizes, so n-gram's cells on it are priced once
+            # (a probe of a larger batch may still move: its cells are priced again)
+            assert shared < 0.8 * alone, (shared, alone)
