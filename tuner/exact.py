@@ -70,6 +70,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+
 import numpy as np
 
 from engine.policy import BatchRule, TunedPolicy
