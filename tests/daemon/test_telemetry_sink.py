@@ -67,8 +67,10 @@ def test_a_failing_database_is_logged_and_serving_goes_on(
     assert server.post("/v1/completions", body).status == 200
     assert server.database is not None
     recorder = server.database.recorder
-    wait_for(lambda: recorder.stats()["write_errors"] > 0, what="a failed write")
-    assert any("telemetry write failed" in r.getMessage() for r in caplog.records)
+    # the recorder's thread counts the error, then logs it: wait for both
+    wait_for(lambda: recorder.stats()["write_errors"] > 0
+             and any("telemetry write failed" in r.getMessage() for r in caplog.records),
+             what="a failed write, logged")
     assert server.post("/v1/completions", body).status == 200  # still serving
     engine = make_engine(db_url)
     cast(Table, Request.__table__).create(engine)  # back: the rows the recorder kept get written
