@@ -237,7 +237,7 @@ def probe_batches(space: SearchSpace, traffic: Traffic, capacity: Capacity,
 
 def _reach_costs(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, model: PerfModel,
                  traffic: Traffic, capacity: Capacity,
-                 cache: SolveCache | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 cache: SolveCache) -> tuple[np.ndarray, np.ndarray]:
     """(ranges to fill [ranges], each cell's predicted ms per output token at their probe
     batch [ranges, cells], infinite for a cell whose step runs more rows than any the fit saw;
     module doc, 5)."""
@@ -246,7 +246,7 @@ def _reach_costs(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, m
     cost = np.zeros((len(space.ranges), len(cells)))
     for r, batch in probes.items():
         empty[r] = True
-        at = traffic.probe(batch) if cache is None else cache.probe(traffic, batch)
+        at = cache.probe(traffic, batch)
         for c, cell in enumerate(cells):
             cost[r, c] = cell_cost(model, at, batch, cell, vocab, capacity, cache)
     return empty, cost
@@ -314,7 +314,7 @@ def _fill(choice: np.ndarray, cost: np.ndarray, empty: np.ndarray,
 
 def _range_sums(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, model: PerfModel,
                 traffic: Traffic, capacity: Capacity,
-                cache: SolveCache | None = None) -> tuple[np.ndarray, np.ndarray, tuple]:
+                cache: SolveCache) -> tuple[np.ndarray, np.ndarray, tuple]:
     """T, M ([ranges, cells]) and (T0, M0), in the objective's units (module doc, 1)."""
     owner = {b: next((i for i, upper in enumerate(space.ranges) if b <= upper), len(space.ranges))
              for b in traffic.batch_weights}
@@ -322,9 +322,7 @@ def _range_sums(space: SearchSpace, cells: list[tuple[str, int]], vocab: int, mo
     tokens, ms = np.zeros((n, len(cells))), np.zeros((n, len(cells)))
     shares = traffic.token_shares()
     for c, cell in enumerate(cells):
-        figures = (cell_figures(model, traffic, cell, vocab, capacity) if cache is None
-                   else cache.figures(model, traffic, cell, vocab, capacity))
-        for b, (per_step, step_ms) in figures.items():
+        for b, (per_step, step_ms) in cache.figures(model, traffic, cell, vocab, capacity).items():
             share, share_ms = goodput_terms(shares[b], per_step, step_ms)
             tokens[owner[b], c] += share
             ms[owner[b], c] += share_ms
@@ -350,14 +348,13 @@ def _maximize(tokens: np.ndarray, ms: np.ndarray, rest: tuple[float, float],
 
 def _footprints(space: SearchSpace, cells: list[tuple[str, int]], traffic: Traffic,
                 capacity: Capacity, splits: list[tuple[int, float]],
-                cache: SolveCache | None = None) -> list[np.ndarray]:
+                cache: SolveCache) -> list[np.ndarray]:
     """The allowed-cell masks ([ranges, cells]) of every footprint that fits (module doc, 3)."""
     room = splits[-1][0]  # the most pages a split lends while tenants still fit
-    groups = None if cache is None else cache.footprints.get(cache.key(traffic))
+    groups = cache.footprints.get(cache.key(traffic))
     if groups is None:
-        groups = _footprint_groups(space, cells, traffic, capacity)
-        if cache is not None:
-            cache.footprints[cache.key(traffic)] = groups
+        groups = cache.footprints[cache.key(traffic)] = _footprint_groups(space, cells, traffic,
+                                                                            capacity)
     out = []
     for group in groups:
         for need, mask in group:

@@ -188,7 +188,6 @@ def test_the_pool_that_runs_out_first_bounds_admission_and_the_draft() -> None:
     assert ev.admitted == 3 and ev.held_share == pytest.approx((33 - 3 * 132 / 590) / 31 / 3)
 
 
-
 def test_the_splits_solves_share_what_a_split_does_not_change(monkeypatch) -> None:
     """tuner.exact.SolveCache: at every split, the solve with the cache all splits share equals
     the solve alone (a lent technique and one that is not, a light and a memory-bound load),
