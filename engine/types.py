@@ -388,7 +388,7 @@ class EngineCapacity:
     shape_ms: tuple[tuple[tuple[int, int], float], ...] = ()
     """((batch, 1 + depth), ms) of each decode and verify shape timed so far at speculation's
     context on the scratch page (engine/first_runs.py: filled as the shapes first run); empty
-    where none was (the fake engine, a daemon's first idle seconds)."""
+    where none was (a daemon's first idle seconds; the fake engine without a FakeCost)."""
 
 
 def pow2_bucket(n: float) -> int:

@@ -126,7 +126,13 @@ def shape_factors(steps: Sequence[StepStats], buckets: Padding, fitted_ms: Calla
     in `bench tuner --quick`: 50 ms plain, 60 at depth 2, 84 at depth 4), so an unmeasured
     depth-2 verify priced from the terms and the pessimistic price cost 75 ms, and the tuner
     kept prose at depth 4 or plain where depth 2 served 1.16x plain. The factor scales the
-    sampling terms too (the engine times greedy calls): an approximation.
+    sampling terms too (the engine times greedy calls): an approximation. Where serving has
+    not run plain decoding at the batch but has run a timed verify there (a starter policy
+    that drafts at every batch it sees), the shapes it has not run (plain decoding included)
+    are priced from that verify's measured price by the timed ratio instead: steps of one
+    depth alone cannot tell a per-row cost from a per-position one (the rows run are the
+    batch times a constant), so the terms' price of plain decoding there is a guess, and the
+    fake engine's tuning test once kept a depth-4 starter that served 0.6x plain on it.
 
     >>> def s(b, ms, depth=0): return StepStats(batch_size=b, decode_tokens=b, step_ms=ms, depth=depth)
     >>> f, verify = shape_factors([s(1, 20.0)] * 10 + [s(2, 10.0)] * 2 + [s(1, 10.0, 1)] * 10,
@@ -144,6 +150,12 @@ def shape_factors(steps: Sequence[StepStats], buckets: Padding, fitted_ms: Calla
     >>> f, _ = shape_factors([s(2, 50.0)] * 10, pad, lambda s: 50.0, terms)
     >>> round(f[(2, 6, 3)] * terms(2, 6, 3), 1)   # 50 * 60 / 50
     60.0
+
+    Only depth 2 ran at batch 2 (at 60 ms, priced so): plain decoding is priced 60 * 50 / 60:
+
+    >>> f, _ = shape_factors([s(2, 60.0, 2)] * 10, pad, lambda s: 60.0, lambda r, rows, q: 60.0)
+    >>> round(f[(2, 2, 1)] * 60.0, 1), round(f[(2, 6, 3)], 3)
+    (50.0, 1.0)
     """
     logs: dict[tuple[int, int, int], list[float]] = {}
     for s in steps:
@@ -155,30 +167,45 @@ def shape_factors(steps: Sequence[StepStats], buckets: Padding, fitted_ms: Calla
         if fitted > 0 and s.step_ms > s.propose_ms:
             logs.setdefault(key, []).append(math.log((s.step_ms - s.propose_ms) / fitted))
     spread = float(np.median(np.abs(np.concatenate([np.asarray(v) for v in logs.values()])))) if logs else 0.0
-    factors = {}
+    factors: dict[tuple[int, int, int], float] = {}
     timed = dict(buckets.timed)
+    steps_of = {key: len(v) for key, v in logs.items()}
     for key, v in sorted(logs.items(), key=lambda kv: kv[0][2]):  # plain shapes first: timed prices use them
         if len(v) >= MIN_FACTOR_STEPS:
-            prior = 0.0 if key[2] == 1 else _timed_log(key, timed, factors, terms_ms)
+            prior = 0.0 if key[2] == 1 else _timed_log(key, timed, factors, terms_ms, steps_of, True)
             prior = spread if prior is None else prior
             factors[key] = math.exp((float(np.median(v)) * len(v) + prior * SHAPE_PRIOR_STEPS)
                                     / (len(v) + SHAPE_PRIOR_STEPS))
     for batch, q in timed:
         key = (batch, batch * q, q)
-        if q > 1 and key not in factors and (log := _timed_log(key, timed, factors, terms_ms)) is not None:
+        if key not in factors and (log := _timed_log(key, timed, factors, terms_ms, steps_of)) is not None:
             factors[key] = math.exp(log)
     return factors, math.exp(spread)
 
 
 def _timed_log(key: tuple[int, int, int], timed: Mapping[tuple[int, int], float],
                factors: Mapping[tuple[int, int, int], float],
-               terms_ms: Callable[[float, float, int], float] | None) -> float | None:
+               terms_ms: Callable[[float, float, int], float] | None,
+               steps_of: Mapping[tuple[int, int, int], int], measured: bool = False) -> float | None:
     """The log factor the engine's timing (`timed`: (batch, query length) -> ms) sets for an
-    unsegmented verify shape (see shape_factors); None where the engine did not time both
-    that shape and plain decoding at its batch."""
+    unsegmented shape (see shape_factors), anchored on plain decoding at its batch where
+    serving ran it (or nothing else timed there has a factor), else on the timed shape there
+    with a factor and the most steps; None where the engine did not time both, where the key
+    is plain decoding and no verify anchors it, or where the key is `measured` and its anchor
+    is not (the terms' guess at plain decoding is no prior for a shape steps measured)."""
     read, rows, q = key
-    verify, plain = timed.get((read, q)), timed.get((read, 1))
-    if terms_ms is None or rows != read * q or not verify or not plain:
+    own = timed.get((read, q))
+    if terms_ms is None or rows != read * q or not own:
         return None
-    base, priced = terms_ms(read, read, 1) * factors.get((read, read, 1), 1.0), terms_ms(read, rows, q)
-    return math.log(base * verify / plain / priced) if base > 0 and priced > 0 else None
+    plain = (read, read, 1)
+    anchor = plain
+    if plain not in factors:
+        runs = [(steps_of.get(k, 0), k[2]) for b, a in timed
+                if b == read and a != q and (k := (read, read * a, a)) in factors]
+        if runs:
+            anchor = (read, read * max(runs)[1], max(runs)[1])
+    if anchor == key or (q == 1 and anchor == plain) or (measured and anchor not in factors):
+        return None
+    at = timed.get((read, anchor[2]))
+    base, priced = terms_ms(*anchor) * factors.get(anchor, 1.0), terms_ms(read, rows, q)
+    return math.log(base * own / at / priced) if at and base > 0 and priced > 0 else None

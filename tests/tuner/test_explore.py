@@ -319,5 +319,5 @@ def test_the_daemon_profiles_cheap_techniques_first_within_the_searched_depths(d
     # the profile's deepest cells, the policy's depth 2 and its verified neighbours 1 and 4
     assert {d for _, d in picks} == {1, 2, 4, 8} and set(gaps) <= set(picks)
     assert capacity.depths == (1, 2, 4, 8) and capacity.proposer_depths["mtp"] == 4
-    assert padding_of(capacity) == Padding((1, 2, 4, 8, 16), (1, 2, 3, 5, 9))
+    assert padding_of(capacity) == Padding((1, 2, 4, 8, 16), (1, 2, 3, 5, 9), timed=compiled.shape_ms)
     assert ExplorationPlan(capacity, TunerConfig(enabled=False))(POLICY) is POLICY
