@@ -1,4 +1,5 @@
-"""`crossover bench engine|telemetry|serve|crossover|tuner|early-exit`: measure, print progress, write JSON."""
+"""`crossover bench engine|telemetry|serve|crossover|tuner|tuner-compare|early-exit|findings`: measure,
+print progress, write JSON."""
 
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                       "perplexity; JSON"))
     _add_findings(sub.add_parser("findings", help="measure the four open questions into one telemetry "
                                                   "database, then write the findings report (README + PNGs)"))
+    c = sub.add_parser("tuner-compare", help="do two `bench tuner` JSONs (e.g. --quick against the full "
+                                              "run) read the same ratios within their round-to-round noise")
+    c.add_argument("a", help="a `bench tuner` result JSON (e.g. a --quick run)")
+    c.add_argument("b", help="the run to compare it with (e.g. the full run of record, "
+                             "bench/results/tuner/full-repeats3-search-one-cpu.json)")
+    c.add_argument("--out", default=None, help="write the comparison as JSON here too")
 
 
 def _add_serve(s: argparse.ArgumentParser) -> None:
@@ -141,6 +148,13 @@ def run(args: argparse.Namespace) -> int:
         _run_early_exit(args)
     elif args.bench == "findings":
         _run_findings(args)
+    elif args.bench == "tuner-compare":
+        from bench.tuner_compare import run_compare
+
+        try:
+            run_compare(args.a, args.b, args.out)
+        except ValueError as exc:
+            raise UserError(f"bench tuner-compare: {exc}") from None
     return 0
 
 
