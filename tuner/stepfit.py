@@ -203,8 +203,9 @@ def _timed_log(key: tuple[int, int, int], timed: Mapping[tuple[int, int], float]
         runs = [(steps_of.get(k, 0), k[2]) for b, a in timed
                 if b == read and a != q and (k := (read, read * a, a)) in factors]
         if runs:
-            anchor = (read, read * max(runs)[1], max(runs)[1])
-    if anchor == key or (q == 1 and anchor == plain) or (measured and anchor not in factors):
+            a = max(runs)[1]
+            anchor = (read, read * a, a)
+    if (q == 1 and anchor == plain) or (measured and anchor not in factors):
         return None
     at = timed.get((read, anchor[2]))
     base, priced = terms_ms(*anchor) * factors.get(anchor, 1.0), terms_ms(read, rows, q)
