@@ -3,10 +3,15 @@
 Everything is measured in one run, so ratios are meaningful on a noisy machine:
 1. Memory bandwidth: an XLA copy (read + write) and an XLA reduction (read)
    over 512 MiB; the larger figure is the roofline bandwidth.
-2. Decode tokens/s per batch size: B identical-length requests, greedy,
-   ignore EOS; only steps that did no prefill count.
+2. Decode tokens/s per batch size at each prompt length (`contexts`): B
+   identical-length requests, greedy, ignore EOS; only steps that did no
+   prefill count. The first context's figures are `decode` (what
+   `bench serve --engine-rates` reads); all are under `decode_by_context`.
 3. Prefill tokens/s on one long prompt.
-4. Peak RSS, weight bytes read per decode step, roofline fraction at batch 1.
+4. Peak RSS, weight bytes read per decode step, roofline fraction at batch 1,
+   minor page faults per decode step (scratch buffers the allocator hands
+   back to the OS after a call are faulted in again by the next), and the
+   compiled executables and memory mappings of the warmed-up engine.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from engine.allocator import allocator_settings
+from engine.compiles import memory_mappings
 from engine.progress import Steps
 from engine.types import Request, SamplingParams
 
@@ -52,26 +59,50 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+SHARED_TAIL = 16
+"""Prompts longer than 4x this share all but their last SHARED_TAIL tokens, so the prefix cache
+prefills a long context once for every batch size (decode reads each row's pages all the same)."""
+
+
+def _decode_prompt(tok, n: int, salt: int) -> list[int]:
+    """`_prompt`, sharing all but the last SHARED_TAIL tokens when n > 4 * SHARED_TAIL."""
+    if n > 4 * SHARED_TAIL:
+        return _prompt(tok, n - SHARED_TAIL, 0) + _prompt(tok, SHARED_TAIL, salt)
+    return _prompt(tok, n, salt)
+
+
 def _prompt(tok, n: int, salt: int) -> list[int]:
-    """A deterministic prompt of exactly n tokens (n >= 2)."""
+    """A deterministic prompt of exactly n tokens (n >= 2): 2n words, each a token or more."""
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing".split()
     text = " ".join(words[(i * 7 + salt) % len(words)] for i in range(n * 2))
     return tok.encode(text)[:n]
 
 
+def minor_faults() -> int:
+    """Minor page faults of this process so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def decode_throughput(engine, batch: int, prompt_len: int, new_tokens: int) -> dict:
-    """Decode tokens/s with `batch` concurrent greedy requests."""
+    """Decode tokens/s with `batch` concurrent greedy requests of `prompt_len` prompt tokens, and
+    the minor page faults per decode step."""
     sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(Request(f"b{batch}-{i}", _prompt(engine.tokenizer, prompt_len, i), sp))
-    tokens, ms, steps = 0, 0.0, 0
+        engine.add_request(Request(f"b{batch}-{i}", _decode_prompt(engine.tokenizer, prompt_len, i), sp))
+    tokens, ms, steps, faults = 0, 0.0, 0, 0
     while engine.has_work():
+        before = minor_faults()
         st = engine.step().stats
         if st and st.prefill_tokens == 0 and st.batch_size == batch:
             tokens += st.decode_tokens
             ms += st.step_ms
             steps += 1
-    return {"batch": batch, "tokens_per_s": tokens / (ms / 1e3), "step_ms": ms / max(steps, 1), "steps": steps}
+            faults += minor_faults() - before
+    if not steps:  # the pool never held `batch` such sequences at once
+        return {"batch": batch, "context": prompt_len, "tokens_per_s": None, "step_ms": None, "steps": 0,
+                "minor_faults_per_step": None}
+    return {"batch": batch, "context": prompt_len, "tokens_per_s": tokens / (ms / 1e3),
+            "step_ms": ms / max(steps, 1), "steps": steps, "minor_faults_per_step": faults / max(steps, 1)}
 
 
 def prefill_throughput(engine, prompt_len: int, repeats: int = 3) -> dict:
@@ -99,14 +130,16 @@ def weight_bytes(params) -> int:
 
 
 def run_bench(out_path: str | None, model: str | None = None, dtype: str | None = None,
-              batches=(1, 2, 4, 8, 16, 32, 64), prompt_len: int = 32, new_tokens: int = 32,
-              prefill_len: int = 512, hf_baseline: str | None = None, tensor_parallel: int = 1) -> dict:
+              batches=(1, 2, 4, 8, 16, 32, 64), contexts=(32, 2048), new_tokens: int = 32,
+              prefill_len: int = 512, hf_baseline: str | None = None, tensor_parallel: int = 1,
+              max_context: int = 4096, kv_budget_bytes: int | None = None) -> dict:
     from daemon.progress import reporter, say
     from engine.loader import load_engine
 
     log = lambda msg: say(f"bench engine: {msg}")  # noqa: E731
     progress = reporter()
-    engine = load_engine(model=model, dtype=dtype, max_batch=max(batches), max_context=1024,
+    engine = load_engine(model=model, dtype=dtype, max_batch=max(batches), max_context=max_context,
+                         kv_budget_bytes=kv_budget_bytes,
                          speculation=False, progress=progress,
                          **({"tensor_parallel": tensor_parallel} if tensor_parallel > 1 else {}))
     log("measuring memory bandwidth")
@@ -115,26 +148,35 @@ def run_bench(out_path: str | None, model: str | None = None, dtype: str | None 
     engine.warmup(progress=progress)
     run_each_shape_once(engine, progress)
     wbytes = weight_bytes(engine.runner.params)
-    decode = []
-    with Steps(progress, "bench engine: decode batch sizes", len(batches)) as bar:
-        for b in batches:
-            r = decode_throughput(engine, b, prompt_len, new_tokens)
-            log(f"batch {b:3d}: {r['tokens_per_s']:8.1f} tok/s ({r['step_ms']:.1f} ms/step)")
-            decode.append(r)
-            bar.advance()
+    by_context = {}
+    with Steps(progress, "bench engine: decode batch sizes", len(batches) * len(contexts)) as bar:
+        for c in contexts:
+            rows = by_context[str(c)] = []
+            for b in batches:
+                r = decode_throughput(engine, b, c, new_tokens)
+                log(f"context {c:5d} batch {b:3d}: " + (
+                    "never held that many such sequences at once (a larger --kv-gib fits them)"
+                    if r["tokens_per_s"] is None else f"{r['tokens_per_s']:8.1f} tok/s ({r['step_ms']:.1f} "
+                    f"ms/step, {r['minor_faults_per_step']:.0f} minor faults/step)"))
+                rows.append(r)
+                bar.advance()
+    decode = by_context[str(contexts[0])]
     prefill = prefill_throughput(engine, prefill_len)
     log(f"prefill: {prefill['tokens_per_s']:.0f} tok/s")
-    by_b = {r["batch"]: r["tokens_per_s"] for r in decode}
+    by_b = {r["batch"]: r["tokens_per_s"] or float("nan") for r in decode}
     roof_tps = bw["roofline_bytes_per_s"] / wbytes
     result = {
         "model": engine.model_name, "dtype": engine.runner.rc.dtype, "backend": jax.default_backend(),
-        "decode": decode, "prefill": prefill,
+        "decode": decode, "decode_by_context": by_context, "max_context": max_context, "prefill": prefill,
         "weight_bytes_per_decode_step": wbytes, "memory": bw,
         "roofline_tokens_per_s_batch1": roof_tps,
         "roofline_fraction_batch1": by_b.get(1, float("nan")) / roof_tps,
         "speedup_batch32_over_batch1": by_b.get(32, float("nan")) / by_b.get(1, float("nan")),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "compiles_since_warmup": engine.compiles_since_warmup(),
+        "executables": _executables(engine),
+        "memory_mappings": memory_mappings(),
+        "allocator": allocator_settings(),
         "tensor_parallel": tensor_parallel,
     }
     if hf_baseline and Path(hf_baseline).exists():
@@ -144,6 +186,15 @@ def run_bench(out_path: str | None, model: str | None = None, dtype: str | None 
         Path(out_path).write_text(json.dumps(result, indent=2))
         log(f"wrote {out_path}")
     return result
+
+
+def _executables(engine) -> dict | None:
+    """The warmed-up engine's compiled shapes, from its own shape lists (None: the fake's)."""
+    runner = getattr(engine, "runner", None)
+    if runner is None or not hasattr(runner, "shapes"):
+        return None
+    forwards = len(runner.shapes()) + len(runner.verify_shapes())
+    return {"full_forwards": forwards}
 
 
 def _versus(ours: dict[int, float], hf: dict) -> dict:

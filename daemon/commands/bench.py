@@ -20,6 +20,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     e.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
     e.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per request")
+    e.add_argument("--contexts", default="32,2048",
+                   help="comma-separated prompt lengths decoded at; the first one's rates are `decode`")
+    e.add_argument("--max-context", type=int, default=4096, help="the engine's max context (serve's default)")
+    e.add_argument("--kv-gib", type=float, default=None,
+                   help="KV pool budget in GiB (default: serve's); batch 64 at context 2048 needs ~3")
     e.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model and KV pool over N devices (default 1)")
     e.add_argument("--hf-baseline", default="bench/results/hf_baseline.json",
@@ -123,9 +128,19 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
         if any(b < 1 for b in batches) or args.new_tokens < 2:
             raise UserError(f"batch sizes must be >= 1 and --new-tokens >= 2 (got {args.batches!r}, {args.new_tokens})")
-        run_bench(args.out, model=args.model, dtype=args.dtype, batches=batches,
+        try:
+            contexts = tuple(int(c) for c in args.contexts.split(","))
+        except ValueError:
+            raise UserError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
+        if args.kv_gib is not None and not args.kv_gib > 0:
+            raise UserError(f"--kv-gib must be positive, got {args.kv_gib}")
+        if any(c < 2 or c + args.new_tokens > args.max_context for c in contexts):
+            raise UserError(f"--contexts must each be >= 2 and leave --new-tokens {args.new_tokens} within "
+                            f"--max-context {args.max_context}, got {args.contexts!r}")
+        run_bench(args.out, model=args.model, dtype=args.dtype, batches=batches, contexts=contexts,
                   new_tokens=args.new_tokens, hf_baseline=args.hf_baseline,
-                  tensor_parallel=args.tensor_parallel)
+                  tensor_parallel=args.tensor_parallel, max_context=args.max_context,
+                  kv_budget_bytes=None if args.kv_gib is None else int(args.kv_gib * 2**30))
     elif args.bench == "telemetry":
         from bench.telemetry import run_bench as tel_bench
 
