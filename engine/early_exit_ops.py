@@ -9,6 +9,7 @@ written to the pages, so a slot a step did not compute keeps what the pages hold
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -18,7 +19,7 @@ import numpy as np
 from engine.config import ModelConfig
 from engine.heads import apply_head, head_logits
 from engine.kv import SCRATCH_PAGE, Batch, KVState, cache_reader
-from engine.model import KVView, block, embed, rms_norm, rope
+from engine.model import PagedView, block, embed, rms_norm, rope
 from engine.runner import output_scores
 from engine.types import pow2_bucket
 
@@ -44,11 +45,10 @@ def _rope_args(cfg: ModelConfig, layer: int) -> tuple[float, float]:
     return cfg.rope_base_local, 1.0
 
 
-def _without(view: KVView, pos: jax.Array) -> KVView:
+def _without(view: PagedView, pos: jax.Array) -> PagedView:
     """The cache view with the slots of positions in `pos` [n, T] hidden: the segment brings its
     own keys for them (the pages hold nothing valid there for these layers yet)."""
-    hit = (view.pos[:, :, None] == pos[:, None, :]).any(-1)
-    return KVView(view.k, view.v, jnp.where(hit, -1, view.pos))
+    return dataclasses.replace(view, hidden=pos)
 
 
 @partial(jax.jit, static_argnames=("cfg", "ring_pages", "lo", "hi", "confidence", "score"),

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import ModelConfig
-from engine.model import KVView
+from engine.model import PagedView
 from engine.prefix_cache import PrefixCache
 
 SCRATCH_PAGE = 0
@@ -81,32 +81,18 @@ class Batch:
 
 
 def cache_reader(kv: KVState, batch: Batch, ring_pages: int):
-    """Returns read_cache(kind, layer_index) -> KVView for engine.model.forward.
+    """Returns read_cache(kind, layer_index) -> PagedView for engine.model.forward.
 
     The local table may be narrower than the ring (short contexts): its slots
     are read as they are, positions still follow the full ring's arithmetic.
     """
-    ps = kv.page_size
-    B, P = batch.global_table.shape
-    R = ring_pages
-    last = (batch.start - 1)[:, None]  # [B, 1] newest cached position
+    last = batch.start - 1  # [B] newest cached position
+    cap = ring_pages * kv.page_size
 
-    g_slots = jnp.arange(P * ps, dtype=jnp.int32)[None, :]
-    g_pos = jnp.where(g_slots <= last, g_slots, -1)  # slot s holds position s
-    cap = R * ps
-    l_slots = jnp.arange(batch.local_table.shape[1] * ps, dtype=jnp.int32)[None, :]
-    l_pos = last - jnp.mod(last - l_slots, cap)  # newest position congruent to the slot
-    l_pos = jnp.where(l_pos >= 0, l_pos, -1)
-
-    def read(kind: str, idx) -> KVView:
+    def read(kind: str, idx) -> PagedView:
         if kind == "global":
-            k, v, table, pos = kv.global_k, kv.global_v, batch.global_table, g_pos
-        else:
-            k, v, table, pos = kv.local_k, kv.local_v, batch.local_table, l_pos
-        kk = k[idx, table]  # [B, pages, ps, KV, hd]: one gather
-        vv = v[idx, table]
-        shape = (B, table.shape[1] * ps, *kk.shape[3:])
-        return KVView(kk.reshape(shape), vv.reshape(shape), jnp.broadcast_to(pos, shape[:2]))
+            return PagedView(kv.global_k, kv.global_v, idx, batch.global_table, last)
+        return PagedView(kv.local_k, kv.local_v, idx, batch.local_table, last, ring=cap)
 
     return read
 

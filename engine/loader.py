@@ -42,41 +42,32 @@ def smallest_batch(dtype: str) -> int:
 
 
 def context_buckets(max_context: int, page_size: int = PAGE_SIZE) -> tuple[int, ...]:
-    """Page-table widths compiled: 64, 128, then 4x steps, ending exactly at max_context.
-
-    Attention reads every slot of the bucket, so short contexts need small
-    buckets: at batch 64 a 1024-slot bucket made attention cost more than
-    all the weights, and a short chat (up to 64 tokens) decodes at batch 64
-    ~20% faster in a 64-slot bucket than in a 128-slot one.
-    Example: context_buckets(4096) == (64, 128, 512, 2048, 4096);
-    context_buckets(600) == (64, 128, 512, 608).
+    """Page-table widths compiled: one, max_context rounded up to a page. Attention reads each
+    row's cache block by block only as far as the longest row's context reaches
+    (engine.model.PagedView), so a wider table costs a short context nothing and one width
+    serves every context.
+    Example: context_buckets(4096) == (4096,); context_buckets(600) == (608,).
     """
-    top = -(-max_context // page_size) * page_size
-    out, c = [], 64
-    while c < top:
-        out.append(c)
-        c = 128 if c == 64 else c * 4
-    return tuple(out) + (top,)
+    return (-(-max_context // page_size) * page_size,)
 
 
 # XLA:CPU maps each compiled kernel's code, constants and data as separate memory
 # mappings (~3 per kernel), and Linux stops a process at vm.max_map_count mappings
 # (65530 by default): past it the next compile fails with "Cannot allocate memory"
 # and the process dies. A forward of Gemma 3 (per-layer weights, so its layers are
-# unrolled) is ~110 kernels, and every compiled shape is its own executable.
-# Measured on Gemma 3 270M, mappings per compiled shape: decode 436, verify 424,
-# prefill 346. `crossover serve` with every proposer: 19,374 mappings once plain
-# decoding and prefill were compiled (5 context buckets), 63,042 after speculation's
-# shapes at 3 context buckets (60 verify shapes, early exit, draft model, MTP heads):
-# the proposers took ~1,100 per speculative batch size and context, not the 600
-# estimated before, so speculation now keeps 2 buckets at the default cap.
-MAPS_PER_SHAPE = 440
+# unrolled) is ~110 kernels plus each layer's attention loop body, and every compiled
+# shape is its own executable. Measured on Gemma 3 270M with attention's block loop
+# (engine.model.PagedView): 13 plain shapes (batches 1-64 and three prefill chunks at
+# one context width) took 9,920 mappings in all, ~600 a shape past the process's own
+# ~2k; with the padded gather a shape took 346-436. The proposers' and segments'
+# figures are scaled by the same 1.5.
+MAPS_PER_SHAPE = 660
 """Mappings one compiled forward shape takes on XLA:CPU (with its KV write and sampling)."""
-MAPS_PER_DRAFTING_BATCH = 1100
+MAPS_PER_DRAFTING_BATCH = 1650
 """Mappings the layer-chain proposers (early exit, draft model, with the MTP heads') take per
 batch size and context."""
-MAPS_PER_SEGMENT = 510
-"""Mappings one segmented verify shape takes (engine/segments.py; measured 445-510 on Gemma 3 270M)."""
+MAPS_PER_SEGMENT = 770
+"""Mappings one segmented verify shape takes (engine/segments.py)."""
 MAPS_RESERVE = 8000
 """Mappings kept for everything else: the process itself, MTP heads, threads, sockets."""
 

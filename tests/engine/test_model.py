@@ -120,3 +120,38 @@ def test_a_batch_one_runner_that_verifies_keeps_the_fast_output_table(tiny):
     assert "embed_fast" not in ModelRunner(cfg, params, RunnerConfig(**single)).params
     verifying = RunnerConfig(**{**single, "verify_tokens": (2, 3), "spec_max_batch": 1})
     assert ModelRunner(cfg, params, verifying).params["embed_fast"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("ring", [0, 48])
+def test_block_attention_over_real_pages_equals_one_softmax_over_the_gathered_cache(ring, monkeypatch):
+    """Rows of very different cached lengths (0, 5, 70 slots of a 96-slot table) in one call:
+    attention read ATTEND_BLOCK slots at a time with a running softmax equals one softmax over
+    every slot gathered, for a global table and a sliding-window ring, with hidden positions."""
+    from engine import model
+    from engine.config import ModelConfig
+
+    monkeypatch.setattr(model, "ATTEND_BLOCK", 32)  # several blocks: 70 cached slots read as 3
+    cfg = ModelConfig(n_heads=4, n_kv_heads=2, head_dim=8, sliding_window=40)
+    rng = np.random.default_rng(0)
+    ps, pages, B, T = 8, 40, 3, 2
+    width = 6 if ring else 12  # a ring's table is at most the ring
+    k = jnp.asarray(rng.standard_normal((2, pages, ps, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, pages, ps, 2, 8)), jnp.float32)
+    table = jnp.asarray(rng.permutation(np.arange(1, pages))[: B * width].reshape(B, width), jnp.int32)
+    last = jnp.asarray([-1, 4, 69], jnp.int32)
+    q_pos = last[:, None] + 1 + jnp.arange(T)[None, :]
+    q = jnp.asarray(rng.standard_normal((B, T, 4, 8)), jnp.float32)
+    kn, vn = (jnp.asarray(rng.standard_normal((B, T, 2, 8)), jnp.float32) for _ in range(2))
+    hidden = jnp.asarray([[-1], [3], [60]], jnp.int32)
+    paged = model.PagedView(k, v, 1, table, last, ring=ring, hidden=hidden)
+    slots = jnp.arange(width * ps, dtype=jnp.int32)
+    gathered = model.KVView(k[1, table].reshape(B, -1, 2, 8), v[1, table].reshape(B, -1, 2, 8),
+                            paged.slot_positions(slots))
+    assert int(paged.slots_to_read()) == (48 if ring else 70)
+    for window in (None, cfg.sliding_window):
+        got = model.attend(cfg, q, kn, vn, q_pos, paged, window)
+        want = model.attend(cfg, q, kn, vn, q_pos, gathered, window)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # the hidden position is unread: showing it changes the row that held it
+    shown = model.attend(cfg, q, kn, vn, q_pos, dataclasses.replace(paged, hidden=None), None)
+    assert not np.allclose(np.asarray(shown)[2], np.asarray(got)[2])
