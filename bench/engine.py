@@ -102,7 +102,7 @@ def decode_throughput(engine, batch: int, prompt_len: int, new_tokens: int) -> d
         return {"batch": batch, "context": prompt_len, "tokens_per_s": None, "step_ms": None, "steps": 0,
                 "minor_faults_per_step": None}
     return {"batch": batch, "context": prompt_len, "tokens_per_s": tokens / (ms / 1e3),
-            "step_ms": ms / max(steps, 1), "steps": steps, "minor_faults_per_step": faults / max(steps, 1)}
+            "step_ms": ms / steps, "steps": steps, "minor_faults_per_step": faults / steps}
 
 
 def prefill_throughput(engine, prompt_len: int, repeats: int = 3) -> dict:

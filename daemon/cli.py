@@ -50,7 +50,7 @@ ENGINE_COMMANDS = frozenset({"serve", "generate", "bench"})
 
 def _restart_with_allocator_settings() -> None:
     """Re-execute this process once with the engine's glibc tunables
-    (engine.compiles.allocator_env): glibc reads them only at start."""
+    (engine.allocator.allocator_env): glibc reads them only at start."""
     import os
 
     from engine.allocator import allocator_env

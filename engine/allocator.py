@@ -13,7 +13,8 @@ HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 allocates each call's scratch buffers with malloc; above glibc's mmap threshold (at most 32 MiB)
 every buffer is mmap'd and unmapped again after the call, so the next call page-faults it in
 4 KiB at a time (a 258 MiB buffer: ~67,000 minor faults and 110-143 ms of system time a call);
-in 2 MiB pages that is 512 times fewer faults. glibc reads tunables only at process start."""
+in 2 MiB pages a fully touched buffer takes up to 512 times fewer faults. glibc reads tunables
+only at process start."""
 
 
 def allocator_env(env: dict[str, str]) -> dict[str, str] | None:

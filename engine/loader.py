@@ -183,11 +183,9 @@ compute-bound, where a segment saves less)."""
 
 SPEC_CONTEXTS_CPU: int | None = None
 """At most this many context buckets (the largest) for speculation's calls (verify, layer-chain
-drafting) on XLA:CPU; None: every bucket the mapping cap leaves. Each compiled forward shape
-keeps ~30-40 MiB of host memory there (XLA's optimized module, buffer assignment and thunks),
-and 1 saves ~600 MiB at serve's defaults (bench/README, "Serving memory"), but a shorter
-context then verifies padded to the largest: a batch-8, depth-4 verify of a 300-token context
-measured 221 ms at 4096 against 192 ms at 2048 and 170 ms at 512, so the cap is off."""
+drafting) on XLA:CPU; None: every bucket the mapping cap leaves. `context_buckets` gives one
+width, so the cap changes nothing at the loader's defaults; `python -m bench.memory_probe`
+still sets it for a ladder of several widths."""
 
 
 def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch: int,

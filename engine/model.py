@@ -267,7 +267,7 @@ def forward(cfg: ModelConfig, params: Params, tokens, pos, read_cache, capture=(
     params: with per-layer weights (see unstack_layers).
     tokens, pos: [B, T] int32 (pos -1 marks padding).
     read_cache(kind, index) -> PagedView: the cache of the `index`-th layer of
-      `kind` ("global" or "local"), gathered for this batch.
+      `kind` ("global" or "local") for this batch (engine.kv.cache_reader).
     capture: layer indices whose output hidden states to return (for MTP
       heads and early exit); static.
     Returns (h_final_normed [B,T,d], new_kv, captured) where new_kv maps kind to
