@@ -44,3 +44,16 @@ def test_the_allocator_restart_adds_the_huge_page_tunable_once(env, want):
     assert out is not None and out["GLIBC_TUNABLES"] == want
     assert allocator_env(out) is None  # the restarted process does not restart again
     assert allocator_env({**env, "CROSSOVER_MALLOC": "default"}) is None
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--contexts", "32,x"], "--contexts"),
+    (["--contexts", "4090"], "--max-context 4096"),
+    (["--contexts", "1"], "--contexts"),
+    (["--kv-gib", "0"], "--kv-gib"),
+])
+def test_bench_engine_refuses_bad_context_and_budget_flags_naming_them(flags, named, capsys):
+    from daemon.cli import main
+
+    assert main(["bench", "engine", *flags]) == 2  # refused before any model loads
+    assert named in capsys.readouterr().err
