@@ -201,16 +201,22 @@ class ProcessSearch:
                                    initializer=_worker_init)
 
     def _drop(self, pool: ProcessPoolExecutor, kill: bool = False) -> None:
-        """Forget `pool` (the next search makes a new one); with `kill`, SIGKILL its worker."""
+        """Forget `pool` (the next search makes a new one); with `kill`, SIGKILL its worker.
+
+        The worker is killed even before a search learned its pid (`_processes`, the
+        executor's own table): a worker still importing its warm-up would otherwise hold the
+        daemon's exit until it finished, since the interpreter joins the executor at exit."""
         with self._lock:
             pid = self.pid
             if self._pool is pool:
                 self._pool, self.pid, self._warming = None, None, None
-        if kill and pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:  # it already exited
-                pass
+        if kill:
+            pids = {pid} | set(getattr(pool, "_processes", None) or {})
+            for p in pids - {None}:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:  # it already exited
+                    pass
         pool.shutdown(wait=False, cancel_futures=True)
 
 
