@@ -19,9 +19,13 @@ N_REQUESTS = 100
 
 
 def plan(i: int, rng: random.Random) -> dict[str, Any]:
-    """Request i: completion or chat, a prompt, max_tokens, and when the client hangs up."""
+    """Request i: completion or chat, a prompt, max_tokens, and when the client hangs up. A client
+    that hangs up asks for hundreds of tokens, so its stream is still running when it goes, however
+    slowly a loaded machine runs this test's client."""
+    hang_up_after = rng.randint(1, 6) if rng.random() < 0.35 else None
     chat = rng.random() < 0.4
-    words = " ".join(rng.choice(["alpha", "beta", "gamma", "délta"]) for _ in range(rng.randint(1, 6)))
+    n_words = rng.randint(1, 6) if hang_up_after is None else 120
+    words = " ".join(rng.choice(["alpha", "beta", "gamma", "délta"]) for _ in range(n_words))
     prompt_text = f"{i}: {words}"
     if chat:
         messages = [{"role": "user", "content": prompt_text}]
@@ -30,9 +34,8 @@ def plan(i: int, rng: random.Random) -> dict[str, Any]:
     else:
         body = {"model": MODEL, "prompt": prompt_text}
         text = prompt_text
-    max_tokens = rng.randint(3, 60)
+    max_tokens = rng.randint(3, 60) if hang_up_after is None else 2000
     body.update(max_tokens=max_tokens, stream=True, stream_options={"include_usage": True})
-    hang_up_after = rng.randint(1, 6) if rng.random() < 0.35 else None
     return {"path": "/v1/chat/completions" if chat else "/v1/completions", "body": body,
             "chat": chat, "expected": text[::-1], "max_tokens": max_tokens,
             "hang_up_after": hang_up_after}
