@@ -164,8 +164,10 @@ def attend(cfg: ModelConfig, q, k_new, v_new, q_pos, cache, window: int | None):
 
 
 def _attend_paged(cfg: ModelConfig, qt, qp, k_new, v_new, q_pos, cache: PagedView, window: int | None):
-    """Online-softmax attention: the new keys first, then the cache ATTEND_BLOCK slots per
-    iteration up to `cache.slots_to_read()`. Returns [B, KV, Q, hd] float32."""
+    """Online-softmax attention over the cache ATTEND_BLOCK slots at a time, up to
+    `cache.slots_to_read()`. The first block and the new keys go in one pass before the loop, so a
+    short context (a decode at under ATTEND_BLOCK cached slots) runs no loop iteration at all.
+    Returns [B, KV, Q, hd] float32."""
     ps = cache.k.shape[2]
     per = max(1, ATTEND_BLOCK // ps)  # pages per iteration
     table = cache.table
@@ -173,8 +175,17 @@ def _attend_paged(cfg: ModelConfig, qt, qp, k_new, v_new, q_pos, cache: PagedVie
         table = jnp.pad(table, ((0, 0), (0, per - table.shape[1] % per)))
     B, KV = qt.shape[:2]
 
-    def add(carry, s, mask, v):
+    def cached(j):
+        """Block j of the cache: keys, values [B, KV, per * ps, hd] and their mask."""
+        pages = jax.lax.dynamic_slice_in_dim(table, j * per, per, axis=1)  # [B, per]
+        k = cache.k[cache.layer, pages].reshape(B, per * ps, *cache.k.shape[3:])
+        v = cache.v[cache.layer, pages].reshape(B, per * ps, *cache.v.shape[3:])
+        kp = cache.slot_positions(j * per * ps + jnp.arange(per * ps, dtype=jnp.int32))
+        return k.transpose(0, 2, 1, 3).astype(qt.dtype), v.transpose(0, 2, 1, 3), _visible(kp, qp, window)
+
+    def add(carry, k, v, mask):
         m, l, acc = carry
+        s = _scores(cfg, qt, k, mask)
         m_new = jnp.maximum(m, s.max(axis=2))  # [B, KV, Q]
         p = jnp.where(mask, jnp.exp(s - m_new[:, :, None, :]), 0.0)
         fix = jnp.exp(m - m_new)
@@ -184,20 +195,12 @@ def _attend_paged(cfg: ModelConfig, qt, qp, k_new, v_new, q_pos, cache: PagedVie
     Q = qt.shape[3]
     init = (jnp.full((B, KV, Q), _NEG, jnp.float32), jnp.zeros((B, KV, Q), jnp.float32),
             jnp.zeros((B, KV, Q, qt.shape[2]), jnp.float32))
-    mask = _visible(q_pos, qp, window)
-    carry = add(init, _scores(cfg, qt, k_new, mask), mask, v_new)
-
-    def body(j, carry):
-        pages = jax.lax.dynamic_slice_in_dim(table, j * per, per, axis=1)  # [B, per]
-        k = cache.k[cache.layer, pages].reshape(B, per * ps, *cache.k.shape[3:])
-        v = cache.v[cache.layer, pages].reshape(B, per * ps, *cache.v.shape[3:])
-        kp = cache.slot_positions(j * per * ps + jnp.arange(per * ps, dtype=jnp.int32))
-        mask = _visible(kp, qp, window)
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        return add(carry, _scores(cfg, qt, k.astype(qt.dtype), mask), mask, v)
-
+    k0, v0, mask0 = cached(0)
+    carry = add(init, jnp.concatenate([k0, k_new.astype(qt.dtype)], axis=2),
+                jnp.concatenate([v0.astype(v_new.dtype), v_new], axis=2),
+                jnp.concatenate([mask0, _visible(q_pos, qp, window)], axis=2))
     blocks = (cache.slots_to_read() + per * ps - 1) // (per * ps)
-    m, l, acc = jax.lax.fori_loop(0, blocks, body, carry)
+    m, l, acc = jax.lax.fori_loop(1, blocks, lambda j, c: add(c, *cached(j)), carry)
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
