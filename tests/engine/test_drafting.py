@@ -39,10 +39,13 @@ def _heads(cfg, scale=0.3):
     return DraftHeads.random(cfg, 8, (3, 6), 128, seed=1, scale=scale)
 
 
-def _engine(tiny, heads=None, **kw):
+def _engine(tiny, heads=None, warm=True, **kw):
+    """A tiny engine with every technique's proposer; `warm`: every shape compiled first, else
+    each compiles on first use (a test of pages, not compiles, skips shapes it never runs)."""
     e = make_engine(tiny, **{**SPEC_RC, **kw})
     add_model_proposers(e, heads or _heads(tiny[0]), vocab_sizes=(0, 128))
-    e.warmup(progress=False)
+    if warm:
+        e.warmup(progress=False)
     return e
 
 
@@ -83,7 +86,7 @@ def test_greedy_drafts_equal_plain_decoding(spec_engine, plain, technique, depth
 def test_a_policy_deeper_than_the_heads_verifies_only_what_they_draft(tiny, plain):
     """Two MTP heads under an mtp@8 policy: every step verifies depth 2 (no padded slots
     counted as rejected drafts), output still equal to plain decoding."""
-    e = _engine(tiny, heads=DraftHeads.random(tiny[0], 2, (3,), 128, seed=4, scale=0.3))
+    e = _engine(tiny, warm=False, heads=DraftHeads.random(tiny[0], 2, (3,), 128, seed=4, scale=0.3))
     e.set_policy(_policy("mtp", 8))
     out, stats = _run(e, PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
     assert out == plain
@@ -116,7 +119,7 @@ def test_layer_drafts_equal_a_dense_truncated_model(tiny, technique, layers):
 def test_draft_model_pool_follows_the_split(tiny):
     """No split, no draft KV: the draft model proposes nothing; with a split it drafts, in pages
     of the engine's own pools (it has no KV arrays of its own)."""
-    e = _engine(tiny)
+    e = _engine(tiny, warm=False)
     d = e.proposers["draft"]
     assert d.lends and d.pool is e.pool and d.runner is e.runner
     e.set_policy(_policy("draft", 3, split=0.0))
@@ -136,7 +139,7 @@ def test_leak_with_model_drafts_and_random_aborts(tiny):
                                crossover=6, pool_split=0.2, version=i)
         return None
 
-    e = _engine(tiny, global_pages=60, local_pages=60)
+    e = _engine(tiny, warm=False, global_pages=60, local_pages=60)  # other pool shapes: other executables
     done = churn_with_aborts(e, 90, seed=7, policy_at=policy_at)
     assert len(done) == 90
     assert e.pool.used == 0 and e.pool.free == e.pool.total
