@@ -164,7 +164,8 @@ class ProcessSearch:
                                 "exited); the next retune starts a new one") from None
 
     def close(self) -> None:
-        """Shut the pool down, killing a search still running."""
+        """Shut the pool down, killing its worker: a search still running, or a worker still
+        warming up (`_drop`)."""
         with self._lock:
             pool = self._pool
         if pool is not None:

@@ -49,7 +49,7 @@ def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or during the read
         return False
 
 
@@ -165,6 +165,18 @@ def test_a_started_worker_warms_up_before_the_first_search(
     assert search.pid == warmed  # the search ran in the warmed worker
     search.close()
     assert search.ready  # a dropped pool is no longer warming
+
+
+def test_closing_kills_a_worker_still_warming_up() -> None:
+    """`close()` right after `start()`: the worker is killed while it imports its warm-up, not
+    left to finish it (the interpreter joins the pool at exit, which held a daemon's SIGTERM
+    exit). SIGKILL ends it at once; the warm-up's imports take longer than the 0.5 s allowed."""
+    search = ProcessSearch()
+    search.start()
+    workers = list(search._pool._processes)  # spawned by start()'s warm-up job
+    assert workers and not search.ready
+    search.close()
+    assert wait_until(lambda: not any(alive(p) for p in workers), 0.5), "the warming worker still runs"
 
 
 def test_the_worker_of_a_killed_daemon_exits() -> None:
