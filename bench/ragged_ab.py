@@ -56,7 +56,7 @@ def measure(engine, cases: dict[str, tuple], repeats: int = 10, progress=True) -
 
     @partial(jax.jit, static_argnames=("cfg",))
     def run(cfg, params, kv, rb, rows):
-        h, new_kv, _ = ragged.forward(cfg, params, kv, rb, ring, BLOCK)
+        h, new_kv, _ = ragged.forward(cfg, params, kv, rb, BLOCK)
         return output_scores(params, h[rows][None]).best, new_kv
 
     @partial(jax.jit, donate_argnames=("kv",))

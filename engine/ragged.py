@@ -15,7 +15,8 @@ Attention for each token merges three partial softmaxes (running max, sum, weigh
    up to GROUP consecutive queries, each group reading its row's cache block by block.
 
 The cache reads of 2. and 3. are lists of work items, one per (query group, cache block) pair
-that holds keys, built on the host (`RaggedBatch.build`). A loop walks them a chunk at a time
+that holds keys, built on the host (`RaggedBatch.build`) with each block's page ids and the
+position each of its slots holds (the same for every layer of a kind, so no layer computes them). A loop walks them a chunk at a time
 (one item per group per iteration), so a call reads only blocks that hold cached keys and its
 cost follows the real context of each row, never the table width. A decode token alone in a
 group of one wastes no score compute; a prompt chunk reads each block once per GROUP queries.
@@ -45,10 +46,12 @@ GROUP = 8
 @dataclass(frozen=True)
 class Items:
     """Cache reads of one class of query groups (single tokens or groups of GROUP) for one kind
-    of layer: item i reads block `block[i]` of group `group[i]`'s row; `count` of them are real."""
+    of layer: item i reads `pages[i]` for group `group[i]`, whose slots hold positions `kpos[i]`
+    (-1: empty); `count` of them are real. Built on the host, the same for every layer of the kind."""
 
     group: jax.Array  # [W] int32
-    block: jax.Array  # [W] int32
+    pages: jax.Array  # [W, block // page_size] int32
+    kpos: jax.Array  # [W, block] int32
     count: jax.Array  # [] int32
 
 
@@ -132,18 +135,29 @@ class RaggedBatch:
                 toks[g, : len(idx)] = idx
                 grow[g] = r
 
-            def items(slots_of_row, width_pages: int) -> Items:
-                blocks_max = width_pages // per
-                gi, bi = [], []
+            def items(table: np.ndarray, ring: int) -> Items:
+                width_pages = table.shape[1]
+                w = m * (width_pages // per)
+                gi = np.zeros(w, np.int32)
+                pages = np.zeros((w, per), np.int32)
+                kpos = np.full((w, block), -1, np.int32)
+                at = 0
                 for g, (_, r) in enumerate(found):
-                    nb = -(-min(slots_of_row(cached[r]), width_pages * page_size) // block)
-                    gi += [g] * nb
-                    bi += range(nb)
-                w = m * blocks_max
-                return Items(np.pad(np.asarray(gi, np.int32), (0, w - len(gi))),
-                             np.pad(np.asarray(bi, np.int32), (0, w - len(bi))), np.int32(len(gi)))
+                    last = cached[r] - 1
+                    held = min(ring, cached[r]) if ring else cached[r]
+                    nb = -(-min(held, width_pages * page_size) // block)
+                    slots = np.arange(nb * block)
+                    if ring:
+                        p = np.where(slots < ring, last - np.mod(last - slots, ring), -1)
+                    else:
+                        p = np.where(slots <= last, slots, -1)
+                    gi[at: at + nb] = g
+                    pages[at: at + nb] = table[r, : nb * per].reshape(nb, per)
+                    kpos[at: at + nb] = np.where(p >= 0, p, -1).reshape(nb, block)
+                    at += nb
+                return Items(gi, pages, kpos, np.int32(at))
 
-            return Groups(toks, grow, items(lambda c: c, gw), items(lambda c: min(c, ring_slots), lw))
+            return Groups(toks, grow, items(gt, 0), items(lt, ring_slots))
 
         m_single, m_multi = call_groups(n_tokens, n_rows)
         return RaggedBatch(tokens, row, pos, cached, gt, lt, groups(single, 1, m_single),
@@ -155,18 +169,6 @@ def call_groups(n_tokens: int, n_rows: int) -> tuple[int, int]:
     single token, and for rows with several, one per GROUP of their tokens plus one per row
     (a row's last group may be partial)."""
     return n_rows, min(n_tokens, n_rows + n_tokens // GROUP)
-
-
-def _slot_positions(last, slots, ring: int):
-    """[W, B] position held by cache slots [W, B] of rows whose newest cached position is
-    last [W] (-1: empty). A ring (`ring` > 0 slots) holds at slot s the newest position <= last
-    congruent to s modulo ring; a global table holds position s at slot s."""
-    last = last[:, None]
-    if ring:
-        pos = jnp.where(slots < ring, last - jnp.mod(last - slots, ring), -1)
-    else:
-        pos = jnp.where(slots <= last, slots, -1)
-    return jnp.where(pos >= 0, pos, -1)
 
 
 def _visible(kp, qp, window):
@@ -205,14 +207,12 @@ def _own_keys(cfg: ModelConfig, q, k, v, row, pos, window):
     return m, p.sum(-1), acc
 
 
-def _cached(cfg: ModelConfig, q, pos, groups: Groups, items: Items, pool_k, pool_v, layer: int, table, cached,
-            ring: int, block: int, window):
+def _cached(cfg: ModelConfig, q, pos, groups: Groups, items: Items, pool_k, pool_v, layer: int, block: int,
+            window):
     """Partial softmax of the grouped queries over their rows' caches, read item by item.
     Returns per-token [N, KV, G] m, l and [N, KV, G, hd] acc (tokens in no group: empty)."""
     N, KV, G, hd = q.shape
     M, Q = groups.tokens.shape
-    ps = pool_k.shape[2]
-    per = block // ps
     idx = jnp.maximum(groups.tokens, 0)
     qg = q[idx].transpose(0, 2, 1, 3, 4).reshape(M, KV, Q * G, hd)  # [M, KV, (q, g), hd]
     qp = jnp.where(groups.tokens >= 0, pos[idx], -1)  # [M, Q]
@@ -220,20 +220,14 @@ def _cached(cfg: ModelConfig, q, pos, groups: Groups, items: Items, pool_k, pool
     W = items.group.shape[0]
     chunk = min(M, W)
     scale = cfg.query_pre_attn_scalar ** -0.5
-    last_of_group = cached[groups.row] - 1  # [M]
 
     def body(c, carry):
         gm, gl, gacc = carry
         sl = lambda a: jax.lax.dynamic_slice_in_dim(a, c * chunk, chunk)
-        g, b = sl(items.group), sl(items.block)
-        real = c * chunk + jnp.arange(chunk) < items.count  # [C]
-        rows = groups.row[g]
-        pages = jax.vmap(lambda r, j: jax.lax.dynamic_slice_in_dim(table[r], j * per, per))(rows, b)  # [C, per]
+        g, pages, kp = sl(items.group), sl(items.pages), sl(items.kpos)  # [C], [C, per], [C, B]
         k = pool_k[layer, pages].reshape(chunk, block, KV, hd).transpose(0, 2, 1, 3)  # [C, KV, B, hd]
         v = pool_v[layer, pages].reshape(chunk, block, KV, hd).transpose(0, 2, 1, 3)
-        slots = b[:, None] * block + jnp.arange(block)[None, :]
-        kp = _slot_positions(last_of_group[g], slots, ring)  # [C, B]
-        mask = _visible(kp, qp[g], window) & real[:, None, None]  # [C, B, QG]
+        mask = _visible(kp, qp[g], window)  # [C, B, QG]; padding items hold no position
         mask = mask[:, None]  # [C, 1, B, QG]
         s = jnp.einsum("ckbd,ckqd->ckbq", k.astype(qg.dtype), qg[g], preferred_element_type=jnp.float32) * scale
         s = jnp.where(mask, s, _NEG)
@@ -259,8 +253,7 @@ def _cached(cfg: ModelConfig, q, pos, groups: Groups, items: Items, pool_k, pool
     return to_tokens(gm, _NEG), to_tokens(gl, 0.0), to_tokens(gacc, 0.0)
 
 
-def attend(cfg: ModelConfig, q, k, v, rb: RaggedBatch, kv: KVState, kind: str, layer: int, ring_slots: int,
-           block: int, window):
+def attend(cfg: ModelConfig, q, k, v, rb: RaggedBatch, kv: KVState, kind: str, layer: int, block: int, window):
     """Attention of the step's queries q [N, H, hd] over their rows' caches and the step's own
     keys k, v [N, KV, hd]. Returns [N, H, hd]."""
     N, H, hd = q.shape
@@ -268,18 +261,16 @@ def attend(cfg: ModelConfig, q, k, v, rb: RaggedBatch, kv: KVState, kind: str, l
     q = q.reshape(N, KV, H // KV, hd)
     parts = [_own_keys(cfg, q, k, v, rb.row, rb.pos, window)]
     if kind == "global":
-        pool_k, pool_v, table, ring = kv.global_k, kv.global_v, rb.global_table, 0
+        pool_k, pool_v = kv.global_k, kv.global_v
     else:
-        pool_k, pool_v, table, ring = kv.local_k, kv.local_v, rb.local_table, ring_slots
+        pool_k, pool_v = kv.local_k, kv.local_v
     for groups in (rb.single, rb.multi):
         items = groups.global_items if kind == "global" else groups.local_items
-        parts.append(_cached(cfg, q, rb.pos, groups, items, pool_k, pool_v, layer, table, rb.cached, ring, block,
-                             window))
+        parts.append(_cached(cfg, q, rb.pos, groups, items, pool_k, pool_v, layer, block, window))
     return _merge(parts).reshape(N, H, hd).astype(q.dtype)
 
 
-def forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, ring_pages: int, block: int,
-            capture=()):
+def forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, block: int, capture=()):
     """All layers over the call's tokens. Returns (final-normed h [N, d], new K/V per kind
     {kind: (k, v) [layers_of_kind, N, KV, hd]}, hidden states after the `capture` layers)."""
     x = embed(cfg, params, rb.tokens)  # [N, d]
@@ -287,7 +278,6 @@ def forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, ring
     pos = rb.pos[None, :]  # rope takes [B, T]
     new = {"global": ([], []), "local": ([], [])}
     hidden = {}
-    ring_slots = ring_pages * kv.page_size
     for i, lp in enumerate(params["layers"]):
         kind = "global" if cfg.is_global(i) else "local"
         h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
@@ -304,7 +294,7 @@ def forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, ring
             base, scale, window = cfg.rope_base_local, 1.0, cfg.sliding_window
         q, k = rope(q, pos, base, scale)[0], rope(k, pos, base, scale)[0]
         ks, vs = new[kind]
-        a = attend(cfg, q, k, v, rb, kv, kind, len(ks), ring_slots, block, window)
+        a = attend(cfg, q, k, v, rb, kv, kind, len(ks), block, window)
         ks.append(k)
         vs.append(v)
         x = _after_attention(cfg, lp, x, a.reshape(N, cfg.q_dim))

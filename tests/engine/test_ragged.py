@@ -21,7 +21,7 @@ N_TOKENS, N_ROWS, WIDTH = 32, 4, 16  # 16 pages: 64 positions a row
 
 @partial(jax.jit, static_argnames=("cfg",))
 def _call(cfg, params, kv, rb):
-    h, new_kv, _ = ragged.forward(cfg, params, kv, rb, RING, BLOCK)
+    h, new_kv, _ = ragged.forward(cfg, params, kv, rb, BLOCK)
     return logits(params, h), ragged.write(kv, rb, new_kv, RING)
 
 
