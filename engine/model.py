@@ -204,8 +204,9 @@ def _attend_paged(cfg: ModelConfig, qt, qp, k_new, v_new, q_pos, cache: PagedVie
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
-def block(cfg: ModelConfig, lp: Params, x, pos, cache, is_global: bool):
-    """One transformer block. Returns (x, (k_new, v_new)) for the cache write."""
+def attention_inputs(cfg: ModelConfig, lp: Params, x, pos, is_global: bool):
+    """A layer's normed, rotated queries [B, T, H, hd] and keys and its values [B, T, KV, hd] for
+    the residual stream x [B, T, d] at positions pos [B, T], and the layer's window (None: global)."""
     B, T, _ = x.shape
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
     if "qkv" in lp:
@@ -219,7 +220,13 @@ def block(cfg: ModelConfig, lp: Params, x, pos, cache, is_global: bool):
         base, scale, window = cfg.rope_base_global, cfg.rope_scale_global, None
     else:
         base, scale, window = cfg.rope_base_local, 1.0, cfg.sliding_window
-    q, k = rope(q, pos, base, scale), rope(k, pos, base, scale)
+    return rope(q, pos, base, scale), rope(k, pos, base, scale), v, window
+
+
+def block(cfg: ModelConfig, lp: Params, x, pos, cache, is_global: bool):
+    """One transformer block. Returns (x, (k_new, v_new)) for the cache write."""
+    B, T, _ = x.shape
+    q, k, v, window = attention_inputs(cfg, lp, x, pos, is_global)
     a = attend(cfg, q, k, v, pos, cache, window)
     return _after_attention(cfg, lp, x, a.reshape(B, T, cfg.q_dim)), (k, v)
 
@@ -316,20 +323,7 @@ def forward_segments(cfg: ModelConfig, params: Params, segments):
     new = [{"global": ([], []), "local": ([], [])} for _ in segments]
     for i, lp in enumerate(params["layers"]):
         kind = "global" if cfg.is_global(i) else "local"
-        is_global = kind == "global"
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-        if "qkv" in lp:
-            q, k, v = jnp.split(h @ lp["qkv"], [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=-1)
-        else:
-            q, k, v = h @ lp["q"], h @ lp["k"], h @ lp["v"]
-        q = rms_norm(q.reshape(-1, 1, cfg.n_heads, cfg.head_dim), lp["q_norm"], cfg.rms_eps)
-        k = rms_norm(k.reshape(-1, 1, cfg.n_kv_heads, cfg.head_dim), lp["k_norm"], cfg.rms_eps)
-        v = v.reshape(-1, 1, cfg.n_kv_heads, cfg.head_dim)
-        if is_global:
-            base, scale, window = cfg.rope_base_global, cfg.rope_scale_global, None
-        else:
-            base, scale, window = cfg.rope_base_local, 1.0, cfg.sliding_window
-        q, k = rope(q, pos, base, scale), rope(k, pos, base, scale)
+        q, k, v, window = attention_inputs(cfg, lp, x[:, None], pos, kind == "global")  # [N, 1, ...]
         outs = []
         for s, ((B, T), (_, p, read), qs, ks, vs) in enumerate(zip(
                 shapes, segments, jnp.split(q, cuts), jnp.split(k, cuts), jnp.split(v, cuts))):

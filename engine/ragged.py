@@ -2,9 +2,9 @@
 
 A step's tokens (decode rows, verify rows of any depth, prefill chunks of several prompts) lie
 on one axis of N slots; each token carries its row and position, each row its page tables and
-how many of its tokens are cached. N is the only shape that varies between calls: the number
-of rows S and the page tables' widths follow from N and the engine's maximum context, so one
-executable serves every mix of rows that fits N tokens.
+how many of its tokens are cached. The shapes are N, the row slots S and the tables' widths; a
+caller that picks S from N and the widths from its maximum context compiles one executable per
+N, which serves every mix of rows that fits N tokens.
 
 Attention for each token merges three partial softmaxes (running max, sum, weighted values):
 
@@ -16,9 +16,10 @@ Attention for each token merges three partial softmaxes (running max, sum, weigh
 
 The cache reads of 2. and 3. are lists of work items, one per (query group, cache block) pair
 that holds keys, built on the host (`RaggedBatch.build`) with each block's page ids and the
-position each of its slots holds (the same for every layer of a kind, so no layer computes them). A loop walks them a chunk at a time
-(one item per group per iteration), so a call reads only blocks that hold cached keys and its
-cost follows the real context of each row, never the table width. A decode token alone in a
+position each of its slots holds (the same for every layer of a kind, so no layer computes
+them). A loop walks them a chunk at a time (one item per group per iteration), so a call reads
+only blocks that hold cached keys and its cost follows the real context of each row, never the
+table width. A decode token alone in a
 group of one wastes no score compute; a prompt chunk reads each block once per GROUP queries.
 
 The cache is read as it was before the call; the new keys and values come back per layer for
@@ -35,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import ModelConfig
-from engine.kv import SCRATCH_PAGE, KVState
-from engine.model import _NEG, Params, _after_attention, embed, rms_norm, rope
+from engine.kv import SCRATCH_PAGE, Batch, KVState, write_new
+from engine.model import _NEG, Params, _after_attention, attention_inputs, embed, rms_norm
 
 GROUP = 8
 """Queries of one row that share a cache read (a verify row of depth 7 is one group)."""
@@ -82,7 +83,7 @@ class RaggedBatch:
 
     @staticmethod
     def build(rows, n_tokens: int, n_rows: int, global_width: int, local_width: int, page_size: int,
-              ring_pages: int, block: int) -> "RaggedBatch":
+              ring_pages: int, block: int) -> RaggedBatch:
         """Host arrays for `rows`: (new token ids, tokens cached, global pages, ring pages) each.
 
         n_tokens, n_rows: the call's token slots and row slots (the call's shape);
@@ -193,12 +194,9 @@ def _merge(parts):
 def _own_keys(cfg: ModelConfig, q, k, v, row, pos, window):
     """Partial softmax of every token over the step's own keys of its row: [N, KV, G] m and l,
     [N, KV, G, hd] acc."""
-    N, KV, G, hd = q.shape
-    s = jnp.einsum("nkgd,mkd->nkgm", q, k, preferred_element_type=jnp.float32) * (cfg.query_pre_attn_scalar ** -0.5)
-    qp, kp = pos[:, None], pos[None, :]
-    mask = (qp >= 0) & (kp >= 0) & (kp <= qp) & (row[:, None] == row[None, :])  # [N(q), N(k)]
-    if window is not None:
-        mask &= (qp - kp) < window
+    s = jnp.einsum("nkgd,mkd->nkgm", q, k, preferred_element_type=jnp.float32)
+    s = s * (cfg.query_pre_attn_scalar ** -0.5)
+    mask = _visible(pos, pos, window).T & (row[:, None] == row[None, :])  # [N(q), N(k)]
     mask = mask[:, None, None, :]
     s = jnp.where(mask, s, _NEG)
     m = s.max(-1)
@@ -229,7 +227,8 @@ def _cached(cfg: ModelConfig, q, pos, groups: Groups, items: Items, pool_k, pool
         v = pool_v[layer, pages].reshape(chunk, block, KV, hd).transpose(0, 2, 1, 3)
         mask = _visible(kp, qp[g], window)  # [C, B, QG]; padding items hold no position
         mask = mask[:, None]  # [C, 1, B, QG]
-        s = jnp.einsum("ckbd,ckqd->ckbq", k.astype(qg.dtype), qg[g], preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum("ckbd,ckqd->ckbq", k.astype(qg.dtype), qg[g], preferred_element_type=jnp.float32)
+        s = s * scale
         s = jnp.where(mask, s, _NEG)
         im = s.max(2)  # [C, KV, QG]
         p = jnp.where(mask, jnp.exp(s - im[:, :, None, :]), 0.0)
@@ -253,7 +252,8 @@ def _cached(cfg: ModelConfig, q, pos, groups: Groups, items: Items, pool_k, pool
     return to_tokens(gm, _NEG), to_tokens(gl, 0.0), to_tokens(gacc, 0.0)
 
 
-def attend(cfg: ModelConfig, q, k, v, rb: RaggedBatch, kv: KVState, kind: str, layer: int, block: int, window):
+def attend(cfg: ModelConfig, q, k, v, rb: RaggedBatch, kv: KVState, kind: str, layer: int, block: int,
+           window):
     """Attention of the step's queries q [N, H, hd] over their rows' caches and the step's own
     keys k, v [N, KV, hd]. Returns [N, H, hd]."""
     N, H, hd = q.shape
@@ -275,24 +275,13 @@ def forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, bloc
     {kind: (k, v) [layers_of_kind, N, KV, hd]}, hidden states after the `capture` layers)."""
     x = embed(cfg, params, rb.tokens)  # [N, d]
     N = x.shape[0]
-    pos = rb.pos[None, :]  # rope takes [B, T]
+    pos = rb.pos[None, :]  # attention_inputs takes [B, T]
     new = {"global": ([], []), "local": ([], [])}
     hidden = {}
     for i, lp in enumerate(params["layers"]):
         kind = "global" if cfg.is_global(i) else "local"
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-        if "qkv" in lp:
-            q, k, v = jnp.split(h @ lp["qkv"], [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=-1)
-        else:
-            q, k, v = h @ lp["q"], h @ lp["k"], h @ lp["v"]
-        q = rms_norm(q.reshape(1, N, cfg.n_heads, cfg.head_dim), lp["q_norm"], cfg.rms_eps)
-        k = rms_norm(k.reshape(1, N, cfg.n_kv_heads, cfg.head_dim), lp["k_norm"], cfg.rms_eps)
-        v = v.reshape(N, cfg.n_kv_heads, cfg.head_dim)
-        if kind == "global":
-            base, scale, window = cfg.rope_base_global, cfg.rope_scale_global, None
-        else:
-            base, scale, window = cfg.rope_base_local, 1.0, cfg.sliding_window
-        q, k = rope(q, pos, base, scale)[0], rope(k, pos, base, scale)[0]
+        q, k, v, window = attention_inputs(cfg, lp, x[None], pos, kind == "global")
+        q, k, v = q[0], k[0], v[0]  # one batch row: the flat axis
         ks, vs = new[kind]
         a = attend(cfg, q, k, v, rb, kv, kind, len(ks), block, window)
         ks.append(k)
@@ -307,21 +296,9 @@ def forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, bloc
 
 
 def write(kv: KVState, rb: RaggedBatch, new_kv: dict, ring_pages: int) -> KVState:
-    """Scatter the call's new keys and values into their pages (padding tokens: the scratch page)."""
-    ps = kv.page_size
-    real = rb.pos >= 0
-    safe = jnp.maximum(rb.pos, 0)
-    off = jnp.where(real, safe % ps, 0)
-    g_table, l_table = rb.global_table[rb.row], rb.local_table[rb.row]  # [N, W]
-    g_page = jnp.take_along_axis(g_table, jnp.minimum(safe // ps, g_table.shape[1] - 1)[:, None], axis=1)[:, 0]
-    l_idx = jnp.minimum((safe // ps) % ring_pages, l_table.shape[1] - 1)
-    l_page = jnp.take_along_axis(l_table, l_idx[:, None], axis=1)[:, 0]
-    g_page = jnp.where(real, g_page, SCRATCH_PAGE)
-    l_page = jnp.where(real, l_page, SCRATCH_PAGE)
-
-    def put(pool, new, page):
-        return pool.at[: new.shape[0], page, off].set(new.astype(pool.dtype))
-
-    (gk, gv), (lk, lv) = new_kv["global"], new_kv["local"]
-    return KVState(put(kv.global_k, gk, g_page), put(kv.global_v, gv, g_page),
-                   put(kv.local_k, lk, l_page), put(kv.local_v, lv, l_page))
+    """Scatter the call's new keys and values into their pages (padding tokens: the scratch page):
+    engine.kv.write_new with each token a row of one token, its row's page tables."""
+    one = Batch(rb.tokens[:, None], jnp.maximum(rb.pos, 0), (rb.pos >= 0).astype(jnp.int32),
+                rb.global_table[rb.row], rb.local_table[rb.row])
+    per_row = {kind: (k[:, :, None], v[:, :, None]) for kind, (k, v) in new_kv.items()}  # [L, N, 1, KV, hd]
+    return write_new(kv, one, per_row, ring_pages)

@@ -79,7 +79,8 @@ def test_one_executable_serves_every_mix_of_rows(tiny):
     ring = [list(range(1 + r * RING, 1 + (r + 1) * RING)) for r in range(N_ROWS)]
     mixes = [[(list(range(3, 23)), 0, g[0], ring[0])],
              [([5], 20, g[0], ring[0]), ([6, 7, 8], 0, g[1], ring[1])],
-             [([5], 21, g[0], ring[0]), ([9] * 9, 3, g[1], ring[1]), ([4], 0, g[2], ring[2]), ([4] * 2, 0, g[3], ring[3])]]
+             [([5], 21, g[0], ring[0]), ([9] * 9, 3, g[1], ring[1]), ([4], 0, g[2], ring[2]),
+              ([4] * 2, 0, g[3], ring[3])]]
     sizes = []
     for rows in mixes:
         _, kv = _call(cfg, params, kv, jax.tree.map(np.asarray, ragged.RaggedBatch.build(
