@@ -6,7 +6,7 @@ last token, KV write), the ragged one with the same outputs. Reports each one's 
 step time over two rounds, their ratio (padded / ragged: above 1, ragged is faster), the
 ragged forward's compile time and the padded call's first-call time (compile included).
 
-    python -m bench.ragged_ab --out bench/results/engine/ragged-ab.json
+    python -m bench.ragged_ab --out bench/results/engine-ragged/ab.json
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 
 from engine import ragged
 from engine.kv import Batch
+from engine.model import ATTEND_BLOCK
 from engine.progress import note
 from engine.runner import forward_and_write, output_scores
 
@@ -33,8 +34,8 @@ CASES = {  # name: (rows, new tokens per row, cached tokens per row, token slots
     "verify_b8_depth4_ctx300": (8, 5, 300, 64, 8),
     "prefill_512": (1, 512, 0, 512, 64),
 }
-BLOCK = 128
-"""Cache slots per work item of the ragged forward (engine.model.ATTEND_BLOCK's value)."""
+BLOCK = ATTEND_BLOCK
+"""Cache slots per work item of the ragged forward: what the padded forward reads per iteration."""
 
 
 def _timed(f, n: int) -> float:
@@ -46,13 +47,14 @@ def _timed(f, n: int) -> float:
 
 
 def measure(engine, cases: dict[str, tuple], repeats: int = 10, progress=True) -> dict:
-    """Each of `cases` (as CASES) timed both ways: {case: {padded_ms, ragged_ms, ratio, ragged_compile_s, padded_first_call_s}} on the
-    engine's runner (its params and pools; the pools' contents are overwritten)."""
+    """Each of `cases` (as CASES) timed both ways on the engine's runner (its params and pools; the
+    pools' contents are overwritten): {case: {padded_ms, ragged_ms, ratio, ragged_compile_s,
+    padded_first_call_s, ...}}."""
     r = engine.runner
     cfg, params, ring, ps = r.cfg, r.params, r.rc.ring_pages, r.kv.page_size
     width = max(r.rc.context_buckets) // ps
     state = {"kv": r.kv}
-    r.kv = None  # the calls below donate the pools
+    r.kv = None  # the calls below donate the pools; the newest go back at the end
 
     @partial(jax.jit, static_argnames=("cfg",))
     def run(cfg, params, kv, rb, rows):
@@ -63,15 +65,15 @@ def measure(engine, cases: dict[str, tuple], repeats: int = 10, progress=True) -
     def write(kv, rb, new_kv):  # apart from the reads: in one call XLA:CPU copies the whole pool
         return ragged.write(kv, rb, new_kv, ring)
 
-    out = {}
-    for name, (b, t, ctx, slots, row_slots) in cases.items():
+    def case(name: str, b: int, t: int, ctx: int, slots: int, row_slots: int) -> dict:
         need = -(-(ctx + t) // ps)
         if b * need >= state["kv"].global_k.shape[1] or need > width:
-            raise ValueError(f"case {name} needs {b * need} global pages of {width} a row; the pool has "
-                             f"{state['kv'].global_k.shape[1] - 1}")
+            raise ValueError(f"case {name} needs {b * need} global pages, {need} a row (at most "
+                             f"{width}); the pool has {state['kv'].global_k.shape[1] - 1}")
         rows = [([5] * t, ctx, list(range(1 + i * need, 1 + (i + 1) * need)),
                  list(range(1 + i * ring, 1 + (i + 1) * ring))) for i in range(b)]
-        rb = jax.tree.map(np.asarray, ragged.RaggedBatch.build(rows, slots, row_slots, width, ring, ps, ring, BLOCK))
+        rb = ragged.RaggedBatch.build(rows, slots, row_slots, width, ring, ps, ring, BLOCK)
+        rb = jax.tree.map(np.asarray, rb)
         last = (np.arange(b) * t + t - 1).astype(np.int32)
         note(progress, f"ragged-ab: {name}: compiling")
         t0 = time.perf_counter()
@@ -81,7 +83,8 @@ def measure(engine, cases: dict[str, tuple], repeats: int = 10, progress=True) -
         gt, lt = np.zeros((b, width), np.int32), np.asarray([ring_ for _, _, _, ring_ in rows], np.int32)
         for i, (_, _, g, _) in enumerate(rows):
             gt[i, : len(g)] = g
-        batch = Batch(np.full((b, t), 5, np.int32), np.full(b, ctx, np.int32), np.full(b, t, np.int32), gt, lt)
+        full = lambda value: np.full(b, value, np.int32)
+        batch = Batch(np.full((b, t), 5, np.int32), full(ctx), full(t), gt, lt)
         logit_idx = np.full((b, 1), t - 1, np.int32)
 
         def padded():
@@ -100,12 +103,16 @@ def measure(engine, cases: dict[str, tuple], repeats: int = 10, progress=True) -
         note(progress, f"ragged-ab: {name}: timing {n} calls of each, two rounds")
         pad_ms = min(_timed(padded, n) for _ in range(2))
         rag_ms = min(_timed(ragged_call, n) for _ in range(2))
-        out[name] = {"rows": b, "new_tokens": t, "context": ctx, "padded_ms": round(pad_ms, 2),
-                     "ragged_ms": round(rag_ms, 2), "ratio": round(pad_ms / rag_ms, 3),
-                     "ragged_compile_s": round(compile_s, 1), "padded_first_call_s": round(first_s, 1)}
-        note(progress, f"ragged-ab: {name}: {json.dumps(out[name])}")
-    r.kv = state["kv"]
-    return out
+        result = {"rows": b, "new_tokens": t, "context": ctx, "padded_ms": round(pad_ms, 2),
+                  "ragged_ms": round(rag_ms, 2), "ratio": round(pad_ms / rag_ms, 3),
+                  "ragged_compile_s": round(compile_s, 1), "padded_first_call_s": round(first_s, 1)}
+        note(progress, f"ragged-ab: {name}: {json.dumps(result)}")
+        return result
+
+    try:
+        return {name: case(name, *spec) for name, spec in cases.items()}
+    finally:
+        r.kv = state["kv"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,12 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     names = [c for c in args.cases.split(",") if c]
     bad = [c for c in names if c not in CASES]
     if bad or not names or args.repeats < 1:
-        ap.error(f"--cases {args.cases!r}: unknown {bad}" if bad or not names else f"--repeats {args.repeats}")
+        ap.error(f"--cases {args.cases!r}: unknown {bad}" if bad or not names
+                 else f"--repeats {args.repeats}")
     from engine.loader import load_engine
 
     engine = load_engine(dtype="float32", max_batch=64, max_context=4096, speculation=False,
                          kv_budget_bytes=int(args.kv_gib * (1 << 30)))
-    result = {"backend": jax.default_backend(), "block": BLOCK, "cases": measure(engine, {n: CASES[n] for n in names}, args.repeats)}
+    cases = measure(engine, {n: CASES[n] for n in names}, args.repeats)
+    result = {"backend": jax.default_backend(), "block": BLOCK, "cases": cases}
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
