@@ -35,7 +35,7 @@ CASES = {  # name: (rows, new tokens per row, cached tokens per row, token slots
     "prefill_512": (1, 512, 0, 512, 64),
 }
 BLOCK = ATTEND_BLOCK
-"""Cache slots per work item of the ragged forward: what the padded forward reads per iteration."""
+"""Cache slots the ragged forward reads per loop iteration: what the padded forward reads."""
 
 
 def _timed(f, n: int) -> float:
@@ -58,12 +58,12 @@ def measure(engine, cases: dict[str, tuple], repeats: int = 10, progress=True) -
 
     @partial(jax.jit, static_argnames=("cfg",))
     def run(cfg, params, kv, rb, rows):
-        h, new_kv, _ = ragged.forward(cfg, params, kv, rb, BLOCK)
+        h, new_kv, _ = ragged.forward(cfg, params, kv, rb, block=BLOCK)
         return output_scores(params, h[rows][None]).best, new_kv
 
     @partial(jax.jit, donate_argnames=("kv",))
     def write(kv, rb, new_kv):  # apart from the reads: in one call XLA:CPU copies the whole pool
-        return ragged.write(kv, rb, new_kv, ring)
+        return ragged.write(kv, rb, new_kv)
 
     def case(name: str, b: int, t: int, ctx: int, slots: int, row_slots: int) -> dict:
         need = -(-(ctx + t) // ps)
@@ -72,7 +72,7 @@ def measure(engine, cases: dict[str, tuple], repeats: int = 10, progress=True) -
                              f"{width}); the pool has {state['kv'].global_k.shape[1] - 1}")
         rows = [([5] * t, ctx, list(range(1 + i * need, 1 + (i + 1) * need)),
                  list(range(1 + i * ring, 1 + (i + 1) * ring))) for i in range(b)]
-        rb = ragged.RaggedBatch.build(rows, slots, row_slots, width, ring, ps, ring, BLOCK)
+        rb = ragged.RaggedBatch.build(rows, slots, row_slots, width, ring)
         rb = jax.tree.map(np.asarray, rb)
         last = (np.arange(b) * t + t - 1).astype(np.int32)
         note(progress, f"ragged-ab: {name}: compiling")

@@ -113,6 +113,9 @@ class ServeBenchConfig:
     mixed_steps: bool = False
     """The engine started here prefills long prompts inside decode calls (engine/mixed.py), as
     `crossover serve --mixed-steps` does."""
+    ragged_steps: bool = False
+    """The engine started here runs each step as one ragged call (engine/ragged_step.py), as
+    `crossover serve --ragged-steps` does."""
     engine_rates: str | None = None
     """A `crossover bench engine` JSON whose rates the efficiency bound uses (else measured here)."""
     tenant_keys: str | None = None
@@ -421,7 +424,7 @@ def _load_engine(cfg: ServeBenchConfig) -> Any:
     engine = load_engine(model=cfg.model, dtype=cfg.dtype, max_batch=cfg.max_batch,
                          max_context=cfg.max_context, speculation=cfg.speculation, model_proposers=(),
                          progress=progress, prefix_cache=cfg.prefix_cache,
-                         mixed_steps=cfg.mixed_steps)
+                         mixed_steps=cfg.mixed_steps, ragged_steps=cfg.ragged_steps)
     _log("warming up (every bucket compiles once; cached on disk for the next run)")
     engine.warmup(progress=progress)
     from bench.engine import run_each_shape_once

@@ -76,6 +76,8 @@ class Settings:
     """Segmented verifies up to this many rows (engine/segments.py); 0: off (daemon/README.md)."""
     mixed_steps: bool = False
     """Long prompts' chunks ride in the decode call (engine/mixed.py); off by default (daemon/README.md)."""
+    ragged_steps: bool = False
+    """Each step one ragged call (engine/ragged_step.py); off by default (daemon/README.md)."""
     heads: str | None = None
     """Draft heads file from `crossover train-heads`; None: the one shipped for the model."""
     db_url: str | None = None
@@ -212,11 +214,8 @@ class _Key:
         return f"{self.section}.{self.name}" if self.section else self.name
 
 
-def load_settings(
-    flags: Mapping[str, Any] | None = None,
-    env: Mapping[str, str] | None = None,
-    config_path: str | None = None,
-) -> Settings:
+def load_settings(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+                  config_path: str | None = None) -> Settings:
     """Merge flags > env > TOML file > defaults (flags that are None are unset).
 
     `flags` and the environment name a section's field `<section>_<field>`

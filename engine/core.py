@@ -54,6 +54,8 @@ from engine.types import (
     StepStats,
     TokenEvent,
 )
+from engine.ragged_calls import top_in
+from engine.ragged_step import run_ragged_step
 from engine.step import SpecResult, run_step
 from engine.warm import SpecWarmup, warm_engine
 
@@ -73,6 +75,8 @@ class EngineConfig:
     """Share the KV pages of prompt prefixes between requests (engine/prefix_cache.py)."""
     chunk_slack: int = 0
     """SchedulerConfig.chunk_slack: tokens padding a prefill chunk may waste; 0: its smallest bucket."""
+    ragged_steps: bool = False
+    """Every row of a step in one ragged call (engine/ragged_step.py) instead of padded calls."""
 
 
 class EngineCore:
@@ -92,7 +96,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(max_batch=rc.max_batch, token_budget=max(ecfg.token_budget, rc.max_batch),
                             max_chunk=rc.max_chunk, lookahead=max(rc.verify_tokens, default=1) - 1,
-                            chunk_buckets=rc.prefill_buckets, mix_tokens_per_row=rc.mix_tokens_per_row,
+                            chunk_buckets=() if ecfg.ragged_steps else rc.prefill_buckets,
+                            mix_tokens_per_row=0 if ecfg.ragged_steps else rc.mix_tokens_per_row,
                             mix_long=rc.max_chunk, chunk_slack=ecfg.chunk_slack),
             self.pool,
         )
@@ -186,7 +191,7 @@ class EngineCore:
             return StepOutput(events, None, finished)
         for seq, _ in plan.prefill:  # the first step that runs a sequence ends its queue time
             seq.scheduled_time = seq.scheduled_time or wall
-        spec = run_step(self, plan, events, finished)  # engine/step.py
+        spec = (run_ragged_step if self.ecfg.ragged_steps else run_step)(self, plan, events, finished)
         self._step_id += 1
         stats = self._stats(plan, wall, (time.perf_counter() - t0) * 1e3, spec)
         if stats is not None:  # the profile and exploration learn what their steps paid (engine/chooser.py)
@@ -310,11 +315,14 @@ class EngineCore:
         """The latest call's final hidden states [B, Tl, d] as numpy, when a proposer needs them."""
         return np.asarray(self.runner.last_hidden, np.float32) if self._keep_hidden else None
 
-    def _emit(self, seq: Sequence, toks, lps, events, finished, row: int) -> None:
-        """Append `seq`'s new tokens (row `row` of the latest call) and queue its event."""
+    def _emit(self, seq: Sequence, toks, lps, events, finished, row: int | slice) -> None:
+        """Append `seq`'s new tokens (row `row` of the latest call, or its output slots of a
+        ragged call) and queue its event."""
         sp = seq.req.sampling
         try:
-            tops = self.runner.top_at(row, len(toks)) if sp.top_logprobs else None
+            tops = None
+            if sp.top_logprobs:
+                tops = top_in(self.runner, row) if isinstance(row, slice) else self.runner.top_at(row, len(toks))
             ev = append_tokens(seq, toks, lps if sp.logprobs else None, self._stops(sp), self.max_context, tops)
         except Exception:
             self._fail(seq, "its detokenization or stop rules", events, finished)

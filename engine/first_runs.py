@@ -57,10 +57,13 @@ class FirstRuns:
     def __init__(self, core) -> None:
         self.core = core
         runner = core.runner
-        plain = sorted(runner.shapes(), key=lambda s: (s[0] * s[1], s[2]))
-        mixed = sorted(mixed_shapes(runner.rc), key=lambda s: (s[0] + s[1] * s[2], s[3]))
-        spec = sorted(runner.verify_shapes(), key=lambda s: (s[0] * s[1], s[2])) if core.proposers else []
-        segments = sorted(segment_shapes(runner.rc), key=lambda s: s[0] + s[1] * s[2]) if core.proposers else []
+        padded = not core.ecfg.ragged_steps  # ragged steps run none of the padded shapes
+        plain = sorted(runner.shapes(), key=lambda s: (s[0] * s[1], s[2])) if padded else []
+        mixed = sorted(mixed_shapes(runner.rc), key=lambda s: (s[0] + s[1] * s[2], s[3])) if padded else []
+        spec = (sorted(runner.verify_shapes(), key=lambda s: (s[0] * s[1], s[2]))
+                if core.proposers and padded else [])
+        segments = (sorted(segment_shapes(runner.rc), key=lambda s: s[0] + s[1] * s[2])
+                    if core.proposers and padded else [])
         self.jobs = {name: getattr(p, "first_run_jobs", list)() for name, p in core.proposers.items()}
         own = [(name, (i,)) for name, jobs in self.jobs.items() for i in range(len(jobs))]
         self.left: list[tuple[str, Shape]] = ([("plain", s) for s in plain] + [("mixed", s) for s in mixed]

@@ -253,7 +253,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                 verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH,
                 model_proposers: tuple[str, ...] = MODEL_PROPOSERS, tensor_parallel: int = 1,
                 prefix_cache: bool = True, background_warmup: bool = False,
-                mixed_steps: bool = False, segment_rows: int = 0) -> EngineCore:
+                mixed_steps: bool = False, segment_rows: int = 0, ragged_steps: bool = False) -> EngineCore:
     """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine.
 
     With `speculation`, the verify buckets are compiled and the proposers load:
@@ -268,6 +268,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     `background_warmup`: `warmup()` returns once plain decoding and prefill are compiled and
     speculation's shapes compile on a thread (engine/warm.py; `crossover serve` does so).
     `mixed_steps`: decode calls carry prefill chunks (engine/mixed.py).
+    `ragged_steps`: every row of a step in one ragged call (engine/ragged_step.py).
     `segment_rows`: rows that draft nothing decode beside the drafting rows' verify, in batches
     of up to this many rows (engine/segments.py; SEGMENT_ROWS); 0: every row at the verify depth.
     """
@@ -310,7 +311,8 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     engine = EngineCore(cfg, params, tokenizer, EngineConfig(runner=rc, token_budget=token_budget,
                                                              prefix_cache=prefix_cache,
                                                              background_warmup=background_warmup,
-                                                             chunk_slack=PREFILL_BUCKETS[0]),
+                                                             chunk_slack=PREFILL_BUCKETS[0],
+                                                             ragged_steps=ragged_steps),
                         model_name=cfg.name)
     engine.budget_bytes = budget
     if loaded is not None:

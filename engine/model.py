@@ -164,12 +164,22 @@ def attend(cfg: ModelConfig, q, k_new, v_new, q_pos, cache, window: int | None):
 
 
 def _attend_paged(cfg: ModelConfig, qt, qp, k_new, v_new, q_pos, cache: PagedView, window: int | None):
-    """Online-softmax attention over the cache ATTEND_BLOCK slots at a time, up to
-    `cache.slots_to_read()`. The first block and the new keys go in one pass before the loop, so a
-    short context (a decode at under ATTEND_BLOCK cached slots) runs no loop iteration at all.
-    Returns [B, KV, Q, hd] float32."""
+    """Online-softmax attention over the cache and the new keys. Returns [B, KV, Q, hd] float32."""
+    _, l, acc = paged_softmax(cfg, qt, qp, cache, window, (k_new, v_new, q_pos))
+    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
+def paged_softmax(cfg: ModelConfig, qt, qp, cache: PagedView, window: int | None, extra=None,
+                  block: int = ATTEND_BLOCK):
+    """Partial softmax of queries qt [B, KV, hd, Q] at positions qp [B, Q] over the cache, `block`
+    slots at a time up to `cache.slots_to_read()`, and over `extra` keys (k [B, KV, T, hd], v
+    likewise, positions [B, T]) if given. With extra keys the first block goes in their pass before
+    the loop, so a short context (a decode at under `block` cached slots) runs no loop iteration
+    at all; without, the loop reads every block (a peeled first block would only add a copy of
+    the loop body to compile). Returns running max m and sum l [B, KV, Q] and weighted values
+    acc [B, KV, Q, hd], all float32."""
     ps = cache.k.shape[2]
-    per = max(1, ATTEND_BLOCK // ps)  # pages per iteration
+    per = max(1, block // ps)  # pages per iteration
     table = cache.table
     if table.shape[1] % per:  # pad with scratch pages, which slot_positions masks
         table = jnp.pad(table, ((0, 0), (0, per - table.shape[1] % per)))
@@ -195,13 +205,15 @@ def _attend_paged(cfg: ModelConfig, qt, qp, k_new, v_new, q_pos, cache: PagedVie
     Q = qt.shape[3]
     init = (jnp.full((B, KV, Q), _NEG, jnp.float32), jnp.zeros((B, KV, Q), jnp.float32),
             jnp.zeros((B, KV, Q, qt.shape[2]), jnp.float32))
-    k0, v0, mask0 = cached(0)
-    carry = add(init, jnp.concatenate([k0, k_new.astype(qt.dtype)], axis=2),
-                jnp.concatenate([v0.astype(v_new.dtype), v_new], axis=2),
-                jnp.concatenate([mask0, _visible(q_pos, qp, window)], axis=2))
     blocks = (cache.slots_to_read() + per * ps - 1) // (per * ps)
-    m, l, acc = jax.lax.fori_loop(1, blocks, lambda j, c: add(c, *cached(j)), carry)
-    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+    if extra is None:
+        return jax.lax.fori_loop(0, blocks, lambda j, c: add(c, *cached(j)), init)
+    k0, v0, mask0 = cached(0)
+    k_new, v_new, q_pos = extra
+    k0 = jnp.concatenate([k0, k_new.astype(qt.dtype)], axis=2)
+    v0 = jnp.concatenate([v0.astype(v_new.dtype), v_new], axis=2)
+    mask0 = jnp.concatenate([mask0, _visible(q_pos, qp, window)], axis=2)
+    return jax.lax.fori_loop(1, blocks, lambda j, c: add(c, *cached(j)), add(init, k0, v0, mask0))
 
 
 def attention_inputs(cfg: ModelConfig, lp: Params, x, pos, is_global: bool):

@@ -14,13 +14,11 @@ Attention for each token merges three partial softmaxes (running max, sum, weigh
 3. the cache of rows with several new tokens (verify, prefill): the row's tokens in groups of
    up to GROUP consecutive queries, each group reading its row's cache block by block.
 
-The cache reads of 2. and 3. are lists of work items, one per (query group, cache block) pair
-that holds keys, built on the host (`RaggedBatch.build`) with each block's page ids and the
-position each of its slots holds (the same for every layer of a kind, so no layer computes
-them). A loop walks them a chunk at a time (one item per group per iteration), so a call reads
-only blocks that hold cached keys and its cost follows the real context of each row, never the
-table width. A decode token alone in a
-group of one wastes no score compute; a prompt chunk reads each block once per GROUP queries.
+Parts 2. and 3. read the cache as engine.model.paged_softmax does for a padded batch, each
+query group a row of its view: block by block with a running softmax, only as far as the
+longest group's cache reaches, so a call's cost follows the real context, never the table's
+width. A decode token alone in a group of one wastes no score compute; a prompt chunk reads
+each block once per GROUP queries. The local table's width is the ring (ring_pages entries).
 
 The cache is read as it was before the call; the new keys and values come back per layer for
 `write`, which scatters them into their pages afterwards (a separate call: see
@@ -37,7 +35,8 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.kv import SCRATCH_PAGE, Batch, KVState, write_new
-from engine.model import _NEG, Params, _after_attention, attention_inputs, embed, rms_norm
+from engine.model import (_NEG, ATTEND_BLOCK, PagedView, Params, _after_attention, attention_inputs, embed,
+                          paged_softmax, rms_norm)
 
 GROUP = 8
 """Queries of one row that share a cache read (a verify row of depth 7 is one group)."""
@@ -45,26 +44,14 @@ GROUP = 8
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class Items:
-    """Cache reads of one class of query groups (single tokens or groups of GROUP) for one kind
-    of layer: item i reads `pages[i]` for group `group[i]`, whose slots hold positions `kpos[i]`
-    (-1: empty); `count` of them are real. Built on the host, the same for every layer of the kind."""
-
-    group: jax.Array  # [W] int32
-    pages: jax.Array  # [W, block // page_size] int32
-    kpos: jax.Array  # [W, block] int32
-    count: jax.Array  # [] int32
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
 class Groups:
-    """Query groups of one class: the flat token index of each query (-1: none) and the row."""
+    """Query groups of one class (single tokens, or up to GROUP tokens of one row): each group's
+    flat token indices (-1: none) and row, and for each flat token its index among the groups'
+    queries, tokens.reshape(-1) (-1: in no group of this class)."""
 
     tokens: jax.Array  # [M, Q] int32
     row: jax.Array  # [M] int32
-    global_items: Items
-    local_items: Items
+    src: jax.Array  # [N] int32
 
 
 @jax.tree_util.register_dataclass
@@ -77,36 +64,36 @@ class RaggedBatch:
     pos: jax.Array  # [N] int32 position of each token (padding: -1)
     cached: jax.Array  # [S] int32 tokens of the row already in the cache
     global_table: jax.Array  # [S, Pg] int32 global page ids in logical order (0: scratch)
-    local_table: jax.Array  # [S, Pl] int32 ring page ids by ring entry
+    local_table: jax.Array  # [S, Pl] int32 ring page ids by ring entry, as read
+    local_write: jax.Array  # [S, Pl] int32 ring page ids the new tokens are written to
     single: Groups  # rows with one new token and a cache: one group per token
     multi: Groups  # rows with several new tokens and a cache: groups of up to GROUP
 
     @staticmethod
-    def build(rows, n_tokens: int, n_rows: int, global_width: int, local_width: int, page_size: int,
-              ring_pages: int, block: int) -> RaggedBatch:
-        """Host arrays for `rows`: (new token ids, tokens cached, global pages, ring pages) each.
+    def build(rows, n_tokens: int, n_rows: int, global_width: int, local_width: int) -> RaggedBatch:
+        """Host arrays for `rows`: (new token ids, tokens cached, global pages, ring pages[, ring
+        pages written]) each; the pages written differ from those read where a prefix-cached ring
+        entry got a new page on wrap (engine.kv.KVPool.prepare); None or absent: the same.
 
         n_tokens, n_rows: the call's token slots and row slots (the call's shape);
-        global_width, local_width: page-table widths in pages (padded to whole blocks here);
-        block: cache slots per work item, a multiple of page_size.
+        global_width, local_width: page-table widths in pages.
         """
         if len(rows) > n_rows:
             raise ValueError(f"{len(rows)} rows exceed the call's {n_rows}")
         total = sum(len(r[0]) for r in rows)
         if total > n_tokens:
             raise ValueError(f"{total} tokens exceed the call's {n_tokens}")
-        per = block // page_size
-        gw, lw = -(-global_width // per) * per, -(-local_width // per) * per
         tokens = np.zeros(n_tokens, np.int32)
         row = np.zeros(n_tokens, np.int32)
         pos = np.full(n_tokens, -1, np.int32)
         cached = np.zeros(n_rows, np.int32)
-        gt = np.full((n_rows, gw), SCRATCH_PAGE, np.int32)
-        lt = np.full((n_rows, lw), SCRATCH_PAGE, np.int32)
+        gt = np.full((n_rows, global_width), SCRATCH_PAGE, np.int32)
+        lt = np.full((n_rows, local_width), SCRATCH_PAGE, np.int32)
+        lw = np.full((n_rows, local_width), SCRATCH_PAGE, np.int32)
         single: list[tuple[list[int], int]] = []
         multi: list[tuple[list[int], int]] = []
         at = 0
-        for r, (new, start, gpages, ring) in enumerate(rows):
+        for r, (new, start, gpages, ring, *written) in enumerate(rows):
             n = len(new)
             if n == 0:
                 raise ValueError(f"row {r} has no new token")
@@ -118,6 +105,10 @@ class RaggedBatch:
             cached[r] = start
             gt[r, : len(gpages)] = gpages
             lt[r, : len(ring)] = ring
+            write_ring = written[0] if written and written[0] is not None else ring
+            if len(write_ring) != len(ring):
+                raise ValueError(f"row {r} writes {len(write_ring)} ring pages but reads {len(ring)}")
+            lw[r, : len(ring)] = write_ring
             if start:
                 idx = list(range(at, at + n))
                 if n == 1:
@@ -125,51 +116,29 @@ class RaggedBatch:
                 else:
                     multi += [(idx[i: i + GROUP], r) for i in range(0, n, GROUP)]
             at += n
-        ring_slots = ring_pages * page_size
 
         def groups(found, width: int, m: int) -> Groups:
             if len(found) > m:
                 raise ValueError(f"{len(found)} query groups exceed the call's {m}")
             toks = np.full((m, width), -1, np.int32)
             grow = np.zeros(m, np.int32)
+            src = np.full(n_tokens, -1, np.int32)
             for g, (idx, r) in enumerate(found):
                 toks[g, : len(idx)] = idx
                 grow[g] = r
-
-            def items(table: np.ndarray, ring: int) -> Items:
-                width_pages = table.shape[1]
-                w = m * (width_pages // per)
-                gi = np.zeros(w, np.int32)
-                pages = np.zeros((w, per), np.int32)
-                kpos = np.full((w, block), -1, np.int32)
-                at = 0
-                for g, (_, r) in enumerate(found):
-                    last = cached[r] - 1
-                    held = min(ring, cached[r]) if ring else cached[r]
-                    nb = -(-min(held, width_pages * page_size) // block)
-                    slots = np.arange(nb * block)
-                    if ring:
-                        p = np.where(slots < ring, last - np.mod(last - slots, ring), -1)
-                    else:
-                        p = np.where(slots <= last, slots, -1)
-                    gi[at: at + nb] = g
-                    pages[at: at + nb] = table[r, : nb * per].reshape(nb, per)
-                    kpos[at: at + nb] = np.where(p >= 0, p, -1).reshape(nb, block)
-                    at += nb
-                return Items(gi, pages, kpos, np.int32(at))
-
-            return Groups(toks, grow, items(gt, 0), items(lt, ring_slots))
+                src[idx] = g * width + np.arange(len(idx))
+            return Groups(toks, grow, src)
 
         m_single, m_multi = call_groups(n_tokens, n_rows)
-        return RaggedBatch(tokens, row, pos, cached, gt, lt, groups(single, 1, m_single),
+        return RaggedBatch(tokens, row, pos, cached, gt, lt, lw, groups(single, 1, m_single),
                            groups(multi, GROUP, m_multi))
 
 
 def call_groups(n_tokens: int, n_rows: int) -> tuple[int, int]:
     """Query groups a call of n_tokens slots and n_rows rows makes room for: one per row with a
     single token, and for rows with several, one per GROUP of their tokens plus one per row
-    (a row's last group may be partial)."""
-    return n_rows, min(n_tokens, n_rows + n_tokens // GROUP)
+    (a row's last group may be partial); none of those below 2 tokens."""
+    return min(n_rows, n_tokens), (min(n_tokens, n_rows + n_tokens // GROUP) if n_tokens > 1 else 0)
 
 
 def _visible(kp, qp, window):
@@ -205,51 +174,27 @@ def _own_keys(cfg: ModelConfig, q, k, v, row, pos, window):
     return m, p.sum(-1), acc
 
 
-def _cached(cfg: ModelConfig, q, pos, groups: Groups, items: Items, pool_k, pool_v, layer: int, block: int,
-            window):
-    """Partial softmax of the grouped queries over their rows' caches, read item by item.
-    Returns per-token [N, KV, G] m, l and [N, KV, G, hd] acc (tokens in no group: empty)."""
+def _cached(cfg: ModelConfig, q, pos, groups: Groups, table, cached, pool_k, pool_v, layer: int, ring: int,
+            window, block: int):
+    """Partial softmax of the grouped queries over their rows' caches (engine.model.paged_softmax
+    with each group a row of the view). Returns per-token [N, KV, G] m, l and [N, KV, G, hd] acc
+    (tokens in no group: empty)."""
     N, KV, G, hd = q.shape
     M, Q = groups.tokens.shape
+    valid = groups.tokens[:, 0] >= 0
     idx = jnp.maximum(groups.tokens, 0)
-    qg = q[idx].transpose(0, 2, 1, 3, 4).reshape(M, KV, Q * G, hd)  # [M, KV, (q, g), hd]
-    qp = jnp.where(groups.tokens >= 0, pos[idx], -1)  # [M, Q]
-    qp = jnp.repeat(qp, G, axis=1)  # [M, Q*G] in (q, g) order
-    W = items.group.shape[0]
-    chunk = min(M, W)
-    scale = cfg.query_pre_attn_scalar ** -0.5
+    qt = q[idx].transpose(0, 2, 4, 1, 3).reshape(M, KV, hd, Q * G)  # [M, KV, hd, (q, g)]
+    qp = jnp.repeat(jnp.where(groups.tokens >= 0, pos[idx], -1), G, axis=1)  # [M, Q*G]
+    view = PagedView(pool_k, pool_v, layer, jnp.where(valid[:, None], table[groups.row], SCRATCH_PAGE),
+                     jnp.where(valid, cached[groups.row] - 1, -1), ring)
+    m, l, acc = paged_softmax(cfg, qt, qp, view, window, block=block)
 
-    def body(c, carry):
-        gm, gl, gacc = carry
-        sl = lambda a: jax.lax.dynamic_slice_in_dim(a, c * chunk, chunk)
-        g, pages, kp = sl(items.group), sl(items.pages), sl(items.kpos)  # [C], [C, per], [C, B]
-        k = pool_k[layer, pages].reshape(chunk, block, KV, hd).transpose(0, 2, 1, 3)  # [C, KV, B, hd]
-        v = pool_v[layer, pages].reshape(chunk, block, KV, hd).transpose(0, 2, 1, 3)
-        mask = _visible(kp, qp[g], window)  # [C, B, QG]; padding items hold no position
-        mask = mask[:, None]  # [C, 1, B, QG]
-        s = jnp.einsum("ckbd,ckqd->ckbq", k.astype(qg.dtype), qg[g], preferred_element_type=jnp.float32)
-        s = s * scale
-        s = jnp.where(mask, s, _NEG)
-        im = s.max(2)  # [C, KV, QG]
-        p = jnp.where(mask, jnp.exp(s - im[:, :, None, :]), 0.0)
-        il = p.sum(2)
-        iacc = jnp.einsum("ckbq,ckbd->ckqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        nm = gm.at[g].max(im)
-        fix = jnp.exp(gm - nm)
-        w = jnp.exp(im - nm[g])
-        return nm, (gl * fix).at[g].add(il * w), (gacc * fix[..., None]).at[g].add(iacc * w[..., None])
-
-    init = (jnp.full((M, KV, Q * G), _NEG, jnp.float32), jnp.zeros((M, KV, Q * G), jnp.float32),
-            jnp.zeros((M, KV, Q * G, hd), jnp.float32))
-    gm, gl, gacc = jax.lax.fori_loop(0, (items.count + chunk - 1) // chunk, body, init)
-
-    def to_tokens(a, fill):  # [M, KV, Q*G, ...] -> [N, KV, G, ...], tokens outside every group: fill
+    def to_tokens(a, fill):  # [M, KV, Q*G, ...] -> [N, KV, G, ...]
         a = a.reshape(M, KV, Q, G, *a.shape[3:]).swapaxes(1, 2).reshape(M * Q, KV, G, *a.shape[3:])
-        dest = jnp.where(groups.tokens >= 0, groups.tokens, N).reshape(-1)
-        out = jnp.full((N, KV, G, *a.shape[3:]), fill, a.dtype)
-        return out.at[dest].set(a, mode="drop")
+        got = a[jnp.maximum(groups.src, 0)]
+        return jnp.where((groups.src >= 0).reshape(N, *(1,) * (got.ndim - 1)), got, fill)
 
-    return to_tokens(gm, _NEG), to_tokens(gl, 0.0), to_tokens(gacc, 0.0)
+    return to_tokens(m, _NEG), to_tokens(l, 0.0), to_tokens(acc, 0.0)
 
 
 def attend(cfg: ModelConfig, q, k, v, rb: RaggedBatch, kv: KVState, kind: str, layer: int, block: int,
@@ -261,16 +206,18 @@ def attend(cfg: ModelConfig, q, k, v, rb: RaggedBatch, kv: KVState, kind: str, l
     q = q.reshape(N, KV, H // KV, hd)
     parts = [_own_keys(cfg, q, k, v, rb.row, rb.pos, window)]
     if kind == "global":
-        pool_k, pool_v = kv.global_k, kv.global_v
+        pools, table, ring = (kv.global_k, kv.global_v), rb.global_table, 0
     else:
-        pool_k, pool_v = kv.local_k, kv.local_v
+        pools, table, ring = (kv.local_k, kv.local_v), rb.local_table, rb.local_table.shape[1] * kv.page_size
     for groups in (rb.single, rb.multi):
-        items = groups.global_items if kind == "global" else groups.local_items
-        parts.append(_cached(cfg, q, rb.pos, groups, items, pool_k, pool_v, layer, block, window))
+        if groups.tokens.shape[0]:
+            parts.append(_cached(cfg, q, rb.pos, groups, table, rb.cached, *pools, layer, ring, window,
+                                 block))
     return _merge(parts).reshape(N, H, hd).astype(q.dtype)
 
 
-def forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, block: int, capture=()):
+def forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, capture=(),
+            block: int = ATTEND_BLOCK):
     """All layers over the call's tokens. Returns (final-normed h [N, d], new K/V per kind
     {kind: (k, v) [layers_of_kind, N, KV, hd]}, hidden states after the `capture` layers)."""
     x = embed(cfg, params, rb.tokens)  # [N, d]
@@ -295,10 +242,10 @@ def forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, bloc
     return rms_norm(x, params["final_norm"], cfg.rms_eps), new_kv, tuple(hidden[i] for i in capture)
 
 
-def write(kv: KVState, rb: RaggedBatch, new_kv: dict, ring_pages: int) -> KVState:
+def write(kv: KVState, rb: RaggedBatch, new_kv: dict) -> KVState:
     """Scatter the call's new keys and values into their pages (padding tokens: the scratch page):
     engine.kv.write_new with each token a row of one token, its row's page tables."""
     one = Batch(rb.tokens[:, None], jnp.maximum(rb.pos, 0), (rb.pos >= 0).astype(jnp.int32),
-                rb.global_table[rb.row], rb.local_table[rb.row])
+                rb.global_table[rb.row], rb.local_write[rb.row])
     per_row = {kind: (k[:, :, None], v[:, :, None]) for kind, (k, v) in new_kv.items()}  # [L, N, 1, KV, hd]
-    return write_new(kv, one, per_row, ring_pages)
+    return write_new(kv, one, per_row, rb.local_table.shape[1])

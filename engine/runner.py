@@ -5,7 +5,7 @@
    tokens, page-table width), so only warmed-up shapes reach `jax.jit`.
 3. `_forward` (jitted) runs the layers over the cache; `_write` (jitted, KV donated) scatters
    the new K/V in place; `_sample` (jitted apart: its shapes ignore the context) picks tokens.
-4. The runner keeps the new KV state and returns tokens/logprobs as numpy.
+4. The runner keeps the new KV state and returns numpy (engine/ragged_calls.py: on a flat token axis).
 A process-wide counter of jit compilations (engine/compiles.py) lets tests prove that
 serving after `warmup()` compiles nothing. `warmup` runs the shapes of plain decoding and
 prefill; `spec_jobs` compiles verification's ahead of time without touching device state,

@@ -236,22 +236,28 @@ def _run_speculative(core, plan: StepPlan, rows, propose_ms, events, finished) -
         a = 0
         while a < len(d) and acc[a]:
             a += 1
-        cls = res.classes.setdefault((s.req.tenant, *choice), [0, 0, 0, [0] * choice[1]])
-        for j in range(a):
-            res.per_pos[j] += 1
-            cls[3][j] += 1
-        cls[0] += 1
-        cls[1] += len(d)
-        cls[2] += a
-        res.proposed += len(d)
-        res.accepted += a
-        s.proposed += len(d)
-        s.accepted += a
+        count_verified(res, s, choice, d, a)
         s.num_cached += 1 + a  # the fed token and the accepted drafts are now valid cache
         if hidden is not None:
             s.hidden = hidden[row, a]
         core._emit(s, list(d[:a]) + [int(tok[a])], [float(x) for x in lp[: a + 1]], events, finished, row)
     return res
+
+
+def count_verified(res: SpecResult, seq: Sequence, choice: tuple[str, int], drafts, accepted: int) -> None:
+    """Count one verified row, `accepted` of its drafts kept, in `res` (its class, per position)
+    and in its sequence."""
+    cls = res.classes.setdefault((seq.req.tenant, *choice), [0, 0, 0, [0] * choice[1]])
+    for j in range(accepted):
+        res.per_pos[j] += 1
+        cls[3][j] += 1
+    cls[0] += 1
+    cls[1] += len(drafts)
+    cls[2] += accepted
+    res.proposed += len(drafts)
+    res.accepted += accepted
+    seq.proposed += len(drafts)
+    seq.accepted += accepted
 
 
 def _candidates(c, drafts) -> np.ndarray:

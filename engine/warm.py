@@ -45,6 +45,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+from engine import ragged_calls
 from engine.compiles import (compile_count, freeze_heap, map_limit, memory_mappings, release_lowerings,
                              serving_compiles, trim_heap, warming)
 from engine.progress import Reporter, note
@@ -243,11 +244,22 @@ def _run_pool(jobs: list[Job], n_forward: int) -> None:
             list(pool.map(lambda job: job(), group))
 
 
+def _max_outputs(core) -> int:
+    """Most output tokens one ragged step asks for: a token per row, plus the drafts of the rows
+    that may verify."""
+    rc = core.runner.rc
+    return rc.max_batch + min(rc.spec_max_batch, rc.max_batch) * (max(rc.verify_tokens, default=1) - 1)
+
+
 def warm_engine(core, progress: Reporter, background: bool) -> SpecWarmup:
     """Warm `core` (an EngineCore) as the module docstring says; returns its SpecWarmup, whose
     `is_ready` the core's StepChooser then consults."""
     runner = core.runner
-    if background and runner.mesh is None:
+    if core.ecfg.ragged_steps:
+        forwards, heads = ragged_calls.compile_jobs(runner, _max_outputs(core))
+        _run_pool(forwards + heads, len(forwards))
+        plain_left = []
+    elif background and runner.mesh is None:
         plain_left = _plain_stages(runner, progress)
     else:  # a sharded runner's sampling layouts follow its forwards': compile all here
         runner.warmup(progress, speculation=False)
@@ -262,8 +274,8 @@ def warm_engine(core, progress: Reporter, background: bool) -> SpecWarmup:
             jobs[name] = []
     own = dict(sorted(jobs.items(), key=lambda kv: len(kv[1])))  # the quickest to ready first
     warm = SpecWarmup()
-    verify = runner.spec_jobs() if runner.rc.verify_tokens else []
-    if not verify:  # nothing verifies: no technique can run
+    verify = runner.spec_jobs() if runner.rc.verify_tokens and not core.ecfg.ragged_steps else []
+    if not runner.rc.verify_tokens:  # nothing verifies: no technique can run
         own = {}
     warm.start(plain_left + verify, own, progress, background, segment_jobs(runner) if verify else [])
     runner.warm_compiles = serving_compiles()

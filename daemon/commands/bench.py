@@ -76,6 +76,8 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
         help="the engine started here decodes plainly (default: n-gram loaded, the starter policy served)")
     add("--mixed-steps", action="store_true",
         help="the engine started here prefills long prompts inside decode calls (crossover serve --mixed-steps)")
+    add("--ragged-steps", action="store_true",
+        help="the engine started here runs each step as one ragged call (crossover serve --ragged-steps)")
     add("--url", default=None,
         help="bench the daemon at this URL instead of one started here (no engine-only run)")
     add("--api-key", default=None, help="bearer key for --url (default: $CROSSOVER_API_KEY)")
@@ -238,7 +240,8 @@ def _serve_config(args: argparse.Namespace) -> Any:
         url=args.url, api_key=args.api_key or os.environ.get("CROSSOVER_API_KEY"), db=args.db,
         no_db=args.no_db, shared_prefix=args.shared_prefix, prefix_tokens=args.prefix_tokens,
         engine_rates=args.engine_rates, tenant_keys=args.tenant_keys, prefix_cache=not args.no_prefix_cache,
-        speculation=not args.no_speculation, mixed_steps=args.mixed_steps, idle_ttft=not args.no_idle_ttft)
+        speculation=not args.no_speculation, mixed_steps=args.mixed_steps, ragged_steps=args.ragged_steps,
+        idle_ttft=not args.no_idle_ttft)
 
 
 def _add_findings(f: argparse.ArgumentParser) -> None:

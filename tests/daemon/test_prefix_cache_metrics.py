@@ -56,8 +56,10 @@ def test_no_prefix_cache_flag_and_variable_reach_the_engine(monkeypatch) -> None
     assert seen["prefix_cache"] is False
 
 
-def test_mixed_steps_flag_and_variable_reach_the_engine(monkeypatch) -> None:
-    """Mixed steps are off unless asked for; --mixed-steps and CROSSOVER_MIXED_STEPS turn them on."""
+@pytest.mark.parametrize("field", ["mixed_steps", "ragged_steps"])
+def test_step_flags_and_variables_reach_the_engine(monkeypatch, field) -> None:
+    """Mixed and ragged steps are off unless asked for; --mixed-steps / --ragged-steps and
+    CROSSOVER_MIXED_STEPS / CROSSOVER_RAGGED_STEPS turn them on."""
     import argparse
 
     import engine.loader
@@ -66,16 +68,16 @@ def test_mixed_steps_flag_and_variable_reach_the_engine(monkeypatch) -> None:
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    args = parser.parse_args(["--mixed-steps"])
+    args = parser.parse_args(["--" + field.replace("_", "-")])
     settings = load_settings({k: getattr(args, k) for k in serve.SETTING_FLAGS}, {})
-    assert settings.mixed_steps is True
-    assert load_settings({}, env={"CROSSOVER_MIXED_STEPS": "on"}).mixed_steps is True
-    assert load_settings({}, env={}).mixed_steps is False
+    assert getattr(settings, field) is True
+    assert getattr(load_settings({}, env={"CROSSOVER_" + field.upper(): "on"}), field) is True
+    assert getattr(load_settings({}, env={}), field) is False
     seen = {}
     monkeypatch.setattr(engine.loader, "load_engine", lambda **kw: seen.update(kw) or type(
         "E", (), {"model_name": "m"})())
     serve._load_engine(settings, args)
-    assert seen["mixed_steps"] is True
+    assert seen[field] is True
 
 
 def test_segment_rows_flag_and_variable_reach_the_engine(monkeypatch) -> None:

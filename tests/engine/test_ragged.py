@@ -21,8 +21,8 @@ N_TOKENS, N_ROWS, WIDTH = 32, 4, 16  # 16 pages: 64 positions a row
 
 @partial(jax.jit, static_argnames=("cfg",))
 def _call(cfg, params, kv, rb):
-    h, new_kv, _ = ragged.forward(cfg, params, kv, rb, BLOCK)
-    return logits(params, h), ragged.write(kv, rb, new_kv, RING)
+    h, new_kv, _ = ragged.forward(cfg, params, kv, rb, block=BLOCK)
+    return logits(params, h), ragged.write(kv, rb, new_kv)
 
 
 def _steps():
@@ -55,7 +55,7 @@ def test_every_token_of_mixed_calls_equals_the_dense_model(tiny):
             new = rng.integers(3, cfg.vocab_size, n).tolist()
             rows.append((new, len(seqs[r]), gpages[r], ring[r]))
             order.append(r)
-        rb = ragged.RaggedBatch.build(rows, N_TOKENS, N_ROWS, WIDTH, RING, PAGE, RING, BLOCK)
+        rb = ragged.RaggedBatch.build(rows, N_TOKENS, N_ROWS, WIDTH, RING)
         got, kv = _call(cfg, params, kv, jax.tree.map(np.asarray, rb))
         got = np.asarray(got)
         at = 0
@@ -84,7 +84,7 @@ def test_one_executable_serves_every_mix_of_rows(tiny):
     sizes = []
     for rows in mixes:
         _, kv = _call(cfg, params, kv, jax.tree.map(np.asarray, ragged.RaggedBatch.build(
-            rows, N_TOKENS, N_ROWS, WIDTH, RING, PAGE, RING, BLOCK)))
+            rows, N_TOKENS, N_ROWS, WIDTH, RING)))
         sizes.append(_call._cache_size())
     assert sizes[0] >= 1 and sizes == [sizes[0]] * len(mixes)
 
@@ -97,4 +97,21 @@ def test_one_executable_serves_every_mix_of_rows(tiny):
 ])
 def test_build_refuses_what_the_call_cannot_hold(rows, message):
     with pytest.raises(ValueError, match=message):
-        ragged.RaggedBatch.build(rows, N_TOKENS, N_ROWS, WIDTH, RING, PAGE, RING, BLOCK)
+        ragged.RaggedBatch.build(rows, N_TOKENS, N_ROWS, WIDTH, RING)
+
+
+def test_new_keys_go_to_the_ring_pages_written_not_those_read(tiny):
+    """A row whose ring entry got a new page on wrap (engine.kv.KVPool.prepare) reads the old
+    page and writes its new keys to the new one."""
+    cfg, params = tiny
+    params = unstack_layers(params)
+    kv = KVState.create(cfg, 1 + WIDTH, 1 + 2 * RING, PAGE, np.float32)
+    read, written = list(range(1, 1 + RING)), list(range(1 + RING, 1 + 2 * RING))
+    rb = jax.tree.map(np.asarray, ragged.RaggedBatch.build(
+        [([7, 8, 9], 0, list(range(1, 1 + WIDTH)), read, written)], N_TOKENS, N_ROWS, WIDTH, RING))
+    _, kv = _call(cfg, params, kv, rb)
+    local = np.asarray(kv.local_k)  # [layers, pages, page, KV, hd]
+    assert np.abs(local[:, written[0], :3]).sum() > 0  # positions 0-2: the first entry's page written
+    assert np.abs(local[:, read]).sum() == 0
+    with pytest.raises(ValueError, match="writes 2 ring pages but reads 6"):
+        ragged.RaggedBatch.build([([1], 0, [1], read, written[:2])], N_TOKENS, N_ROWS, WIDTH, RING)

@@ -1,0 +1,183 @@
+"""A runner's model and pools over a flat token axis: every row of a step, of any kind, in one call.
+
+`new_call(runner, rows)` lays the rows (RaggedRow: new tokens after a cached prefix, page ids,
+outputs wanted, drafts to check) out as engine/ragged.py's RaggedBatch, padded to a
+TOKEN_BUCKETS size of tokens only; `run(runner, call)` runs the forward (hidden states of every
+token), writes the new K/V into the pools in a call of its own, then `_heads` scores the output
+tokens alone and draws, or verifies drafts, there. The output slots are padded to a
+TOKEN_BUCKETS size too, so a call compiles one forward per token count and one head per output
+count, whatever the mix of rows. Not yet what the engine's steps call (engine/step.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import numpy as np
+
+from engine import ragged
+from engine.compiles import abstract, any_committed, outputs
+from engine.config import ModelConfig
+from engine.kv import KVState
+from engine.model import ATTEND_BLOCK, Params
+from engine.ragged import RaggedBatch
+from engine.runner import ModelRunner, bucket, output_scores
+from engine.runner import _verify as verify_scores
+from engine.sampling import Adjust, SamplingArrays
+
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+"""Token slots a ragged call (engine/ragged.py) compiles for; the largest is a step's token budget."""
+
+
+@partial(jax.jit, static_argnames=("cfg", "block"))
+def _forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, block: int = ATTEND_BLOCK):
+    """Final hidden states [N, d] of every token of the call and its new K/V for `_write`."""
+    h, new_kv, _ = ragged.forward(cfg, params, kv, rb, block=block)
+    return h, new_kv
+
+
+@partial(jax.jit, donate_argnames=("kv",))
+def _write(kv: KVState, rb: RaggedBatch, new_kv):
+    """The call's new K/V into the donated pools, in place (a call apart from the reads: see
+    engine.runner._write)."""
+    return ragged.write(kv, rb, new_kv)
+
+
+@jax.jit
+def _gather(h, out_idx):
+    """The output tokens' hidden states h[out_idx] [O, d]: a call of its own, so that the heads
+    compile per output count O alone and this small gather per (N, O)."""
+    return h[out_idx]
+
+
+@jax.jit
+def _heads(params: Params, hs, cand, samp: SamplingArrays, counter, adj: Adjust | None = None):
+    """The output layer at the call's output tokens hs [O, d], then at each a token drawn (greedy
+    or sampled) and the draft `cand` [O] (-1: none) accepted when it is that token, as
+    engine.sampling.verify. Returns (tokens, accepted, logprobs [O], top ids and logprobs [O, k],
+    the hidden states [O, d])."""
+    sc = output_scores(params, hs[:, None])
+    tok, acc, lp, ti, tl = verify_scores(sc, cand[:, None], samp, counter[:, None], adj)
+    return tok[:, 0], acc[:, 0], lp[:, 0], ti[:, 0], tl[:, 0], hs
+
+
+@dataclass(frozen=True)
+class RaggedRow:
+    """One row of a ragged call: new token ids after `start` cached ones, its page ids (the ring's
+    read pages, and where they differ the pages written: engine.kv.KVPool.prepare), and logits at
+    its last `outputs` tokens, where output j checks draft `cand[j]` (none past `cand`)."""
+
+    tokens: tuple[int, ...]
+    start: int
+    global_pages: tuple[int, ...]
+    ring: tuple[int, ...]
+    ring_write: tuple[int, ...] | None = None
+    outputs: int = 1
+    cand: tuple[int, ...] = ()
+
+
+@dataclass
+class RaggedCall:
+    """Host arrays of one ragged call: its RaggedBatch and its O output slots (the first
+    sum(row.outputs) real, in row order)."""
+
+    batch: RaggedBatch
+    out_idx: np.ndarray  # [O] int32 flat token index
+    cand: np.ndarray  # [O] int32 draft to check (-1: none)
+    counter: np.ndarray  # [O] int32 position being sampled (folds the row's key)
+    out_rows: list[slice]  # per row, its slots of out_*
+    samp: dict[str, np.ndarray] = field(default_factory=dict)
+    adjust: dict[str, np.ndarray] | None = None
+    """engine.sampling.Adjust buffers [O, 1, H] once a row has penalties or banned ids."""
+
+
+def new_call(runner: ModelRunner, rows: list[RaggedRow]) -> RaggedCall:
+    """The host arrays of one ragged call over `rows`, padded to the smallest token bucket that
+    holds their tokens, output slots to the smallest that holds their outputs; sampling
+    greedy until the caller fills `samp`."""
+    n = sum(len(r.tokens) for r in rows)
+    N = bucket(n, TOKEN_BUCKETS)
+    n_out = sum(r.outputs for r in rows)
+    O = bucket(max(n_out, 1), TOKEN_BUCKETS)  # <= N: every output is a token
+    rc = runner.rc
+    width = rc.max_context // rc.page_size
+    rb = RaggedBatch.build([(list(r.tokens), r.start, list(r.global_pages), list(r.ring),
+                             None if r.ring_write is None else list(r.ring_write)) for r in rows],
+                           N, row_slots(runner, N), width, rc.ring_pages)
+    out_idx, cand = np.zeros(O, np.int32), np.full(O, -1, np.int32)
+    counter, out_rows, at, o = np.zeros(O, np.int32), [], 0, 0
+    for r in rows:
+        k = r.outputs
+        if k > len(r.tokens) or len(r.cand) > k:
+            raise ValueError(f"a row of {len(r.tokens)} tokens asks {k} outputs checking "
+                             f"{len(r.cand)} drafts")
+        first = at + len(r.tokens) - k
+        out_idx[o: o + k] = np.arange(first, first + k)
+        cand[o: o + len(r.cand)] = r.cand
+        counter[o: o + k] = r.start + len(r.tokens) - k + 1 + np.arange(k)
+        out_rows.append(slice(o, o + k))
+        at, o = at + len(r.tokens), o + k
+    return RaggedCall(jax.tree.map(np.asarray, rb), out_idx, cand, counter, out_rows,
+                      SamplingArrays.host(O))
+
+
+def row_slots(runner: ModelRunner, n_tokens: int) -> int:
+    """Row slots of a call of n_tokens token slots: every token its own row, up to the most rows
+    a step runs."""
+    return min(n_tokens, runner.rc.max_batch)
+
+
+def run(runner: ModelRunner, c: RaggedCall) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Execute one ragged call: (tokens, accepted, logprobs) [O] as numpy; the output slots'
+    hidden states stay in `last_hidden` [O, d] and top logprobs in `last_top` ([O, k] ids,
+    [O, k] logprobs; `top_in` reads them)."""
+    h, new_kv = _forward(runner.cfg, runner.params, runner.kv, c.batch)
+    runner.kv = _write(runner.kv, c.batch, new_kv)
+    adj = None if c.adjust is None else Adjust(**c.adjust)
+    tok, acc, lp, ti, tl, runner.last_hidden = _heads(runner.params, _gather(h, c.out_idx), c.cand,
+                                                      SamplingArrays(**c.samp), c.counter, adj)
+    runner.last_top = (np.asarray(ti), np.asarray(tl)) if c.samp["want_logprobs"].any() else None
+    return np.asarray(tok), np.asarray(acc), np.asarray(lp)
+
+
+def top_in(runner: ModelRunner, slots: slice) -> list[list[tuple[int, float]]] | None:
+    """The latest ragged call's most likely (token, logprob) pairs, best first, at output
+    `slots`; None when no row of it asked for logprobs."""
+    if runner.last_top is None:
+        return None
+    ids, lps = runner.last_top
+    return [list(zip(ids[j].tolist(), lps[j].tolist(), strict=True))
+            for j in range(*slots.indices(len(ids)))]
+
+
+def compile_jobs(runner: ModelRunner, max_outputs: int) -> tuple[list, list]:
+    """Thunks compiling every ragged call of `runner` ahead of time from the arrays' metadata
+    (engine.compiles.abstract; no device buffer read): (one per token bucket: its forward and KV
+    write; then one per output bucket up to `max_outputs`: its gathers from each token bucket and
+    its heads, with and without logit adjustments). The second list reads the first's output
+    layouts: run it after. Make them on the runner's thread."""
+    rc, cfg = runner.rc, runner.cfg
+    params, kv = abstract(runner.params), abstract(runner.kv)
+    committed = runner.mesh is not None or any_committed(runner.params, runner.kv)
+    width = rc.max_context // rc.page_size
+    hidden: dict[int, jax.ShapeDtypeStruct] = {}
+
+    def forward(n: int) -> None:
+        rb = jax.tree.map(np.asarray, RaggedBatch.build([], n, row_slots(runner, n), width, rc.ring_pages))
+        h, new_kv = outputs(_forward.lower(cfg, params, kv, rb).compile(), committed)
+        hidden[n] = h
+        _write.lower(kv, rb, new_kv).compile()
+
+    def heads(o: int) -> None:
+        hs = None
+        for n, h in sorted(hidden.items()):
+            if n >= o:
+                hs = outputs(_gather.lower(h, np.zeros(o, np.int32)).compile(), committed)
+        samp, counter = SamplingArrays(**SamplingArrays.host(o)), np.zeros(o, np.int32)
+        for adj in (None, Adjust(**Adjust.host((o, 1, runner.adjust_width)))):
+            _heads.lower(params, hs, np.zeros(o, np.int32), samp, counter, adj).compile()
+
+    outs = [b for b in TOKEN_BUCKETS if b <= bucket(max_outputs, TOKEN_BUCKETS)]
+    return [partial(forward, n) for n in TOKEN_BUCKETS], [partial(heads, o) for o in outs]

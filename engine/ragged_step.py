@@ -1,0 +1,137 @@
+"""One step as ragged calls (engine/ragged_calls.py): every row of the plan, of any kind, in one
+forward (EngineCore.step calls `run_ragged_step` with EngineConfig.ragged_steps).
+
+1. The decode rows: the StepChooser picks a (technique, depth) per row and each (technique,
+   depth) group drafts with its proposer (as engine/step.py does). A row verifies its own
+   drafts at its own depth, [last token, drafts...], with logits at each of those tokens; a row
+   that drafts nothing decodes one token. No row is padded to another's depth.
+2. The prefill chunks: each a row of its own tokens after its cached prefix, logits at its last
+   token (they give the next token when the chunk reaches the prompt's end).
+3. The rows go in one call, decode rows first, unless their tokens pass the largest token
+   bucket: then in as few calls as hold them, in that order.
+4. Each row's outputs go to its sequence (`EngineCore._emit`); a row whose own inputs fail is
+   dropped alone before the call (engine/faults.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from engine import ragged_calls
+from engine.penalties import fill_adjust, wants_adjust
+from engine.ragged_calls import TOKEN_BUCKETS, RaggedRow
+from engine.sampling import Adjust
+from engine.sequence import Sequence, Status
+from engine.step import PLAIN, SpecResult, _most_rows, _propose, _row_choices, count_verified
+
+
+def run_ragged_step(core, plan, events, finished) -> SpecResult:
+    """Run `plan` on `core` (an EngineCore) as ragged calls (module docstring)."""
+    fail = core._failer(events, finished)
+    decode, propose_ms = _drafted(core, plan.decode, fail)
+    items = [(s, choice, d, None) for s, choice, d in decode]
+    items += [(s, None, (), n) for s, n in plan.prefill if s.status is Status.RUNNING]
+    rows = []
+    for item in items:
+        try:
+            rows.append((item, _row(core, item)))
+        except Exception:
+            fail(item[0], "its sampling inputs")
+    plan.decode = [item[0] for item, _ in rows if item[3] is None]
+    spec = SpecResult()
+    depth = max((item[1][1] for item, _ in rows if item[2]), default=0)  # the deepest drafting row's choice
+    if depth:
+        spec = SpecResult(_most_rows([item for item, _ in rows if item[3] is None]), depth, propose_ms,
+                          per_pos=[0] * depth)
+    t0 = time.perf_counter()
+    for call_rows in _pack(rows):
+        call = ragged_calls.new_call(core.runner, [r for _, r in call_rows])
+        for (item, _), slots in zip(call_rows, call.out_rows):
+            _fill_sampling(core, call, slots, item)
+        tok, acc, lp = ragged_calls.run(core.runner, call)
+        hidden = np.asarray(core.runner.last_hidden, np.float32) if core._keep_hidden else None
+        for (item, _), slots in zip(call_rows, call.out_rows):
+            _update(core, spec, item, slots, tok, acc, lp, hidden, events, finished)
+    if depth:
+        spec.verify_ms = (time.perf_counter() - t0) * 1e3
+    return spec
+
+
+def _drafted(core, seqs: list[Sequence], fail) -> tuple[list, float]:
+    """(sequence, choice, drafts) per decode row kept, and the proposers' time in ms."""
+    if not seqs:
+        return [], 0.0
+    choices = _row_choices(core, seqs)
+    if all(c == PLAIN for c in choices) or len(seqs) > core.runner.rc.spec_max_batch:
+        return [(s, PLAIN, []) for s in seqs], 0.0
+    t0 = time.perf_counter()
+    rows = _propose(core, seqs, choices, fail)
+    return rows, (time.perf_counter() - t0) * 1e3
+
+
+def _row(core, item) -> RaggedRow:
+    """The call row of a decode row (seq, choice, drafts, None) or a chunk (seq, None, (), n)."""
+    seq, _, drafts, n = item
+    n = n or 1
+    rc = core.runner.rc
+    g = np.zeros(rc.max_context // rc.page_size, np.int32)
+    ring, write = np.zeros(rc.ring_pages, np.int32), np.zeros(rc.ring_pages, np.int32)
+    core.pool.fill_tables(seq.pages, g, ring, write)
+    tokens = tuple(seq.tokens[seq.num_cached: seq.num_cached + n]) + tuple(drafts)
+    return RaggedRow(tokens, seq.num_cached, g, ring, write, 1 + len(drafts), tuple(drafts))
+
+
+def _pack(rows: list) -> list[list]:
+    """`rows` in order, cut into calls of at most the largest token bucket each."""
+    calls, tokens = [[]], 0
+    for row in rows:
+        n = len(row[1].tokens)
+        if calls[-1] and tokens + n > TOKEN_BUCKETS[-1]:
+            calls.append([])
+            tokens = 0
+        calls[-1].append(row)
+        tokens += n
+    return [c for c in calls if c]
+
+
+def _fill_sampling(core, call, slots: slice, item) -> None:
+    """The row's sampling settings at its output slots; logit adjustments where it has any."""
+    seq, _, drafts, _ = item
+    sp = seq.req.sampling
+    for name, value in (("temperature", sp.temperature), ("top_k", sp.top_k), ("top_p", sp.top_p),
+                        ("key", seq.key), ("want_logprobs", sp.logprobs), ("min_p", sp.min_p)):
+        call.samp[name][slots] = value
+    if wants_adjust(sp, seq.num_output):  # position j counts drafts[:j] as output
+        k = slots.stop - slots.start
+        width = core.runner.adjust_width
+        one = Adjust.host((1, k, width))
+        fill_adjust(one, 0, seq.tokens, seq.n_prompt, sp, core._stops(sp), drafts)
+        if call.adjust is None:
+            call.adjust = Adjust.host((len(call.out_idx), 1, width))
+        for name, buf in one.items():
+            call.adjust[name][slots, 0] = buf[0]
+
+
+def _update(core, spec: SpecResult, item, slots: slice, tok, acc, lp, hidden, events, finished) -> None:
+    """Append a row's outcome to its sequence: a chunk's cached tokens (and at the prompt's end
+    its next token), a decode row's token, or a verify row's accepted drafts and one more."""
+    seq, choice, drafts, n = item
+    at = slots.start
+    if n is not None:  # a prefill chunk
+        seq.num_cached += n
+        if seq.remaining == 0:  # the chunk reached the newest token: its logits give the next one
+            seq.hidden = None if hidden is None else hidden[at]
+            core._emit(seq, [int(tok[at])], [float(lp[at])], events, finished, slots)
+        return
+    a = 0
+    while a < len(drafts) and acc[at + a]:
+        a += 1
+    if spec.depth:  # a speculative step counts every decode row, as engine/step.py does
+        count_verified(spec, seq, choice, drafts, a)
+    seq.num_cached += 1 + a  # the fed token and the accepted drafts are now valid cache
+    if hidden is not None:
+        seq.hidden = hidden[at + a]
+    core._emit(seq, list(drafts[:a]) + [int(tok[at + a])], [float(x) for x in lp[at: at + a + 1]], events,
+               finished, slice(at, at + a + 1))
