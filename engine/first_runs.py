@@ -37,14 +37,17 @@ import time
 
 import numpy as np
 
+from engine import ragged_calls
 from engine.mixed import new_mixed_calls, run_mixed
 from engine.progress import Reporter, Steps
 from engine.scheduler import mixed_shapes
 from engine.segments import new_segment_calls, run_segmented, segment_shapes
+from engine.warm import max_outputs
 
 log = logging.getLogger("crossover.engine")
 
-Shape = tuple[int, ...]  # plain and verify (batch, tokens, context); mixed (batch, rows, chunk, context)
+Shape = tuple[int, ...]  # plain and verify (batch, tokens, context); mixed (batch, rows, chunk, context);
+# ragged (token slots, output slots)
 
 TIMED_RUNS = 2
 """Timed runs of each decode and verify shape after its first (the faster is kept: one run
@@ -66,9 +69,10 @@ class FirstRuns:
                     if core.proposers and padded else [])
         self.jobs = {name: getattr(p, "first_run_jobs", list)() for name, p in core.proposers.items()}
         own = [(name, (i,)) for name, jobs in self.jobs.items() for i in range(len(jobs))]
-        self.left: list[tuple[str, Shape]] = ([("plain", s) for s in plain] + [("mixed", s) for s in mixed]
-                                              + [("verify", s) for s in spec] + [("segments", s) for s in segments]
-                                              + own)
+        ragged = [] if padded else ragged_calls.first_run_shapes(runner, max_outputs(core))
+        self.left: list[tuple[str, Shape]] = ([("ragged", s) for s in ragged] + [("plain", s) for s in plain]
+                                              + [("mixed", s) for s in mixed] + [("verify", s) for s in spec]
+                                              + [("segments", s) for s in segments] + own)
         self._timed_context = max(runner.rc.spec_contexts) if spec else None
         self._to_time: list[tuple[str, Shape]] = []  # timed runs still to do, one per idle moment
         self.timed: dict[tuple[int, int], float] = {}
@@ -111,6 +115,8 @@ class FirstRuns:
         return len(first)
 
     def _compiled(self, kind: str, shape: Shape) -> bool:
+        if kind == "ragged":  # compiled before warmup returns (engine/warm.py)
+            return True
         if kind in self.jobs:  # a proposer's shape: compiled once its technique is ready
             warm = self.core.spec_warmup
             return warm is not None and warm.status().get(kind) == "ready"
@@ -144,6 +150,9 @@ class FirstRuns:
             self.jobs[kind][shape[0]]()
             return True
         runner = self.core.runner
+        if kind == "ragged":
+            ragged_calls.run_padding(runner, *shape)
+            return True
         if kind == "mixed":
             calls = new_mixed_calls(runner, *shape)
             if calls is None:

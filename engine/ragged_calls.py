@@ -4,9 +4,10 @@
 outputs wanted, drafts to check) out as engine/ragged.py's RaggedBatch, padded to a
 TOKEN_BUCKETS size of tokens only; `run(runner, call)` runs the forward (hidden states of every
 token), writes the new K/V into the pools in a call of its own, then `_heads` scores the output
-tokens alone and draws, or verifies drafts, there. The output slots are padded to a
-TOKEN_BUCKETS size too, so a call compiles one forward per token count and one head per output
-count, whatever the mix of rows. Not yet what the engine's steps call (engine/step.py).
+tokens alone and draws, or verifies drafts, there. The output slots are padded to an
+OUTPUT_BUCKETS size, so a call compiles one forward per token count and one head per output
+count, whatever the mix of rows. The engine's steps run as such calls with
+EngineConfig.ragged_steps (engine/ragged_step.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from engine.sampling import Adjust, SamplingArrays
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 """Token slots a ragged call (engine/ragged.py) compiles for; the largest is a step's token budget."""
+OUTPUT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+"""Output slots the heads compile for: finer than the token buckets, since each slot costs a row
+of the output layer (262k rows for Gemma 3), where a token slot costs far less of the forward;
+every token bucket is one of them, so a call's outputs never pad past its tokens."""
 
 
 @partial(jax.jit, static_argnames=("cfg", "block"))
@@ -100,7 +105,7 @@ def new_call(runner: ModelRunner, rows: list[RaggedRow]) -> RaggedCall:
     n = sum(len(r.tokens) for r in rows)
     N = bucket(n, TOKEN_BUCKETS)
     n_out = sum(r.outputs for r in rows)
-    O = bucket(max(n_out, 1), TOKEN_BUCKETS)  # <= N: every output is a token
+    O = bucket(max(n_out, 1), OUTPUT_BUCKETS)  # <= N: every output is a token
     rc = runner.rc
     width = rc.max_context // rc.page_size
     rb = RaggedBatch.build([(list(r.tokens), r.start, list(r.global_pages), list(r.ring),
@@ -179,5 +184,29 @@ def compile_jobs(runner: ModelRunner, max_outputs: int) -> tuple[list, list]:
         for adj in (None, Adjust(**Adjust.host((o, 1, runner.adjust_width)))):
             _heads.lower(params, hs, np.zeros(o, np.int32), samp, counter, adj).compile()
 
-    outs = [b for b in TOKEN_BUCKETS if b <= bucket(max_outputs, TOKEN_BUCKETS)]
+    outs = [b for b in OUTPUT_BUCKETS if b <= bucket(max_outputs, OUTPUT_BUCKETS)]
     return [partial(forward, n) for n in TOKEN_BUCKETS], [partial(heads, o) for o in outs]
+
+
+def first_run_shapes(runner: ModelRunner, max_outputs: int) -> list[tuple[int, int]]:
+    """(token slots, output slots) that run every compiled forward and every compiled head once:
+    each token bucket with the most outputs it can hold, then each output bucket left at the
+    smallest token bucket holding it."""
+    outs = [b for b in OUTPUT_BUCKETS if b <= bucket(max_outputs, OUTPUT_BUCKETS)]
+    shapes = [(n, max(o for o in outs if o <= n)) for n in TOKEN_BUCKETS]
+    done = {o for _, o in shapes}
+    return shapes + [(bucket(o, TOKEN_BUCKETS), o) for o in outs if o not in done]
+
+
+def run_padding(runner: ModelRunner, n_tokens: int, n_outputs: int) -> None:
+    """One call of n_tokens token slots and n_outputs output slots that only writes the scratch
+    page (a first execution is slower than the next: engine/first_runs.py runs them while idle)."""
+    rc = runner.rc
+    size = max(1, rc.max_context // 2)  # rows whose positions stay inside the page tables
+    rows, left = [], n_outputs
+    for at in range(0, n_tokens, size):
+        k = min(size, n_tokens - at)
+        rows.append(RaggedRow((0,) * k, 0, (0,) * (rc.max_context // rc.page_size), (0,) * rc.ring_pages,
+                              outputs=min(k, left)))
+        left -= rows[-1].outputs
+    run(runner, new_call(runner, rows))

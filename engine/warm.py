@@ -244,7 +244,7 @@ def _run_pool(jobs: list[Job], n_forward: int) -> None:
             list(pool.map(lambda job: job(), group))
 
 
-def _max_outputs(core) -> int:
+def max_outputs(core) -> int:
     """Most output tokens one ragged step asks for: a token per row, plus the drafts of the rows
     that may verify."""
     rc = core.runner.rc
@@ -256,7 +256,7 @@ def warm_engine(core, progress: Reporter, background: bool) -> SpecWarmup:
     `is_ready` the core's StepChooser then consults."""
     runner = core.runner
     if core.ecfg.ragged_steps:
-        forwards, heads = ragged_calls.compile_jobs(runner, _max_outputs(core))
+        forwards, heads = ragged_calls.compile_jobs(runner, max_outputs(core))
         _run_pool(forwards + heads, len(forwards))
         plain_left = []
     elif background and runner.mesh is None:

@@ -133,7 +133,8 @@ def test_released_lowerings_keep_their_executables():
 
     f = jax.jit(lambda x: x * 2 + 1)
     x = np.arange(5, dtype=np.float32)
-    f.lower(x).compile()  # ahead of time, as the warmup jobs compile
+    lowered = f.lower(x)  # held: the lowering stays reachable whatever earlier tests left in the caches
+    lowered.compile()  # ahead of time, as the warmup jobs compile
     assert release_lowerings() >= 1
     before = compile_count()
     assert f(x).tolist() == [1, 3, 5, 7, 9] and compile_count() == before  # found, not lowered again
