@@ -42,6 +42,7 @@ from engine.policy import TunedPolicy, check_servable
 from engine.progress import Reporter
 from engine.proposers import NgramProposer, Proposer
 from engine.runner import ModelRunner, RunnerConfig
+from engine.sampling import SamplingArrays
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import Detokenizer, Sequence, append_tokens, request_key
 from engine.types import (
@@ -294,12 +295,7 @@ class EngineCore:
         c.logit_idx[row, 0] = n - 1
         c.counter[row, 0] = seq.num_cached + n
         sp = seq.req.sampling
-        c.samp["temperature"][row] = sp.temperature
-        c.samp["top_k"][row] = sp.top_k
-        c.samp["top_p"][row] = sp.top_p
-        c.samp["key"][row] = seq.key
-        c.samp["want_logprobs"][row] = sp.logprobs
-        c.samp["min_p"][row] = sp.min_p
+        SamplingArrays.fill(c.samp, row, sp, seq.key)
         if wants_adjust(sp, seq.num_output):  # penalties or min_tokens: logit entries per position
             self._fill_adjust(c, row, seq, ())
 

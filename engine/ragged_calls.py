@@ -12,6 +12,7 @@ EngineConfig.ragged_steps (engine/ragged_step.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -74,13 +75,13 @@ class RaggedRow:
     read pages, and where they differ the pages written: engine.kv.KVPool.prepare), and logits at
     its last `outputs` tokens, where output j checks draft `cand[j]` (none past `cand`)."""
 
-    tokens: tuple[int, ...]
+    tokens: Sequence[int]
     start: int
-    global_pages: tuple[int, ...]
-    ring: tuple[int, ...]
-    ring_write: tuple[int, ...] | None = None
+    global_pages: Sequence[int]  # any int sequence, a numpy row too (RaggedBatch.build copies it)
+    ring: Sequence[int]
+    ring_write: Sequence[int] | None = None
     outputs: int = 1
-    cand: tuple[int, ...] = ()
+    cand: Sequence[int] = ()
 
 
 @dataclass
@@ -106,11 +107,8 @@ def new_call(runner: ModelRunner, rows: list[RaggedRow]) -> RaggedCall:
     N = bucket(n, TOKEN_BUCKETS)
     n_out = sum(r.outputs for r in rows)
     O = bucket(max(n_out, 1), OUTPUT_BUCKETS)  # <= N: every output is a token
-    rc = runner.rc
-    width = rc.max_context // rc.page_size
-    rb = RaggedBatch.build([(list(r.tokens), r.start, list(r.global_pages), list(r.ring),
-                             None if r.ring_write is None else list(r.ring_write)) for r in rows],
-                           N, row_slots(runner, N), width, rc.ring_pages)
+    rb = RaggedBatch.build([(r.tokens, r.start, r.global_pages, r.ring, r.ring_write) for r in rows],
+                           N, row_slots(runner, N), table_width(runner.rc), runner.rc.ring_pages)
     out_idx, cand = np.zeros(O, np.int32), np.full(O, -1, np.int32)
     counter, out_rows, at, o = np.zeros(O, np.int32), [], 0, 0
     for r in rows:
@@ -126,6 +124,16 @@ def new_call(runner: ModelRunner, rows: list[RaggedRow]) -> RaggedCall:
         at, o = at + len(r.tokens), o + k
     return RaggedCall(jax.tree.map(np.asarray, rb), out_idx, cand, counter, out_rows,
                       SamplingArrays.host(O))
+
+
+def table_width(rc) -> int:
+    """Global page-table width of every ragged call, in pages: the maximum context's."""
+    return rc.max_context // rc.page_size
+
+
+def output_buckets(max_outputs: int) -> list[int]:
+    """The OUTPUT_BUCKETS a runner compiles: up to the one holding `max_outputs`."""
+    return [b for b in OUTPUT_BUCKETS if b <= bucket(max_outputs, OUTPUT_BUCKETS)]
 
 
 def row_slots(runner: ModelRunner, n_tokens: int) -> int:
@@ -166,7 +174,7 @@ def compile_jobs(runner: ModelRunner, max_outputs: int) -> tuple[list, list]:
     rc, cfg = runner.rc, runner.cfg
     params, kv = abstract(runner.params), abstract(runner.kv)
     committed = runner.mesh is not None or any_committed(runner.params, runner.kv)
-    width = rc.max_context // rc.page_size
+    width = table_width(rc)
     hidden: dict[int, jax.ShapeDtypeStruct] = {}
 
     def forward(n: int) -> None:
@@ -184,15 +192,15 @@ def compile_jobs(runner: ModelRunner, max_outputs: int) -> tuple[list, list]:
         for adj in (None, Adjust(**Adjust.host((o, 1, runner.adjust_width)))):
             _heads.lower(params, hs, np.zeros(o, np.int32), samp, counter, adj).compile()
 
-    outs = [b for b in OUTPUT_BUCKETS if b <= bucket(max_outputs, OUTPUT_BUCKETS)]
-    return [partial(forward, n) for n in TOKEN_BUCKETS], [partial(heads, o) for o in outs]
+    return ([partial(forward, n) for n in TOKEN_BUCKETS],
+            [partial(heads, o) for o in output_buckets(max_outputs)])
 
 
 def first_run_shapes(runner: ModelRunner, max_outputs: int) -> list[tuple[int, int]]:
     """(token slots, output slots) that run every compiled forward and every compiled head once:
     each token bucket with the most outputs it can hold, then each output bucket left at the
     smallest token bucket holding it."""
-    outs = [b for b in OUTPUT_BUCKETS if b <= bucket(max_outputs, OUTPUT_BUCKETS)]
+    outs = output_buckets(max_outputs)
     shapes = [(n, max(o for o in outs if o <= n)) for n in TOKEN_BUCKETS]
     done = {o for _, o in shapes}
     return shapes + [(bucket(o, TOKEN_BUCKETS), o) for o in outs if o not in done]
@@ -206,7 +214,7 @@ def run_padding(runner: ModelRunner, n_tokens: int, n_outputs: int) -> None:
     rows, left = [], n_outputs
     for at in range(0, n_tokens, size):
         k = min(size, n_tokens - at)
-        rows.append(RaggedRow((0,) * k, 0, (0,) * (rc.max_context // rc.page_size), (0,) * rc.ring_pages,
+        rows.append(RaggedRow((0,) * k, 0, (0,) * table_width(rc), (0,) * rc.ring_pages,
                               outputs=min(k, left)))
         left -= rows[-1].outputs
     run(runner, new_call(runner, rows))

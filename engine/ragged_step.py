@@ -21,10 +21,10 @@ import numpy as np
 
 from engine import ragged_calls
 from engine.penalties import fill_adjust, wants_adjust
-from engine.ragged_calls import TOKEN_BUCKETS, RaggedRow
-from engine.sampling import Adjust
+from engine.ragged_calls import TOKEN_BUCKETS, RaggedRow, table_width
+from engine.sampling import Adjust, SamplingArrays
 from engine.sequence import Sequence, Status
-from engine.step import PLAIN, SpecResult, _most_rows, _propose, _row_choices, count_verified
+from engine.step import PLAIN, SpecResult, _most_rows, _propose, _row_choices, accepted_prefix, count_verified
 
 
 def run_ragged_step(core, plan, events, finished) -> SpecResult:
@@ -76,7 +76,7 @@ def _row(core, item) -> RaggedRow:
     seq, _, drafts, n = item
     n = n or 1
     rc = core.runner.rc
-    g = np.zeros(rc.max_context // rc.page_size, np.int32)
+    g = np.zeros(table_width(rc), np.int32)
     ring, write = np.zeros(rc.ring_pages, np.int32), np.zeros(rc.ring_pages, np.int32)
     core.pool.fill_tables(seq.pages, g, ring, write)
     tokens = tuple(seq.tokens[seq.num_cached: seq.num_cached + n]) + tuple(drafts)
@@ -100,9 +100,7 @@ def _fill_sampling(core, call, slots: slice, item) -> None:
     """The row's sampling settings at its output slots; logit adjustments where it has any."""
     seq, _, drafts, _ = item
     sp = seq.req.sampling
-    for name, value in (("temperature", sp.temperature), ("top_k", sp.top_k), ("top_p", sp.top_p),
-                        ("key", seq.key), ("want_logprobs", sp.logprobs), ("min_p", sp.min_p)):
-        call.samp[name][slots] = value
+    SamplingArrays.fill(call.samp, slots, sp, seq.key)
     if wants_adjust(sp, seq.num_output):  # position j counts drafts[:j] as output
         k = slots.stop - slots.start
         width = core.runner.adjust_width
@@ -125,9 +123,7 @@ def _update(core, spec: SpecResult, item, slots: slice, tok, acc, lp, hidden, ev
             seq.hidden = None if hidden is None else hidden[at]
             core._emit(seq, [int(tok[at])], [float(lp[at])], events, finished, slots)
         return
-    a = 0
-    while a < len(drafts) and acc[at + a]:
-        a += 1
+    a = accepted_prefix(acc[at:], len(drafts))
     if spec.depth:  # a speculative step counts every decode row, as engine/step.py does
         count_verified(spec, seq, choice, drafts, a)
     seq.num_cached += 1 + a  # the fed token and the accepted drafts are now valid cache

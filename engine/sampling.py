@@ -42,6 +42,14 @@ class SamplingArrays:
             "min_p": np.zeros(n, np.float32),
         }
 
+    @staticmethod
+    def fill(samp: dict[str, np.ndarray], at, sp, key) -> None:
+        """A request's settings (engine.types.SamplingParams `sp`, its key data) into `host`
+        buffers at `at`: a row index, or slots (a ragged call's outputs of one row)."""
+        for name, value in (("temperature", sp.temperature), ("top_k", sp.top_k), ("top_p", sp.top_p),
+                            ("key", key), ("want_logprobs", sp.logprobs), ("min_p", sp.min_p)):
+            samp[name][at] = value
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)

@@ -233,15 +233,21 @@ def _run_speculative(core, plan: StepPlan, rows, propose_ms, events, finished) -
     res = SpecResult(_most_rows(done), depth, propose_ms, (time.perf_counter() - t0) * 1e3, [0] * depth,
                      plain_rows=plain_rows)
     for s, choice, d, tok, acc, lp, row in done:
-        a = 0
-        while a < len(d) and acc[a]:
-            a += 1
+        a = accepted_prefix(acc, len(d))
         count_verified(res, s, choice, d, a)
         s.num_cached += 1 + a  # the fed token and the accepted drafts are now valid cache
         if hidden is not None:
             s.hidden = hidden[row, a]
         core._emit(s, list(d[:a]) + [int(tok[a])], [float(x) for x in lp[: a + 1]], events, finished, row)
     return res
+
+
+def accepted_prefix(acc, n: int) -> int:
+    """Drafts kept of a row's n: how many of acc[:n] are true before the first false."""
+    a = 0
+    while a < n and acc[a]:
+        a += 1
+    return a
 
 
 def count_verified(res: SpecResult, seq: Sequence, choice: tuple[str, int], drafts, accepted: int) -> None:
