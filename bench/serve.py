@@ -113,9 +113,9 @@ class ServeBenchConfig:
     mixed_steps: bool = False
     """The engine started here prefills long prompts inside decode calls (engine/mixed.py), as
     `crossover serve --mixed-steps` does."""
-    ragged_steps: bool = False
+    ragged_steps: bool = True
     """The engine started here runs each step as one ragged call (engine/ragged_step.py), as
-    `crossover serve --ragged-steps` does."""
+    `crossover serve` does by default; False: padded calls per kind (`--no-ragged-steps`)."""
     engine_rates: str | None = None
     """A `crossover bench engine` JSON whose rates the efficiency bound uses (else measured here)."""
     tenant_keys: str | None = None

@@ -76,8 +76,8 @@ class Settings:
     """Segmented verifies up to this many rows (engine/segments.py); 0: off (daemon/README.md)."""
     mixed_steps: bool = False
     """Long prompts' chunks ride in the decode call (engine/mixed.py); off by default (daemon/README.md)."""
-    ragged_steps: bool = False
-    """Each step one ragged call (engine/ragged_step.py); off by default (daemon/README.md)."""
+    ragged_steps: bool = True
+    """Each step one ragged call (engine/ragged_step.py); off: padded calls per kind (daemon/README.md)."""
     heads: str | None = None
     """Draft heads file from `crossover train-heads`; None: the one shipped for the model."""
     db_url: str | None = None

@@ -43,7 +43,7 @@ from engine.progress import Reporter
 from engine.proposers import NgramProposer, Proposer
 from engine.runner import ModelRunner, RunnerConfig
 from engine.sampling import SamplingArrays
-from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.scheduler import MIX_TOKENS_PER_ROW, Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import Detokenizer, Sequence, append_tokens, request_key
 from engine.types import (
     EngineCapacity,
@@ -76,8 +76,8 @@ class EngineConfig:
     """Share the KV pages of prompt prefixes between requests (engine/prefix_cache.py)."""
     chunk_slack: int = 0
     """SchedulerConfig.chunk_slack: tokens padding a prefill chunk may waste; 0: its smallest bucket."""
-    ragged_steps: bool = False
-    """Every row of a step in one ragged call (engine/ragged_step.py) instead of padded calls."""
+    ragged_steps: bool = True
+    """Every row of a step in one ragged call (engine/ragged_step.py); False: padded calls per kind."""
 
 
 class EngineCore:
@@ -98,7 +98,7 @@ class EngineCore:
             SchedulerConfig(max_batch=rc.max_batch, token_budget=max(ecfg.token_budget, rc.max_batch),
                             max_chunk=rc.max_chunk, lookahead=max(rc.verify_tokens, default=1) - 1,
                             chunk_buckets=() if ecfg.ragged_steps else rc.prefill_buckets,
-                            mix_tokens_per_row=0 if ecfg.ragged_steps else rc.mix_tokens_per_row,
+                            mix_tokens_per_row=MIX_TOKENS_PER_ROW if ecfg.ragged_steps else rc.mix_tokens_per_row,
                             mix_long=rc.max_chunk, chunk_slack=ecfg.chunk_slack),
             self.pool,
         )

@@ -42,7 +42,7 @@ from engine.mixed import new_mixed_calls, run_mixed
 from engine.progress import Reporter, Steps
 from engine.scheduler import mixed_shapes
 from engine.segments import new_segment_calls, run_segmented, segment_shapes
-from engine.warm import max_outputs
+from engine.warm import max_outputs, max_tokens
 
 log = logging.getLogger("crossover.engine")
 
@@ -69,7 +69,7 @@ class FirstRuns:
                     if core.proposers and padded else [])
         self.jobs = {name: getattr(p, "first_run_jobs", list)() for name, p in core.proposers.items()}
         own = [(name, (i,)) for name, jobs in self.jobs.items() for i in range(len(jobs))]
-        ragged = [] if padded else ragged_calls.first_run_shapes(runner, max_outputs(core))
+        ragged = [] if padded else ragged_calls.first_run_shapes(max_tokens(core), max_outputs(core))
         self.left: list[tuple[str, Shape]] = ([("ragged", s) for s in ragged] + [("plain", s) for s in plain]
                                               + [("mixed", s) for s in mixed] + [("verify", s) for s in spec]
                                               + [("segments", s) for s in segments] + own)

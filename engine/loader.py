@@ -21,7 +21,7 @@ from engine.core import EngineConfig, EngineCore
 from engine.layer_draft import DRAFT_VOCABS
 from engine.memory import KV_DTYPE_BYTES, size_pool
 from engine.prefill_groups import GROUP_CHUNK, group_shapes, group_tokens
-from engine.scheduler import mix_chunk, mixed_shapes
+from engine.scheduler import MIX_TOKENS_PER_ROW, mix_chunk, mixed_shapes
 from engine.progress import Reporter, note
 from engine.runner import RunnerConfig, prefill_shapes
 from engine.segments import segment_shapes
@@ -115,13 +115,6 @@ def split_context_buckets(ladder: tuple[int, ...], batches: tuple[int, ...], pre
     return ladder[-1:], ladder[-1:]
 
 
-MIX_TOKENS_PER_ROW = 4
-"""Mixed steps: prefill tokens a step may carry per decode row (engine/mixed.py), rounded down
-to a prefill bucket (at most engine.scheduler.MIX_MAX_CHUNK). Measured on this CPU (Gemma 3
-270M, float32, `python -m bench.long_prefill`): a decode step at batch 4 takes ~42 ms and each
-prefill token a mixed call carries ~1.3 ms more, so a 32-token chunk doubled the streams' step
-(83 ms) and a 16-token one, which batches up to 4 carry, keeps it near 1.5x; batches of 8-16
-carry 32 tokens, 32 carry 128."""
 PREFILL_BUCKETS = (32, 128, 512)
 """Prefill chunk buckets; a prompt is cut where padding its chunk up would waste 32 tokens or more
 (`engine.scheduler.fit_chunk`), with mixed steps too."""
@@ -253,7 +246,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                 verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH,
                 model_proposers: tuple[str, ...] = MODEL_PROPOSERS, tensor_parallel: int = 1,
                 prefix_cache: bool = True, background_warmup: bool = False,
-                mixed_steps: bool = False, segment_rows: int = 0, ragged_steps: bool = False) -> EngineCore:
+                mixed_steps: bool = False, segment_rows: int = 0, ragged_steps: bool = True) -> EngineCore:
     """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine.
 
     With `speculation`, the verify buckets are compiled and the proposers load:

@@ -131,6 +131,12 @@ def table_width(rc) -> int:
     return rc.max_context // rc.page_size
 
 
+def token_buckets(max_tokens: int) -> list[int]:
+    """The TOKEN_BUCKETS a runner compiles: up to the one holding `max_tokens` (a step's most
+    tokens; a step with more runs as several calls, engine/ragged_step.py)."""
+    return [b for b in TOKEN_BUCKETS if b <= bucket(min(max_tokens, TOKEN_BUCKETS[-1]), TOKEN_BUCKETS)]
+
+
 def output_buckets(max_outputs: int) -> list[int]:
     """The OUTPUT_BUCKETS a runner compiles: up to the one holding `max_outputs`."""
     return [b for b in OUTPUT_BUCKETS if b <= bucket(max_outputs, OUTPUT_BUCKETS)]
@@ -165,10 +171,11 @@ def top_in(runner: ModelRunner, slots: slice) -> list[list[tuple[int, float]]] |
             for j in range(*slots.indices(len(ids)))]
 
 
-def compile_jobs(runner: ModelRunner, max_outputs: int) -> tuple[list, list]:
+def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tuple[list, list]:
     """Thunks compiling every ragged call of `runner` ahead of time from the arrays' metadata
-    (engine.compiles.abstract; no device buffer read): (one per token bucket: its forward and KV
-    write; then one per output bucket up to `max_outputs`: its gathers from each token bucket and
+    (engine.compiles.abstract; no device buffer read): (one per token bucket up to `max_tokens`:
+    its forward and KV write; then one per output bucket up to `max_outputs`: its gathers from each
+    token bucket and
     its heads, with and without logit adjustments). The second list reads the first's output
     layouts: run it after. Make them on the runner's thread."""
     rc, cfg = runner.rc, runner.cfg
@@ -192,16 +199,18 @@ def compile_jobs(runner: ModelRunner, max_outputs: int) -> tuple[list, list]:
         for adj in (None, Adjust(**Adjust.host((o, 1, runner.adjust_width)))):
             _heads.lower(params, hs, np.zeros(o, np.int32), samp, counter, adj).compile()
 
-    return ([partial(forward, n) for n in TOKEN_BUCKETS],
-            [partial(heads, o) for o in output_buckets(max_outputs)])
+    tokens = token_buckets(max_tokens)
+    return ([partial(forward, n) for n in tokens],
+            [partial(heads, o) for o in output_buckets(min(max_outputs, tokens[-1]))])
 
 
-def first_run_shapes(runner: ModelRunner, max_outputs: int) -> list[tuple[int, int]]:
+def first_run_shapes(max_tokens: int, max_outputs: int) -> list[tuple[int, int]]:
     """(token slots, output slots) that run every compiled forward and every compiled head once:
     each token bucket with the most outputs it can hold, then each output bucket left at the
     smallest token bucket holding it."""
-    outs = output_buckets(max_outputs)
-    shapes = [(n, max(o for o in outs if o <= n)) for n in TOKEN_BUCKETS]
+    tokens = token_buckets(max_tokens)
+    outs = output_buckets(min(max_outputs, tokens[-1]))
+    shapes = [(n, max(o for o in outs if o <= n)) for n in tokens]
     done = {o for _, o in shapes}
     return shapes + [(bucket(o, TOKEN_BUCKETS), o) for o in outs if o not in done]
 

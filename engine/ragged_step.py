@@ -21,10 +21,11 @@ import numpy as np
 
 from engine import ragged_calls
 from engine.penalties import fill_adjust, wants_adjust
-from engine.ragged_calls import TOKEN_BUCKETS, RaggedRow, table_width
+from engine.ragged_calls import RaggedRow, table_width, token_buckets
 from engine.sampling import Adjust, SamplingArrays
 from engine.sequence import Sequence, Status
 from engine.step import PLAIN, SpecResult, _most_rows, _propose, _row_choices, accepted_prefix, count_verified
+from engine.warm import max_tokens
 
 
 def run_ragged_step(core, plan, events, finished) -> SpecResult:
@@ -36,23 +37,24 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
     rows = []
     for item in items:
         try:
-            rows.append((item, _row(core, item)))
+            rows.append((item, _row(core, item), _sampling(core, item)))
         except Exception:
             fail(item[0], "its sampling inputs")
-    plan.decode = [item[0] for item, _ in rows if item[3] is None]
+    plan.decode = [item[0] for item, _, _ in rows if item[3] is None]
     spec = SpecResult()
-    depth = max((item[1][1] for item, _ in rows if item[2]), default=0)  # the deepest drafting row's choice
+    depth = max((item[1][1] for item, _, _ in rows if item[2]), default=0)  # the deepest drafting row's choice
     if depth:
-        spec = SpecResult(_most_rows([item for item, _ in rows if item[3] is None]), depth, propose_ms,
+        spec = SpecResult(_most_rows([item for item, _, _ in rows if item[3] is None]), depth, propose_ms,
                           per_pos=[0] * depth)
+        spec.plain_rows = sum(1 for item, _, _ in rows if item[3] is None and not item[2])  # decode one token
     t0 = time.perf_counter()
-    for call_rows in _pack(rows):
-        call = ragged_calls.new_call(core.runner, [r for _, r in call_rows])
-        for (item, _), slots in zip(call_rows, call.out_rows):
-            _fill_sampling(core, call, slots, item)
+    for call_rows in _pack(rows, token_buckets(max_tokens(core))[-1]):
+        call = ragged_calls.new_call(core.runner, [r for _, r, _ in call_rows])
+        for (_, _, samp), slots in zip(call_rows, call.out_rows):
+            _put_sampling(core, call, slots, samp)
         tok, acc, lp = ragged_calls.run(core.runner, call)
         hidden = np.asarray(core.runner.last_hidden, np.float32) if core._keep_hidden else None
-        for (item, _), slots in zip(call_rows, call.out_rows):
+        for (item, _, _), slots in zip(call_rows, call.out_rows):
             _update(core, spec, item, slots, tok, acc, lp, hidden, events, finished)
     if depth:
         spec.verify_ms = (time.perf_counter() - t0) * 1e3
@@ -83,12 +85,12 @@ def _row(core, item) -> RaggedRow:
     return RaggedRow(tokens, seq.num_cached, g, ring, write, 1 + len(drafts), tuple(drafts))
 
 
-def _pack(rows: list) -> list[list]:
-    """`rows` in order, cut into calls of at most the largest token bucket each."""
+def _pack(rows: list, most: int) -> list[list]:
+    """`rows` in order, cut into calls of at most `most` tokens (the largest token bucket) each."""
     calls, tokens = [[]], 0
     for row in rows:
         n = len(row[1].tokens)
-        if calls[-1] and tokens + n > TOKEN_BUCKETS[-1]:
+        if calls[-1] and tokens + n > most:
             calls.append([])
             tokens = 0
         calls[-1].append(row)
@@ -96,18 +98,29 @@ def _pack(rows: list) -> list[list]:
     return [c for c in calls if c]
 
 
-def _fill_sampling(core, call, slots: slice, item) -> None:
-    """The row's sampling settings at its output slots; logit adjustments where it has any."""
+def _sampling(core, item) -> tuple[dict, dict | None]:
+    """A row's sampling settings at its output slots (SamplingArrays host arrays [k]), and its
+    logit adjustments ([1, k, H]) where it has any: made before the call, so that a row whose
+    settings fail (engine/faults.py) is dropped alone."""
     seq, _, drafts, _ = item
-    sp = seq.req.sampling
-    SamplingArrays.fill(call.samp, slots, sp, seq.key)
-    if wants_adjust(sp, seq.num_output):  # position j counts drafts[:j] as output
-        k = slots.stop - slots.start
-        width = core.runner.adjust_width
-        one = Adjust.host((1, k, width))
-        fill_adjust(one, 0, seq.tokens, seq.n_prompt, sp, core._stops(sp), drafts)
+    sp, k = seq.req.sampling, 1 + len(drafts)
+    samp = SamplingArrays.host(k)
+    SamplingArrays.fill(samp, slice(0, k), sp, seq.key)
+    if not wants_adjust(sp, seq.num_output):
+        return samp, None
+    one = Adjust.host((1, k, core.runner.adjust_width))  # position j counts drafts[:j] as output
+    fill_adjust(one, 0, seq.tokens, seq.n_prompt, sp, core._stops(sp), drafts)
+    return samp, one
+
+
+def _put_sampling(core, call, slots: slice, prepared: tuple[dict, dict | None]) -> None:
+    """A row's `_sampling` arrays into the call's output slots."""
+    samp, one = prepared
+    for name, buf in samp.items():
+        call.samp[name][slots] = buf
+    if one is not None:
         if call.adjust is None:
-            call.adjust = Adjust.host((len(call.out_idx), 1, width))
+            call.adjust = Adjust.host((len(call.out_idx), 1, core.runner.adjust_width))
         for name, buf in one.items():
             call.adjust[name][slots, 0] = buf[0]
 

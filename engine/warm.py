@@ -244,11 +244,21 @@ def _run_pool(jobs: list[Job], n_forward: int) -> None:
             list(pool.map(lambda job: job(), group))
 
 
+def max_tokens(core) -> int:
+    """Most tokens one ragged step runs: the scheduler's token budget, plus the drafts of the
+    rows that may verify."""
+    rc = core.runner.rc
+    return core.scheduler.cfg.token_budget + _drafts(rc)
+
+
+def _drafts(rc) -> int:
+    return min(rc.spec_max_batch, rc.max_batch) * (max(rc.verify_tokens, default=1) - 1)
+
+
 def max_outputs(core) -> int:
     """Most output tokens one ragged step asks for: a token per row, plus the drafts of the rows
     that may verify."""
-    rc = core.runner.rc
-    return rc.max_batch + min(rc.spec_max_batch, rc.max_batch) * (max(rc.verify_tokens, default=1) - 1)
+    return core.runner.rc.max_batch + _drafts(core.runner.rc)
 
 
 def warm_engine(core, progress: Reporter, background: bool) -> SpecWarmup:
@@ -256,7 +266,7 @@ def warm_engine(core, progress: Reporter, background: bool) -> SpecWarmup:
     `is_ready` the core's StepChooser then consults."""
     runner = core.runner
     if core.ecfg.ragged_steps:
-        forwards, heads = ragged_calls.compile_jobs(runner, max_outputs(core))
+        forwards, heads = ragged_calls.compile_jobs(runner, max_tokens(core), max_outputs(core))
         _run_pool(forwards + heads, len(forwards))
         plain_left = []
     elif background and runner.mesh is None:

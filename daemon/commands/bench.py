@@ -76,8 +76,9 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
         help="the engine started here decodes plainly (default: n-gram loaded, the starter policy served)")
     add("--mixed-steps", action="store_true",
         help="the engine started here prefills long prompts inside decode calls (crossover serve --mixed-steps)")
-    add("--ragged-steps", action="store_true",
-        help="the engine started here runs each step as one ragged call (crossover serve --ragged-steps)")
+    add("--ragged-steps", action=argparse.BooleanOptionalAction, default=True,
+        help="the engine started here runs each step as one ragged call, as crossover serve does by "
+             "default (--no-ragged-steps: padded calls per kind)")
     add("--url", default=None,
         help="bench the daemon at this URL instead of one started here (no engine-only run)")
     add("--api-key", default=None, help="bearer key for --url (default: $CROSSOVER_API_KEY)")

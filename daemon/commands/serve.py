@@ -87,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
              "own that stall running streams (default off)")
     add("--ragged-steps", action=argparse.BooleanOptionalAction, default=None,
         help="run every row of a step (decode, verify, prefill chunks) in one forward over a flat token "
-             "axis instead of padded calls per kind (default off)")
+             "axis instead of padded calls per kind (default on)")
     add("--segment-rows", type=int, metavar="N",
         help="rows that draft nothing decode beside the drafting rows' verify in one forward, in batches "
              "up to N rows (12 covers batches 4-8; default 0: off)")

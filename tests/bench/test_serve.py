@@ -221,11 +221,11 @@ def test_speculation_reaches_the_engine_started_here(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(engine.loader, "load_engine", load_engine)
     policies = []
-    for flags in ([], ["--no-speculation"], ["--mixed-steps"], ["--ragged-steps"]):
+    for flags in ([], ["--no-speculation"], ["--mixed-steps"], ["--no-ragged-steps"]):
         cfg = _serve_config(build_parser().parse_args(["bench", "serve", *flags]))
         policies.append(_policy(cfg, _load_engine(cfg)))
-    assert seen == [(True, (), False, False), (False, (), False, False), (True, (), True, False),
-                    (True, (), False, True)]
+    assert seen == [(True, (), False, True), (False, (), False, True), (True, (), True, True),
+                    (True, (), False, False)]
     assert policies[0].choose(2) == ("ngram", 4) and policies[0].crossover == 8
     assert policies[1].choose(2) == ("none", 0)
 

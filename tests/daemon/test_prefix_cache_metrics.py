@@ -56,10 +56,10 @@ def test_no_prefix_cache_flag_and_variable_reach_the_engine(monkeypatch) -> None
     assert seen["prefix_cache"] is False
 
 
-@pytest.mark.parametrize("field", ["mixed_steps", "ragged_steps"])
-def test_step_flags_and_variables_reach_the_engine(monkeypatch, field) -> None:
-    """Mixed and ragged steps are off unless asked for; --mixed-steps / --ragged-steps and
-    CROSSOVER_MIXED_STEPS / CROSSOVER_RAGGED_STEPS turn them on."""
+@pytest.mark.parametrize(("field", "default"), [("mixed_steps", False), ("ragged_steps", True)])
+def test_step_flags_and_variables_reach_the_engine(monkeypatch, field, default) -> None:
+    """Ragged steps are on and mixed steps off unless asked otherwise; --[no-]ragged-steps /
+    --mixed-steps and CROSSOVER_RAGGED_STEPS / CROSSOVER_MIXED_STEPS turn them the other way."""
     import argparse
 
     import engine.loader
@@ -68,16 +68,17 @@ def test_step_flags_and_variables_reach_the_engine(monkeypatch, field) -> None:
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    args = parser.parse_args(["--" + field.replace("_", "-")])
+    args = parser.parse_args(["--" + ("" if not default else "no-") + field.replace("_", "-")])
     settings = load_settings({k: getattr(args, k) for k in serve.SETTING_FLAGS}, {})
-    assert getattr(settings, field) is True
-    assert getattr(load_settings({}, env={"CROSSOVER_" + field.upper(): "on"}), field) is True
-    assert getattr(load_settings({}, env={}), field) is False
+    assert getattr(settings, field) is not default
+    env = {"CROSSOVER_" + field.upper(): "off" if default else "on"}
+    assert getattr(load_settings({}, env=env), field) is not default
+    assert getattr(load_settings({}, env={}), field) is default
     seen = {}
     monkeypatch.setattr(engine.loader, "load_engine", lambda **kw: seen.update(kw) or type(
         "E", (), {"model_name": "m"})())
     serve._load_engine(settings, args)
-    assert seen[field] is True
+    assert seen[field] is not default
 
 
 def test_segment_rows_flag_and_variable_reach_the_engine(monkeypatch) -> None:

@@ -52,10 +52,13 @@ class LetterTokenizer(ByteTokenizer):
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-def make_engine(tiny, tokenizer=None, **rc_overrides) -> EngineCore:
+def make_engine(tiny, tokenizer=None, ragged_steps: bool = True, **rc_overrides) -> EngineCore:
+    """The tiny model's engine with TINY_RC (and `rc_overrides`); `ragged_steps` False: the padded
+    steps (engine/step.py) with their staged warmup, mixed calls and segments."""
     cfg, params = tiny
     rc = RunnerConfig(**{**TINY_RC.__dict__, **rc_overrides})
-    return EngineCore(cfg, params, tokenizer or ByteTokenizer(), EngineConfig(runner=rc, token_budget=32))
+    return EngineCore(cfg, params, tokenizer or ByteTokenizer(),
+                      EngineConfig(runner=rc, token_budget=32, ragged_steps=ragged_steps))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 import engine.core as core_module
+import engine.ragged_step as ragged_step_module
+from engine import ragged_calls
 from engine.policy import BatchRule, TunedPolicy
 from engine.proposers import NgramProposer
 from engine.types import Request, SamplingParams
@@ -45,6 +47,14 @@ def clean(tiny):
     return _drive(make_engine(tiny, **SPEC_RC), good)[0]
 
 
+def _patch_forward(engine, monkeypatch, flaky_of):
+    """Run every forward call of `engine`'s steps through `flaky_of(real)`, real(call) being the
+    ragged call each step makes."""
+    real = ragged_calls.run
+    flaky = flaky_of(lambda c: real(engine.runner, c))
+    monkeypatch.setattr(ragged_calls, "run", lambda runner, c: flaky(c))
+
+
 def _only_bad_failed(engine, tokens, reasons, clean):
     assert reasons == {"r0": "length", "r1": "length", "r2": "length", "bad": "error"}
     assert {k: tokens[k] for k in clean} == clean
@@ -68,16 +78,17 @@ def test_a_fault_in_one_sequences_stop_rules_fails_it_alone(tiny, clean, monkeyp
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
-def test_a_fault_in_one_sequences_sampling_inputs_fails_it_alone(tiny, clean, phase):
+def test_a_fault_in_one_sequences_sampling_inputs_fails_it_alone(tiny, clean, phase, monkeypatch):
     engine = make_engine(tiny, **SPEC_RC)
-    real = engine._fill_row
+    real = ragged_step_module._sampling
 
-    def flaky(c, row, seq, n):
+    def flaky(core, item):
+        seq = item[0]
         if seq.request_id == "bad" and (phase == "prefill" or seq.num_output >= 2):
             raise OverflowError("bad sampling value")
-        return real(c, row, seq, n)
+        return real(core, item)
 
-    engine._fill_row = flaky
+    monkeypatch.setattr(ragged_step_module, "_sampling", flaky)
     tokens, reasons = _drive(engine)
     _only_bad_failed(engine, tokens, reasons, clean)
 
@@ -134,20 +145,22 @@ def test_a_proposer_fault_no_sequence_reproduces_propagates(tiny, monkeypatch):
 
 
 @pytest.mark.parametrize("lose_kv", [False, True])
-def test_a_forward_fault_propagates_and_recover_ends_everything(tiny, clean, lose_kv):
+def test_a_forward_fault_propagates_and_recover_ends_everything(tiny, clean, lose_kv, monkeypatch):
     engine = make_engine(tiny, **SPEC_RC)
-    real, calls = engine.runner.run, []
+    calls = []
 
-    def flaky(c):
-        calls.append(1)
-        if len(calls) == 6:
-            if lose_kv:  # as if the KV arrays were donated to a call that then failed
-                for a in (engine.runner.kv.global_k, engine.runner.kv.local_v):
-                    a.delete()
-            raise RuntimeError("device error")
-        return real(c)
+    def flaky_of(real):
+        def flaky(c):
+            calls.append(1)
+            if len(calls) == 6:
+                if lose_kv:  # as if the KV arrays were donated to a call that then failed
+                    for a in (engine.runner.kv.global_k, engine.runner.kv.local_v):
+                        a.delete()
+                raise RuntimeError("device error")
+            return real(c)
+        return flaky
 
-    engine.runner.run = flaky
+    _patch_forward(engine, monkeypatch, flaky_of)
     for rid, text in PROMPTS.items():
         engine.add_request(Request(rid, TOK.encode(text), SP))
     engine.add_request(Request("queued", TOK.encode("q"), SP))
@@ -167,24 +180,29 @@ def test_a_forward_fault_propagates_and_recover_ends_everything(tiny, clean, los
     assert _drive(engine, good)[0] == clean  # the engine serves as before, same tokens
 
 
-def test_recover_reports_the_requests_the_failed_step_had_already_ended(tiny):
+def test_recover_reports_the_requests_the_failed_step_had_already_ended(tiny, monkeypatch):
     engine = make_engine(tiny, **SPEC_RC)
-    real, calls = engine.runner.run, []
+    real = ragged_step_module._sampling
 
-    def second_call_fails(c):
-        calls.append(1)
-        if len(calls) == 2:
+    def fails_short(core, item):
+        if item[0].request_id == "short":
+            raise OverflowError("bad sampling value")
+        return real(core, item)
+
+    def call_fails_of(real_call):
+        def call_fails(c):
             raise RuntimeError("device error")
-        return real(c)
+        return call_fails
 
-    engine.runner.run = second_call_fails
-    engine.add_request(Request("short", TOK.encode("a"), SamplingParams(max_tokens=1)))  # ends in prefill
+    monkeypatch.setattr(ragged_step_module, "_sampling", fails_short)
+    _patch_forward(engine, monkeypatch, call_fails_of)
+    engine.add_request(Request("short", TOK.encode("a"), SamplingParams(max_tokens=1)))
     engine.add_request(Request("other", TOK.encode("b"), SP))
     with pytest.raises(RuntimeError):
-        engine.step()  # both prefill in this step: the first ends, the second's call raises
+        engine.step()  # "short" fails alone before the call, then the call raises
     results = {r.request_id: r for r in engine.recover()}
     assert set(results) == {"short", "other"} and {r.finish_reason for r in results.values()} == {"error"}
-    assert results["short"].output_tokens == 1
+    assert results["short"].output_tokens == 0
     assert engine.recover() == [] and engine.pool.used == 0
 
 
@@ -207,7 +225,7 @@ def test_a_step_with_nothing_runnable_preempts_instead_of_raising(tiny, clean):
     assert engine.pool.used == 0
 
 
-def test_the_engine_thread_restarts_the_tiny_engine_after_forward_faults(tiny):
+def test_the_engine_thread_restarts_the_tiny_engine_after_forward_faults(tiny, monkeypatch):
     """Through daemon.bridge: one fault fails the request in flight and the loop serves again;
     faults past the bound fail the thread for good."""
     import asyncio
@@ -215,15 +233,17 @@ def test_the_engine_thread_restarts_the_tiny_engine_after_forward_faults(tiny):
     from daemon.bridge import EngineError, EngineThread
 
     engine = make_engine(tiny, **SPEC_RC)
-    real, faults = engine.runner.run, []
+    faults = []
 
-    def flaky(c):
-        if faults and faults[0] > 0:
-            faults[0] -= 1
-            raise RuntimeError("device error")
-        return real(c)
+    def flaky_of(real):
+        def flaky(c):
+            if faults and faults[0] > 0:
+                faults[0] -= 1
+                raise RuntimeError("device error")
+            return real(c)
+        return flaky
 
-    engine.runner.run = flaky
+    _patch_forward(engine, monkeypatch, flaky_of)
 
     async def run(rid: str) -> list[int]:
         return [t async for e in thread.submit(Request(rid, TOK.encode("abc abc"), SP)) for t in e.token_ids]

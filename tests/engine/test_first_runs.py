@@ -11,12 +11,18 @@ from engine.compiles import compile_count
 from engine.policy import BatchRule, TunedPolicy
 from engine.scheduler import mixed_shapes
 from engine.types import SamplingParams
-from tests.engine.conftest import SPEC_RC, make_engine, run_prompts
+from tests.engine.conftest import SPEC_RC, run_prompts
+from tests.engine.conftest import make_engine as _make_engine
 
 RC = dict(batch_buckets=(1, 2), context_buckets=(32, 128), verify_tokens=(3,), spec_max_batch=2)
 SP = SamplingParams(max_tokens=8, ignore_eos=True)
 PROMPTS = ["abcabcabcabcab", "xyzxyzxyz", "hello there, hello there"]
 NGRAM = TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=64, version=1)
+
+
+def make_engine(tiny, tokenizer=None, **rc):
+    """The padded steps' engine (EngineConfig.ragged_steps off): what this module tests."""
+    return _make_engine(tiny, tokenizer, ragged_steps=False, **rc)
 
 
 def _ran(monkeypatch) -> list[tuple[str, tuple]]:

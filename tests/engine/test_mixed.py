@@ -13,10 +13,16 @@ from engine.kv import Batch, KVState, cache_reader
 from engine.model import forward, forward_segments, unstack_layers
 from engine.scheduler import mix_chunk
 from engine.types import Request, SamplingParams
-from tests.engine.conftest import ByteTokenizer, make_engine
+from tests.engine.conftest import ByteTokenizer
+from tests.engine.conftest import make_engine as _make_engine
 
 TOK = ByteTokenizer()
 MIX = dict(mix_tokens_per_row=4)
+
+
+def make_engine(tiny, tokenizer=None, **rc):
+    """The padded steps' engine (EngineConfig.ragged_steps off): what this module tests."""
+    return _make_engine(tiny, tokenizer, ragged_steps=False, **rc)
 
 
 def _count_mixed(monkeypatch, sizes: list | None = None) -> list[int]:

@@ -7,11 +7,17 @@ from engine.prefill_groups import group_shapes, split_groups
 from engine.runner import RunnerConfig
 from engine.sequence import Detokenizer, Sequence, request_key
 from engine.types import Request, SamplingParams
-from tests.engine.conftest import TINY_RC, ByteTokenizer, make_engine, run_prompts
+from tests.engine.conftest import TINY_RC, ByteTokenizer, run_prompts
+from tests.engine.conftest import make_engine as _make_engine
 
 SP = SamplingParams(max_tokens=6, ignore_eos=True)
 PROMPTS = ["ab", "xyz", "abcd", "hello world!", "q", "a longer prompt, of more than one chunk", "hi", "abc"]
 """Tiny buckets: chunks of at most 4 tokens group; the longer prompts' first chunks run alone."""
+
+
+def make_engine(tiny, tokenizer=None, **rc):
+    """The padded steps' engine (EngineConfig.ragged_steps off): what this module tests."""
+    return _make_engine(tiny, tokenizer, ragged_steps=False, **rc)
 
 
 def _calls(engine) -> list[tuple[int, int]]:

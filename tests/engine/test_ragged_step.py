@@ -12,9 +12,10 @@ from engine.core import EngineConfig, EngineCore
 from engine.drafting import add_model_proposers
 from engine.heads import DraftHeads
 from engine.policy import BatchRule, TunedPolicy
-from engine.ragged_calls import TOKEN_BUCKETS
+from engine.ragged_calls import token_buckets
 from engine.runner import RunnerConfig
 from engine.types import Request, SamplingParams
+from engine.warm import max_tokens
 from tests.engine.conftest import SPEC_PROMPTS, SPEC_RC, TINY_RC, ByteTokenizer, make_engine, run_prompts
 
 TOK = ByteTokenizer()
@@ -37,7 +38,7 @@ def _engine(tiny, prefix_cache=True, spec=False):
 @pytest.fixture(scope="module")
 def padded(tiny):
     sps = _params()
-    e = make_engine(tiny, **EXACT)
+    e = make_engine(tiny, ragged_steps=False, **EXACT)
     return [run_prompts(e, PROMPTS, sp, TOK)[0] for sp in sps]
 
 
@@ -60,7 +61,7 @@ def test_ragged_steps_give_the_padded_steps_tokens(tiny, padded, prefix_cache):
     ran = 0
     while e.idle():  # idle moments run each ragged call once (none of the padded calls: never compiled)
         ran += 1
-    assert ran >= len(TOKEN_BUCKETS) and e.compiles_since_warmup() == 0
+    assert ran >= len(token_buckets(max_tokens(e))) and e.compiles_since_warmup() == 0
     assert e.pool.used == 0  # a first run writes the scratch page alone
     assert e.pool.used == 0 and e.pool.free == e.pool.total
 
@@ -68,7 +69,7 @@ def test_ragged_steps_give_the_padded_steps_tokens(tiny, padded, prefix_cache):
 def test_logprobs_of_ragged_steps_equal_the_padded_steps(tiny):
     sp = _params()[1]
     got, want = [], []
-    for e, into in ((_engine(tiny), got), (make_engine(tiny, **EXACT), want)):
+    for e, into in ((_engine(tiny), got), (make_engine(tiny, ragged_steps=False, **EXACT), want)):
         e.add_request(Request("q", TOK.encode(PROMPTS[0]), sp))
         while e.has_work():
             for ev in e.step().events:

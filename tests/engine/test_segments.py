@@ -12,7 +12,8 @@ from engine.heads import DraftHeads
 from engine.policy import BatchRule, TenantRule, TunedPolicy
 from engine.segments import segment_pairs, segment_shapes
 from engine.types import Request, SamplingParams, segment_split
-from tests.engine.conftest import SPEC_PROMPTS, SPEC_RC, ByteTokenizer, churn_with_aborts, make_engine
+from tests.engine.conftest import SPEC_PROMPTS, SPEC_RC, ByteTokenizer, churn_with_aborts
+from tests.engine.conftest import make_engine as _make_engine
 
 TOK = ByteTokenizer()
 TENANTS = ("copy", "chat", "code", "chat")
@@ -24,6 +25,11 @@ SP = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=True, top_logprobs=
 SEGMENTED = dict(SPEC_RC, verify_tokens=(2, 5), segment_rows=4)
 """Two plain and two drafting rows: segments (2, 2) at 1 + depth 5. One verify length that segments
 and at most 4 rows keep the compiles few (4 segment shapes)."""
+
+
+def make_engine(tiny, tokenizer=None, **rc):
+    """The padded steps' engine (EngineConfig.ragged_steps off): what this module tests."""
+    return _make_engine(tiny, tokenizer, ragged_steps=False, **rc)
 
 
 def _run(engine, sp=SP):

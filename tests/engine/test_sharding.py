@@ -37,7 +37,7 @@ layout = lambda a: str(getattr(a.sharding, "spec", "single device"))
 # one batch for all prompts, one chunk, one context: what the check needs, compiled for N = 1, 2, 4.
 e = make_engine(tiny, verify_tokens=(3,), spec_max_batch=8, tensor_parallel=n, batch_buckets=(1, 8),
                 prefill_buckets=(16,), context_buckets=(128,))
-e.runner.warmup(progress=False)
+e.warmup(progress=False)
 before = compile_count()
 plain = run_prompts(e, SPEC_PROMPTS, sp)[0]
 e.set_policy(TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=64, version=1))

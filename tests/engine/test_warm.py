@@ -17,7 +17,8 @@ from engine.drafting import add_model_proposers
 from engine.heads import DraftHeads
 from engine.policy import BatchRule, TunedPolicy
 from engine.types import SamplingParams
-from tests.engine.conftest import make_engine, run_prompts
+from tests.engine.conftest import run_prompts
+from tests.engine.conftest import make_engine as _make_engine
 
 SMALL = dict(batch_buckets=(1, 2), context_buckets=(32,), verify_tokens=(3,), spec_max_batch=2)
 """Few shapes: one context, batches 1 and 2, one verify size (depth 2)."""
@@ -25,6 +26,11 @@ NGRAM = TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=64, version=1)
 SP = SamplingParams(max_tokens=8, ignore_eos=True)
 PROMPTS = ["abcabcabcabcab", "xyzxyzxyz", "aaaa", "abab abab"]
 """Short repetitive prompts (n-gram drafts match): the context stays in the 32-token bucket."""
+
+
+def make_engine(tiny, tokenizer=None, **rc):
+    """The padded steps' engine (EngineConfig.ragged_steps off): what this module tests."""
+    return _make_engine(tiny, tokenizer, ragged_steps=False, **rc)
 
 
 def _background(engine):
