@@ -48,7 +48,7 @@ from functools import partial
 from engine import ragged_calls
 from engine.compiles import (compile_count, freeze_heap, map_limit, memory_mappings, release_lowerings,
                              serving_compiles, trim_heap, warming)
-from engine.progress import Reporter, note
+from engine.progress import Reporter, Steps, note
 from engine.segments import segment_jobs
 
 log = logging.getLogger("crossover.engine")
@@ -206,16 +206,7 @@ def _plain_stages(runner, progress: Reporter) -> list[Job]:
         return []
     t0 = time.perf_counter()
     _run_pool(runner.plain_jobs(first), len(first))
-    # Mixed calls (engine/mixed.py) run only where both their segments' plain shapes are usable
-    # unpadded, so compiling them before any further plain shape keeps them out of serving;
-    # one whose segments are both among the first shapes compiles here, with them.
-    from engine.scheduler import mixed_shapes
-
-    mixed, mixed_sampling = runner.extra_jobs()  # set by EngineCore (engine.mixed.mixed_jobs)
-    if any((b, 1, c) in first and (bp, t, c) in first for b, bp, t, c in mixed_shapes(runner.rc)):
-        _run_pool(mixed + mixed_sampling, len(mixed))
-        mixed, mixed_sampling = [], []
-    jobs: list[Job] = [*mixed, *mixed_sampling]
+    jobs: list[Job] = []
     rows = {(s[0] if s[1] == 1 else 1) for s in first}  # batch rows whose sampling is compiled
     for i, s in enumerate(rest):
         forward, sampling = runner.plain_jobs([s])  # one forward (+ KV write), one sampling
@@ -236,12 +227,21 @@ def _one_shape(runner, shape: Shape, forward: Job, sampling: Job | None, last: b
     runner.usable = None if last else runner.usable | {shape}  # replaced whole: read by the engine thread
 
 
-def _run_pool(jobs: list[Job], n_forward: int) -> None:
+def _run_pool(jobs: list[Job], n_forward: int, bar: Steps | None = None) -> None:
     """Run the forward jobs, then the sampling jobs (they read the forwards' output layouts),
-    on WARMUP_THREADS threads: lowering holds the GIL, loading or compiling mostly not."""
+    on WARMUP_THREADS threads: lowering holds the GIL, loading or compiling mostly not. `bar`
+    advances once per job."""
+    lock = threading.Lock()
+
+    def run(job: Job) -> None:
+        job()
+        if bar is not None:
+            with lock:
+                bar.advance()
+
     with ThreadPoolExecutor(WARMUP_THREADS, thread_name_prefix="crossover-warmup") as pool:
         for group in (jobs[:n_forward], jobs[n_forward:]):
-            list(pool.map(lambda job: job(), group))
+            list(pool.map(run, group))
 
 
 def max_tokens(core) -> int:
@@ -267,7 +267,11 @@ def warm_engine(core, progress: Reporter, background: bool) -> SpecWarmup:
     runner = core.runner
     if core.ecfg.ragged_steps:
         forwards, heads = ragged_calls.compile_jobs(runner, max_tokens(core), max_outputs(core))
-        _run_pool(forwards + heads, len(forwards))
+        t0 = time.perf_counter()
+        with Steps(progress, "warmup: compiling shapes", len(forwards) + len(heads)) as bar:
+            _run_pool(forwards + heads, len(forwards), bar)
+        note(progress, f"warmup: {len(forwards)} ragged forwards and {len(heads)} output calls compiled "
+                       f"in {time.perf_counter() - t0:.1f}s")
         plain_left = []
     elif background and runner.mesh is None:
         plain_left = _plain_stages(runner, progress)
