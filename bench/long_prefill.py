@@ -1,7 +1,9 @@
 """Inter-token latency of running streams while a long prompt is prefilled.
 
-1. Load the engine in-process (as `crossover bench serve` does) with mixed
-   steps on or off (`--no-mixed`: every prefill chunk in a call of its own).
+1. Load the engine in-process (as `crossover bench serve` does) with ragged
+   steps (the default: a long prompt's chunks ride in the streams' calls,
+   capped while they decode) or the padded ones (`--no-ragged-steps`: every
+   prefill chunk in a call of its own).
 2. Start `--streams` greedy requests with short prompts and long outputs;
    once each has produced `--warm-tokens` tokens, send one request with a
    `--prompt-tokens` prompt (max_tokens 1).
@@ -11,7 +13,7 @@
    first token) and over the others, the long prompt's TTFT, and the p99
    during the prefill over the median of all tokens and of the others.
 
-    python -m bench.long_prefill --out bench/results/serve-efficiency/long-prefill.json
+    python -m bench.long_prefill --out bench/results/ragged-steps/long-prefill.json
 """
 
 from __future__ import annotations
@@ -84,17 +86,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--stream-tokens", type=int, default=160, help="output tokens of each stream")
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--max-batch", type=int, default=32)
-    ap.add_argument("--no-mixed", action="store_true", help="prefill chunks in calls of their own")
+    ap.add_argument("--no-ragged-steps", action="store_true",
+                    help="the padded steps (engine/step.py): prefill chunks in calls of their own")
     args = ap.parse_args(argv)
     from engine.loader import load_engine
 
     engine = load_engine(max_batch=args.max_batch, max_context=args.max_context, speculation=False,
-                         progress=False, mixed_steps=not args.no_mixed)
+                         progress=False, ragged_steps=not args.no_ragged_steps)
     engine.warmup(progress=False)
     from bench.engine import run_each_shape_once
 
-    run_each_shape_once(engine)  # mixed calls' shapes included
-    result = {"bench": "long_prefill", "mixed_steps": not args.no_mixed,
+    run_each_shape_once(engine)
+    result = {"bench": "long_prefill", "ragged_steps": not args.no_ragged_steps,
               **measure(engine, args.streams, args.prompt_tokens, args.warm_tokens, args.stream_tokens),
               "compiles_since_warmup": engine.compiles_since_warmup()}
     print(json.dumps(result, indent=2))

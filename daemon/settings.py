@@ -74,8 +74,6 @@ class Settings:
     """Share the KV pages of common prompt prefixes between requests (engine/prefix_cache.py)."""
     segment_rows: int = 0
     """Segmented verifies up to this many rows (engine/segments.py); 0: off (daemon/README.md)."""
-    mixed_steps: bool = False
-    """Long prompts' chunks ride in the decode call (engine/mixed.py); off by default (daemon/README.md)."""
     ragged_steps: bool = True
     """Each step one ragged call (engine/ragged_step.py); off: padded calls per kind (daemon/README.md)."""
     heads: str | None = None

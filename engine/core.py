@@ -2,9 +2,10 @@
 
 1. `add_request` / `abort` (any thread) put commands in an inbox.
 2. `step()` (the engine thread) drains the inbox, asks the Scheduler for a
-   plan (decode batch + prefill chunks) and runs it (engine/step.py: one
-   forward for the decode rows and the chunks where a mixed shape fits),
-   appending the sampled tokens to their sequences.
+   plan (decode batch + prefill chunks) and runs it (engine/ragged_step.py:
+   one forward for every row; engine/step.py with EngineConfig.ragged_steps
+   off: padded calls per kind), appending the sampled tokens to their
+   sequences.
 3. Stop rules run on the host (sequence.append_tokens); finished or aborted
    sequences free their pages at once.
 4. The step returns TokenEvents, RequestResults and one StepStats.
@@ -23,7 +24,6 @@ import logging
 import queue
 import time
 from dataclasses import dataclass, replace
-from functools import partial
 
 import numpy as np
 
@@ -34,7 +34,6 @@ from engine.config import ModelConfig
 from engine.faults import unadmitted
 from engine.first_runs import FirstRuns
 from engine.kv import KVPool, KVState
-from engine.mixed import mixed_jobs
 from engine.segments import segment_shapes
 from engine.model import Params
 from engine.penalties import fill_adjust, wants_adjust
@@ -91,14 +90,13 @@ class EngineCore:
         self.max_context = rc.max_context
         self.max_batch = rc.max_batch
         self.runner = ModelRunner(cfg, params, rc)
-        self.runner.extra_jobs = partial(mixed_jobs, self.runner)  # warmup compiles mixed calls too
         self.pool = KVPool(rc.global_pages, rc.local_pages, rc.page_size, rc.ring_pages,
                            cfg.sliding_window if ecfg.prefix_cache else None)
         self.scheduler = Scheduler(
             SchedulerConfig(max_batch=rc.max_batch, token_budget=max(ecfg.token_budget, rc.max_batch),
                             max_chunk=rc.max_chunk, lookahead=max(rc.verify_tokens, default=1) - 1,
                             chunk_buckets=() if ecfg.ragged_steps else rc.prefill_buckets,
-                            mix_tokens_per_row=MIX_TOKENS_PER_ROW if ecfg.ragged_steps else rc.mix_tokens_per_row,
+                            mix_tokens_per_row=MIX_TOKENS_PER_ROW if ecfg.ragged_steps else 0,
                             mix_long=rc.max_chunk, chunk_slack=ecfg.chunk_slack),
             self.pool,
         )

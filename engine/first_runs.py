@@ -1,4 +1,4 @@
-"""First executions: every compiled plain, mixed and verify shape runs once before serving needs it.
+"""First executions: every compiled ragged, plain and verify shape runs once before serving needs it.
 
 XLA:CPU's first execution of an executable costs 100-400 ms more CPU than its later ones on
 this machine, even right after warmup compiled or loaded it (measured per shape: no tracing,
@@ -10,9 +10,7 @@ dozens of shapes in its first minute. So the engine runs each shape once on the 
 - `run_one` runs the next one, for the daemon's step loop while it has nothing to do
   (`EngineCore.idle`), so a fresh daemon does this in its first idle seconds.
 A shape still compiling in the background is skipped until it is compiled (running it would
-compile it on the engine thread); a mixed call (engine/mixed.py) waits until both its
-segments' plain shapes are usable unpadded, as serving does (warmup compiles it before them);
-verify shapes wait until a technique is ready, segmented verifies (engine/segments.py) until
+compile it on the engine thread); verify shapes wait until a technique is ready, segmented verifies (engine/segments.py) until
 theirs are compiled. Proposers' own executables (MTP heads, the early-exit and draft-model
 layer stacks and the draft model's catch-up prefill: each proposer's `first_run_jobs`) run
 last, once their technique is ready, so the first step that drafts with one at a batch bucket
@@ -38,16 +36,14 @@ import time
 import numpy as np
 
 from engine import ragged_calls
-from engine.mixed import new_mixed_calls, run_mixed
 from engine.progress import Reporter, Steps
-from engine.scheduler import mixed_shapes
 from engine.segments import new_segment_calls, run_segmented, segment_shapes
 from engine.warm import max_outputs, max_tokens
 
 log = logging.getLogger("crossover.engine")
 
-Shape = tuple[int, ...]  # plain and verify (batch, tokens, context); mixed (batch, rows, chunk, context);
-# ragged (token slots, output slots)
+Shape = tuple[int, ...]  # plain and verify (batch, tokens, context); segments (plain rows, verify rows,
+# verify tokens, context); ragged (token slots, output slots)
 
 TIMED_RUNS = 2
 """Timed runs of each decode and verify shape after its first (the faster is kept: one run
@@ -55,14 +51,13 @@ alone varies by a tenth on a shared machine)."""
 
 
 class FirstRuns:
-    """The plain, mixed and verify shapes of one engine not yet run, cheapest first."""
+    """The ragged, plain and verify shapes of one engine not yet run, cheapest first."""
 
     def __init__(self, core) -> None:
         self.core = core
         runner = core.runner
         padded = not core.ecfg.ragged_steps  # ragged steps run none of the padded shapes
         plain = sorted(runner.shapes(), key=lambda s: (s[0] * s[1], s[2])) if padded else []
-        mixed = sorted(mixed_shapes(runner.rc), key=lambda s: (s[0] + s[1] * s[2], s[3])) if padded else []
         spec = (sorted(runner.verify_shapes(), key=lambda s: (s[0] * s[1], s[2]))
                 if core.proposers and padded else [])
         segments = (sorted(segment_shapes(runner.rc), key=lambda s: s[0] + s[1] * s[2])
@@ -71,7 +66,7 @@ class FirstRuns:
         own = [(name, (i,)) for name, jobs in self.jobs.items() for i in range(len(jobs))]
         ragged = [] if padded else ragged_calls.first_run_shapes(max_tokens(core), max_outputs(core))
         self.left: list[tuple[str, Shape]] = ([("ragged", s) for s in ragged] + [("plain", s) for s in plain]
-                                              + [("mixed", s) for s in mixed] + [("verify", s) for s in spec]
+                                              + [("verify", s) for s in spec]
                                               + [("segments", s) for s in segments] + own)
         self._timed_context = max(runner.rc.spec_contexts) if spec else None
         self._to_time: list[tuple[str, Shape]] = []  # timed runs still to do, one per idle moment
@@ -126,9 +121,6 @@ class FirstRuns:
             warm = self.core.spec_warmup
             return warm is not None and any(s == "ready" for s in warm.status().values())
         usable = self.core.runner.usable
-        if kind == "mixed":  # serving runs one only with both segments unpadded (new_mixed_calls)
-            b, rows, chunk, context = shape
-            return usable is None or {(b, 1, context), (rows, chunk, context)} <= usable
         return usable is None or shape in usable
 
     def _timed_shape(self, kind: str, shape: Shape) -> bool:
@@ -152,15 +144,6 @@ class FirstRuns:
         runner = self.core.runner
         if kind == "ragged":
             ragged_calls.run_padding(runner, *shape)
-            return True
-        if kind == "mixed":
-            calls = new_mixed_calls(runner, *shape)
-            if calls is None:
-                return False  # padded to another shape: not what serving would run
-            d, p = calls
-            d.n_new[:], p.n_new[:] = 1, shape[2]
-            d.logit_idx[:, 0], p.logit_idx[:, 0] = 0, shape[2] - 1
-            run_mixed(runner, (d, p))
             return True
         if kind == "segments":
             p, v, q, context = shape

@@ -21,7 +21,6 @@ from engine.core import EngineConfig, EngineCore
 from engine.layer_draft import DRAFT_VOCABS
 from engine.memory import KV_DTYPE_BYTES, size_pool
 from engine.prefill_groups import GROUP_CHUNK, group_shapes, group_tokens
-from engine.scheduler import MIX_TOKENS_PER_ROW, mix_chunk, mixed_shapes
 from engine.progress import Reporter, note
 from engine.runner import RunnerConfig, prefill_shapes
 from engine.segments import segment_shapes
@@ -86,20 +85,20 @@ def estimated_mappings(rc: RunnerConfig, drafting: bool) -> float:
     plain = len(rc.batch_buckets) * len(rc.context_buckets) + len(prefill_shapes(rc.prefill_buckets,
                                                                                    rc.context_buckets))
     spec = spec_shapes_per_context(rc.batch_buckets, rc.verify_tokens, rc.spec_max_batch, drafting)
-    plain += len(mixed_shapes(rc)) + len(group_shapes(rc.batch_buckets, group_tokens(rc), rc.context_buckets,
+    plain += len(group_shapes(rc.batch_buckets, group_tokens(rc), rc.context_buckets,
                                                       rc.prefill_rows)) + len(segment_shapes(rc)) * MAPS_PER_SEGMENT / MAPS_PER_SHAPE
     return MAPS_RESERVE + MAPS_PER_SHAPE * (plain + spec * len(rc.spec_contexts))
 
 
 def split_context_buckets(ladder: tuple[int, ...], batches: tuple[int, ...], prefills: tuple[int, ...],
                           spec_per_context: float, limit: int | None,
-                          mixed: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                          kept: float = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(plain decoding's and prefill's context buckets, speculation's) whose compiled shapes stay
     within `limit` mappings: plain serving keeps as many of `ladder` as fit, then speculation takes
     the largest of those that fit in what is left (at least the largest bucket). The smallest
     buckets go first: a short context then pads to the next one, costing attention time only,
     and speculation runs at batches up to spec_max_batch, where attention weighs least.
-    `mixed`: the mixed calls' shapes (engine/mixed.py), which every choice keeps.
+    `kept`: shapes every choice keeps (grouped prefills, segments), in units of MAPS_PER_SHAPE.
     Example: split_context_buckets((64, 128, 512, 2048, 4096), (1, 2, 4, 8, 16, 32), (32, 128, 512),
     32.5, 65530) == ((64, 128, 512, 2048, 4096), (2048, 4096)).
     """
@@ -108,7 +107,7 @@ def split_context_buckets(ladder: tuple[int, ...], batches: tuple[int, ...], pre
     room = (limit - MAPS_RESERVE) / MAPS_PER_SHAPE
     for k in range(len(ladder), 0, -1):
         plain = ladder[-k:]
-        left = room - mixed - len(batches) * k - len(prefill_shapes(prefills, plain))
+        left = room - kept - len(batches) * k - len(prefill_shapes(prefills, plain))
         fits = int(left // spec_per_context) if spec_per_context else k
         if fits >= 1 or k == 1:
             return plain, plain[-max(1, min(fits, k)):]
@@ -117,31 +116,10 @@ def split_context_buckets(ladder: tuple[int, ...], batches: tuple[int, ...], pre
 
 PREFILL_BUCKETS = (32, 128, 512)
 """Prefill chunk buckets; a prompt is cut where padding its chunk up would waste 32 tokens or more
-(`engine.scheduler.fit_chunk`), with mixed steps too."""
-MIX_PREFILL_BUCKETS = (16, 32, 128, 512)
-"""Prefill chunk buckets with mixed steps: the 16-token bucket is the chunk small batches carry
-(a long prompt's, engine/scheduler.py)."""
+(`engine.scheduler.fit_chunk`)."""
 PREFILL_ROWS = 8
 """Most short prompts' chunks one prefill call carries (engine/prefill_groups.py): a call
 costs ~35 ms plus ~1 ms a token here, so 8 chunks of 32 tokens take half their time apart."""
-MIX_MIN_CONTEXT = 512
-"""Mixed calls compile for context buckets from this one up; a shorter context pads up to it
-(attention costs little at the batches that mix; fewer executables and memory mappings)."""
-
-
-def mix_context_buckets(contexts: tuple[int, ...]) -> tuple[int, ...]:
-    """Context buckets mixed calls compile for: every one from MIX_MIN_CONTEXT up (a shorter
-    context pads up to the smallest). Padding past the next bucket is not cheap: with a 2,000-token
-    prompt prefilled beside 4 streams (`python -m bench.long_prefill`), mixed steps took 110-140 ms
-    padded to 4096 and 66-86 ms at 2048, against 48 ms a decode step.
-    Example: mix_context_buckets((64, 128, 512, 2048, 4096)) == (512, 2048, 4096)."""
-    return tuple(c for c in contexts if c >= MIX_MIN_CONTEXT) or tuple(contexts[-1:])
-
-
-def mixed_per_context(batches: tuple[int, ...], prefills: tuple[int, ...], per_row: int) -> int:
-    """Mixed-call shapes per context bucket (engine.scheduler.mixed_shapes without the contexts).
-    Example: mixed_per_context((1, 2, 4, 8, 16, 32), (16, 32, 128, 512), 4) == 10."""
-    return sum(t <= mix_chunk(b, per_row, prefills) for b in batches for t in prefills) if per_row else 0
 
 
 def batch_buckets(max_batch: int, smallest: int = 1) -> tuple[int, ...]:
@@ -184,8 +162,7 @@ still sets it for a ladder of several widths."""
 def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch: int,
                   max_context: int, kv_dtype: str | None = None, verify_tokens: tuple[int, ...] = (),
                   spec_max_batch: int = SPEC_MAX_BATCH, drafting: bool = False,
-                  map_limit: int | None = None, tensor_parallel: int = 1,
-                  mixed_steps: bool = False, spec_contexts: int | None = None,
+                  map_limit: int | None = None, tensor_parallel: int = 1, spec_contexts: int | None = None,
                   segment_rows: int = 0) -> RunnerConfig:
     """Size the pools with the memory planner and choose the compiled buckets.
 
@@ -194,7 +171,6 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     are thinned so that every compiled shape fits under it, speculation's first
     (`split_context_buckets`).
     `tensor_parallel`: devices the params and KV pools are split over (engine/sharding.py).
-    `mixed_steps`: prefill chunks ride in decode calls (engine/mixed.py); False: calls of their own.
     `spec_contexts`: at most this many context buckets (the largest) for speculation; None: no cap.
     `segment_rows`: segmented verifies up to this many rows (engine/segments.py); 0: none.
     """
@@ -204,16 +180,14 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     sizes = size_pool(cfg, kv_budget_bytes, PAGE_SIZE, kv_dtype, max_context, MAX_SPEC_DEPTH)
     cap = sizes.ring_pages * PAGE_SIZE
     batches = batch_buckets(max_batch, smallest_batch(dtype))
-    prefills = tuple(b for b in (MIX_PREFILL_BUCKETS if mixed_steps else PREFILL_BUCKETS) if b <= cap) or (cap,)
+    prefills = tuple(b for b in PREFILL_BUCKETS if b <= cap) or (cap,)
     spec_batch = min(spec_max_batch, max_batch)
-    per_row = MIX_TOKENS_PER_ROW if mixed_steps else 0
     ladder = context_buckets(max_context)
     segments = len(segment_shapes(RunnerConfig(batch_buckets=batches, prefill_buckets=(PAGE_SIZE,),
                                                context_buckets=ladder[-1:], verify_tokens=verify_tokens,
                                                spec_max_batch=spec_batch, segment_rows=segment_rows)))
     segments *= MAPS_PER_SEGMENT / MAPS_PER_SHAPE
-    kept = (len(mix_context_buckets(ladder)) * mixed_per_context(batches, prefills, per_row)
-            + len(group_shapes(batches, GROUP_CHUNK, ladder, PREFILL_ROWS)) + segments)
+    kept = len(group_shapes(batches, GROUP_CHUNK, ladder, PREFILL_ROWS)) + segments
     plain, spec = split_context_buckets(ladder, batches, prefills,
                                         spec_shapes_per_context(batches, verify_tokens, spec_batch, drafting),
                                         map_limit, kept)
@@ -233,9 +207,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
         spec_max_batch=spec_batch,
         fast_output=dtype == "float32" and jax.default_backend() == "cpu",
         tensor_parallel=tensor_parallel,
-        mix_tokens_per_row=per_row,
-        mix_context_buckets=mix_context_buckets(plain),
-        prefill_rows=PREFILL_ROWS,  # short prompts' chunks run side by side with mixed steps too
+        prefill_rows=PREFILL_ROWS,
         segment_rows=segment_rows,
     )
 
@@ -246,7 +218,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                 verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH,
                 model_proposers: tuple[str, ...] = MODEL_PROPOSERS, tensor_parallel: int = 1,
                 prefix_cache: bool = True, background_warmup: bool = False,
-                mixed_steps: bool = False, segment_rows: int = 0, ragged_steps: bool = True) -> EngineCore:
+                segment_rows: int = 0, ragged_steps: bool = True) -> EngineCore:
     """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine.
 
     With `speculation`, the verify buckets are compiled and the proposers load:
@@ -260,7 +232,6 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     `prefix_cache`: share the KV pages of common prompt prefixes (engine/prefix_cache.py).
     `background_warmup`: `warmup()` returns once plain decoding and prefill are compiled and
     speculation's shapes compile on a thread (engine/warm.py; `crossover serve` does so).
-    `mixed_steps`: decode calls carry prefill chunks (engine/mixed.py).
     `ragged_steps`: every row of a step in one ragged call (engine/ragged_step.py).
     `segment_rows`: rows that draft nothing decode beside the drafting rows' verify, in batches
     of up to this many rows (engine/segments.py; SEGMENT_ROWS); 0: every row at the verify depth.
@@ -290,7 +261,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     rc = runner_config(cfg, dtype, budget - resident, max_batch, max_context,
                        verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
                        drafting=drafting, map_limit=limit, tensor_parallel=tensor_parallel,
-                       mixed_steps=mixed_steps, segment_rows=segment_rows if speculation else 0,
+                       segment_rows=segment_rows if speculation else 0,
                        spec_contexts=SPEC_CONTEXTS_CPU if jax.default_backend() == "cpu" else None)
     if rc.context_buckets != ladder or rc.spec_contexts != ladder:
         note(progress, f"engine: context buckets {list(rc.context_buckets)}, speculation's "

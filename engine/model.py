@@ -320,8 +320,8 @@ def _stack(arrs: list, k_like, cfg: ModelConfig):
 
 
 def forward_segments(cfg: ModelConfig, params: Params, segments):
-    """`forward` over several batches of new tokens at once (a mixed step: decode rows and
-    prefill chunks): the dense parts (projections, MLP, norms, rotary) run once over all their
+    """`forward` over several batches of new tokens at once (engine/segments.py: plain decode rows
+    beside verify rows): the dense parts (projections, MLP, norms, rotary) run once over all their
     tokens flattened, [sum of B_i * T_i, d]; attention runs per segment over its own cache.
 
     segments: tuple of (tokens [B_i, T_i], pos [B_i, T_i], read_cache_i) as `forward` takes.

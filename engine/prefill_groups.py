@@ -4,12 +4,11 @@ A prefill call costs a fixed ~35 ms on this CPU (as a batch-1 decode step: the o
 the weights streamed once) plus ~1 ms a token. Measured on Gemma 3 270M, float32, context
 512: one 32-token chunk alone takes 68 ms; 4 and 8 of them as the rows of one call take 139
 and 241 ms, not 272 and 544. Two 128-token chunks gain little (261 ms together, 272 apart), so
-only chunks of at most `group_tokens` (32, with mixed steps too) whose context fits
+only chunks of at most `group_tokens` (32) whose context fits
 GROUP_MAX_CONTEXT are grouped: up to `RunnerConfig.prefill_rows` of them (padded to a batch
 bucket) per call, at one context bucket (a 32-token chunk alone takes 66 ms at context 64 and
 64 ms at 512: padding the context costs little, and each bucket is more executables). The rest
-run alone, as before. With mixed steps (engine/mixed.py) a long prompt's chunk rides in the
-decode call and short prompts' chunks are grouped as without them. While the background warmup
+run alone, as before. While the background warmup
 still compiles plain shapes, a chunk runs alone (padded to a compiled shape).
 """
 
@@ -27,8 +26,8 @@ Chunk = tuple[Sequence, int]
 
 
 def group_tokens(rc) -> int:
-    """The chunk bucket grouped rows pad to: GROUP_CHUNK where it is a prefill bucket (with mixed
-    steps the 16-token bucket is a long prompt's, engine/scheduler.py), else the smallest."""
+    """The chunk bucket grouped rows pad to: GROUP_CHUNK where it is a prefill bucket, else the
+    smallest."""
     return GROUP_CHUNK if GROUP_CHUNK in rc.prefill_buckets else rc.prefill_buckets[0]
 
 

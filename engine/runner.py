@@ -30,7 +30,6 @@ from engine.kv import Batch, KVState, cache_reader, write_new
 from engine.model import Params, forward, logits, unstack_layers
 from engine.progress import Reporter, Steps, note
 from engine.prefill_groups import group_shapes, group_tokens
-from engine.scheduler import mix_chunk
 from engine.penalties import SPARE_ENTRIES
 from engine.sampling import (Adjust, SamplingArrays, adjust_logits, greedy, sample, top_candidates, top_logprobs,
                              verify)
@@ -81,10 +80,6 @@ class RunnerConfig:
     (see output_scores; costs a bfloat16 copy of the embedding)."""
     tensor_parallel: int = 1
     """Devices the params and KV pools are split over (engine/sharding.py); 1: one device."""
-    mix_tokens_per_row: int = 0
-    """Mixed steps (engine/mixed.py): prefill tokens a decode call carries per decode row; 0: off."""
-    mix_context_buckets: tuple[int, ...] = ()
-    """Page-table widths compiled for mixed calls: the largest of context_buckets; () = all."""
     prefill_rows: int = 1
     """Most short prompts' chunks one prefill call carries (engine/prefill_groups.py); 1: off."""
     segment_rows: int = 0
@@ -297,7 +292,6 @@ class ModelRunner:
         self.warm_compiles: int | None = None
         self.usable: frozenset | None = None  # plain shapes compiled so far while warming (engine/warm.py)
         self.segments_ready: frozenset = frozenset()  # segmented verifies compiled (engine/segments.py)
-        self.extra_jobs = lambda: ([], [])  # (forward, sampling) thunks of mixed calls: EngineCore sets them
         self.last_hidden = None  # [B, Tl, d] final hidden states of the latest call
         self.last_top = None  # ([B, Tl, k] ids, [B, Tl, k] logprobs) of the latest call, if asked
         self.adjust_width = rc.max_context + SPARE_ENTRIES
@@ -370,8 +364,7 @@ class ModelRunner:
         """Every (batch, new_tokens, context) the engine may call with."""
         rc = self.rc
         out = [(b, 1, c) for b in rc.batch_buckets for c in rc.context_buckets]  # then prefill's:
-        alone = mix_chunk(rc.batch_buckets[0], rc.mix_tokens_per_row, rc.prefill_buckets)  # mixed calls carry those
-        return (out + [(1, t, c) for t, c in prefill_shapes(rc.prefill_buckets, rc.context_buckets) if t > alone]
+        return (out + [(1, t, c) for t, c in prefill_shapes(rc.prefill_buckets, rc.context_buckets)]
                 + group_shapes(rc.batch_buckets, group_tokens(rc), rc.context_buckets, rc.prefill_rows))
 
     def verify_shapes(self) -> list[tuple[int, int, int]]:
@@ -385,8 +378,6 @@ class ModelRunner:
         `speculation` verification's (`spec_jobs`) too; `progress` (engine/progress.py) sees
         each plain shape compiled."""
         jobs, n, lock = self.plain_jobs(), len(self.shapes()), threading.Lock()
-        mixed, mixed_sampling = self.extra_jobs()  # forwards first: the sampling jobs read their layouts
-        jobs, n = jobs[:n] + mixed + jobs[n:] + mixed_sampling, n + len(mixed)
         t0 = time.perf_counter()
         with Steps(progress, "warmup: compiling shapes", len(jobs)) as bar:
 

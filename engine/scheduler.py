@@ -13,11 +13,11 @@ One step's plan, in order:
    bucket where padding it up would waste more than the smallest bucket
    (`fit_chunk`). An admitted sequence starts after the longest prefix of its
    tokens the prefix cache holds (KVPool.lookup).
-   Mixed steps (`mix_tokens_per_row`): while sequences decode, a long prompt
-   (more than `mix_long` tokens to compute at admission: one that needs
+   With `mix_tokens_per_row` (ragged steps: one call carries the decode rows
+   and the chunks, engine/ragged_step.py): while sequences decode, a long
+   prompt (more than `mix_long` tokens to compute at admission: one that needs
    several chunks) is prefilled `mix_chunk` tokens a step, at most `mix_rows`
-   of them at once, so its chunk rides in the decode call (engine/mixed.py)
-   and the running streams keep their pace however long it is. A short
+   of them at once, so the running streams keep their pace however long it is. A short
    prompt still takes the step's budget (one stall of at most a chunk, and
    bursts of short requests keep their time to first token), as vLLM's
    long-prefill threshold does. With nobody decoding the whole budget is
@@ -73,10 +73,10 @@ class SchedulerConfig:
 
 
 MIX_MAX_CHUNK = 128
-"""Most prefill tokens a step that decodes carries (a ~1 ms token on this CPU: more would
-stretch even a batch-32 decode step past twice its time)."""
+"""Most prefill tokens a step that decodes carries for a long prompt (measured as below: 128 make
+a batch-32 decode call ~1.6x as long; more would stretch it past twice its time)."""
 MIX_MIN_CHUNK = 16
-"""Fewest prefill tokens a step that decodes carries when chunks may be any length."""
+"""Fewest prefill tokens a step that decodes carries for a long prompt."""
 MIX_TOKENS_PER_ROW = 4
 """Prefill tokens a step that decodes may carry per decode row, for a long prompt (`mix_chunk`).
 Measured with ragged calls on this CPU (Gemma 3 270M, float32, 4,096-token page tables): a
@@ -84,41 +84,16 @@ batch-8 decode call takes ~180 ms and 16 / 32 / 64 more prefill tokens make it ~
 370 ms, so 4 a row keeps the running streams' steps within ~1.6x of a decode step."""
 
 
-def mix_chunk(decoders: int, per_row: int, buckets: tuple[int, ...]) -> int:
-    """Prefill tokens a step with `decoders` decode rows carries: per_row * decoders, at most
-    MIX_MAX_CHUNK, rounded down to one of `buckets` (at least the smallest) or, with no buckets,
-    at least MIX_MIN_CHUNK; 0 when per_row is 0 (no cap).
+def mix_chunk(decoders: int, per_row: int) -> int:
+    """Prefill tokens a step with `decoders` decode rows carries for a long prompt: per_row *
+    decoders, at least MIX_MIN_CHUNK and at most MIX_MAX_CHUNK; 0 when per_row is 0 (no cap).
 
-    >>> mix_chunk(8, 4, (32, 128, 512)), mix_chunk(64, 8, (32, 128, 512)), mix_chunk(8, 0, (32,))
-    (32, 128, 0)
-    >>> mix_chunk(1, 4, ()), mix_chunk(10, 4, ()), mix_chunk(64, 4, ())
-    (16, 40, 128)
+    >>> mix_chunk(1, 4), mix_chunk(10, 4), mix_chunk(64, 4), mix_chunk(8, 0)
+    (16, 40, 128, 0)
     """
     if not per_row:
         return 0
-    top = min(per_row * decoders, MIX_MAX_CHUNK)
-    if not buckets:
-        return max(top, MIX_MIN_CHUNK)
-    return max([b for b in buckets if b <= top] or buckets[:1])
-
-
-def mix_contexts(rc) -> tuple[int, ...]:
-    """Page-table widths mixed calls compile for: rc.mix_context_buckets, or all context buckets."""
-    return rc.mix_context_buckets or rc.context_buckets
-
-
-def mixed_shapes(rc) -> list[tuple[int, int, int, int]]:
-    """(decode batch, prefill rows, prefill chunk, context) of every mixed call: for each decode
-    bucket, one prefill row of each prefill bucket up to `mix_chunk` of that batch.
-    Example: batches (1, 32), prefill buckets (32, 128), 4 tokens per row, contexts (512,):
-    [(1, 1, 32, 512), (32, 1, 32, 512), (32, 1, 128, 512)]."""
-    if not rc.mix_tokens_per_row:
-        return []
-    out = []
-    for b in rc.batch_buckets:
-        top = mix_chunk(b, rc.mix_tokens_per_row, rc.prefill_buckets)
-        out += [(b, 1, t, c) for t in rc.prefill_buckets if t <= top for c in mix_contexts(rc)]
-    return out
+    return min(max(per_row * decoders, MIX_MIN_CHUNK), MIX_MAX_CHUNK)
 
 
 def fit_chunk(n: int, buckets: tuple[int, ...], slack: int = 0) -> int:
@@ -211,7 +186,7 @@ class Scheduler:
     def _plan_prefill(self, plan: StepPlan, budget: int) -> None:
         in_decode = set(map(id, plan.decode))
         mixing = bool(plan.decode and self.cfg.mix_tokens_per_row)  # long prompts: keep it near a decode step
-        cap = mix_chunk(len(plan.decode), self.cfg.mix_tokens_per_row, self.cfg.chunk_buckets) if mixing else 0
+        cap = mix_chunk(len(plan.decode), self.cfg.mix_tokens_per_row) if mixing else 0
         longs = 0
 
         def room(seq: Sequence) -> int:

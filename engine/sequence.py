@@ -84,8 +84,8 @@ class Sequence:
     """When a step first ran this sequence (set by EngineCore.step)."""
     preemptions: int = 0
     long_prefill: bool = False
-    """Admitted with more uncached tokens than SchedulerConfig.mix_long: its chunks ride in
-    decode calls (engine/scheduler.py, mixed steps)."""
+    """Admitted with more uncached tokens than SchedulerConfig.mix_long: its chunks are capped
+    while other sequences decode (engine/scheduler.py `mix_chunk`)."""
     proposed: int = 0
     accepted: int = 0
     hidden: np.ndarray | None = None

@@ -8,15 +8,9 @@
    accepting its own prefix, so every row stays lossless. Where rows draft
    nothing and `engine.types.segment_split` says it pays, they decode as a
    plain segment of the same forward instead (engine/segments.py).
-2. Plain decoding with a long prompt's chunk planned (mixed steps: the
-   scheduler capped it, engine/mixed.py): the chunk rides in the decode call as
-   a second segment, one forward for both, where a mixed shape fits it.
-3. Chunks not carried (short prompts', or speculation ran, or no decode rows):
-   short ones side by side as the rows of one call (engine/prefill_groups.py),
-   the others each alone, as a mixed call whose decode segment is one padding
-   row where a mixed shape fits it (so no prefill shape of its own is compiled
-   for the shortest chunks), else in a prefill call of its own.
-4. Each row's sampled tokens go to its sequence (`EngineCore._emit`); a row
+2. The prefill chunks: short ones side by side as the rows of one call
+   (engine/prefill_groups.py), the others each in a prefill call of its own.
+3. Each row's sampled tokens go to its sequence (`EngineCore._emit`); a row
    whose own inputs fail is dropped alone (engine/faults.py).
 """
 
@@ -28,7 +22,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.faults import build_rows, propose_alone
-from engine.mixed import new_mixed_calls, run_mixed
 from engine.penalties import wants_adjust
 from engine.prefill_groups import run_group, split_groups
 from engine.runner import bucket
@@ -54,8 +47,6 @@ class SpecResult:
     per_pos: list[int] = field(default_factory=list)
     proposed: int = 0
     accepted: int = 0
-    mixed: int = 0
-    """Prefill chunks that rode in the decode call."""
     classes: dict[tuple[str, str, int], list] = field(default_factory=dict)
     """(tenant, technique, depth) -> [rows, proposed, accepted, per_pos] of the verified rows."""
     plain_rows: int = 0
@@ -73,23 +64,16 @@ class SpecResult:
 
 def run_step(core, plan: StepPlan, events, finished) -> SpecResult:
     """Run `plan` on `core` (an EngineCore): decode or verify (module docstring), then the chunks."""
-    chunks = list(plan.prefill)  # _run_decode takes out those it carries
-    spec = _run_decode(core, plan, chunks, events, finished)
-    groups, chunks = split_groups(core.runner.rc, chunks, core.runner.usable is None)
+    spec = _run_decode(core, plan, events, finished)
+    groups, chunks = split_groups(core.runner.rc, list(plan.prefill), core.runner.usable is None)
     for group in groups:
         run_group(core, group, events, finished)
     for seq, n in chunks:
-        if seq.status is not Status.RUNNING:  # failed earlier in this step
-            continue
-        calls = _mixed_calls(core, [], [(seq, n)])
-        if calls is not None:
-            _run_mixed(core, [], [(seq, n)], calls, events, finished)
-        else:
-            _run_prefill(core, seq, n, events, finished)
+        _run_prefill(core, seq, n, events, finished)
     return spec
 
 
-def _run_decode(core, plan: StepPlan, chunks, events, finished) -> SpecResult:
+def _run_decode(core, plan: StepPlan, events, finished) -> SpecResult:
     seqs = plan.decode
     if not seqs:
         return SpecResult()
@@ -103,14 +87,6 @@ def _run_decode(core, plan: StepPlan, chunks, events, finished) -> SpecResult:
             return _run_speculative(core, plan, rows, propose_ms, events, finished)
     if not seqs:
         return SpecResult()
-    # The decode call carries a long prompt's chunk (the scheduler capped it); short prompts'
-    # chunks run as without mixed steps (item 3).
-    carry = next((c for c in chunks if c[0].long_prefill), None)
-    mixed = _mixed_calls(core, seqs, [carry]) if carry else None
-    if mixed is not None:
-        plan.decode, carried = _run_mixed(core, seqs, [carry], mixed, events, finished)
-        chunks.remove(carry)
-        return SpecResult(mixed=carried)
     seqs, c = build_rows(seqs, lambda ss: core.runner.new_call(len(ss), 1, max(s.num_cached + 1 for s in ss)),
                          lambda c, i, s: core._fill_row(c, i, s, 1), core._failer(events, finished))
     plan.decode = seqs
@@ -153,49 +129,6 @@ def _decoded(core, seqs: list[Sequence], tok, lp, events, finished) -> None:
         if hidden is not None:
             s.hidden = hidden[i, 0]
         core._emit(s, [int(tok[i, 0])], [float(lp[i, 0])], events, finished, i)
-
-
-def _mixed_calls(core, seqs: list[Sequence], chunks):
-    """The arrays of a mixed call for `seqs` and the planned chunks, or None (no compiled shape)."""
-    if not core.runner.rc.mix_tokens_per_row or any(s.status is not Status.RUNNING for s, _ in chunks):
-        return None
-    context = max([s.num_cached + 1 for s in seqs] + [s.num_cached + n for s, n in chunks])
-    return new_mixed_calls(core.runner, len(seqs), len(chunks), max(n for _, n in chunks), context)
-
-
-def _run_mixed(core, seqs, chunks, calls, events, finished) -> tuple[list[Sequence], int]:
-    """One forward for the decode rows `seqs` (none: one padding row) and every chunk of `chunks`
-    (engine/mixed.py); (the decode rows kept, the chunks run). A row whose own inputs fail is
-    dropped alone and its segment refilled at the same bucketed shape."""
-    d0, p0 = calls
-    fail = core._failer(events, finished)
-    cd = None
-    if seqs:
-        seqs, cd = build_rows(seqs, lambda _: core.runner.new_call(*_shape(core, d0)),
-                              lambda c, i, s: core._fill_row(c, i, s, 1), fail)
-    cd = cd or core.runner.new_call(*_shape(core, d0))
-    rows, cp = build_rows(chunks, lambda _: core.runner.new_call(*_shape(core, p0)),
-                          lambda c, i, sn: core._fill_row(c, i, sn[0], sn[1]), fail)
-    if not rows:  # every chunk failed: the decode rows run alone
-        if seqs:
-            tok, lp = core.runner.run(cd)
-            _decoded(core, seqs, tok, lp, events, finished)
-        return seqs, 0
-    tok, lp = run_mixed(core.runner, (cd, cp))
-    _decoded(core, seqs, tok, lp, events, finished)
-    hidden = core._hidden()
-    B = cd.tokens.shape[0]
-    for j, (seq, n) in enumerate(rows):
-        seq.num_cached += n
-        if seq.remaining == 0:  # the chunk reached the newest token: its logits give the next one
-            seq.hidden = None if hidden is None else hidden[B + j, 0]
-            core._emit(seq, [int(tok[B + j, 0])], [float(lp[B + j, 0])], events, finished, B + j)
-    return seqs, len(rows)
-
-
-def _shape(core, c) -> tuple[int, int, int]:
-    """(batch, new tokens, context) that `ModelRunner.new_call` pads to `c`'s shape again."""
-    return *c.tokens.shape, c.global_table.shape[1] * core.runner.rc.page_size
 
 
 def _run_speculative(core, plan: StepPlan, rows, propose_ms, events, finished) -> SpecResult:

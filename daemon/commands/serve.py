@@ -43,7 +43,7 @@ from daemon.settings import SECTION_KEYS, add_section_flags
 
 SETTING_FLAGS = (
     "host", "port", "model", "dtype", "kv_budget_bytes", "max_batch", "max_context", "db_url",
-    "instance", "tensor_parallel", "prefix_cache", "mixed_steps", "ragged_steps", "segment_rows",
+    "instance", "tensor_parallel", "prefix_cache", "ragged_steps", "segment_rows",
     "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
     "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
     "speculation", "heads", "stream_write_timeout_s", "stream_idle_timeout_s", "admin_token_file",
@@ -82,9 +82,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="compile verification and load the draft proposers (default on)")
     add("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
         help="share the KV pages of common prompt prefixes between requests (default on)")
-    add("--mixed-steps", action=argparse.BooleanOptionalAction, default=None,
-        help="prefill long prompts a few tokens a step inside the decode call, not in calls of their "
-             "own that stall running streams (default off)")
     add("--ragged-steps", action=argparse.BooleanOptionalAction, default=None,
         help="run every row of a step (decode, verify, prefill chunks) in one forward over a flat token "
              "axis instead of padded calls per kind (default on)")
@@ -247,7 +244,7 @@ def _load_engine(settings: Any, args: argparse.Namespace) -> Any:
                          kv_budget_bytes=settings.kv_budget_bytes, max_batch=settings.max_batch,
                          max_context=settings.max_context, progress=reporter(json_events=True),
                          speculation=settings.speculation, heads=settings.heads,
-                         prefix_cache=settings.prefix_cache, mixed_steps=settings.mixed_steps,
+                         prefix_cache=settings.prefix_cache,
                          ragged_steps=settings.ragged_steps,
                          segment_rows=settings.segment_rows,
                          background_warmup=True,

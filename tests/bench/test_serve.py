@@ -212,20 +212,19 @@ def test_speculation_reaches_the_engine_started_here(monkeypatch: pytest.MonkeyP
     from daemon.commands.bench import _serve_config
     from engine.fake_speculation import FakeProposer
 
-    seen: list[tuple[bool, tuple, bool, bool]] = []
+    seen: list[tuple[bool, tuple, bool]] = []
 
     def load_engine(**kw: object) -> FakeEngine:
         seen.append((bool(kw["speculation"]), tuple(kw["model_proposers"]),  # type: ignore[arg-type]
-                     bool(kw["mixed_steps"]), bool(kw["ragged_steps"])))
+                     bool(kw["ragged_steps"])))
         return FakeEngine(proposers={"ngram": FakeProposer("ngram")})
 
     monkeypatch.setattr(engine.loader, "load_engine", load_engine)
     policies = []
-    for flags in ([], ["--no-speculation"], ["--mixed-steps"], ["--no-ragged-steps"]):
+    for flags in ([], ["--no-speculation"], ["--no-ragged-steps"]):
         cfg = _serve_config(build_parser().parse_args(["bench", "serve", *flags]))
         policies.append(_policy(cfg, _load_engine(cfg)))
-    assert seen == [(True, (), False, True), (False, (), False, True), (True, (), True, True),
-                    (True, (), False, False)]
+    assert seen == [(True, (), True), (False, (), True), (True, (), False)]
     assert policies[0].choose(2) == ("ngram", 4) and policies[0].crossover == 8
     assert policies[1].choose(2) == ("none", 0)
 

@@ -56,10 +56,10 @@ def test_no_prefix_cache_flag_and_variable_reach_the_engine(monkeypatch) -> None
     assert seen["prefix_cache"] is False
 
 
-@pytest.mark.parametrize(("field", "default"), [("mixed_steps", False), ("ragged_steps", True)])
+@pytest.mark.parametrize(("field", "default"), [("ragged_steps", True)])
 def test_step_flags_and_variables_reach_the_engine(monkeypatch, field, default) -> None:
-    """Ragged steps are on and mixed steps off unless asked otherwise; --[no-]ragged-steps /
-    --mixed-steps and CROSSOVER_RAGGED_STEPS / CROSSOVER_MIXED_STEPS turn them the other way."""
+    """Ragged steps are on unless asked otherwise: --no-ragged-steps and
+    CROSSOVER_RAGGED_STEPS=off turn them off."""
     import argparse
 
     import engine.loader

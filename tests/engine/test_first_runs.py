@@ -9,7 +9,6 @@ import threading
 from engine import first_runs, warm
 from engine.compiles import compile_count
 from engine.policy import BatchRule, TunedPolicy
-from engine.scheduler import mixed_shapes
 from engine.types import SamplingParams
 from tests.engine.conftest import SPEC_RC, run_prompts
 from tests.engine.conftest import make_engine as _make_engine
@@ -122,20 +121,6 @@ def test_a_failing_first_run_stops_first_runs_and_serving_goes_on(tiny, monkeypa
     monkeypatch.undo()
     out, _ = run_prompts(e, PROMPTS[:1], SP)
     assert len(out[0]) == SP.max_tokens
-
-
-def test_mixed_calls_run_once_too_without_compiling_or_changing_outputs(tiny, monkeypatch):
-    rc = {**RC, "verify_tokens": (), "mix_tokens_per_row": 4}
-    plain = run_prompts(make_engine(tiny, **rc), PROMPTS, SP)[0]
-    e = make_engine(tiny, **rc)
-    e.warmup(progress=False)
-    ran = _ran(monkeypatch)
-    before = compile_count()
-    e.first_runs.run_all()
-    mixed = mixed_shapes(e.runner.rc)
-    assert mixed and sorted(s for k, s in ran if k == "mixed") == sorted(mixed)
-    assert compile_count() == before and e.pool.used == 0
-    assert run_prompts(e, PROMPTS, SP)[0] == plain and e.compiles_since_warmup() == 0
 
 
 def test_proposers_shapes_run_once_without_compiling_or_changing_outputs(tiny, monkeypatch):

@@ -161,25 +161,3 @@ def test_a_split_lends_pages_and_a_technique_pays_from_the_same_budget():
     assert sp.draft_sequences == int(pools.num_local_pages * 0.25) // pools.ring_pages  # 4 local layers: rings only
     with pytest.raises(ValueError, match="unknown technique"):
         make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096, technique="medusa")
-
-
-def test_mixed_steps_keep_the_default_groups_and_chunk_cutting():
-    """With mixed steps the 16-token bucket is only the chunk a long prompt rides in at small
-    batches: prefill groups still take chunks up to 32 tokens, chunks are still cut where
-    padding would waste 32 tokens, and the mixed shapes fit under the mapping cap."""
-    from engine.loader import PREFILL_BUCKETS, VERIFY_TOKENS, estimated_mappings, runner_config
-    from engine.prefill_groups import group_tokens
-    from engine.scheduler import fit_chunk, mixed_shapes
-
-    def rc(mixed):
-        return runner_config(GEMMA3_270M, "float32", 2 << 30, 32, 4096, verify_tokens=VERIFY_TOKENS,
-                             drafting=True, map_limit=65530, mixed_steps=mixed)
-
-    plain, mixed = rc(False), rc(True)
-    assert plain.prefill_buckets == PREFILL_BUCKETS and mixed.prefill_buckets == (16, *PREFILL_BUCKETS)
-    assert group_tokens(plain) == group_tokens(mixed) == 32
-    assert not mixed_shapes(plain) and {t for _, _, t, _ in mixed_shapes(mixed)} == {16, 32, 128}
-    assert estimated_mappings(mixed, True) <= 65530
-    # a 100-token prompt: one chunk as without mixed steps (the 16 bucket alone would cut it at 32)
-    assert fit_chunk(100, mixed.prefill_buckets, PREFILL_BUCKETS[0]) == 100 == fit_chunk(100, plain.prefill_buckets)
-    assert fit_chunk(100, mixed.prefill_buckets) == 32

@@ -58,5 +58,3 @@ def test_only_short_chunks_within_the_group_context_are_grouped():
     assert [[s for s, _ in g] for g in groups] == [[s for s, _ in short[:4]]]  # 4 rows at most
     assert alone == [long_chunk, short[4], late]  # a lone short chunk left over runs alone
     assert split_groups(rc, short, compiled=False) == ([], short)  # still compiling: alone
-    mixed = RunnerConfig(**{**rc.__dict__, "mix_tokens_per_row": 4})  # short prompts are still grouped
-    assert split_groups(mixed, short, compiled=True) == split_groups(rc, short, compiled=True)

@@ -106,28 +106,6 @@ def test_calls_pad_to_the_covering_shapes_until_the_background_has_compiled_the_
     assert out == plain and e.compiles_since_warmup() == 0
 
 
-def test_mixed_calls_wait_for_their_shapes_while_plain_calls_pad(tiny, monkeypatch):
-    """With mixed steps on, the background compiles the mixed calls before any further plain
-    shape; meanwhile (and after) steps serve the same tokens without compiling."""
-    rc = dict(batch_buckets=(1, 2, 4), context_buckets=(32, 128), verify_tokens=(), mix_tokens_per_row=4)
-    prompts = [("the quick brown fox %d " % i) * (1 + i % 3) for i in range(6)]
-    plain = run_prompts(make_engine(tiny, **{**rc, "mix_tokens_per_row": 0}), prompts, SP)[0]
-    e = _background(make_engine(tiny, **rc))
-    reached, gate, one = threading.Event(), threading.Event(), warm._one_shape
-    monkeypatch.setattr(warm, "_one_shape", lambda *a, **k: (reached.set(), gate.wait(120), one(*a, **k)))
-    try:
-        e.warmup(progress=False)
-        assert reached.wait(300)  # the mixed calls are compiled, no further plain shape yet
-        before = compile_count()
-        out, _ = run_prompts(e, prompts, SP)
-        assert out == plain and compile_count() == before
-    finally:
-        gate.set()
-    _plain_done(e)
-    out, _ = run_prompts(e, prompts, SP)
-    assert out == plain and e.compiles_since_warmup() == 0
-
-
 def test_the_serving_process_caps_its_malloc_arenas_and_trims_its_heap():
     assert limit_malloc_arenas(8)  # glibc (Linux): what `crossover serve` does with MALLOC_ARENAS
     trim_heap()
