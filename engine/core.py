@@ -42,7 +42,7 @@ from engine.progress import Reporter
 from engine.proposers import NgramProposer, Proposer
 from engine.runner import ModelRunner, RunnerConfig
 from engine.sampling import SamplingArrays
-from engine.scheduler import MIX_TOKENS_PER_ROW, Scheduler, SchedulerConfig, StepPlan
+from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import Detokenizer, Sequence, append_tokens, request_key
 from engine.types import (
     EngineCapacity,
@@ -96,7 +96,10 @@ class EngineCore:
             SchedulerConfig(max_batch=rc.max_batch, token_budget=max(ecfg.token_budget, rc.max_batch),
                             max_chunk=rc.max_chunk, lookahead=max(rc.verify_tokens, default=1) - 1,
                             chunk_buckets=() if ecfg.ragged_steps else rc.prefill_buckets,
-                            mix_tokens_per_row=MIX_TOKENS_PER_ROW if ecfg.ragged_steps else 0,
+                            # No cap on a long prompt's chunks while others decode: a chunk after
+                            # a long cached context costs a ragged call far more than its tokens
+                            # (each query-group class loops every group slot over the longest row).
+                            mix_tokens_per_row=0,
                             mix_long=rc.max_chunk, chunk_slack=ecfg.chunk_slack),
             self.pool,
         )

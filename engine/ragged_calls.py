@@ -39,9 +39,11 @@ every token bucket is one of them, so a call's outputs never pad past its tokens
 
 @partial(jax.jit, static_argnames=("cfg", "block"))
 def _forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, block: int = ATTEND_BLOCK):
-    """Final hidden states [N, d] of every token of the call and its new K/V for `_write`."""
+    """Final hidden states of every token of the call, zero-padded to [TOKEN_BUCKETS[-1], d] (so
+    that `_gather` compiles per output count alone, whatever the call's token count), and its new
+    K/V for `_write`."""
     h, new_kv, _ = ragged.forward(cfg, params, kv, rb, block=block)
-    return h, new_kv
+    return jax.numpy.pad(h, ((0, TOKEN_BUCKETS[-1] - h.shape[0]), (0, 0))), new_kv
 
 
 @partial(jax.jit, donate_argnames=("kv",))
@@ -54,7 +56,7 @@ def _write(kv: KVState, rb: RaggedBatch, new_kv):
 @jax.jit
 def _gather(h, out_idx):
     """The output tokens' hidden states h[out_idx] [O, d]: a call of its own, so that the heads
-    compile per output count O alone and this small gather per (N, O)."""
+    compile per output count O alone (h is always `_forward`'s padded [TOKEN_BUCKETS[-1], d])."""
     return h[out_idx]
 
 
@@ -174,8 +176,7 @@ def top_in(runner: ModelRunner, slots: slice) -> list[list[tuple[int, float]]] |
 def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tuple[list, list]:
     """Thunks compiling every ragged call of `runner` ahead of time from the arrays' metadata
     (engine.compiles.abstract; no device buffer read): (one per token bucket up to `max_tokens`:
-    its forward and KV write; then one per output bucket up to `max_outputs`: its gathers from each
-    token bucket and
+    its forward and KV write; then one per output bucket up to `max_outputs`: its gather and
     its heads, with and without logit adjustments). The second list reads the first's output
     layouts: run it after. Make them on the runner's thread."""
     rc, cfg = runner.rc, runner.cfg
@@ -191,10 +192,8 @@ def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tupl
         _write.lower(kv, rb, new_kv).compile()
 
     def heads(o: int) -> None:
-        hs = None
-        for n, h in sorted(hidden.items()):
-            if n >= o:
-                hs = outputs(_gather.lower(h, np.zeros(o, np.int32)).compile(), committed)
+        h = hidden[max(hidden)]  # every forward's output has one shape (`_forward`)
+        hs = outputs(_gather.lower(h, np.zeros(o, np.int32)).compile(), committed)
         samp, counter = SamplingArrays(**SamplingArrays.host(o)), np.zeros(o, np.int32)
         for adj in (None, Adjust(**Adjust.host((o, 1, runner.adjust_width)))):
             _heads.lower(params, hs, np.zeros(o, np.int32), samp, counter, adj).compile()
