@@ -73,17 +73,11 @@ class SchedulerConfig:
 
 
 MIX_MAX_CHUNK = 128
-"""Most prefill tokens a step that decodes carries for a long prompt (measured as below: 128 make
-a batch-32 decode call ~1.6x as long; more would stretch it past twice its time)."""
+"""Most prefill tokens a step that decodes carries for a long prompt (with ragged calls on this CPU,
+128 fresh prompt tokens make a batch-32 decode call ~1.6x as long; more would stretch it past
+twice its time)."""
 MIX_MIN_CHUNK = 16
 """Fewest prefill tokens a step that decodes carries for a long prompt."""
-MIX_TOKENS_PER_ROW = 4
-"""A `mix_tokens_per_row` for a long prompt (`mix_chunk`). Measured with ragged calls on this CPU
-(Gemma 3 270M, float32, 4,096-token page tables): a batch-8 decode call takes ~180 ms and 16 /
-32 / 64 more prefill tokens at the start of a prompt make it ~220 / 285 / 370 ms, so 4 a row
-would keep the running streams' steps within ~1.6x of a decode step. EngineCore passes 0 for
-now: later in a long prompt a 16-token chunk read its ~2,000 cached tokens for ~0.9 s beside 4
-decode rows (engine/ragged.py pads each query-group class to the call's worst case)."""
 
 
 def mix_chunk(decoders: int, per_row: int) -> int:
