@@ -3,10 +3,13 @@
 Loads the engine as `crossover serve` does (plain decoding), then times ragged calls
 (engine/ragged_calls.py) on rows laid over arbitrary pool pages (what they write is never read):
 4 decode rows at a short context alone, with a 16-token chunk of a row that has 0 / 500 / 1000
-/ 1900 tokens cached, the chunk alone, one decode row at 1900 alone and beside the 4. Each
-case is the fastest of `--repeats` runs after one untimed run. Prints one JSON object.
+/ 1900 tokens cached, the chunk alone, one decode row at 1900 alone and beside the 4, and a
+full batch of decode rows at 1900. Each case is the fastest of `--repeats` runs after one
+untimed run. With `--chunks`, it also times each case's forward alone at each number of query
+groups read together (engine/ragged.py CHUNK; 512 reads every group slot of a call in one pass,
+however few are real), in the same process. Prints one JSON object.
 
-    python -m bench.ragged_chunk_cost [--out FILE]
+    python -m bench.ragged_chunk_cost [--chunks 4,512] [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,8 +26,14 @@ STARTS = (0, 500, 1000, 1900)
 """Tokens cached before the chunk, and (the last) before the long decode row."""
 
 
-def measure(engine, starts: tuple[int, ...] = STARTS, repeats: int = 3) -> dict:
-    """Milliseconds per case (module docstring) on `engine` (an EngineCore, warmed up)."""
+def measure(engine, starts: tuple[int, ...] = STARTS, repeats: int = 3, chunks: tuple[int, ...] = ()) -> dict:
+    """Milliseconds per case (module docstring) on `engine` (an EngineCore, warmed up), and per
+    case and chunk the forward alone for each of `chunks`."""
+    from functools import partial
+
+    import jax
+
+    from engine import ragged
     from engine.ragged_calls import RaggedRow, new_call, run, table_width
 
     runner, rc = engine.runner, engine.runner.rc
@@ -35,38 +44,55 @@ def measure(engine, starts: tuple[int, ...] = STARTS, repeats: int = 3) -> dict:
         ring = np.arange(1, rc.ring_pages + 1, dtype=np.int32)
         return RaggedRow((5,) * tokens, start, pages, ring, ring)
 
-    def timed(rows: list[RaggedRow]) -> float:
-        run(runner, new_call(runner, rows))
+    def timed(fn) -> float:
+        fn()
         best = float("inf")
         for _ in range(repeats):
-            call = new_call(runner, rows)
             t0 = time.perf_counter()
-            run(runner, call)
+            fn()
             best = min(best, time.perf_counter() - t0)
         return round(best * 1e3, 1)
 
+    @partial(jax.jit, static_argnames=("cfg", "chunk"))
+    def forward(cfg, params, kv, rb, chunk):
+        return ragged.forward(cfg, params, kv, rb, chunk=chunk)[:2]
+
     short, last = min(60, starts[-1]), starts[-1]
     decode = [row(1, short, 300 + 10 * i) for i in range(4)]
-    out = {f"4 decode rows at {short}": timed(decode)}
+    cases = {f"4 decode rows at {short}": decode}
     for start in starts:
-        out[f"4 decode rows + a 16-token chunk after {start}"] = timed(decode + [row(16, start, 1)])
-    out[f"a 16-token chunk after {last} alone"] = timed([row(16, last, 1)])
-    out[f"1 decode row at {last} alone"] = timed([row(1, last, 1)])
-    out[f"4 decode rows + 1 decode row at {last}"] = timed(decode + [row(1, last, 1)])
+        cases[f"4 decode rows + a 16-token chunk after {start}"] = decode + [row(16, start, 1)]
+    cases[f"a 16-token chunk after {last} alone"] = [row(16, last, 1)]
+    cases[f"1 decode row at {last} alone"] = [row(1, last, 1)]
+    cases[f"4 decode rows + 1 decode row at {last}"] = decode + [row(1, last, 1)]
+    cases[f"{rc.max_batch} decode rows at {last}"] = [row(1, last, 1 + 3 * i) for i in range(rc.max_batch)]
+    out = {name: timed(lambda: run(runner, new_call(runner, rows))) for name, rows in cases.items()}
+    by_chunk = {}
+    for name, rows in cases.items():
+        rb = new_call(runner, rows).batch
+        by_chunk[name] = {c: timed(lambda: jax.block_until_ready(
+            forward(runner.cfg, runner.params, runner.kv, rb, c))) for c in chunks}
     return {"bench": "ragged_chunk_cost", "max_batch": rc.max_batch, "max_context": rc.max_context,
-            "ms": out}
+            "chunk": ragged.CHUNK, "ms": out, **({"forward_ms_by_chunk": by_chunk} if chunks else {})}
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="JSON output file")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chunks", default="", help="comma-separated query groups read together, e.g. 4,512")
     args = ap.parse_args(argv)
+    try:
+        chunks = tuple(int(c) for c in args.chunks.split(",") if c.strip())
+    except ValueError:
+        ap.error(f"--chunks: {args.chunks!r} is not a comma-separated list of integers")
+    if any(c < 1 for c in chunks):
+        ap.error(f"--chunks: {args.chunks!r} holds a value below 1")
     from engine.loader import load_engine
 
     engine = load_engine(max_batch=32, max_context=4096, progress=False, speculation=False)
     engine.warmup(progress=False)
-    result = measure(engine, repeats=args.repeats)
+    result = measure(engine, repeats=args.repeats, chunks=chunks)
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -15,10 +15,13 @@ Attention for each token merges three partial softmaxes (running max, sum, weigh
    up to GROUP consecutive queries, each group reading its row's cache block by block.
 
 Parts 2. and 3. read the cache as engine.model.paged_softmax does for a padded batch, each
-query group a row of its view: block by block with a running softmax, only as far as the
-longest group's cache reaches, so a call's cost follows the real context, never the table's
-width. A decode token alone in a group of one wastes no score compute; a prompt chunk reads
-each block once per GROUP queries. The local table's width is the ring (ring_pages entries).
+query group a row of its view: block by block with a running softmax. The groups of a class are
+laid out longest cache first and read CHUNK groups at a time, each chunk only as far as its
+own longest cache reaches, and only the chunks that hold a real group: a call's cost follows
+its real groups and their real contexts, never its padded group slots or the table's width (a
+short decode row beside a long prompt's chunk reads its own few blocks). A decode token alone
+in a group of one wastes no score compute; a prompt chunk reads each block once per GROUP
+queries. The local table's width is the ring (ring_pages entries).
 
 The cache is read as it was before the call; the new keys and values come back per layer for
 `write`, which scatters them into their pages afterwards (a separate call: see
@@ -40,14 +43,17 @@ from engine.model import (_NEG, ATTEND_BLOCK, PagedView, Params, _after_attentio
 
 GROUP = 8
 """Queries of one row that share a cache read (a verify row of depth 7 is one group)."""
+CHUNK = 4
+"""Query groups read together, block by block, as far as the longest of them reaches."""
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Groups:
     """Query groups of one class (single tokens, or up to GROUP tokens of one row): each group's
-    flat token indices (-1: none) and row, and for each flat token its index among the groups'
-    queries, tokens.reshape(-1) (-1: in no group of this class)."""
+    flat token indices (-1: none) and row, real groups first, longest cache first, and for each
+    flat token its index among the groups' queries, tokens.reshape(-1) (-1: in no group of this
+    class)."""
 
     tokens: jax.Array  # [M, Q] int32
     row: jax.Array  # [M] int32
@@ -112,9 +118,9 @@ class RaggedBatch:
             if start:
                 idx = list(range(at, at + n))
                 if n == 1:
-                    single.append((idx, r))
+                    single.append((idx, r, start))
                 else:
-                    multi += [(idx[i: i + GROUP], r) for i in range(0, n, GROUP)]
+                    multi += [(idx[i: i + GROUP], r, start) for i in range(0, n, GROUP)]
             at += n
 
         def groups(found, width: int, m: int) -> Groups:
@@ -123,7 +129,8 @@ class RaggedBatch:
             toks = np.full((m, width), -1, np.int32)
             grow = np.zeros(m, np.int32)
             src = np.full(n_tokens, -1, np.int32)
-            for g, (idx, r) in enumerate(found):
+            found = sorted(found, key=lambda f: -f[2])  # longest cache first: see _cached
+            for g, (idx, r, _) in enumerate(found):
                 toks[g, : len(idx)] = idx
                 grow[g] = r
                 src[idx] = g * width + np.arange(len(idx))
@@ -175,19 +182,33 @@ def _own_keys(cfg: ModelConfig, q, k, v, row, pos, window):
 
 
 def _cached(cfg: ModelConfig, q, pos, groups: Groups, table, cached, pool_k, pool_v, layer: int, ring: int,
-            window, block: int):
-    """Partial softmax of the grouped queries over their rows' caches (engine.model.paged_softmax
-    with each group a row of the view). Returns per-token [N, KV, G] m, l and [N, KV, G, hd] acc
-    (tokens in no group: empty)."""
+            window, block: int, chunk: int):
+    """Partial softmax of the grouped queries over their rows' caches: engine.model.paged_softmax
+    with each group a row of the view, `chunk` groups at a time over the chunks holding a real
+    group (they come first; each chunk reads as far as its own longest cache). Returns per-token
+    [N, KV, G] m, l and [N, KV, G, hd] acc (tokens in no group: empty)."""
     N, KV, G, hd = q.shape
     M, Q = groups.tokens.shape
+    C = min(chunk, M)
+    Mp = -(-M // C) * C
+    pad = lambda a, fill: jnp.pad(a, ((0, Mp - M),) + ((0, 0),) * (a.ndim - 1), constant_values=fill)
     valid = groups.tokens[:, 0] >= 0
     idx = jnp.maximum(groups.tokens, 0)
-    qt = q[idx].transpose(0, 2, 4, 1, 3).reshape(M, KV, hd, Q * G)  # [M, KV, hd, (q, g)]
-    qp = jnp.repeat(jnp.where(groups.tokens >= 0, pos[idx], -1), G, axis=1)  # [M, Q*G]
-    view = PagedView(pool_k, pool_v, layer, jnp.where(valid[:, None], table[groups.row], SCRATCH_PAGE),
-                     jnp.where(valid, cached[groups.row] - 1, -1), ring)
-    m, l, acc = paged_softmax(cfg, qt, qp, view, window, block=block)
+    qt = pad(q[idx].transpose(0, 2, 4, 1, 3).reshape(M, KV, hd, Q * G), 0)  # [Mp, KV, hd, (q, g)]
+    qp = pad(jnp.repeat(jnp.where(groups.tokens >= 0, pos[idx], -1), G, axis=1), -1)  # [Mp, Q*G]
+    gtable = pad(jnp.where(valid[:, None], table[groups.row], SCRATCH_PAGE), SCRATCH_PAGE)
+    last = pad(jnp.where(valid, cached[groups.row] - 1, -1), -1)
+
+    def one(c, carry):
+        at = c * C
+        cut = lambda a: jax.lax.dynamic_slice_in_dim(a, at, C, axis=0)
+        view = PagedView(pool_k, pool_v, layer, cut(gtable), cut(last), ring)
+        got = paged_softmax(cfg, cut(qt), cut(qp), view, window, block=block)
+        return tuple(jax.lax.dynamic_update_slice_in_dim(a, g, at, axis=0) for a, g in zip(carry, got))
+
+    init = (jnp.full((Mp, KV, Q * G), _NEG, jnp.float32), jnp.zeros((Mp, KV, Q * G), jnp.float32),
+            jnp.zeros((Mp, KV, Q * G, hd), jnp.float32))
+    m, l, acc = (a[:M] for a in jax.lax.fori_loop(0, (valid.sum() + C - 1) // C, one, init))
 
     def to_tokens(a, fill):  # [M, KV, Q*G, ...] -> [N, KV, G, ...]
         a = a.reshape(M, KV, Q, G, *a.shape[3:]).swapaxes(1, 2).reshape(M * Q, KV, G, *a.shape[3:])
@@ -198,7 +219,7 @@ def _cached(cfg: ModelConfig, q, pos, groups: Groups, table, cached, pool_k, poo
 
 
 def attend(cfg: ModelConfig, q, k, v, rb: RaggedBatch, kv: KVState, kind: str, layer: int, block: int,
-           window):
+           window, chunk: int = CHUNK):
     """Attention of the step's queries q [N, H, hd] over their rows' caches and the step's own
     keys k, v [N, KV, hd]. Returns [N, H, hd]."""
     N, H, hd = q.shape
@@ -212,12 +233,12 @@ def attend(cfg: ModelConfig, q, k, v, rb: RaggedBatch, kv: KVState, kind: str, l
     for groups in (rb.single, rb.multi):
         if groups.tokens.shape[0]:
             parts.append(_cached(cfg, q, rb.pos, groups, table, rb.cached, *pools, layer, ring, window,
-                                 block))
+                                 block, chunk))
     return _merge(parts).reshape(N, H, hd).astype(q.dtype)
 
 
 def forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, capture=(),
-            block: int = ATTEND_BLOCK):
+            block: int = ATTEND_BLOCK, chunk: int = CHUNK):
     """All layers over the call's tokens. Returns (final-normed h [N, d], new K/V per kind
     {kind: (k, v) [layers_of_kind, N, KV, hd]}, hidden states after the `capture` layers)."""
     x = embed(cfg, params, rb.tokens)  # [N, d]
@@ -230,7 +251,7 @@ def forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, capt
         q, k, v, window = attention_inputs(cfg, lp, x[None], pos, kind == "global")
         q, k, v = q[0], k[0], v[0]  # one batch row: the flat axis
         ks, vs = new[kind]
-        a = attend(cfg, q, k, v, rb, kv, kind, len(ks), block, window)
+        a = attend(cfg, q, k, v, rb, kv, kind, len(ks), block, window, chunk)
         ks.append(k)
         vs.append(v)
         x = _after_attention(cfg, lp, x, a.reshape(N, cfg.q_dim))

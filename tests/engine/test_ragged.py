@@ -19,9 +19,9 @@ PAGE, RING, BLOCK = 4, 6, 8  # ring of 24 slots >= window 8 + verify; reads of 2
 N_TOKENS, N_ROWS, WIDTH = 32, 4, 16  # 16 pages: 64 positions a row
 
 
-@partial(jax.jit, static_argnames=("cfg",))
-def _call(cfg, params, kv, rb):
-    h, new_kv, _ = ragged.forward(cfg, params, kv, rb, block=BLOCK)
+@partial(jax.jit, static_argnames=("cfg", "chunk"))
+def _call(cfg, params, kv, rb, chunk=ragged.CHUNK):
+    h, new_kv, _ = ragged.forward(cfg, params, kv, rb, block=BLOCK, chunk=chunk)
     return logits(params, h), ragged.write(kv, rb, new_kv)
 
 
@@ -38,7 +38,10 @@ def _steps():
     ]
 
 
-def test_every_token_of_mixed_calls_equals_the_dense_model(tiny):
+@pytest.mark.parametrize("chunk", [ragged.CHUNK, 1, 3])
+def test_every_token_of_mixed_calls_equals_the_dense_model(tiny, chunk):
+    """Chunks of 1 and 3 query groups: groups read in several passes, each as far as its own
+    chunk's longest cache (rows of different lengths in one chunk with 3)."""
     cfg, params = tiny
     params = unstack_layers(params)
     rng = np.random.default_rng(0)
@@ -56,7 +59,7 @@ def test_every_token_of_mixed_calls_equals_the_dense_model(tiny):
             rows.append((new, len(seqs[r]), gpages[r], ring[r]))
             order.append(r)
         rb = ragged.RaggedBatch.build(rows, N_TOKENS, N_ROWS, WIDTH, RING)
-        got, kv = _call(cfg, params, kv, jax.tree.map(np.asarray, rb))
+        got, kv = _call(cfg, params, kv, jax.tree.map(np.asarray, rb), chunk)
         got = np.asarray(got)
         at = 0
         for (new, start, _, _), r in zip(rows, order):
