@@ -42,7 +42,7 @@ from engine.progress import Reporter
 from engine.proposers import NgramProposer, Proposer
 from engine.runner import ModelRunner, RunnerConfig
 from engine.sampling import SamplingArrays
-from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.scheduler import MIX_TOKENS_PER_ROW, Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import Detokenizer, Sequence, append_tokens, request_key
 from engine.types import (
     EngineCapacity,
@@ -54,7 +54,7 @@ from engine.types import (
     StepStats,
     TokenEvent,
 )
-from engine.ragged_calls import top_in
+from engine.ragged_calls import TOKEN_BUCKETS, top_in
 from engine.ragged_step import run_ragged_step
 from engine.step import SpecResult, run_step
 from engine.warm import SpecWarmup, warm_engine
@@ -96,10 +96,11 @@ class EngineCore:
             SchedulerConfig(max_batch=rc.max_batch, token_budget=max(ecfg.token_budget, rc.max_batch),
                             max_chunk=rc.max_chunk, lookahead=max(rc.verify_tokens, default=1) - 1,
                             chunk_buckets=() if ecfg.ragged_steps else rc.prefill_buckets,
-                            # No cap on a long prompt's chunks while others decode: a chunk after
-                            # a long cached context costs a ragged call far more than its tokens
-                            # (each query-group class loops every group slot over the longest row).
-                            mix_tokens_per_row=0,
+                            # A ragged step carries a long prompt's chunks in the decode rows'
+                            # call, capped so the streams keep their pace; a padded step runs
+                            # them in calls of their own, where a cap would only slow the prompt.
+                            mix_tokens_per_row=MIX_TOKENS_PER_ROW if ecfg.ragged_steps else 0,
+                            step_buckets=TOKEN_BUCKETS if ecfg.ragged_steps else (),
                             mix_long=rc.max_chunk, chunk_slack=ecfg.chunk_slack),
             self.pool,
         )

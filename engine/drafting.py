@@ -61,15 +61,20 @@ def _mtp_draft(heads: tuple[Head, ...], h, embed_sub, ids):
 
 
 @jax.jit
-def _mtp_chain_draft(heads: tuple[Head, ...], h, last, embed, embed_sub, ids):
-    """Greedy draft of chained heads from h [B, d] and the newest tokens last [B]: [B, K]."""
-    s, tok, out = h, last, []
-    for hd in heads:
-        s = apply_chain_head(hd, s, token_features(embed, tok))
+def _mtp_chain_draft(heads: Head, h, last, embed, embed_sub, ids, k):
+    """Greedy draft of the first k chained heads, stacked ({"w1": [K, 2d, r], ...}), from h [B, d]
+    and the newest tokens last [B]: [B, K] (columns k on: 0). k is traced, so one executable
+    serves every depth."""
+    B, K = h.shape[0], heads["w1"].shape[0]
+
+    def one(j, carry):
+        s, tok, out = carry
+        s = apply_chain_head({n: a[j] for n, a in heads.items()}, s, token_features(embed, tok)).astype(h.dtype)
         lg = jnp.einsum("bd,vd->bv", s, embed_sub, preferred_element_type=jnp.float32)
         tok = ids[jnp.argmax(lg, axis=-1)].astype(jnp.int32)
-        out.append(tok)
-    return jnp.stack(out, axis=1)
+        return s, tok, out.at[:, j].set(tok)
+
+    return jax.lax.fori_loop(0, k, one, (h, last.astype(jnp.int32), jnp.zeros((B, K), jnp.int32)))[2]
 
 
 class MtpProposer(Proposer):
@@ -82,16 +87,18 @@ class MtpProposer(Proposer):
                  draft_vocab: int = 0):
         if not heads.mtp:
             raise ValueError("the heads file has no MTP heads")
-        self.heads = tuple(heads.mtp)
         self.chained = heads.chained
+        # chained heads run as one stack (`_mtp_chain_draft`: one executable for every depth)
+        self.heads = ({n: jnp.stack([h[n] for h in heads.mtp]) for n in heads.mtp[0]} if self.chained
+                      else tuple(heads.mtp))
         self.embed = embed
-        self.head_bytes = sum(heads.head_bytes(h) for h in self.heads)
+        self.head_bytes = sum(heads.head_bytes(h) for h in heads.mtp)
         self.slices = _VocabSlices(embed, heads.vocab, sizes)
         self.default_vocab = min((n for n in self.slices.by_size if n), default=0)
         """What a policy's draft_vocab 0 means: the smallest compiled vocabulary (drafting over
         the full 262k ids costs as much as the target's own output layer)."""
         self.draft_vocab = self._vocab(draft_vocab)
-        self.max_depth = len(self.heads)
+        self.max_depth = len(heads.mtp)
         self._buckets: tuple[int, ...] = (1,)
 
     @property
@@ -120,22 +127,21 @@ class MtpProposer(Proposer):
             h[i] = seqs[i].hidden
             last[i] = seqs[i].tokens[seqs[i].num_cached]
         emb, ids = self.slices.get(self.draft_vocab)
-        toks = np.asarray(self._draft(self._heads_for(k), jnp.asarray(h, self._dtype), last, emb, ids))
+        toks = np.asarray(self._draft(k, jnp.asarray(h, self._dtype), last, emb, ids))
         out = [[] for _ in seqs]
         for i in ready:
             out[i] = toks[i, :k].tolist()
         return out
 
-    def _draft(self, heads: tuple[Head, ...], h: jax.Array, last: np.ndarray, emb, ids) -> jax.Array:
+    def _draft(self, k: int, h: jax.Array, last: np.ndarray, emb, ids) -> jax.Array:
+        """[B, >= k] drafts of depth k."""
         if self.chained:
-            return _mtp_chain_draft(heads, h, last, self.embed, emb, ids)
-        return _mtp_draft(heads, h, emb, ids)
+            return _mtp_chain_draft(self.heads, h, last, self.embed, emb, ids, np.int32(k))
+        return _mtp_draft(self._heads_for(k), h, emb, ids)
 
     def _heads_for(self, k: int) -> tuple[Head, ...]:
-        """Heads for depth k: chained, exactly k (each costs a step of the chain); else
-        rounded up to a power of two (one call either way, fewer compiled shapes)."""
-        if self.chained:
-            return self.heads[:k]
+        """Unchained heads for depth k: the first k rounded up to a power of two (one call
+        either way, fewer compiled shapes)."""
         n = 1
         while n < k:
             n *= 2
@@ -145,8 +151,12 @@ class MtpProposer(Proposer):
         return self.head_bytes + self.slices.nbytes()
 
     def _job_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (batch, draft vocabulary, heads run) `propose` may use."""
-        ks = sorted({len(self._heads_for(k)) for k in range(1, self.max_depth + 1)})
+        """Every (batch, draft vocabulary, heads run) `propose` may use (chained: the stack's
+        one executable, run at the deepest depth)."""
+        if self.chained:
+            ks = [self.max_depth]
+        else:
+            ks = sorted({len(self._heads_for(k)) for k in range(1, self.max_depth + 1)})
         return [(b, n, k) for b in self._buckets for n in self.vocab_sizes for k in ks]
 
     def compile_jobs(self) -> list:
@@ -157,7 +167,7 @@ class MtpProposer(Proposer):
             emb, ids = abstract(self.slices.get(n))
             h, last = jax.ShapeDtypeStruct((b, self._d), self._dtype), np.zeros((b,), np.int32)
             if self.chained:
-                _mtp_chain_draft.lower(heads[:k], h, last, embed, emb, ids).compile()
+                _mtp_chain_draft.lower(heads, h, last, embed, emb, ids, np.int32(k)).compile()
             else:
                 _mtp_draft.lower(heads[:k], h, emb, ids).compile()
 
@@ -169,7 +179,7 @@ class MtpProposer(Proposer):
         def run(b: int, n: int, k: int) -> None:
             emb, ids = self.slices.get(n)
             h = jnp.asarray(np.zeros((b, self._d), np.float32), self._dtype)
-            np.asarray(self._draft(self.heads[:k], h, np.zeros((b,), np.int32), emb, ids))
+            np.asarray(self._draft(k, h, np.zeros((b,), np.int32), emb, ids))
 
         return [partial(run, *s) for s in self._job_shapes()]
 

@@ -16,8 +16,9 @@ One step's plan, in order:
    With `mix_tokens_per_row` (ragged steps: one call carries the decode rows
    and the chunks, engine/ragged_step.py): while sequences decode, a long
    prompt (more than `mix_long` tokens to compute at admission: one that needs
-   several chunks) is prefilled `mix_chunk` tokens a step, at most `mix_rows`
-   of them at once, so the running streams keep their pace however long it is. A short
+   several chunks) is prefilled `mix_chunk` tokens a step (grown to fill the
+   step's token bucket, `step_buckets`), at most `mix_rows` of them at once,
+   so the running streams keep their pace however long it is. A short
    prompt still takes the step's budget (one stall of at most a chunk, and
    bursts of short requests keep their time to first token), as vLLM's
    long-prefill threshold does. With nobody decoding the whole budget is
@@ -64,6 +65,9 @@ class SchedulerConfig:
     mix_long: int = 0
     """With mix_tokens_per_row: a prompt with more tokens than this to compute at admission is
     long (capped while others decode); 0: every prompt is."""
+    step_buckets: tuple[int, ...] = ()
+    """Token counts a step's one call compiles for (ragged steps): a long prompt's capped chunk
+    grows to fill the bucket that the decode rows and the cap already pad to, at no cost."""
 
     def __post_init__(self) -> None:
         if self.token_budget < self.max_batch:
@@ -72,6 +76,10 @@ class SchedulerConfig:
             )
 
 
+MIX_TOKENS_PER_ROW = 4
+"""Prefill tokens per decode row a ragged step carries for a long prompt (EngineCore's
+SchedulerConfig.mix_tokens_per_row): with 4 rows decoding on this CPU, the 16 tokens of a chunk
+after 1,900 cached ones about double the decode step."""
 MIX_MAX_CHUNK = 128
 """Most prefill tokens a step that decodes carries for a long prompt (with ragged calls on this CPU,
 128 fresh prompt tokens make a batch-32 decode call ~1.6x as long; more would stretch it past
@@ -183,6 +191,8 @@ class Scheduler:
         in_decode = set(map(id, plan.decode))
         mixing = bool(plan.decode and self.cfg.mix_tokens_per_row)  # long prompts: keep it near a decode step
         cap = mix_chunk(len(plan.decode), self.cfg.mix_tokens_per_row) if mixing else 0
+        if cap and (up := [b for b in self.cfg.step_buckets if b >= len(plan.decode) + cap]):
+            cap = up[0] - len(plan.decode)
         longs = 0
 
         def room(seq: Sequence) -> int:

@@ -95,6 +95,31 @@ def test_a_policy_deeper_than_the_heads_verifies_only_what_they_draft(tiny, plai
     assert all(s.proposed % 2 == 0 and s.proposed > 0 for s in steps)  # 2 per drafting sequence
 
 
+def test_chained_mtp_drafts_of_each_depth_equal_the_heads_applied_in_turn(tiny):
+    """One executable drafts every depth: depth k gives the chain's first k tokens, each the
+    argmax over the draft vocabulary after head j saw the state and the token before it."""
+    from engine.drafting import MtpProposer
+    from engine.heads import apply_chain_head, token_features
+
+    cfg, params = tiny
+    heads = _heads(cfg, scale=1.0)
+    p = MtpProposer(heads, params["embed"], sizes=(0,))
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((2, cfg.d_model)).astype(np.float32)
+    last = np.array([5, 9], np.int32)
+    emb, ids = p.slices.get(0)
+    want, s, tok = [], jnp.asarray(h), jnp.asarray(last)
+    for hd in heads.mtp:
+        s = apply_chain_head(hd, s, token_features(params["embed"], tok))
+        tok = jnp.asarray(ids)[jnp.argmax(s @ emb.T, axis=-1)]
+        want.append(np.asarray(tok))
+    want = np.stack(want, axis=1)
+    for k in range(1, p.max_depth + 1):
+        got = np.asarray(p._draft(k, jnp.asarray(h), last, emb, ids))
+        np.testing.assert_array_equal(got[:, :k], want[:, :k])
+        assert (got[:, k:] == 0).all()
+
+
 @pytest.mark.parametrize("technique,layers", [("early_exit", 6), ("draft", 3)])
 def test_layer_drafts_equal_a_dense_truncated_model(tiny, technique, layers):
     """With identity adapters and the full vocabulary, each draft is the argmax of the

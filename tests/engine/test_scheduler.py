@@ -107,3 +107,37 @@ def test_serving_a_mixed_workload_compiles_nothing_after_warmup(tiny):
     _, results = _drive(engine, reqs, abort_p=0.02, rng=rng)
     assert len(results) == 40
     assert engine.compiles_since_warmup() == 0
+
+
+def _seq(rid: str, n: int):
+    from engine.sequence import Detokenizer, Sequence, request_key
+
+    ids = [5] * n
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    return Sequence(Request(rid, ids, sp), ids, n, request_key(None), Detokenizer(TOK.decode, ids[-4:]))
+
+
+@pytest.mark.parametrize("buckets, chunk", [((), 16), ((1, 2, 4, 8, 16, 32, 64, 512), 29)])
+def test_a_long_prompt_is_capped_while_others_decode_to_fill_the_step_bucket(buckets, chunk):
+    """3 rows decode: a long prompt's chunk is mix_chunk(3, 4) = 16 tokens, grown with step
+    buckets to 29 (3 + 29 fill the 32-token call 3 + 16 pads to); alone it takes the budget."""
+    from engine.kv import KVPool
+    from engine.scheduler import Scheduler, SchedulerConfig, mix_chunk
+
+    assert mix_chunk(3, 4) == 16
+    pool = KVPool(300, 300, 4, 8, None)
+    cfg = SchedulerConfig(max_batch=8, token_budget=512, max_chunk=512, mix_tokens_per_row=4, mix_long=64,
+                          step_buckets=buckets)
+    sched = Scheduler(cfg, pool)
+    for i in range(3):
+        sched.add(_seq(f"s{i}", 10))
+    plan = sched.schedule()
+    assert [n for _, n in plan.prefill] == [10, 10, 10]
+    for seq, n in plan.prefill:  # prefilled: each decodes from the next step on
+        seq.num_cached, seq.tokens = n, seq.tokens + [7]
+    sched.add(_seq("long", 600))
+    plan = sched.schedule()
+    assert len(plan.decode) == 3 and [(s.request_id, n) for s, n in plan.prefill] == [("long", chunk)]
+    alone = Scheduler(cfg, KVPool(300, 300, 4, 8, None))
+    alone.add(_seq("long", 600))
+    assert [n for _, n in alone.schedule().prefill] == [512]
