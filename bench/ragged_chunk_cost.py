@@ -2,14 +2,14 @@
 
 Loads the engine as `crossover serve` does (plain decoding), then times ragged calls
 (engine/ragged_calls.py) on rows laid over arbitrary pool pages (what they write is never read):
-4 decode rows at a short context alone, with a 16-token chunk of a row that has 0 / 500 / 1000
+4 decode rows at a short context alone, with a 16-token (`--chunk-tokens`) chunk of a row that has 0 / 500 / 1000
 / 1900 tokens cached, the chunk alone, one decode row at 1900 alone and beside the 4, and a
 full batch of decode rows at 1900. Each case is the fastest of `--repeats` runs after one
 untimed run. With `--chunks`, it also times each case's forward alone at each number of query
 groups read together (engine/ragged.py CHUNK; 512 reads every group slot of a call in one pass,
 however few are real), in the same process. Prints one JSON object.
 
-    python -m bench.ragged_chunk_cost [--chunks 4,512] [--out FILE]
+    python -m bench.ragged_chunk_cost [--chunks 4,512] [--chunk-tokens 8 16 28] [--out FILE]
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ STARTS = (0, 500, 1000, 1900)
 """Tokens cached before the chunk, and (the last) before the long decode row."""
 
 
-def measure(engine, starts: tuple[int, ...] = STARTS, repeats: int = 3, chunks: tuple[int, ...] = ()) -> dict:
+def measure(engine, starts: tuple[int, ...] = STARTS, repeats: int = 3, chunks: tuple[int, ...] = (),
+            chunk_tokens: tuple[int, ...] = (16,)) -> dict:
     """Milliseconds per case (module docstring) on `engine` (an EngineCore, warmed up), and per
-    case and chunk the forward alone for each of `chunks`."""
+    case and chunk the forward alone for each of `chunks`; the prompt chunks beside the decode
+    rows are `chunk_tokens` long."""
     from functools import partial
 
     import jax
@@ -60,8 +62,9 @@ def measure(engine, starts: tuple[int, ...] = STARTS, repeats: int = 3, chunks: 
     short, last = min(60, starts[-1]), starts[-1]
     decode = [row(1, short, 300 + 10 * i) for i in range(4)]
     cases = {f"4 decode rows at {short}": decode}
-    for start in starts:
-        cases[f"4 decode rows + a 16-token chunk after {start}"] = decode + [row(16, start, 1)]
+    for n in chunk_tokens:
+        for start in starts:
+            cases[f"4 decode rows + a {n}-token chunk after {start}"] = decode + [row(n, start, 1)]
     cases[f"a 16-token chunk after {last} alone"] = [row(16, last, 1)]
     cases[f"1 decode row at {last} alone"] = [row(1, last, 1)]
     cases[f"4 decode rows + 1 decode row at {last}"] = decode + [row(1, last, 1)]
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="JSON output file")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chunk-tokens", type=int, nargs="+", default=[16], help="prompt chunk lengths")
     ap.add_argument("--chunks", default="", help="comma-separated query groups read together, e.g. 4,512")
     args = ap.parse_args(argv)
     try:
@@ -92,7 +96,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     engine = load_engine(max_batch=32, max_context=4096, progress=False, speculation=False)
     engine.warmup(progress=False)
-    result = measure(engine, repeats=args.repeats, chunks=chunks)
+    if min(args.chunk_tokens) < 1:
+        ap.error(f"--chunk-tokens: {min(args.chunk_tokens)} is below 1")
+    result = measure(engine, repeats=args.repeats, chunks=chunks, chunk_tokens=tuple(args.chunk_tokens))
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -205,11 +205,23 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
         kv_dtype=kv_dtype,
         verify_tokens=verify_tokens,
         spec_max_batch=spec_batch,
-        fast_output=dtype == "float32" and jax.default_backend() == "cpu",
+        fast_output=dtype == "float32" and jax.default_backend() == "cpu" and cpu_has_bf16(),
         tensor_parallel=tensor_parallel,
         prefill_rows=PREFILL_ROWS,
         segment_rows=segment_rows,
     )
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX BF16 in /proc/cpuinfo):
+    only there may a float32 engine keep a bfloat16 copy of its output table
+    (RunnerConfig.fast_output); elsewhere the float32 product is as fast or faster
+    (engine.model.tied_logits) and the copy would cost a third of a gigabyte for nothing."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_bytes: int | None = None,

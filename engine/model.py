@@ -264,7 +264,28 @@ def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
 
 def logits(params: Params, h: jax.Array) -> jax.Array:
     """Tied output layer on final-normed hidden states: [..., d] -> [..., vocab] f32."""
-    return jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
+    return tied_logits(params["embed"], h)
+
+
+FEW_ROWS = 64
+"""Rows up to which `tied_logits` takes the table as the product's left operand."""
+
+
+def tied_logits(table: jax.Array, h: jax.Array) -> jax.Array:
+    """h [..., d] times table [V, d] transposed: [..., V] float32, in h cast to the table's dtype.
+
+    For up to FEW_ROWS rows the product runs as table @ rows.T, [V, n], then transposed behind
+    an optimization barrier (so the transpose is not folded back into the product): XLA:CPU runs
+    a [262k, 640] x [640, n] product 2-4x faster than [n, 640] x [640, 262k] for n from 2 to 32
+    (1 row: the same), float32 then beating a bfloat16 table on a CPU without bfloat16 units.
+    """
+    lead, d = h.shape[:-1], h.shape[-1]
+    x = h.reshape(-1, d).astype(table.dtype)
+    if x.shape[0] > FEW_ROWS:
+        out = jnp.einsum("nd,vd->nv", x, table, preferred_element_type=jnp.float32)
+    else:
+        out = jax.lax.optimization_barrier(jnp.einsum("vd,nd->vn", table, x, preferred_element_type=jnp.float32)).T
+    return out.reshape(*lead, table.shape[0])
 
 
 def unstack_layers(params: Params) -> Params:

@@ -27,7 +27,7 @@ import numpy as np
 from engine.compiles import abstract, any_committed, outputs, padded_shape, serving_compiles
 from engine.config import ModelConfig
 from engine.kv import Batch, KVState, cache_reader, write_new
-from engine.model import Params, forward, logits, unstack_layers
+from engine.model import Params, forward, logits, tied_logits, unstack_layers
 from engine.progress import Reporter, Steps, note
 from engine.prefill_groups import group_shapes, group_tokens
 from engine.penalties import SPARE_ENTRIES
@@ -135,9 +135,9 @@ def output_scores(params: Params, hs: jax.Array) -> Scores:
     """Tied output layer on [B, Tl, d]: logits [B, Tl, V] float32 and the greedy token.
 
     With a bfloat16 copy of the table (`params["embed_fast"]`, kept by a float32
-    runner) and at least FAST_OUTPUT_MIN_ROWS rows, the 262k-row product runs
-    in bfloat16 (XLA:CPU: 1.5-2x faster than float32 from 2 rows on, ~8x slower
-    for a single row) and the top RESCORE candidates of each row are recomputed
+    runner on a CPU with bfloat16 units: engine.loader.cpu_has_bf16) and at least
+    FAST_OUTPUT_MIN_ROWS rows, the 262k-row product runs in bfloat16 (a single row
+    runs far slower so) and the top RESCORE candidates of each row are recomputed
     in float32. The greedy token is the best float32-rescored candidate, so it
     is the float32 argmax unless that falls outside the bfloat16 top 16, and no
     second pass over the vocabulary is needed to find it; the logits' tail
@@ -148,7 +148,7 @@ def output_scores(params: Params, hs: jax.Array) -> Scores:
     if fast is None or B * Tl < FAST_OUTPUT_MIN_ROWS:
         lg = logits(params, hs)
         return Scores(lg, greedy(lg.reshape(B * Tl, -1)).reshape(B, Tl))
-    approx = jnp.einsum("btd,vd->btv", hs.astype(fast.dtype), fast, preferred_element_type=jnp.float32)
+    approx = tied_logits(fast, hs)
     top = jnp.sort(top_candidates(approx, RESCORE), axis=-1)  # [B, Tl, k], ascending ids: ties go low
     exact = jnp.einsum("btd,btkd->btk", hs, jnp.take(params["embed"], top, axis=0),
                        preferred_element_type=jnp.float32)

@@ -113,6 +113,30 @@ def test_fast_output_rescores_the_top_candidates_exactly():
     assert RESCORE >= 4
 
 
+@pytest.mark.parametrize("rows", [1, 3, 64, 65])
+def test_tied_logits_equal_the_plain_product_in_either_orientation(rows):
+    """Up to FEW_ROWS rows the table is the product's left operand; past it the rows are."""
+    from engine.model import FEW_ROWS, tied_logits
+
+    rng = np.random.default_rng(rows)
+    table = rng.normal(size=(300, 16)).astype(np.float32)
+    h = rng.normal(size=(rows, 1, 16)).astype(np.float32)
+    got = np.asarray(jax.jit(tied_logits)(jnp.asarray(table), jnp.asarray(h)))
+    assert got.shape == (rows, 1, 300) and (rows > FEW_ROWS) == (rows == 65)
+    np.testing.assert_allclose(got, h @ table.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags, has", [("fpu sse avx2 fma", False), ("avx2 avx512f avx512_bf16", True),
+                                        ("avx2 amx_bf16 amx_tile", True)])
+def test_the_bfloat16_output_table_is_kept_only_where_the_cpu_has_bfloat16_units(monkeypatch, flags, has):
+    from pathlib import Path
+
+    from engine.loader import cpu_has_bf16
+
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: f"processor : 0\nflags : {flags}\n")
+    assert cpu_has_bf16() is has
+
+
 def test_a_batch_one_runner_that_verifies_keeps_the_fast_output_table(tiny):
     """Verification scores 1 + depth rows even when the runner never batches two sequences."""
     cfg, params = tiny
