@@ -19,12 +19,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import numpy as np
 
+from bench import print_and_write
 from bench.engine import _prompt
 from engine.types import Request, SamplingParams
 
@@ -100,11 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"bench": "long_prefill", "ragged_steps": not args.no_ragged_steps,
               **measure(engine, args.streams, args.prompt_tokens, args.warm_tokens, args.stream_tokens),
               "compiles_since_warmup": engine.compiles_since_warmup()}
-    print(json.dumps(result, indent=2))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return print_and_write(result, args.out)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,11 @@ decides whether the engine keeps the bfloat16 copy. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import numpy as np
+
+from bench import print_and_write
 
 
 def measure(table: np.ndarray, rows: tuple[int, ...], repeats: int = 5) -> dict:
@@ -66,11 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     _, params = load_model(None, "float32", progress=False)
     result = {"bench": "output_layer", "cpu_has_bf16": cpu_has_bf16(),
               "table": list(params["embed"].shape), "ms": measure(np.asarray(params["embed"]), rows, args.repeats)}
-    print(json.dumps(result, indent=2))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return print_and_write(result, args.out)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,11 @@ however few are real), in the same process. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import numpy as np
+
+from bench import print_and_write
 
 
 STARTS = (0, 500, 1000, 1900)
@@ -99,11 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     if min(args.chunk_tokens) < 1:
         ap.error(f"--chunk-tokens: {min(args.chunk_tokens)} is below 1")
     result = measure(engine, repeats=args.repeats, chunks=chunks, chunk_tokens=tuple(args.chunk_tokens))
-    print(json.dumps(result, indent=2))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return print_and_write(result, args.out)
 
 
 if __name__ == "__main__":
