@@ -8,7 +8,9 @@ forward (EngineCore.step calls `run_ragged_step` with EngineConfig.ragged_steps)
 2. The prefill chunks: each a row of its own tokens after its cached prefix, logits at its last
    token (they give the next token when the chunk reaches the prompt's end).
 3. The rows go in one call, decode rows first, unless their tokens pass the largest token
-   bucket: then in as few calls as hold them, in that order.
+   bucket: then in as few calls as hold them, in that order. Where the call's tokens pass a
+   bucket by less than they would pad up to the next, the prefill chunks give up the excess
+   to a later step (`fit_step`): a 133-token step runs as 128 tokens, not padded to 256.
 4. Each row's outputs go to its sequence (`EngineCore._emit`); a row whose own inputs fail is
    dropped alone before the call (engine/faults.py).
 """
@@ -33,7 +35,12 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
     fail = core._failer(events, finished)
     decode, propose_ms = _drafted(core, plan.decode, fail)
     items = [(s, choice, d, None) for s, choice, d in decode]
-    items += [(s, None, (), n) for s, n in plan.prefill if s.status is Status.RUNNING]
+    chunks = [(s, n) for s, n in plan.prefill if s.status is Status.RUNNING]
+    fitted = fit_step(sum(1 + len(d) for _, _, d in decode), [n for _, n in chunks],
+                      tuple(token_buckets(max_tokens(core))))
+    items += [(s, None, (), n) for (s, _), n in zip(chunks, fitted, strict=True)]
+    cut = {id(s): n for (s, _), n in zip(chunks, fitted, strict=True)}
+    plan.prefill = [(s, cut.get(id(s), n)) for s, n in plan.prefill]  # the step's stats count what ran
     rows = []
     for item in items:
         try:
@@ -59,6 +66,35 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
     if depth:
         spec.verify_ms = (time.perf_counter() - t0) * 1e3
     return spec
+
+
+def fit_step(decode_tokens: int, chunks: list[int], buckets: tuple[int, ...]) -> list[int]:
+    """Prefill chunk lengths cut so that a step of `decode_tokens` decode and verify tokens and
+    these chunks ends on a token bucket, where it passes one by fewer tokens than padding up to
+    the next would add (the cut tokens cost as much in a later step, padding costs for nothing).
+    Chunks are cut from the last one back, each keeping a token; a step past the largest bucket
+    (several calls) is left as it is.
+
+    >>> fit_step(7, [126], (16, 32, 64, 128, 256)), fit_step(7, [200], (16, 32, 64, 128, 256))
+    ([121], [200])
+    >>> fit_step(24, [30, 20], (16, 64, 128)), fit_step(60, [10, 2], (16, 64, 128)), fit_step(70, [1], (16, 64, 128))
+    ([30, 10], [3, 1], [1])
+    >>> fit_step(0, [300], (128, 256))  # past the largest bucket: several calls
+    [300]
+    """
+    n = decode_tokens + sum(chunks)
+    up = [b for b in buckets if b >= n]
+    down = [b for b in buckets if b < n]
+    if not up or not down or n - down[-1] >= up[0] - n:
+        return list(chunks)
+    excess, out = n - down[-1], list(chunks)
+    if excess > sum(c - 1 for c in out):
+        return out
+    for i in reversed(range(len(out))):
+        cut = min(excess, out[i] - 1)
+        out[i] -= cut
+        excess -= cut
+    return out
 
 
 def _drafted(core, seqs: list[Sequence], fail) -> tuple[list, float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine import ragged_step
 from engine.core import EngineConfig, EngineCore
 from engine.drafting import add_model_proposers
 from engine.heads import DraftHeads
@@ -50,14 +51,23 @@ def _params():
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
-def test_ragged_steps_give_the_padded_steps_tokens(tiny, padded, prefix_cache):
+def test_ragged_steps_give_the_padded_steps_tokens(tiny, padded, prefix_cache, monkeypatch):
+    cuts, fit = [], ragged_step.fit_step
+
+    def fit_step(decode_tokens, chunks, buckets):
+        out = fit(decode_tokens, chunks, buckets)
+        cuts.append(out != chunks)
+        return out
+
     e = _engine(tiny, prefix_cache)
+    monkeypatch.setattr(ragged_step, "fit_step", fit_step)
     mixed = 0
     for sp, want in zip(_params(), padded):
         out, stats = run_prompts(e, PROMPTS, sp, TOK)
         assert out == want
         mixed += sum(bool(s.prefill_tokens and s.decode_tokens) for s in stats)
     assert mixed  # steps with decode rows and prefill chunks in one call
+    assert any(cuts)  # and steps whose chunks were cut to end on a token bucket
     ran = 0
     while e.idle():  # idle moments run each ragged call once (none of the padded calls: never compiled)
         ran += 1
