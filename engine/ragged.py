@@ -31,6 +31,7 @@ engine/runner.py `_write` for why XLA:CPU wants it apart).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -237,24 +238,33 @@ def attend(cfg: ModelConfig, q, k, v, rb: RaggedBatch, kv: KVState, kind: str, l
     return _merge(parts).reshape(N, H, hd).astype(q.dtype)
 
 
+@partial(jax.jit, static_argnames=("cfg", "kind", "block", "chunk"))
+def _layer(cfg: ModelConfig, kind: str, block: int, chunk: int, lp: Params, x, rb: RaggedBatch, kv: KVState,
+           layer):
+    """One layer of `kind` over the call's tokens x [N, d], its pool index `layer` traced: every
+    layer of a kind is then one trace and one lowered function that each layer calls, where
+    unrolled they were 18 (tracing and lowering took most of a cached forward's start-up).
+    Returns (x after the layer, its new k and v [N, KV, hd])."""
+    q, k, v, window = attention_inputs(cfg, lp, x[None], rb.pos[None, :], kind == "global")
+    q, k, v = q[0], k[0], v[0]  # one batch row: the flat axis
+    a = attend(cfg, q, k, v, rb, kv, kind, layer, block, window, chunk)
+    return _after_attention(cfg, lp, x, a.reshape(x.shape[0], cfg.q_dim)), k, v
+
+
 def forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, capture=(),
             block: int = ATTEND_BLOCK, chunk: int = CHUNK):
     """All layers over the call's tokens. Returns (final-normed h [N, d], new K/V per kind
     {kind: (k, v) [layers_of_kind, N, KV, hd]}, hidden states after the `capture` layers)."""
     x = embed(cfg, params, rb.tokens)  # [N, d]
     N = x.shape[0]
-    pos = rb.pos[None, :]  # attention_inputs takes [B, T]
     new = {"global": ([], []), "local": ([], [])}
     hidden = {}
     for i, lp in enumerate(params["layers"]):
         kind = "global" if cfg.is_global(i) else "local"
-        q, k, v, window = attention_inputs(cfg, lp, x[None], pos, kind == "global")
-        q, k, v = q[0], k[0], v[0]  # one batch row: the flat axis
         ks, vs = new[kind]
-        a = attend(cfg, q, k, v, rb, kv, kind, len(ks), block, window, chunk)
+        x, k, v = _layer(cfg, kind, block, chunk, lp, x, rb, kv, jnp.int32(len(ks)))
         ks.append(k)
         vs.append(v)
-        x = _after_attention(cfg, lp, x, a.reshape(N, cfg.q_dim))
         if i in capture:
             hidden[i] = x
     new_kv = {kind: (jnp.stack(ks) if ks else jnp.zeros((0, N, cfg.n_kv_heads, cfg.head_dim), x.dtype),
