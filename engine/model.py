@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -243,6 +244,14 @@ def block(cfg: ModelConfig, lp: Params, x, pos, cache, is_global: bool):
     return _after_attention(cfg, lp, x, a.reshape(B, T, cfg.q_dim)), (k, v)
 
 
+@partial(jax.jit, static_argnames=("cfg", "is_global", "ring"))
+def _paged_block(cfg: ModelConfig, is_global: bool, ring: int, lp: Params, x, pos, k, v, layer, table, last,
+                 hidden):
+    """`block` over a PagedView of pools k, v at pool index `layer` (traced): the layers of a kind
+    share one trace and one lowered function, where unrolled each was traced and lowered anew."""
+    return block(cfg, lp, x, pos, PagedView(k, v, layer, table, last, ring, hidden), is_global)
+
+
 def _after_attention(cfg: ModelConfig, lp, x, a):
     """The rest of a layer from the attention output `a`: the output projection's residual, then
     the gated MLP's (shared by `layer` and `forward_segments`)."""
@@ -322,7 +331,12 @@ def forward(cfg: ModelConfig, params: Params, tokens, pos, read_cache, capture=(
     for i, lp in enumerate(params["layers"]):
         kind = "global" if cfg.is_global(i) else "local"
         ks, vs = new[kind]
-        x, (k, v) = block(cfg, lp, x, pos, read_cache(kind, len(ks)), kind == "global")
+        view = read_cache(kind, len(ks))
+        if isinstance(view, PagedView):  # one traced function per kind, its layer index traced
+            x, (k, v) = _paged_block(cfg, kind == "global", view.ring, lp, x, pos, view.k, view.v,
+                                     jnp.int32(view.layer), view.table, view.last, view.hidden)
+        else:
+            x, (k, v) = block(cfg, lp, x, pos, view, kind == "global")
         ks.append(k)
         vs.append(v)
         if i in capture:
