@@ -132,18 +132,24 @@ class StepChooser:
         """{"max_batch": spec_max_batch, "clamped": `clamped`} for the engine's status."""
         return {"max_batch": self.spec_max_batch, "clamped": self.clamped}
 
-    def choose(self, batch_size: int) -> tuple[str, int]:
+    def choose(self, batch_size: int, prefill: bool = False) -> tuple[str, int]:
         """(technique, depth) for this step's rows without a tenant rule: `_choose`, or plain
         decoding where the technique cannot run here (above spec_max_batch, or its shapes
-        still compiling). One call per decode step (the profile counts them)."""
+        still compiling). One call per decode step (the profile counts them). A step that
+        also prefills (`prefill`) takes the policy's choice and no exploration or profile
+        turn: `observe` leaves such steps out, so a turn there would only stretch the step
+        that gives a new request its first token."""
+        if prefill:
+            self._last = self._explored = None
+            return self._runnable(batch_size, self.policy.choose(batch_size))
         return self._runnable(batch_size, self._choose(batch_size))
 
-    def choose_rows(self, tenants: Sequence[str]) -> list[tuple[str, int]]:
+    def choose_rows(self, tenants: Sequence[str], prefill: bool = False) -> list[tuple[str, int]]:
         """(technique, depth) for each row of a decode batch, given its rows' tenants: a tenant
         rule's choice where one covers the batch size, else the step's `choose` (decided once,
-        exploration included, whether or not any row uses it)."""
+        exploration included, whether or not any row uses it; `prefill` as there)."""
         n = len(tenants)
-        shared = self.choose(n)
+        shared = self.choose(n, prefill)
         if not self.policy.tenants or n > self.policy.crossover:
             return [shared] * n
         out = []

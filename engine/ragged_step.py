@@ -33,7 +33,7 @@ from engine.warm import max_tokens
 def run_ragged_step(core, plan, events, finished) -> SpecResult:
     """Run `plan` on `core` (an EngineCore) as ragged calls (module docstring)."""
     fail = core._failer(events, finished)
-    decode, propose_ms = _drafted(core, plan.decode, fail)
+    decode, propose_ms = _drafted(core, plan.decode, fail, bool(plan.prefill))
     items = [(s, choice, d, None) for s, choice, d in decode]
     chunks = [(s, n) for s, n in plan.prefill if s.status is Status.RUNNING]
     fitted = fit_step(sum(1 + len(d) for _, _, d in decode), [n for _, n in chunks],
@@ -97,11 +97,12 @@ def fit_step(decode_tokens: int, chunks: list[int], buckets: tuple[int, ...]) ->
     return out
 
 
-def _drafted(core, seqs: list[Sequence], fail) -> tuple[list, float]:
-    """(sequence, choice, drafts) per decode row kept, and the proposers' time in ms."""
+def _drafted(core, seqs: list[Sequence], fail, prefill: bool = False) -> tuple[list, float]:
+    """(sequence, choice, drafts) per decode row kept, and the proposers' time in ms (`prefill`:
+    the step also prefills, see StepChooser.choose)."""
     if not seqs:
         return [], 0.0
-    choices = _row_choices(core, seqs)
+    choices = _row_choices(core, seqs, prefill)
     if all(c == PLAIN for c in choices) or len(seqs) > core.runner.rc.spec_max_batch:
         return [(s, PLAIN, []) for s in seqs], 0.0
     t0 = time.perf_counter()

@@ -97,12 +97,13 @@ def _run_decode(core, plan: StepPlan, events, finished) -> SpecResult:
     return SpecResult()
 
 
-def _row_choices(core, seqs: list[Sequence]) -> list[tuple[str, int]]:
-    """Each row's (technique, depth): the chooser's, cut to what its proposer drafts and to what
-    the context holds (drafting and verifying write positions up to num_cached + depth)."""
+def _row_choices(core, seqs: list[Sequence], prefill: bool = False) -> list[tuple[str, int]]:
+    """Each row's (technique, depth): the chooser's (`prefill`: the step also prefills, see
+    StepChooser.choose), cut to what its proposer drafts and to what the context holds
+    (drafting and verifying write positions up to num_cached + depth)."""
     room = core.max_context - 1 - max(s.num_cached for s in seqs)
     out = []
-    for technique, depth in core._chooser.choose_rows([s.req.tenant for s in seqs]):
+    for technique, depth in core._chooser.choose_rows([s.req.tenant for s in seqs], prefill):
         if technique != "none":
             depth = min(depth, room, core.proposers[technique].max_depth)  # e.g. 4 MTP heads
         out.append((technique, depth) if depth > 0 else PLAIN)

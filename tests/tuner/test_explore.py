@@ -119,6 +119,16 @@ def test_the_startup_profile_visits_every_gap_then_stops() -> None:
     assert set(picks[12:]) == {("none", 0)}
 
 
+def test_steps_that_prefill_take_the_policys_choice_and_no_exploration_turn() -> None:
+    gaps = (("ngram", 1), ("mtp", 2))
+    steps = chooser(dataclasses.replace(POLICY, explore=Exploration(
+        1.0, ("ngram", "mtp"), (1, 2, 3, 4), profile=gaps, profile_steps=4)))
+    assert {steps.choose(2, prefill=True) for _ in range(50)} == {("ngram", 2)}
+    assert [steps.choose(2) for _ in range(4)].count(("ngram", 2)) == 2  # the profile still whole
+    assert steps.choose_rows(["a", "b"], prefill=True) == [("ngram", 2)] * 2
+    assert {steps.choose(2) for _ in range(50)} == {("ngram", 1), ("ngram", 3)}  # share 1.0 after it
+
+
 def _profiled(profile_steps: int = 60, depth: int = 8) -> TunedPolicy:
     return dataclasses.replace(POLICY, explore=Exploration(
         0.0, ("ngram", "early_exit"), (1, 2, 4, 8)[:3 + (depth == 8)],
