@@ -68,8 +68,6 @@ class EngineConfig:
     """warmup() returns once plain decoding is compiled; speculation compiles on a thread (engine/warm.py)."""
     prefix_cache: bool = True
     """Share the KV pages of prompt prefixes between requests (engine/prefix_cache.py)."""
-    chunk_slack: int = 0
-    """SchedulerConfig.chunk_slack: tokens padding a prefill chunk may waste; 0: its smallest bucket."""
 
 
 class EngineCore:
@@ -90,9 +88,9 @@ class EngineCore:
                             max_chunk=rc.max_chunk, lookahead=max(rc.verify_tokens, default=1) - 1,
                             # A step carries a long prompt's chunks in the decode rows' call,
                             # capped so the streams keep their pace.
-                            chunk_buckets=(), mix_tokens_per_row=MIX_TOKENS_PER_ROW,
+                            mix_tokens_per_row=MIX_TOKENS_PER_ROW,
                             step_buckets=TOKEN_BUCKETS,
-                            mix_long=rc.max_chunk, chunk_slack=ecfg.chunk_slack),
+                            mix_long=rc.max_chunk),
             self.pool,
         )
         self.stop_ids = frozenset(getattr(tokenizer, "stop_ids", (cfg.eos_id,)))

@@ -107,8 +107,8 @@ def split_context_buckets(ladder: tuple[int, ...], batches: tuple[int, ...], pre
 
 
 PREFILL_BUCKETS = (32, 128, 512)
-"""Prefill chunk buckets; a prompt is cut where padding its chunk up would waste 32 tokens or more
-(`engine.scheduler.fit_chunk`)."""
+"""Prefill chunk buckets of the proposers' padded calls (the draft model's catch-up prefill); the
+largest is the longest chunk a step prefills (RunnerConfig.max_chunk)."""
 
 
 def batch_buckets(max_batch: int, smallest: int = 1) -> tuple[int, ...]:
@@ -255,8 +255,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                    + (f", tensor parallel over {tensor_parallel} devices" if tensor_parallel > 1 else ""))
     engine = EngineCore(cfg, params, tokenizer, EngineConfig(runner=rc, token_budget=token_budget,
                                                              prefix_cache=prefix_cache,
-                                                             background_warmup=background_warmup,
-                                                             chunk_slack=PREFILL_BUCKETS[0]),
+                                                             background_warmup=background_warmup),
                         model_name=cfg.name)
     engine.budget_bytes = budget
     if loaded is not None:
