@@ -189,12 +189,13 @@ def run_bench(out_path: str | None, model: str | None = None, dtype: str | None 
 
 
 def _executables(engine) -> dict | None:
-    """The warmed-up engine's compiled shapes, from its own shape lists (None: the fake's)."""
-    runner = getattr(engine, "runner", None)
-    if runner is None or not hasattr(runner, "shapes"):
+    """The warmed-up engine's compiled forwards: one ragged forward per token bucket (None: the fake's)."""
+    if getattr(engine, "runner", None) is None:
         return None
-    forwards = len(runner.shapes()) + len(runner.verify_shapes())
-    return {"full_forwards": forwards}
+    from engine.ragged_calls import token_buckets
+    from engine.warm import max_tokens
+
+    return {"full_forwards": len(token_buckets(max_tokens(engine)))}
 
 
 def _versus(ours: dict[int, float], hf: dict) -> dict:

@@ -1,9 +1,8 @@
 """Inter-token latency of running streams while a long prompt is prefilled.
 
-1. Load the engine in-process (as `crossover bench serve` does) with ragged
-   steps (the default: a long prompt's chunks ride in the streams' calls,
-   capped while they decode) or the padded ones (`--no-ragged-steps`: every
-   prefill chunk in a call of its own).
+1. Load the engine in-process (as `crossover bench serve` does): a long
+   prompt's chunks ride in the streams' ragged calls, capped while they
+   decode (engine/ragged_step.py).
 2. Start `--streams` greedy requests with short prompts and long outputs;
    once each has produced `--warm-tokens` tokens, send one request with a
    `--prompt-tokens` prompt (max_tokens 1).
@@ -85,18 +84,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--stream-tokens", type=int, default=160, help="output tokens of each stream")
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--max-batch", type=int, default=32)
-    ap.add_argument("--no-ragged-steps", action="store_true",
-                    help="the padded steps (engine/step.py): prefill chunks in calls of their own")
     args = ap.parse_args(argv)
     from engine.loader import load_engine
 
     engine = load_engine(max_batch=args.max_batch, max_context=args.max_context, speculation=False,
-                         progress=False, ragged_steps=not args.no_ragged_steps)
+                         progress=False)
     engine.warmup(progress=False)
     from bench.engine import run_each_shape_once
 
     run_each_shape_once(engine)
-    result = {"bench": "long_prefill", "ragged_steps": not args.no_ragged_steps,
+    result = {"bench": "long_prefill",
               **measure(engine, args.streams, args.prompt_tokens, args.warm_tokens, args.stream_tokens),
               "compiles_since_warmup": engine.compiles_since_warmup()}
     return print_and_write(result, args.out)

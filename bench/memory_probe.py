@@ -198,7 +198,7 @@ def executables(shapes: list[tuple[int, int, int]], model: str | None = None, dr
     rows = [{"shape": "none", **_settle()}]
     for s in shapes:
         t = time.perf_counter()
-        forward = runner.plain_jobs([s])[0]
+        forward = runner.forward_jobs([s])[0]
         forward()
         if release:
             release_lowerings()

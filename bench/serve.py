@@ -110,9 +110,6 @@ class ServeBenchConfig:
     speculation: bool = True
     """The engine started here loads the n-gram proposer and serves the policy a new daemon
     starts with (daemon.tuning.starter_policy), in both phases; False: plain decoding only."""
-    ragged_steps: bool = True
-    """The engine started here runs each step as one ragged call (engine/ragged_step.py), as
-    `crossover serve` does by default; False: padded calls per kind (`--no-ragged-steps`)."""
     engine_rates: str | None = None
     """A `crossover bench engine` JSON whose rates the efficiency bound uses (else measured here)."""
     tenant_keys: str | None = None
@@ -420,8 +417,7 @@ def _load_engine(cfg: ServeBenchConfig) -> Any:
     _log("loading the model")
     engine = load_engine(model=cfg.model, dtype=cfg.dtype, max_batch=cfg.max_batch,
                          max_context=cfg.max_context, speculation=cfg.speculation, model_proposers=(),
-                         progress=progress, prefix_cache=cfg.prefix_cache,
-                         ragged_steps=cfg.ragged_steps)
+                         progress=progress, prefix_cache=cfg.prefix_cache)
     _log("warming up (every bucket compiles once; cached on disk for the next run)")
     engine.warmup(progress=progress)
     from bench.engine import run_each_shape_once

@@ -168,9 +168,6 @@ class TunerBenchConfig:
     """The engine's most sequences decoded together."""
     max_context: int = 1024
     """The engine's context; prompts that do not fit with their max_tokens are dropped."""
-    segment_rows: int | None = None
-    """Segmented verifies up to this many rows (engine/segments.py); None: engine.loader.SEGMENT_ROWS,
-    0: none (every row of a speculative step verified at the deepest row's depth)."""
     keep_db: str | None = None
     """Keep each run's telemetry database in this directory (as <policy>.db)."""
     fake: bool = False
@@ -198,8 +195,6 @@ class TunerBenchConfig:
     median round's (bench.tuner_report.combine_rounds). The machine drifts between runs."""
 
     def __post_init__(self) -> None:
-        if self.segment_rows is not None and not 0 <= self.segment_rows <= 64:
-            raise ValueError(f"segment_rows={self.segment_rows} must be in 0-64")
         if self.split_repeats < 1 or self.repeats < 1:
             raise ValueError(f"split_repeats={self.split_repeats} and repeats={self.repeats} must be at least 1")
         if not self.phase_s > 0 or not self.rate_scale > 0:
@@ -355,7 +350,7 @@ def load_engine(cfg: TunerBenchConfig) -> Any:
         engine = fake_engine(cfg)
         engine.warmup(progress=False)
         return engine
-    from engine.loader import MODEL_PROPOSERS, SEGMENT_ROWS
+    from engine.loader import MODEL_PROPOSERS
     from engine.loader import load_engine as load
 
     # Verification is compiled up to the largest batch, so a fixed policy speculates at every
@@ -370,8 +365,7 @@ def load_engine(cfg: TunerBenchConfig) -> Any:
     _log("loading the model with speculation")
     engine = load(model=cfg.model, dtype=cfg.dtype, max_batch=cfg.max_batch, kv_budget_bytes=cfg.kv_budget,
                   max_context=cfg.max_context, speculation=True, heads=cfg.heads,
-                  spec_max_batch=cfg.max_batch, model_proposers=proposers, progress=progress,
-                  segment_rows=SEGMENT_ROWS if cfg.segment_rows is None else cfg.segment_rows)
+                  spec_max_batch=cfg.max_batch, model_proposers=proposers, progress=progress)
     _log(f"proposers: {', '.join(sorted(engine.proposers)) or 'none'}; warming up")
     engine.warmup(progress=progress)
     from bench.engine import run_each_shape_once

@@ -72,10 +72,6 @@ class Settings:
     """Compile verification and load the proposers (n-gram; MTP, early exit, draft model from the heads file)."""
     prefix_cache: bool = True
     """Share the KV pages of common prompt prefixes between requests (engine/prefix_cache.py)."""
-    segment_rows: int = 0
-    """Segmented verifies up to this many rows (engine/segments.py); 0: off (daemon/README.md)."""
-    ragged_steps: bool = True
-    """Each step one ragged call (engine/ragged_step.py); off: padded calls per kind (daemon/README.md)."""
     heads: str | None = None
     """Draft heads file from `crossover train-heads`; None: the one shipped for the model."""
     db_url: str | None = None
@@ -126,7 +122,6 @@ class Settings:
         _check_range("max_batch", self.max_batch, 1, 1 << 16)
         _check_range("max_context", self.max_context, 2, 1 << 24)
         _check_range("tensor_parallel", self.tensor_parallel, 1, 4096)
-        _check_range("segment_rows", self.segment_rows, 0, 64)
         _check_range("max_body_bytes", self.max_body_bytes, 1024, 1 << 34)
         _check_range("max_prompt_chars", self.max_prompt_chars, 1, 1 << 34)
         _check_range("max_waiting", self.max_waiting, 0, 1 << 24)

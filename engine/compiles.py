@@ -9,8 +9,6 @@
   shape, dtype and, for a committed array, its sharding, so that the
   executable it compiles is the one a later call with those arrays finds in
   the jit cache (a committed and an uncommitted argument lower differently).
-- While plain shapes still compile in the background (engine/warm.py), a plain
-  call runs at the cheapest compiled shape that holds it (`padded_shape`).
 - The persistent compilation cache and the memory-mapping cap of XLA:CPU.
 - Host memory: `release_lowerings` drops what JAX keeps of each compiled
   shape's lowering once warmup is done; glibc arenas capped and trimmed;
@@ -56,11 +54,6 @@ def serving_compiles() -> int:
     return _compiles - _warming_compiles
 
 
-def in_warmup() -> bool:
-    """Whether this thread is inside a `warming()` block."""
-    return getattr(_local, "warming", False)
-
-
 @contextlib.contextmanager
 def warming() -> Iterator[None]:
     """Count the lowerings this thread makes inside the block as warmup, not serving."""
@@ -70,22 +63,6 @@ def warming() -> Iterator[None]:
         yield
     finally:
         _local.warming = before
-
-
-def padded_shape(shape: tuple[int, int, int], usable: frozenset) -> tuple[int, int, int]:
-    """The shape a plain call runs at while the background warmup is under way: `fit_shape`,
-    except in a warmup job (engine.compiles.warming), which compiles the exact shape it asks for."""
-    return shape if in_warmup() else fit_shape(shape, usable)
-
-
-def fit_shape(shape: tuple[int, int, int], usable: frozenset) -> tuple[int, int, int]:
-    """The cheapest shape of `usable` (fewest batch x tokens x context slots) of the same kind
-    (decode or prefill) and no smaller in any dimension; `shape` itself when none is.
-    Example: fit_shape((1, 1, 64), frozenset({(4, 1, 512), (2, 1, 4096), (1, 128, 512)}))
-    == (4, 1, 512).
-    """
-    fits = [u for u in usable if (u[1] == 1) == (shape[1] == 1) and all(a >= b for a, b in zip(u, shape))]
-    return min(fits, key=lambda u: (u[0] * u[1] * u[2], u), default=shape)
 
 
 def abstract(tree):

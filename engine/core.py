@@ -3,8 +3,7 @@
 1. `add_request` / `abort` (any thread) put commands in an inbox.
 2. `step()` (the engine thread) drains the inbox, asks the Scheduler for a
    plan (decode batch + prefill chunks) and runs it (engine/ragged_step.py:
-   one forward for every row; engine/step.py with EngineConfig.ragged_steps
-   off: padded calls per kind), appending the sampled tokens to their
+   one forward for every row), appending the sampled tokens to their
    sequences.
 3. Stop rules run on the host (sequence.append_tokens); finished or aborted
    sequences free their pages at once.
@@ -34,14 +33,11 @@ from engine.config import ModelConfig
 from engine.faults import unadmitted
 from engine.first_runs import FirstRuns
 from engine.kv import KVPool, KVState
-from engine.segments import segment_shapes
 from engine.model import Params
-from engine.penalties import fill_adjust, wants_adjust
 from engine.policy import TunedPolicy, check_servable
 from engine.progress import Reporter
 from engine.proposers import NgramProposer, Proposer
 from engine.runner import ModelRunner, RunnerConfig
-from engine.sampling import SamplingArrays
 from engine.scheduler import MIX_TOKENS_PER_ROW, Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import Detokenizer, Sequence, append_tokens, request_key
 from engine.types import (
@@ -55,8 +51,7 @@ from engine.types import (
     TokenEvent,
 )
 from engine.ragged_calls import TOKEN_BUCKETS, top_in
-from engine.ragged_step import run_ragged_step
-from engine.step import SpecResult, run_step
+from engine.ragged_step import SpecResult, run_ragged_step
 from engine.warm import SpecWarmup, warm_engine
 
 log = logging.getLogger("crossover.engine")
@@ -73,10 +68,6 @@ class EngineConfig:
     """warmup() returns once plain decoding is compiled; speculation compiles on a thread (engine/warm.py)."""
     prefix_cache: bool = True
     """Share the KV pages of prompt prefixes between requests (engine/prefix_cache.py)."""
-    chunk_slack: int = 0
-    """SchedulerConfig.chunk_slack: tokens padding a prefill chunk may waste; 0: its smallest bucket."""
-    ragged_steps: bool = True
-    """Every row of a step in one ragged call (engine/ragged_step.py); False: padded calls per kind."""
 
 
 class EngineCore:
@@ -95,13 +86,11 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(max_batch=rc.max_batch, token_budget=max(ecfg.token_budget, rc.max_batch),
                             max_chunk=rc.max_chunk, lookahead=max(rc.verify_tokens, default=1) - 1,
-                            chunk_buckets=() if ecfg.ragged_steps else rc.prefill_buckets,
-                            # A ragged step carries a long prompt's chunks in the decode rows'
-                            # call, capped so the streams keep their pace; a padded step runs
-                            # them in calls of their own, where a cap would only slow the prompt.
-                            mix_tokens_per_row=MIX_TOKENS_PER_ROW if ecfg.ragged_steps else 0,
-                            step_buckets=TOKEN_BUCKETS if ecfg.ragged_steps else (),
-                            mix_long=rc.max_chunk, chunk_slack=ecfg.chunk_slack),
+                            # A step carries a long prompt's chunks in the decode rows' call,
+                            # capped so the streams keep their pace.
+                            mix_tokens_per_row=MIX_TOKENS_PER_ROW,
+                            step_buckets=TOKEN_BUCKETS,
+                            mix_long=rc.max_chunk),
             self.pool,
         )
         self.stop_ids = frozenset(getattr(tokenizer, "stop_ids", (cfg.eos_id,)))
@@ -163,8 +152,7 @@ class EngineCore:
             max_depth=max(rc.verify_tokens, default=1) - 1,
             verify_depths=tuple(sorted(q - 1 for q in rc.verify_tokens if q > 1)),
             max_batch=rc.max_batch, spec_max_batch=rc.spec_max_batch,
-            batch_buckets=tuple(rc.batch_buckets), segment_shapes=tuple(sorted({s[:3] for s in segment_shapes(rc)})),
-            shape_ms=tuple(sorted(self.first_runs.timed.items())) if self.first_runs else (),
+            batch_buckets=tuple(rc.batch_buckets),
             proposers={n: ProposerCapacity(p.resident_bytes(), p.per_sequence_bytes(1), p.max_depth,
                                            tuple(getattr(p, "vocab_sizes", ())))  # MTP heads only
                        for n, p in self.proposers.items()},
@@ -194,7 +182,7 @@ class EngineCore:
             return StepOutput(events, None, finished)
         for seq, _ in plan.prefill:  # the first step that runs a sequence ends its queue time
             seq.scheduled_time = seq.scheduled_time or wall
-        spec = (run_ragged_step if self.ecfg.ragged_steps else run_step)(self, plan, events, finished)
+        spec = run_ragged_step(self, plan, events, finished)
         self._step_id += 1
         stats = self._stats(plan, wall, (time.perf_counter() - t0) * 1e3, spec)
         if stats is not None:  # the profile and exploration learn what their steps paid (engine/chooser.py)
@@ -290,37 +278,18 @@ class EngineCore:
             self.runner.kv = kv
         return results
 
-    def _fill_row(self, c, row: int, seq: Sequence, n: int) -> None:
-        c.tokens[row, :n] = seq.tokens[seq.num_cached : seq.num_cached + n]
-        c.start[row], c.n_new[row] = seq.num_cached, n
-        self.pool.fill_tables(seq.pages, c.global_table[row], c.local_table[row], c.local_write[row])
-        c.logit_idx[row, 0] = n - 1
-        c.counter[row, 0] = seq.num_cached + n
-        sp = seq.req.sampling
-        SamplingArrays.fill(c.samp, row, sp, seq.key)
-        if wants_adjust(sp, seq.num_output):  # penalties or min_tokens: logit entries per position
-            self._fill_adjust(c, row, seq, ())
-
-    def _fill_adjust(self, c, row: int, seq: Sequence, drafts) -> None:
-        fill_adjust(self.runner.adjust_arrays(c), row, seq.tokens, seq.n_prompt, seq.req.sampling,
-                    self._stops(seq.req.sampling), drafts)
-
     def _stops(self, sp) -> frozenset[int]:
         """Token ids that end this request's output."""
         return (frozenset() if sp.ignore_eos else self.stop_ids) | frozenset(sp.stop_token_ids)
 
-    def _hidden(self) -> np.ndarray | None:
-        """The latest call's final hidden states [B, Tl, d] as numpy, when a proposer needs them."""
-        return np.asarray(self.runner.last_hidden, np.float32) if self._keep_hidden else None
-
-    def _emit(self, seq: Sequence, toks, lps, events, finished, row: int | slice) -> None:
-        """Append `seq`'s new tokens (row `row` of the latest call, or its output slots of a
-        ragged call) and queue its event."""
+    def _emit(self, seq: Sequence, toks, lps, events, finished, slots: slice) -> None:
+        """Append `seq`'s new tokens (its output slots `slots` of the latest ragged call) and
+        queue its event."""
         sp = seq.req.sampling
         try:
             tops = None
             if sp.top_logprobs:
-                tops = top_in(self.runner, row) if isinstance(row, slice) else self.runner.top_at(row, len(toks))
+                tops = top_in(self.runner, slots)
             ev = append_tokens(seq, toks, lps if sp.logprobs else None, self._stops(sp), self.max_context, tops)
         except Exception:
             self._fail(seq, "its detokenization or stop rules", events, finished)
@@ -376,7 +345,6 @@ class EngineCore:
             "policy_version": self.policy.version, "warmed_up": self.warmed_up,
             "kv_pages_yielded": self.pool.yielded, "prefix_cache": self.pool.prefix_status(),
             "techniques": self.spec_warmup.status(), "speculation": self._chooser.cap_status(),
-            "plain_shapes": "ready" if self.runner.usable is None else "padding",  # engine/warm.py
             **budget.status(self),  # proposers' resident bytes and the memory budget's split
         }
 

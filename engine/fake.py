@@ -225,7 +225,7 @@ class FakeEngine:
         choices = [c if c[1] and c[0] in self.proposers else ("none", 0)
                    for c in self._chooser.choose_rows([s.request.tenant for s in batch])]
         per_pos = [0] * max(d for _, d in choices)  # the verify depth: the deepest row's
-        classes: dict[tuple[str, str, int], list] = {}  # as engine/step.py's SpecResult.classes
+        classes: dict[tuple[str, str, int], list] = {}  # as engine/ragged_step.py's SpecResult.classes
         emitted = 0
         for seq, (technique, depth) in zip(batch, choices):
             cls = classes.setdefault((seq.request.tenant, technique, depth), [0, 0, 0, [0] * depth])

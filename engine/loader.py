@@ -20,10 +20,8 @@ from engine.config import ModelConfig
 from engine.core import EngineConfig, EngineCore
 from engine.layer_draft import DRAFT_VOCABS
 from engine.memory import KV_DTYPE_BYTES, size_pool
-from engine.prefill_groups import GROUP_CHUNK, group_shapes, group_tokens
 from engine.progress import Reporter, note
 from engine.runner import RunnerConfig, prefill_shapes
-from engine.segments import segment_shapes
 
 PAGE_SIZE = 16
 MAX_SPEC_DEPTH = 8
@@ -58,15 +56,13 @@ def context_buckets(max_context: int, page_size: int = PAGE_SIZE) -> tuple[int, 
 # shape is its own executable. Measured on Gemma 3 270M with attention's block loop
 # (engine.model.PagedView): 13 plain shapes (batches 1-64 and three prefill chunks at
 # one context width) took 9,920 mappings in all, ~600 a shape past the process's own
-# ~2k; with the padded gather a shape took 346-436. The proposers' and segments'
-# figures are scaled by the same 1.5.
+# ~2k; with the padded gather a shape took 346-436. The proposers' figure is scaled by
+# the same 1.5.
 MAPS_PER_SHAPE = 660
 """Mappings one compiled forward shape takes on XLA:CPU (with its KV write and sampling)."""
 MAPS_PER_DRAFTING_BATCH = 1650
 """Mappings the layer-chain proposers (early exit, draft model, with the MTP heads') take per
 batch size and context."""
-MAPS_PER_SEGMENT = 770
-"""Mappings one segmented verify shape takes (engine/segments.py)."""
 MAPS_RESERVE = 8000
 """Mappings kept for everything else: the process itself, MTP heads, threads, sockets."""
 
@@ -85,20 +81,16 @@ def estimated_mappings(rc: RunnerConfig, drafting: bool) -> float:
     plain = len(rc.batch_buckets) * len(rc.context_buckets) + len(prefill_shapes(rc.prefill_buckets,
                                                                                    rc.context_buckets))
     spec = spec_shapes_per_context(rc.batch_buckets, rc.verify_tokens, rc.spec_max_batch, drafting)
-    plain += len(group_shapes(rc.batch_buckets, group_tokens(rc), rc.context_buckets,
-                                                      rc.prefill_rows)) + len(segment_shapes(rc)) * MAPS_PER_SEGMENT / MAPS_PER_SHAPE
     return MAPS_RESERVE + MAPS_PER_SHAPE * (plain + spec * len(rc.spec_contexts))
 
 
 def split_context_buckets(ladder: tuple[int, ...], batches: tuple[int, ...], prefills: tuple[int, ...],
-                          spec_per_context: float, limit: int | None,
-                          kept: float = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                          spec_per_context: float, limit: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(plain decoding's and prefill's context buckets, speculation's) whose compiled shapes stay
     within `limit` mappings: plain serving keeps as many of `ladder` as fit, then speculation takes
     the largest of those that fit in what is left (at least the largest bucket). The smallest
     buckets go first: a short context then pads to the next one, costing attention time only,
     and speculation runs at batches up to spec_max_batch, where attention weighs least.
-    `kept`: shapes every choice keeps (grouped prefills, segments), in units of MAPS_PER_SHAPE.
     Example: split_context_buckets((64, 128, 512, 2048, 4096), (1, 2, 4, 8, 16, 32), (32, 128, 512),
     32.5, 65530) == ((64, 128, 512, 2048, 4096), (2048, 4096)).
     """
@@ -107,7 +99,7 @@ def split_context_buckets(ladder: tuple[int, ...], batches: tuple[int, ...], pre
     room = (limit - MAPS_RESERVE) / MAPS_PER_SHAPE
     for k in range(len(ladder), 0, -1):
         plain = ladder[-k:]
-        left = room - kept - len(batches) * k - len(prefill_shapes(prefills, plain))
+        left = room - len(batches) * k - len(prefill_shapes(prefills, plain))
         fits = int(left // spec_per_context) if spec_per_context else k
         if fits >= 1 or k == 1:
             return plain, plain[-max(1, min(fits, k)):]
@@ -115,11 +107,8 @@ def split_context_buckets(ladder: tuple[int, ...], batches: tuple[int, ...], pre
 
 
 PREFILL_BUCKETS = (32, 128, 512)
-"""Prefill chunk buckets; a prompt is cut where padding its chunk up would waste 32 tokens or more
-(`engine.scheduler.fit_chunk`)."""
-PREFILL_ROWS = 8
-"""Most short prompts' chunks one prefill call carries (engine/prefill_groups.py): a call
-costs ~35 ms plus ~1 ms a token here, so 8 chunks of 32 tokens take half their time apart."""
+"""Prefill chunk buckets of the proposers' padded calls (the draft model's catch-up prefill); the
+largest is the longest chunk a step prefills (RunnerConfig.max_chunk)."""
 
 
 def batch_buckets(max_batch: int, smallest: int = 1) -> tuple[int, ...]:
@@ -145,13 +134,6 @@ Above it every step decodes plainly: a policy speculating there is served clampe
 offers no crossover above it (tuner/space.py)."""
 
 
-SEGMENT_ROWS = 12
-"""Segmented verifies (engine/segments.py) when on: plain and drafting rows together up to this
-many, the drafting part up to half; 24 executables with verify lengths 5 and 9 at one
-context (batches 4-8 of the mid-load phase split as 3+3, 6+2 or 5+3 fit; busier batches are
-compute-bound, where a segment saves less)."""
-
-
 SPEC_CONTEXTS_CPU: int | None = None
 """At most this many context buckets (the largest) for speculation's calls (verify, layer-chain
 drafting) on XLA:CPU; None: every bucket the mapping cap leaves. `context_buckets` gives one
@@ -162,8 +144,8 @@ still sets it for a ladder of several widths."""
 def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch: int,
                   max_context: int, kv_dtype: str | None = None, verify_tokens: tuple[int, ...] = (),
                   spec_max_batch: int = SPEC_MAX_BATCH, drafting: bool = False,
-                  map_limit: int | None = None, tensor_parallel: int = 1, spec_contexts: int | None = None,
-                  segment_rows: int = 0) -> RunnerConfig:
+                  map_limit: int | None = None, tensor_parallel: int = 1,
+                  spec_contexts: int | None = None) -> RunnerConfig:
     """Size the pools with the memory planner and choose the compiled buckets.
 
     `drafting`: layer-chain proposers (early exit, draft model) will compile per context too.
@@ -172,7 +154,6 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     (`split_context_buckets`).
     `tensor_parallel`: devices the params and KV pools are split over (engine/sharding.py).
     `spec_contexts`: at most this many context buckets (the largest) for speculation; None: no cap.
-    `segment_rows`: segmented verifies up to this many rows (engine/segments.py); 0: none.
     """
     kv_dtype = kv_dtype or dtype
     if kv_dtype not in KV_DTYPE_BYTES:
@@ -183,14 +164,9 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     prefills = tuple(b for b in PREFILL_BUCKETS if b <= cap) or (cap,)
     spec_batch = min(spec_max_batch, max_batch)
     ladder = context_buckets(max_context)
-    segments = len(segment_shapes(RunnerConfig(batch_buckets=batches, prefill_buckets=(PAGE_SIZE,),
-                                               context_buckets=ladder[-1:], verify_tokens=verify_tokens,
-                                               spec_max_batch=spec_batch, segment_rows=segment_rows)))
-    segments *= MAPS_PER_SEGMENT / MAPS_PER_SHAPE
-    kept = len(group_shapes(batches, GROUP_CHUNK, ladder, PREFILL_ROWS)) + segments
     plain, spec = split_context_buckets(ladder, batches, prefills,
                                         spec_shapes_per_context(batches, verify_tokens, spec_batch, drafting),
-                                        map_limit, kept)
+                                        map_limit)
     spec = spec[-spec_contexts:] if spec_contexts else spec
     return RunnerConfig(
         page_size=PAGE_SIZE,
@@ -207,8 +183,6 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
         spec_max_batch=spec_batch,
         fast_output=dtype == "float32" and jax.default_backend() == "cpu" and cpu_has_bf16(),
         tensor_parallel=tensor_parallel,
-        prefill_rows=PREFILL_ROWS,
-        segment_rows=segment_rows,
     )
 
 
@@ -229,8 +203,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                 token_budget: int = 512, speculation: bool = True, heads: str | None = None,
                 verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH,
                 model_proposers: tuple[str, ...] = MODEL_PROPOSERS, tensor_parallel: int = 1,
-                prefix_cache: bool = True, background_warmup: bool = False,
-                segment_rows: int = 0, ragged_steps: bool = True) -> EngineCore:
+                prefix_cache: bool = True, background_warmup: bool = False) -> EngineCore:
     """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine.
 
     With `speculation`, the verify buckets are compiled and the proposers load:
@@ -242,11 +215,8 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     `tensor_parallel` > 1 splits the model and KV pools over that many devices
     (engine/sharding.py); `kv_budget_bytes` stays the budget of the whole pool.
     `prefix_cache`: share the KV pages of common prompt prefixes (engine/prefix_cache.py).
-    `background_warmup`: `warmup()` returns once plain decoding and prefill are compiled and
-    speculation's shapes compile on a thread (engine/warm.py; `crossover serve` does so).
-    `ragged_steps`: every row of a step in one ragged call (engine/ragged_step.py).
-    `segment_rows`: rows that draft nothing decode beside the drafting rows' verify, in batches
-    of up to this many rows (engine/segments.py; SEGMENT_ROWS); 0: every row at the verify depth.
+    `background_warmup`: `warmup()` returns once the ragged calls are compiled and the
+    proposers' shapes compile on a thread (engine/warm.py; `crossover serve` does so).
     """
     from engine.gguf_file import default_gguf_path
     from engine.tokenizer import Tokenizer
@@ -273,7 +243,6 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     rc = runner_config(cfg, dtype, budget - resident, max_batch, max_context,
                        verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
                        drafting=drafting, map_limit=limit, tensor_parallel=tensor_parallel,
-                       segment_rows=segment_rows if speculation else 0,
                        spec_contexts=SPEC_CONTEXTS_CPU if jax.default_backend() == "cpu" else None)
     if rc.context_buckets != ladder or rc.spec_contexts != ladder:
         note(progress, f"engine: context buckets {list(rc.context_buckets)}, speculation's "
@@ -286,9 +255,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                    + (f", tensor parallel over {tensor_parallel} devices" if tensor_parallel > 1 else ""))
     engine = EngineCore(cfg, params, tokenizer, EngineConfig(runner=rc, token_budget=token_budget,
                                                              prefix_cache=prefix_cache,
-                                                             background_warmup=background_warmup,
-                                                             chunk_slack=PREFILL_BUCKETS[0],
-                                                             ragged_steps=ragged_steps),
+                                                             background_warmup=background_warmup),
                         model_name=cfg.name)
     engine.budget_bytes = budget
     if loaded is not None:

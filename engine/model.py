@@ -254,7 +254,7 @@ def _paged_block(cfg: ModelConfig, is_global: bool, ring: int, lp: Params, x, po
 
 def _after_attention(cfg: ModelConfig, lp, x, a):
     """The rest of a layer from the attention output `a`: the output projection's residual, then
-    the gated MLP's (shared by `layer` and `forward_segments`)."""
+    the gated MLP's (shared by `layer` and engine/ragged.py's forward)."""
     x = x + rms_norm(a @ lp["o"], lp["post_attn_norm"], cfg.rms_eps)
     h = rms_norm(x, lp["pre_ffw_norm"], cfg.rms_eps)
     if "gate_up" in lp:
@@ -352,37 +352,3 @@ def _stack(arrs: list, k_like, cfg: ModelConfig):
         return jnp.stack(arrs)
     B, T = k_like.shape[:2]
     return jnp.zeros((0, B, T, cfg.n_kv_heads, cfg.head_dim), k_like.dtype)
-
-
-def forward_segments(cfg: ModelConfig, params: Params, segments):
-    """`forward` over several batches of new tokens at once (engine/segments.py: plain decode rows
-    beside verify rows): the dense parts (projections, MLP, norms, rotary) run once over all their
-    tokens flattened, [sum of B_i * T_i, d]; attention runs per segment over its own cache.
-
-    segments: tuple of (tokens [B_i, T_i], pos [B_i, T_i], read_cache_i) as `forward` takes.
-    Returns (per segment: final-normed h [B_i, T_i, d]; per segment: new_kv as `forward`'s).
-    """
-    shapes = [tok.shape for tok, _, _ in segments]
-    sizes = [b * t for b, t in shapes]
-    cuts = [sum(sizes[: i + 1]) for i in range(len(sizes) - 1)]
-    x = jnp.concatenate([embed(cfg, params, tok).reshape(-1, cfg.d_model) for tok, _, _ in segments])
-    pos = jnp.concatenate([p.reshape(-1) for _, p, _ in segments])[:, None]  # [N, 1]: one token a row
-    new = [{"global": ([], []), "local": ([], [])} for _ in segments]
-    for i, lp in enumerate(params["layers"]):
-        kind = "global" if cfg.is_global(i) else "local"
-        q, k, v, window = attention_inputs(cfg, lp, x[:, None], pos, kind == "global")  # [N, 1, ...]
-        outs = []
-        for s, ((B, T), (_, p, read), qs, ks, vs) in enumerate(zip(
-                shapes, segments, jnp.split(q, cuts), jnp.split(k, cuts), jnp.split(v, cuts))):
-            ks, vs = ks.reshape(B, T, *ks.shape[2:]), vs.reshape(B, T, *vs.shape[2:])
-            kl, vl = new[s][kind]
-            a = attend(cfg, qs.reshape(B, T, *qs.shape[2:]), ks, vs, p, read(kind, len(kl)), window)
-            kl.append(ks)
-            vl.append(vs)
-            outs.append(a.reshape(B * T, cfg.q_dim))
-        x = _after_attention(cfg, lp, x, jnp.concatenate(outs))
-    h = rms_norm(x, params["final_norm"], cfg.rms_eps)
-    hs = [part.reshape(B, T, cfg.d_model) for (B, T), part in zip(shapes, jnp.split(h, cuts))]
-    kvs = [{kind: (_stack(ks, k_like=hh, cfg=cfg), _stack(vs, k_like=hh, cfg=cfg)) for kind, (ks, vs) in n.items()}
-           for n, hh in zip(new, hs)]
-    return hs, kvs

@@ -9,8 +9,8 @@ with the version that produced it.
 
 A policy may also name tenants (`TenantRule`): in a speculating step, a row
 whose request belongs to such a tenant drafts with the tenant's technique and
-depth instead of the batch rule's (`choose_row`), so one verify call carries
-rows of several depths (engine/step.py pads the shallower ones).
+depth instead of the batch rule's (`choose_row`), so one step's call carries
+rows of several depths, each verified at its own (engine/ragged_step.py).
 
 A served policy may also carry an `Exploration`: a small share of decode
 steps tries a neighbouring (technique, depth) cell, and a short startup

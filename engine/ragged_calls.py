@@ -6,8 +6,7 @@ TOKEN_BUCKETS size of tokens only; `run(runner, call)` runs the forward (hidden 
 token), writes the new K/V into the pools in a call of its own, then `_heads` scores the output
 tokens alone and draws, or verifies drafts, there. The output slots are padded to an
 OUTPUT_BUCKETS size, so a call compiles one forward per token count and one head per output
-count, whatever the mix of rows. The engine's steps run as such calls with
-EngineConfig.ragged_steps (engine/ragged_step.py).
+count, whatever the mix of rows. The engine's steps run as such calls (engine/ragged_step.py).
 """
 
 from __future__ import annotations

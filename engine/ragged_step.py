@@ -1,8 +1,8 @@
 """One step as ragged calls (engine/ragged_calls.py): every row of the plan, of any kind, in one
-forward (EngineCore.step calls `run_ragged_step` with EngineConfig.ragged_steps).
+forward (EngineCore.step calls `run_ragged_step`).
 
-1. The decode rows: the StepChooser picks a (technique, depth) per row and each (technique,
-   depth) group drafts with its proposer (as engine/step.py does). A row verifies its own
+1. The decode rows: the StepChooser picks a (technique, depth) per row (a tenant rule's, else
+   the batch's) and each (technique, depth) group drafts with its proposer. A row verifies its own
    drafts at its own depth, [last token, drafts...], with logits at each of those tokens; a row
    that drafts nothing decodes one token. No row is padded to another's depth.
 2. The prefill chunks: each a row of its own tokens after its cached prefix, logits at its last
@@ -18,16 +18,49 @@ forward (EngineCore.step calls `run_ragged_step` with EngineConfig.ragged_steps)
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine import ragged_calls
+from engine.faults import propose_alone
 from engine.penalties import fill_adjust, wants_adjust
 from engine.ragged_calls import RaggedRow, table_width, token_buckets
 from engine.sampling import Adjust, SamplingArrays
 from engine.sequence import Sequence, Status
-from engine.step import PLAIN, SpecResult, _most_rows, _propose, _row_choices, accepted_prefix, count_verified
+from engine.types import RowClass
 from engine.warm import max_tokens
+
+PLAIN = ("none", 0)
+
+
+@dataclass
+class SpecResult:
+    """What speculation did in one step (defaults: plain decode)."""
+
+    technique: str = "none"
+    """The technique of the most drafting rows."""
+    depth: int = 0
+    """The verify depth (the deepest row's)."""
+    propose_ms: float = 0.0
+    """Every proposer's time together."""
+    verify_ms: float = 0.0
+    per_pos: list[int] = field(default_factory=list)
+    proposed: int = 0
+    accepted: int = 0
+    classes: dict[tuple[str, str, int], list] = field(default_factory=dict)
+    """(tenant, technique, depth) -> [rows, proposed, accepted, per_pos] of the verified rows."""
+    plain_rows: int = 0
+    """Decode rows of a speculative step that drafted nothing: they decode one token each."""
+
+    def row_classes(self, decode: list[Sequence]) -> tuple[RowClass, ...]:
+        """One RowClass per class of the verified rows, or (plain decode) per tenant of `decode`."""
+        classes = dict(self.classes)
+        if not classes:
+            for s in decode:
+                classes.setdefault((s.req.tenant, *PLAIN), [0, 0, 0, []])[0] += 1
+        return tuple(RowClass(t, tech, d, n, p, a, tuple(pos))
+                     for (t, tech, d), (n, p, a, pos) in sorted(classes.items()))
 
 
 def run_ragged_step(core, plan, events, finished) -> SpecResult:
@@ -110,6 +143,64 @@ def _drafted(core, seqs: list[Sequence], fail, prefill: bool = False) -> tuple[l
     return rows, (time.perf_counter() - t0) * 1e3
 
 
+
+def _row_choices(core, seqs: list[Sequence], prefill: bool = False) -> list[tuple[str, int]]:
+    """Each row's (technique, depth): the chooser's (`prefill`: the step also prefills, see
+    StepChooser.choose), cut to what its proposer drafts and to what the context holds
+    (drafting and verifying write positions up to num_cached + depth)."""
+    room = core.max_context - 1 - max(s.num_cached for s in seqs)
+    out = []
+    for technique, depth in core._chooser.choose_rows([s.req.tenant for s in seqs], prefill):
+        if technique != "none":
+            depth = min(depth, room, core.proposers[technique].max_depth)  # e.g. 4 MTP heads
+        out.append((technique, depth) if depth > 0 else PLAIN)
+    return out
+
+
+def _propose(core, seqs, choices, fail) -> list[tuple[Sequence, tuple[str, int], list[int]]]:
+    """(sequence, its choice, its drafts) per row kept, in batch order: each (technique, depth)
+    group drafts in one call; a row whose own proposal fails is dropped alone (engine/faults.py)."""
+    drafted: dict[int, list[int]] = {}
+    for choice in dict.fromkeys(c for c in choices if c != PLAIN):
+        group = [s for s, c in zip(seqs, choices) if c == choice]
+        kept, drafts = propose_alone(core.proposers[choice[0]], group, choice[1], fail)
+        drafted.update((id(s), list(d)) for s, d in zip(kept, drafts))
+    return [(s, c, drafted[id(s)] if c != PLAIN else []) for s, c in zip(seqs, choices)
+            if c == PLAIN or id(s) in drafted]
+
+
+def accepted_prefix(acc, n: int) -> int:
+    """Drafts kept of a row's n: how many of acc[:n] are true before the first false."""
+    a = 0
+    while a < n and acc[a]:
+        a += 1
+    return a
+
+
+def count_verified(res: SpecResult, seq: Sequence, choice: tuple[str, int], drafts, accepted: int) -> None:
+    """Count one verified row, `accepted` of its drafts kept, in `res` (its class, per position)
+    and in its sequence."""
+    cls = res.classes.setdefault((seq.req.tenant, *choice), [0, 0, 0, [0] * choice[1]])
+    for j in range(accepted):
+        res.per_pos[j] += 1
+        cls[3][j] += 1
+    cls[0] += 1
+    cls[1] += len(drafts)
+    cls[2] += accepted
+    res.proposed += len(drafts)
+    res.accepted += accepted
+    seq.proposed += len(drafts)
+    seq.accepted += accepted
+
+
+def _most_rows(rows) -> str:
+    """The technique most of the rows that drafted use (ties: the first by name)."""
+    counts: dict[str, int] = {}
+    for _, (technique, _), drafts, *_ in rows:
+        if drafts:
+            counts[technique] = counts.get(technique, 0) + 1
+    return max(sorted(counts), key=counts.__getitem__)
+
 def _row(core, item) -> RaggedRow:
     """The call row of a decode row (seq, choice, drafts, None) or a chunk (seq, None, (), n)."""
     seq, _, drafts, n = item
@@ -174,7 +265,7 @@ def _update(core, spec: SpecResult, item, slots: slice, tok, acc, lp, hidden, ev
             core._emit(seq, [int(tok[at])], [float(lp[at])], events, finished, slots)
         return
     a = accepted_prefix(acc[at:], len(drafts))
-    if spec.depth:  # a speculative step counts every decode row, as engine/step.py does
+    if spec.depth:  # a speculative step counts every decode row, plain ones too
         count_verified(spec, seq, choice, drafts, a)
     seq.num_cached += 1 + a  # the fed token and the accepted drafts are now valid cache
     if hidden is not None:

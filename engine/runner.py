@@ -1,22 +1,20 @@
-"""The model runner: owns device state, buckets shapes, compiles once, runs steps.
+"""The model runner: owns the params and device state; buckets and runs padded calls.
 
-1. The scheduler hands over numpy arrays for one call (tokens, page tables, ...).
-2. `bucket_shape` pads them to the smallest configured bucket (batch, new
-   tokens, page-table width), so only warmed-up shapes reach `jax.jit`.
-3. `_forward` (jitted) runs the layers over the cache; `_write` (jitted, KV donated) scatters
-   the new K/V in place; `_sample` (jitted apart: its shapes ignore the context) picks tokens.
-4. The runner keeps the new KV state and returns numpy (engine/ragged_calls.py: on a flat token axis).
-A process-wide counter of jit compilations (engine/compiles.py) lets tests prove that
-serving after `warmup()` compiles nothing. `warmup` runs the shapes of plain decoding and
-prefill; `spec_jobs` compiles verification's ahead of time without touching device state,
-so it may run on another thread while this one serves (engine/warm.py).
+1. A caller asks `new_call` for one call's numpy arrays (tokens, page tables, ...), padded to
+   the smallest configured bucket (batch, new tokens, page-table width), and fills them.
+2. `_forward` (jitted) runs the layers over the cache; `_write` (jitted, KV donated) scatters
+   the new K/V in place; `_verify` (jitted apart: its shapes ignore the context) draws tokens
+   and checks drafts.
+3. The runner keeps the new KV state and returns numpy.
+The engine's steps run as ragged calls on this runner's params and KV state
+(engine/ragged_calls.py: every row on a flat token axis). The padded [B, T] calls here serve
+the proposers (engine/drafting.py, engine/layer_draft.py, engine/draft_model.py,
+engine/early_exit.py), which draft and catch up in calls of their own, and the memory probe
+(bench/memory_probe.py).
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -24,18 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.compiles import abstract, any_committed, outputs, padded_shape, serving_compiles
+from engine.compiles import abstract, any_committed, outputs
 from engine.config import ModelConfig
 from engine.kv import Batch, KVState, cache_reader, write_new
 from engine.model import Params, forward, logits, tied_logits, unstack_layers
-from engine.progress import Reporter, Steps, note
-from engine.prefill_groups import group_shapes, group_tokens
 from engine.penalties import SPARE_ENTRIES
-from engine.sampling import (Adjust, SamplingArrays, adjust_logits, greedy, sample, top_candidates, top_logprobs,
-                             verify)
-
-WARMUP_THREADS = 2
-"""Threads compiling (or loading) plain decoding's and prefill's shapes at warmup."""
+from engine.sampling import Adjust, SamplingArrays, adjust_logits, greedy, top_candidates, top_logprobs, verify
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -80,10 +72,6 @@ class RunnerConfig:
     (see output_scores; costs a bfloat16 copy of the embedding)."""
     tensor_parallel: int = 1
     """Devices the params and KV pools are split over (engine/sharding.py); 1: one device."""
-    prefill_rows: int = 1
-    """Most short prompts' chunks one prefill call carries (engine/prefill_groups.py); 1: off."""
-    segment_rows: int = 0
-    """Segmented verifies (engine/segments.py): most rows of both segments together; 0: off."""
 
     def __post_init__(self) -> None:
         cap = self.ring_pages * self.page_size
@@ -240,17 +228,6 @@ def _verify(sc: Scores, cand, samp: SamplingArrays, counter, adj: Adjust | None 
     return tok.reshape(B, T), acc.reshape(B, T), lp.reshape(B, T), ti.reshape(B, T, -1), tl.reshape(B, T, -1)
 
 
-@jax.jit
-def _sample(sc: Scores, samp: SamplingArrays, counter, adj: Adjust | None = None):
-    """Sampling is compiled apart from the forward: its shapes do not depend on context."""
-    B, Tl, V = sc.logits.shape
-    rows = jax.tree.map(lambda a: jnp.repeat(a, Tl, axis=0), samp)
-    lg, best, raw = _adjusted(sc, adj)
-    tok, lp = sample(lg, rows, counter.reshape(-1), best=best, raw=raw)
-    ti, tl = top_logprobs(sc.logits.reshape(B * Tl, V), rows)
-    return tok.reshape(B, Tl), lp.reshape(B, Tl), ti.reshape(B, Tl, -1), tl.reshape(B, Tl, -1)
-
-
 @dataclass
 class CallArrays:
     """Host arrays of one call, already padded to a bucket."""
@@ -263,8 +240,6 @@ class CallArrays:
     logit_idx: np.ndarray  # [B, Tl] int32
     counter: np.ndarray  # [B, Tl] int32
     samp: dict[str, np.ndarray] = field(default_factory=dict)
-    adjust: dict[str, np.ndarray] | None = None
-    """engine.sampling.Adjust buffers [B, Tl, H] once a row has penalties or banned ids."""
     local_write: np.ndarray | None = None
     """[B, R] int32 ring pages the new tokens are written to, where they differ from the pages
     read (a prefix-cached ring entry replaced on wrap: engine.kv.KVPool.prepare); None: local_table."""
@@ -290,8 +265,6 @@ class ModelRunner:
             self.mesh = make_mesh(rc.tensor_parallel)
             self.params, self.kv = shard_params(cfg, self.params, self.mesh), shard_kv(cfg, self.kv, self.mesh)
         self.warm_compiles: int | None = None
-        self.usable: frozenset | None = None  # plain shapes compiled so far while warming (engine/warm.py)
-        self.segments_ready: frozenset = frozenset()  # segmented verifies compiled (engine/segments.py)
         self.last_hidden = None  # [B, Tl, d] final hidden states of the latest call
         self.last_top = None  # ([B, Tl, k] ids, [B, Tl, k] logprobs) of the latest call, if asked
         self.adjust_width = rc.max_context + SPARE_ENTRIES
@@ -305,9 +278,6 @@ class ModelRunner:
         B = bucket(batch, rc.batch_buckets)
         T = 1 if new_tokens == 1 else bucket(new_tokens, rc.prefill_buckets)
         P = bucket(context, rc.spec_contexts if spec else rc.context_buckets) // rc.page_size
-        if self.usable is not None and not spec and logits_per_row == 1:  # warming: pad to a compiled shape
-            B, T, C = padded_shape((B, T, P * rc.page_size), self.usable)
-            P = C // rc.page_size
         return CallArrays(
             tokens=np.zeros((B, T), np.int32),
             start=np.zeros(B, np.int32),
@@ -330,112 +300,26 @@ class ModelRunner:
         c.logit_idx[:] = np.arange(T, dtype=np.int32)
         return c
 
-    def top_at(self, row: int, n: int) -> list[list[tuple[int, float]]] | None:
-        """The latest call's most likely (token, logprob) pairs, best first, at the first n
-        positions of `row`; None when no row of it asked for logprobs."""
-        if self.last_top is None:
-            return None
-        ids, lps = self.last_top
-        return [list(zip(ids[row, j].tolist(), lps[row, j].tolist(), strict=True)) for j in range(n)]
-
-    def adjust_arrays(self, c: CallArrays) -> dict[str, np.ndarray]:
-        """c's logit-adjustment buffers (engine.penalties fills them), made on first use."""
-        if c.adjust is None:
-            c.adjust = Adjust.host((*c.counter.shape, self.adjust_width))
-        return c.adjust
-
-    def run(self, c: CallArrays) -> tuple[np.ndarray, np.ndarray]:
-        """Execute one call; returns (tokens [B, Tl], logprobs [B, Tl]) as numpy."""
-        self.kv, sc, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv,
-                                                          c.batch(), c.logit_idx, c.local_write)
-        tok, lp, *top = _sample(sc, SamplingArrays(**c.samp), c.counter, _adjust(c))
-        self.last_top = tuple(map(np.asarray, top)) if c.samp["want_logprobs"].any() else None
-        return np.asarray(tok), np.asarray(lp)
-
     def run_verify(self, c: CallArrays, cand: np.ndarray):
         """Forward over [last token, drafts...] and verify: (tokens, accepted, logprobs) [B, T]."""
         self.kv, sc, self.last_hidden = forward_and_write(self.cfg, self.rc.ring_pages, self.params, self.kv,
                                                           c.batch(), c.logit_idx, c.local_write)
-        tok, acc, lp, *top = _verify(sc, cand, SamplingArrays(**c.samp), c.counter, _adjust(c))
+        tok, acc, lp, *top = _verify(sc, cand, SamplingArrays(**c.samp), c.counter)
         self.last_top = tuple(map(np.asarray, top)) if c.samp["want_logprobs"].any() else None
         return np.asarray(tok), np.asarray(acc), np.asarray(lp)
 
-    def shapes(self) -> list[tuple[int, int, int]]:
-        """Every (batch, new_tokens, context) the engine may call with."""
-        rc = self.rc
-        out = [(b, 1, c) for b in rc.batch_buckets for c in rc.context_buckets]  # then prefill's:
-        return (out + [(1, t, c) for t, c in prefill_shapes(rc.prefill_buckets, rc.context_buckets)]
-                + group_shapes(rc.batch_buckets, group_tokens(rc), rc.context_buckets, rc.prefill_rows))
-
-    def verify_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (batch, 1 + depth, context) speculation may verify with."""
-        rc = self.rc
-        bs = [b for b in rc.batch_buckets if b <= rc.spec_max_batch]
-        return [(b, t, c) for b in bs for t in rc.verify_tokens for c in rc.spec_contexts]
-
-    def warmup(self, progress: Reporter = True, speculation: bool = True) -> None:
-        """Compile every shape of plain decoding and prefill (`plain_jobs`), then with
-        `speculation` verification's (`spec_jobs`) too; `progress` (engine/progress.py) sees
-        each plain shape compiled."""
-        jobs, n, lock = self.plain_jobs(), len(self.shapes()), threading.Lock()
-        t0 = time.perf_counter()
-        with Steps(progress, "warmup: compiling shapes", len(jobs)) as bar:
-
-            def run(job) -> None:
-                job()
-                with lock:
-                    bar.advance()
-
-            # Lowering holds the GIL, loading or compiling mostly not: two threads overlap them.
-            # The forwards first: the sampling jobs read their output layouts.
-            with ThreadPoolExecutor(WARMUP_THREADS, thread_name_prefix="crossover-warmup") as pool:
-                for group in (jobs[:n], jobs[n:]):
-                    list(pool.map(run, group))
-        note(progress, f"warmup: {n} shapes compiled in {time.perf_counter() - t0:.1f}s")
-        for job in self.spec_jobs() if speculation else ():
-            job()
-        self.warm_compiles = serving_compiles()
-
-    def plain_jobs(self, shapes: list[tuple[int, int, int]] | None = None) -> list:
-        """Thunks compiling every shape of `shapes` (default `shapes()`); see `spec_jobs`."""
-        return self._jobs(self.shapes() if shapes is None else shapes, verify=False)
-
-    def spec_jobs(self) -> list:
-        """Thunks compiling every verify shape ahead of time (forward, KV write, verification
-        with and without logit adjustments). They read no device buffer and write no state, so
-        they may run on another thread while this runner serves; call this on the thread that
-        runs the runner (it notes the arrays' layout)."""
-        return self._jobs(self.verify_shapes(), verify=True)
-
-    def _jobs(self, shapes: list[tuple[int, int, int]], verify: bool) -> list:
-        """One thunk per (batch, new tokens, context) compiling its forward and KV write, then
-        one per (batch, logits per row) compiling its sampling or verification, each with and
-        without logit adjustments (penalties, min_tokens); sampling's shapes do not depend on
-        the context. Compiled from the arrays' metadata (engine.compiles.abstract), so the
-        executables are those the calls find in the jit cache."""
+    def forward_jobs(self, shapes: list[tuple[int, int, int]]) -> list:
+        """One thunk per (batch, new tokens, context) of `shapes` compiling its padded forward and
+        KV write ahead of time from the arrays' metadata (engine.compiles.abstract; no device
+        buffer read), as `new_call` lays them out (bench/memory_probe.py measures what each
+        costs the host)."""
         params, kv, ring = abstract(self.params), abstract(self.kv), self.rc.ring_pages
-        committed = self.mesh is not None or any_committed(self.params, self.kv)
-        scores: dict[tuple[int, int], Scores] = {}
 
-        def forward(b: int, t: int, c: int) -> None:
-            call = self.new_verify_call(b, t - 1, c) if verify else self.new_call(b, t, c)
+        def forward(b: int, t: int, context: int) -> None:
+            call = self.new_call(b, t, context)
             batch = call.batch()
             fwd = _forward.lower(self.cfg, ring, params, kv, batch, call.logit_idx).compile()
-            sc, _, new_kv = outputs(fwd, committed)
-            scores[sc.best.shape] = sc
+            _, _, new_kv = outputs(fwd, self.mesh is not None or any_committed(self.params, self.kv))
             _write.lower(ring, kv, write_batch(batch, self.rc.page_size, ring), new_kv).compile()
 
-        def sampling(b: int, t: int) -> None:
-            samp, counter = SamplingArrays(**SamplingArrays.host(b)), np.zeros((b, t), np.int32)
-            for adj in (None, Adjust(**Adjust.host((b, t, self.adjust_width)))):
-                if verify:
-                    _verify.lower(scores[b, t], np.full((b, t), -1, np.int32), samp, counter, adj).compile()
-                else:
-                    _sample.lower(scores[b, t], samp, counter, adj).compile()
-
-        rows = sorted({(b, t if verify else 1) for b, t, _ in shapes})
-        return [partial(forward, *s) for s in shapes] + [partial(sampling, b, t) for b, t in rows]
-
-
-def _adjust(c: CallArrays) -> Adjust | None:
-    return None if c.adjust is None else Adjust(**c.adjust)
+        return [partial(forward, *s) for s in shapes]

@@ -9,10 +9,8 @@ One step's plan, in order:
    admitted strictly first-come-first-served while the batch has room, the
    per-step token budget lasts, and the pool has pages for the whole prompt
    (taken at admission, so prefill chunks never wait for pages).
-   A chunk is at most the largest prefill bucket, and is cut at a smaller
-   bucket where padding it up would waste more than the smallest bucket
-   (`fit_chunk`). An admitted sequence starts after the longest prefix of its
-   tokens the prefix cache holds (KVPool.lookup).
+   A chunk is at most `max_chunk` tokens. An admitted sequence starts after
+   the longest prefix of its tokens the prefix cache holds (KVPool.lookup).
    With `mix_tokens_per_row` (ragged steps: one call carries the decode rows
    and the chunks, engine/ragged_step.py): while sequences decode, a long
    prompt (more than `mix_long` tokens to compute at admission: one that needs
@@ -53,11 +51,6 @@ class SchedulerConfig:
     """Longest prefill chunk of one sequence in one step."""
     lookahead: int = 0
     """Extra positions a decode reserves pages for (speculation's verify slots)."""
-    chunk_buckets: tuple[int, ...] = ()
-    """Prefill chunk lengths compiled (`fit_chunk` cuts chunks to them); () = any length."""
-    chunk_slack: int = 0
-    """Padding a chunk up to its bucket may waste fewer tokens than this (`fit_chunk`); 0: the
-    smallest chunk bucket."""
     mix_tokens_per_row: int = 0
     """While sequences decode: prefill tokens a step may add per decode row (`mix_chunk`); 0 = no cap."""
     mix_rows: int = 1
@@ -98,23 +91,6 @@ def mix_chunk(decoders: int, per_row: int) -> int:
     if not per_row:
         return 0
     return min(max(per_row * decoders, MIX_MIN_CHUNK), MIX_MAX_CHUNK)
-
-
-def fit_chunk(n: int, buckets: tuple[int, ...], slack: int = 0) -> int:
-    """A chunk of up to n tokens that pads to its bucket wasting less than `slack` (0: the
-    smallest bucket): n itself, or else the largest bucket below it (the rest goes in later chunks).
-
-    >>> [fit_chunk(n, (32, 128, 512)) for n in (20, 100, 140, 500, 600)]
-    [20, 100, 128, 500, 512]
-    >>> fit_chunk(100, (16, 32, 128, 512)), fit_chunk(100, (16, 32, 128, 512), slack=32)
-    (32, 100)
-    """
-    if not buckets or n <= buckets[0]:
-        return n
-    up = min([b for b in buckets if b >= n], default=None)
-    if up is not None and up - n < (slack or buckets[0]):
-        return n
-    return max(b for b in buckets if b <= n)
 
 
 @dataclass
@@ -242,7 +218,7 @@ class Scheduler:
         return n
 
     def _add_chunk(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
-        n = fit_chunk(min(seq.remaining, budget, self.cfg.max_chunk), self.cfg.chunk_buckets, self.cfg.chunk_slack)
+        n = min(seq.remaining, budget, self.cfg.max_chunk)
         if not self.pool.grow(seq.pages, seq.num_cached + n):  # pages were taken at admission
             raise RuntimeError(f"{seq.request_id}: prefill chunk without pages")
         self.pool.prepare(seq.pages, seq.num_cached, seq.num_cached + n)

@@ -317,10 +317,8 @@ class StepStats:
     rows. With rows of several techniques the step-level fields sum theirs: technique is that
     of the most drafting rows, depth the verify depth (the deepest row's)."""
     plain_rows: int = 0
-    """Decode rows that ran as a plain segment [rows, 1] beside the drafting rows' verify
-    segment in one forward (engine/segments.py); the other decode rows (sum of row_classes'
-    rows minus these) ran at the verify depth. 0: one padded verify (every row at the verify
-    depth) or no verify at all."""
+    """Decode rows of a speculative step that drafted nothing and decoded one token each beside
+    the verify rows (engine/ragged_step.py); 0 in a step without drafts."""
 
     @property
     def speculating(self) -> float:
@@ -383,12 +381,12 @@ class EngineCapacity:
     proposers: dict[str, ProposerCapacity] = field(default_factory=dict)
     """Technique name -> the loaded proposer."""
     segment_shapes: tuple[tuple[int, int, int], ...] = ()
-    """(plain rows, drafting rows, 1 + depth) of the segmented verifies compiled, both row
-    counts batch buckets (engine/segments.py; `segment_split` says when a step runs one)."""
+    """(plain rows, drafting rows, 1 + depth) of segmented verifies, both row counts batch
+    buckets, for the tuner's padding model (`segment_split` says when a step would run one);
+    the engine's ragged steps run none, so it reports none."""
     shape_ms: tuple[tuple[tuple[int, int], float], ...] = ()
-    """((batch, 1 + depth), ms) of each decode and verify shape timed so far at speculation's
-    context on the scratch page (engine/first_runs.py: filled as the shapes first run); empty
-    where none was (a daemon's first idle seconds; the fake engine without a FakeCost)."""
+    """((batch, 1 + depth), ms) of decode and verify shapes timed on the scratch page; the
+    engine's ragged steps time none (the fake engine reports its FakeCost's)."""
 
 
 def pow2_bucket(n: float) -> int:
@@ -407,7 +405,7 @@ def segment_split(plain: int, drafting: int, q: int, batch_buckets: tuple[int, .
     rows that draft nothing and `drafting` rows verified at q = 1 + depth (already a verify
     bucket); None when one padded verify [bucket(plain + drafting), q] runs instead: a part is
     empty, no compiled shape of `shapes` ((plain, drafting, q) triples) fits, or the segments
-    would run no fewer rows. Engine (engine/step.py) and tuner (tuner/shapes.py) both decide so.
+    would run no fewer rows. The tuner's padding model (tuner/shapes.py) decides so.
 
     >>> segment_split(3, 3, 5, (1, 2, 4, 8), {(4, 4, 5)})   # 4 + 4 * 5 = 24 rows against 8 * 5
     (4, 4)

@@ -1,26 +1,21 @@
-"""Warmup in stages: a few plain shapes first, the rest and speculation's after (the fast start).
+"""Warmup: the ragged calls first, the proposers' shapes after (the fast start).
 
-1. `warm_engine` compiles (or loads from the persistent cache) plain decoding's
-   and prefill's shapes on the calling thread, the engine thread. With
-   `background`, only the covering shapes (`covering_shapes`: per kind, decode
-   or prefill, the one no smaller than any other) and the smallest batch's
-   decode at the largest context are compiled here, and the
-   runner pads every plain call up to the smallest shape compiled so far
-   (`engine.compiles.fit_shape`, `ModelRunner.usable`). From here the engine can serve:
-   `warmup()` returns and the daemon turns ready. The other plain shapes
-   compile first on the background thread (smallest contexts first), each
-   usable once compiled; when all are, the runner stops padding.
-2. It gathers speculation's compile jobs: the verify shapes
-   (`ModelRunner.spec_jobs`), then each model proposer's (`compile_jobs` in
-   engine/drafting.py), cheapest technique first. A job compiles ahead of
-   time (`jit(...).lower(...).compile()`) from array metadata only: it reads
-   no device buffer and changes no state, so it runs safely beside steps.
-   Segmented verifies (engine/segments.py) compile last; each is used once
-   compiled (`ModelRunner.segments_ready`), no technique waits for them.
+1. `warm_engine` compiles (or loads from the persistent cache) every ragged
+   call on the calling thread, the engine thread: the forward per token
+   bucket and the output call per output count (`engine.ragged_calls.compile_jobs`),
+   on WARMUP_THREADS threads. From here the engine can serve every step,
+   plainly: `warmup()` returns and the daemon turns ready. A ragged step
+   verifies drafts in the same calls, so speculation needs no shape of its own
+   beyond its proposers'.
+2. It gathers each model proposer's compile jobs (`compile_jobs` in
+   engine/drafting.py), cheapest technique first; a proposer without them
+   warms up here. A job compiles ahead of time (`jit(...).lower(...).compile()`)
+   from array metadata only: it reads no device buffer and changes no state,
+   so it runs safely beside steps.
 3. With `background`, a daemon thread at a lower CPU priority runs the jobs
    inside `compiles.warming()` (its lowerings count as warmup, not serving);
    otherwise they run here, before `warmup()` returns. A technique turns
-   "ready" once the verify shapes and its own are compiled.
+   "ready" once its own jobs are compiled.
 4. The engine's `StepChooser` asks `is_ready(technique)` every decode step: a
    technique not ready yet decodes plainly, so serving never compiles.
 5. `stop()` (shutdown) starts no further job and waits for the one under way
@@ -43,13 +38,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 from engine import ragged_calls
 from engine.compiles import (compile_count, freeze_heap, map_limit, memory_mappings, release_lowerings,
                              serving_compiles, trim_heap, warming)
 from engine.progress import Reporter, Steps, note
-from engine.segments import segment_jobs
 
 log = logging.getLogger("crossover.engine")
 
@@ -61,7 +54,7 @@ BACKGROUND_NICE = 10
 MAP_MARGIN = 1500
 """Memory mappings a job may still need (a forward shape takes ~440; engine/loader.py)."""
 WARMUP_THREADS = 2
-"""Threads compiling (or loading) the covering plain shapes before the engine turns ready."""
+"""Threads compiling (or loading) the ragged calls before the engine turns ready."""
 
 
 class SpecWarmup:
@@ -88,16 +81,13 @@ class SpecWarmup:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self, verify: list[Job], own: dict[str, list[Job]], progress: Reporter,
-              background: bool, after: list[Job] = ()) -> None:
-        """Run `verify`, each technique's `own` jobs, then `after` (in that order), here or on a
-        thread. `verify` may begin with the plain shapes left to compile (`warm_engine`);
-        `after` (segmented verifies, engine/segments.py) readies no technique."""
+    def start(self, own: dict[str, list[Job]], progress: Reporter, background: bool) -> None:
+        """Run each technique's `own` jobs, in that order, here or on a thread."""
         self._state = {t: "waiting" for t in own}
         if not background:
-            self._run(verify, own, progress, after)
+            self._run(own, progress)
             return
-        self._thread = threading.Thread(target=self._background, args=(verify, own, progress, after),
+        self._thread = threading.Thread(target=self._background, args=(own, progress),
                                         name="crossover-spec-warmup", daemon=True)
         self._thread.start()
 
@@ -115,27 +105,22 @@ class SpecWarmup:
             self._thread.join(timeout_s)
         return not self.running
 
-    def _background(self, verify: list[Job], own: dict[str, list[Job]], progress: Reporter,
-                    after: list[Job]) -> None:
+    def _background(self, own: dict[str, list[Job]], progress: Reporter) -> None:
         try:  # Linux: niceness is per thread; a compile started here keeps it
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
         except (AttributeError, OSError):
             pass
         with warming():
-            self._run(verify, own, progress, after)
+            self._run(own, progress)
 
-    def _run(self, verify: list[Job], own: dict[str, list[Job]], progress: Reporter, after: list[Job] = ()) -> None:
+    def _run(self, own: dict[str, list[Job]], progress: Reporter) -> None:
         t0 = time.perf_counter()
         self._state = {t: "compiling" for t in own}
-        if not self._jobs(verify, list(own)):
-            return
         for technique, jobs in own.items():
             if self._jobs(jobs, [technique]):
                 self._state[technique] = "ready"
                 note(progress, f"warmup: speculation: {technique} ready after "
                                f"{time.perf_counter() - t0:.1f}s")
-        if after and self._jobs(list(after), []):
-            note(progress, f"warmup: {len(after)} segmented verify shapes ready after {time.perf_counter() - t0:.1f}s")
         self.seconds = time.perf_counter() - t0
         release_lowerings()  # every shape is compiled: JAX's copies of their lowerings go
         trim_heap()  # the compiles' scratch memory, freed but still resident
@@ -167,64 +152,6 @@ class SpecWarmup:
 
     def _mark(self, techniques: list[str], state: str) -> None:
         self._state = {**self._state, **{t: state for t in techniques if self._state.get(t) != "ready"}}
-
-
-Shape = tuple[int, int, int]
-"""(batch, new tokens, context) of a plain call: new tokens 1 decodes, more prefill."""
-
-
-def covering_shapes(shapes: list[Shape]) -> list[Shape]:
-    """Per kind of call (decode: 1 new token, prefill: more, one row), the shape no smaller in
-    any dimension than every other of that kind; every plain call can be padded to one of them.
-    [] when a kind has no such shape (then nothing may be left for later). Grouped prefill calls
-    (engine/prefill_groups.py) wait for their own shapes: they cover nothing.
-    Example: covering_shapes([(1, 1, 64), (4, 1, 64), (4, 1, 512), (1, 32, 64), (1, 128, 512),
-    (2, 32, 64)]) == [(4, 1, 512), (1, 128, 512)].
-    """
-    out = []
-    for kind in ({s for s in shapes if s[1] == 1}, {s for s in shapes if s[1] > 1 and s[0] == 1}):
-        if kind:
-            top = tuple(max(s[i] for s in kind) for i in range(3))
-            if top not in kind:
-                return []
-            out.append(top)
-    return out
-
-
-def _plain_stages(runner, progress: Reporter) -> list[Job]:
-    """Compile the covering plain shapes here and let the runner pad to them; the jobs that
-    compile the other plain shapes later, each marking its shape usable (the last clears the
-    padding). Every job is made here, on the runner's thread (they note the arrays' layout)."""
-    shapes = list(runner.shapes())
-    first = covering_shapes(shapes)
-    lone = (min(s[0] for s in shapes), 1, max(s[2] for s in shapes))
-    if first and lone in shapes and lone not in first:  # a lone stream need not decode at full batch
-        first.append(lone)
-    rest = sorted((s for s in shapes if s not in first), key=lambda s: (s[2], s[0] * s[1], s))
-    if not first or not rest:
-        runner.warmup(progress, speculation=False)
-        return []
-    t0 = time.perf_counter()
-    _run_pool(runner.plain_jobs(first), len(first))
-    jobs: list[Job] = []
-    rows = {(s[0] if s[1] == 1 else 1) for s in first}  # batch rows whose sampling is compiled
-    for i, s in enumerate(rest):
-        forward, sampling = runner.plain_jobs([s])  # one forward (+ KV write), one sampling
-        row = s[0] if s[1] == 1 else 1
-        jobs.append(partial(_one_shape, runner, s, forward, None if row in rows else sampling,
-                            last=i == len(rest) - 1))
-        rows.add(row)
-    runner.usable = frozenset(first)
-    note(progress, f"warmup: {len(first)} covering shapes compiled in {time.perf_counter() - t0:.1f}s; "
-                   f"{len(rest)} more compile in the background (calls pad up to a compiled shape meanwhile)")
-    return jobs
-
-
-def _one_shape(runner, shape: Shape, forward: Job, sampling: Job | None, last: bool) -> None:
-    forward()
-    if sampling is not None:
-        sampling()
-    runner.usable = None if last else runner.usable | {shape}  # replaced whole: read by the engine thread
 
 
 def _run_pool(jobs: list[Job], n_forward: int, bar: Steps | None = None) -> None:
@@ -265,19 +192,12 @@ def warm_engine(core, progress: Reporter, background: bool) -> SpecWarmup:
     """Warm `core` (an EngineCore) as the module docstring says; returns its SpecWarmup, whose
     `is_ready` the core's StepChooser then consults."""
     runner = core.runner
-    if core.ecfg.ragged_steps:
-        forwards, heads = ragged_calls.compile_jobs(runner, max_tokens(core), max_outputs(core))
-        t0 = time.perf_counter()
-        with Steps(progress, "warmup: compiling shapes", len(forwards) + len(heads)) as bar:
-            _run_pool(forwards + heads, len(forwards), bar)
-        note(progress, f"warmup: {len(forwards)} ragged forwards and {len(heads)} output calls compiled "
-                       f"in {time.perf_counter() - t0:.1f}s")
-        plain_left = []
-    elif background and runner.mesh is None:
-        plain_left = _plain_stages(runner, progress)
-    else:  # a sharded runner's sampling layouts follow its forwards': compile all here
-        runner.warmup(progress, speculation=False)
-        plain_left = []
+    forwards, heads = ragged_calls.compile_jobs(runner, max_tokens(core), max_outputs(core))
+    t0 = time.perf_counter()
+    with Steps(progress, "warmup: compiling shapes", len(forwards) + len(heads)) as bar:
+        _run_pool(forwards + heads, len(forwards), bar)
+    note(progress, f"warmup: {len(forwards)} ragged forwards and {len(heads)} output calls compiled "
+                   f"in {time.perf_counter() - t0:.1f}s")
     jobs: dict[str, list[Job]] = {}
     for name, p in core.proposers.items():
         compile_jobs = getattr(p, "compile_jobs", None)
@@ -288,10 +208,9 @@ def warm_engine(core, progress: Reporter, background: bool) -> SpecWarmup:
             jobs[name] = []
     own = dict(sorted(jobs.items(), key=lambda kv: len(kv[1])))  # the quickest to ready first
     warm = SpecWarmup()
-    verify = runner.spec_jobs() if runner.rc.verify_tokens and not core.ecfg.ragged_steps else []
     if not runner.rc.verify_tokens:  # nothing verifies: no technique can run
         own = {}
-    warm.start(plain_left + verify, own, progress, background, segment_jobs(runner) if verify else [])
+    warm.start(own, progress, background)
     runner.warm_compiles = serving_compiles()
     core._chooser.ready = warm.is_ready
     if not warm.running:

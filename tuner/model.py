@@ -9,7 +9,7 @@ Step time splits into the target model's forward and the proposer's work:
 
 R is the rows the forward runs (every row passes the layers and the full
 output layer), B the sequences whose cache it reads; with one verify for the
-whole batch R = B*q. A segmented verify (engine/segments.py) runs the rows
+whole batch R = B*q. A segmented verify (of the engine's former padded steps) runs the rows
 that draft nothing as a plain segment [Bp, 1] beside the drafting rows
 [Bv, q] in one forward: B = Bp + Bv and R = Bp + Bv*q (tuner.shapes:
 `Padding.rows`, `Padding.ran`; the engine's own rule,

@@ -3,7 +3,7 @@ steps of the shapes a fit window lacks.
 
 A step's time follows the shape the engine ran, not its own sizes: a batch runs padded to
 the next compiled batch size and a verify to the next compiled query length (1 + depth),
-so batch 17 costs what batch 32 does. A segmented verify (engine/segments.py) runs the rows
+so batch 17 costs what batch 32 does. A segmented verify (of the engine's former padded steps) runs the rows
 that draft nothing as a plain segment [Bp, 1] beside the drafting rows [Bv, q] in one
 forward, Bp and Bv each padded to a batch size, where such a shape is compiled and it runs
 fewer rows (`engine.types.segment_split`, the engine's own rule). `Padding.rows` gives the

@@ -74,9 +74,6 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
         help="the engine started here does not share prompt-prefix KV pages (compare with --shared-prefix)")
     add("--no-speculation", action="store_true",
         help="the engine started here decodes plainly (default: n-gram loaded, the starter policy served)")
-    add("--ragged-steps", action=argparse.BooleanOptionalAction, default=True,
-        help="the engine started here runs each step as one ragged call, as crossover serve does by "
-             "default (--no-ragged-steps: padded calls per kind)")
     add("--url", default=None,
         help="bench the daemon at this URL instead of one started here (no engine-only run)")
     add("--api-key", default=None, help="bearer key for --url (default: $CROSSOVER_API_KEY)")
@@ -239,7 +236,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
         url=args.url, api_key=args.api_key or os.environ.get("CROSSOVER_API_KEY"), db=args.db,
         no_db=args.no_db, shared_prefix=args.shared_prefix, prefix_tokens=args.prefix_tokens,
         engine_rates=args.engine_rates, tenant_keys=args.tenant_keys, prefix_cache=not args.no_prefix_cache,
-        speculation=not args.no_speculation, ragged_steps=args.ragged_steps,
+        speculation=not args.no_speculation,
         idle_ttft=not args.no_idle_ttft)
 
 

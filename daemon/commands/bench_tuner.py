@@ -80,7 +80,6 @@ def add_tuner(t: argparse.ArgumentParser) -> None:
         help="--trace memory-bound|light: rounds of every fixed split and the tuned policy, in turn; "
              "each policy's goodput is its median over the rounds")
     add("--kv-budget", default=None, help="KV pool size of the engine, e.g. 96MiB (default: the backend's)")
-    add("--segment-rows", type=int, default=None, help="segmented verifies up to N rows (default 12; 0: off)")
     # None marks a --quick flag not given, so that one given at its default value still wins
     t.set_defaults(**dict.fromkeys(QUICK))
 
@@ -150,7 +149,6 @@ def tuner_config(args: argparse.Namespace) -> Any:
             fake=args.fake, fake_time_scale=args.fake_time_scale,
             traces=() if args.trace == "shifting" else items(args.trace), splits=tuple(float(x) for x in items(args.splits)), split_technique=args.split_technique,
             split_depth=args.split_depth, split_repeats=args.split_repeats, repeats=args.repeats,
-            segment_rows=args.segment_rows,
             kv_budget=None if args.kv_budget is None else parse_size("--kv-budget", args.kv_budget))
     except ValueError as exc:
         raise UserError(f"bench tuner: {exc}") from None

@@ -43,7 +43,7 @@ from daemon.settings import SECTION_KEYS, add_section_flags
 
 SETTING_FLAGS = (
     "host", "port", "model", "dtype", "kv_budget_bytes", "max_batch", "max_context", "db_url",
-    "instance", "tensor_parallel", "prefix_cache", "ragged_steps", "segment_rows",
+    "instance", "tensor_parallel", "prefix_cache",
     "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
     "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
     "speculation", "heads", "stream_write_timeout_s", "stream_idle_timeout_s", "admin_token_file",
@@ -82,12 +82,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="compile verification and load the draft proposers (default on)")
     add("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
         help="share the KV pages of common prompt prefixes between requests (default on)")
-    add("--ragged-steps", action=argparse.BooleanOptionalAction, default=None,
-        help="run every row of a step (decode, verify, prefill chunks) in one forward over a flat token "
-             "axis instead of padded calls per kind (default on)")
-    add("--segment-rows", type=int, metavar="N",
-        help="rows that draft nothing decode beside the drafting rows' verify in one forward, in batches "
-             "up to N rows (12 covers batches 4-8; default 0: off)")
     add("--heads", metavar="FILE", help="draft heads file (default: the one train-heads wrote to the user "
                                         "cache, else the one shipped for the model)")
     add("--max-body-bytes", metavar="BYTES", help="largest request body (default 4MiB)")
@@ -245,8 +239,6 @@ def _load_engine(settings: Any, args: argparse.Namespace) -> Any:
                          max_context=settings.max_context, progress=reporter(json_events=True),
                          speculation=settings.speculation, heads=settings.heads,
                          prefix_cache=settings.prefix_cache,
-                         ragged_steps=settings.ragged_steps,
-                         segment_rows=settings.segment_rows,
                          background_warmup=True,
                          **({"tensor_parallel": settings.tensor_parallel} if settings.tensor_parallel > 1 else {}))
     log_event(log, "model loaded", model=engine.model_name, seconds=round(time.monotonic() - start, 1))

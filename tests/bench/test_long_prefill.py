@@ -9,9 +9,8 @@ from bench.long_prefill import measure
 from tests.engine.conftest import make_engine
 
 
-@pytest.mark.parametrize("ragged", [True, False])
-def test_gaps_split_into_during_and_outside_the_long_prefill(tiny, ragged):
-    e = make_engine(tiny, ragged_steps=ragged, verify_tokens=())
+def test_gaps_split_into_during_and_outside_the_long_prefill(tiny):
+    e = make_engine(tiny, verify_tokens=())
     r = measure(e, streams=2, prompt_tokens=60, warm_tokens=3, stream_tokens=24)
     whole, during, outside = r["itl_ms"], r["itl_during_prefill_ms"], r["itl_outside_prefill_ms"]
     assert whole["n"] == 2 * (24 - 1) == during["n"] + outside["n"]  # each gap in one window

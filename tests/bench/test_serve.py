@@ -212,19 +212,18 @@ def test_speculation_reaches_the_engine_started_here(monkeypatch: pytest.MonkeyP
     from daemon.commands.bench import _serve_config
     from engine.fake_speculation import FakeProposer
 
-    seen: list[tuple[bool, tuple, bool]] = []
+    seen: list[tuple[bool, tuple]] = []
 
     def load_engine(**kw: object) -> FakeEngine:
-        seen.append((bool(kw["speculation"]), tuple(kw["model_proposers"]),  # type: ignore[arg-type]
-                     bool(kw["ragged_steps"])))
+        seen.append((bool(kw["speculation"]), tuple(kw["model_proposers"])))  # type: ignore[arg-type]
         return FakeEngine(proposers={"ngram": FakeProposer("ngram")})
 
     monkeypatch.setattr(engine.loader, "load_engine", load_engine)
     policies = []
-    for flags in ([], ["--no-speculation"], ["--no-ragged-steps"]):
+    for flags in ([], ["--no-speculation"]):
         cfg = _serve_config(build_parser().parse_args(["bench", "serve", *flags]))
         policies.append(_policy(cfg, _load_engine(cfg)))
-    assert seen == [(True, (), True), (False, (), True), (True, (), False)]
+    assert seen == [(True, ()), (False, ())]
     assert policies[0].choose(2) == ("ngram", 4) and policies[0].crossover == 8
     assert policies[1].choose(2) == ("none", 0)
 

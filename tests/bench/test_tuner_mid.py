@@ -130,20 +130,6 @@ def test_the_engine_loads_the_tenant_policy_s_techniques() -> None:
     assert named_techniques(TunerBenchConfig(runs=("fixed",))) == set()
 
 
-def test_segment_rows_reach_the_config_and_a_bad_value_is_a_user_error(capsys: pytest.CaptureFixture) -> None:
-    import argparse
-
-    from daemon.commands.bench import add_arguments
-    from daemon.commands.bench_tuner import tuner_config
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    parse = lambda *flags: tuner_config(parser.parse_args(["tuner", "--fake", *flags]))  # noqa: E731
-    assert parse().segment_rows is None and parse("--segment-rows", "0").segment_rows == 0
-    assert cli(["bench", "tuner", "--fake", "--segment-rows", "-1"]) == 2
-    assert "segment_rows=-1" in capsys.readouterr().err
-
-
 def test_a_bad_tenant_policy_is_a_user_error(capsys: pytest.CaptureFixture) -> None:
     for bad, named in (("copy-tenant=ngram@4", "tenant_policy="), ("*=ngram", "'*=ngram'"),
                        ("*=ngram@2,prose-tenant=none@2", "prose-tenant=none@2"),

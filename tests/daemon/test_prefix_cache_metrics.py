@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 import sqlite3
 from collections.abc import Callable
 
@@ -54,53 +52,3 @@ def test_no_prefix_cache_flag_and_variable_reach_the_engine(monkeypatch) -> None
         "E", (), {"model_name": "m"})())
     serve._load_engine(settings, args)
     assert seen["prefix_cache"] is False
-
-
-@pytest.mark.parametrize(("field", "default"), [("ragged_steps", True)])
-def test_step_flags_and_variables_reach_the_engine(monkeypatch, field, default) -> None:
-    """Ragged steps are on unless asked otherwise: --no-ragged-steps and
-    CROSSOVER_RAGGED_STEPS=off turn them off."""
-    import argparse
-
-    import engine.loader
-    from daemon.commands import serve
-    from daemon.settings import load_settings
-
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-    args = parser.parse_args(["--" + ("" if not default else "no-") + field.replace("_", "-")])
-    settings = load_settings({k: getattr(args, k) for k in serve.SETTING_FLAGS}, {})
-    assert getattr(settings, field) is not default
-    env = {"CROSSOVER_" + field.upper(): "off" if default else "on"}
-    assert getattr(load_settings({}, env=env), field) is not default
-    assert getattr(load_settings({}, env={}), field) is default
-    seen = {}
-    monkeypatch.setattr(engine.loader, "load_engine", lambda **kw: seen.update(kw) or type(
-        "E", (), {"model_name": "m"})())
-    serve._load_engine(settings, args)
-    assert seen[field] is not default
-
-
-def test_segment_rows_flag_and_variable_reach_the_engine(monkeypatch) -> None:
-    """Segmented verifies are off unless asked for; --segment-rows and CROSSOVER_SEGMENT_ROWS set
-    them; a value out of range is refused, naming it."""
-    import argparse
-
-    import engine.loader
-    from daemon.commands import serve
-    from daemon.settings import SettingsError, load_settings
-
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-    args = parser.parse_args(["--segment-rows", "12"])
-    settings = load_settings({k: getattr(args, k) for k in serve.SETTING_FLAGS}, {})
-    assert settings.segment_rows == 12
-    assert load_settings({}, env={"CROSSOVER_SEGMENT_ROWS": "8"}).segment_rows == 8
-    assert load_settings({}, env={}).segment_rows == 0
-    with pytest.raises(SettingsError, match="segment_rows"):
-        load_settings({"segment_rows": -1}, {})
-    seen = {}
-    monkeypatch.setattr(engine.loader, "load_engine", lambda **kw: seen.update(kw) or type(
-        "E", (), {"model_name": "m"})())
-    serve._load_engine(settings, args)
-    assert seen["segment_rows"] == 12

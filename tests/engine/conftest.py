@@ -52,13 +52,11 @@ class LetterTokenizer(ByteTokenizer):
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-def make_engine(tiny, tokenizer=None, ragged_steps: bool = True, **rc_overrides) -> EngineCore:
-    """The tiny model's engine with TINY_RC (and `rc_overrides`); `ragged_steps` False: the padded
-    steps (engine/step.py) with their staged warmup, mixed calls and segments."""
+def make_engine(tiny, tokenizer=None, **rc_overrides) -> EngineCore:
+    """The tiny model's engine with TINY_RC (and `rc_overrides`)."""
     cfg, params = tiny
     rc = RunnerConfig(**{**TINY_RC.__dict__, **rc_overrides})
-    return EngineCore(cfg, params, tokenizer or ByteTokenizer(),
-                      EngineConfig(runner=rc, token_budget=32, ragged_steps=ragged_steps))
+    return EngineCore(cfg, params, tokenizer or ByteTokenizer(), EngineConfig(runner=rc, token_budget=32))
 
 
 @pytest.fixture(scope="session", autouse=True)

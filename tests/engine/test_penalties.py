@@ -10,7 +10,7 @@ from scipy import stats
 
 from engine.penalties import entries, fill_adjust
 from engine.policy import BatchRule, TunedPolicy
-from engine.runner import Scores, _sample, _verify
+from engine.runner import Scores, _verify
 from engine.sampling import Adjust, SamplingArrays, adjust_logits
 from engine.types import SamplingParams
 from tests.engine.conftest import SPEC_PROMPTS, SPEC_RC, ByteTokenizer, make_engine, run_requests
@@ -117,7 +117,8 @@ def test_penalized_decode_and_verification_draw_from_the_adjusted_distribution()
     p /= p.sum()
     sc = Scores(jnp.asarray(np.tile(logits, (n, 1, 1))), jnp.zeros((n, 1), jnp.int32))
     counter = jnp.arange(n, dtype=jnp.int32)[:, None]
-    tok, lp, *_ = _sample(sc, _rows(n, 3, want_logprobs=True), counter, Adjust(**a))
+    no_draft = jnp.full((n, 1), -1, jnp.int32)  # a decode: a position without a draft to check
+    tok, _, lp, *_ = _verify(sc, no_draft, _rows(n, 3, want_logprobs=True), counter, Adjust(**a))
     tok = np.asarray(tok)[:, 0]
     _chi2_matches(tok, p)
     np.testing.assert_allclose(np.asarray(lp)[:, 0], logits[tok], atol=1e-5)

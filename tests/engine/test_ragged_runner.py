@@ -1,7 +1,8 @@
 """Ragged calls on a ModelRunner (engine/ragged_calls.py: the engine/ragged.py forward, then the
-output layer and sampling apart at the rows' output tokens) against its padded calls on the same
-rows: prefill chunks, decode, verification and sampling mixed in one call give the tokens,
-acceptances, logprobs, hidden states and top logprobs the padded calls give one kind at a time."""
+output layer and sampling apart at the rows' output tokens): prefill chunks, decode,
+verification and sampling mixed in one call give each row the tokens, acceptances, logprobs,
+hidden states and top logprobs it gets in a call of its own, and the logprobs, top tokens,
+greedy tokens and greedy acceptances are the dense reference model's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from engine.runner import ModelRunner
 from tests.engine.conftest import TINY_RC
 from tests.engine.reference import dense_logits
 
-# float32 logits (no bfloat16 output pass), so logprobs compare to 1e-4; verify shapes for the padded runner
+# float32 logits (no bfloat16 output pass), so logprobs compare to 1e-4
 RC = replace(TINY_RC, fast_output=False, verify_tokens=(2, 3, 5), spec_max_batch=1)
 WIDTH = RC.max_context // RC.page_size
 RING = RC.ring_pages
@@ -31,30 +32,19 @@ def _sampling(samp: dict, at, temperature: float, seed: int) -> None:
     samp["want_logprobs"][at] = True
 
 
-def _padded(runner: ModelRunner, row: RaggedRow, temperature: float, seed: int):
-    """The row run alone by the padded runner: (tokens, accepted or None, logprobs, hidden, top
+def _alone(runner: ModelRunner, row: RaggedRow, temperature: float, seed: int):
+    """The row run in a ragged call of its own: (tokens, accepted, logprobs, hidden, top
     logprobs) at its outputs."""
-    n = len(row.tokens)
-    if row.cand:
-        c = runner.new_verify_call(1, n - 1, row.start + n)
-    else:
-        c = runner.new_call(1, n, row.start + n)
-        c.logit_idx[0, 0] = n - 1
-    c.tokens[0, :n] = row.tokens
-    c.start[0], c.n_new[0] = row.start, n
-    c.global_table[0, :] = row.global_pages[: c.global_table.shape[1]]
-    c.local_table[0, :] = row.ring[: c.local_table.shape[1]]
-    c.local_write[0, :] = row.ring[: c.local_write.shape[1]]
-    k = c.logit_idx.shape[1]
-    c.counter[0] = row.start + n - k + 1 + np.arange(k)
-    _sampling(c.samp, 0, temperature, seed)
-    if row.cand:
-        cand = np.full((1, k), -1, np.int32)
-        cand[0, : len(row.cand)] = row.cand
-        tok, acc, lp = runner.run_verify(c, cand)
-        return tok[0, :n], acc[0, :n], lp[0, :n], np.asarray(runner.last_hidden)[0, :n], runner.top_at(0, n)
-    tok, lp = runner.run(c)
-    return tok[0], None, lp[0], np.asarray(runner.last_hidden)[0], runner.top_at(0, 1)
+    call = new_call(runner, [row])
+    sl = call.out_rows[0]
+    _sampling(call.samp, sl, temperature, seed)
+    tok, acc, lp = run(runner, call)
+    return tok[sl], acc[sl], lp[sl], np.asarray(runner.last_hidden)[sl], top_in(runner, sl)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 def _greedy_after(cfg, params, tokens: list[int], n: int) -> list[int]:
@@ -65,9 +55,9 @@ def _greedy_after(cfg, params, tokens: list[int], n: int) -> list[int]:
     return out[len(tokens):]
 
 
-def test_a_mixed_ragged_call_equals_the_padded_calls_row_by_row(tiny):
+def test_a_mixed_ragged_call_equals_each_row_alone_and_the_dense_model(tiny):
     cfg, params = tiny
-    ragged_runner, padded_runner = ModelRunner(cfg, params, RC), ModelRunner(cfg, params, RC)
+    ragged_runner, alone_runner = ModelRunner(cfg, params, RC), ModelRunner(cfg, params, RC)
     rng = np.random.default_rng(1)
     seq = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (10, 7, 13)]
     temps = [0.0, 0.0, 0.9]  # row 2 samples: the same key and position draw the same token
@@ -94,7 +84,7 @@ def test_a_mixed_ragged_call_equals_the_padded_calls_row_by_row(tiny):
             g, ring = _pages(r)
             row = RaggedRow(tuple(toks) + cand, cached[r], g, ring, outputs=1 + len(cand), cand=cand)
             rows.append(row)
-            want.append(_padded(padded_runner, row, temps[r], seed=r))
+            want.append(_alone(alone_runner, row, temps[r], seed=r))
         call = new_call(ragged_runner, rows)
         for r, sl in zip(step, call.out_rows):
             _sampling(call.samp, sl, temps[r], seed=r)
@@ -104,15 +94,23 @@ def test_a_mixed_ragged_call_equals_the_padded_calls_row_by_row(tiny):
         assert call.batch.tokens.shape[0] == min(b for b in TOKEN_BUCKETS if b >= n)
         for r, row, sl, (wtok, wacc, wlp, wh, wtop) in zip(step, rows, call.out_rows, want):
             k = sl.stop - sl.start
-            np.testing.assert_array_equal(tok[sl], np.atleast_1d(wtok)[-k:], err_msg=f"row {r}")
-            np.testing.assert_allclose(lp[sl], np.atleast_1d(wlp)[-k:], rtol=1e-4, atol=1e-4)
-            np.testing.assert_allclose(hidden[sl], np.atleast_2d(wh)[-k:], rtol=1e-4, atol=1e-4)
+            np.testing.assert_array_equal(tok[sl], wtok, err_msg=f"row {r}")
+            np.testing.assert_array_equal(acc[sl], wacc)
+            np.testing.assert_allclose(lp[sl], wlp, rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(hidden[sl], wh, rtol=1e-4, atol=1e-4)
             top = top_in(ragged_runner, sl)
-            assert [[t for t, _ in pos] for pos in top] == [[t for t, _ in pos] for pos in wtop[-k:]]
+            assert [[t for t, _ in pos] for pos in top] == [[t for t, _ in pos] for pos in wtop]
             lps = lambda tops: [[x for _, x in pos] for pos in tops]  # noqa: E731
-            np.testing.assert_allclose(lps(top), lps(wtop[-k:]), rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(lps(top), lps(wtop), rtol=1e-4, atol=1e-4)
+            fed = seq[r][: row.start] + list(row.tokens)  # what the forward saw, drafts included
+            ref = _log_softmax(dense_logits(cfg, params, fed)[len(fed) - k:])  # [k, V] at the outputs
+            np.testing.assert_allclose(lp[sl], ref[np.arange(k), tok[sl]], atol=1e-4)
+            assert [[t for t, _ in pos] for pos in top] == [list(np.argsort(-x)[: len(top[0])]) for x in ref]
+            if temps[r] == 0:  # greedy: the argmax, and a draft accepted where it is that
+                best = ref.argmax(axis=-1)
+                np.testing.assert_array_equal(tok[sl], best)
+                np.testing.assert_array_equal(acc[sl][: len(row.cand)], np.asarray(row.cand) == best[: len(row.cand)])
             if row.cand:
-                np.testing.assert_array_equal(acc[sl], wacc[-k:])
                 n_ok = int(np.cumprod(acc[sl][: len(row.cand)]).sum())
                 accepted += n_ok
                 seq[r] += list(row.cand[:n_ok]) + [int(tok[sl][n_ok])]

@@ -1,7 +1,8 @@
-"""Steps as ragged calls (EngineConfig.ragged_steps, engine/ragged_step.py) give what the padded
-steps give: the same greedy tokens with and without the prefix cache and with every
-speculation technique, the same seeded samples, logprobs and penalties; nothing compiles after
-warmup and every page returns."""
+"""Steps as ragged calls (engine/ragged_step.py): a batch of prompts gives each prompt what it
+gets decoded alone (a batch of one, no prefix cache, no speculation), whose greedy tokens and
+logprobs are the dense reference model's: the same greedy tokens with and without the prefix
+cache and with every speculation technique, the same seeded samples, logprobs and penalties;
+nothing compiles after warmup and every page returns."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from engine.ragged_calls import token_buckets
 from engine.runner import RunnerConfig
 from engine.types import Request, SamplingParams
 from engine.warm import max_tokens
-from tests.engine.conftest import SPEC_PROMPTS, SPEC_RC, TINY_RC, ByteTokenizer, make_engine, run_prompts
+from tests.engine.conftest import SPEC_PROMPTS, SPEC_RC, TINY_RC, ByteTokenizer, run_prompts
+from tests.engine.reference import dense_logits
 
 TOK = ByteTokenizer()
 EXACT = dict(fast_output=False)  # the bfloat16 output pass runs from 2 output rows on, so a sampled
@@ -27,8 +29,7 @@ PROMPTS = SPEC_PROMPTS + ["a longer prompt: it takes more than one chunk of the 
 
 def _engine(tiny, prefix_cache=True, spec=False):
     rc = RunnerConfig(**{**TINY_RC.__dict__, **EXACT, **(SPEC_RC if spec else {})})
-    e = EngineCore(tiny[0], tiny[1], TOK, EngineConfig(runner=rc, token_budget=32, prefix_cache=prefix_cache,
-                                                       ragged_steps=True))
+    e = EngineCore(tiny[0], tiny[1], TOK, EngineConfig(runner=rc, token_budget=32, prefix_cache=prefix_cache))
     if spec:
         heads = DraftHeads.random(tiny[0], 8, (3, 6), 128, seed=1, scale=0.3)
         add_model_proposers(e, heads, vocab_sizes=(0,))
@@ -36,11 +37,33 @@ def _engine(tiny, prefix_cache=True, spec=False):
     return e
 
 
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def _run_alone(e, prompt: str, sp) -> list[tuple]:
+    """(token ids, logprobs, top logprobs) of each event of `prompt` decoded alone on `e`."""
+    e.add_request(Request("alone", TOK.encode(prompt), sp))
+    events = []
+    while e.has_work():
+        events += [(ev.token_ids, ev.logprobs, ev.top_logprobs) for ev in e.step().events]
+    return events
+
+
 @pytest.fixture(scope="module")
-def padded(tiny):
-    sps = _params()
-    e = make_engine(tiny, ragged_steps=False, **EXACT)
-    return [run_prompts(e, PROMPTS, sp, TOK)[0] for sp in sps]
+def alone(tiny):
+    """Per sampling params of `_params`, each prompt's tokens decoded alone; the greedy ones
+    checked against the dense reference model's argmax."""
+    e = _engine(tiny, prefix_cache=False)
+    out = [[[t for ev in _run_alone(e, p, sp) for t in ev[0]] for p in PROMPTS] for sp in _params()]
+    for prompt, toks in zip(PROMPTS, out[0]):
+        ids = TOK.encode(prompt)
+        for t in toks:
+            assert t == int(np.argmax(dense_logits(tiny[0], tiny[1], ids)[-1])), prompt
+            ids.append(t)
+    assert e.pool.used == 0 and e.pool.free == e.pool.total
+    return out
 
 
 def _params():
@@ -51,7 +74,7 @@ def _params():
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
-def test_ragged_steps_give_the_padded_steps_tokens(tiny, padded, prefix_cache, monkeypatch):
+def test_a_batch_gives_each_prompt_its_tokens_decoded_alone(tiny, alone, prefix_cache, monkeypatch):
     cuts, fit = [], ragged_step.fit_step
 
     def fit_step(decode_tokens, chunks, buckets):
@@ -62,41 +85,52 @@ def test_ragged_steps_give_the_padded_steps_tokens(tiny, padded, prefix_cache, m
     e = _engine(tiny, prefix_cache)
     monkeypatch.setattr(ragged_step, "fit_step", fit_step)
     mixed = 0
-    for sp, want in zip(_params(), padded):
+    for sp, want in zip(_params(), alone):
         out, stats = run_prompts(e, PROMPTS, sp, TOK)
         assert out == want
         mixed += sum(bool(s.prefill_tokens and s.decode_tokens) for s in stats)
     assert mixed  # steps with decode rows and prefill chunks in one call
     assert any(cuts)  # and steps whose chunks were cut to end on a token bucket
     ran = 0
-    while e.idle():  # idle moments run each ragged call once (none of the padded calls: never compiled)
+    while e.idle():  # idle moments run each ragged call once
         ran += 1
     assert ran >= len(token_buckets(max_tokens(e))) and e.compiles_since_warmup() == 0
     assert e.pool.used == 0  # a first run writes the scratch page alone
     assert e.pool.used == 0 and e.pool.free == e.pool.total
 
 
-def test_logprobs_of_ragged_steps_equal_the_padded_steps(tiny):
+def test_logprobs_in_a_batch_equal_those_decoded_alone_and_the_dense_models(tiny):
+    """A sampled request's logprobs and top logprobs in a batch equal those it gets alone, and
+    they are the dense reference model's (the model's own distribution, before temperature)."""
     sp = _params()[1]
-    got, want = [], []
-    for e, into in ((_engine(tiny), got), (make_engine(tiny, ragged_steps=False, **EXACT), want)):
-        e.add_request(Request("q", TOK.encode(PROMPTS[0]), sp))
-        while e.has_work():
-            for ev in e.step().events:
-                into.append((ev.token_ids, ev.logprobs, ev.top_logprobs))
+    e = _engine(tiny)
+    for i, p in enumerate(PROMPTS[1:]):
+        e.add_request(Request(f"other{i}", TOK.encode(p), sp))
+    e.add_request(Request("q", TOK.encode(PROMPTS[0]), sp))
+    got = []
+    while e.has_work():
+        got += [(ev.token_ids, ev.logprobs, ev.top_logprobs) for ev in e.step().events if ev.request_id == "q"]
+    want = _run_alone(_engine(tiny, prefix_cache=False), PROMPTS[0], sp)
     assert [t for t, _, _ in got] == [t for t, _, _ in want]
     for (_, lp, top), (_, wlp, wtop) in zip(got, want):
         np.testing.assert_allclose(lp, wlp, rtol=1e-3, atol=1e-3)
         assert [[t for t, _ in pos] for pos in top] == [[t for t, _ in pos] for pos in wtop]
+    ids = TOK.encode(PROMPTS[0])
+    for toks, lp, top in got:
+        for t, x, pos in zip(toks, lp, top, strict=True):
+            ref = _log_softmax(dense_logits(tiny[0], tiny[1], ids)[-1])
+            assert x == pytest.approx(ref[t], abs=1e-3)
+            assert [i for i, _ in pos] == list(np.argsort(-ref)[: len(pos)])
+            ids.append(t)
 
 
 @pytest.mark.parametrize("technique,depth", [("ngram", 3), ("mtp", 2), ("early_exit", 4), ("draft", 5)])
-def test_speculation_in_ragged_steps_equals_plain_decoding(tiny, padded, technique, depth):
+def test_speculation_in_ragged_steps_equals_plain_decoding(tiny, alone, technique, depth):
     e = _engine(tiny, spec=True)
     e.set_policy(TunedPolicy(rules=(BatchRule(64, technique, depth),), crossover=64, pool_split=0.2,
                              version=1))
     out, stats = run_prompts(e, PROMPTS, _params()[0], TOK)
-    assert out == padded[0]
+    assert out == alone[0]
     steps = [s for s in stats if s.technique == technique]
     assert steps and sum(s.proposed for s in steps) > 0
     assert sum(s.accepted for s in steps) > 0  # drafts were verified and kept, not only decoded past

@@ -1,7 +1,8 @@
 """Per-tenant speculation on the real Gemma 3 270M: one batch of four tenants, each drafting with
 its own (technique, depth) or not at all, gives plain decoding's greedy tokens, compiles
-nothing after warmup and returns every page; rows that draft nothing run as a plain segment
-beside the drafting rows' verify (engine/segments.py) with the same tokens."""
+nothing after warmup and returns every page; rows that draft nothing decode one token each
+beside the drafting rows' verify in the same ragged call (engine/ragged_step.py) with the same
+tokens."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def engine():
     from engine.loader import load_engine
 
     e = load_engine(dtype="float32", max_batch=4, max_context=128, progress=False, speculation=True,
-                    spec_max_batch=4, segment_rows=4)
+                    spec_max_batch=4)
     e.warmup(progress=False)
     return e
 
@@ -68,15 +69,15 @@ def test_tenants_drafting_differently_in_one_batch_equal_plain_on_the_real_model
     assert engine.proposers["draft"].held_pages() == 0
 
 
-def test_rows_without_drafts_run_as_a_plain_segment_on_the_real_model(engine, requests):
+def test_rows_without_drafts_decode_beside_the_verify_rows_on_the_real_model(engine, requests):
     """copy and code draft, chat and prose do not: two plain rows beside two drafting ones."""
     plain, _ = _run(engine, requests, NEVER)
-    policy = TunedPolicy((BatchRule(64),), crossover=64, version=6,  # depths up to 4: segments hold 1 + 4
+    policy = TunedPolicy((BatchRule(64),), crossover=64, version=6,
                          tenants=(TenantRule("copy", "ngram", 4), TenantRule("code", "mtp", 3)))
     out, stats = _run(engine, requests, policy)
     assert out == plain
-    segmented = [s for s in stats if s.plain_rows]
-    assert segmented and all(s.plain_rows <= 2 for s in segmented), [s.plain_rows for s in stats]
-    assert sum(s.accepted for s in segmented) > 0
+    mixed = [s for s in stats if s.plain_rows]
+    assert mixed and all(s.plain_rows <= 2 for s in mixed), [s.plain_rows for s in stats]
+    assert sum(s.accepted for s in mixed) > 0
     assert engine.compiles_since_warmup() == 0
     assert engine.pool.used == 0 and engine.pool.free == engine.pool.total

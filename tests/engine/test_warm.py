@@ -1,4 +1,4 @@
-"""The fast start (engine/warm.py): plain decoding serves while speculation's shapes compile in
+"""The fast start (engine/warm.py): plain decoding serves while the proposers' shapes compile in
 the background; a technique runs only once its shapes are ready; serving never compiles."""
 
 from __future__ import annotations
@@ -8,17 +8,13 @@ import gc
 import logging
 import threading
 
-import time
-
-from engine import warm
 from engine.chooser import StepChooser
-from engine.compiles import compile_count, fit_shape, limit_malloc_arenas, release_lowerings, trim_heap
+from engine.compiles import compile_count, limit_malloc_arenas, release_lowerings, trim_heap
 from engine.drafting import add_model_proposers
 from engine.heads import DraftHeads
 from engine.policy import BatchRule, TunedPolicy
 from engine.types import SamplingParams
-from tests.engine.conftest import run_prompts
-from tests.engine.conftest import make_engine as _make_engine
+from tests.engine.conftest import make_engine, run_prompts
 
 SMALL = dict(batch_buckets=(1, 2), context_buckets=(32,), verify_tokens=(3,), spec_max_batch=2)
 """Few shapes: one context, batches 1 and 2, one verify size (depth 2)."""
@@ -28,28 +24,18 @@ PROMPTS = ["abcabcabcabcab", "xyzxyzxyz", "aaaa", "abab abab"]
 """Short repetitive prompts (n-gram drafts match): the context stays in the 32-token bucket."""
 
 
-def make_engine(tiny, tokenizer=None, **rc):
-    """The padded steps' engine (EngineConfig.ragged_steps off): what this module tests."""
-    return _make_engine(tiny, tokenizer, ragged_steps=False, **rc)
-
-
 def _background(engine):
     engine.ecfg = dataclasses.replace(engine.ecfg, background_warmup=True)
     return engine
 
 
-def _plain_done(engine, timeout_s: float = 600) -> None:
-    """Wait until the background warmup has compiled every plain shape (the runner stops padding)."""
-    end = time.monotonic() + timeout_s
-    while engine.runner.usable is not None and time.monotonic() < end:
-        time.sleep(0.05)
-    assert engine.runner.usable is None
-
-
 def _gated(engine) -> threading.Event:
-    """Hold the background warmup before its first verify shape until the event is set."""
-    gate, jobs = threading.Event(), engine.runner.spec_jobs
-    engine.runner.spec_jobs = lambda: [lambda: gate.wait(120)] + jobs()
+    """Hold the background warmup at a first job of the n-gram proposer's until the event is set
+    (a second job follows it: a warmup stopped meanwhile leaves n-gram unready)."""
+    gate, ngram = threading.Event(), engine.proposers["ngram"]
+    jobs = getattr(ngram, "compile_jobs", list)
+    held = [lambda: gate.wait(120), lambda: None]
+    object.__setattr__(ngram, "compile_jobs", lambda: held + jobs())  # a frozen dataclass
     return gate
 
 
@@ -58,8 +44,7 @@ def test_plain_decoding_serves_before_speculation_compiles_and_speculation_follo
     e = _background(make_engine(tiny, **SMALL))
     gate = _gated(e)
     try:
-        e.warmup(progress=False)  # returns with plain decoding compiled, verify shapes not yet
-        _plain_done(e)
+        e.warmup(progress=False)  # returns with the ragged calls compiled, n-gram's job held
         assert e.warmed_up and e.spec_warmup.running
         assert e.status()["techniques"] == {"ngram": "compiling"}
         e.set_policy(NGRAM)
@@ -74,36 +59,6 @@ def test_plain_decoding_serves_before_speculation_compiles_and_speculation_follo
     out, stats = run_prompts(e, PROMPTS, SP)
     assert out == plain and any(s.technique == "ngram" for s in stats)
     assert compile_count() == before and e.compiles_since_warmup() == 0
-
-
-def test_calls_pad_to_the_covering_shapes_until_the_background_has_compiled_the_others(tiny, monkeypatch):
-    """Ready after two shapes (largest decode, largest prefill chunk): meanwhile every plain call
-    pads up to one of them, with the same tokens and no compile; then calls use their own."""
-    rc = dict(batch_buckets=(1, 2, 4), context_buckets=(32, 128), verify_tokens=())
-    plain = run_prompts(make_engine(tiny, **rc), PROMPTS, SP)[0]
-    e = _background(make_engine(tiny, **rc))
-    gate, one = threading.Event(), warm._one_shape
-    monkeypatch.setattr(warm, "_one_shape", lambda *a, **k: (gate.wait(120), one(*a, **k)))
-    try:
-        e.warmup(progress=False)
-        # of batches (1, 2, 4), chunks (4, 8, 16), contexts (32, 128): the largest of each kind,
-        # and batch 1's decode at the largest context
-        assert e.runner.usable == {(4, 1, 128), (1, 16, 128), (1, 1, 128)}
-        assert e.status()["plain_shapes"] == "padding"
-        assert e.runner.new_call(1, 1, 5).global_table.shape == (1, 32)  # 32 pages of 4: context 128
-        assert e.runner.new_call(2, 1, 5).tokens.shape == (4, 1)  # batch 2 runs at batch 4
-        assert e.runner.new_call(1, 3, 5).tokens.shape == (1, 16)  # a 3-token chunk at 16
-        assert e.runner.new_call(1, 3, 5, logits_per_row=2).tokens.shape == (1, 4)  # not plain
-        before = compile_count()
-        out, _ = run_prompts(e, PROMPTS, SP)
-        assert out == plain and compile_count() == before
-    finally:
-        gate.set()
-    _plain_done(e)
-    assert e.runner.new_call(2, 1, 5).tokens.shape == (2, 1) and e.status()["plain_shapes"] == "ready"
-    assert e.spec_warmup.join(600)
-    out, _ = run_prompts(e, PROMPTS, SP)
-    assert out == plain and e.compiles_since_warmup() == 0
 
 
 def test_the_serving_process_caps_its_malloc_arenas_and_trims_its_heap():
@@ -152,16 +107,6 @@ def test_warmup_freezes_what_it_built_out_of_the_collectors_full_walks(tiny):
     gc.unfreeze()
     gate.set()
     assert b.spec_warmup.join(600) and gc.get_freeze_count() > 0  # frozen again when done
-
-
-def test_covering_and_fitting_shapes():
-    shapes = [(1, 1, 64), (4, 1, 64), (4, 1, 512), (1, 32, 64), (1, 128, 512)]
-    assert warm.covering_shapes(shapes) == [(4, 1, 512), (1, 128, 512)]
-    assert warm.covering_shapes([(1, 1, 512), (4, 1, 64)]) == []  # no decode shape covers both
-    usable = frozenset({(4, 1, 512), (8, 1, 64), (1, 128, 512)})
-    assert fit_shape((1, 1, 64), usable) == (8, 1, 64)  # 512 slots beat 2048
-    assert fit_shape((1, 32, 64), usable) == (1, 128, 512)  # a chunk never runs as a decode
-    assert fit_shape((1, 1, 4096), usable) == (1, 1, 4096)  # none fits: as asked
 
 
 def test_model_proposers_compile_in_the_background_and_serve_without_compiling(tiny):
