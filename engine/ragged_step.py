@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine import ragged_calls
+from engine.chooser import PLAIN
 from engine.faults import propose_alone
 from engine.penalties import fill_adjust, wants_adjust
 from engine.ragged_calls import RaggedRow, table_width, token_buckets
@@ -30,8 +31,6 @@ from engine.sampling import Adjust, SamplingArrays
 from engine.sequence import Sequence, Status
 from engine.types import RowClass
 from engine.warm import max_tokens
-
-PLAIN = ("none", 0)
 
 
 @dataclass
@@ -69,11 +68,11 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
     decode, propose_ms = _drafted(core, plan.decode, fail, bool(plan.prefill))
     items = [(s, choice, d, None) for s, choice, d in decode]
     chunks = [(s, n) for s, n in plan.prefill if s.status is Status.RUNNING]
-    fitted = fit_step(sum(1 + len(d) for _, _, d in decode), [n for _, n in chunks],
-                      tuple(token_buckets(max_tokens(core))))
-    items += [(s, None, (), n) for (s, _), n in zip(chunks, fitted, strict=True)]
-    cut = {id(s): n for (s, _), n in zip(chunks, fitted, strict=True)}
-    plan.prefill = [(s, cut.get(id(s), n)) for s, n in plan.prefill]  # the step's stats count what ran
+    lengths = fit_step(sum(1 + len(d) for _, _, d in decode), [n for _, n in chunks],
+                       tuple(token_buckets(max_tokens(core))))
+    fitted = {id(s): n for (s, _), n in zip(chunks, lengths, strict=True)}
+    items += [(s, None, (), fitted[id(s)]) for s, _ in chunks]
+    plan.prefill = [(s, fitted.get(id(s), n)) for s, n in plan.prefill]  # the step's stats count what ran
     rows = []
     for item in items:
         try:
@@ -143,7 +142,6 @@ def _drafted(core, seqs: list[Sequence], fail, prefill: bool = False) -> tuple[l
     return rows, (time.perf_counter() - t0) * 1e3
 
 
-
 def _row_choices(core, seqs: list[Sequence], prefill: bool = False) -> list[tuple[str, int]]:
     """Each row's (technique, depth): the chooser's (`prefill`: the step also prefills, see
     StepChooser.choose), cut to what its proposer drafts and to what the context holds
@@ -200,6 +198,7 @@ def _most_rows(rows) -> str:
         if drafts:
             counts[technique] = counts.get(technique, 0) + 1
     return max(sorted(counts), key=counts.__getitem__)
+
 
 def _row(core, item) -> RaggedRow:
     """The call row of a decode row (seq, choice, drafts, None) or a chunk (seq, None, (), n)."""
