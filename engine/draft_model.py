@@ -23,7 +23,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax.numpy as jnp
 import numpy as np
@@ -31,18 +31,10 @@ import numpy as np
 from engine.config import ModelConfig
 from engine.heads import DraftHeads, Head
 from engine.kv import KVPool, SeqPages
-from engine.layer_draft import (
-    DRAFT_VOCABS,
-    _identity_head,
-    _LayerDrafter,
-    _layers_draft,
-    _spec_buckets,
-    _tree_bytes,
-    _VocabSlices,
-)
+from engine.layer_draft import CATCH_UP_TOKENS, DRAFT_VOCABS, _identity_head, _LayerDrafter, _tree_bytes, _VocabSlices
 from engine.model import Params
 from engine.policy import MAX_POOL_SPLIT, TunedPolicy
-from engine.runner import ModelRunner, RunnerConfig, _write, prefill_shapes, write_batch
+from engine.runner import ModelRunner, RunnerConfig
 from engine.sequence import Sequence
 
 
@@ -103,16 +95,13 @@ class DraftModelProposer(_LayerDrafter):
             core.pool.on_lend = self._on_lend
         else:
             g_max, l_max = self._max_pages(core, trc)
-            rc = RunnerConfig(page_size=trc.page_size, batch_buckets=_spec_buckets(trc),
-                              prefill_buckets=trc.prefill_buckets, context_buckets=trc.spec_contexts,
-                              global_pages=g_max, local_pages=l_max, ring_pages=trc.ring_pages,
-                              spec_max_batch=trc.spec_max_batch, dtype=trc.dtype, kv_dtype=trc.kv_dtype)
+            rc = replace(trc, global_pages=g_max, local_pages=l_max, fast_output=False, tensor_parallel=1)
             self.runner = ModelRunner(self._cfg, self._params, rc)
             self.pool = KVPool(g_max, l_max, trc.page_size, trc.ring_pages)
             params = self.runner.params
         slices = _VocabSlices(core.runner.params["embed"], self._vocab, (self._n_vocab,))
         self._setup(self._cfg, params, self._head, slices, self._n_vocab)
-        self._buckets = _spec_buckets(trc)
+        self.most_tokens = max(CATCH_UP_TOKENS, min(trc.spec_max_batch, trc.max_batch))
         self.configure(core.policy)
 
     def _max_pages(self, core, trc: RunnerConfig) -> tuple[int, int]:
@@ -139,40 +128,29 @@ class DraftModelProposer(_LayerDrafter):
 
     def propose(self, seqs: list[Sequence], depth: int) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in seqs]
-        ready, pages = [], []
+        ready, pages, fed = [], [], []
         for i, s in enumerate(seqs):
-            pg = self._catch_up(s, depth)
-            if pg is not None:
+            held = self._hold(s, depth)
+            if held is not None:
                 ready.append(i)
-                pages.append(pg)
+                pages.append(held.pages)
+                fed.append(held.cached)
         if ready:
-            toks = self._chain(self.runner, self.pool, [seqs[i] for i in ready], pages, depth)
+            toks = self._chain(self.pool, [seqs[i] for i in ready], pages, depth, fed)
             for i, t in zip(ready, toks):
                 out[i] = t.tolist()
                 self._state[seqs[i].request_id].cached = seqs[i].num_cached + depth
         return out
 
-    def _catch_up(self, s: Sequence, depth: int) -> SeqPages | None:
-        """Bring the draft's cache to s.num_cached; None when it cannot hold s."""
+    def _hold(self, s: Sequence, depth: int) -> _Held | None:
+        """The draft's cache of s with pages up to its drafts; None when it cannot hold s. Its
+        `cached` tokens are valid: the chain feeds the rest (its catch-up) before drafting."""
         held = self._state.setdefault(s.request_id, _Held(s))
         held.seq, held.cached = s, min(held.cached, s.num_cached)
         if not self._grow(held.pages, s.num_cached + depth):
             self._give_back(s.request_id)
             return None
-        rc = self.runner.rc
-        while held.cached < s.num_cached:
-            n = min(s.num_cached - held.cached, rc.max_chunk)
-            c = self.runner.new_call(1, n, held.cached + n, spec=True)
-            c.tokens[0, :n] = s.tokens[held.cached : held.cached + n]
-            c.start[0], c.n_new[0] = held.cached, n
-            self.pool.fill_tables(held.pages, c.global_table[0], c.local_table[0])
-            batch = c.batch()
-            _, new_kv = _layers_draft(self.dcfg, rc.ring_pages, self.dparams, self.head, self.emb,
-                                      self.ids, self.runner.kv, batch)
-            self.runner.kv = _write(rc.ring_pages, self.runner.kv, write_batch(batch, rc.page_size, rc.ring_pages),
-                                    new_kv)
-            held.cached += n
-        return held.pages
+        return held
 
     def _grow(self, pages: SeqPages, length: int) -> bool:
         """Pages for positions [0, length): lent from the engine's reservation, or from its own pool."""
@@ -227,13 +205,6 @@ class DraftModelProposer(_LayerDrafter):
         own = 0 if self.shares_weights else _tree_bytes(self._params)
         arrays = 0 if self.lends or not hasattr(self, "runner") else self.runner.kv.nbytes()
         return own + arrays + _tree_bytes(self._head) + self.slices.nbytes()
-
-    def _job_shapes(self):
-        """The draft chain's shapes and the catch-up prefill's, over the pools it writes."""
-        rc = self.runner.rc
-        prefills = [(1, t, c) for t, c in prefill_shapes(rc.prefill_buckets, rc.spec_contexts)]
-        return self.runner, self._chain_shapes(self.runner) + prefills
-
 
 def _page_bytes(cfg: ModelConfig, rc: RunnerConfig, kind: str) -> int:
     """K+V bytes of one page of one pool kind ("global" or "local")."""

@@ -41,7 +41,7 @@ import numpy as np
 from engine.compiles import abstract
 from engine.draft_model import DraftModelProposer
 from engine.heads import DraftHeads, Head, apply_chain_head, apply_head, token_features
-from engine.layer_draft import DRAFT_VOCABS, _LayerDrafter, _spec_buckets, _VocabSlices
+from engine.layer_draft import DRAFT_VOCABS, _LayerDrafter, _VocabSlices, spec_batches
 from engine.policy import TunedPolicy
 from engine.proposers import Proposer
 from engine.runner import bucket
@@ -106,7 +106,7 @@ class MtpProposer(Proposer):
         return tuple(sorted(self.slices.by_size))
 
     def bind(self, core) -> None:
-        self._buckets = _spec_buckets(core.runner.rc)
+        self._buckets = spec_batches(core.runner.rc)
         self._d = core.cfg.d_model
         self._dtype = core.runner.params["embed"].dtype
 
@@ -207,20 +207,15 @@ class EarlyExitProposer(_LayerDrafter):
         params = {"embed": p["embed"], "final_norm": p["final_norm"], "layers": p["layers"][: self.layers]}
         slices = _VocabSlices(p["embed"], self._heads.vocab, (self._n_vocab,))
         self._setup(core.cfg, params, self._heads.exits[self.layers], slices, self._n_vocab)
-        self._core = core
-        self._buckets = _spec_buckets(core.runner.rc)
+        self._core, self.runner = core, core.runner
+        self.most_tokens = spec_batches(core.runner.rc)[-1]  # one token per row
 
     def propose(self, seqs: list[Sequence], depth: int) -> list[list[int]]:
-        core = self._core
-        toks = self._chain(core.runner, core.pool, seqs, [s.pages for s in seqs], depth)
+        toks = self._chain(self._core.pool, seqs, [s.pages for s in seqs], depth)
         return [t.tolist() for t in toks]
 
     def resident_bytes(self) -> int:
         return self.head_bytes + self.slices.nbytes()
-
-    def _job_shapes(self):
-        """The draft chain's shapes over the target's pools."""
-        return self._core.runner, self._chain_shapes(self._core.runner)
 
 
 def add_model_proposers(core, heads: DraftHeads, techniques=("mtp", "early_exit", "draft"),

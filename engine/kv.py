@@ -394,12 +394,15 @@ class KVPool:
             self.prefix.clear()
 
     def fill_tables(self, pages: SeqPages, g_row: np.ndarray, l_row: np.ndarray,
-                    w_row: np.ndarray | None = None) -> None:
+                    w_row: np.ndarray | None = None, cached: int | None = None) -> None:
         """Write one sequence's page ids into numpy page-table rows (rest scratch).
 
         `w_row`: the ring pages new tokens are written to, where `l_row` gets the
         pages read (they differ right after a wrap gave an entry a new page; see
         `prepare`); without it `l_row` gets the pages written to.
+        `cached`: the tokens in the cache when the call reads, where that is past what
+        `prepare` last saw (a drafter's later calls read what its earlier ones wrote):
+        an entry whose new block already holds a cached token reads its new page.
         A row may be narrower than the pages held: pages past the call's
         context bucket are not touched by that call.
         """
@@ -410,7 +413,10 @@ class KVPool:
             l_row[:k] = pages.ring[:k]
             return
         w_row[:k] = pages.ring[:k]
-        l_row[:k] = [pages.reading.get(j, p) for j, p in enumerate(pages.ring[:k])]
+        old = pages.reading
+        if cached is not None:
+            old = {j: p for j, p in old.items() if cached <= pages.ring_block[j] * self.page_size}
+        l_row[:k] = [old.get(j, p) for j, p in enumerate(pages.ring[:k])]
 
     def prefix_status(self) -> dict:
         """Prefix-cache counters for status(): hits, lookups, hit rate, cached pages."""

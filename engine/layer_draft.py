@@ -2,36 +2,46 @@
 
 - `DRAFT_VOCABS` and `_VocabSlices`: the tied embedding restricted to a draft
   vocabulary (its first n ids), per n.
-- `_layers_draft`: one call of a layer stack over new tokens and a greedy
-  draft from each row's last one; `_LayerDrafter._chain` runs it D times.
+- `_layers_draft`: one ragged call (engine/ragged.py) of a layer stack over new tokens, and a
+  greedy draft from each row's last one; `_LayerDrafter._chain` runs it D times.
 - `_layer_jobs`: thunks compiling those calls ahead of time from array
   metadata (engine/compiles.abstract), touching no device state.
 
 Draft chain of one step for a layer-based proposer, depth D, newest token b at
 position p (p = num_cached): feed b at p -> d1; feed d1 at p+1 -> d2; ... up to
-dD. Positions >= p are invisible to later reads (slot validity follows
-`start`), so rejected drafts never leak into the target's attention.
+dD. A drafter with a cache of its own feeds, in the first call, the tokens its
+cache lacks before b (its catch-up: the tokens accepted since it last drafted),
+so that call's rows have several tokens, the others one each. Positions >= p are
+invisible to later reads of the target (a row reads its first num_cached), so
+rejected drafts never leak into the target's attention.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine import ragged
 from engine.compiles import abstract, any_committed, outputs
 from engine.config import ModelConfig
 from engine.heads import Head, head_logits
-from engine.kv import Batch, KVPool, SeqPages, cache_reader
-from engine.model import Params, forward
+from engine.kv import KVPool, SeqPages
+from engine.model import ATTEND_BLOCK, Params
 from engine.proposers import Proposer
-from engine.runner import ModelRunner, RunnerConfig, _write, bucket, write_batch
+from engine.ragged import RaggedBatch
+from engine.ragged_calls import TOKEN_BUCKETS, _write, table_width, token_buckets
+from engine.runner import ModelRunner, bucket
 from engine.sequence import Sequence
 
 DRAFT_VOCABS = (8192, 32768)
 """Restricted draft vocabularies compiled for the MTP heads (0 = the full vocabulary)."""
+CATCH_UP_TOKENS = 128
+"""Most tokens of a drafting call: a drafter with a cache of its own catches up on a long
+prompt in calls of this many (a call's cost is about linear in its tokens from 32 on)."""
 
 
 class _VocabSlices:
@@ -55,105 +65,154 @@ class _VocabSlices:
         return sum(int(e.nbytes + i.nbytes) for n, (e, i) in self.by_size.items() if n)
 
 
-@partial(jax.jit, static_argnames=("cfg", "ring_pages"))
-def _layers_draft(cfg: ModelConfig, ring_pages: int, params: Params, head: Head, embed_sub, ids, kv, batch: Batch):
-    """Run a layer stack over new tokens; greedy draft from each row's last new token.
+@partial(jax.jit, static_argnames=("cfg", "block"))
+def _layers_draft(cfg: ModelConfig, params: Params, head: Head, embed_sub, ids, kv, rb: RaggedBatch, last,
+                  block: int = ATTEND_BLOCK):
+    """A layer stack over the call's tokens, reading the pools (engine/ragged.py), and a greedy
+    draft at each row's last token, flat index `last` [R].
 
-    Read-only on kv (the write is `runner._write`, a separate donated call).
-    Returns (tokens [B, 1] int32, new_kv).
+    Read-only on kv (the write is engine.ragged_calls._write, a separate donated call).
+    Returns (tokens [R] int32, new K/V).
     """
-    h, new_kv, _ = forward(cfg, params, batch.tokens, batch.positions(), cache_reader(kv, batch, ring_pages))
-    last = jnp.maximum(batch.n_new - 1, 0)
-    hl = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]  # [B, d]
-    tok = ids[jnp.argmax(head_logits(head, hl, embed_sub), axis=-1)]
-    return tok.astype(jnp.int32)[:, None], new_kv
+    h, new_kv, _ = ragged.forward(cfg, params, kv, rb, block=block)
+    tok = ids[jnp.argmax(head_logits(head, h[last], embed_sub), axis=-1)]
+    return tok.astype(jnp.int32), new_kv
 
 
-def _spec_buckets(rc: RunnerConfig) -> tuple[int, ...]:
-    return tuple(b for b in rc.batch_buckets if b <= rc.spec_max_batch)
+def spec_batches(rc) -> tuple[int, ...]:
+    """Batch sizes speculation's own small calls pad to (MTP heads): powers of two up to the one
+    holding the most rows that speculate."""
+    return tuple(token_buckets(min(rc.spec_max_batch, rc.max_batch)))
 
 
-def _layer_jobs(drafter: _LayerDrafter, runner: ModelRunner, shapes: list[tuple[int, int, int]]) -> list:
-    """Thunks compiling `drafter`'s layer stack and its KV write at (batch, new tokens, context)
-    over `runner`'s pools; see the module docstring."""
-    ring = runner.rc.ring_pages
+def draft_rows(rc, n_tokens: int) -> int:
+    """Row slots of a drafting call of n_tokens token slots: each token its own row, up to the
+    most rows that speculate."""
+    return min(n_tokens, rc.spec_max_batch, rc.max_batch)
+
+
+def _draft_call(rc, rows: list[tuple]) -> tuple[RaggedBatch, np.ndarray]:
+    """A drafting call's RaggedBatch over `rows` ((tokens, start, global pages, ring, ring
+    written) each), padded to a token bucket, and each row's last flat index [R]."""
+    lens = [len(r[0]) for r in rows]
+    N = bucket(sum(lens), TOKEN_BUCKETS)
+    R = draft_rows(rc, N)
+    rb = RaggedBatch.build(rows, N, R, table_width(rc), rc.ring_pages)
+    last = np.zeros(R, np.int32)
+    last[: len(rows)] = np.cumsum(lens) - 1
+    return jax.tree.map(np.asarray, rb), last
+
+
+def _layer_jobs(drafter: _LayerDrafter) -> list:
+    """Thunks compiling `drafter`'s layer stack and its KV write at each of its token buckets over
+    its runner's pools; see the module docstring."""
+    runner = drafter.runner
+    rc = runner.rc
     fixed = abstract((drafter.dparams, drafter.head, drafter.emb, drafter.ids))
     kv = abstract(runner.kv)
     committed = runner.mesh is not None or any_committed(drafter.dparams, drafter.head, drafter.emb, drafter.ids,
                                                          runner.kv)
 
-    def job(b: int, t: int, c: int) -> None:
-        call = runner.new_call(b, t, c, spec=True)
-        batch = call.batch()
-        compiled = _layers_draft.lower(drafter.dcfg, ring, *fixed, kv, batch).compile()
-        new_kv = outputs(compiled, committed)[1]
-        _write.lower(ring, kv, write_batch(batch, runner.rc.page_size, ring), new_kv).compile()
+    def job(n: int) -> None:
+        rb = jax.tree.map(np.asarray, RaggedBatch.build([], n, draft_rows(rc, n), table_width(rc), rc.ring_pages))
+        compiled = _layers_draft.lower(drafter.dcfg, *fixed, kv, rb, np.zeros(draft_rows(rc, n), np.int32)).compile()
+        _write.lower(kv, rb, outputs(compiled, committed)[1]).compile()
 
-    return [partial(job, *s) for s in shapes]
+    return [partial(job, n) for n in drafter.token_slots()]
 
 
-def _layer_first_runs(drafter: _LayerDrafter, runner: ModelRunner, shapes: list[tuple[int, int, int]]) -> list:
-    """Thunks running `drafter`'s layer stack and its KV write once at each shape `_layer_jobs`
-    compiles, on the scratch page (all-zero page tables: engine/first_runs.py)."""
-    ring, page = runner.rc.ring_pages, runner.rc.page_size
+def _layer_first_runs(drafter: _LayerDrafter) -> list:
+    """Thunks running `drafter`'s layer stack and its KV write once at each token bucket
+    `_layer_jobs` compiles, as one row on the scratch page (all-zero page tables:
+    engine/first_runs.py)."""
+    runner = drafter.runner
+    rc = runner.rc
 
-    def run(b: int, t: int, c: int) -> None:
-        call = runner.new_call(b, t, c, spec=True)
-        call.n_new[:] = t
-        batch = call.batch()
-        tokens, new_kv = _layers_draft(drafter.dcfg, ring, drafter.dparams, drafter.head, drafter.emb,
-                                       drafter.ids, runner.kv, batch)
-        runner.kv = _write(ring, runner.kv, write_batch(batch, page, ring), new_kv)
+    def run(n: int) -> None:
+        rb, last = _draft_call(rc, [((0,) * n, 1, (0,), (0,))])
+        tokens, new_kv = _layers_draft(drafter.dcfg, drafter.dparams, drafter.head, drafter.emb, drafter.ids,
+                                       runner.kv, rb, last)
+        runner.kv = _write(runner.kv, rb, new_kv)
         np.asarray(tokens)
 
-    return [partial(run, *s) for s in shapes]
+    return [partial(run, n) for n in drafter.token_slots()]
 
 
 class _LayerDrafter(Proposer):
-    """Shared by early exit and the draft model: an autoregressive layer-stack chain."""
+    """Shared by early exit and the draft model: an autoregressive layer-stack chain over the
+    pools of `runner` (set by `bind`)."""
 
     wants_hidden = False
+    runner: ModelRunner
+    most_tokens = 16
+    """Most tokens of one of its calls (the largest token bucket it compiles)."""
 
     def _setup(self, cfg: ModelConfig, params: Params, head: Head, slices: _VocabSlices, n_vocab: int) -> None:
         self.dcfg, self.dparams, self.head = cfg, params, head
         self.emb, self.ids = slices.get(n_vocab)
         self.slices = slices
 
-    def _chain(self, runner: ModelRunner, pool: KVPool, seqs: list[Sequence], pages: list[SeqPages],
-               depth: int) -> np.ndarray:
-        """Draft `depth` tokens for every row: [n, depth] int32 (writes draft K/V at positions >= num_cached)."""
-        n = len(seqs)
-        ctx = max(s.num_cached + depth for s in seqs)
-        c = runner.new_call(bucket(n, self._buckets), 1, ctx, spec=True)
-        for i, (s, pg) in enumerate(zip(seqs, pages)):
-            pool.fill_tables(pg, c.global_table[i], c.local_table[i])
-            c.tokens[i, 0] = s.tokens[s.num_cached]
-            c.start[i], c.n_new[i] = s.num_cached, 1
-        # Host arrays in, device tokens fed straight back: no eager jnp op (each would compile).
-        tokens, out = c.tokens, []
-        for j in range(depth):
-            batch = Batch(tokens, c.start + j, c.n_new, c.global_table, c.local_table)
-            tokens, new_kv = _layers_draft(self.dcfg, runner.rc.ring_pages, self.dparams, self.head, self.emb,
-                                           self.ids, runner.kv, batch)
-            runner.kv = _write(runner.rc.ring_pages, runner.kv,
-                               write_batch(batch, runner.rc.page_size, runner.rc.ring_pages), new_kv)
+    def token_slots(self) -> list[int]:
+        """The token buckets its calls run at."""
+        return token_buckets(self.most_tokens)
+
+    def _call(self, rows: list[tuple]) -> tuple[jax.Array, int]:
+        """One drafting call over `rows`, its K/V written: (the drafts [R] on the device, R)."""
+        rb, last = _draft_call(self.runner.rc, rows)
+        return self._run(rb, last), len(last)
+
+    def _run(self, rb: RaggedBatch, last: np.ndarray) -> jax.Array:
+        runner = self.runner
+        tokens, new_kv = _layers_draft(self.dcfg, self.dparams, self.head, self.emb, self.ids, runner.kv, rb, last)
+        runner.kv = _write(runner.kv, rb, new_kv)
+        return tokens
+
+    def _chain(self, pool: KVPool, seqs: list[Sequence], pages: list[SeqPages], depth: int,
+               fed: list[int] | None = None) -> np.ndarray:
+        """Draft `depth` tokens for every row: [n, depth] int32. Row i's first call feeds its
+        tokens from position fed[i] (default num_cached: its newest token alone) through its
+        newest; the K/V of every token fed is written (drafts at positions >= num_cached)."""
+        rc, n = self.runner.rc, len(seqs)
+
+        def tables(i: int, cached: int) -> tuple[np.ndarray, ...]:
+            g = np.zeros(table_width(rc), np.int32)
+            ring, write = np.zeros(rc.ring_pages, np.int32), np.zeros(rc.ring_pages, np.int32)
+            pool.fill_tables(pages[i], g, ring, write, cached)
+            return g, ring, write
+
+        start = [s.num_cached for s in seqs] if fed is None else list(fed)
+        pending = [s.num_cached + 1 - a for s, a in zip(seqs, start)]
+        while sum(pending) > self.most_tokens:  # catch-up too long for one call: the longest goes first
+            i = max(range(n), key=pending.__getitem__)
+            k = min(pending[i] - 1, self.most_tokens)
+            self._call([(seqs[i].tokens[start[i]: start[i] + k], start[i], *tables(i, start[i]))])
+            start[i] += k
+            pending[i] -= k
+        tokens, slots = self._call([(s.tokens[a: s.num_cached + 1], a, *tables(i, a))
+                                    for i, (s, a) in enumerate(zip(seqs, start))])
+        out = [tokens]
+        for j in range(1, depth):
+            rb, last = _draft_call(rc, [((0,), s.num_cached + j, *tables(i, s.num_cached + j))
+                                        for i, s in enumerate(seqs)])
+            # Each row's one token sits at its row's flat index: the previous drafts feed
+            # straight in, on the device, when the slots match (else a host copy: no eager jnp
+            # op, each would compile).
+            N = len(rb.tokens)
+            if slots == N:
+                fed_in = tokens
+            else:
+                fed_in = np.zeros(N, np.int32)
+                fed_in[:n] = np.asarray(tokens)[:n]
+            tokens, slots = self._run(replace(rb, tokens=fed_in), last), len(last)
             out.append(tokens)
-        return np.concatenate([np.asarray(t) for t in out], axis=1)[:n]
-
-    def _chain_shapes(self, runner: ModelRunner) -> list[tuple[int, int, int]]:
-        return [(b, 1, c) for b in self._buckets for c in runner.rc.spec_contexts]
-
-    def _job_shapes(self) -> tuple[ModelRunner, list[tuple[int, int, int]]]:
-        """The runner whose pools the layer stack reads and writes, and every (batch, new tokens,
-        context) it runs at."""
-        raise NotImplementedError
+        return np.stack([np.asarray(t)[:n] for t in out], axis=1)
 
     def compile_jobs(self) -> list:
-        return _layer_jobs(self, *self._job_shapes())
+        return _layer_jobs(self)
 
     def first_run_jobs(self) -> list:
         """Each compiled shape run once (engine/first_runs.py)."""
-        return _layer_first_runs(self, *self._job_shapes())
+        return _layer_first_runs(self)
 
     def warmup(self, progress: bool = True) -> None:
         for job in self.compile_jobs():
