@@ -297,3 +297,33 @@ def forget_prefixes(engine: Any) -> None:
             return
         engine.step()
     raise RuntimeError("the engine still has work after the phase ended; its prefix cache stays")
+
+
+async def empty_prefix_cache(engine: Any, url: str | None = None, admin_token: str | None = None) -> bool:
+    """Empty the prefix cache before a phase whose prompts must not find an earlier phase's
+    cached: the engine's here (`forget_prefixes`), or with `url` the daemon's there, through
+    its admin API (`reset_remote_prefix_cache`, which needs `admin_token`). Whether it was
+    emptied: without a token a daemon at `url` keeps its cache."""
+    if url is None:
+        forget_prefixes(engine)
+        return True
+    if not admin_token:
+        return False
+    await reset_remote_prefix_cache(url, admin_token)
+    return True
+
+
+async def reset_remote_prefix_cache(url: str, admin_token: str) -> dict[str, Any]:
+    """POST /admin/reset_prefix_cache to the daemon at `url` (daemon/admin.py): its answer,
+    {"dropped_blocks": n, ...}; UserError when it refuses or cannot be reached."""
+    from daemon.user_error import UserError
+
+    target = url.rstrip("/") + "/admin/reset_prefix_cache"
+    try:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {admin_token}"}) as session:
+            async with session.post(target) as response:
+                if response.status != 200:
+                    raise UserError(f"POST {target}: HTTP {response.status}: {(await response.text())[:200]}")
+                return await response.json()
+    except (aiohttp.ClientError, OSError) as exc:
+        raise UserError(f"cannot reach the daemon at {url}: {exc}") from None

@@ -19,7 +19,9 @@
    concurrency or arrival times, straight into `engine.step()` on this
    thread. Skipped with --url (the engine is elsewhere). Each phase starts
    with the engine's prefix cache emptied, so no phase finds the prompts of
-   the one before it cached.
+   the one before it cached; a daemon at --url has its cache emptied through
+   its admin API (POST /admin/reset_prefix_cache) with --admin-token, else
+   keeps it.
 5. Steps 3 and 4 alternate --rounds times (default 1).
 6. Summary per phase: output tokens/s and requests/s over the wall time from
    the first send to the last finish; mean/p50/p90/p99 of TTFT, TPOT and
@@ -35,8 +37,10 @@
    tokens/s over it.
 8. TTFT against an idle daemon (unless --no-idle-ttft): each job of the
    fastest HTTP round once more, alone and for one token, on a fresh in-process
-   daemon with the prefix cache emptied (or the one at --url); `ttft_vs_idle`
-   has the loaded p99 over the idle p99 and, per request, loaded / idle.
+   daemon with the prefix cache emptied (or the one at --url, its cache emptied
+   only with --admin-token: else a warning, and `idle_prefix_cache` "not
+   reset"); `ttft_vs_idle` has the loaded p99 over the idle p99 and, per
+   request, loaded / idle.
 JSON goes to --out, progress to stderr.
 """
 
@@ -54,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from bench.efficiency import EngineRates, efficiency, measure_rates, rates_from_file
-from bench.loadgen import Job, Sample, forget_prefixes, make_jobs, run_engine, run_http
+from bench.loadgen import Job, Sample, empty_prefix_cache, forget_prefixes, make_jobs, run_engine, run_http
 from daemon.user_error import UserError
 
 PERCENTILES = (50, 90, 99)
@@ -97,6 +101,10 @@ class ServeBenchConfig:
     """Bench a running daemon instead of one started here."""
     api_key: str | None = None
     """Bearer key for `url` (never written to the JSON)."""
+    admin_token: str | None = None
+    """`url`'s admin token: its prefix cache is emptied where the engine here has its own emptied
+    (before each HTTP round and the idle phase); without it the daemon keeps its cache. Never
+    written to the JSON."""
     db: str | None = None
     """Telemetry database of the in-process daemon; None: a temporary SQLite file."""
     no_db: bool = False
@@ -126,7 +134,8 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
     engine = None if cfg.url else _load_engine(cfg)
     prompts = _prompts(cfg, engine)
     jobs = make_jobs(prompts, cfg.max_tokens, cfg.rate, cfg.seed)
-    shown = {**asdict(cfg), "api_key": "***" if cfg.api_key else None}
+    shown = {**asdict(cfg), "api_key": "***" if cfg.api_key else None,
+             "admin_token": "***" if cfg.admin_token else None}
     result: dict[str, Any] = {"bench": "serve", "config": shown, **_describe(engine),
                               "workload": None}  # filled in once the jobs are sent
     if engine is not None:
@@ -135,7 +144,7 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
     _log(f"{len(jobs)} requests of {cfg.max_tokens} tokens, {mode}, {cfg.rounds} round(s)")
     rounds, served = [], []
     for r in range(cfg.rounds):
-        forget_prefixes(engine)
+        asyncio.run(empty_prefix_cache(engine, cfg.url, cfg.admin_token))
         http, samples = asyncio.run(_http_phase(cfg, engine, jobs, remote_keys, deadline=r == 0))
         jobs = jobs[:len(samples)]  # later rounds, and the engine, send what the first round sent
         sent = len(jobs)
@@ -158,7 +167,6 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
     best = max(range(len(rounds)), key=lambda i: rounds[i]["http"]["output_tokens_per_s"] or 0.0)
     result["efficiency"] = _efficiency(cfg, engine, file_rates, result, served[best], jobs)
     if cfg.idle_ttft:
-        forget_prefixes(engine)
         result["ttft_vs_idle"] = _ttft_vs_idle(served[best], *asyncio.run(_idle_phase(cfg, engine, jobs,
                                                                                      remote_keys)))
         idle = result["ttft_vs_idle"]
@@ -250,13 +258,17 @@ async def _measure_http(cfg: ServeBenchConfig, url: str, model: str, jobs: list[
 async def _idle_phase(cfg: ServeBenchConfig, engine: Any, jobs: list[Job], remote_keys: dict[str, str]
                       ) -> tuple[list[Sample], bool]:
     """Each job's TTFT with the daemon otherwise idle: the jobs one at a time, each for one
-    token (TTFT is its prefill and first token), the engine started here with its prefix cache
-    emptied first (a daemon at --url keeps its cache: the load phase's prompts may hit it).
-    (samples, whether the cache was emptied)."""
+    token (TTFT is its prefill and first token), the prefix cache emptied first (the engine's
+    here; a daemon's at --url only with --admin-token, else it keeps its cache and the load
+    phase's prompts may hit it: a warning says so). (samples, whether the cache was emptied)."""
+    emptied = await empty_prefix_cache(engine, cfg.url, cfg.admin_token)
+    if not emptied:
+        _log(f"warning: without --admin-token the daemon at {cfg.url} keeps its prefix cache: idle "
+             "requests may hit the load phase's prompts, so the idle TTFT may come out low")
     alone = [Job(job.index, job.prompt, 1) for job in jobs]
     _, samples = await _http_phase(replace(cfg, concurrency=1, rate=None, seconds=None), engine, alone,
                                    remote_keys, deadline=False)
-    return samples, engine is not None
+    return samples, emptied
 
 
 def _ttft_vs_idle(loaded: list[Sample], idle: list[Sample], cache_emptied: bool) -> dict[str, Any]:
@@ -271,6 +283,7 @@ def _ttft_vs_idle(loaded: list[Sample], idle: list[Sample], cache_emptied: bool)
     per_request = {k: (None if v is None else round(v / 1000.0, 3)) for k, v in distribution(ratios).items()}
     per_request["n"] = len(ratios)
     return {"requests": len(pairs), "prefix_cache_emptied": cache_emptied,
+            "idle_prefix_cache": "reset" if cache_emptied else "not reset",
             "loaded_ttft_ms": loaded_ms, "idle_ttft_ms": idle_ms,
             "loaded_p99_over_idle_p99": round(loaded_ms["p99"] / idle_ms["p99"], 3),
             "per_request": per_request}

@@ -18,6 +18,9 @@ errors like the rest of the API.
     PUT    /admin/policy/pin       serve this TunedPolicy dict over the tuner (400 invalid_policy
                                     naming the field in `param`: every type and range is checked)
     DELETE /admin/policy/pin       hand control back to the tuner (409 when nothing is pinned)
+    POST   /admin/reset_prefix_cache  empty the prefix cache of the blocks no running request
+                                    holds, between two steps -> {"dropped_blocks": n, "freed_pages":
+                                    n, "enabled": bool} (503 while the engine is not serving)
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from aiohttp.typedefs import Handler
 from sqlalchemy.orm import Session
 
 from daemon import state as st
+from daemon.bridge import EngineError
 from daemon.database import Database
 from daemon.errors import ApiError, bad_request
 from daemon.openai_params import decode_json_object, read_body
@@ -234,3 +238,21 @@ async def unpin_policy(request: web.Request) -> web.Response:
     except LookupError as exc:
         raise ApiError(409, str(exc), code="not_pinned") from None
     return web.json_response({"policy": policy.to_dict(), "pinned": False})
+
+
+# ---- the engine's prefix cache ----------------------------------------------------------
+@routes.post("/admin/reset_prefix_cache")
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """Empty the prefix cache (as vLLM's POST /reset_prefix_cache), so that the next requests
+    compute their prompts in full (a benchmark's cold-cache yardstick); blocks that running
+    requests hold stay. Answers once the engine thread did it, between two steps."""
+    thread = request.app[st.ENGINE_THREAD]
+    try:
+        dropped = await thread.reset_prefix_cache()
+    except EngineError:
+        raise ApiError(503, "the engine is not serving (warming up, failed or stopping)",
+                       code="engine_unavailable") from None
+    except TimeoutError:
+        raise ApiError(503, "the engine reached no step boundary in time; the reset runs at the next one",
+                       code="engine_busy") from None
+    return web.json_response(dropped)

@@ -28,6 +28,11 @@ Data flow of one request:
    work until the deadline, aborts the rest, steps until idle, joins the
    thread and flushes the sink.
 
+An admin command that must run between two steps (`reset_prefix_cache`) goes
+through the engine's inbox too: the engine completes a concurrent Future on
+its thread at the next step's start, which the handler awaits (shielded, with
+a timeout: a handler giving up leaves the command queued).
+
 Faults. An event with finish_reason "error" (the engine failed that request
 alone, engine/faults.py) makes its stream raise `EngineError`; the engine
 goes on serving the others. If `step()` itself raises (a fault no request
@@ -51,6 +56,7 @@ import contextlib
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 from engine.progress import Reporter
@@ -61,6 +67,9 @@ log = logging.getLogger("crossover.bridge")
 
 ABORT_GRACE_S = 5.0
 """How long the thread keeps stepping after aborting everything at stop."""
+
+RESET_WAIT_S = 60.0
+"""How long `reset_prefix_cache` waits for the engine to reach a step boundary."""
 
 
 class EngineError(RuntimeError):
@@ -87,6 +96,7 @@ class Engine(Protocol):
     def status(self) -> dict[str, Any]: ...
     def capacity(self) -> EngineCapacity: ...
     def set_policy(self, policy: TunedPolicy) -> None: ...
+    def reset_prefix_cache(self) -> Future: ...
 
     @property
     def policy(self) -> TunedPolicy: ...
@@ -252,6 +262,20 @@ class EngineThread:
             self.engine.abort(rid)
         self._wake.set()
         return len(ids)
+
+    async def reset_prefix_cache(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Have the engine empty its prefix cache of the blocks no running request holds, between
+        two steps on the engine thread, and return what went (`engine.reset_prefix_cache`).
+        EngineError when the thread is not serving (warming up, failed, stopping); TimeoutError
+        when no step boundary came within `timeout_s` (default RESET_WAIT_S; the reset stays
+        queued for the next)."""
+        if not self.ready or self._thread is None:
+            raise EngineError("engine is not serving")
+        done = self.engine.reset_prefix_cache()
+        self._wake.set()
+        # shielded: a caller giving up must not cancel the command (the engine thread completes it)
+        wait = RESET_WAIT_S if timeout_s is None else timeout_s
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(done)), wait)
 
     async def stop(self, drain_deadline_s: float = 0.0) -> None:
         """Refuse submits, drain until the deadline, abort the rest, join, flush."""

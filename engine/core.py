@@ -1,6 +1,7 @@
 """EngineCore: schedule → execute → update, one synchronous step at a time.
 
-1. `add_request` / `abort` (any thread) put commands in an inbox.
+1. `add_request` / `abort` / `set_policy` / `reset_prefix_cache` (any thread)
+   put commands in an inbox.
 2. `step()` (the engine thread) drains the inbox, asks the Scheduler for a
    plan (decode batch + prefill chunks) and runs it (engine/ragged_step.py:
    one forward for every row), appending the sampled tokens to their
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -131,6 +133,14 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def reset_prefix_cache(self) -> Future:
+        """Empty the prefix cache of every block no running sequence holds, between two steps
+        (the next step's inbox, on the engine thread); a Future of what went: {"enabled",
+        "dropped_blocks", "freed_pages"} (engine.kv.KVPool.drop_cached)."""
+        done: Future = Future()
+        self._inbox.put(("reset_prefix", done))
+        return done
+
     def set_policy(self, policy: TunedPolicy) -> None:
         """Swap the decode policy; it takes effect at the start of the next step. ValueError
         when it uses a technique, depth or draft vocabulary this engine did not load or compile."""
@@ -203,6 +213,14 @@ class EngineCore:
                 self.pool.set_split(arg.pool_split)
                 for p in self.proposers.values():
                     p.configure(arg)
+            elif kind == "reset_prefix":
+                if not arg.set_running_or_notify_cancel():  # its caller cancelled it: no reset
+                    continue
+                try:
+                    arg.set_result(self.pool.drop_cached())
+                except BaseException as exc:  # the waiter hears of it; the step fails (recover)
+                    arg.set_exception(exc)
+                    raise
             elif (seq := self._seqs.get(arg)) is not None:
                 events.append(TokenEvent(seq.request_id, (), seq.text[seq.emitted:], None, True, "abort"))
                 finished.append(self._finish(seq, "abort"))
@@ -248,8 +266,9 @@ class EngineCore:
 
     def recover(self) -> list[RequestResult]:
         """After `step()` raised a fault no sequence owns: end every request, queued or admitted,
-        with finish_reason "error" and free its pages; policies still queued stay queued. If the
-        fault left the KV arrays deleted (donated to a call that failed), they are made anew.
+        with finish_reason "error" and free its pages; policies and prefix-cache resets still
+        queued stay queued. If the fault left the KV arrays deleted (donated to a call that
+        failed), they are made anew.
         Returns the requests' results, for telemetry; no events (the caller fails the streams).
         Requests the failed step had already ended count too: their events never left it."""
         results = [r if r.finish_reason == "abort" else replace(r, finish_reason="error") for r in self._lost]
@@ -261,7 +280,7 @@ class EngineCore:
                 break
             if kind == "add":
                 results.append(unadmitted(arg, "error"))
-            elif kind == "policy":
+            elif kind in ("policy", "reset_prefix"):
                 keep.append((kind, arg))
         for item in keep:
             self._inbox.put(item)

@@ -27,6 +27,7 @@ Memory: each admitted request reserves ceil((prompt + max_tokens) / page_size)
 pages and returns them when it finishes, so leak tests can assert
 `pages_used == 0` afterwards. At most `max_batch` requests run; the rest wait
 in FIFO order. Prefix-cache hits are counted as a real engine's (SeenPrefixes); none saves pages.
+`reset_prefix_cache` forgets the blocks of all but the running requests' prompts at the next step.
 
 Speculation (for tuner tests): `set_policy(policy)` takes effect at the next
 step, as in `EngineCore`, whose `StepChooser` applies the policy's
@@ -46,6 +47,7 @@ import codecs
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +148,7 @@ class FakeEngine:
         self._lock = threading.Lock()
         self._inbox: list[Request] = []  # _inbox, _abort_inbox and _live: guarded by _lock
         self._abort_inbox: list[str] = []
+        self._resets: list[Future] = []  # prefix-cache resets for the next step
         self._live: set[str] = set()  # request ids admitted and not finished
         self._waiting: deque[Request] = deque()
         self._running: dict[str, _Sequence] = {}
@@ -170,6 +173,13 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._abort_inbox.append(request_id)
+
+    def reset_prefix_cache(self) -> Future:
+        """As `EngineCore.reset_prefix_cache`: at the next step, a Future of what went."""
+        done: Future = Future()
+        with self._lock:
+            self._resets.append(done)
+        return done
 
     def set_policy(self, policy: TunedPolicy) -> None:
         """Swap the decode policy at the next step; ValueError as `EngineCore.set_policy`."""
@@ -196,7 +206,7 @@ class FakeEngine:
 
     def has_work(self) -> bool:
         with self._lock:
-            inbox = bool(self._inbox or self._abort_inbox)
+            inbox = bool(self._inbox or self._abort_inbox or self._resets)
         return inbox or bool(self._waiting or self._running)
 
     def status(self) -> dict[str, Any]:
@@ -285,14 +295,17 @@ class FakeEngine:
 
     def _take_inbox(self, events: list[TokenEvent], finished: list[RequestResult]) -> None:
         with self._lock:
-            new, aborts = self._inbox, self._abort_inbox
-            self._inbox, self._abort_inbox = [], []
+            new, aborts, resets = self._inbox, self._abort_inbox, self._resets
+            self._inbox, self._abort_inbox, self._resets = [], [], []
             if self._next_policy is not None:
                 self._chooser.start(self._next_policy)
             self._next_policy = None
         self._waiting.extend(new)
         for request_id in aborts:
             self._abort_one(request_id, events, finished)
+        held = [(s.request.prompt_ids, s.request.tenant) for s in self._running.values()]
+        for done in (d for d in resets if d.set_running_or_notify_cancel()):  # unless cancelled
+            done.set_result({"enabled": True, "dropped_blocks": self.prefixes.drop(held), "freed_pages": 0})
 
     def _abort_one(self, request_id: str, events: list[TokenEvent],
                    finished: list[RequestResult]) -> None:

@@ -224,6 +224,16 @@ class PageAllocator:
         if self._cached.pop(page, False) is None:
             self._free.append(page)
 
+    def evict_cached(self) -> int:
+        """Every cached page to the free list, telling the cache (`on_evict`); how many (held ones stay)."""
+        n = len(self._cached)
+        while self._cached:
+            page = self._cached.popitem(last=False)[0]
+            self._kept.discard(page)
+            self._free.append(page)
+            self.on_evict(page)
+        return n
+
 
 @dataclass
 class SeqPages:
@@ -382,6 +392,11 @@ class KVPool:
         pages.reading.clear()
         pages.shared.clear()
         pages.cached = 0
+
+    def drop_cached(self) -> dict:
+        """Forget the cached blocks no sequence holds, their pages freed (PrefixCache.drop_unheld)."""
+        off = {"enabled": False, "dropped_blocks": 0, "freed_pages": 0}
+        return off if self.prefix is None else self.prefix.drop_unheld()
 
     def reset(self) -> None:
         """Every page back to the free lists and the prefix cache emptied; only when no sequence

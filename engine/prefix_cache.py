@@ -18,6 +18,7 @@
    cache indexes that no sequence references is free-but-evictable (it counts
    as free), and allocation takes truly free pages first, then evicts the
    least recently released cached page (deepest blocks of a prefix first).
+   `drop_unheld` evicts every cached page at once (the admin's reset, between steps).
 
 Sliding-window layers. A sequence keeps only a ring of `ring_pages` local
 pages, reused as it grows, so a block's local page survives only while the
@@ -229,6 +230,15 @@ class PrefixCache:
     def _evict_local(self, page: int) -> None:
         self.entries[self._by_local.pop(page)].local_page = None
 
+    def drop_unheld(self) -> dict:
+        """Evict every cached page no sequence holds (the admin's prefix-cache reset): the
+        entries of their blocks go, the blocks running sequences hold stay. What went:
+        {"enabled", "dropped_blocks" (entries forgotten), "freed_pages" (of both pools)}."""
+        blocks, pages = len(self.entries), self.g.num_cached + self.l.num_cached
+        self.g.evict_cached()  # each entry evicted frees its cached local page too (`_evict_global`)
+        self.l.evict_cached()  # then the local pages of blocks whose global page is held
+        return {"enabled": True, "dropped_blocks": blocks - len(self.entries), "freed_pages": pages}
+
     def clear(self) -> None:
         """Forget every entry (the allocators are cleared by their owner)."""
         self.entries.clear()
@@ -272,6 +282,24 @@ class SeenPrefixes:
             d[key + "hit_tokens"] += hit
             d[key + "query_tokens"] += len(tokens)
         return hit
+
+    def drop(self, held=()) -> int:
+        """Forget every block but those of `held` ((tokens, tenant) of the running requests), as
+        PrefixCache.drop_unheld; how many went.
+
+        >>> seen = SeenPrefixes(2)
+        >>> _ = seen.admit([1, 2, 3, 4, 5]), seen.admit([7, 8, 9])
+        >>> seen.drop(held=[([7, 8, 9], "")]), seen.admit([1, 2, 3]), seen.admit([7, 8, 9])
+        (2, 0, 2)
+        """
+        keep: set[bytes] = set()
+        for tokens, tenant in held:
+            keys: list[bytes] = []
+            extend_keys(keys, root_key(tenant), tokens, self.page_size, (len(tokens) - 1) // self.page_size)
+            keep.update(keys)
+        before = len(self._seen)
+        self._seen = OrderedDict((k, None) for k in self._seen if k in keep)
+        return before - len(self._seen)
 
     def take(self) -> dict[str, int]:
         out, self.step = self.step, {"prefix_hit_tokens": 0, "prefix_query_tokens": 0}

@@ -77,6 +77,10 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
     add("--url", default=None,
         help="bench the daemon at this URL instead of one started here (no engine-only run)")
     add("--api-key", default=None, help="bearer key for --url (default: $CROSSOVER_API_KEY)")
+    add("--admin-token", default=None,
+        help="--url's admin token (default: $CROSSOVER_ADMIN_TOKEN): the daemon's prefix cache is "
+             "emptied (POST /admin/reset_prefix_cache) before each HTTP round and the idle-TTFT "
+             "phase; without it the daemon keeps its cache and the idle TTFT may come out low")
     add("--db", default=None,
         help="telemetry database of the daemon started here (default: a temporary SQLite file)")
     add("--no-db", action="store_true", help="start the daemon without a telemetry database")
@@ -220,6 +224,9 @@ def _serve_config(args: argparse.Namespace) -> Any:
             raise UserError(f"{flag} must be positive, got {value}")
     if not args.fake_step_ms >= 0:
         raise UserError(f"--fake-step-ms must be >= 0, got {args.fake_step_ms}")
+    if args.admin_token and not args.url:
+        raise UserError("--admin-token is the token of the daemon at --url (the daemon started "
+                        "here has its prefix cache emptied anyway): pass --url too, or drop it")
     if args.shared_prefix and args.no_db and not args.url:
         raise UserError("--shared-prefix: each tenant sends with its own API key, kept in the "
                         "telemetry database: drop --no-db")
@@ -234,6 +241,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
         model=args.model, dtype=args.dtype, max_batch=args.max_batch,
         max_context=max_context, fake=args.fake, fake_step_ms=args.fake_step_ms,
         url=args.url, api_key=args.api_key or os.environ.get("CROSSOVER_API_KEY"), db=args.db,
+        admin_token=(args.admin_token or os.environ.get("CROSSOVER_ADMIN_TOKEN")) if args.url else None,
         no_db=args.no_db, shared_prefix=args.shared_prefix, prefix_tokens=args.prefix_tokens,
         engine_rates=args.engine_rates, tenant_keys=args.tenant_keys, prefix_cache=not args.no_prefix_cache,
         speculation=not args.no_speculation,
