@@ -2,7 +2,7 @@
 
 Answers the essay's question 4 (does early exit pay once a scheduler compacts the
 batch mid-network, or does the machinery cost more than it saves?) on the real
-model, with engine/early_exit.py. One run, so ratios are comparable on a busy machine:
+model, with bench/early_exit_decoder.py. One run, so ratios are comparable on a busy machine:
 
 1. Speed: for each batch size, greedy decode of `new_tokens` per prompt through
    the compacting stages at each threshold, and at "never" (the full model through
@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.early_exit_decoder import FILLS, NEVER, EarlyExit, pow2_bucket
 from engine.compiles import compile_count
-from engine.early_exit import FILLS, NEVER, EarlyExit, pow2_bucket
 
 HELD_OUT = (
     "The harbour town woke slowly in winter. Fishing boats stayed tied to the quay while the wind "

@@ -1,6 +1,6 @@
 """Q4's measured part: the JSON of `crossover bench early-exit` runs, as tables.
 
-The compacting early exit is an experiment outside the serving path (engine/early_exit.py):
+The compacting early exit is an experiment outside the serving path (bench/early_exit_decoder.py):
 it writes a JSON file, not telemetry rows, so `crossover report --early-exit FILE` reads it
 here. Each file gives a table of speedups (against never exiting, same code path, same run)
 per batch size and threshold, and one of quality against the full model.

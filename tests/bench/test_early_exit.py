@@ -18,8 +18,8 @@ from bench.early_exit import (
     prompt_ids,
     write_result,
 )
+from bench.early_exit_decoder import EarlyExit
 from daemon.cli import main as cli_main
-from engine.early_exit import EarlyExit
 from engine.heads import DraftHeads
 from tests.engine.conftest import ChatBytes, make_engine
 

@@ -1,5 +1,5 @@
-"""The jitted pieces of the compacting early exit (engine/early_exit.py): a stage of layers over a
-compacted row bucket, CALM state propagation, and the K/V write of one step's window.
+"""The jitted pieces of the compacting early exit (bench/early_exit_decoder.py): a stage of layers
+over a compacted row bucket, CALM state propagation, and the K/V write of one step's window.
 
 Each step collects new K/V in buffers bk, bv [L, B, W, KV, hd] with a mask bm [L, B, W]: slot w of
 row b is position p0[b] + w, where p0 is the row's first position whose upper layers are still

@@ -1,4 +1,4 @@
-"""The compacting early-exit decoder (engine/early_exit.py) on the tiny random model.
+"""The compacting early-exit decoder (bench/early_exit_decoder.py) on the tiny random model.
 
 What must hold whatever the random adapters predict: never exiting is the plain
 forward (tokens and KV) with either K/V fill; always exiting gives the exit adapter's
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bench.early_exit_decoder import NEVER, EarlyExit, kind_index, pending_bucket, pow2_bucket, propagate_kv
+from bench.early_exit_ops import stage
 from engine.compiles import compile_count
-from engine.early_exit import NEVER, EarlyExit, kind_index, pending_bucket, pow2_bucket, propagate_kv
-from engine.early_exit_ops import stage
 from engine.heads import DraftHeads, head_logits
 from engine.model import KVView, block, embed, rms_norm, unstack_layers
 

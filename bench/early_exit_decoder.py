@@ -1,9 +1,9 @@
 """Early exit with a compacting batch: an opt-in, LOSSY experiment (issue 19, question 4).
 
-Not part of serving: nothing in the engine's step imports this module. It
+Not part of serving: it lives in bench/, which the engine never imports. It
 answers whether rows that leave a decode step early can make the rest of the
 step cheaper, on the paged KV pool of engine/kv.py and the model functions of
-engine/model.py (jitted pieces in engine/early_exit_ops.py). One decode step of
+engine/model.py (jitted pieces in bench/early_exit_ops.py). One decode step of
 a batch of B rows, exit points k_1 < ...:
 
 1. Stage 0 runs layers [0, k_1) for all B rows (reading the paged cache), then
@@ -49,8 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.config import ModelConfig
-from engine.early_exit_ops import (
+from bench.early_exit_ops import (
     kind_index,
     kv_weights,
     pad,
@@ -61,6 +60,7 @@ from engine.early_exit_ops import (
     sub_batch,
     write_window,
 )
+from engine.config import ModelConfig
 from engine.heads import DraftHeads
 from engine.kv import Batch, KVState
 from engine.model import Params, unstack_layers
