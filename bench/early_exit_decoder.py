@@ -60,11 +60,11 @@ from bench.early_exit_ops import (
     sub_batch,
     write_window,
 )
+from bench.padded import forward_and_write
 from engine.config import ModelConfig
 from engine.heads import DraftHeads
 from engine.kv import Batch, KVState
 from engine.model import Params, unstack_layers
-from engine.runner import forward_and_write
 from engine.types import pow2_bucket
 
 __all__ = ["FILLS", "NEVER", "EarlyExit", "Run", "kind_index", "pending_bucket", "pow2_bucket", "propagate_kv"]
@@ -221,7 +221,7 @@ class EarlyExit:
         threshold: one for every step, or one per step ([new_tokens]; entry 0 unused).
         feed [B, N]: feed these tokens instead of the predicted ones (teacher forcing) and
         return the log-probability each step gives the fed token. plain: the engine's
-        forward (engine.runner.forward_and_write) instead of the stages.
+        forward (bench.padded.forward_and_write) instead of the stages.
         """
         if kv_fill not in FILLS:
             raise ValueError(f"kv_fill must be one of {FILLS}, got {kv_fill!r}")

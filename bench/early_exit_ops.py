@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.padded import cache_reader
 from engine.config import ModelConfig
 from engine.heads import apply_head, head_logits
-from engine.kv import SCRATCH_PAGE, Batch, KVState, cache_reader
+from engine.kv import SCRATCH_PAGE, Batch, KVState
 from engine.model import PagedView, block, embed, rms_norm, rope
 from engine.runner import output_scores
 from engine.types import pow2_bucket

@@ -1,6 +1,6 @@
 """Where the serving process's memory goes: RSS at steady state, and per compiled shape.
 
-Three measurements, each in a process of its own (XLA flags are read once, at start):
+Two measurements, each in a process of its own (XLA flags are read once, at start):
 
 1. `serving`: load the engine as `crossover serve` does (default settings, staged warmup),
    wait until the background warmup has compiled every shape, trim the heap, and report
@@ -10,15 +10,13 @@ Three measurements, each in a process of its own (XLA flags are read once, at st
    (RSS before loading), and by difference the rest: compiled executables and what JAX keeps
    of them, the tokenizer, allocator slack. (The KV pool's pages turn resident during warmup,
    so RSS right after loading is no guide to the arrays.)
-2. `executables`: compile plain forward shapes of the serving runner one at a time and
-   report the RSS and memory mappings each adds (under the XLA_FLAGS given), to see what one
-   compiled forward costs on the host, with or without JAX's lowerings kept.
-3. `verify`: what the memory of more speculation context buckets buys: one verify forward
-   timed at each bucket a short context may pad to.
+2. `executables`: compile the serving runner's ragged forward (and its KV write) at token
+   counts one at a time and report the RSS and memory mappings each adds (under the XLA_FLAGS
+   given), to see what one compiled forward costs on the host, with or without JAX's lowerings
+   kept.
 
     python -m bench.memory_probe serving [--model M] [--max-batch 32] ...
-    XLA_FLAGS=... python -m bench.memory_probe executables [--shapes 1x1x64,2x1x64] [--release]
-    python -m bench.memory_probe verify [--batch 8] [--depth 4] [--tokens 300]
+    XLA_FLAGS=... python -m bench.memory_probe executables [--tokens 1,2,4] [--release]
 
 Each prints one JSON object on stdout.
 """
@@ -30,8 +28,6 @@ import json
 import os
 import sys
 import time
-
-import numpy as np
 
 MiB, GiB = 1 << 20, 1 << 30
 HEADROOM = 3 * GiB // 2
@@ -154,7 +150,7 @@ def serving(model: str | None = None, max_batch: int = 32, max_context: int = 40
         "executables": compile_count() - before, "compiles_while_serving": core.compiles_since_warmup(),
         "by_function": dict(sorted(_by_function.items())),
         "techniques": core.spec_warmup.status(), "lowerings_left": left, "release_walk_s": round(walk_s, 3),
-        "contexts": {"plain": list(runner.rc.context_buckets), "spec": list(runner.rc.spec_contexts)},
+        "max_context": runner.rc.max_context,
         "rss_runtime": runtime["rss"], "rss_loaded": loaded["rss"], "rss_ready": at_ready["rss"],
         "rss_steady": steady["rss"], "mappings_steady": steady["mappings"],
         "limit": limit, "meets_limit": steady["rss"] <= limit, "margin": limit - steady["rss"],
@@ -180,30 +176,31 @@ def _traffic(core, n: int) -> None:
         core.step()
 
 
-def executables(shapes: list[tuple[int, int, int]], model: str | None = None, drop: bool = False,
-                release: bool = False, runner=None) -> dict:
-    """Compile the plain forward (+ KV write) of each (batch, new tokens, context) shape in turn;
-    RSS and mappings after each. The runner is the serving engine's at default settings (so its
-    shapes hit the persistent compilation cache), or `runner` (whose buckets hold `shapes`).
+def executables(tokens: list[int], model: str | None = None, drop: bool = False, release: bool = False,
+                runner=None) -> dict:
+    """Compile the ragged forward (+ KV write) at each token count of `tokens` in turn; RSS and
+    mappings after each. The runner is the serving engine's at default settings (so its calls
+    hit the persistent compilation cache), or `runner`.
     `drop`: clear JAX's in-memory caches after the last compile (what that gives back).
     `release`: drop each compiled computation's StableHLO module (engine.compiles.release_lowerings)."""
     import jax
 
     from engine.compiles import release_lowerings
+    from engine.ragged_calls import compile_jobs
 
     if runner is None:
         from engine.loader import load_engine
 
         runner = load_engine(model=model, progress=False).runner
-    rows = [{"shape": "none", **_settle()}]
-    for s in shapes:
+    rows = [{"tokens": 0, **_settle()}]
+    for n in tokens:
         t = time.perf_counter()
-        forward = runner.forward_jobs([s])[0]
-        forward()
+        forwards, _ = compile_jobs(runner, n, 1)
+        forwards[-1]()  # the bucket holding n (the smaller ones are other shapes)
         if release:
             release_lowerings()
         seconds = round(time.perf_counter() - t, 2)
-        rows.append({"shape": "x".join(map(str, s)), "seconds": seconds, **_settle()})
+        rows.append({"tokens": n, "seconds": seconds, **_settle()})
     out = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows,
            "per_shape_rss": (rows[-1]["rss"] - rows[1]["rss"]) / max(1, len(rows) - 2),
            "first_shape_rss": rows[1]["rss"] - rows[0]["rss"]}
@@ -211,40 +208,6 @@ def executables(shapes: list[tuple[int, int, int]], model: str | None = None, dr
         jax.clear_caches()
         out["after_clear_caches"] = _settle()
     return out
-
-
-def verify_contexts(model: str | None, batch: int, depth: int, tokens: int, rounds: int = 15) -> dict:
-    """Median and best time (ms) of one verify forward of `batch` rows, `depth` drafts each, at
-    a `tokens`-long context, padded to each speculation context bucket the engine compiles with
-    no cap (what engine.loader.SPEC_CONTEXTS_CPU trades for host memory). The buckets take
-    turns call by call, so load from other processes hits them alike."""
-    import engine.loader
-
-    engine.loader.SPEC_CONTEXTS_CPU = None
-    runner = engine.loader.load_engine(model=model, max_batch=max(8, batch), max_context=4096,
-                                       model_proposers=(), progress=False).runner
-    calls = {}
-    for ctx in runner.rc.spec_contexts:
-        if ctx < tokens + 1 + depth:
-            continue
-        c = runner.new_verify_call(batch, depth, ctx)
-        c.n_new[:], c.start[:] = 1 + depth, tokens
-        c.counter[:] = tokens + 1 + np.arange(c.counter.shape[1])
-        calls[ctx] = (c, np.full(c.tokens.shape, -1, np.int32))
-        runner.run_verify(*calls[ctx])  # compiles
-    times: dict[int, list[float]] = {ctx: [] for ctx in calls}
-    for _ in range(rounds):
-        for ctx, (c, cand) in calls.items():
-            t = time.perf_counter()
-            runner.run_verify(c, cand)
-            times[ctx].append((time.perf_counter() - t) * 1e3)
-    return {"batch": batch, "depth": depth, "tokens": tokens,
-            "ms": {ctx: {"median": round(float(np.median(v)), 1), "min": round(float(np.min(v)), 1)}
-                   for ctx, v in times.items()}}
-
-
-def _shapes(text: str) -> list[tuple[int, int, int]]:
-    return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,31 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--requests", type=int, default=8, help="requests served before the steady figures")
     s.add_argument("--keep-lowerings", action="store_true",
                    help="keep JAX's lowerings after warmup (engine.compiles.release_lowerings not called)")
-    s.add_argument("--spec-contexts", type=int,
-                   help="context buckets speculation compiles for on CPU (engine.loader.SPEC_CONTEXTS_CPU); "
-                        "0: as many as the mapping cap allows")
     e = sub.add_parser("executables")
     e.add_argument("--model")
-    e.add_argument("--shapes", default="1x1x64,2x1x64,4x1x64")
+    e.add_argument("--tokens", default="1,2,4", help="token counts, comma-separated")
     e.add_argument("--drop", action="store_true")
     e.add_argument("--release", action="store_true")
-    v = sub.add_parser("verify")
-    v.add_argument("--model")
-    v.add_argument("--batch", type=int, default=8)
-    v.add_argument("--depth", type=int, default=4)
-    v.add_argument("--tokens", type=int, default=300, help="context the rows hold")
     args = p.parse_args(argv)
-    if args.what == "verify":
-        out = verify_contexts(args.model, args.batch, args.depth, args.tokens)
-    elif args.what == "serving":
-        import engine.loader
-
-        if args.spec_contexts is not None:
-            engine.loader.SPEC_CONTEXTS_CPU = args.spec_contexts or None
+    if args.what == "serving":
         out = serving(args.model, args.max_batch, args.max_context, args.kv_budget, not args.no_speculation,
                       progress=args.progress, requests=args.requests, keep_lowerings=args.keep_lowerings)
     else:
-        out = executables(_shapes(args.shapes), args.model, args.drop, args.release)
+        out = executables([int(n) for n in args.tokens.split(",") if n], args.model, args.drop, args.release)
     print(json.dumps(out))
     return 0
 

@@ -20,11 +20,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from bench.padded import forward_and_write
 from engine import ragged
 from engine.kv import Batch
 from engine.model import ATTEND_BLOCK
 from engine.progress import note
-from engine.runner import forward_and_write, output_scores
+from engine.runner import output_scores
 
 CASES = {  # name: (rows, new tokens per row, cached tokens per row, token slots, row slots)
     "decode_b1_ctx32": (1, 1, 32, 1, 1),
@@ -52,7 +53,7 @@ def measure(engine, cases: dict[str, tuple], repeats: int = 10, progress=True) -
     padded_first_call_s, ...}}."""
     r = engine.runner
     cfg, params, ring, ps = r.cfg, r.params, r.rc.ring_pages, r.kv.page_size
-    width = max(r.rc.context_buckets) // ps
+    width = r.rc.max_context // ps
     state = {"kv": r.kv}
     r.kv = None  # the calls below donate the pools; the newest go back at the end
 

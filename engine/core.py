@@ -39,6 +39,8 @@ from engine.model import Params
 from engine.policy import TunedPolicy, check_servable
 from engine.progress import Reporter
 from engine.proposers import NgramProposer, Proposer
+from engine.ragged_calls import TOKEN_BUCKETS, top_in
+from engine.ragged_step import SpecResult, run_ragged_step
 from engine.runner import ModelRunner, RunnerConfig
 from engine.scheduler import MIX_TOKENS_PER_ROW, Scheduler, SchedulerConfig, StepPlan
 from engine.sequence import Detokenizer, Sequence, append_tokens, request_key
@@ -52,8 +54,6 @@ from engine.types import (
     StepStats,
     TokenEvent,
 )
-from engine.ragged_calls import TOKEN_BUCKETS, top_in
-from engine.ragged_step import SpecResult, run_ragged_step
 from engine.warm import SpecWarmup, warm_engine
 
 log = logging.getLogger("crossover.engine")
@@ -162,7 +162,7 @@ class EngineCore:
             max_depth=max(rc.verify_tokens, default=1) - 1,
             verify_depths=tuple(sorted(q - 1 for q in rc.verify_tokens if q > 1)),
             max_batch=rc.max_batch, spec_max_batch=rc.spec_max_batch,
-            batch_buckets=tuple(rc.batch_buckets),
+            batch_buckets=(),
             proposers={n: ProposerCapacity(p.resident_bytes(), p.per_sequence_bytes(1), p.max_depth,
                                            tuple(getattr(p, "vocab_sizes", ())))  # MTP heads only
                        for n, p in self.proposers.items()},

@@ -31,7 +31,14 @@ import numpy as np
 from engine.config import ModelConfig
 from engine.heads import DraftHeads, Head
 from engine.kv import KVPool, SeqPages
-from engine.layer_draft import CATCH_UP_TOKENS, DRAFT_VOCABS, _identity_head, _LayerDrafter, _tree_bytes, _VocabSlices
+from engine.layer_draft import (
+    CATCH_UP_TOKENS,
+    DRAFT_VOCABS,
+    _identity_head,
+    _LayerDrafter,
+    _tree_bytes,
+    _VocabSlices,
+)
 from engine.model import Params
 from engine.policy import MAX_POOL_SPLIT, TunedPolicy
 from engine.runner import ModelRunner, RunnerConfig

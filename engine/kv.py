@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import ModelConfig
-from engine.model import PagedView
 from engine.prefix_cache import PrefixCache
 
 SCRATCH_PAGE = 0
@@ -78,23 +77,6 @@ class Batch:
         """[B, T] positions of the new tokens, -1 for padding."""
         t = jnp.arange(self.tokens.shape[1], dtype=jnp.int32)[None, :]
         return jnp.where(t < self.n_new[:, None], self.start[:, None] + t, -1)
-
-
-def cache_reader(kv: KVState, batch: Batch, ring_pages: int):
-    """Returns read_cache(kind, layer_index) -> PagedView for engine.model.forward.
-
-    The local table may be narrower than the ring (short contexts): its slots
-    are read as they are, positions still follow the full ring's arithmetic.
-    """
-    last = batch.start - 1  # [B] newest cached position
-    cap = ring_pages * kv.page_size
-
-    def read(kind: str, idx) -> PagedView:
-        if kind == "global":
-            return PagedView(kv.global_k, kv.global_v, idx, batch.global_table, last)
-        return PagedView(kv.local_k, kv.local_v, idx, batch.local_table, last, ring=cap)
-
-    return read
 
 
 def write_new(kv: KVState, batch: Batch, new_kv: dict, ring_pages: int) -> KVState:

@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 
 from engine.budget import heads_resident_bytes
-from engine.compiles import enable_persistent_cache, map_limit
+from engine.compiles import enable_persistent_cache
 from engine.config import ModelConfig
 from engine.core import EngineConfig, EngineCore
 from engine.layer_draft import DRAFT_VOCABS
 from engine.memory import KV_DTYPE_BYTES, size_pool
 from engine.progress import Reporter, note
-from engine.runner import RunnerConfig, prefill_shapes
+from engine.runner import RunnerConfig
 
 PAGE_SIZE = 16
 MAX_SPEC_DEPTH = 8
@@ -32,95 +32,8 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def smallest_batch(dtype: str) -> int:
-    """XLA:CPU runs a bfloat16 matrix-vector product ~10x slower than a 2-row
-    matrix product, so on CPU a lone bfloat16 sequence is padded to 2 rows."""
-    return 2 if dtype == "bfloat16" and jax.default_backend() == "cpu" else 1
-
-
-def context_buckets(max_context: int, page_size: int = PAGE_SIZE) -> tuple[int, ...]:
-    """Page-table widths compiled: one, max_context rounded up to a page. Attention reads each
-    row's cache block by block only as far as the longest row's context reaches
-    (engine.model.PagedView), so a wider table costs a short context nothing and one width
-    serves every context.
-    Example: context_buckets(4096) == (4096,); context_buckets(600) == (608,).
-    """
-    return (-(-max_context // page_size) * page_size,)
-
-
-# XLA:CPU maps each compiled kernel's code, constants and data as separate memory
-# mappings (~3 per kernel), and Linux stops a process at vm.max_map_count mappings
-# (65530 by default): past it the next compile fails with "Cannot allocate memory"
-# and the process dies. A forward of Gemma 3 (per-layer weights, so its layers are
-# unrolled) is ~110 kernels plus each layer's attention loop body, and every compiled
-# shape is its own executable. Measured on Gemma 3 270M with attention's block loop
-# (engine.model.PagedView): 13 plain shapes (batches 1-64 and three prefill chunks at
-# one context width) took 9,920 mappings in all, ~600 a shape past the process's own
-# ~2k; with the padded gather a shape took 346-436. The proposers' figure is scaled by
-# the same 1.5.
-MAPS_PER_SHAPE = 660
-"""Mappings one compiled forward shape takes on XLA:CPU (with its KV write and sampling)."""
-MAPS_PER_DRAFTING_BATCH = 1650
-"""Mappings the layer-chain proposers (early exit, draft model, with the MTP heads') take per
-batch size and context."""
-MAPS_RESERVE = 8000
-"""Mappings kept for everything else: the process itself, MTP heads, threads, sockets."""
-
-
-def spec_shapes_per_context(batches: tuple[int, ...], verify_tokens: tuple[int, ...], spec_max_batch: int,
-                            drafting: bool) -> float:
-    """Speculation's compiled shapes per context bucket, in units of MAPS_PER_SHAPE: verify
-    shapes, plus the layer-chain proposers' (early exit, draft model) when `drafting`."""
-    spec_batches = sum(b <= spec_max_batch for b in batches) if verify_tokens else 0
-    return spec_batches * len(verify_tokens) + (spec_batches * MAPS_PER_DRAFTING_BATCH / MAPS_PER_SHAPE
-                                                if drafting and verify_tokens else 0)
-
-
-def estimated_mappings(rc: RunnerConfig, drafting: bool) -> float:
-    """The mappings `runner_config` budgets for every shape of `rc` (MAPS_RESERVE included)."""
-    plain = len(rc.batch_buckets) * len(rc.context_buckets) + len(prefill_shapes(rc.prefill_buckets,
-                                                                                   rc.context_buckets))
-    spec = spec_shapes_per_context(rc.batch_buckets, rc.verify_tokens, rc.spec_max_batch, drafting)
-    return MAPS_RESERVE + MAPS_PER_SHAPE * (plain + spec * len(rc.spec_contexts))
-
-
-def split_context_buckets(ladder: tuple[int, ...], batches: tuple[int, ...], prefills: tuple[int, ...],
-                          spec_per_context: float, limit: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(plain decoding's and prefill's context buckets, speculation's) whose compiled shapes stay
-    within `limit` mappings: plain serving keeps as many of `ladder` as fit, then speculation takes
-    the largest of those that fit in what is left (at least the largest bucket). The smallest
-    buckets go first: a short context then pads to the next one, costing attention time only,
-    and speculation runs at batches up to spec_max_batch, where attention weighs least.
-    Example: split_context_buckets((64, 128, 512, 2048, 4096), (1, 2, 4, 8, 16, 32), (32, 128, 512),
-    32.5, 65530) == ((64, 128, 512, 2048, 4096), (2048, 4096)).
-    """
-    if limit is None:
-        return ladder, ladder
-    room = (limit - MAPS_RESERVE) / MAPS_PER_SHAPE
-    for k in range(len(ladder), 0, -1):
-        plain = ladder[-k:]
-        left = room - len(batches) * k - len(prefill_shapes(prefills, plain))
-        fits = int(left // spec_per_context) if spec_per_context else k
-        if fits >= 1 or k == 1:
-            return plain, plain[-max(1, min(fits, k)):]
-    return ladder[-1:], ladder[-1:]
-
-
-PREFILL_BUCKETS = (32, 128, 512)
-"""Prefill chunk buckets of the proposers' padded calls (the draft model's catch-up prefill); the
-largest is the longest chunk a step prefills (RunnerConfig.max_chunk)."""
-
-
-def batch_buckets(max_batch: int, smallest: int = 1) -> tuple[int, ...]:
-    """Powers of two from `smallest` up to max_batch (which is always included).
-
-    Example: batch_buckets(48) == (1, 2, 4, 8, 16, 32, 48).
-    """
-    out, b = [], smallest
-    while b < max_batch:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (max_batch,)
+MAX_CHUNK = 512
+"""Most tokens of one prompt a step prefills (capped by the local ring: RunnerConfig)."""
 
 
 MODEL_PROPOSERS = ("mtp", "early_exit", "draft")
@@ -134,53 +47,30 @@ Above it every step decodes plainly: a policy speculating there is served clampe
 offers no crossover above it (tuner/space.py)."""
 
 
-SPEC_CONTEXTS_CPU: int | None = None
-"""At most this many context buckets (the largest) for speculation's calls (verify, layer-chain
-drafting) on XLA:CPU; None: every bucket the mapping cap leaves. `context_buckets` gives one
-width, so the cap changes nothing at the loader's defaults; `python -m bench.memory_probe`
-still sets it for a ladder of several widths."""
-
-
 def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch: int,
                   max_context: int, kv_dtype: str | None = None, verify_tokens: tuple[int, ...] = (),
-                  spec_max_batch: int = SPEC_MAX_BATCH, drafting: bool = False,
-                  map_limit: int | None = None, tensor_parallel: int = 1,
-                  spec_contexts: int | None = None) -> RunnerConfig:
-    """Size the pools with the memory planner and choose the compiled buckets.
+                  spec_max_batch: int = SPEC_MAX_BATCH, tensor_parallel: int = 1) -> RunnerConfig:
+    """Size the pools with the memory planner; the page tables span max_context rounded up to a
+    page (every ragged call has that one width: engine/ragged_calls.py).
 
-    `drafting`: layer-chain proposers (early exit, draft model) will compile per context too.
-    `map_limit`: the process's memory-mapping cap (see MAPS_PER_SHAPE); the context buckets
-    are thinned so that every compiled shape fits under it, speculation's first
-    (`split_context_buckets`).
     `tensor_parallel`: devices the params and KV pools are split over (engine/sharding.py).
-    `spec_contexts`: at most this many context buckets (the largest) for speculation; None: no cap.
     """
     kv_dtype = kv_dtype or dtype
     if kv_dtype not in KV_DTYPE_BYTES:
         raise ValueError(f"kv dtype {kv_dtype!r} is not one of {sorted(KV_DTYPE_BYTES)}")
     sizes = size_pool(cfg, kv_budget_bytes, PAGE_SIZE, kv_dtype, max_context, MAX_SPEC_DEPTH)
-    cap = sizes.ring_pages * PAGE_SIZE
-    batches = batch_buckets(max_batch, smallest_batch(dtype))
-    prefills = tuple(b for b in PREFILL_BUCKETS if b <= cap) or (cap,)
-    spec_batch = min(spec_max_batch, max_batch)
-    ladder = context_buckets(max_context)
-    plain, spec = split_context_buckets(ladder, batches, prefills,
-                                        spec_shapes_per_context(batches, verify_tokens, spec_batch, drafting),
-                                        map_limit)
-    spec = spec[-spec_contexts:] if spec_contexts else spec
     return RunnerConfig(
         page_size=PAGE_SIZE,
-        batch_buckets=batches,
-        prefill_buckets=prefills,
-        context_buckets=plain,
-        spec_context_buckets=() if spec == plain else spec,
+        max_batch=max_batch,
+        max_chunk=min(MAX_CHUNK, sizes.ring_pages * PAGE_SIZE),
+        max_context=-(-max_context // PAGE_SIZE) * PAGE_SIZE,
         global_pages=sizes.num_global_pages + 1,  # + the scratch page
         local_pages=sizes.num_local_pages + 1,
         ring_pages=sizes.ring_pages,
         dtype=dtype,
         kv_dtype=kv_dtype,
         verify_tokens=verify_tokens,
-        spec_max_batch=spec_batch,
+        spec_max_batch=min(spec_max_batch, max_batch),
         fast_output=dtype == "float32" and jax.default_backend() == "cpu" and cpu_has_bf16(),
         tensor_parallel=tensor_parallel,
     )
@@ -238,17 +128,9 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     loaded = _read_heads(heads, cfg, dtype, progress) if speculation and model_proposers else None
     resident = 0 if loaded is None else heads_resident_bytes(  # one budget (engine/budget.py)
         loaded[0], cfg, model_proposers, DRAFT_VOCABS, params["embed"].dtype.itemsize)
-    drafting = speculation and bool({"early_exit", "draft"} & set(model_proposers))
-    limit, ladder = map_limit(), context_buckets(max_context)
     rc = runner_config(cfg, dtype, budget - resident, max_batch, max_context,
                        verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
-                       drafting=drafting, map_limit=limit, tensor_parallel=tensor_parallel,
-                       spec_contexts=SPEC_CONTEXTS_CPU if jax.default_backend() == "cpu" else None)
-    if rc.context_buckets != ladder or rc.spec_contexts != ladder:
-        note(progress, f"engine: context buckets {list(rc.context_buckets)}, speculation's "
-                       f"{list(rc.spec_contexts)} (of {list(ladder)}): every compiled shape costs XLA:CPU "
-                       f"~40 MiB of host memory and ~{MAPS_PER_SHAPE} memory mappings, and this host allows "
-                       f"{limit} (vm.max_map_count); ~{estimated_mappings(rc, drafting):,.0f} budgeted")
+                       tensor_parallel=tensor_parallel)
     note(progress, f"engine: {cfg.name} {dtype}, KV pool {rc.global_pages - 1} global + "
                    f"{rc.local_pages - 1} local pages of {PAGE_SIZE} tokens, max batch {max_batch}, "
                    f"context {rc.max_context}"

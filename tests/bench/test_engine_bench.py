@@ -10,7 +10,7 @@ from tests.engine.conftest import ByteTokenizer, make_engine
 
 
 def test_decode_throughput_counts_decode_steps_at_each_context_and_their_page_faults(tiny):
-    engine = make_engine(tiny, ByteTokenizer(), batch_buckets=(1, 2), context_buckets=(128,))
+    engine = make_engine(tiny, ByteTokenizer(), max_batch=2, max_context=128)
     engine.warmup(progress=False)
     for context in (8, 100):
         r = decode_throughput(engine, 2, context, new_tokens=6)
@@ -21,7 +21,7 @@ def test_decode_throughput_counts_decode_steps_at_each_context_and_their_page_fa
 
 
 def test_a_batch_the_pool_never_holds_reads_none_instead_of_dividing_by_zero(tiny):
-    engine = make_engine(tiny, ByteTokenizer(), batch_buckets=(1,), context_buckets=(128,))
+    engine = make_engine(tiny, ByteTokenizer(), max_batch=1, max_context=128)
     engine.warmup(progress=False)
     r = decode_throughput(engine, 2, 8, new_tokens=4)  # max batch 1: never two rows at once
     assert r["steps"] == 0 and r["tokens_per_s"] is None

@@ -187,7 +187,7 @@ def tiny_engine() -> Any:
 
     cfg = tiny_config()
     engine = make_engine((cfg, init_random_params(cfg, jax.random.PRNGKey(0))), ChatBytes(),
-                         batch_buckets=(1, 2), context_buckets=(CTX,))
+                         max_batch=2, max_context=CTX)
     engine.warmup = lambda progress=True: None  # a handful of shapes compile on use instead
     return engine
 

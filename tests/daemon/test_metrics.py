@@ -285,7 +285,7 @@ def test_real_engine_reports_when_a_request_first_ran() -> None:
 
     enable_persistent_cache()  # as the engine tests do: later runs skip XLA
     cfg = tiny_config()
-    engine = make_engine((cfg, init_random_params(cfg, jax.random.PRNGKey(0))), batch_buckets=(1,))
+    engine = make_engine((cfg, init_random_params(cfg, jax.random.PRNGKey(0))), max_batch=1)
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     for i in range(3):  # one sequence at a time: r1 waits for r0, r2 is aborted while it waits
         engine.add_request(Request(f"r{i}", [2, 70, 71, 72], sp))

@@ -86,7 +86,7 @@ def tiny_engine(context: int = 512) -> Any:
     enable_persistent_cache()
     cfg = tiny_config()
     return make_engine((cfg, init_random_params(cfg, jax.random.PRNGKey(0))), ChatBytes(),
-                       context_buckets=(max(128, context),), **SPEC_RC)
+                       max_context=max(128, context), **SPEC_RC)
 
 
 @pytest.fixture

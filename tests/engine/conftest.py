@@ -26,7 +26,7 @@ class ByteTokenizer:
 
 
 TINY_RC = RunnerConfig(
-    page_size=4, batch_buckets=(1, 2, 4, 8), prefill_buckets=(4, 8, 16), context_buckets=(128,),
+    page_size=4, max_batch=8, max_chunk=16, max_context=128,
     global_pages=200, local_pages=200, ring_pages=6, fast_output=True,
 )
 

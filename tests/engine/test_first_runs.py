@@ -14,7 +14,7 @@ from engine.types import SamplingParams
 from engine.warm import max_outputs, max_tokens
 from tests.engine.conftest import SPEC_RC, make_engine, run_prompts
 
-RC = dict(batch_buckets=(1, 2), context_buckets=(32, 128), verify_tokens=(3,), spec_max_batch=2)
+RC = dict(max_batch=2, max_context=128, verify_tokens=(3,), spec_max_batch=2)
 SP = SamplingParams(max_tokens=8, ignore_eos=True)
 PROMPTS = ["abcabcabcabcab", "xyzxyzxyz", "hello there, hello there"]
 NGRAM = TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=64, version=1)
@@ -102,8 +102,8 @@ def test_proposers_shapes_run_once_without_compiling_or_changing_outputs(tiny, m
     from engine.drafting import add_model_proposers
     from engine.heads import DraftHeads
 
-    rc = {**SPEC_RC, "verify_tokens": (3, 5), "spec_max_batch": 2, "batch_buckets": (1, 2),
-          "context_buckets": (32, 128)}
+    rc = {**SPEC_RC, "verify_tokens": (3, 5), "spec_max_batch": 2, "max_batch": 2,
+          "max_context": 128}
     plain = run_prompts(make_engine(tiny, **rc), PROMPTS, SP)[0]
     e = make_engine(tiny, **rc)
     add_model_proposers(e, DraftHeads.random(tiny[0], 4, (2,), 128, seed=1, scale=0.3), vocab_sizes=(0, 128))

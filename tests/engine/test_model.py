@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from bench.padded import forward_and_write, padded_call
 from engine.kv import Batch
-from engine.runner import ModelRunner, RunnerConfig, forward_and_write
+from engine.runner import ModelRunner, RunnerConfig
 from engine.types import Request, SamplingParams
 from tests.engine.conftest import TINY_RC, ByteTokenizer, make_engine
 from tests.engine.reference import dense_logits
@@ -20,7 +21,7 @@ def _paged_logits(runner: ModelRunner, tokens: list[int], chunks: list[int], pag
     """Feed `tokens` in chunks through the paged runner; logits of every position."""
     out, pos = [], 0
     for n in chunks:
-        c = runner.new_call(1, n, pos + n)
+        c = padded_call(runner.rc, 1, n)
         T = c.tokens.shape[1]
         c.tokens[0, :n] = tokens[pos : pos + n]
         c.start[0], c.n_new[0] = pos, n
@@ -140,7 +141,7 @@ def test_the_bfloat16_output_table_is_kept_only_where_the_cpu_has_bfloat16_units
 def test_a_batch_one_runner_that_verifies_keeps_the_fast_output_table(tiny):
     """Verification scores 1 + depth rows even when the runner never batches two sequences."""
     cfg, params = tiny
-    single = dict(TINY_RC.__dict__, batch_buckets=(1,), fast_output=True)
+    single = dict(TINY_RC.__dict__, max_batch=1, fast_output=True)
     assert "embed_fast" not in ModelRunner(cfg, params, RunnerConfig(**single)).params
     verifying = RunnerConfig(**{**single, "verify_tokens": (2, 3), "spec_max_batch": 1})
     assert ModelRunner(cfg, params, verifying).params["embed_fast"].dtype == jnp.bfloat16

@@ -168,7 +168,7 @@ def test_min_p_one_keeps_only_the_best_token(tiny, unpenalized):
 
 
 def test_serving_penalized_requests_compiles_nothing_after_warmup(tiny):
-    e = make_engine(tiny, batch_buckets=(1, 2), context_buckets=(32,), verify_tokens=(3,), spec_max_batch=2)
+    e = make_engine(tiny, max_batch=2, max_context=32, verify_tokens=(3,), spec_max_batch=2)
     e.warmup(progress=False)
     e.set_policy(TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=64, version=1))
     sp = SamplingParams(max_tokens=8, ignore_eos=True, repetition_penalty=1.2, min_tokens=4)

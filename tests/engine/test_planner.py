@@ -111,32 +111,14 @@ def test_model_by_name_errors_list_choices():
         model_by_name("gemma3-1b", n_layers=3)
 
 
-def test_compiled_buckets_cover_every_length_up_to_the_limits():
+def test_the_page_tables_span_the_maximum_context_rounded_up_to_a_page():
     """One page-table width holds every context (attention reads only the real pages)."""
-    from engine.loader import batch_buckets, context_buckets
+    from engine.loader import VERIFY_TOKENS, runner_config
 
     for max_context in (50, 64, 100, 600, 1024, 4096):
-        (width,) = context_buckets(max_context)
-        assert width >= max_context and width - max_context < 16 and width % 16 == 0
-    assert context_buckets(4096) == (4096,)
-    assert batch_buckets(48) == (1, 2, 4, 8, 16, 32, 48) and batch_buckets(32, 2) == (2, 4, 8, 16, 32)
-
-
-def test_serves_defaults_compile_one_context_width_within_the_hosts_memory_mappings():
-    """XLA:CPU maps every compiled kernel separately (Linux stops a process at vm.max_map_count):
-    with one page-table width, plain decoding, prefill and speculation all compile at it, well
-    under the default cap, with or without the layer-chain proposers."""
-    from engine.loader import VERIFY_TOKENS, estimated_mappings, runner_config, split_context_buckets
-
-    for limit in (None, 65530):
-        for drafting in (True, False):
-            rc = runner_config(GEMMA3_270M, "float32", 2 << 30, 32, 4096, verify_tokens=VERIFY_TOKENS,
-                               drafting=drafting, map_limit=limit)
-            assert rc.context_buckets == rc.spec_contexts == (4096,) and rc.spec_context_buckets == ()
-            assert estimated_mappings(rc, drafting) <= 0.6 * 65530
-    # a ladder of several widths is still thinned smallest first when it does not fit
-    assert split_context_buckets((64, 128), (1,), (32,), 10**6, 65530) == ((128,), (128,))  # never fewer than one
-    assert split_context_buckets((64, 128), (1,), (32,), 0, None) == ((64, 128), (64, 128))
+        rc = runner_config(GEMMA3_270M, "float32", 2 << 30, 32, max_context, verify_tokens=VERIFY_TOKENS)
+        assert rc.max_context >= max_context and rc.max_context - max_context < 16 and rc.max_context % 16 == 0
+        assert rc.max_chunk <= rc.ring_pages * rc.page_size and rc.spec_max_batch <= rc.max_batch
 
 
 def test_a_split_lends_pages_and_a_technique_pays_from_the_same_budget():

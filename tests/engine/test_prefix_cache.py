@@ -180,7 +180,7 @@ def _one_by_one(engine, prompts, sp=GREEDY):
     return outs, stats
 
 
-LONG_CHUNKS = {"prefill_buckets": (4, 8, 24)}
+LONG_CHUNKS = {"max_chunk": 24}
 """Chunks as long as the ring (24 tokens): a chunk's first queries still read the blocks its last
 tokens wrap onto, so a replaced ring entry must be read from its old page (KVPool.fill_tables)."""
 

@@ -35,8 +35,8 @@ n = int(sys.argv[1])
 layout = lambda a: str(getattr(a.sharding, "spec", "single device"))
 # One N per process: every compiled shape holds memory mappings (engine/loader.py). Batch 1 and
 # one batch for all prompts, one chunk, one context: what the check needs, compiled for N = 1, 2, 4.
-e = make_engine(tiny, verify_tokens=(3,), spec_max_batch=8, tensor_parallel=n, batch_buckets=(1, 8),
-                prefill_buckets=(16,), context_buckets=(128,))
+e = make_engine(tiny, verify_tokens=(3,), spec_max_batch=8, tensor_parallel=n, max_batch=8,
+                max_chunk=16, max_context=128)
 e.warmup(progress=False)
 before = compile_count()
 plain = run_prompts(e, SPEC_PROMPTS, sp)[0]

@@ -27,7 +27,6 @@ def engine():
     from engine.loader import load_engine
 
     before = memory_mappings()
-    # one 128-token context bucket keeps warmup to ~20 full-model shapes
     e = load_engine(dtype="float32", max_batch=4, max_context=128, progress=False, speculation=True,
                     spec_max_batch=4)
     e.warmup(progress=False)
@@ -35,17 +34,15 @@ def engine():
     return e
 
 
-def test_warmup_maps_no_more_memory_than_the_loader_budgets(engine):
-    """The mapping estimate that thins the context buckets (engine.loader.MAPS_PER_SHAPE) is an
-    upper bound on what loading and warming up every shape and proposer really maps."""
+def test_warmup_maps_well_under_the_hosts_default_mapping_cap(engine):
+    """XLA:CPU maps every compiled kernel (Linux stops a process at vm.max_map_count, 65530 by
+    default): loading and warming up every ragged call and proposer stays under half of it."""
     import jax
-
-    from engine.loader import estimated_mappings
 
     if engine.test_mappings_added is None or jax.default_backend() != "cpu":
         pytest.skip("counts XLA:CPU's memory mappings in /proc/self/maps")
     assert {"early_exit", "draft"} <= set(engine.proposers)
-    assert 0 < engine.test_mappings_added <= estimated_mappings(engine.runner.rc, drafting=True)
+    assert 0 < engine.test_mappings_added <= 65530 // 2
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from engine.policy import BatchRule, TunedPolicy
 from engine.types import SamplingParams
 from tests.engine.conftest import make_engine, run_prompts
 
-SMALL = dict(batch_buckets=(1, 2), context_buckets=(32,), verify_tokens=(3,), spec_max_batch=2)
+SMALL = dict(max_batch=2, max_context=32, verify_tokens=(3,), spec_max_batch=2)
 """Few shapes: one context, batches 1 and 2, one verify size (depth 2)."""
 NGRAM = TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=64, version=1)
 SP = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -142,7 +142,7 @@ def test_a_background_warmup_stops_at_close(tiny):
 def test_speculation_above_the_compiled_batches_is_clamped_visibly(tiny, caplog):
     """spec_max_batch 2: a policy speculating to batch 64 is served clamped, which the engine's
     status (/ready) and the log say; batches above 2 decode plainly, smaller ones speculate."""
-    e = make_engine(tiny, batch_buckets=(1, 2, 4), context_buckets=(32,), verify_tokens=(3,), spec_max_batch=2)
+    e = make_engine(tiny, max_batch=4, max_context=32, verify_tokens=(3,), spec_max_batch=2)
     e.warmup(progress=False)
     e.set_policy(NGRAM)
     with caplog.at_level(logging.WARNING, logger="crossover.engine"):

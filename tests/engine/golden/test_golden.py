@@ -71,13 +71,13 @@ def test_greedy_continuations_equal_transformers(engine, golden):
 
 
 def test_prompt_logits_match_within_tolerance(engine, golden):
+    from bench.padded import forward_and_write, padded_call
     from engine.kv import Batch
-    from engine.runner import forward_and_write
 
     case = next(c for c in golden["cases"] if c["name"] == "question")
     ids = case["prompt_ids"]
     r = engine.runner
-    c = r.new_call(1, len(ids), len(ids))
+    c = padded_call(r.rc, 1, len(ids))
     c.tokens[0, : len(ids)] = ids
     c.n_new[0] = len(ids)
     c.global_table[0, :4] = [1, 2, 3, 4]  # scratch-free pages; the pool is idle during this test
