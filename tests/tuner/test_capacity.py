@@ -158,8 +158,7 @@ def test_a_draft_that_pays_for_its_pages_lends_on_a_memory_bound_load_too() -> N
 
 def test_capacity_from_the_engine_names_the_lent_kv_techniques() -> None:
     proposers = {"draft": ProposerCapacity(0, 0, 4), "mtp": ProposerCapacity(1, 2, 2)}
-    cap = Capacity.from_engine(EngineCapacity(100, 100, 16, 0, 4, (1, 2, 4), 24, 16, (1, 2, 4),
-                                              proposers=proposers))
+    cap = Capacity.from_engine(EngineCapacity(100, 100, 16, 0, 4, 24, 16, proposers=proposers))
     assert dict(cap.lent_kv) == {"draft": 1.0} and cap.max_batch == 24
     assert (cap.max_depth, cap.spec_max_batch, cap.depths) == (4, 16, ())  # every depth to 4
     assert cap.proposer_depths == {"draft": 4, "mtp": 2}
