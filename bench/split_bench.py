@@ -190,7 +190,7 @@ def decide(cfg: Any, engine: Any, dbs: list[Path]) -> dict[str, Any]:
     from tuner.config import TunerConfig
     from tuner.data import read_requests, read_steps
     from tuner.model import PerfModel
-    from tuner.objective import Capacity, evaluate, padding_of
+    from tuner.objective import Capacity, evaluate
     from tuner.space import SearchSpace
     from tuner.split import solve_splits
     from tuner.traffic import observe
@@ -207,7 +207,7 @@ def decide(cfg: Any, engine: Any, dbs: list[Path]) -> dict[str, Any]:
     capacity = _capacity(Capacity.from_engine(engine.capacity()), cfg.split_technique)
     if not capacity.pools:  # EngineCapacity does not list its pools yet: read the engine's own
         capacity = dataclasses.replace(capacity, pools=engine_pools(engine))
-    model = PerfModel.fit(steps, requests, buckets=padding_of(capacity))
+    model = PerfModel.fit(steps, requests)
     tuner = TunerConfig()
     traffic = observe(steps, requests, tuner.concurrency_quantile)
     space = SearchSpace.build(dataclasses.replace(tuner, max_depth=max(1, capacity.max_depth)), capacity)

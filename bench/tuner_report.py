@@ -592,9 +592,7 @@ def _describe(engine: Any) -> dict[str, Any]:
 
         rc = engine.runner.rc
         info.update(engine="EngineCore", dtype=rc.dtype, backend=jax.default_backend(),
-                    spec_max_batch=capacity.spec_max_batch, verify_tokens=list(rc.verify_tokens),
-                    # the timed shapes the tuner prices unmeasured verifies by (engine/first_runs.py)
-                    shape_ms={f"{b}x{q}": round(ms, 1) for (b, q), ms in capacity.shape_ms})
+                    spec_max_batch=capacity.spec_max_batch, verify_tokens=list(rc.verify_tokens))
     return info
 
 

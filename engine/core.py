@@ -153,16 +153,14 @@ class EngineCore:
         return self._chooser.policy
 
     def capacity(self) -> EngineCapacity:
-        """The pool, the compiled shapes and the loaded proposers (for the daemon and tuner)."""
+        """The pool, the depth and batch limits and the loaded proposers (for the daemon and tuner)."""
         rc, pool = self.runner.rc, self.pool
         total = pool.total + pool.reserved
         return EngineCapacity(
             total_pages=total, usable_pages=pool.total, page_size=pool.page_size,
             page_bytes=int(self.runner.kv.nbytes() // total) if total else 0,
             max_depth=max(rc.verify_tokens, default=1) - 1,
-            verify_depths=tuple(sorted(q - 1 for q in rc.verify_tokens if q > 1)),
             max_batch=rc.max_batch, spec_max_batch=rc.spec_max_batch,
-            batch_buckets=(),
             proposers={n: ProposerCapacity(p.resident_bytes(), p.per_sequence_bytes(1), p.max_depth,
                                            tuple(getattr(p, "vocab_sizes", ())))  # MTP heads only
                        for n, p in self.proposers.items()},

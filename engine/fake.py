@@ -192,17 +192,11 @@ class FakeEngine:
         return self._chooser.policy
 
     def capacity(self) -> EngineCapacity:
-        """The fake's pool and proposers: every depth up to max_depth, no padding; with a cost,
-        every decode and verify shape's forward "timed" at that cost, as the real engine times
-        its shapes in idle moments (engine/first_runs.py)."""
-        timed = () if self.cost is None else tuple(
-            ((b, 1 + d), round(self.cost.times(b, d, drafts=0)[0], 4))
-            for b in range(1, self.max_batch + 1) for d in range(self.max_depth + 1))
+        """The fake's pool and proposers: every depth up to max_depth, as the real engine's."""
         return EngineCapacity(
-            self.num_pages, self.num_pages, self.page_size, 0, self.max_depth, (), self.max_batch,
-            self.max_batch, (), {n: ProposerCapacity(p.resident, p.per_draft, p.max_depth,
-                                                     p.draft_vocabs)
-                                 for n, p in self.proposers.items()}, shape_ms=timed)
+            self.num_pages, self.num_pages, self.page_size, 0, self.max_depth, self.max_batch,
+            self.max_batch, {n: ProposerCapacity(p.resident, p.per_draft, p.max_depth, p.draft_vocabs)
+                             for n, p in self.proposers.items()})
 
     def has_work(self) -> bool:
         with self._lock:

@@ -2,8 +2,8 @@
 
 `FakeProposer.accepts` decides by a hash how many drafts a row accepts, so
 acceptance is known exactly; `FakeCost` prices a step as a linear model of
-its batch size, verify depth and draft tokens, so goodput per policy is
-known exactly too.
+its batch size and the token rows it verifies (each row 1 + its drafts, as
+the engine's ragged steps run them), so goodput per policy is known exactly too.
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ class FakeProposer:
 class FakeCost:
     """Simulated step time, reported instead of the measured one.
 
-    step_ms = base_ms + per_seq_ms * B + per_token_ms * B * q + per_sampled_ms * S * q + propose_ms
-    with q = 1 + depth, S the rows that sample (temperature > 0), propose_ms = per_draft_ms * drafts
-    and drafts = B * depth unless given. In a step whose rows draft at several depths, depth is
-    the verify depth (the deepest row's: every row of the verify call pays it, as in the real
-    engine) and drafts the draft tokens of all rows.
+    step_ms = base_ms + per_seq_ms * B + per_token_ms * R + per_sampled_ms * S * R / B + propose_ms
+    with R = B + drafts the token rows the rows run (each row 1 + its own drafts, as in the
+    engine's ragged steps), S the rows that sample (temperature > 0), propose_ms =
+    per_draft_ms * drafts and drafts = B * depth unless given: in a step whose rows draft at
+    several depths, the draft tokens of all rows (a sampled row counts at the mean R / B).
 
     >>> [round(ms, 3) for ms in FakeCost().times(4, 2) + FakeCost().times(4, 2, drafts=3)]
-    [7.4, 0.4, 7.15, 0.15]
+    [7.4, 0.4, 6.65, 0.15]
     """
 
     base_ms: float = 5.0
@@ -63,7 +63,9 @@ class FakeCost:
     per_sampled_ms: float = 0.0
 
     def times(self, batch: int, depth: int, sampled: int = 0, drafts: int | None = None) -> tuple[float, float]:
-        """(step_ms, propose_ms) for a decode batch of `batch` verified at `depth`."""
-        propose = self.per_draft_ms * (batch * depth if drafts is None else drafts)
-        step = self.base_ms + self.per_seq_ms * batch + self.per_token_ms * batch * (1 + depth)
-        return step + self.per_sampled_ms * sampled * (1 + depth) + propose, propose
+        """(step_ms, propose_ms) for a decode batch of `batch` rows drafting `drafts` tokens
+        together (default: each `depth`)."""
+        drafts = batch * depth if drafts is None else drafts
+        propose, rows = self.per_draft_ms * drafts, batch + drafts
+        step = self.base_ms + self.per_seq_ms * batch + self.per_token_ms * rows
+        return step + self.per_sampled_ms * sampled * rows / max(batch, 1) + propose, propose

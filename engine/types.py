@@ -368,25 +368,13 @@ class EngineCapacity:
     page_bytes: int
     """Accelerator bytes per page (0: unknown)."""
     max_depth: int
-    """Deepest draft the engine verifies."""
-    verify_depths: tuple[int, ...]
-    """Depths verified without padding (1 + depth is a compiled verify size); empty: every
-    depth up to max_depth."""
+    """Deepest draft the engine verifies (any depth up to it, each row at its own)."""
     max_batch: int
     """Most sequences decoded together."""
     spec_max_batch: int
     """Largest batch the engine speculates at."""
-    batch_buckets: tuple[int, ...]
-    """Compiled batch sizes (a batch runs padded to the next one); empty: unpadded."""
     proposers: dict[str, ProposerCapacity] = field(default_factory=dict)
     """Technique name -> the loaded proposer."""
-    segment_shapes: tuple[tuple[int, int, int], ...] = ()
-    """(plain rows, drafting rows, 1 + depth) of segmented verifies, both row counts batch
-    buckets, for the tuner's padding model (`segment_split` says when a step would run one);
-    the engine's ragged steps run none, so it reports none."""
-    shape_ms: tuple[tuple[tuple[int, int], float], ...] = ()
-    """((batch, 1 + depth), ms) of decode and verify shapes timed on the scratch page; the
-    engine's ragged steps time none (the fake engine reports its FakeCost's)."""
 
 
 def pow2_bucket(n: float) -> int:
@@ -397,27 +385,3 @@ def pow2_bucket(n: float) -> int:
     [1, 1, 2, 4, 32, 32]
     """
     return 1 << max(0, int(n) - 1).bit_length()
-
-
-def segment_split(plain: int, drafting: int, q: int, batch_buckets: tuple[int, ...],
-                  shapes) -> tuple[int, int] | None:
-    """The padded (plain rows, drafting rows) of a segmented verify for a decode batch of `plain`
-    rows that draft nothing and `drafting` rows verified at q = 1 + depth (already a verify
-    bucket); None when one padded verify [bucket(plain + drafting), q] runs instead: a part is
-    empty, no compiled shape of `shapes` ((plain, drafting, q) triples) fits, or the segments
-    would run no fewer rows. The tuner's padding model (tuner/shapes.py) decides so.
-
-    >>> segment_split(3, 3, 5, (1, 2, 4, 8), {(4, 4, 5)})   # 4 + 4 * 5 = 24 rows against 8 * 5
-    (4, 4)
-    >>> segment_split(1, 3, 5, (1, 2, 4, 8), {(1, 4, 5)}) is None   # 1 + 20 against 4 * 5
-    True
-    """
-    if plain <= 0 or drafting <= 0 or not batch_buckets:
-        return None
-    pad = lambda n: next((b for b in batch_buckets if b >= n), None)  # noqa: E731
-    bp, bv, whole = pad(plain), pad(drafting), pad(plain + drafting)
-    if bp is None or bv is None or (bp, bv, q) not in shapes:
-        return None
-    if whole is not None and bp + bv * q >= whole * q:
-        return None
-    return bp, bv

@@ -1,8 +1,9 @@
 """crossover tuner: telemetry -> performance model -> Optuna -> a validated TunedPolicy.
 
     data       the tuner's reads of xo_steps (as StepStats) and xo_requests (RequestRow)
-    model      PerfModel: step time by batch and query length, proposer cost; its error on
-               held-out steps
+    model      PerfModel: step time by the sequences and token rows a step runs, proposer
+               cost; its error on held-out steps
+    stepfit    the step-time fits (least squares) and the older steps that fill their gaps
     acceptance the model's acceptance fits: by technique, draft position, tenant and depth
     rows       a step's row classes as the fits count them (per tenant; several proposers)
     traffic    Traffic: batch-size mix, concurrency, arrival rate, lengths, tenant mix

@@ -89,9 +89,9 @@ class TunerConfig:
     """Most recent raw steps read for a fit."""
     cost_window_s: float = field(default=21600.0, metadata=between(0.0, 30 * DAY_S))
     """Older telemetry whose steps fill the step-time fit's gaps, seconds before the fit window:
-    a (batch, query length) shape with fewer than MIN_SHAPE_STEPS steps in the fit window takes
-    its newest ones from here (tuner.shapes.cost_history). Step times follow the machine and
-    the shapes, not the traffic; acceptance and traffic come from the fit window only."""
+    a (batch size, depth) with fewer than MIN_SHAPE_STEPS steps in the fit window takes its
+    newest ones from here (tuner.stepfit.cost_history). Step times follow the machine and the
+    rows, not the traffic; acceptance and traffic come from the fit window only."""
     min_new_steps: int = field(default=500, metadata=between(0, 1 << 30))
     """A scheduled retune is skipped (and recorded) with fewer new steps since the last one,
     each counted once per sequence it ran (tuner.data.count_step_rows): a step of 32

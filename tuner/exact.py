@@ -35,8 +35,8 @@ above the last range, which never speculate). Steps:
    allows: the marginal choice, since a little traffic there adds share ×
    (1 − g × ms/token) to the ratio's terms whatever g is. Only within what
    the step-time fit saw: a probe batch inside `PerfModel.batch_span`, a cell
-   whose step runs no more rows (batch × query length) than
-   `PerfModel.max_rows`; beyond them the model extrapolates. The fill never
+   whose step runs no more token rows (batch × (1 + the drafts a row verifies))
+   than `PerfModel.max_rows`; beyond them the model extrapolates. The fill never
    changes the goodput predicted on the observed traffic; between footprints
    of equal goodput the one whose unobserved ranges run fastest wins, then
    the one lending fewer pages. A range beyond what the fit saw keeps the
@@ -257,8 +257,9 @@ def cell_cost(model: PerfModel, at: Traffic, batch: int, cell: tuple[str, int], 
     """Predicted ms per output token of `cell` drafting every row of `at` (a probe at `batch`),
     infinite for a drafting cell whose step runs more rows than any the fit saw."""
     technique, depth = cell
-    padded, q = model.padding.pad(batch, 1 + drafted_depth(technique, depth, capacity))
-    if technique != "none" and model.max_rows is not None and padded * q > model.max_rows:
+    rows = batch * (1.0 + model.drafts_per_row(technique, drafted_depth(technique, depth, capacity),
+                                               at.mix_at(batch), vocab))
+    if technique != "none" and model.max_rows is not None and rows > model.max_rows:
         return math.inf
     figures = (cell_figures(model, at, cell, vocab, capacity) if cache is None
                else cache.figures(model, at, cell, vocab, capacity))

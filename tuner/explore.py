@@ -8,8 +8,9 @@ applies with its own random stream (`engine.chooser.StepChooser`):
   (technique, depth) cell the telemetry lacks, so a fresh daemon measures
   each cell a few times on live traffic;
 - afterwards a share `explore_share` of decisions tries a neighbouring
-  depth: the next shallower or deeper of the depths the engine verifies
-  without padding (the shallowest where the policy says "none", with a
+  depth: the next shallower or deeper of the searched depths (every depth
+  up to the engine's max_depth unless Capacity.depths names some; the
+  shallowest where the policy says "none", with a
   loaded technique in turn). A neighbour is what a local decision needs
   (should this batch size go one step deeper or shallower?) and costs far
   less than a random depth, which at a large batch can take several times a
@@ -111,7 +112,7 @@ class ExplorationPlan:
         self.max_depth = min(capacity.max_depth, config.max_depth)
         verified = tuple(d for d in capacity.depths if d <= self.max_depth)
         self.depths = verified or tuple(range(1, self.max_depth + 1))
-        """The depths exploration tries (those verified without padding)."""
+        """The depths exploration tries (the searched depths: Capacity.depths, else all)."""
         self.proposer_depth = {t: min(self.max_depth, capacity.proposer_depths.get(t, self.max_depth))
                                for t in self.techniques}
         self.catch_up = tuple(t for t in self.techniques if t in capacity.lent_kv)

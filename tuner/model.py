@@ -1,44 +1,45 @@
 """The performance model: step time and acceptance, fitted from recorded steps.
 
-Step time splits into the target model's forward and the proposer's work:
+A step is one ragged forward (engine/ragged_step.py): every decode row verifies its own
+drafts at its own depth and the prefill chunks ride in the same call, so nothing is padded
+to a compiled batch size or query length. Step time splits into the target model's forward
+and the proposer's work:
 
-    step_ms = target(B, R, P) + sampling(S, A, R, q) + propose(technique, B, depth)
-    target  = t0 + t1*B + t3*R + t5*R^2 + t4*P        (R = B*q, q = 1 + depth, P = prefill tokens)
-    sampling = s0*S*q + s1*A*R                        (S = rows that sample, A = 1 if any does)
+    step_ms = target(B, R, P) + sampling(S, A, R) + propose(technique, B, depth)
+    target  = t0 + t1*B + t3*R + t5*R^2 + t4*P        (R = decode token rows, P = prefill tokens)
+    sampling = s0*S*R/D + s1*A*R                      (S = rows that sample, A = 1 if any does)
     propose = p0 + p1*B + p2*B*depth                  (per technique, on its rows; 0 for "none")
 
-R is the rows the forward runs (every row passes the layers and the full
-output layer), B the sequences whose cache it reads; with one verify for the
-whole batch R = B*q. A segmented verify (of the engine's former padded steps) runs the rows
-that draft nothing as a plain segment [Bp, 1] beside the drafting rows
-[Bv, q] in one forward: B = Bp + Bv and R = Bp + Bv*q (tuner.shapes:
-`Padding.rows`, `Padding.ran`; the engine's own rule,
-`engine.types.segment_split`, says when). The fit has no q-only
-term (t2 is kept in the tuple for a caller's own model, fitted as 0): with
-one, steps measured at small batches could explain the cost of deeper
-verifies by q alone, and the model would carry that to large batches as
-almost free. The rows term carries across batch sizes, but a row does not
-cost the same everywhere: a forward of a few rows is bound by reading the
-weights, and a row it adds costs 1-2 ms here, while in a batch-32 verify of
-96 rows each drafted row added 4.6 ms (`bench tuner --quick`, the fixed
-n-gram@2 run). Linear in R, a fit of every shape priced that verify at 0.77
-of its measured time even with 57 of its steps in the fit; t5*R^2 makes
-the row cost grow with the rows (convex, as non-negative), which priced it
-at 1.00 and, with every verify above batch 8 left out of the fit, at 0.90
-(linear: 0.77), so a large verify the window has not run is priced closer
-to its cost instead of far below it.
+R is the token rows the step's D decode rows run: each row 1 + the drafts it verifies (a row
+at depth d that drafted d tokens runs 1 + d, one whose proposer found none runs 1), and each
+of them passes the layers and the output layer. B is the sequences whose cache the step
+reads (its decode rows and its prefill chunks), P the prompt tokens its chunks run: they
+reach the output layer only at a chunk's last token, so they have a term of their own. A
+recorded step ran R = D + proposed (tuner.stepfit.ran); a prediction runs R = B*(1 + n),
+n = depth × the share of rows that draft (`drafts_per_row`: the fitted draft share, the
+same share its tokens count), so rows that draft nothing cost one row, not the depth. The
+fit has no q-only term (t2 is kept in the tuple for a caller's own model, fitted as 0):
+with one, steps measured at small batches could explain the cost of deeper verifies by
+depth alone, and the model would carry that to large batches as almost free. The rows term
+carries across batch sizes, but a row does not cost the same everywhere: a forward of a few
+rows is bound by reading the weights, and a row it adds costs 1-2 ms here, while in a
+batch-32 verify of 96 rows each drafted row added 4.6 ms (`bench tuner --quick`, the fixed
+n-gram@2 run). Linear in R, a fit of every shape priced that verify at 0.77 of its measured
+time even with 57 of its steps in the fit; t5*R^2 makes the row cost grow with the rows
+(convex, as non-negative), which priced it at 1.00 and, with every verify above batch 8
+left out of the fit, at 0.90 (linear: 0.77), so a large verify the window has not run is
+priced closer to its cost instead of far below it. (Those figures were measured on the
+engine's former padded steps, where R was the batch times the query length.)
 
-B and q are the shape the step ran at: the engine pads a batch to its next
-compiled batch size and a verify to its next compiled query length (the
-`Padding` the search passes in), so batch 17 costs what batch 32 does.
+The context the rows read has no term: attention reads each row's cached tokens, but steps
+do not record how many (`kv_pages_used` counts the pool's pages, prefix-cache pages and
+sequences the step did not run included), so that cost rides on t1 at the context the
+fitted traffic had.
 
 The target part is shared by all techniques (verification is the same
 forward whatever drafted it), fitted on step_ms - propose_ms by least squares
-weighted by 1/step_ms (so it minimizes relative error), with q the verify
-depth (the deepest row's: every drafting row is padded to it, and so is every
-row of a step that ran one padded verify; a step that ran segmented,
-`StepStats.plain_rows` > 0, counts its plain rows at 1). The proposers' parts
-are fitted jointly on propose_ms, each on the rows that drafted with it
+weighted by 1/step_ms (so it minimizes relative error), each step at the rows it ran.
+The proposers' parts are fitted jointly on propose_ms, each on the rows that drafted with it
 (tuner.rows): under per-tenant rules one step may run several proposers and
 records their sum. Every coefficient is a cost, so both fits are
 non-negative least squares: a few slow, collinear steps (one busy minute at
@@ -48,29 +49,18 @@ extrapolation predicts deep drafts far faster than plain decoding.
 Sampling (temperature > 0) costs more than an argmax: the top-k / top-p
 filter and the draw run at each verified position. An engine that
 samples only the rows that ask pays s0 per sampled row and position; one that
-runs its sampler over the whole padded verify once any row samples (this
-engine's `lax.cond`) pays s1 per row and position of such steps (R). A sampled row
-counts at q even where it ran in a plain segment (steps do not record which segment
-their sampled rows ran in): an approximation on segmented steps. Both terms are
-fitted with the target part (non-negative; 0 where no step sampled), so a
-window of greedy steps predicts sampled traffic no cheaper than it runs, and
-the objective prices the share of sampled rows the traffic shows
+runs its sampler over every row of the step once any row samples pays s1 per
+row of such steps (R). A sampled row counts at the step's mean rows per decode row, R/D
+(steps do not record which rows sampled): an approximation on steps whose rows verify
+different depths. Both terms are fitted with the target part (non-negative; 0 where no
+step sampled), so a window of greedy steps predicts sampled traffic no cheaper than it
+runs, and the objective prices the share of sampled rows the traffic shows
 (`Traffic.sampled_rows`, `Traffic.sampled_steps`).
 
-The terms are one smooth surface; a compiled shape that at least 3 steps
-without prefill ran also gets a factor on its decode forward, its measured
-steps' median ratio to the terms shrunk toward 1 (`shape_factor`, fitted in
-tuner.stepfit, which holds all the step-time fits): a shape measured often
-enough is priced by its measurement, any other by the terms. A verify shape
-(query length > 1) is priced above the terms by their typical error until
-its own steps say otherwise (`unmeasured_verify`, and its factor shrinks
-toward that price): the terms priced a batch-32 verify at depth 1 at 0.72 of
-what it took here, and the tuner drafted there at 0.84x plain decoding.
-
-A window of busy traffic may hold only one or two shapes; `cost_history`
-(tuner.shapes) adds older steps of the shapes it lacks to the step-time fits
-(not to acceptance), because step times follow the machine and the shapes,
-not the traffic.
+A window of busy traffic may hold only one or two (batch size, depth) shapes;
+`cost_history` (tuner.stepfit) adds older steps of the shapes it lacks to the step-time
+fits (not to acceptance), because step times follow the machine and the rows, not the
+traffic.
 
 Acceptance (conditional rates per technique, draft position and tenant; the
 share of rows that draft; a factor per measured depth) is fitted in
@@ -105,8 +95,7 @@ from tuner.acceptance import (
 )
 from tuner.data import RequestRow
 from tuner.rows import propose_columns
-from tuner.shapes import Padding, next_size
-from tuner.stepfit import fit_propose, fit_target, shape_factors
+from tuner.stepfit import fit_propose, fit_target, ran
 
 MIN_FIT_ROWS = 8
 
@@ -150,44 +139,35 @@ class PerfModel:
     """Technique key -> measured depth -> factor on the drafted tokens (see the module doc)."""
     floor_ms: float = 0.01
     """Predictions never go below this (a quarter of the fastest step seen)."""
-    padding: Padding = Padding()
-    """The shapes steps run padded to; step time is a function of those."""
     rows_sq: float = 0.0
-    """t5: ms per squared forward row (the convex part of the rows cost; module docstring)."""
-    shape_factor: Mapping[tuple[int, int, int], float] = field(default_factory=dict)
-    """(cache rows read, forward rows run, query length) -> factor on the decode forward of
-    that shape: its measured steps' correction of the terms (tuner.stepfit.shape_factors)."""
-    unmeasured_verify: float = 1.0
-    """Factor on the decode forward of a verify shape (query length > 1) without a factor of
-    its own: the terms' typical error (tuner.stepfit.shape_factors), so speculation is
-    decided on an upper estimate of what a shape not yet measured costs."""
+    """t5: ms per squared decode token row (the convex part of the rows cost; module docstring)."""
     sampling: tuple[float, float] = (0.0, 0.0)
-    """(s0, s1): ms per sampled row and verified position; ms per padded row and position of
-    a step where any row samples (see the module docstring)."""
+    """(s0, s1): ms per sampled row and verified position; ms per decode token row of a step
+    where any row samples (see the module docstring)."""
     batch_span: tuple[int, int] | None = None
     """(smallest, largest) batch size among the steps the step-time fit saw (the fit window and
     the cost history); None: no bound (a model made by hand). Beyond it the per-row and
     per-step costs are extrapolated: the exact solve prices no unobserved range there."""
     max_rows: int | None = None
-    """The most rows one of those steps ran (padded batch × query length, or a segmented
-    verify's Bp + Bv × q: Padding.ran); None: no bound. The exact solve fills no unobserved
-    range with a cell whose step would run more (tuner.exact)."""
+    """The most decode token rows (R: decode rows plus the drafts they verified,
+    tuner.stepfit.ran) one of those steps ran; None: no bound. The exact solve fills no
+    unobserved range with a cell whose step would run more (tuner.exact)."""
 
     # -- fitting ------------------------------------------------------------
     @staticmethod
     def fit(steps: Sequence[StepStats], requests: Sequence[RequestRow] = (),
-            vocab_of: Mapping[int, int] | None = None, buckets: Padding = Padding(),
+            vocab_of: Mapping[int, int] | None = None,
             history: Sequence[StepStats] = ()) -> PerfModel:
-        """Fit on `steps` (and per-tenant acceptance on `requests`), steps padded by `buckets`;
-        `history` (older steps, see cost_history) joins the step-time fits only."""
+        """Fit on `steps` (and per-tenant acceptance on `requests`); `history` (older steps,
+        see tuner.stepfit.cost_history) joins the step-time fits only."""
         if len(steps) < MIN_FIT_ROWS:
             raise NotEnoughTelemetry(f"{len(steps)} steps; the model needs at least {MIN_FIT_ROWS}")
         vocab_of = vocab_of or {}
         timed = [*history, *steps]
         acceptance = fit_acceptance(steps, vocab_of)
         draft_share = fit_draft_share(steps, vocab_of)
-        target, rows_sq, sampling = fit_target(timed, buckets)
-        model = PerfModel(
+        target, rows_sq, sampling = fit_target(timed)
+        return PerfModel(
             target=target,
             rows_sq=rows_sq,
             sampling=sampling,
@@ -198,24 +178,19 @@ class PerfModel:
             draft_share=draft_share,
             depth_factor=fit_depth_factors(steps, vocab_of, acceptance, draft_share),
             floor_ms=0.25 * min(s.step_ms for s in steps),
-            padding=buckets,
             batch_span=(min(s.batch_size for s in timed), max(s.batch_size for s in timed)),
-            max_rows=int(max(buckets.ran(s)[1] for s in timed)),
+            max_rows=int(max(ran(s)[1] for s in timed)),
         )
-        factors, unmeasured = shape_factors(timed, buckets, model._ran_ms, model._terms_ms)
-        return replace(model, shape_factor=factors, unmeasured_verify=unmeasured)
 
     @staticmethod
     def fit_with_report(steps: Sequence[StepStats], requests: Sequence[RequestRow] = (),
                         vocab_of: Mapping[int, int] | None = None, holdout_every: int = 5,
-                        buckets: Padding = Padding(),
                         history: Sequence[StepStats] = ()) -> tuple[PerfModel, ErrorReport]:
         """Fit without every `holdout_every`-th step, report the error on those, refit on all."""
         held = [s for i, s in enumerate(steps) if i % holdout_every == holdout_every - 1]
         train = [s for i, s in enumerate(steps) if i % holdout_every != holdout_every - 1]
-        report = PerfModel.fit(train, requests, vocab_of, buckets, history).error_report(
-            held, vocab_of)
-        return PerfModel.fit(steps, requests, vocab_of, buckets, history), report
+        report = PerfModel.fit(train, requests, vocab_of, history).error_report(held, vocab_of)
+        return PerfModel.fit(steps, requests, vocab_of, history), report
 
     def remembering(self, recent: Sequence[StepStats], older: Sequence[StepStats],
                     vocab_of: Mapping[int, int]) -> PerfModel:
@@ -228,41 +203,59 @@ class PerfModel:
     # -- predictions ----------------------------------------------------------
     def predict_step_ms(self, technique: str, depth: int, batch: float, prefill: float = 0.0,
                         draft_vocab: int = 0, sampled: float = 0.0,
-                        any_sampled: float | None = None, plain: float = 0.0) -> float:
-        """Predicted step time (ms) of a decode batch of `batch` at `depth`, `sampled` of its
-        rows sampling (a mean for traffic), `any_sampled` the chance that any row does
-        (default: 1 when sampled > 0) and `plain` of its rows drafting nothing (they run in a
-        plain segment where the engine runs a segmented verify: Padding.rows).
+                        any_sampled: float | None = None, drafts: float | None = None) -> float:
+        """Predicted step time (ms) of a decode batch of `batch` rows at `depth`, `sampled` of
+        its rows sampling (a mean for traffic), `any_sampled` the chance that any row does
+        (default: 1 when sampled > 0) and each row verifying `drafts` drafts on average
+        (default: `drafts_per_row`, the fitted draft share of the depth).
 
-        >>> m = PerfModel(target=(10.0, 0, 0, 1.0, 0), padding=Padding((1, 2, 4), (1, 5),
-        ...               frozenset({(2, 2, 5)})))
-        >>> m.predict_step_ms("none", 4, 4), m.predict_step_ms("none", 4, 4, plain=2)  # 4*5, 2+2*5
-        (30.0, 22.0)
+        >>> m = PerfModel(target=(10.0, 0, 0, 1.0, 0), draft_share={"ngram": 0.5})
+        >>> m.predict_step_ms("ngram", 4, 4), m.predict_step_ms("ngram", 4, 4, drafts=4.0)
+        (22.0, 30.0)
+
+        (10 + 4 rows × (1 + 4 × 0.5) token rows; 10 + 4 × 5 where every row drafts 4.)
         """
-        read, rows = self.padding.rows(batch, 1 + depth, plain)
-        q = int(next_size(1 + depth, self.padding.query))
-        ms = self._forward_ms(read, rows, q, prefill, sampled, any_sampled)
+        if drafts is None:
+            drafts = self.drafts_per_row(technique, depth, None, draft_vocab)
+        ms = self.forward_ms(batch, batch * (1.0 + drafts), prefill, sampled, any_sampled)
         if depth and technique != "none":  # proposers work on the real rows (fitted so)
             ms += self._propose_ms(technique, depth, batch, draft_vocab)
         return max(ms, self.floor_ms)
 
-    def _forward_ms(self, read: float, rows: float, q: int, prefill: float, sampled: float,
-                    any_sampled: float | None = None) -> float:
-        """The target forward and sampling terms of a step reading `read` rows' cache and
-        running `rows` rows at (padded) query length `q` (module docstring)."""
+    def drafts_per_row(self, technique: str, depth: int, mix: Mapping[str, float] | None = None,
+                       draft_vocab: int = 0, share: float | None = None) -> float:
+        """Drafts one decode row verifies on average at (technique, depth), the token rows it
+        runs beyond its one (module docstring): the depth times the share of rows that draft,
+        each tenant's of `mix` (weighted) where measured, else the pooled one; `share` given
+        replaces them (a draft model's follows the pool split, as in expected_tokens_per_seq).
+
+        >>> m = PerfModel(target=(1, 0, 0, 0, 0), draft_share={"ngram": 0.5, "ngram|copy": 1.0})
+        >>> m.drafts_per_row("ngram", 4), m.drafts_per_row("ngram", 4, {"copy": 0.5, "chat": 0.5})
+        (2.0, 3.0)
+        """
+        if technique == "none" or not depth:
+            return 0.0
+        if share is None:
+            total = sum(mix.values()) if mix else 0.0
+            share = (sum(w * self.share(technique, t, draft_vocab) for t, w in mix.items()) / total
+                     if mix and total > 0 else self.share(technique, None, draft_vocab))
+        return depth * float(share)
+
+    def forward_ms(self, read: float, rows: float, prefill: float = 0.0, sampled: float = 0.0,
+                   any_sampled: float | None = None, decode: float | None = None) -> float:
+        """The target forward and sampling terms of a step reading `read` sequences' cache and
+        running `rows` decode token rows over `decode` decode rows (default `read`), with
+        `prefill` prompt tokens beside them (module docstring)."""
         if any_sampled is None:
             any_sampled = 1.0 if sampled > 0 else 0.0
-        ms = (self._terms_ms(read, rows, q)
-              + self.sampling[0] * sampled * q + self.sampling[1] * any_sampled * rows)
-        factor = self.shape_factor.get((read, rows, q))
-        if factor is None:
-            factor = self.unmeasured_verify if q > 1 else 1.0
-        return ms * factor + self.target[4] * prefill
+        per_row = rows / max(decode if decode is not None else read, 1.0)
+        return (self._terms_ms(read, rows, per_row) + self.target[4] * prefill
+                + self.sampling[0] * sampled * per_row + self.sampling[1] * any_sampled * rows)
 
-    def _terms_ms(self, read: float, rows: float, q: int) -> float:
-        """The target forward's terms alone (no sampling, prefill or shape factor)."""
+    def _terms_ms(self, read: float, rows: float, per_row: float) -> float:
+        """The target forward's terms alone (no sampling or prefill)."""
         t = self.target
-        return t[0] + t[1] * read + t[2] * q + t[3] * rows + self.rows_sq * rows * rows
+        return t[0] + t[1] * read + t[2] * per_row + t[3] * rows + self.rows_sq * rows * rows
 
     def _propose_ms(self, technique: str, depth: int, batch: float, draft_vocab: int) -> float:
         p = self._lookup(self.propose, technique, draft_vocab) or (0.0, 0.0, 0.0)
@@ -374,16 +367,15 @@ class PerfModel:
                            float(gp_a.mean()))
 
     def _ran_ms(self, s: StepStats) -> float:
-        """The target forward and sampling of a recorded step at the rows it ran (Padding.ran:
-        segmented or not, as the engine decided)."""
-        read, rows = self.padding.ran(s)
-        q = int(next_size(1 + s.depth, self.padding.query))
-        return self._forward_ms(read, rows, q, s.prefill_tokens, s.sampled_rows)
+        """The target forward and sampling of a recorded step at the rows it ran
+        (tuner.stepfit.ran)."""
+        read, rows, decode = ran(s)
+        return self.forward_ms(read, rows, s.prefill_tokens, s.sampled_rows, decode=decode)
 
     def _per_row(self, s: StepStats, vocab: int) -> tuple[float, float]:
         """(step ms, tokens) predicted for a step whose rows drafted with several (technique,
-        depth) choices: the target at the rows it ran (the verify depth, plain rows at 1 in a
-        segmented verify), each proposer on its own rows, each row class's tokens at its own
+        depth) choices: the target at the rows it ran (each row at its own depth), each
+        proposer on its own rows, each row class's tokens at its own
         choice and tenant."""
         ms = max(self._ran_ms(s), self.floor_ms)
         for technique, (ran, rows, rows_depth) in propose_columns(s, lambda t: t).items():
@@ -405,8 +397,6 @@ class PerfModel:
         """A JSON-able description (for retune details and /admin/tuner)."""
         return {"target": [round(c, 5) for c in self.target],
                 "rows_sq": round(self.rows_sq, 6),
-                "shape_factor": [[*k, round(f, 4)] for k, f in sorted(self.shape_factor.items())],
-                "unmeasured_verify": round(self.unmeasured_verify, 4),
                 "sampling": [round(c, 5) for c in self.sampling],
                 "propose": {k: [round(c, 5) for c in v] for k, v in self.propose.items()},
                 "acceptance": {k: [round(r, 4) for r in v] for k, v in self.acceptance.items()},
@@ -417,6 +407,5 @@ class PerfModel:
                 "coverage": {k: {str(d): n for d, n in v.items()}
                              for k, v in self.coverage.items()},
                 "batch_span": list(self.batch_span) if self.batch_span else None,
-                "max_rows": self.max_rows,
-                "segments": sorted(list(t) for t in self.padding.segments)}
+                "max_rows": self.max_rows}
 

@@ -18,10 +18,10 @@ as the window holds both).
 Tenant rules (engine.policy.TenantRule): at a batch size where one applies,
 the rows of the traffic's tenant mix draft with their own (technique,
 depth) and the batch is priced row by row (tuner.mixed: tokens from each
-tenant's own rates, step time from the deepest row's verify depth, every
-row padded to it unless the engine's segmented verifies run the rows that
-draft nothing as a plain segment, and the proposers that run); elsewhere as
-above.
+tenant's own rates, step time from the token rows the rows run, each at its
+own depth, and the proposers that run); elsewhere as above. Either way a
+drafting row costs 1 + the drafts it verifies on average (its depth times the
+draft share, PerfModel.drafts_per_row), the share its tokens count.
 
 Memory, in pages of the KV pool: speculation gets floor(total * pool_split)
 and must fit its proposers' resident bytes, their per-sequence bytes and
@@ -59,7 +59,6 @@ from tuner.capacity import (
 )
 from tuner.mixed import Pricer
 from tuner.model import PerfModel
-from tuner.shapes import Padding
 from tuner.traffic import Traffic
 
 
@@ -74,20 +73,12 @@ class Capacity:
     max_depth: int = 4
     """Deepest speculation the engine can verify."""
     depths: tuple[int, ...] = ()
-    """Depths verified without padding (1 + depth is a compiled verify size): a depth between
-    them costs the next one's step and drafts fewer tokens. Empty: every depth to max_depth."""
+    """The depths the search and exploration offer (the engine verifies any depth up to
+    max_depth, each row at its own). Empty: every depth to max_depth."""
     proposer_depths: Mapping[str, int] = field(default_factory=dict)
     """Technique -> the deepest it drafts (e.g. its MTP heads); the engine verifies no deeper."""
     spec_max_batch: int = 1 << 30
     """Largest batch the engine speculates at."""
-    batch_buckets: tuple[int, ...] = ()
-    """Batch sizes the engine compiles (a batch runs padded to the next one; empty: unpadded)."""
-    segment_shapes: tuple[tuple[int, int, int], ...] = ()
-    """(plain rows, drafting rows, 1 + depth) of the segmented verifies the engine compiles
-    (EngineCapacity.segment_shapes; empty: every verify is one padded call)."""
-    shape_ms: tuple[tuple[tuple[int, int], float], ...] = ()
-    """((batch, query length), ms) the engine timed for its decode and verify shapes
-    (EngineCapacity.shape_ms): the prices of verify shapes serving has not run (tuner.stepfit)."""
     proposers: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """Technique -> (resident bytes, bytes per speculating sequence per draft)."""
     draft_vocabs: tuple[int, ...] = ()
@@ -110,18 +101,16 @@ class Capacity:
     @staticmethod
     def from_engine(cap: EngineCapacity) -> Capacity:
         """The objective's view of an engine's `capacity()`: the whole pool (the pool split
-        divides it), its compiled shapes and its proposers' memory."""
+        divides it), its depths and batch limits and its proposers' memory."""
         mtp = cap.proposers.get("mtp")
         # the engine may say what a draft page costs in tenant pages; else one (the target's shape)
         lent = {n: float(getattr(p, "kv_page_ratio", None) or 1.0)
                 for n, p in cap.proposers.items() if n in LENT_KV}
         return Capacity(
             total_pages=cap.total_pages, page_size=cap.page_size, page_bytes=cap.page_bytes,
-            max_depth=cap.max_depth, depths=cap.verify_depths,
+            max_depth=cap.max_depth,
             proposer_depths={n: p.max_depth for n, p in cap.proposers.items()},
-            spec_max_batch=cap.spec_max_batch, batch_buckets=cap.batch_buckets,
-            segment_shapes=tuple(tuple(s) for s in cap.segment_shapes),
-            shape_ms=tuple(getattr(cap, "shape_ms", ())),
+            spec_max_batch=cap.spec_max_batch,
             proposers={n: (p.resident_bytes, p.bytes_per_draft) for n, p in cap.proposers.items()},
             draft_vocabs=mtp.draft_vocabs if mtp else (), max_batch=cap.max_batch, lent_kv=lent,
             pools=tuple(getattr(cap, "pools", None) or ()),
@@ -177,20 +166,6 @@ class Evaluation:
         return {**d, "feasible": self.feasible, "violations": self.violations()}
 
 
-def padding_of(capacity: Capacity) -> Padding:
-    """The shapes the engine pads steps to: its compiled batch sizes, query lengths 1
-    (decode) and 1 + each verified depth, and its segmented verifies.
-
-    >>> padding_of(Capacity(64, 16, depths=(1, 2, 4), batch_buckets=(1, 2, 4)))
-    Padding(batch=(1, 2, 4), query=(1, 2, 3, 5), segments=frozenset(), timed=())
-    >>> padding_of(Capacity(64, 16, batch_buckets=(1, 2), segment_shapes=((1, 1, 3),))).segments
-    frozenset({(1, 1, 3)})
-    """
-    return Padding(capacity.batch_buckets,
-                   (1, *(1 + d for d in capacity.depths)) if capacity.depths else (),
-                   frozenset(capacity.segment_shapes), tuple(capacity.shape_ms))
-
-
 def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: Capacity,
              tpot_target_ms: float = 0.0, pricer: Pricer | None = None) -> Evaluation:
     """Predicted goodput, p95 TPOT and page budgets of `policy` (see the module docstring).
@@ -218,7 +193,8 @@ def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: 
             held += shares[batch] * sum(w * h for w, h in lent)
             lent_tokens += shares[batch] * sum(w for w, _ in lent)
             per_seq = sum(w * pricer.tokens(t, d, tenant, holds.get(t)) for tenant, w, t, d in rows)
-            core_ms = pricer.step_ms(batch, [(w, t, d) for _, w, t, d in rows])
+            core_ms = pricer.step_ms(batch, [(w, t, d, pricer.drafts(t, d, tenant, holds.get(t)))
+                                             for tenant, w, t, d in rows])
             ms = _with_prefill(core_ms, model, traffic, batch, per_seq)
             share, share_ms = goodput_terms(shares[batch], batch * per_seq, ms)
             tokens, time_ms = tokens + share, time_ms + share_ms
@@ -230,11 +206,13 @@ def evaluate(policy: TunedPolicy, model: PerfModel, traffic: Traffic, capacity: 
         if technique in capacity.lent_kv and depth:
             hold = held_at(capacity, split, spec_need, capacity.lent_kv[technique], footprint, batch)
             held, lent_tokens = held + shares[batch] * hold, lent_tokens + shares[batch]
-        per_seq = model.tokens_per_seq_mix(technique, depth, traffic.mix_at(batch),
-                                           policy.draft_vocab, hold)
+        mix = traffic.mix_at(batch)
+        per_seq = model.tokens_per_seq_mix(technique, depth, mix, policy.draft_vocab, hold)
         ms = _with_prefill(model.predict_step_ms(technique, depth, batch, 0.0, policy.draft_vocab,
                                                  traffic.sampled_rows.get(batch, 0.0),
-                                                 traffic.sampled_steps.get(batch, 0.0)),
+                                                 traffic.sampled_steps.get(batch, 0.0),
+                                                 model.drafts_per_row(technique, depth, mix,
+                                                                      policy.draft_vocab, hold)),
                            model, traffic, batch, per_seq)
         share, share_ms = goodput_terms(shares[batch], batch * per_seq, ms)
         tokens += share

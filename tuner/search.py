@@ -65,10 +65,10 @@ from tuner.acceptance import fit_acceptance, fit_depth_factors, fit_draft_share
 from tuner.config import TunerConfig
 from tuner.data import read_requests, read_steps, read_steps_by_instance
 from tuner.model import MIN_FIT_ROWS, PerfModel
-from tuner.objective import Capacity, Evaluation, evaluate, padding_of
-from tuner.shapes import MIN_SHAPE_STEPS, cost_history
+from tuner.objective import Capacity, Evaluation, evaluate
 from tuner.space import SearchSpace
 from tuner.split import solve_splits
+from tuner.stepfit import MIN_SHAPE_STEPS, cost_history
 from tuner.tenant_fill import fill_tenant_rules
 from tuner.tenants import add_tenant_rules
 from tuner.traffic import Traffic, observe
@@ -235,9 +235,8 @@ def run_search(job: SearchJob) -> SearchOutcome:
     start = time.perf_counter()
     cfg = job.config
     steps, requests, vocab_of, older, others = _read(job)
-    buckets = padding_of(job.capacity)
-    model, report = PerfModel.fit_with_report(steps, requests, vocab_of, buckets=buckets,
-                                              history=cost_history(steps, older, buckets))
+    model, report = PerfModel.fit_with_report(steps, requests, vocab_of,
+                                              history=cost_history(steps, older))
     model, pooled_from = pool_acceptance(model, job.instance, steps, vocab_of, others)
     model = model.remembering(steps, older, vocab_of)
     traffic = observe_recent(steps, requests, job.until - cfg.traffic_window_s,
@@ -345,8 +344,8 @@ def _read(job: SearchJob) -> tuple[list, list, dict[int, int], list, Foreign]:
             steps = read_steps(session, job.since, job.until, limit=cfg.max_fit_rows,
                                instance=own)
             requests = read_requests(session, job.since, job.until, instance=own)
-            # cost_history keeps at most MIN_SHAPE_STEPS of a padded shape: the newest that
-            # many of each raw (batch, depth) hold them, and not a whole 6 h of steps
+            # cost_history keeps at most MIN_SHAPE_STEPS of a (batch, depth): the newest that
+            # many of each (batch, depth, technique) hold them, and not a whole 6 h of steps
             older = (read_steps(session, job.since - cfg.cost_window_s, job.since,
                                 limit=cfg.max_fit_rows, per_shape=MIN_SHAPE_STEPS, instance=own)
                      if cfg.cost_window_s else [])

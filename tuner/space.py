@@ -3,7 +3,7 @@
 Parameters (static, so TPE sees the same space in every trial):
 
     tech_<i>, depth_<i>   technique and depth for batch-size range i (depth unused with "none";
-                          one of the depths the engine verifies without padding)
+                          one of Capacity.depths, else of every depth to max_depth)
     crossover             0 (never speculate) or a range's upper end, up to the largest batch
                           the engine verifies (Capacity.spec_max_batch, itself offered where
                           it falls inside the last range): the search never proposes

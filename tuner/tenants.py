@@ -26,9 +26,8 @@ the best policy may draft deep for one tenant and not at all for another.
    (`trials` trials of an in-memory study, seeded with the ascent's result
    and with no rules; the speculation KV pages and the TPOT target as
    constraints, `Trial.set_constraint`). Step time couples the tenants (the
-   deepest row sets the verify depth of every drafting row, and of the rows
-   that draft nothing too unless a segmented verify runs them as a plain
-   segment, tuner.mixed; each proposer's fixed cost is paid once), so the
+   forward's rows are every tenant's rows together, and its cost is convex in
+   them, tuner.mixed; each proposer's fixed cost is paid once), so the
    objective is not a sum over tenants.
 4. The best feasible candidate is kept only when its predicted goodput beats
    the base's by more than `min_gain` (a margin against the model's error:

@@ -166,7 +166,7 @@ def test_capacity_and_policy_follow_the_real_engines_surface() -> None:
                                                        max_depth=2, draft_vocabs=(512,))})
     cap = engine.capacity()
     assert (cap.total_pages, cap.usable_pages, cap.page_size, cap.max_depth) == (100, 100, 8, 3)
-    assert (cap.max_batch, cap.spec_max_batch, cap.verify_depths, cap.batch_buckets) == (8, 8, (), ())
+    assert (cap.max_batch, cap.spec_max_batch) == (8, 8)
     mtp = cap.proposers["mtp"]
     assert (mtp.resident_bytes, mtp.bytes_per_draft, mtp.max_depth, mtp.draft_vocabs) == (
         1 << 20, 64, 2, (512,))

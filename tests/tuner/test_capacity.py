@@ -13,7 +13,7 @@ import tuner.exact as exact
 from tuner.capacity import held_share, served_batches, under_split
 from tuner.config import TunerConfig
 from tuner.model import PerfModel
-from tuner.objective import Capacity, evaluate, padding_of
+from tuner.objective import Capacity, evaluate
 from tuner.space import SearchSpace
 from tuner.split import solve_splits
 from tuner.traffic import Traffic, observe
@@ -158,10 +158,10 @@ def test_a_draft_that_pays_for_its_pages_lends_on_a_memory_bound_load_too() -> N
 
 def test_capacity_from_the_engine_names_the_lent_kv_techniques() -> None:
     proposers = {"draft": ProposerCapacity(0, 0, 4), "mtp": ProposerCapacity(1, 2, 2)}
-    cap = Capacity.from_engine(EngineCapacity(100, 100, 16, 0, 4, (), 24, 24, (1, 2, 4),
-                                              segment_shapes=((2, 2, 5),), proposers=proposers))
+    cap = Capacity.from_engine(EngineCapacity(100, 100, 16, 0, 4, 24, 16, proposers=proposers))
     assert dict(cap.lent_kv) == {"draft": 1.0} and cap.max_batch == 24
-    assert padding_of(cap).segments == frozenset({(2, 2, 5)})  # the segmented verifies carry
+    assert (cap.max_depth, cap.spec_max_batch, cap.depths) == (4, 16, ())  # every depth to 4
+    assert cap.proposer_depths == {"draft": 4, "mtp": 2}
 
 
 def test_the_split_solve_matches_brute_force_over_splits() -> None:

@@ -14,8 +14,7 @@ from engine.policy import NEVER, BatchRule, Exploration, PolicyError, TunedPolic
 from engine.types import Request, SamplingParams, StepStats
 from tuner.config import TunerConfig
 from tuner.explore import ExplorationPlan, is_exploration
-from tuner.shapes import Padding
-from tuner.objective import Capacity, padding_of
+from tuner.objective import Capacity
 from tuner.validate import own_steps
 
 POLICY = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4, version=3)
@@ -307,17 +306,16 @@ def test_tenant_acceptance_scales_the_fakes_drafts() -> None:
 
 def test_the_daemon_profiles_cheap_techniques_first_within_the_searched_depths(db) -> None:
     """The startup profile measures what costs no memory first, at depths the technique can
-    draft; exploration tries only depths verified without padding (1 + depth a verify size)."""
+    draft; exploration tries the searched depths (the engine verifies every depth up to its
+    max_depth, each row at its own), here the policy's neighbours 1 and 3."""
     proposers = {"draft": FakeProposer("draft", resident=5 << 20),
                  "mtp": FakeProposer("mtp", resident=1 << 20, max_depth=4),
                  "ngram": FakeProposer("ngram")}
     engine = FakeEngine(proposers=proposers, cost=FakeCost(), max_depth=8)
-    compiled = dataclasses.replace(engine.capacity(), verify_depths=(1, 2, 4, 8), spec_max_batch=8,
-                                   batch_buckets=(1, 2, 4, 8, 16))
-    capacity = Capacity.from_engine(compiled)
+    capacity = Capacity.from_engine(dataclasses.replace(engine.capacity(), spec_max_batch=8))
     plan = ExplorationPlan(capacity, TunerConfig())
     assert plan.techniques == ["ngram", "mtp", "draft"] and plan.max_depth == 8
-    assert plan.depths == (1, 2, 4, 8)
+    assert plan.depths == tuple(range(1, 9))
     gaps = [("ngram", 8), ("mtp", 4), ("draft", 8)]
     plan.measure_gaps(db, 3600.0)  # an empty telemetry database
     assert plan.gaps == gaps
@@ -326,8 +324,7 @@ def test_the_daemon_profiles_cheap_techniques_first_within_the_searched_depths(d
     assert plan(POLICY).explore.profile == ()  # only the first policy profiles
     steps = chooser(served)
     picks = [steps.choose(2) for _ in range(3000)]
-    # the profile's deepest cells, the policy's depth 2 and its verified neighbours 1 and 4
-    assert {d for _, d in picks} == {1, 2, 4, 8} and set(gaps) <= set(picks)
-    assert capacity.depths == (1, 2, 4, 8) and capacity.proposer_depths["mtp"] == 4
-    assert padding_of(capacity) == Padding((1, 2, 4, 8, 16), (1, 2, 3, 5, 9), timed=compiled.shape_ms)
+    # the profile's deepest cells (8; 4 for MTP), the policy's depth 2 and its neighbours 1 and 3
+    assert {d for _, d in picks} == {1, 2, 3, 4, 8} and set(gaps) <= set(picks)
+    assert capacity.depths == () and capacity.proposer_depths["mtp"] == 4
     assert ExplorationPlan(capacity, TunerConfig(enabled=False))(POLICY) is POLICY

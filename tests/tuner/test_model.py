@@ -16,7 +16,7 @@ from tests.tuner import synth
 from tuner.acceptance import NEUTRAL_RATE, PRIOR_OFFERS
 from tuner.data import RequestRow, read_requests, read_steps
 from tuner.model import NotEnoughTelemetry, PerfModel
-from tuner.shapes import MIN_SHAPE_STEPS, Padding, cost_history
+from tuner.stepfit import MIN_SHAPE_STEPS, cost_history
 
 STATED_MEDIAN_APE = 0.10
 """The stated bound: median absolute % error of step time on held-out steps."""
@@ -178,24 +178,25 @@ def test_each_measured_depth_is_predicted_as_measured_not_from_pooled_rates() ->
     assert model.expected_tokens_per_seq("ngram", 1) <= 2.0
 
 
-def test_step_time_follows_the_padded_shape() -> None:
-    # The engine runs batch 17 as batch 32 and a depth-3 verify as depth 4: a step costs
-    # 10 + 2 ms per padded row-token. Fitted on the padded shapes the model is exact; on
-    # the raw sizes it predicts batch 17 far cheaper than it runs.
-    pad = Padding(batch=(1, 2, 4, 8, 16, 32), query=(1, 2, 3, 5))
+def test_step_time_follows_the_rows_each_row_ran() -> None:
+    # Each decode row runs 1 + the drafts it verified (engine/ragged_step.py): a row whose
+    # proposer found nothing runs one. Steps cost 10 + 2 ms per token row; half the rows of
+    # each n-gram step drafted. Fitted on the rows they ran the model is exact, and prices a
+    # depth at its draft share (0.5 here); read as every row at the step's depth (the padded
+    # engine's shape) the fit is off.
+    def step(b: int, d: int, drafting: int) -> StepStats:
+        return StepStats(batch_size=b, decode_tokens=b, technique="ngram" if d else "none", depth=d,
+                         proposed=drafting * d, accepted_per_pos=(0,) * d,
+                         step_ms=10.0 + 2.0 * (b + drafting * d))
 
-    def ms(b: int, depth: int) -> float:
-        pb, q = pad.pad(b, 1 + depth)
-        return 10.0 + 2.0 * pb * q
-
-    rows = [StepStats(batch_size=b, decode_tokens=b, technique="ngram" if d else "none", depth=d, proposed=b * d, accepted_per_pos=(0,) * d, step_ms=ms(b, d))
-            for b in (1, 2, 3, 5, 8, 12, 16, 17, 24, 32) for d in (0, 1, 2, 3, 4)]
-    padded, raw = PerfModel.fit(rows, buckets=pad), PerfModel.fit(rows)
-    assert padded.predict_step_ms("none", 0, 17) == pytest.approx(ms(32, 0), rel=1e-6)
-    assert padded.predict_step_ms("ngram", 3, 5) == pytest.approx(padded.predict_step_ms("ngram", 4, 8))
-    assert padded.error_report(rows).step_ms_mape < 1e-6
-    assert raw.predict_step_ms("none", 0, 17) < 0.8 * ms(17, 0)
-    assert raw.error_report(rows).step_ms_mape > 0.05
+    rows = [step(b, d, b // 2 if d else 0) for b in (2, 4, 6, 8, 12, 16, 24, 32) for d in (0, 1, 2, 3, 4)]
+    model = PerfModel.fit(rows)
+    assert model.error_report(rows).step_ms_mape < 1e-6
+    assert model.share("ngram") == pytest.approx(0.5)
+    assert model.predict_step_ms("ngram", 4, 8) == pytest.approx(10.0 + 2.0 * 8 * (1 + 4 * 0.5), rel=1e-6)
+    assert model.predict_step_ms("ngram", 4, 8, drafts=4.0) == pytest.approx(10.0 + 2.0 * 8 * 5, rel=1e-6)
+    padded = [dataclasses.replace(s, proposed=s.batch_size * s.depth) for s in rows]
+    assert PerfModel.fit(padded).error_report(rows).step_ms_mape > 0.05
 
 
 def test_too_few_steps_is_an_error() -> None:
@@ -231,14 +232,13 @@ def test_a_few_slow_collinear_steps_cannot_fit_negative_costs() -> None:
     """A busy minute leaves few steps, almost all at batch 32 and one depth: an unconstrained
     fit found negative per-row costs and predicted deep drafts far faster than plain decoding.
     Every fitted cost is >= 0, so predicted step time never falls as batch or depth grows."""
-    pad = Padding(batch=(1, 2, 4, 8, 16, 32), query=(1, 2, 3, 5, 9))
     rng = np.random.default_rng(0)
 
     def row(b: int, d: int, ms: float) -> StepStats:
         return StepStats(batch_size=b, decode_tokens=b, technique="ngram" if d else "none", depth=d, proposed=b * d, accepted_per_pos=(0,) * d, propose_ms=0.3 + 0.05 * b * d, step_ms=ms * rng.uniform(0.9, 1.1))
 
     rows = [row(32, 8, 2350.0)] * 12 + [row(32, 0, 405.0)] * 10 + [row(b, 0, 60.0 + 11 * b) for b in (5, 9, 22)]
-    model = PerfModel.fit(rows, buckets=pad)
+    model = PerfModel.fit(rows)
     assert min(model.target) >= 0.0 and min(model.propose["ngram"]) >= 0.0
     for depth in (0, 1, 4, 8):
         times = [model.predict_step_ms("ngram" if depth else "none", depth, b) for b in (1, 2, 4, 8, 16, 32)]
@@ -291,8 +291,6 @@ def test_the_cost_window_is_read_as_the_newest_steps_of_each_shape(db: Engine) -
     assert newest == sorted(newest, key=lambda r: r.time)
     assert cost_history([], enough) == cost_history([], whole)
     assert cost_history(whole[-50:], enough) == cost_history(whole[-50:], whole)
-    padded = Padding(batch=(2, 4), query=(1, 3))  # batches 1-2 and depths 1-2 share shapes
-    assert cost_history([], enough, padded) == cost_history([], whole, padded)
 
 
 def test_a_depth_factor_from_few_drafting_sequences_stays_near_one() -> None:
@@ -311,26 +309,3 @@ def test_a_depth_factor_from_few_drafting_sequences_stays_near_one() -> None:
     assert one > raw + 0.15
     many = fit_depth_factors([step] * 40, {}, rates, share)["ngram"][2]
     assert raw < many < raw + 0.02
-
-
-def test_a_verify_shape_not_yet_served_is_priced_by_the_engines_timing() -> None:
-    # What bench tuner's quick run measured on this CPU: at batch 2 plain 50 ms, depth 2
-    # 60, depth 4 84; at batch 8 plain 70, depth 4 145 (not smooth in the rows). Serving ran
-    # plain and depth 4 only; the engine's first runs timed every verify shape. Priced by
-    # the terms, depth 2 at batch 2 is off by more than a tenth; by the timing, near its cost.
-    timed = (((2, 1), 47.7), ((2, 3), 57.0), ((2, 5), 61.9))
-    pad = Padding(batch=(1, 2, 4, 8), query=(1, 2, 3, 5))
-    steps = [StepStats(batch_size=b, decode_tokens=b, technique="ngram" if d else "none", depth=d,
-                       proposed=b * d, accepted_per_pos=(0,) * d, step_ms=ms)
-             for b, d, ms in ((2, 0, 50.0), (2, 4, 84.0), (8, 0, 70.0), (8, 4, 145.0)) for _ in range(20)]
-    untimed = PerfModel.fit(steps, buckets=pad)
-    timed_model = PerfModel.fit(steps, buckets=dataclasses.replace(pad, timed=timed))
-    for model in (untimed, timed_model):  # what serving measured stays priced as measured
-        assert model.predict_step_ms("none", 0, 2) == pytest.approx(50.0, rel=0.05)
-        assert model.predict_step_ms("ngram", 4, 2) == pytest.approx(84.0, rel=0.1)
-    cost = 50.0 * 57.0 / 47.7  # plain's measured cost times the timed ratio: 59.7 ms
-    assert abs(untimed.predict_step_ms("ngram", 2, 2) / cost - 1) > 0.1
-    # priced at plain decoding's price times the timed ratio
-    plain = timed_model.predict_step_ms("none", 0, 2)
-    assert timed_model.predict_step_ms("ngram", 2, 2) == pytest.approx(plain * 57.0 / 47.7, rel=1e-6)
-    assert timed_model.predict_step_ms("ngram", 2, 2) == pytest.approx(cost, rel=0.05)

@@ -65,7 +65,8 @@ def test_single_tenant_steps_without_classes_still_count() -> None:
 
 def test_proposer_terms_are_fitted_jointly() -> None:
     """Steps that ran n-gram and MTP rows together record one propose_ms, the sum of both:
-    a joint fit recovers each proposer's terms; a fit per step technique could not."""
+    a joint fit recovers each proposer's terms; a fit per step technique could not. The
+    forward runs each row at its own depth: rows + proposed token rows."""
     truth = {"ngram": (0.1, 0.02, 0.01), "mtp": (0.5, 0.1, 0.2)}
     rng = random.Random(7)
     steps = []
@@ -73,17 +74,17 @@ def test_proposer_terms_are_fitted_jointly() -> None:
         classes = []
         for technique in ("ngram", "mtp"):
             if rng.random() < 0.7:
-                classes.append(RowClass("t", technique, rng.choice((1, 2, 4)), rng.randint(1, 8),
-                                        1))
+                depth, n = rng.choice((1, 2, 4)), rng.randint(1, 8)
+                classes.append(RowClass("t", technique, depth, n, rng.randint(1, n * depth)))
         if not classes:
             continue
         propose = sum(truth[c.technique][0] + truth[c.technique][1] * c.rows
                       + truth[c.technique][2] * c.rows * c.depth for c in classes)
         depth = max(c.depth for c in classes)
-        rows = sum(c.rows for c in classes)
+        rows, proposed = sum(c.rows for c in classes), sum(c.proposed for c in classes)
         steps.append(StepStats(batch_size=rows, decode_tokens=rows, technique=classes[0].technique,
-                               depth=depth, proposed=rows, propose_ms=propose,
-                               step_ms=10.0 + rows * (1 + depth) * 0.3 + propose,
+                               depth=depth, proposed=proposed, propose_ms=propose,
+                               step_ms=10.0 + (rows + proposed) * 0.3 + propose,
                                row_classes=tuple(classes)))
     model = PerfModel.fit(steps)
     for technique, terms in truth.items():
@@ -94,7 +95,7 @@ def test_proposer_terms_are_fitted_jointly() -> None:
 def test_the_fake_engine_under_tenant_rules_fits_exactly() -> None:
     """FakeEngine serving a policy with tenant rules (copy drafts 4 deep, prose 1): every
     tenant's acceptance comes from the mixed batches' row classes, and the model prices each
-    mixed step from its rows (verify at the deepest, each class's proposer work) exactly as
+    mixed step from its rows (each row 1 + its drafts, each class's proposer work) exactly as
     the fake's linear cost does."""
     from engine.fake import FakeCost, FakeEngine, FakeProposer
     from engine.policy import BatchRule, TenantRule, TunedPolicy

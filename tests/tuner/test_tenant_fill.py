@@ -89,8 +89,9 @@ def test_a_known_tenant_the_window_did_not_serve_gets_its_own_cell_everywhere(mi
     assert [r["tenant"] for r in rules] == ["prose"]
     assert filled.choose_row(1, "prose") == filled.choose_row(2, "prose") == ("none", 0)
     assert filled.choose_row(2, "copy") == ("ngram", 4)
+    # the few prose rows the window holds now run one token row each instead of five
     assert evaluate(filled, MODEL, traffic, CAP).goodput == pytest.approx(
-        evaluate(base, MODEL, traffic, CAP).goodput, rel=1e-3 if "prose" in mix else 1e-12)
+        evaluate(base, MODEL, traffic, CAP).goodput, rel=2e-3 if "prose" in mix else 1e-12)
     prose = alone("prose", 2)
     assert evaluate(filled, MODEL, prose, CAP).goodput > evaluate(base, MODEL, prose, CAP).goodput
     # a model that knows no prose tenant leaves the policy as it is

@@ -53,14 +53,14 @@ def test_same_rule_for_every_tenant_prices_as_the_batch_rule() -> None:
     assert b.per_batch[6] == pytest.approx(a.per_batch[6], rel=1e-9)
 
 
-def test_deepest_row_sets_the_verify_depth() -> None:
-    """Batch 2 of copy (depth 4) and prose (no draft) rows, half each: a quarter of the steps
-    hold only prose rows and verify nothing; the rest verify at depth 4. The proposer costs
-    p0 where any copy row drafts and 0.4 ms per copy row and draft."""
+def test_each_row_runs_its_own_depth() -> None:
+    """Batch 2 of copy (depth 4) and prose (no draft) rows, half each: a copy row runs 5 token
+    rows, a prose row 1, so the step runs 2 * 3 on average (a padded verify ran every row of
+    the three steps in four that hold a copy row at 5). The proposer costs p0 where any copy
+    row drafts and 0.4 ms per copy row and draft."""
     pricer = Pricer(MODEL)
-    ms = pricer.step_ms(2, [(0.5, "ngram", 4), (0.5, "none", 0)])
-    plain, deep = 10 + 0.2 * 2, 10 + 0.2 * 2 * 5
-    assert ms == pytest.approx(0.25 * plain + 0.75 * deep + 0.2 * 0.75 + 0.4 * 2 * 0.5 * 4)
+    ms = pricer.step_ms(2, [(0.5, "ngram", 4, pricer.drafts("ngram", 4, "copy")), (0.5, "none", 0, 0.0)])
+    assert ms == pytest.approx(10 + 0.2 * 2 * 3 + 0.2 * 0.75 + 0.4 * 2 * 0.5 * 4)
 
 
 def test_search_gives_the_copy_tenant_depth_and_prose_none() -> None:
