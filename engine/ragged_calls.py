@@ -39,7 +39,7 @@ every token bucket is one of them, so a call's outputs never pad past its tokens
 @partial(jax.jit, static_argnames=("cfg", "block"))
 def _forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, block: int = ATTEND_BLOCK):
     """Final hidden states of every token of the call, zero-padded to [TOKEN_BUCKETS[-1], d] (so
-    that `_gather` compiles per output count alone, whatever the call's token count), and its new
+    that `_heads` compiles per output count alone, whatever the call's token count), and its new
     K/V for `_write`."""
     h, new_kv, _ = ragged.forward(cfg, params, kv, rb, block=block)
     return jax.numpy.pad(h, ((0, TOKEN_BUCKETS[-1] - h.shape[0]), (0, 0))), new_kv
@@ -53,18 +53,13 @@ def _write(kv: KVState, rb: RaggedBatch, new_kv):
 
 
 @jax.jit
-def _gather(h, out_idx):
-    """The output tokens' hidden states h[out_idx] [O, d]: a call of its own, so that the heads
-    compile per output count O alone (h is always `_forward`'s padded [TOKEN_BUCKETS[-1], d])."""
-    return h[out_idx]
-
-
-@jax.jit
-def _heads(params: Params, hs, cand, samp: SamplingArrays, counter, adj: Adjust | None = None):
-    """The output layer at the call's output tokens hs [O, d], then at each a token drawn (greedy
-    or sampled) and the draft `cand` [O] (-1: none) accepted when it is that token, as
-    engine.sampling.verify. Returns (tokens, accepted, logprobs [O], top ids and logprobs [O, k],
-    the hidden states [O, d])."""
+def _heads(params: Params, h, out_idx, cand, samp: SamplingArrays, counter, adj: Adjust | None = None):
+    """The output layer at the call's output tokens h[out_idx] [O, d] (h is always `_forward`'s
+    padded [TOKEN_BUCKETS[-1], d], so the heads compile per output count O alone), then at each a
+    token drawn (greedy or sampled) and the draft `cand` [O] (-1: none) accepted when it is that
+    token, as engine.sampling.verify. Returns (tokens, accepted, logprobs [O], top ids and
+    logprobs [O, k], the hidden states [O, d])."""
+    hs = h[out_idx]
     sc = output_scores(params, hs[:, None])
     tok, acc, lp, ti, tl = verify_scores(sc, cand[:, None], samp, counter[:, None], adj)
     return tok[:, 0], acc[:, 0], lp[:, 0], ti[:, 0], tl[:, 0], hs
@@ -156,7 +151,7 @@ def run(runner: ModelRunner, c: RaggedCall) -> tuple[np.ndarray, np.ndarray, np.
     h, new_kv = _forward(runner.cfg, runner.params, runner.kv, c.batch)
     runner.kv = _write(runner.kv, c.batch, new_kv)
     adj = None if c.adjust is None else Adjust(**c.adjust)
-    tok, acc, lp, ti, tl, runner.last_hidden = _heads(runner.params, _gather(h, c.out_idx), c.cand,
+    tok, acc, lp, ti, tl, runner.last_hidden = _heads(runner.params, h, c.out_idx, c.cand,
                                                       SamplingArrays(**c.samp), c.counter, adj)
     runner.last_top = (np.asarray(ti), np.asarray(tl)) if c.samp["want_logprobs"].any() else None
     return np.asarray(tok), np.asarray(acc), np.asarray(lp)
@@ -175,8 +170,8 @@ def top_in(runner: ModelRunner, slots: slice) -> list[list[tuple[int, float]]] |
 def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tuple[list, list]:
     """Thunks compiling every ragged call of `runner` ahead of time from the arrays' metadata
     (engine.compiles.abstract; no device buffer read): (one per token bucket up to `max_tokens`:
-    its forward and KV write; then one per output bucket up to `max_outputs`: its gather and
-    its heads, with and without logit adjustments). The second list reads the first's output
+    its forward and KV write; then one per output bucket up to `max_outputs`: its heads,
+    with and without logit adjustments). The second list reads the first's output
     layouts: run it after. Make them on the runner's thread."""
     rc, cfg = runner.rc, runner.cfg
     params, kv = abstract(runner.params), abstract(runner.kv)
@@ -192,10 +187,9 @@ def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tupl
 
     def heads(o: int) -> None:
         h = hidden[max(hidden)]  # every forward's output has one shape (`_forward`)
-        hs = outputs(_gather.lower(h, np.zeros(o, np.int32)).compile(), committed)
-        samp, counter = SamplingArrays(**SamplingArrays.host(o)), np.zeros(o, np.int32)
+        samp, idx = SamplingArrays(**SamplingArrays.host(o)), np.zeros(o, np.int32)
         for adj in (None, Adjust(**Adjust.host((o, 1, runner.adjust_width)))):
-            _heads.lower(params, hs, np.zeros(o, np.int32), samp, counter, adj).compile()
+            _heads.lower(params, h, idx, idx, samp, idx, adj).compile()
 
     tokens = token_buckets(max_tokens)
     return ([partial(forward, n) for n in tokens],
