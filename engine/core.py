@@ -39,7 +39,7 @@ from engine.model import Params
 from engine.policy import TunedPolicy, check_servable
 from engine.progress import Reporter
 from engine.proposers import NgramProposer, Proposer
-from engine.ragged_calls import TOKEN_BUCKETS, top_in
+from engine.ragged_calls import top_in
 from engine.ragged_step import SpecResult, run_ragged_step
 from engine.runner import ModelRunner, RunnerConfig
 from engine.scheduler import MIX_TOKENS_PER_ROW, Scheduler, SchedulerConfig, StepPlan
@@ -91,7 +91,6 @@ class EngineCore:
                             # A step carries a long prompt's chunks in the decode rows' call,
                             # capped so the streams keep their pace.
                             mix_tokens_per_row=MIX_TOKENS_PER_ROW,
-                            step_buckets=TOKEN_BUCKETS,
                             mix_long=rc.max_chunk),
             self.pool,
         )

@@ -14,9 +14,11 @@ One step's plan, in order:
    With `mix_tokens_per_row` (ragged steps: one call carries the decode rows
    and the chunks, engine/ragged_step.py): while sequences decode, a long
    prompt (more than `mix_long` tokens to compute at admission: one that needs
-   several chunks) is prefilled `mix_chunk` tokens a step (grown to fill the
-   step's token bucket, `step_buckets`), at most `mix_rows` of them at once,
-   so the running streams keep their pace however long it is. A short
+   several chunks) is prefilled `mix_chunk` tokens a step, at most `mix_rows`
+   of them at once, so the running streams keep their pace however long it
+   is. The chunk is not grown to fill the call's token bucket: a real prompt
+   token costs ~4 ms of compute on this CPU wherever it rides, where a
+   padding slot costs little. A short
    prompt still takes the step's budget (one stall of at most a chunk, and
    bursts of short requests keep their time to first token), as vLLM's
    long-prefill threshold does. With nobody decoding the whole budget is
@@ -58,9 +60,6 @@ class SchedulerConfig:
     mix_long: int = 0
     """With mix_tokens_per_row: a prompt with more tokens than this to compute at admission is
     long (capped while others decode); 0: every prompt is."""
-    step_buckets: tuple[int, ...] = ()
-    """Token counts a step's one call compiles for (ragged steps): a long prompt's capped chunk
-    grows to fill the bucket that the decode rows and the cap already pad to, at no cost."""
 
     def __post_init__(self) -> None:
         if self.token_budget < self.max_batch:
@@ -167,8 +166,6 @@ class Scheduler:
         in_decode = set(map(id, plan.decode))
         mixing = bool(plan.decode and self.cfg.mix_tokens_per_row)  # long prompts: keep it near a decode step
         cap = mix_chunk(len(plan.decode), self.cfg.mix_tokens_per_row) if mixing else 0
-        if cap and (up := [b for b in self.cfg.step_buckets if b >= len(plan.decode) + cap]):
-            cap = up[0] - len(plan.decode)
         longs = 0
 
         def room(seq: Sequence) -> int:

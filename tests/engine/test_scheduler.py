@@ -117,17 +117,15 @@ def _seq(rid: str, n: int):
     return Sequence(Request(rid, ids, sp), ids, n, request_key(None), Detokenizer(TOK.decode, ids[-4:]))
 
 
-@pytest.mark.parametrize("buckets, chunk", [((), 16), ((1, 2, 4, 8, 16, 32, 64, 512), 29)])
-def test_a_long_prompt_is_capped_while_others_decode_to_fill_the_step_bucket(buckets, chunk):
-    """3 rows decode: a long prompt's chunk is mix_chunk(3, 4) = 16 tokens, grown with step
-    buckets to 29 (3 + 29 fill the 32-token call 3 + 16 pads to); alone it takes the budget."""
+def test_a_long_prompt_is_capped_while_others_decode():
+    """3 rows decode: a long prompt's chunk is mix_chunk(3, 4) = 16 tokens; alone it takes the
+    budget."""
     from engine.kv import KVPool
     from engine.scheduler import Scheduler, SchedulerConfig, mix_chunk
 
     assert mix_chunk(3, 4) == 16
     pool = KVPool(300, 300, 4, 8, None)
-    cfg = SchedulerConfig(max_batch=8, token_budget=512, max_chunk=512, mix_tokens_per_row=4, mix_long=64,
-                          step_buckets=buckets)
+    cfg = SchedulerConfig(max_batch=8, token_budget=512, max_chunk=512, mix_tokens_per_row=4, mix_long=64)
     sched = Scheduler(cfg, pool)
     for i in range(3):
         sched.add(_seq(f"s{i}", 10))
@@ -137,7 +135,7 @@ def test_a_long_prompt_is_capped_while_others_decode_to_fill_the_step_bucket(buc
         seq.num_cached, seq.tokens = n, seq.tokens + [7]
     sched.add(_seq("long", 600))
     plan = sched.schedule()
-    assert len(plan.decode) == 3 and [(s.request_id, n) for s, n in plan.prefill] == [("long", chunk)]
+    assert len(plan.decode) == 3 and [(s.request_id, n) for s, n in plan.prefill] == [("long", 16)]
     alone = Scheduler(cfg, KVPool(300, 300, 4, 8, None))
     alone.add(_seq("long", 600))
     assert [n for _, n in alone.schedule().prefill] == [512]
