@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.workloads import KINDS, pool, prompts, to_request
 from engine.policy import MAX_POOL_SPLIT, TECHNIQUES, BatchRule, TunedPolicy
-from engine.progress import Reporter, report
+from engine.runtime.progress import Reporter, report
 from engine.types import Request, SamplingParams
 
 MAX_DEPTH = 8
@@ -156,7 +156,7 @@ class Tally:
 def measure(engine, grid: CrossoverGrid, log=None, progress: Reporter = None) -> dict:
     """Run the grid on an engine (warmed up here if it is not) and return the result dict.
 
-    `log(line)` gets a line per kind and batch size; `progress` (engine/progress.py) sees
+    `log(line)` gets a line per kind and batch size; `progress` (engine/runtime/progress.py) sees
     warmup and each (kind, batch size) measured. Without either the run is silent."""
     techniques, depths, vocab = _resolve(engine, grid)
     if not engine.warmed_up:

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.early_exit_decoder import FILLS, NEVER, EarlyExit, pow2_bucket
-from engine.compiles import compile_count
+from engine.runtime.compiles import compile_count
 
 HELD_OUT = (
     "The harbour town woke slowly in winter. Fishing boats stayed tied to the quay while the wind "
@@ -313,7 +313,7 @@ def measure(ee: EarlyExit, engine, tokenizer, grid: EarlyExitGrid, log=None) -> 
             "note": f"opt-in experiment, not a serving path: exited rows emit the exit adapter's token and "
                     f"{FILL_NOTES[f]}; output differs from the full model",
             "kv_fill": f, "same_run_as": list(grid.kv_fills), "max_pending": ee.max_pending,
-            "kv": "paged (engine/kv.py)",
+            "kv": "paged (engine/memory/kv.py)",
             "model": ee.cfg.name, "dtype": str(ee.params["embed"].dtype), "grid": asdict(grid),
             "exit_vocab": ee.exit_vocab, "machine": {"cpus": os.cpu_count(), "load_average_at_end": load,
                                                      "shared": True},
@@ -343,8 +343,8 @@ def run_bench(out_path: str | None, grid: EarlyExitGrid, model: str | None = Non
     import jax.numpy as jnp
 
     from daemon.progress import reporter, say
-    from engine.heads import DraftHeads
     from engine.loader import find_heads, load_engine
+    from engine.speculation.heads import DraftHeads
 
     log = lambda msg: say(f"bench early-exit: {msg}")
     progress = reporter()

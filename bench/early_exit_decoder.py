@@ -2,12 +2,12 @@
 
 Not part of serving: it lives in bench/, which the engine never imports. It
 answers whether rows that leave a decode step early can make the rest of the
-step cheaper, on the paged KV pool of engine/kv.py and the model functions of
-engine/model.py (jitted pieces in bench/early_exit_ops.py). One decode step of
+step cheaper, on the paged KV pool of engine/memory/kv.py and the model functions of
+engine/model/gemma.py (jitted pieces in bench/early_exit_ops.py). One decode step of
 a batch of B rows, exit points k_1 < ...:
 
 1. Stage 0 runs layers [0, k_1) for all B rows (reading the paged cache), then
-   the exit adapter of engine/heads.py over the draft vocabulary: each row's
+   the exit adapter of engine/speculation/heads.py over the draft vocabulary: each row's
    token and confidence (max softmax probability, or top-1 minus top-2).
 2. The host reads the confidences. Rows with confidence >= threshold emit the
    exit token; the others are gathered into the smallest power-of-two bucket
@@ -27,7 +27,7 @@ a batch of B rows, exit points k_1 < ...:
      Segments pad to 1 + {0, 1, 2, 4, ...} tokens. Pending positions left when
      a run ends are never filled (nothing reads them).
 4. The last stage runs the remaining layers and the full output layer
-   (engine.runner.output_scores, as the engine scores) for rows still in.
+   (engine.execute.runner.output_scores, as the engine scores) for rows still in.
 5. Every stage scatters its rows' new K/V into a window buffer [L, B, W, KV, hd]
    with a mask; one donated call writes the masked slots into the pages.
 
@@ -62,9 +62,9 @@ from bench.early_exit_ops import (
 )
 from bench.padded import forward_and_write
 from engine.config import ModelConfig
-from engine.heads import DraftHeads
-from engine.kv import Batch, KVState
-from engine.model import Params, unstack_layers
+from engine.memory.kv import Batch, KVState
+from engine.model.gemma import Params, unstack_layers
+from engine.speculation.heads import DraftHeads
 from engine.types import pow2_bucket
 
 __all__ = ["FILLS", "NEVER", "EarlyExit", "Run", "kind_index", "pending_bucket", "pow2_bucket", "propagate_kv"]

@@ -18,10 +18,10 @@ import numpy as np
 
 from bench.padded import cache_reader
 from engine.config import ModelConfig
-from engine.heads import apply_head, head_logits
-from engine.kv import SCRATCH_PAGE, Batch, KVState
-from engine.model import PagedView, block, embed, rms_norm, rope
-from engine.runner import output_scores
+from engine.execute.runner import output_scores
+from engine.memory.kv import SCRATCH_PAGE, Batch, KVState
+from engine.model.gemma import PagedView, block, embed, rms_norm, rope
+from engine.speculation.heads import apply_head, head_logits
 from engine.types import pow2_bucket
 
 
@@ -109,7 +109,7 @@ def propagate_kv(cfg: ModelConfig, lo: int, kvw: list[dict], x: jax.Array, pos: 
     """CALM state propagation: K/V of layers lo.. from one residual x [n, T, d] at pos [n, T].
 
     kvw[j]: {"attn_norm" [d], "k_norm" [hd], "kv" [d, 2 kv_dim]} of layer lo + j: exactly the
-    keys and values `engine.model.block` computes when x enters that layer. Returns a list of
+    keys and values `engine.model.gemma.block` computes when x enters that layer. Returns a list of
     (k, v) [n, T, KV, hd].
     """
     n, T, _ = x.shape
@@ -139,7 +139,7 @@ def write_window(cfg: ModelConfig, ring_pages: int, width: int, kv: KVState, p0,
 
     p0: [B] position of slot 0 per row; gtab [B, P], ltab [B, R] page tables; bk, bv [L, B, W, KV, hd];
     bm [L, B, W]. A slot not masked in writes to the scratch page (the ring arithmetic is
-    engine.kv.write_new's).
+    engine.memory.kv.write_new's).
     """
     ps = kv.page_size
     pos = p0[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, width]

@@ -25,9 +25,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from engine.allocator import allocator_settings
-from engine.compiles import memory_mappings
-from engine.progress import Steps
+from engine.runtime.allocator import allocator_settings
+from engine.runtime.compiles import memory_mappings
+from engine.runtime.progress import Steps
 from engine.types import Request, SamplingParams
 
 
@@ -46,7 +46,7 @@ def memory_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> dict:
 
 
 def run_each_shape_once(engine, progress=None) -> None:
-    """Run each compiled shape once (engine/first_runs.py) before a benchmark times any: a
+    """Run each compiled shape once (engine/warmup/first_runs.py) before a benchmark times any: a
     shape's first execution costs 100-400 ms more than later ones. The fake engine has none."""
     runs = getattr(engine, "first_runs", None)
     if runs is not None:
@@ -192,8 +192,8 @@ def _executables(engine) -> dict | None:
     """The warmed-up engine's compiled forwards: one ragged forward per token bucket (None: the fake's)."""
     if getattr(engine, "runner", None) is None:
         return None
-    from engine.ragged_calls import token_buckets
-    from engine.warm import max_tokens
+    from engine.execute.ragged_calls import token_buckets
+    from engine.warmup.warm import max_tokens
 
     return {"full_forwards": len(token_buckets(max_tokens(engine)))}
 

@@ -76,7 +76,7 @@ class FindingsConfig:
     splits: tuple[float, ...] = (0.125, 0.25, 0.5)
     """Pool splits of the draft model's Q3 runs."""
     kv_budget: int = 416 << 20
-    """The engine's one memory budget (engine/budget.py): speculation's resident bytes (~160 MiB
+    """The engine's one memory budget (engine/memory/budget.py): speculation's resident bytes (~160 MiB
     of Gemma 3 270M's heads in float32) come out of it first, leaving a ~256 MiB KV pool in which
     Q2's largest batch fits and Q3's queue does not."""
     max_batch: int = 32

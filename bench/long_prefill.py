@@ -2,7 +2,7 @@
 
 1. Load the engine in-process (as `crossover bench serve` does): a long
    prompt's chunks ride in the streams' ragged calls, capped while they
-   decode (engine/ragged_step.py).
+   decode (engine/step/ragged_step.py).
 2. Start `--streams` greedy requests with short prompts and long outputs;
    once each has produced `--warm-tokens` tokens, send one request with a
    `--prompt-tokens` prompt (max_tokens 1).

@@ -74,7 +74,7 @@ def _count_compiles() -> None:
 def _settle() -> dict:
     import gc
 
-    from engine.compiles import trim_heap
+    from engine.runtime.compiles import trim_heap
 
     gc.collect()
     trim_heap()
@@ -95,17 +95,17 @@ def serving(model: str | None = None, max_batch: int = 32, max_context: int = 40
     background-warmup) EngineCore instead of engine.loader.load_engine with these settings.
     `requests`: greedy requests served once the warmup has ended (so the weights' pages are
     touched as in serving) before the steady-state figures are taken.
-    `keep_lowerings`: the warmup keeps JAX's lowerings (engine.compiles.release_lowerings not
+    `keep_lowerings`: the warmup keeps JAX's lowerings (engine.runtime.compiles.release_lowerings not
     called), to measure what releasing them saves."""
-    from engine.compiles import compile_count, limit_malloc_arenas
+    from engine.runtime.compiles import compile_count, limit_malloc_arenas
 
     limit_malloc_arenas(2)  # as daemon/commands/serve.py does before XLA starts its threads
     import jax
 
-    import engine.warm
+    import engine.warmup.warm
 
     if keep_lowerings:
-        engine.warm.release_lowerings = lambda: 0
+        engine.warmup.warm.release_lowerings = lambda: 0
 
     _count_compiles()
     jax.devices()
@@ -128,7 +128,7 @@ def serving(model: str | None = None, max_batch: int = 32, max_context: int = 40
     finished = core.spec_warmup.join(wait_s)
     steady_s = time.perf_counter() - t0
     _traffic(core, requests)
-    from engine.compiles import release_lowerings
+    from engine.runtime.compiles import release_lowerings
 
     t = time.perf_counter()
     left = 0 if keep_lowerings else release_lowerings()  # what the warmup left; timed: it walks the heap
@@ -182,11 +182,11 @@ def executables(tokens: list[int], model: str | None = None, drop: bool = False,
     mappings after each. The runner is the serving engine's at default settings (so its calls
     hit the persistent compilation cache), or `runner`.
     `drop`: clear JAX's in-memory caches after the last compile (what that gives back).
-    `release`: drop each compiled computation's StableHLO module (engine.compiles.release_lowerings)."""
+    `release`: drop each compiled computation's StableHLO module (engine.runtime.compiles.release_lowerings)."""
     import jax
 
-    from engine.compiles import release_lowerings
-    from engine.ragged_calls import compile_jobs
+    from engine.execute.ragged_calls import compile_jobs
+    from engine.runtime.compiles import release_lowerings
 
     if runner is None:
         from engine.loader import load_engine
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--progress", action="store_true")
     s.add_argument("--requests", type=int, default=8, help="requests served before the steady figures")
     s.add_argument("--keep-lowerings", action="store_true",
-                   help="keep JAX's lowerings after warmup (engine.compiles.release_lowerings not called)")
+                   help="keep JAX's lowerings after warmup (engine.runtime.compiles.release_lowerings not called)")
     e = sub.add_parser("executables")
     e.add_argument("--model")
     e.add_argument("--tokens", default="1,2,4", help="token counts, comma-separated")

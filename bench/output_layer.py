@@ -2,7 +2,7 @@
 
 Times h [n, d] against the model's tied embedding [V, d] (Gemma 3 270M: 262,144 x 640) for each
 `--rows` n, interleaved, the median of `--repeats` runs: rows @ table.T in float32 and with a
-bfloat16 copy of the table (what a float32 engine kept before engine.model.tied_logits), and
+bfloat16 copy of the table (what a float32 engine kept before engine.model.gemma.tied_logits), and
 table @ rows.T then transposed (tied_logits: what runs now up to FEW_ROWS rows), in both
 dtypes. Also says whether this CPU has bfloat16 units (engine.loader.cpu_has_bf16), which
 decides whether the engine keeps the bfloat16 copy. Prints one JSON object.
@@ -25,7 +25,7 @@ def measure(table: np.ndarray, rows: tuple[int, ...], repeats: int = 5) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from engine.model import tied_logits
+    from engine.model.gemma import tied_logits
 
     plain = jax.jit(lambda t, h: jnp.einsum("nd,vd->nv", h.astype(t.dtype), t, preferred_element_type=jnp.float32))
     tied = jax.jit(tied_logits)
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     if min(rows) < 1:
         ap.error(f"--rows: {args.rows!r} holds a value below 1")
     from engine.loader import cpu_has_bf16
-    from engine.weights import load_model
+    from engine.model.weights import load_model
 
     _, params = load_model(None, "float32", progress=False)
     result = {"bench": "output_layer", "cpu_has_bf16": cpu_has_bf16(),

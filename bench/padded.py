@@ -1,6 +1,6 @@
 """A padded [B, T] forward over the paged KV pools: the reference the ragged forward replaced.
 
-The engine runs every call on a flat token axis (engine/ragged_calls.py). The compacting
+The engine runs every call on a flat token axis (engine/execute/ragged_calls.py). The compacting
 early-exit experiment (bench/early_exit_decoder.py) runs its stages as padded [B, T] calls,
 and tests check the paged model against a dense reference with them, so the padded call
 lives on here: `padded_call` lays out one call's host arrays ([B, T] tokens, page tables of
@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import ModelConfig
-from engine.kv import Batch, KVState, write_new
-from engine.model import PagedView, Params, forward
-from engine.runner import RunnerConfig, output_scores
-from engine.sampling import SamplingArrays
+from engine.execute.runner import RunnerConfig, output_scores
+from engine.execute.sampling import SamplingArrays
+from engine.memory.kv import Batch, KVState, write_new
+from engine.model.gemma import PagedView, Params, forward
 
 
 def cache_reader(kv: KVState, batch: Batch, ring_pages: int):
-    """Returns read_cache(kind, layer_index) -> PagedView for engine.model.forward.
+    """Returns read_cache(kind, layer_index) -> PagedView for engine.model.gemma.forward.
 
     The local table may be narrower than the ring (short contexts): its slots
     are read as they are, positions still follow the full ring's arithmetic.
@@ -107,10 +107,10 @@ class CallArrays:
     samp: dict[str, np.ndarray] = field(default_factory=dict)
     local_write: np.ndarray | None = None
     """[B, R] int32 ring pages the new tokens are written to, where they differ from the pages
-    read (a prefix-cached ring entry replaced on wrap: engine.kv.KVPool.prepare); None: local_table."""
+    read (a prefix-cached ring entry replaced on wrap: engine.memory.kv.KVPool.prepare); None: local_table."""
 
     def batch(self) -> Batch:
-        """The arrays a forward reads (engine.kv.Batch)."""
+        """The arrays a forward reads (engine.memory.kv.Batch)."""
         return Batch(self.tokens, self.start, self.n_new, self.global_table, self.local_table)
 
 

@@ -1,4 +1,4 @@
-"""The ragged forward (engine/ragged.py) against the padded [B, T] forward, in one process.
+"""The ragged forward (engine/model/ragged.py) against the padded [B, T] forward, in one process.
 
 For each case (rows x new tokens after a cached context), both forwards run the same rows on
 the same pools: the padded one as the runner calls it (forward, output scores at each row's
@@ -21,11 +21,11 @@ import jax
 import numpy as np
 
 from bench.padded import forward_and_write
-from engine import ragged
-from engine.kv import Batch
-from engine.model import ATTEND_BLOCK
-from engine.progress import note
-from engine.runner import output_scores
+from engine.execute.runner import output_scores
+from engine.memory.kv import Batch
+from engine.model import ragged
+from engine.model.gemma import ATTEND_BLOCK
+from engine.runtime.progress import note
 
 CASES = {  # name: (rows, new tokens per row, cached tokens per row, token slots, row slots)
     "decode_b1_ctx32": (1, 1, 32, 1, 1),

@@ -1,12 +1,12 @@
 """What a prefill chunk costs a ragged call, by how much cache its row already holds.
 
 Loads the engine as `crossover serve` does (plain decoding), then times ragged calls
-(engine/ragged_calls.py) on rows laid over arbitrary pool pages (what they write is never read):
+(engine/execute/ragged_calls.py) on rows laid over arbitrary pool pages (what they write is never read):
 4 decode rows at a short context alone, with a 16-token (`--chunk-tokens`) chunk of a row that has 0 / 500 / 1000
 / 1900 tokens cached, the chunk alone, one decode row at 1900 alone and beside the 4, and a
 full batch of decode rows at 1900. Each case is the fastest of `--repeats` runs after one
 untimed run. With `--chunks`, it also times each case's forward alone at each number of query
-groups read together (engine/ragged.py CHUNK; 512 reads every group slot of a call in one pass,
+groups read together (engine/model/ragged.py CHUNK; 512 reads every group slot of a call in one pass,
 however few are real), in the same process. Prints one JSON object.
 
     python -m bench.ragged_chunk_cost [--chunks 4,512] [--chunk-tokens 8 16 28] [--out FILE]
@@ -35,8 +35,8 @@ def measure(engine, starts: tuple[int, ...] = STARTS, repeats: int = 3, chunks: 
 
     import jax
 
-    from engine import ragged
-    from engine.ragged_calls import RaggedRow, new_call, run, table_width
+    from engine.execute.ragged_calls import RaggedRow, new_call, run, table_width
+    from engine.model import ragged
 
     runner, rc = engine.runner, engine.runner.rc
     width = table_width(rc)

@@ -114,7 +114,7 @@ class ServeBenchConfig:
     prefix_tokens: int = 1000
     """--shared-prefix: tokens of each tenant's system prompt."""
     prefix_cache: bool = True
-    """The engine started here shares KV pages of common prompt prefixes (engine/prefix_cache.py)."""
+    """The engine started here shares KV pages of common prompt prefixes (engine/memory/prefix_cache.py)."""
     speculation: bool = True
     """The engine started here loads the n-gram proposer and serves the policy a new daemon
     starts with (daemon.tuning.starter_policy), in both phases; False: plain decoding only."""
@@ -475,7 +475,7 @@ def _local_tokenizer(model: str | None) -> Any:
     """--url: the tokenizer of --model (a .gguf) or of the default model, to size system
     prompts; None (4 characters a token) when it cannot be loaded."""
     try:
-        from engine.tokenizer import Tokenizer
+        from engine.model.tokenizer import Tokenizer
 
         gguf = model if model and model.endswith(".gguf") else None
         return Tokenizer.from_gguf(gguf, progress=False) if model is None or gguf else None

@@ -306,8 +306,8 @@ def run_bench(cfg: TunerBenchConfig, out_path: str | None = None) -> dict[str, A
     """Run every policy over the trace and return (and write) the JSON result."""
     from bench.tuner_report import combine_rounds, headline, summarize, with_pooled_probes, write_result
     from daemon.progress import reporter
-    from engine.compiles import freeze_heap
-    from engine.progress import Steps
+    from engine.runtime.compiles import freeze_heap
+    from engine.runtime.progress import Steps
 
     engine = load_engine(cfg)
     phases, arrivals = build_trace(cfg, engine)

@@ -39,7 +39,7 @@ from daemon.telemetry_sink import FanoutSink, RecorderSink
 from daemon.tenants.auth import AUTH, Authenticator, TenantDirectory
 from daemon.tenants.gate import TenantGates
 from daemon.tenants.limits import default_limits
-from engine.progress import Reporter
+from engine.runtime.progress import Reporter
 
 log = logging.getLogger("crossover.daemon")
 request_log = logging.getLogger("crossover.request")

@@ -9,7 +9,7 @@ Data flow of one request:
 2. The engine thread runs `engine.warmup()` once, then loops on
    `engine.step()`; when the engine has no work it gives the engine an idle
    moment (`engine.idle()`, where it has one: EngineCore runs one compiled
-   shape for the first time, engine/first_runs.py) and, once that returns
+   shape for the first time, engine/warmup/first_runs.py) and, once that returns
    False, sleeps on the Event.
 3. The step's StepStats and RequestResults go to the sink (`on_step`,
    `on_result`) on the engine thread, so sinks must only buffer. This
@@ -34,7 +34,7 @@ its thread at the next step's start, which the handler awaits (shielded, with
 a timeout: a handler giving up leaves the command queued).
 
 Faults. An event with finish_reason "error" (the engine failed that request
-alone, engine/faults.py) makes its stream raise `EngineError`; the engine
+alone, engine/step/faults.py) makes its stream raise `EngineError`; the engine
 goes on serving the others. If `step()` itself raises (a fault no request
 owns), `engine.recover()` ends every request in the engine, every stream in
 flight raises `EngineError`, and the loop restarts after a backoff
@@ -59,7 +59,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from engine.progress import Reporter
+from engine.runtime.progress import Reporter
 from engine.policy import TunedPolicy
 from engine.types import EngineCapacity, Request, RequestResult, StepStats, TokenEvent
 

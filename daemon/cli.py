@@ -50,10 +50,10 @@ ENGINE_COMMANDS = frozenset({"serve", "generate", "bench"})
 
 def _restart_with_allocator_settings() -> None:
     """Re-execute this process once with the engine's glibc tunables
-    (engine.allocator.allocator_env): glibc reads them only at start."""
+    (engine.runtime.allocator.allocator_env): glibc reads them only at start."""
     import os
 
-    from engine.allocator import allocator_env
+    from engine.runtime.allocator import allocator_env
 
     env = allocator_env(dict(os.environ))
     if env is not None and getattr(sys, "orig_argv", None):

@@ -126,7 +126,7 @@ async def api_status(request: web.Request) -> web.Response:
 
 
 def status_with_techniques(app: web.Application) -> dict[str, Any]:
-    """`status_body` plus "techniques" (technique -> "compiling", "ready", ...: engine/warm.py)
+    """`status_body` plus "techniques" (technique -> "compiling", "ready", ...: engine/warmup/warm.py)
     and "speculation" ({"max_batch", "clamped"}) from the engine's status, where it has them."""
     engine = app[st.ENGINE].status()
     return {**status_body(app), "techniques": engine.get("techniques", {}),

@@ -2,7 +2,7 @@
 
 The engine, head training and the benches report through a callback,
 `progress(label, done, total)`, plus an optional `note(message)` for
-informational lines (engine/progress.py); they draw nothing themselves.
+informational lines (engine/runtime/progress.py); they draw nothing themselves.
 `reporter()` builds what a command passes them:
 
 1. stderr is a terminal: `TerminalProgress`, one tqdm bar per label, closed
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from engine.progress import Reporter
+from engine.runtime.progress import Reporter
 
 INTERVAL_S = 2.0
 """Least time between two JSON progress events of one label (the last one is always logged)."""

@@ -67,11 +67,11 @@ class Settings:
     max_context: int = 4096
     """Longest prompt + completion, in tokens."""
     tensor_parallel: int = 1
-    """Devices the model and KV pool are split over (engine/sharding.py); 1: one device."""
+    """Devices the model and KV pool are split over (engine/model/sharding.py); 1: one device."""
     speculation: bool = True
     """Compile verification and load the proposers (n-gram; MTP, early exit, draft model from the heads file)."""
     prefix_cache: bool = True
-    """Share the KV pages of common prompt prefixes between requests (engine/prefix_cache.py)."""
+    """Share the KV pages of common prompt prefixes between requests (engine/memory/prefix_cache.py)."""
     heads: str | None = None
     """Draft heads file from `crossover train-heads`; None: the one shipped for the model."""
     db_url: str | None = None

@@ -36,7 +36,7 @@ and depth (a tenant rule's, else the batch's). A row that drafts has its drafts
 accepted by `FakeProposer.accepts` (a deterministic hash against the
 proposer's per-position acceptance, scaled per tenant) and emits 1 + accepted
 tokens of its script in that step; each step's `row_classes` group the rows
-as the real engine's do. With a `FakeCost` (engine/fake_speculation.py),
+as the real engine's do. With a `FakeCost` (engine/speculation/fake_speculation.py),
 step_ms / propose_ms are computed from it instead of measured, so goodput per
 policy is known exactly.
 """
@@ -53,11 +53,11 @@ from typing import Any
 
 import numpy as np
 
-from engine.chooser import StepChooser
-from engine.fake_speculation import FakeCost, FakeProposer
+from engine.step.chooser import StepChooser
+from engine.speculation.fake_speculation import FakeCost, FakeProposer
 from engine.policy import TunedPolicy, check_servable
-from engine.prefix_cache import SeenPrefixes
-from engine.progress import Reporter, note
+from engine.memory.prefix_cache import SeenPrefixes
+from engine.runtime.progress import Reporter, note
 from engine.types import EngineCapacity, ProposerCapacity, Request, RequestResult, StepOutput
 from engine.types import RowClass, StepStats, TokenEvent
 
@@ -132,7 +132,7 @@ class _Sequence:
 
 
 class FakeEngine:
-    """Deterministic stand-in for `engine.core.EngineCore` (see module doc)."""
+    """Deterministic stand-in for `engine.step.core.EngineCore` (see module doc)."""
 
     def __init__(self, *, max_batch: int = 32, max_context: int = 4096, page_size: int = 16,
                  num_pages: int = 4096, step_delay_s: float = 0.0, warmup_delay_s: float = 0.0,
@@ -229,7 +229,7 @@ class FakeEngine:
         choices = [c if c[1] and c[0] in self.proposers else ("none", 0)
                    for c in self._chooser.choose_rows([s.request.tenant for s in batch])]
         per_pos = [0] * max(d for _, d in choices)  # the verify depth: the deepest row's
-        classes: dict[tuple[str, str, int], list] = {}  # as engine/ragged_step.py's SpecResult.classes
+        classes: dict[tuple[str, str, int], list] = {}  # as engine/step/ragged_step.py's SpecResult.classes
         emitted = 0
         for seq, (technique, depth) in zip(batch, choices):
             cls = classes.setdefault((seq.request.tenant, technique, depth), [0, 0, 0, [0] * depth])

@@ -14,14 +14,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from engine.budget import heads_resident_bytes
-from engine.compiles import enable_persistent_cache
 from engine.config import ModelConfig
-from engine.core import EngineConfig, EngineCore
-from engine.layer_draft import DRAFT_VOCABS
-from engine.memory import KV_DTYPE_BYTES, size_pool
-from engine.progress import Reporter, note
-from engine.runner import RunnerConfig
+from engine.execute.runner import RunnerConfig
+from engine.memory.budget import heads_resident_bytes
+from engine.memory.sizes import KV_DTYPE_BYTES, size_pool
+from engine.runtime.compiles import enable_persistent_cache
+from engine.runtime.progress import Reporter, note
+from engine.speculation.layer_draft import DRAFT_VOCABS
+from engine.step.core import EngineConfig, EngineCore
 
 PAGE_SIZE = 16
 MAX_SPEC_DEPTH = 8
@@ -43,7 +43,7 @@ VERIFY_TOKENS = (2, 3, 5, 9)
 SPEC_MAX_BATCH = 16
 """Largest decode batch compiled for verification by default (speculation stops paying beyond).
 Above it every step decodes plainly: a policy speculating there is served clamped, visibly
-(engine.chooser.StepChooser.clamped, /ready's engine.speculation), and the tuner's search space
+(engine.step.chooser.StepChooser.clamped, /ready's engine.speculation), and the tuner's search space
 offers no crossover above it (tuner/space.py)."""
 
 
@@ -51,9 +51,9 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
                   max_context: int, kv_dtype: str | None = None, verify_tokens: tuple[int, ...] = (),
                   spec_max_batch: int = SPEC_MAX_BATCH, tensor_parallel: int = 1) -> RunnerConfig:
     """Size the pools with the memory planner; the page tables span max_context rounded up to a
-    page (every ragged call has that one width: engine/ragged_calls.py).
+    page (every ragged call has that one width: engine/execute/ragged_calls.py).
 
-    `tensor_parallel`: devices the params and KV pools are split over (engine/sharding.py).
+    `tensor_parallel`: devices the params and KV pools are split over (engine/model/sharding.py).
     """
     kv_dtype = kv_dtype or dtype
     if kv_dtype not in KV_DTYPE_BYTES:
@@ -80,7 +80,7 @@ def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX BF16 in /proc/cpuinfo):
     only there may a float32 engine keep a bfloat16 copy of its output table
     (RunnerConfig.fast_output); elsewhere the float32 product is as fast or faster
-    (engine.model.tied_logits) and the copy would cost a third of a gigabyte for nothing."""
+    (engine.model.gemma.tied_logits) and the copy would cost a third of a gigabyte for nothing."""
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
@@ -100,21 +100,21 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     n-gram always; those of `model_proposers` (MTP heads, early exit, the draft
     model) from a `crossover train-heads` file (`find_heads`; none read when
     `model_proposers` is empty).
-    `progress` (engine/progress.py): False is silent; True prints what was loaded;
+    `progress` (engine/runtime/progress.py): False is silent; True prints what was loaded;
     a callback also sees assembling, hashing and converting the model file.
     `tensor_parallel` > 1 splits the model and KV pools over that many devices
-    (engine/sharding.py); `kv_budget_bytes` stays the budget of the whole pool.
-    `prefix_cache`: share the KV pages of common prompt prefixes (engine/prefix_cache.py).
+    (engine/model/sharding.py); `kv_budget_bytes` stays the budget of the whole pool.
+    `prefix_cache`: share the KV pages of common prompt prefixes (engine/memory/prefix_cache.py).
     `background_warmup`: `warmup()` returns once the ragged calls are compiled and the
-    proposers' shapes compile on a thread (engine/warm.py; `crossover serve` does so).
+    proposers' shapes compile on a thread (engine/warmup/warm.py; `crossover serve` does so).
     """
-    from engine.gguf_file import default_gguf_path
-    from engine.tokenizer import Tokenizer
-    from engine.weights import load_model
+    from engine.model.gguf_file import default_gguf_path
+    from engine.model.tokenizer import Tokenizer
+    from engine.model.weights import load_model
 
     enable_persistent_cache()
     if tensor_parallel != 1:
-        from engine.sharding import make_mesh
+        from engine.model.sharding import make_mesh
 
         make_mesh(tensor_parallel)  # fail before loading weights when the devices are not there
     dtype = dtype or default_dtype()
@@ -126,7 +126,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     tokenizer = Tokenizer.from_gguf(gguf or default_gguf_path(progress), progress=progress)
     budget = kv_budget_bytes or DEFAULT_KV_BUDGET.get(jax.default_backend(), 4 << 30)
     loaded = _read_heads(heads, cfg, dtype, progress) if speculation and model_proposers else None
-    resident = 0 if loaded is None else heads_resident_bytes(  # one budget (engine/budget.py)
+    resident = 0 if loaded is None else heads_resident_bytes(  # one budget (engine/memory/budget.py)
         loaded[0], cfg, model_proposers, DRAFT_VOCABS, params["embed"].dtype.itemsize)
     rc = runner_config(cfg, dtype, budget - resident, max_batch, max_context,
                        verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
@@ -148,7 +148,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
 def heads_cache_path(model_name: str) -> Path:
     """Where `crossover train-heads` writes a model's heads by default: the user cache,
     `<cache_dir()>/heads/<model>.safetensors` (never the installed package)."""
-    from engine.gguf_file import cache_dir
+    from engine.model.gguf_file import cache_dir
 
     return cache_dir() / "heads" / f"{model_name}.safetensors"
 
@@ -157,7 +157,7 @@ def find_heads(heads: str | Path | None, cfg: ModelConfig) -> tuple[Path | None,
     """The heads file to load and where it came from, in this order: `heads` (given: used even if
     missing, so that loading names it), the user cache's file for the model (`heads_cache_path`),
     the file shipped in engine/data/. (None, "none") when neither default exists."""
-    from engine.heads import default_heads_path
+    from engine.speculation.heads import default_heads_path
 
     if heads is not None:
         return Path(heads), "given"
@@ -177,7 +177,7 @@ def _load_heads(engine: EngineCore, heads: str | None, dtype: str, progress: Rep
 
 def _read_heads(heads: str | None, cfg: ModelConfig, dtype: str, progress: Reporter):
     """(DraftHeads, path, source) of the heads file `find_heads` picks, or None (noted) without one."""
-    from engine.heads import DraftHeads
+    from engine.speculation.heads import DraftHeads
 
     path, source = find_heads(heads, cfg)
     if path is None:
@@ -189,7 +189,7 @@ def _read_heads(heads: str | None, cfg: ModelConfig, dtype: str, progress: Repor
 
 def _add_heads(engine: EngineCore, loaded, path: Path, source: str, progress: Reporter,
                techniques: tuple[str, ...]) -> None:
-    from engine.drafting import add_model_proposers
+    from engine.speculation.drafting import add_model_proposers
 
     add_model_proposers(engine, loaded, techniques)
     names = ", ".join(n for n in engine.proposers if n != "ngram")

@@ -10,12 +10,12 @@ with the version that produced it.
 A policy may also name tenants (`TenantRule`): in a speculating step, a row
 whose request belongs to such a tenant drafts with the tenant's technique and
 depth instead of the batch rule's (`choose_row`), so one step's call carries
-rows of several depths, each verified at its own (engine/ragged_step.py).
+rows of several depths, each verified at its own (engine/step/ragged_step.py).
 
 A served policy may also carry an `Exploration`: a small share of decode
 steps tries a neighbouring (technique, depth) cell, and a short startup
 profile measures cells the telemetry lacks, so the tuner's model stays fed.
-The policy stays a value; `StepChooser` (engine/chooser.py), owned by the engine and drawing
+The policy stays a value; `StepChooser` (engine/step/chooser.py), owned by the engine and drawing
 from the engine's seeded random stream, applies the exploration step by step, to the rows
 no tenant rule covers. Such steps are stamped with the technique and depth they ran and
 the policy's version.

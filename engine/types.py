@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 MAX_TEMPERATURE = 2.0
 """Hottest sampling allowed (as OpenAI)."""
 MAX_TOP_K = 256
-"""Largest top_k: thresholds are looked up among this many candidates (engine.sampling.CANDIDATES)."""
+"""Largest top_k: thresholds are looked up among this many candidates (engine.execute.sampling.CANDIDATES)."""
 MAX_STOP_STRINGS = 4
 """Most stop strings per request (as OpenAI)."""
 MAX_STOP_CHARS = 200
@@ -23,11 +23,11 @@ MAX_STOP_CHARS = 200
 MAX_STOP_TOKEN_IDS = 32
 """Most extra stop token ids per request."""
 MAX_TOP_LOGPROBS = 20
-"""Largest alternatives count a client may name (as OpenAI; engine.sampling.TOP_LOGPROBS)."""
+"""Largest alternatives count a client may name (as OpenAI; engine.execute.sampling.TOP_LOGPROBS)."""
 MAX_PENALTY = 2.0
 """Largest presence / frequency penalty, either sign (as OpenAI) and largest repetition penalty."""
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
-"""Seeds accepted: any signed or unsigned 64-bit integer (see engine.sequence.request_key)."""
+"""Seeds accepted: any signed or unsigned 64-bit integer (see engine.execute.sequence.request_key)."""
 
 
 class ParamError(ValueError):
@@ -206,7 +206,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None
     """"stop" (EOS, stop id or string), "length" (max_tokens or context), "abort" or "error" (a
-    fault ended this request: engine/faults.py)."""
+    fault ended this request: engine/step/faults.py)."""
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     """Per token, the most likely (token id, logprob) pairs, best first (SamplingParams.top_logprobs
     of them); None unless asked for."""
@@ -318,7 +318,7 @@ class StepStats:
     of the most drafting rows, depth the verify depth (the deepest row's)."""
     plain_rows: int = 0
     """Decode rows of a speculative step that drafted nothing and decoded one token each beside
-    the verify rows (engine/ragged_step.py); 0 in a step without drafts."""
+    the verify rows (engine/step/ragged_step.py); 0 in a step without drafts."""
 
     @property
     def speculating(self) -> float:

@@ -73,7 +73,7 @@ def _release_compiled_code():
     if _mappings() > MAPS_BEFORE_CLEARING or psutil.Process().memory_info().rss > RSS_BEFORE_CLEARING:
         import jax
 
-        from engine.compiles import trim_heap
+        from engine.runtime.compiles import trim_heap
 
         jax.clear_caches()
         gc.collect()

@@ -49,7 +49,7 @@ MODULES = modules_with_examples()
 
 def test_examples_are_found():
     assert len(MODULES) >= 20, MODULES  # the tree carries more than twenty such modules
-    assert "tests.test_doctests" not in MODULES and "engine.memory" in MODULES
+    assert "tests.test_doctests" not in MODULES and "engine.memory.sizes" in MODULES
 
 
 def test_this_files_examples():

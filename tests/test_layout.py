@@ -2,11 +2,13 @@
 
 Nothing is imported: every module of the project's packages is parsed, its
 imports of the project's own modules are collected (at module level, inside
-functions, under `if TYPE_CHECKING:`), and three rules are checked:
+functions, under `if TYPE_CHECKING:`), and four rules are checked:
 
 1. no import cycle between modules, nor between packages;
 2. every import goes in a direction DESIGN.md allows (`ALLOWED` below);
-3. no Python file of a serving package is longer than `MAX_LINES`.
+3. no Python file of a serving package is longer than `MAX_LINES`;
+4. no import cycle between the engine's parts (its subpackages and top-level modules), so
+   the layers engine/__init__.py maps stay layers.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ is not here: it points Alembic at the migrations folder without importing the pa
 @dataclass(frozen=True)
 class Import:
     source: str
-    """Importing module, e.g. "engine.planner"."""
+    """Importing module, e.g. "engine.memory.planner"."""
     target: str
     """Imported module of ours (the longest dotted prefix that is a module)."""
     path: str
@@ -69,7 +71,7 @@ class Import:
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
-    """engine/planner.py -> "engine.planner"; store/__init__.py -> "store"."""
+    """engine/memory/planner.py -> "engine.memory.planner"; store/__init__.py -> "store"."""
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -241,6 +243,32 @@ def package_cycle_violations(imports: list[Import]) -> list[str]:
     return out
 
 
+def engine_part(module: str) -> str:
+    """The engine subpackage or top-level module a module belongs to; other modules unchanged.
+
+    >>> engine_part("engine.memory.kv"), engine_part("engine.policy"), engine_part("daemon.cli")
+    ('engine.memory', 'engine.policy', 'daemon.cli')
+    """
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "engine" else module
+
+
+def engine_part_cycle_violations(imports: list[Import]) -> list[str]:
+    """One message per cycle between the engine's parts, naming the imports that close it."""
+    runtime = [i for i in imports if not i.type_only and top(i.source) == top(i.target) == "engine"
+               and engine_part(i.source) != engine_part(i.target)]
+    edges: dict[str, set[str]] = defaultdict(set)
+    for imp in runtime:
+        edges[engine_part(imp.source)].add(engine_part(imp.target))
+    out = []
+    for component in cycles(edges):
+        members = set(component)
+        links = [str(i) for i in runtime if engine_part(i.source) in members and engine_part(i.target) in members]
+        out.append("import cycle between engine parts " + ", ".join(component) + ":\n    "
+                   + "\n    ".join(links))
+    return out
+
+
 def long_files(root: Path = ROOT, packages: tuple[str, ...] = SERVING, limit: int = MAX_LINES) -> list[str]:
     out = []
     for pkg in packages:
@@ -261,7 +289,8 @@ def imports() -> list[Import]:
 
 def test_the_walk_sees_the_tree(imports):
     files = project_files()
-    assert {"engine.core", "daemon.cli", "store.models", "migrations.env", "bench", "training"} <= set(files)
+    want = {"engine.step.core", "engine.memory.kv", "daemon.cli", "store.models", "migrations.env", "bench", "training"}
+    assert want <= set(files)
     pairs = {(i.source, i.target) for i in imports}
     assert ("migrations.env", "store.models") in pairs
     assert any(top(s) == "daemon" and top(t) == "engine" for s, t in pairs)
@@ -274,6 +303,11 @@ def test_no_import_cycle_between_modules(imports):
 
 def test_no_import_cycle_between_packages(imports):
     problems = package_cycle_violations(imports)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_cycle_between_engine_parts(imports):
+    problems = engine_part_cycle_violations(imports)
     assert not problems, "\n".join(problems)
 
 
@@ -308,6 +342,22 @@ def test_checker_finds_a_module_cycle_through_a_lazy_import(tmp_path):
     assert "engine.a, engine.b" in problem and "engine/b.py:2" in problem and "inside a function" in problem
 
 
+def test_checker_finds_a_cycle_between_engine_parts_but_not_inside_one(tmp_path):
+    imports = _toy(tmp_path, {
+        "engine/__init__.py": "",
+        "engine/step/__init__.py": "",
+        "engine/step/core.py": "from engine.speculation.proposers import P\nfrom engine.step import chooser\n",
+        "engine/step/chooser.py": "",
+        "engine/step/sequence.py": "",
+        "engine/speculation/__init__.py": "",
+        "engine/speculation/proposers.py": "def f():\n    from engine.step.sequence import S\n",
+    })
+    assert not module_cycle_violations(imports)
+    (problem,) = engine_part_cycle_violations(imports)
+    assert "engine parts engine.speculation, engine.step" in problem
+    assert "engine/speculation/proposers.py:2" in problem and "engine.step.chooser" not in problem
+
+
 def test_checker_resolves_relative_and_submodule_imports(tmp_path):
     imports = _toy(tmp_path, {
         "store/__init__.py": "",
@@ -324,11 +374,11 @@ def test_checker_resolves_relative_and_submodule_imports(tmp_path):
 def test_checker_flags_wrong_directions_and_eager_tool_imports(tmp_path):
     imports = _toy(tmp_path, {
         "engine/__init__.py": "",
-        "engine/core.py": "from store import db\n",
+        "engine/step/core.py": "from store import db\n",
         "store/__init__.py": "",
         "store/db.py": "",
         "tuner/__init__.py": "",
-        "tuner/x.py": "from engine.policy import P\nfrom engine.core import C\n",
+        "tuner/x.py": "from engine.policy import P\nfrom engine.step.core import C\n",
         "engine/policy.py": "",
         "bench/__init__.py": "",
         "daemon/__init__.py": "",
@@ -338,9 +388,9 @@ def test_checker_flags_wrong_directions_and_eager_tool_imports(tmp_path):
     })
     problems = direction_violations(imports)
     assert len(problems) == 4, problems
-    assert any(p.startswith("engine/core.py:1 engine.core -> store.db") and "nothing of ours" in p
+    assert any(p.startswith("engine/step/core.py:1 engine.step.core -> store.db") and "nothing of ours" in p
                for p in problems)
-    assert any(p.startswith("tuner/x.py:2 tuner.x -> engine.core") for p in problems)
+    assert any(p.startswith("tuner/x.py:2 tuner.x -> engine.step.core") for p in problems)
     assert any(p.startswith("daemon/commands/bench.py:1") and "inside the function" in p for p in problems)
     assert any(p.startswith("daemon/other.py:2") for p in problems)
 

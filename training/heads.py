@@ -10,18 +10,18 @@
 4. Train each head alone with Adam on cross-entropy over the first
    `train_vocab` draft ids: MTP head k at position t learns the target's
    prediction at t+1+k; an exit adapter at t learns the prediction at t.
-   Chained MTP heads (engine/heads.py) train in order, teacher-forced: head
+   Chained MTP heads (engine/speculation/heads.py) train in order, teacher-forced: head
    k reads the state head k-1 left at t and the target's own prediction at
    t+k (the token the chain would have drafted had it been right).
 5. Measure held-out top-1 agreement with the target (by prompt, so no held-out
    text was trained on) at each draft vocabulary, and save a safetensors file
-   with those figures in its metadata (engine/heads.py).
+   with those figures in its metadata (engine/speculation/heads.py).
 6. `crossover train-heads` runs `load_target`, then `train_to_file`: the above,
    then the file is written where the user says, else to the user cache
    (`engine.loader.heads_cache_path`), which the loader prefers over the
    heads shipped in the package; it never writes into the installed package.
 
-Progress goes to a `progress(label, done, total)` callback (engine/progress.py);
+Progress goes to a `progress(label, done, total)` callback (engine/runtime/progress.py);
 the command line makes it a terminal bar.
 """
 
@@ -36,9 +36,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.heads import DraftHeads, Head, apply_chain_head, head_logits, init_head, token_features
-from engine.model import KVView, forward, logits, rms_norm
-from engine.progress import Reporter, Steps, note
+from engine.model.gemma import KVView, forward, logits, rms_norm
+from engine.runtime.progress import Reporter, Steps, note
+from engine.speculation.heads import (
+    DraftHeads,
+    Head,
+    apply_chain_head,
+    head_logits,
+    init_head,
+    token_features,
+)
 
 
 @dataclass(frozen=True)
@@ -149,12 +156,12 @@ def _cached_data(engine, tc: TrainConfig, progress: Reporter):
     """Generated corpus and captured states, kept on disk per model and data settings.
 
     Steps 1-2 take most of the time; retraining with other epochs or learning
-    rates reuses them. The cache lives in the user cache (engine.gguf_file.cache_dir).
+    rates reuses them. The cache lives in the user cache (engine.model.gguf_file.cache_dir).
     """
     import hashlib
     import json
 
-    from engine.gguf_file import cache_dir
+    from engine.model.gguf_file import cache_dir
 
     key = json.dumps([engine.cfg.name, tc.prompts_per_kind, tc.gen_tokens, tc.max_prompt, list(tc.exits), tc.seed])
     root = cache_dir()

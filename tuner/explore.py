@@ -1,7 +1,7 @@
 """Exploration: what the daemon adds to each policy it serves to keep the model's estimates fresh.
 
 A served policy carries an `engine.policy.Exploration`, which the engine
-applies with its own random stream (`engine.chooser.StepChooser`):
+applies with its own random stream (`engine.step.chooser.StepChooser`):
 
 - during a short **profile** (the first `profile_steps` decisions of the
   first policy served after startup), every other decision goes to the next

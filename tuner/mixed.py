@@ -9,7 +9,7 @@ taking the rows as B draws from that mix:
 - tokens: B * sum_t w_t * e_t, e_t the tokens one row of tenant t emits at
   its own (technique, depth) with its own rates (PerfModel's per-tenant
   rates and draft share);
-- the target forward runs each row at its own depth (engine/ragged_step.py):
+- the target forward runs each row at its own depth (engine/step/ragged_step.py):
   1 + n_t token rows for a row of tenant t, n_t the drafts such a row verifies
   on average (its depth times its draft share, `PerfModel.drafts_per_row`), so
   R = B * sum_t w_t (1 + n_t) and the step costs the model's forward at those

@@ -1,6 +1,6 @@
 """The performance model: step time and acceptance, fitted from recorded steps.
 
-A step is one ragged forward (engine/ragged_step.py): every decode row verifies its own
+A step is one ragged forward (engine/step/ragged_step.py): every decode row verifies its own
 drafts at its own depth and the prefill chunks ride in the same call, so nothing is padded
 to a compiled batch size or query length. Step time splits into the target model's forward
 and the proposer's work:

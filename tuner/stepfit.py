@@ -37,7 +37,7 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def ran(s: StepStats) -> tuple[int, int, int]:
     """(sequences whose cache the step read B, decode token rows it ran R, decode rows D) of a
-    recorded step. Each decode row ran 1 + the drafts it verified (engine/ragged_step.py), so
+    recorded step. Each decode row ran 1 + the drafts it verified (engine/step/ragged_step.py), so
     R = D + proposed; D is its row classes' rows, else batch_size (telemetry without them).
 
     >>> from engine.types import RowClass

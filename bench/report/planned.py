@@ -1,7 +1,7 @@
 """The planner's halves of `crossover report`: Q2 predicted, Q3 (memory vs goodput), Q4 and MoE.
 
-Predictions combine the planner's memory arithmetic (engine/planner.py,
-engine/spec_memory.py) with the roofline step time of bench/report/roofline.py,
+Predictions combine the planner's memory arithmetic (engine/memory/planner.py,
+engine/memory/spec_memory.py) with the roofline step time of bench/report/roofline.py,
 fed with the acceptance measured in the database. Every heading and figure
 title that holds a prediction says PREDICTION or PROJECTION.
 """
@@ -16,8 +16,8 @@ from bench.report import figures, pool, roofline
 from bench.report.data import Telemetry, measured_acceptance, usual_depth
 from bench.report.measured import PLAIN, fmt_ci, operating_gain
 from engine.config import PRESETS, ModelConfig
-from engine.memory import GiB, format_bytes, pages_per_sequence
-from engine.planner import DEFAULT_MAX_BATCH, TPU_V6E_1, Plan, activation_reserve, make_plan, parse_moe
+from engine.memory.planner import DEFAULT_MAX_BATCH, TPU_V6E_1, Plan, activation_reserve, make_plan, parse_moe
+from engine.memory.sizes import GiB, format_bytes, pages_per_sequence
 from engine.policy import TECHNIQUES
 
 PRED_BATCHES = tuple(2**i for i in range(13))
@@ -63,7 +63,7 @@ ASSUMPTIONS = [
     ("bytes = weights + batch x KV each sequence reads at the planned context (global layers: every token; "
     "local layers: the sliding window); FLOPs = batch x (1 + depth) x (2 x parameters + attention)"),
     ("early exit drafts with the first 8 target layers, the draft model is the first 4, MTP runs a 3d^2 head "
-    "per position over an 8192-wide vocabulary slice (engine/spec_memory.py's defaults)"),
+    "per position over an 8192-wide vocabulary slice (engine/memory/spec_memory.py's defaults)"),
     ("acceptance per draft position measured in this database carries over to the predicted model and chip; "
     "each technique at the depth it ran most often"),
     ("a batch size is predicted only if the planner's KV pool holds that many tenants at the planned "
@@ -112,7 +112,7 @@ def q2_predicted_section(t: Telemetry, p: PlanInputs, out: Path) -> list[str]:
             lines.append(f"| {tech} | {depth} | {accs} | {chip.name} | {plan.tenants} | {where} | {ends} |")
     lines += ["", ("Source: acceptance from the Q1 table (`xo_steps.accepted_per_pos` pooled over every tenant "
               "group); depth = the depth with most speculating steps in `xo_steps`; memory and tenants from "
-              f"`make_plan` (engine/planner.py) for {p.model} in {p.weight_dtype}, KV {p.kv_dtype}, "
+              f"`make_plan` (engine/memory/planner.py) for {p.model} in {p.weight_dtype}, KV {p.kv_dtype}, "
               f"context {p.context}, page {p.page_size} (as `crossover plan --device DEVICE --model {p.model} "
               f"--context {p.context}` prints)."), ""]
     name = figures.predicted_figure(curves, marks, f"{p.model}, context {p.context}", out)
@@ -149,7 +149,7 @@ def q3_section(t: Telemetry, p: PlanInputs, out: Path) -> list[str]:
     else:
         plain_pages = t.pool_pages.get(PLAIN)
         lines += [(f"Tenants displaced: the planner's cost of each technique for {p.model} at {p.context} tokens "
-                  f"(engine/spec_memory.py; resident bytes plus {costs['ngram'].speculating} speculating "
+                  f"(engine/memory/spec_memory.py; resident bytes plus {costs['ngram'].speculating} speculating "
                   "sequences' per-sequence bytes (verify slots for the planner's 8-deep verify, draft KV), in "
                   "tenants of that context). Measured pool: the median "
                   "`kv_pages_used + kv_pages_free` of the technique's steps against plain decoding's, in "
@@ -238,7 +238,7 @@ def _projection(t: Telemetry, p: PlanInputs) -> tuple[list[str], dict[str, list[
             if gain is not None:
                 projected.setdefault(name, []).append((c.technique, int(displaced), gain))
     lines += ["", (f"Source: `make_plan(model, tpu-v6e-1, dtype, {p.kv_dtype}, {p.context})` and its "
-              "`techniques` (engine/planner.py, engine/spec_memory.py); acceptance and depth from `xo_steps`."), ""]
+              "`techniques` (engine/memory/planner.py, engine/memory/spec_memory.py); acceptance and depth from `xo_steps`."), ""]
     return lines, projected
 
 
@@ -293,7 +293,7 @@ def moe_section(out: Path) -> list[str]:
               "|---|---|---|---|---:|---|", *rows, "",
               ("int8 stands in for the essay's FP8 (8.5 bits a weight with block scales). Source: "
               f"`crossover plan --device tpu-v6e-1 --model {MOE_SPEC} --dtype DTYPE --context 8192` "
-              "(engine/planner.py `make_plan`; attention shape borrowed from gemma3-12b). The planner counts "
+              "(engine/memory/planner.py `make_plan`; attention shape borrowed from gemma3-12b). The planner counts "
               "memory only: it says nothing about expert locality under mixed tenants."), ""]
     name = figures.moe_figure(bars, out)
     if name:

@@ -1,6 +1,6 @@
 """A roofline step-time model for `crossover report`'s predictions (stdlib only).
 
-The planner (engine/planner.py) knows each device's usable memory and
+The planner (engine/memory/planner.py) knows each device's usable memory and
 bandwidth and each model's bytes; it has no compute figure and no step time.
 This module adds the peak dense bf16 matrix throughput of the two target
 chips and prices one decode or verify step as the slower of streaming its
@@ -27,9 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import ModelConfig
-from engine.memory import KV_DTYPE_BYTES, WEIGHT_BITS, kv_bytes_per_token, weight_bytes
-from engine.planner import H200, TPU_V6E_1, DeviceProfile
-from engine.spec_memory import DRAFT_LAYERS, LAYER_VOCAB, MTP_VOCABS
+from engine.memory.planner import H200, TPU_V6E_1, DeviceProfile
+from engine.memory.sizes import KV_DTYPE_BYTES, WEIGHT_BITS, kv_bytes_per_token, weight_bytes
+from engine.memory.spec_memory import DRAFT_LAYERS, LAYER_VOCAB, MTP_VOCABS
 
 EXIT_LAYERS = 8
 """Target layers the early-exit proposer drafts with (train-heads' deepest default exit)."""

@@ -25,7 +25,7 @@ from bench.report.data import (
 from bench.report.measured import PLAIN, crossovers, fmt_ci, goodput_cells, operating_gain
 from bench.report.planned import MOE_SPEC, PlanInputs, predicted_batches
 from bench.report.stats import Interval, quotient_ci, wilson
-from engine.planner import TPU_V6E_1, make_plan, parse_moe
+from engine.memory.planner import TPU_V6E_1, make_plan, parse_moe
 from engine.policy import TECHNIQUES
 
 
@@ -190,10 +190,10 @@ QUESTIONS = (
      "`xo_steps.accepted_per_pos`, `proposed`, `depth`, `tenants` (section Q1)"),
     ("Q2", "Where does speculation stop paying (the crossover)?", "q2_goodput_measured.png",
      ("`xo_steps.decode_tokens`, `step_ms`, `batch_size`, `prefill_tokens` (section Q2); predictions: "
-      "bench/report/roofline.py with engine/planner.py")),
+      "bench/report/roofline.py with engine/memory/planner.py")),
     ("Q3", "Is speculation's memory worth the KV cache it displaces?", "q3_pool.png",
      ("`xo_steps.kv_pages_used + kv_pages_free`, `decode_tokens`, `step_ms` by `policy_version`, and "
-      "`xo_policies.body.pool_split` (section Q3); planner: engine/spec_memory.py")),
+      "`xo_policies.body.pool_split` (section Q3); planner: engine/memory/spec_memory.py")),
     ("Q4", "Does early exit with a compacting scheduler pay?", "q4_early_exit.png",
      "the `--early-exit` JSON files named in the header (section Q4); MoE: `crossover plan`"),
 )

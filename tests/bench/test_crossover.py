@@ -26,8 +26,8 @@ from bench.crossover import (
 )
 from bench.plots import TECHNIQUE_COLORS, crossover_figure
 from daemon.cli import main as cli_main
-from engine.drafting import add_model_proposers
-from engine.heads import DraftHeads
+from engine.speculation.drafting import add_model_proposers
+from engine.speculation.heads import DraftHeads
 from tests.engine.conftest import SPEC_RC, ChatBytes, make_engine
 
 GRID = CrossoverGrid(techniques=("ngram",), depths=(1, 3), batches=(1, 2, 4), kinds=("copy", "chat"),

@@ -20,7 +20,7 @@ from bench.early_exit import (
 )
 from bench.early_exit_decoder import EarlyExit
 from daemon.cli import main as cli_main
-from engine.heads import DraftHeads
+from engine.speculation.heads import DraftHeads
 from tests.engine.conftest import ChatBytes, make_engine
 
 FILLS = ("propagate", "recompute")

@@ -17,9 +17,9 @@ import pytest
 
 from bench.early_exit_decoder import NEVER, EarlyExit, kind_index, pending_bucket, pow2_bucket, propagate_kv
 from bench.early_exit_ops import stage
-from engine.compiles import compile_count
-from engine.heads import DraftHeads, head_logits
-from engine.model import KVView, block, embed, rms_norm, unstack_layers
+from engine.model.gemma import KVView, block, embed, rms_norm, unstack_layers
+from engine.runtime.compiles import compile_count
+from engine.speculation.heads import DraftHeads, head_logits
 
 PROMPTS = [[2, 10, 11, 12, 13], [2, 40, 41], [2, 7, 300, 9, 100, 20, 21], [2, 5]]
 N = 12
@@ -174,7 +174,7 @@ def test_recompute_pending_positions_stay_out_of_the_pages_until_caught_up(ee):
 def _first_confidences(ee, prompts):
     """Confidences of the first adapter over the first decode step of each prompt."""
     st, first = ee._prefill(prompts, N)
-    from engine.kv import Batch
+    from engine.memory.kv import Batch
 
     top = ee.tops[0]
     B = len(prompts)

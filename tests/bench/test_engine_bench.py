@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.engine import _decode_prompt, decode_throughput
-from engine.allocator import HUGE_PAGE_TUNABLE, allocator_env
+from engine.runtime.allocator import HUGE_PAGE_TUNABLE, allocator_env
 from tests.engine.conftest import ByteTokenizer, make_engine
 
 

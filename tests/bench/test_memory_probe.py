@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from bench import memory_probe
-from engine.core import EngineConfig, EngineCore
-from engine.runner import RunnerConfig
+from engine.execute.runner import RunnerConfig
+from engine.step.core import EngineConfig, EngineCore
 from tests.engine.conftest import TINY_RC, ByteTokenizer
 
 
@@ -40,7 +40,7 @@ def test_serving_report_of_a_tiny_engine(tiny):
 
 
 def test_executables_report_per_token_count(tiny):
-    from engine.runner import ModelRunner
+    from engine.execute.runner import ModelRunner
 
     cfg, params = tiny
     runner = ModelRunner(cfg, params, RunnerConfig(**{**TINY_RC.__dict__, "max_context": 64}))

@@ -8,7 +8,7 @@ import pytest
 from bench.report import roofline
 from bench.report.stats import Interval, Moments, crossover, quotient_ci, ratio_ci, wilson
 from engine.config import GEMMA3_1B, GEMMA3_270M
-from engine.memory import weight_bytes
+from engine.memory.sizes import weight_bytes
 
 
 def test_wilson_covers_the_true_rate_about_95_percent_of_the_time():

@@ -210,7 +210,7 @@ def test_speculation_reaches_the_engine_started_here(monkeypatch: pytest.MonkeyP
     from bench.serve import _load_engine, _policy
     from daemon.cli import build_parser
     from daemon.commands.bench import _serve_config
-    from engine.fake_speculation import FakeProposer
+    from engine.speculation.fake_speculation import FakeProposer
 
     seen: list[tuple[bool, tuple]] = []
 

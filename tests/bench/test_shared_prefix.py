@@ -10,8 +10,8 @@ import pytest
 from bench.workloads import shared_prefix, system_prompts, to_request
 from bench.workloads.shared import TENANTS
 from engine.fake import FakeTokenizer
-from engine.gguf_file import default_gguf_path
-from engine.tokenizer import Tokenizer
+from engine.model.gguf_file import default_gguf_path
+from engine.model.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -184,7 +184,7 @@ def test_both_engines_have_the_protocols_surface() -> None:
     import typing
 
     from daemon.bridge import Engine
-    from engine.core import EngineCore
+    from engine.step.core import EngineCore
 
     members = {n for n in vars(Engine) if not n.startswith("_")} | set(typing.get_type_hints(Engine))
     assert {"capacity", "set_policy", "policy", "step", "status"} <= members

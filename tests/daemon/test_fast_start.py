@@ -1,5 +1,5 @@
 """The fast start as the daemon shows it: /ready turns 200 once plain decoding is compiled, and
-says per technique whether its speculation shapes are ready (engine/warm.py); so does the
+says per technique whether its speculation shapes are ready (engine/warmup/warm.py); so does the
 dashboard's status."""
 
 from __future__ import annotations

@@ -278,7 +278,7 @@ def test_real_engine_reports_when_a_request_first_ran() -> None:
     request aborted while it waited has none."""
     import jax
 
-    from engine.compiles import enable_persistent_cache
+    from engine.runtime.compiles import enable_persistent_cache
     from engine.types import Request, SamplingParams
     from tests.engine.conftest import make_engine
     from tests.engine.tiny import init_random_params, tiny_config

@@ -11,7 +11,7 @@ import pytest
 
 from daemon.jsonlog import JsonFormatter
 from daemon.progress import JsonProgress, TerminalProgress, reporter
-from engine.progress import Steps, note
+from engine.runtime.progress import Steps, note
 
 
 class Tty(io.StringIO):

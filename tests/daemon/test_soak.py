@@ -79,7 +79,7 @@ def tiny_engine(context: int = 512) -> Any:
     verify depths 1, 2, 4 and 8; the daemon warms it up as in production."""
     import jax
 
-    from engine.compiles import enable_persistent_cache
+    from engine.runtime.compiles import enable_persistent_cache
     from tests.engine.conftest import SPEC_RC, ChatBytes, make_engine
     from tests.engine.tiny import init_random_params, tiny_config
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.budget import page_bytes
+from engine.memory.budget import page_bytes
 from engine.policy import BatchRule, TunedPolicy
 from tests.daemon.helpers import LiveServer, wait_for
 

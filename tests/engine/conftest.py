@@ -7,8 +7,8 @@ import random
 import jax
 import pytest
 
-from engine.core import EngineConfig, EngineCore
-from engine.runner import RunnerConfig
+from engine.execute.runner import RunnerConfig
+from engine.step.core import EngineConfig, EngineCore
 from tests.engine.tiny import init_random_params, tiny_config
 
 
@@ -61,7 +61,7 @@ def make_engine(tiny, tokenizer=None, **rc_overrides) -> EngineCore:
 
 @pytest.fixture(scope="session", autouse=True)
 def _compile_cache():
-    from engine.compiles import enable_persistent_cache
+    from engine.runtime.compiles import enable_persistent_cache
 
     enable_persistent_cache()
 

@@ -2,7 +2,7 @@
 
 Written as plainly as possible (numpy, one layer at a time, full attention
 matrix with explicit causal and sliding-window masks) so that it shares no code
-with engine/model.py beyond the params layout.
+with engine/model/gemma.py beyond the params layout.
 """
 
 from __future__ import annotations

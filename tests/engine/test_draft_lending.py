@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.budget import heads_resident_bytes, memory_status
-from engine.drafting import add_model_proposers
-from engine.heads import DraftHeads
-from engine.kv import KVPool, SeqPages
+from engine.memory.budget import heads_resident_bytes, memory_status
+from engine.memory.kv import KVPool, SeqPages
 from engine.policy import BatchRule, TunedPolicy
+from engine.speculation.drafting import add_model_proposers
+from engine.speculation.heads import DraftHeads
 from engine.types import Request, SamplingParams
 from tests.engine.conftest import SPEC_PROMPTS as PROMPTS
 from tests.engine.conftest import SPEC_RC, ByteTokenizer, make_engine, run_prompts
@@ -174,7 +174,7 @@ def test_a_draft_of_another_shape_keeps_its_own_arrays_and_stays_lossless(tiny, 
     largest split, counted in its resident bytes; greedy output still equals plain decoding."""
     import jax
 
-    from engine.draft_model import DraftModelProposer
+    from engine.speculation.draft_model import DraftModelProposer
     from tests.engine.tiny import init_random_params, tiny_config
 
     dcfg = tiny_config(n_layers=2, n_kv_heads=1, n_heads=2)

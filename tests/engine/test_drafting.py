@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from scipy import stats as sstats
 
-from engine.drafting import add_model_proposers
-from engine.heads import DraftHeads
+from engine.execute.runner import Scores, _verify
+from engine.execute.sampling import SamplingArrays
 from engine.policy import BatchRule, TunedPolicy
-from engine.runner import Scores, _verify
-from engine.sampling import SamplingArrays
+from engine.speculation.drafting import add_model_proposers
+from engine.speculation.heads import DraftHeads
 from engine.types import Request, SamplingParams
 from tests.engine.conftest import SPEC_PROMPTS as PROMPTS
 from tests.engine.conftest import (
@@ -98,8 +98,8 @@ def test_a_policy_deeper_than_the_heads_verifies_only_what_they_draft(tiny, plai
 def test_chained_mtp_drafts_of_each_depth_equal_the_heads_applied_in_turn(tiny):
     """One executable drafts every depth: depth k gives the chain's first k tokens, each the
     argmax over the draft vocabulary after head j saw the state and the token before it."""
-    from engine.drafting import MtpProposer
-    from engine.heads import apply_chain_head, token_features
+    from engine.speculation.drafting import MtpProposer
+    from engine.speculation.heads import apply_chain_head, token_features
 
     cfg, params = tiny
     heads = _heads(cfg, scale=1.0)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-import engine.core as core_module
-import engine.ragged_step as ragged_step_module
-from engine import ragged_calls
+import engine.step.core as core_module
+import engine.step.ragged_step as ragged_step_module
+from engine.execute import ragged_calls
 from engine.policy import BatchRule, TunedPolicy
-from engine.proposers import NgramProposer
+from engine.speculation.proposers import NgramProposer
 from engine.types import Request, SamplingParams
 from tests.engine.conftest import SPEC_RC, ByteTokenizer, make_engine
 

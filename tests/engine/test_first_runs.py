@@ -1,4 +1,4 @@
-"""First runs (engine/first_runs.py): each compiled ragged shape, and each proposer's shape once
+"""First runs (engine/warmup/first_runs.py): each compiled ragged shape, and each proposer's shape once
 its technique is ready, executes once on the scratch page before serving needs it, without
 compiling, taking pages or changing any output."""
 
@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from engine import first_runs, ragged_calls
-from engine.compiles import compile_count
+from engine.execute import ragged_calls
 from engine.policy import BatchRule, TunedPolicy
+from engine.runtime.compiles import compile_count
 from engine.types import SamplingParams
-from engine.warm import max_outputs, max_tokens
+from engine.warmup import first_runs
+from engine.warmup.warm import max_outputs, max_tokens
 from tests.engine.conftest import SPEC_RC, make_engine, run_prompts
 
 RC = dict(max_batch=2, max_context=128, verify_tokens=(3,), spec_max_batch=2)
@@ -99,8 +100,8 @@ def test_proposers_shapes_run_once_without_compiling_or_changing_outputs(tiny, m
     """MTP heads, the early-exit and draft-model layer stacks: each shape their warmup compiled
     runs once (on the scratch page of the pools they write), and drafting afterwards compiles
     nothing and decodes what plain decoding does."""
-    from engine.drafting import add_model_proposers
-    from engine.heads import DraftHeads
+    from engine.speculation.drafting import add_model_proposers
+    from engine.speculation.heads import DraftHeads
 
     rc = {**SPEC_RC, "verify_tokens": (3, 5), "spec_max_batch": 2, "max_batch": 2,
           "max_context": 128}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import GEMMA3_27B, GEMMA3_270M
-from engine.memory import (
+from engine.memory.sizes import (
     MiB,
     format_bytes,
     kv_bytes_per_token,

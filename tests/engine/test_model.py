@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from bench.padded import forward_and_write, padded_call
-from engine.kv import Batch
-from engine.runner import ModelRunner, RunnerConfig
+from engine.execute.runner import ModelRunner, RunnerConfig
+from engine.memory.kv import Batch
 from engine.types import Request, SamplingParams
 from tests.engine.conftest import TINY_RC, ByteTokenizer, make_engine
 from tests.engine.reference import dense_logits
@@ -92,9 +92,9 @@ def test_chunked_prefill_gives_the_same_tokens(tiny, chunk_budget):
 def test_fast_output_rescores_the_top_candidates_exactly():
     """bfloat16 scoring of the vocabulary, float32 for each row's top 16: the greedy token
     and the top logits are the float32 ones; the tail is off by bfloat16 rounding only."""
-    from engine.model import logits
-    from engine.runner import RESCORE, output_scores
-    from engine.sampling import TOP_BLOCK
+    from engine.execute.runner import RESCORE, output_scores
+    from engine.execute.sampling import TOP_BLOCK
+    from engine.model.gemma import logits
 
     rng = np.random.default_rng(0)
     embed = jnp.asarray(rng.normal(size=(64 * TOP_BLOCK, 64)).astype(np.float32))  # blocked top-k
@@ -117,7 +117,7 @@ def test_fast_output_rescores_the_top_candidates_exactly():
 @pytest.mark.parametrize("rows", [1, 3, 64, 65])
 def test_tied_logits_equal_the_plain_product_in_either_orientation(rows):
     """Up to FEW_ROWS rows the table is the product's left operand; past it the rows are."""
-    from engine.model import FEW_ROWS, tied_logits
+    from engine.model.gemma import FEW_ROWS, tied_logits
 
     rng = np.random.default_rng(rows)
     table = rng.normal(size=(300, 16)).astype(np.float32)
@@ -152,10 +152,10 @@ def test_block_attention_over_real_pages_equals_one_softmax_over_the_gathered_ca
     """Rows of very different cached lengths (0, 5, 70 slots of a 96-slot table) in one call:
     attention read ATTEND_BLOCK slots at a time with a running softmax equals one softmax over
     every slot gathered, for a global table and a sliding-window ring, with hidden positions."""
-    from engine import model
     from engine.config import ModelConfig
+    from engine.model import gemma
 
-    monkeypatch.setattr(model, "ATTEND_BLOCK", 32)  # several blocks: 70 cached slots read as 3
+    monkeypatch.setattr(gemma, "ATTEND_BLOCK", 32)  # several blocks: 70 cached slots read as 3
     cfg = ModelConfig(n_heads=4, n_kv_heads=2, head_dim=8, sliding_window=40)
     rng = np.random.default_rng(0)
     ps, pages, B, T = 8, 40, 3, 2
@@ -168,15 +168,15 @@ def test_block_attention_over_real_pages_equals_one_softmax_over_the_gathered_ca
     q = jnp.asarray(rng.standard_normal((B, T, 4, 8)), jnp.float32)
     kn, vn = (jnp.asarray(rng.standard_normal((B, T, 2, 8)), jnp.float32) for _ in range(2))
     hidden = jnp.asarray([[-1], [3], [60]], jnp.int32)
-    paged = model.PagedView(k, v, 1, table, last, ring=ring, hidden=hidden)
+    paged = gemma.PagedView(k, v, 1, table, last, ring=ring, hidden=hidden)
     slots = jnp.arange(width * ps, dtype=jnp.int32)
-    gathered = model.KVView(k[1, table].reshape(B, -1, 2, 8), v[1, table].reshape(B, -1, 2, 8),
+    gathered = gemma.KVView(k[1, table].reshape(B, -1, 2, 8), v[1, table].reshape(B, -1, 2, 8),
                             paged.slot_positions(slots))
     assert int(paged.slots_to_read()) == (48 if ring else 70)
     for window in (None, cfg.sliding_window):
-        got = model.attend(cfg, q, kn, vn, q_pos, paged, window)
-        want = model.attend(cfg, q, kn, vn, q_pos, gathered, window)
+        got = gemma.attend(cfg, q, kn, vn, q_pos, paged, window)
+        want = gemma.attend(cfg, q, kn, vn, q_pos, gathered, window)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     # the hidden position is unread: showing it changes the row that held it
-    shown = model.attend(cfg, q, kn, vn, q_pos, dataclasses.replace(paged, hidden=None), None)
+    shown = gemma.attend(cfg, q, kn, vn, q_pos, dataclasses.replace(paged, hidden=None), None)
     assert not np.allclose(np.asarray(shown)[2], np.asarray(got)[2])

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from engine.penalties import entries, fill_adjust
+from engine.execute.penalties import entries, fill_adjust
+from engine.execute.runner import Scores, _verify
+from engine.execute.sampling import Adjust, SamplingArrays, adjust_logits
 from engine.policy import BatchRule, TunedPolicy
-from engine.runner import Scores, _verify
-from engine.sampling import Adjust, SamplingArrays, adjust_logits
 from engine.types import SamplingParams
 from tests.engine.conftest import SPEC_PROMPTS, SPEC_RC, ByteTokenizer, make_engine, run_requests
 

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from engine.config import GEMMA3_12B, GEMMA3_27B, GEMMA3_270M
-from engine.memory import GiB, MiB, kv_bytes_per_token, weight_bytes
-from engine.planner import MoEConfig, device_profile, make_plan, model_by_name, parse_moe
+from engine.memory.planner import MoEConfig, device_profile, make_plan, model_by_name, parse_moe
+from engine.memory.sizes import GiB, MiB, kv_bytes_per_token, weight_bytes
 from tests.engine.test_memory import NAIVE_270M, SEQ_270M
 
 TPU = device_profile("tpu-v6e-1")

@@ -8,10 +8,10 @@ import random
 import numpy as np
 import pytest
 
-from engine.core import EngineConfig, EngineCore
-from engine.kv import KVPool, PageAllocator, SeqPages
-from engine.prefix_cache import SeenPrefixes, extend_keys, root_key
-from engine.runner import RunnerConfig
+from engine.execute.runner import RunnerConfig
+from engine.memory.kv import KVPool, PageAllocator, SeqPages
+from engine.memory.prefix_cache import SeenPrefixes, extend_keys, root_key
+from engine.step.core import EngineConfig, EngineCore
 from engine.types import Request, SamplingParams
 from tests.engine.conftest import TINY_RC, ByteTokenizer, run_requests
 

@@ -1,4 +1,4 @@
-"""The ragged forward (engine/ragged.py) against the dense reference: rows of every kind in one
+"""The ragged forward (engine/model/ragged.py) against the dense reference: rows of every kind in one
 call (decode, verify-sized, prefill chunks with and without a cache), across several calls that
 fill the cache past the sliding window so the local rings wrap."""
 
@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from engine import ragged
-from engine.kv import KVState
-from engine.model import logits, unstack_layers
+from engine.memory.kv import KVState
+from engine.model import ragged
+from engine.model.gemma import logits, unstack_layers
 from tests.engine.reference import dense_logits
 
 PAGE, RING, BLOCK = 4, 6, 8  # ring of 24 slots >= window 8 + verify; reads of 2 pages an item
@@ -104,7 +104,7 @@ def test_build_refuses_what_the_call_cannot_hold(rows, message):
 
 
 def test_new_keys_go_to_the_ring_pages_written_not_those_read(tiny):
-    """A row whose ring entry got a new page on wrap (engine.kv.KVPool.prepare) reads the old
+    """A row whose ring entry got a new page on wrap (engine.memory.kv.KVPool.prepare) reads the old
     page and writes its new keys to the new one."""
     cfg, params = tiny
     params = unstack_layers(params)

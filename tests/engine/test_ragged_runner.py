@@ -1,4 +1,4 @@
-"""Ragged calls on a ModelRunner (engine/ragged_calls.py: the engine/ragged.py forward, then the
+"""Ragged calls on a ModelRunner (engine/execute/ragged_calls.py: the engine/model/ragged.py forward, then the
 output layer and sampling apart at the rows' output tokens): prefill chunks, decode,
 verification and sampling mixed in one call give each row the tokens, acceptances, logprobs,
 hidden states and top logprobs it gets in a call of its own, and the logprobs, top tokens,
@@ -11,8 +11,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engine.ragged_calls import TOKEN_BUCKETS, RaggedRow, new_call, run, top_in
-from engine.runner import ModelRunner
+from engine.execute.ragged_calls import TOKEN_BUCKETS, RaggedRow, new_call, run, top_in
+from engine.execute.runner import ModelRunner
 from tests.engine.conftest import TINY_RC
 from tests.engine.reference import dense_logits
 

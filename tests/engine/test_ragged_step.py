@@ -1,4 +1,4 @@
-"""Steps as ragged calls (engine/ragged_step.py): a batch of prompts gives each prompt what it
+"""Steps as ragged calls (engine/step/ragged_step.py): a batch of prompts gives each prompt what it
 gets decoded alone (a batch of one, no prefix cache, no speculation), whose greedy tokens and
 logprobs are the dense reference model's: the same greedy tokens with and without the prefix
 cache and with every speculation technique, the same seeded samples, logprobs and penalties;
@@ -9,15 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import ragged_step
-from engine.core import EngineConfig, EngineCore
-from engine.drafting import add_model_proposers
-from engine.heads import DraftHeads
+from engine.execute.ragged_calls import token_buckets
+from engine.execute.runner import RunnerConfig
 from engine.policy import BatchRule, TunedPolicy
-from engine.ragged_calls import token_buckets
-from engine.runner import RunnerConfig
+from engine.speculation.drafting import add_model_proposers
+from engine.speculation.heads import DraftHeads
+from engine.step import ragged_step
+from engine.step.core import EngineConfig, EngineCore
 from engine.types import Request, SamplingParams
-from engine.warm import max_tokens
+from engine.warmup.warm import max_tokens
 from tests.engine.conftest import SPEC_PROMPTS, SPEC_RC, TINY_RC, ByteTokenizer, run_prompts
 from tests.engine.reference import dense_logits
 

@@ -84,7 +84,7 @@ def test_prompt_plus_max_tokens_must_fit_the_context():
 
 
 def test_top_k_bound_is_the_samplers_candidate_count():
-    from engine.sampling import CANDIDATES
+    from engine.execute.sampling import CANDIDATES
     from engine.types import MAX_TOP_K
 
     assert MAX_TOP_K == CANDIDATES  # a larger top_k would be cut to the candidates silently

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.sampling import (
+from engine.execute.sampling import (
     CANDIDATES,
     TOP_BLOCK,
     SamplingArrays,

@@ -110,7 +110,7 @@ def test_serving_a_mixed_workload_compiles_nothing_after_warmup(tiny):
 
 
 def _seq(rid: str, n: int):
-    from engine.sequence import Detokenizer, Sequence, request_key
+    from engine.execute.sequence import Detokenizer, Sequence, request_key
 
     ids = [5] * n
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -120,8 +120,8 @@ def _seq(rid: str, n: int):
 def test_a_long_prompt_is_capped_while_others_decode():
     """3 rows decode: a long prompt's chunk is mix_chunk(3, 4) = 16 tokens; alone it takes the
     budget."""
-    from engine.kv import KVPool
-    from engine.scheduler import Scheduler, SchedulerConfig, mix_chunk
+    from engine.memory.kv import KVPool
+    from engine.step.scheduler import Scheduler, SchedulerConfig, mix_chunk
 
     assert mix_chunk(3, 4) == 16
     pool = KVPool(300, 300, 4, 8, None)

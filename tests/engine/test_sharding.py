@@ -1,4 +1,4 @@
-"""Tensor parallelism (engine/sharding.py): output over a mesh of N devices equals one device.
+"""Tensor parallelism (engine/model/sharding.py): output over a mesh of N devices equals one device.
 
 XLA_FLAGS=--xla_force_host_platform_device_count must be set before jax is
 imported, so each check runs in a fresh Python process with the flag set and
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _TINY = """
 import json, sys, jax
 from engine.policy import BatchRule, TunedPolicy
-from engine.compiles import compile_count
+from engine.runtime.compiles import compile_count
 from engine.types import SamplingParams
 from tests.engine.conftest import SPEC_PROMPTS, make_engine, run_prompts
 from tests.engine.tiny import init_random_params, tiny_config
@@ -108,7 +108,7 @@ def test_tiny_model_output_over_2_and_4_devices_equals_one_device():
 def test_more_devices_than_present_is_refused():
     import jax
 
-    from engine.sharding import make_mesh, per_device_fraction
+    from engine.model.sharding import make_mesh, per_device_fraction
 
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
         make_mesh(len(jax.devices()) + 1)
@@ -117,7 +117,7 @@ def test_more_devices_than_present_is_refused():
 
 def test_plan_counts_weights_and_kv_per_device():
     from engine.config import GEMMA3_4B, GEMMA3_270M
-    from engine.planner import device_profile, make_plan, per_device_params
+    from engine.memory.planner import device_profile, make_plan, per_device_params
 
     dev = device_profile("tpu-v6e-1")
     one, two = (make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096, tensor_parallel=n) for n in (1, 2))

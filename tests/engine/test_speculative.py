@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from engine.execute.sampling import SamplingArrays, verify
 from engine.policy import BatchRule, TunedPolicy
-from engine.proposers import NgramProposer
-from engine.sampling import SamplingArrays, verify
+from engine.speculation.proposers import NgramProposer
 from engine.types import SamplingParams
 from tests.engine.conftest import SPEC_PROMPTS as PROMPTS
 from tests.engine.conftest import SPEC_RC, ByteTokenizer, churn_with_aborts, make_engine, run_prompts

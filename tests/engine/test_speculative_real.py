@@ -23,8 +23,8 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def engine():
-    from engine.compiles import memory_mappings
     from engine.loader import load_engine
+    from engine.runtime.compiles import memory_mappings
 
     before = memory_mappings()
     e = load_engine(dtype="float32", max_batch=4, max_context=128, progress=False, speculation=True,
@@ -108,7 +108,7 @@ def test_seeded_sampled_output_does_not_depend_on_speculation_on_the_real_model(
 
 
 def test_plan_memory_formulas_match_the_loaded_proposers(engine):
-    from engine.spec_memory import technique_costs
+    from engine.memory.spec_memory import technique_costs
 
     rc = engine.runner.rc
     costs = {c.technique: c for c in technique_costs(engine.cfg, "float32", "float32", 128, rc.page_size,

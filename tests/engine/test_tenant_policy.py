@@ -8,7 +8,6 @@ import copy
 import numpy as np
 import pytest
 
-from engine.chooser import StepChooser
 from engine.fake import FakeCost, FakeEngine, FakeProposer
 from engine.policy import (
     BatchRule,
@@ -19,6 +18,7 @@ from engine.policy import (
     check_servable,
     speculates_up_to,
 )
+from engine.step.chooser import StepChooser
 from engine.types import Request, RowClass, SamplingParams
 
 GOOD = {"rules": [{"max_batch": 8, "technique": "ngram", "depth": 2}, {"max_batch": 64}], "crossover": 8,

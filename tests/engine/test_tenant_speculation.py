@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.drafting import add_model_proposers
-from engine.heads import DraftHeads
+from engine.execute.sampling import SamplingArrays, verify
 from engine.policy import BatchRule, TenantRule, TunedPolicy
-from engine.sampling import SamplingArrays, verify
+from engine.speculation.drafting import add_model_proposers
+from engine.speculation.heads import DraftHeads
 from engine.types import Request, SamplingParams
 from tests.engine.conftest import SPEC_PROMPTS as PROMPTS
 from tests.engine.conftest import SPEC_RC, ByteTokenizer, churn_with_aborts, make_engine

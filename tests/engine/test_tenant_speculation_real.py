@@ -1,7 +1,7 @@
 """Per-tenant speculation on the real Gemma 3 270M: one batch of four tenants, each drafting with
 its own (technique, depth) or not at all, gives plain decoding's greedy tokens, compiles
 nothing after warmup and returns every page; rows that draft nothing decode one token each
-beside the drafting rows' verify in the same ragged call (engine/ragged_step.py) with the same
+beside the drafting rows' verify in the same ragged call (engine/step/ragged_step.py) with the same
 tokens."""
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from gguf.constants import TokenType as TT
 
-from engine.chat import apply_chat_template
-from engine.gguf_file import GGUFFile, WeightsError, cache_dir, default_gguf_path, file_sha256
-from engine.tokenizer import IncrementalDecoder, Tokenizer, build_backend
+from engine.model.chat import apply_chat_template
+from engine.model.gguf_file import GGUFFile, WeightsError, cache_dir, default_gguf_path, file_sha256
+from engine.model.tokenizer import IncrementalDecoder, Tokenizer, build_backend
 
 ROUND_TRIP = [
     "Hello world",

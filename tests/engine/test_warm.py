@@ -1,4 +1,4 @@
-"""The fast start (engine/warm.py): plain decoding serves while the proposers' shapes compile in
+"""The fast start (engine/warmup/warm.py): plain decoding serves while the proposers' shapes compile in
 the background; a technique runs only once its shapes are ready; serving never compiles."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import gc
 import logging
 import threading
 
-from engine.chooser import StepChooser
-from engine.compiles import compile_count, limit_malloc_arenas, release_lowerings, trim_heap
-from engine.drafting import add_model_proposers
-from engine.heads import DraftHeads
 from engine.policy import BatchRule, TunedPolicy
+from engine.runtime.compiles import compile_count, limit_malloc_arenas, release_lowerings, trim_heap
+from engine.speculation.drafting import add_model_proposers
+from engine.speculation.heads import DraftHeads
+from engine.step.chooser import StepChooser
 from engine.types import SamplingParams
 from tests.engine.conftest import make_engine, run_prompts
 

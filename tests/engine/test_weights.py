@@ -15,15 +15,15 @@ import pytest
 from gguf.constants import GGMLQuantizationType as QT
 from safetensors.numpy import save_file
 
-from engine import gguf_file, weights
 from engine.config import GEMMA3_270M
-from engine.gguf_file import (
+from engine.model import gguf_file, weights
+from engine.model.gguf_file import (
     GGUFFile,
     WeightsError,
     default_gguf_path,
     file_sha256,
 )
-from engine.weights import load_gguf, load_hf_dir, load_model
+from engine.model.weights import load_gguf, load_hf_dir, load_model
 from tests.engine.tiny import tiny_config
 
 CFG = tiny_config()

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from engine.config import ModelConfig
-from engine.model import Params
+from engine.model.gemma import Params
 
 
 def tiny_config(**kw) -> ModelConfig:

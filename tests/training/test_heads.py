@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.drafting import MtpProposer, add_model_proposers
-from engine.heads import DraftHeads
 from engine.policy import BatchRule, TunedPolicy
+from engine.speculation.drafting import MtpProposer, add_model_proposers
+from engine.speculation.heads import DraftHeads
 from engine.types import SamplingParams
 from tests.engine.conftest import (
     SPEC_RC,

@@ -9,8 +9,8 @@ import pytest
 
 import engine
 from engine.config import GEMMA3_270M
-from engine.heads import DraftHeads, default_heads_path
 from engine.loader import _load_heads, find_heads, heads_cache_path
+from engine.speculation.heads import DraftHeads, default_heads_path
 from tests.engine.conftest import make_engine
 from tests.engine.tiny import tiny_config
 from training.heads import output_path

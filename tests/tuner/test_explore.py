@@ -8,9 +8,9 @@ import pickle
 import numpy as np
 import pytest
 
-from engine.chooser import StepChooser
 from engine.fake import FakeCost, FakeEngine, FakeProposer
 from engine.policy import NEVER, BatchRule, Exploration, PolicyError, TunedPolicy
+from engine.step.chooser import StepChooser
 from engine.types import Request, SamplingParams, StepStats
 from tuner.config import TunerConfig
 from tuner.explore import ExplorationPlan, is_exploration
@@ -140,7 +140,7 @@ def test_the_profile_retires_a_cell_that_cannot_pay_next_to_the_policy(rate: flo
     steps (interleaved with them) is retired after PROFILE_FIRST_STEPS steps each, one under
     half after PROFILE_MIN_STEPS, and the profile's turns go to the other cells; one at 0.8x
     the policy's rate stays. (The policy's n-gram@2 emits 4 tokens in 50 ms.)"""
-    from engine.chooser import PROFILE_FIRST_STEPS, PROFILE_MIN_STEPS
+    from engine.step.chooser import PROFILE_FIRST_STEPS, PROFILE_MIN_STEPS
 
     assert (after or 2) in (PROFILE_FIRST_STEPS, PROFILE_MIN_STEPS)
     steps = chooser(_profiled())
@@ -193,7 +193,7 @@ def test_the_fake_engine_retires_a_poor_proposer_from_its_profile() -> None:
     """The engine calls `observe` after each step: with a proposer that never gets a draft
     accepted (a third of the policy's rate), the profile stops trying it after
     PROFILE_MIN_STEPS steps."""
-    from engine.chooser import PROFILE_MIN_STEPS
+    from engine.step.chooser import PROFILE_MIN_STEPS
 
     engine = FakeEngine(proposers={"ngram": FakeProposer("ngram", (0.95,)),
                                    "early_exit": FakeProposer("early_exit", (0.0,))},

@@ -23,7 +23,7 @@ T0, T1, T3 = 12.0, 0.4, 1.5
 
 def _step(batch: int, plain: int, rng: np.random.Generator) -> StepStats:
     """A step of `batch` decode rows, `plain` of them drafting nothing and the rest 4 each at
-    depth 4: the drafting rows run 5 token rows, the plain ones 1 (engine/ragged_step.py)."""
+    depth 4: the drafting rows run 5 token rows, the plain ones 1 (engine/step/ragged_step.py)."""
     drafting = batch - plain
     classes = tuple(c for c in (RowClass("copy", "ngram", 4, drafting, 4 * drafting),
                                 RowClass("prose", "none", 0, plain)) if c.rows)

@@ -179,7 +179,7 @@ def test_each_measured_depth_is_predicted_as_measured_not_from_pooled_rates() ->
 
 
 def test_step_time_follows_the_rows_each_row_ran() -> None:
-    # Each decode row runs 1 + the drafts it verified (engine/ragged_step.py): a row whose
+    # Each decode row runs 1 + the drafts it verified (engine/step/ragged_step.py): a row whose
     # proposer found nothing runs one. Steps cost 10 + 2 ms per token row; half the rows of
     # each n-gram step drafted. Fitted on the rows they ran the model is exact, and prices a
     # depth at its draft share (0.5 here); read as every row at the step's depth (the padded

@@ -66,7 +66,7 @@ def test_fit_recovers_a_known_per_sampled_row_cost() -> None:
 
 
 def test_fit_recovers_a_whole_batch_sampler_cost() -> None:
-    """An engine that runs its sampler over every row once any row samples (engine.sampling's
+    """An engine that runs its sampler over every row once any row samples (engine.execute.sampling's
     lax.cond): the cost follows the padded batch, not the count, and the fit tells them apart."""
     steps = _steps(1500, seed=6, whole=WHOLE_BATCH_MS, share=0.15)
     model = PerfModel.fit(steps)

@@ -8,7 +8,7 @@ import pytest
 
 from daemon.cli import main
 from engine.config import GEMMA3_270M
-from engine.planner import GiB, MiB, device_profile, make_plan
+from engine.memory.planner import GiB, MiB, device_profile, make_plan
 
 
 def run_plan(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -72,7 +72,7 @@ def test_greedy_continuations_equal_transformers(engine, golden):
 
 def test_prompt_logits_match_within_tolerance(engine, golden):
     from bench.padded import forward_and_write, padded_call
-    from engine.kv import Batch
+    from engine.memory.kv import Batch
 
     case = next(c for c in golden["cases"] if c["name"] == "question")
     ids = case["prompt_ids"]

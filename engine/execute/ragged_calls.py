@@ -1,0 +1,221 @@
+"""A runner's model and pools over a flat token axis: every row of a step, of any kind, in one call.
+
+`new_call(runner, rows)` lays the rows (RaggedRow: new tokens after a cached prefix, page ids,
+outputs wanted, drafts to check) out as engine/model/ragged.py's RaggedBatch, padded to a
+TOKEN_BUCKETS size of tokens only; `run(runner, call)` runs the forward (hidden states of every
+token), writes the new K/V into the pools in a call of its own, then `_heads` scores the output
+tokens alone and draws, or verifies drafts, there. The output slots are padded to an
+OUTPUT_BUCKETS size, so a call compiles one forward per token count and one head per output
+count, whatever the mix of rows. The engine's steps run as such calls (engine/step/ragged_step.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import numpy as np
+
+from engine.config import ModelConfig
+from engine.execute.runner import ModelRunner, bucket, output_scores
+from engine.execute.runner import _verify as verify_scores
+from engine.execute.sampling import Adjust, SamplingArrays
+from engine.memory.kv import KVState
+from engine.model import ragged
+from engine.model.gemma import ATTEND_BLOCK, Params
+from engine.model.ragged import RaggedBatch
+from engine.runtime.compiles import abstract, any_committed, outputs
+
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+"""Token slots a ragged call (engine/model/ragged.py) compiles for; the largest is a step's token budget."""
+OUTPUT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+"""Output slots the heads compile for: finer than the token buckets, since each slot costs a row
+of the output layer (262k rows for Gemma 3), where a token slot costs far less of the forward;
+every token bucket is one of them, so a call's outputs never pad past its tokens."""
+
+
+@partial(jax.jit, static_argnames=("cfg", "block"))
+def _forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, block: int = ATTEND_BLOCK):
+    """Final hidden states of every token of the call, zero-padded to [TOKEN_BUCKETS[-1], d] (so
+    that `_heads` compiles per output count alone, whatever the call's token count), and its new
+    K/V for `_write`."""
+    h, new_kv, _ = ragged.forward(cfg, params, kv, rb, block=block)
+    return jax.numpy.pad(h, ((0, TOKEN_BUCKETS[-1] - h.shape[0]), (0, 0))), new_kv
+
+
+@partial(jax.jit, donate_argnames=("kv",))
+def _write(kv: KVState, rb: RaggedBatch, new_kv):
+    """The call's new K/V into the donated pools, in place (a call apart from the reads: see
+    engine.execute.runner._write)."""
+    return ragged.write(kv, rb, new_kv)
+
+
+@jax.jit
+def _heads(params: Params, h, out_idx, cand, samp: SamplingArrays, counter, adj: Adjust | None = None):
+    """The output layer at the call's output tokens h[out_idx] [O, d] (h is always `_forward`'s
+    padded [TOKEN_BUCKETS[-1], d], so the heads compile per output count O alone), then at each a
+    token drawn (greedy or sampled) and the draft `cand` [O] (-1: none) accepted when it is that
+    token, as engine.execute.sampling.verify. Returns (tokens, accepted, logprobs [O], top ids and
+    logprobs [O, k], the hidden states [O, d])."""
+    hs = h[out_idx]
+    sc = output_scores(params, hs[:, None])
+    tok, acc, lp, ti, tl = verify_scores(sc, cand[:, None], samp, counter[:, None], adj)
+    return tok[:, 0], acc[:, 0], lp[:, 0], ti[:, 0], tl[:, 0], hs
+
+
+@dataclass(frozen=True)
+class RaggedRow:
+    """One row of a ragged call: new token ids after `start` cached ones, its page ids (the ring's
+    read pages, and where they differ the pages written: engine.memory.kv.KVPool.prepare), and logits at
+    its last `outputs` tokens, where output j checks draft `cand[j]` (none past `cand`)."""
+
+    tokens: Sequence[int]
+    start: int
+    global_pages: Sequence[int]  # any int sequence, a numpy row too (RaggedBatch.build copies it)
+    ring: Sequence[int]
+    ring_write: Sequence[int] | None = None
+    outputs: int = 1
+    cand: Sequence[int] = ()
+
+
+@dataclass
+class RaggedCall:
+    """Host arrays of one ragged call: its RaggedBatch and its O output slots (the first
+    sum(row.outputs) real, in row order)."""
+
+    batch: RaggedBatch
+    out_idx: np.ndarray  # [O] int32 flat token index
+    cand: np.ndarray  # [O] int32 draft to check (-1: none)
+    counter: np.ndarray  # [O] int32 position being sampled (folds the row's key)
+    out_rows: list[slice]  # per row, its slots of out_*
+    samp: dict[str, np.ndarray] = field(default_factory=dict)
+    adjust: dict[str, np.ndarray] | None = None
+    """engine.execute.sampling.Adjust buffers [O, 1, H] once a row has penalties or banned ids."""
+
+
+def new_call(runner: ModelRunner, rows: list[RaggedRow]) -> RaggedCall:
+    """The host arrays of one ragged call over `rows`, padded to the smallest token bucket that
+    holds their tokens, output slots to the smallest that holds their outputs; sampling
+    greedy until the caller fills `samp`."""
+    n = sum(len(r.tokens) for r in rows)
+    N = bucket(n, TOKEN_BUCKETS)
+    n_out = sum(r.outputs for r in rows)
+    O = bucket(max(n_out, 1), OUTPUT_BUCKETS)  # <= N: every output is a token
+    rb = RaggedBatch.build([(r.tokens, r.start, r.global_pages, r.ring, r.ring_write) for r in rows],
+                           N, row_slots(runner, N), table_width(runner.rc), runner.rc.ring_pages)
+    out_idx, cand = np.zeros(O, np.int32), np.full(O, -1, np.int32)
+    counter, out_rows, at, o = np.zeros(O, np.int32), [], 0, 0
+    for r in rows:
+        k = r.outputs
+        if k > len(r.tokens) or len(r.cand) > k:
+            raise ValueError(f"a row of {len(r.tokens)} tokens asks {k} outputs checking "
+                             f"{len(r.cand)} drafts")
+        first = at + len(r.tokens) - k
+        out_idx[o: o + k] = np.arange(first, first + k)
+        cand[o: o + len(r.cand)] = r.cand
+        counter[o: o + k] = r.start + len(r.tokens) - k + 1 + np.arange(k)
+        out_rows.append(slice(o, o + k))
+        at, o = at + len(r.tokens), o + k
+    return RaggedCall(jax.tree.map(np.asarray, rb), out_idx, cand, counter, out_rows,
+                      SamplingArrays.host(O))
+
+
+def table_width(rc) -> int:
+    """Global page-table width of every ragged call, in pages: the maximum context's."""
+    return rc.max_context // rc.page_size
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """The TOKEN_BUCKETS a runner compiles: up to the one holding `max_tokens` (a step's most
+    tokens; a step with more runs as several calls, engine/step/ragged_step.py)."""
+    return [b for b in TOKEN_BUCKETS if b <= bucket(min(max_tokens, TOKEN_BUCKETS[-1]), TOKEN_BUCKETS)]
+
+
+def output_buckets(max_outputs: int) -> list[int]:
+    """The OUTPUT_BUCKETS a runner compiles: up to the one holding `max_outputs`."""
+    return [b for b in OUTPUT_BUCKETS if b <= bucket(max_outputs, OUTPUT_BUCKETS)]
+
+
+def row_slots(runner: ModelRunner, n_tokens: int) -> int:
+    """Row slots of a call of n_tokens token slots: every token its own row, up to the most rows
+    a step runs."""
+    return min(n_tokens, runner.rc.max_batch)
+
+
+def run(runner: ModelRunner, c: RaggedCall) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Execute one ragged call: (tokens, accepted, logprobs) [O] as numpy; the output slots'
+    hidden states stay in `last_hidden` [O, d] and top logprobs in `last_top` ([O, k] ids,
+    [O, k] logprobs; `top_in` reads them)."""
+    h, new_kv = _forward(runner.cfg, runner.params, runner.kv, c.batch)
+    runner.kv = _write(runner.kv, c.batch, new_kv)
+    adj = None if c.adjust is None else Adjust(**c.adjust)
+    tok, acc, lp, ti, tl, runner.last_hidden = _heads(runner.params, h, c.out_idx, c.cand,
+                                                      SamplingArrays(**c.samp), c.counter, adj)
+    runner.last_top = (np.asarray(ti), np.asarray(tl)) if c.samp["want_logprobs"].any() else None
+    return np.asarray(tok), np.asarray(acc), np.asarray(lp)
+
+
+def top_in(runner: ModelRunner, slots: slice) -> list[list[tuple[int, float]]] | None:
+    """The latest ragged call's most likely (token, logprob) pairs, best first, at output
+    `slots`; None when no row of it asked for logprobs."""
+    if runner.last_top is None:
+        return None
+    ids, lps = runner.last_top
+    return [list(zip(ids[j].tolist(), lps[j].tolist(), strict=True))
+            for j in range(*slots.indices(len(ids)))]
+
+
+def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tuple[list, list]:
+    """Thunks compiling every ragged call of `runner` ahead of time from the arrays' metadata
+    (engine.runtime.compiles.abstract; no device buffer read): (one per token bucket up to `max_tokens`:
+    its forward and KV write; then one per output bucket up to `max_outputs`: its heads,
+    with and without logit adjustments). The second list reads the first's output
+    layouts: run it after. Make them on the runner's thread."""
+    rc, cfg = runner.rc, runner.cfg
+    params, kv = abstract(runner.params), abstract(runner.kv)
+    committed = runner.mesh is not None or any_committed(runner.params, runner.kv)
+    width = table_width(rc)
+    hidden: dict[int, jax.ShapeDtypeStruct] = {}
+
+    def forward(n: int) -> None:
+        rb = jax.tree.map(np.asarray, RaggedBatch.build([], n, row_slots(runner, n), width, rc.ring_pages))
+        h, new_kv = outputs(_forward.lower(cfg, params, kv, rb).compile(), committed)
+        hidden[n] = h
+        _write.lower(kv, rb, new_kv).compile()
+
+    def heads(o: int) -> None:
+        h = hidden[max(hidden)]  # every forward's output has one shape (`_forward`)
+        samp, idx = SamplingArrays(**SamplingArrays.host(o)), np.zeros(o, np.int32)
+        for adj in (None, Adjust(**Adjust.host((o, 1, runner.adjust_width)))):
+            _heads.lower(params, h, idx, idx, samp, idx, adj).compile()
+
+    tokens = token_buckets(max_tokens)
+    return ([partial(forward, n) for n in tokens],
+            [partial(heads, o) for o in output_buckets(min(max_outputs, tokens[-1]))])
+
+
+def first_run_shapes(max_tokens: int, max_outputs: int) -> list[tuple[int, int]]:
+    """(token slots, output slots) that run every compiled forward and every compiled head once:
+    each token bucket with the most outputs it can hold, then each output bucket left at the
+    smallest token bucket holding it."""
+    tokens = token_buckets(max_tokens)
+    outs = output_buckets(min(max_outputs, tokens[-1]))
+    shapes = [(n, max(o for o in outs if o <= n)) for n in tokens]
+    done = {o for _, o in shapes}
+    return shapes + [(bucket(o, TOKEN_BUCKETS), o) for o in outs if o not in done]
+
+
+def run_padding(runner: ModelRunner, n_tokens: int, n_outputs: int) -> None:
+    """One call of n_tokens token slots and n_outputs output slots that only writes the scratch
+    page (a first execution is slower than the next: engine/warmup/first_runs.py runs them while idle)."""
+    rc = runner.rc
+    size = max(1, rc.max_context // 2)  # rows whose positions stay inside the page tables
+    rows, left = [], n_outputs
+    for at in range(0, n_tokens, size):
+        k = min(size, n_tokens - at)
+        rows.append(RaggedRow((0,) * k, 0, (0,) * table_width(rc), (0,) * rc.ring_pages,
+                              outputs=min(k, left)))
+        left -= rows[-1].outputs
+    run(runner, new_call(runner, rows))

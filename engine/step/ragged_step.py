@@ -1,0 +1,273 @@
+"""One step as ragged calls (engine/execute/ragged_calls.py): every row of the plan, of any kind, in one
+forward (EngineCore.step calls `run_ragged_step`).
+
+1. The decode rows: the StepChooser picks a (technique, depth) per row (a tenant rule's, else
+   the batch's) and each (technique, depth) group drafts with its proposer. A row verifies its own
+   drafts at its own depth, [last token, drafts...], with logits at each of those tokens; a row
+   that drafts nothing decodes one token. No row is padded to another's depth.
+2. The prefill chunks: each a row of its own tokens after its cached prefix, logits at its last
+   token (they give the next token when the chunk reaches the prompt's end).
+3. The rows go in one call, decode rows first, unless their tokens pass the largest token
+   bucket: then in as few calls as hold them, in that order. Where the call's tokens pass a
+   bucket by less than they would pad up to the next, the prefill chunks give up the excess
+   to a later step (`fit_step`): a 133-token step runs as 128 tokens, not padded to 256.
+4. Each row's outputs go to its sequence (`EngineCore._emit`); a row whose own inputs fail is
+   dropped alone before the call (engine/step/faults.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.execute import ragged_calls
+from engine.execute.penalties import fill_adjust, wants_adjust
+from engine.execute.ragged_calls import RaggedRow, table_width, token_buckets
+from engine.execute.sampling import Adjust, SamplingArrays
+from engine.execute.sequence import Sequence, Status
+from engine.step.chooser import PLAIN
+from engine.step.faults import propose_alone
+from engine.types import RowClass
+from engine.warmup.warm import max_tokens
+
+
+@dataclass
+class SpecResult:
+    """What speculation did in one step (defaults: plain decode)."""
+
+    technique: str = "none"
+    """The technique of the most drafting rows."""
+    depth: int = 0
+    """The verify depth (the deepest row's)."""
+    propose_ms: float = 0.0
+    """Every proposer's time together."""
+    verify_ms: float = 0.0
+    per_pos: list[int] = field(default_factory=list)
+    proposed: int = 0
+    accepted: int = 0
+    classes: dict[tuple[str, str, int], list] = field(default_factory=dict)
+    """(tenant, technique, depth) -> [rows, proposed, accepted, per_pos] of the verified rows."""
+    plain_rows: int = 0
+    """Decode rows of a speculative step that drafted nothing: they decode one token each."""
+
+    def row_classes(self, decode: list[Sequence]) -> tuple[RowClass, ...]:
+        """One RowClass per class of the verified rows, or (plain decode) per tenant of `decode`."""
+        classes = dict(self.classes)
+        if not classes:
+            for s in decode:
+                classes.setdefault((s.req.tenant, *PLAIN), [0, 0, 0, []])[0] += 1
+        return tuple(RowClass(t, tech, d, n, p, a, tuple(pos))
+                     for (t, tech, d), (n, p, a, pos) in sorted(classes.items()))
+
+
+def run_ragged_step(core, plan, events, finished) -> SpecResult:
+    """Run `plan` on `core` (an EngineCore) as ragged calls (module docstring)."""
+    fail = core._failer(events, finished)
+    decode, propose_ms = _drafted(core, plan.decode, fail, bool(plan.prefill))
+    items = [(s, choice, d, None) for s, choice, d in decode]
+    chunks = [(s, n) for s, n in plan.prefill if s.status is Status.RUNNING]
+    lengths = fit_step(sum(1 + len(d) for _, _, d in decode), [n for _, n in chunks],
+                       tuple(token_buckets(max_tokens(core))))
+    fitted = {id(s): n for (s, _), n in zip(chunks, lengths, strict=True)}
+    items += [(s, None, (), fitted[id(s)]) for s, _ in chunks]
+    plan.prefill = [(s, fitted.get(id(s), n)) for s, n in plan.prefill]  # the step's stats count what ran
+    rows = []
+    for item in items:
+        try:
+            rows.append((item, _row(core, item), _sampling(core, item)))
+        except Exception:
+            fail(item[0], "its sampling inputs")
+    plan.decode = [item[0] for item, _, _ in rows if item[3] is None]
+    spec = SpecResult()
+    depth = max((item[1][1] for item, _, _ in rows if item[2]), default=0)  # the deepest drafting row's choice
+    if depth:
+        spec = SpecResult(_most_rows([item for item, _, _ in rows if item[3] is None]), depth, propose_ms,
+                          per_pos=[0] * depth)
+        spec.plain_rows = sum(1 for item, _, _ in rows if item[3] is None and not item[2])  # decode one token
+    t0 = time.perf_counter()
+    for call_rows in _pack(rows, token_buckets(max_tokens(core))[-1]):
+        call = ragged_calls.new_call(core.runner, [r for _, r, _ in call_rows])
+        for (_, _, samp), slots in zip(call_rows, call.out_rows):
+            _put_sampling(core, call, slots, samp)
+        tok, acc, lp = ragged_calls.run(core.runner, call)
+        hidden = np.asarray(core.runner.last_hidden, np.float32) if core._keep_hidden else None
+        for (item, _, _), slots in zip(call_rows, call.out_rows):
+            _update(core, spec, item, slots, tok, acc, lp, hidden, events, finished)
+    if depth:
+        spec.verify_ms = (time.perf_counter() - t0) * 1e3
+    return spec
+
+
+def fit_step(decode_tokens: int, chunks: list[int], buckets: tuple[int, ...]) -> list[int]:
+    """Prefill chunk lengths cut so that a step of `decode_tokens` decode and verify tokens and
+    these chunks ends on a token bucket, where it passes one by fewer tokens than padding up to
+    the next would add (the cut tokens cost as much in a later step, padding costs for nothing).
+    Chunks are cut from the last one back, each keeping a token; a step past the largest bucket
+    (several calls) is left as it is.
+
+    >>> fit_step(7, [126], (16, 32, 64, 128, 256)), fit_step(7, [200], (16, 32, 64, 128, 256))
+    ([121], [200])
+    >>> fit_step(24, [30, 20], (16, 64, 128)), fit_step(60, [10, 2], (16, 64, 128)), fit_step(70, [1], (16, 64, 128))
+    ([30, 10], [3, 1], [1])
+    >>> fit_step(0, [300], (128, 256))  # past the largest bucket: several calls
+    [300]
+    """
+    n = decode_tokens + sum(chunks)
+    up = [b for b in buckets if b >= n]
+    down = [b for b in buckets if b < n]
+    if not up or not down or n - down[-1] >= up[0] - n:
+        return list(chunks)
+    excess, out = n - down[-1], list(chunks)
+    if excess > sum(c - 1 for c in out):
+        return out
+    for i in reversed(range(len(out))):
+        cut = min(excess, out[i] - 1)
+        out[i] -= cut
+        excess -= cut
+    return out
+
+
+def _drafted(core, seqs: list[Sequence], fail, prefill: bool = False) -> tuple[list, float]:
+    """(sequence, choice, drafts) per decode row kept, and the proposers' time in ms (`prefill`:
+    the step also prefills, see StepChooser.choose)."""
+    if not seqs:
+        return [], 0.0
+    choices = _row_choices(core, seqs, prefill)
+    if all(c == PLAIN for c in choices) or len(seqs) > core.runner.rc.spec_max_batch:
+        return [(s, PLAIN, []) for s in seqs], 0.0
+    t0 = time.perf_counter()
+    rows = _propose(core, seqs, choices, fail)
+    return rows, (time.perf_counter() - t0) * 1e3
+
+
+def _row_choices(core, seqs: list[Sequence], prefill: bool = False) -> list[tuple[str, int]]:
+    """Each row's (technique, depth): the chooser's (`prefill`: the step also prefills, see
+    StepChooser.choose), cut to what its proposer drafts and to what the context holds
+    (drafting and verifying write positions up to num_cached + depth)."""
+    room = core.max_context - 1 - max(s.num_cached for s in seqs)
+    out = []
+    for technique, depth in core._chooser.choose_rows([s.req.tenant for s in seqs], prefill):
+        if technique != "none":
+            depth = min(depth, room, core.proposers[technique].max_depth)  # e.g. 4 MTP heads
+        out.append((technique, depth) if depth > 0 else PLAIN)
+    return out
+
+
+def _propose(core, seqs, choices, fail) -> list[tuple[Sequence, tuple[str, int], list[int]]]:
+    """(sequence, its choice, its drafts) per row kept, in batch order: each (technique, depth)
+    group drafts in one call; a row whose own proposal fails is dropped alone (engine/step/faults.py)."""
+    drafted: dict[int, list[int]] = {}
+    for choice in dict.fromkeys(c for c in choices if c != PLAIN):
+        group = [s for s, c in zip(seqs, choices) if c == choice]
+        kept, drafts = propose_alone(core.proposers[choice[0]], group, choice[1], fail)
+        drafted.update((id(s), list(d)) for s, d in zip(kept, drafts))
+    return [(s, c, drafted[id(s)] if c != PLAIN else []) for s, c in zip(seqs, choices)
+            if c == PLAIN or id(s) in drafted]
+
+
+def accepted_prefix(acc, n: int) -> int:
+    """Drafts kept of a row's n: how many of acc[:n] are true before the first false."""
+    a = 0
+    while a < n and acc[a]:
+        a += 1
+    return a
+
+
+def count_verified(res: SpecResult, seq: Sequence, choice: tuple[str, int], drafts, accepted: int) -> None:
+    """Count one verified row, `accepted` of its drafts kept, in `res` (its class, per position)
+    and in its sequence."""
+    cls = res.classes.setdefault((seq.req.tenant, *choice), [0, 0, 0, [0] * choice[1]])
+    for j in range(accepted):
+        res.per_pos[j] += 1
+        cls[3][j] += 1
+    cls[0] += 1
+    cls[1] += len(drafts)
+    cls[2] += accepted
+    res.proposed += len(drafts)
+    res.accepted += accepted
+    seq.proposed += len(drafts)
+    seq.accepted += accepted
+
+
+def _most_rows(rows) -> str:
+    """The technique most of the rows that drafted use (ties: the first by name)."""
+    counts: dict[str, int] = {}
+    for _, (technique, _), drafts, *_ in rows:
+        if drafts:
+            counts[technique] = counts.get(technique, 0) + 1
+    return max(sorted(counts), key=counts.__getitem__)
+
+
+def _row(core, item) -> RaggedRow:
+    """The call row of a decode row (seq, choice, drafts, None) or a chunk (seq, None, (), n)."""
+    seq, _, drafts, n = item
+    n = n or 1
+    rc = core.runner.rc
+    g = np.zeros(table_width(rc), np.int32)
+    ring, write = np.zeros(rc.ring_pages, np.int32), np.zeros(rc.ring_pages, np.int32)
+    core.pool.fill_tables(seq.pages, g, ring, write)
+    tokens = tuple(seq.tokens[seq.num_cached: seq.num_cached + n]) + tuple(drafts)
+    return RaggedRow(tokens, seq.num_cached, g, ring, write, 1 + len(drafts), tuple(drafts))
+
+
+def _pack(rows: list, most: int) -> list[list]:
+    """`rows` in order, cut into calls of at most `most` tokens (the largest token bucket) each."""
+    calls, tokens = [[]], 0
+    for row in rows:
+        n = len(row[1].tokens)
+        if calls[-1] and tokens + n > most:
+            calls.append([])
+            tokens = 0
+        calls[-1].append(row)
+        tokens += n
+    return [c for c in calls if c]
+
+
+def _sampling(core, item) -> tuple[dict, dict | None]:
+    """A row's sampling settings at its output slots (SamplingArrays host arrays [k]), and its
+    logit adjustments ([1, k, H]) where it has any: made before the call, so that a row whose
+    settings fail (engine/step/faults.py) is dropped alone."""
+    seq, _, drafts, _ = item
+    sp, k = seq.req.sampling, 1 + len(drafts)
+    samp = SamplingArrays.host(k)
+    SamplingArrays.fill(samp, slice(0, k), sp, seq.key)
+    if not wants_adjust(sp, seq.num_output):
+        return samp, None
+    one = Adjust.host((1, k, core.runner.adjust_width))  # position j counts drafts[:j] as output
+    fill_adjust(one, 0, seq.tokens, seq.n_prompt, sp, core._stops(sp), drafts)
+    return samp, one
+
+
+def _put_sampling(core, call, slots: slice, prepared: tuple[dict, dict | None]) -> None:
+    """A row's `_sampling` arrays into the call's output slots."""
+    samp, one = prepared
+    for name, buf in samp.items():
+        call.samp[name][slots] = buf
+    if one is not None:
+        if call.adjust is None:
+            call.adjust = Adjust.host((len(call.out_idx), 1, core.runner.adjust_width))
+        for name, buf in one.items():
+            call.adjust[name][slots, 0] = buf[0]
+
+
+def _update(core, spec: SpecResult, item, slots: slice, tok, acc, lp, hidden, events, finished) -> None:
+    """Append a row's outcome to its sequence: a chunk's cached tokens (and at the prompt's end
+    its next token), a decode row's token, or a verify row's accepted drafts and one more."""
+    seq, choice, drafts, n = item
+    at = slots.start
+    if n is not None:  # a prefill chunk
+        seq.num_cached += n
+        if seq.remaining == 0:  # the chunk reached the newest token: its logits give the next one
+            seq.hidden = None if hidden is None else hidden[at]
+            core._emit(seq, [int(tok[at])], [float(lp[at])], events, finished, slots)
+        return
+    a = accepted_prefix(acc[at:], len(drafts))
+    if spec.depth:  # a speculative step counts every decode row, plain ones too
+        count_verified(spec, seq, choice, drafts, a)
+    seq.num_cached += 1 + a  # the fed token and the accepted drafts are now valid cache
+    if hidden is not None:
+        seq.hidden = hidden[at + a]
+    core._emit(seq, list(drafts[:a]) + [int(tok[at + a])], [float(x) for x in lp[at: at + a + 1]], events,
+               finished, slice(at, at + a + 1))
