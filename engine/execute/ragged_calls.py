@@ -211,7 +211,10 @@ def run_padding(runner: ModelRunner, n_tokens: int, n_outputs: int) -> None:
     """One call of n_tokens token slots and n_outputs output slots that only writes the scratch
     page (a first execution is slower than the next: engine/warmup/first_runs.py runs them while idle)."""
     rc = runner.rc
-    size = max(1, rc.max_context // 2)  # rows whose positions stay inside the page tables
+    # Rows whose positions stay inside the page tables, unless the call has too few row slots
+    # for that (a max-batch-1 engine): then longer rows, whose positions past the tables still
+    # land on the scratch page (the table index is clamped, every entry is 0).
+    size = max(1, rc.max_context // 2, -(-n_tokens // row_slots(runner, n_tokens)))
     rows, left = [], n_outputs
     for at in range(0, n_tokens, size):
         k = min(size, n_tokens - at)

@@ -122,3 +122,16 @@ def test_proposers_shapes_run_once_without_compiling_or_changing_outputs(tiny, m
         out, stats = run_prompts(e, PROMPTS, SP)
         assert out == plain and any(s.technique == technique for s in stats), technique
     assert e.compiles_since_warmup() == 0 and e.pool.used == 0
+
+
+def test_a_max_batch_one_engine_runs_every_shape_with_its_one_row_slot(tiny):
+    """A call has one row slot per token up to max_batch: with max batch 1 and a short context,
+    the scratch-page run of a large token bucket is one long row, not several short ones."""
+    e = make_engine(tiny, max_batch=1, max_context=32)
+    e.warmup(progress=False)
+    shapes = ragged_calls.first_run_shapes(max_tokens(e), max_outputs(e))
+    assert max(n for n, _ in shapes) > e.runner.rc.max_context // 2  # the case that needs a long row
+    used = e.pool.used
+    for n, o in shapes:
+        ragged_calls.run_padding(e.runner, n, o)
+    assert e.pool.used == used == 0
