@@ -400,8 +400,8 @@ class KVPool:
         `cached`: the tokens in the cache when the call reads, where that is past what
         `prepare` last saw (a drafter's later calls read what its earlier ones wrote):
         an entry whose new block already holds a cached token reads its new page.
-        A row may be narrower than the pages held: pages past the call's
-        context bucket are not touched by that call.
+        A row may be narrower than the pages held: pages past its width are
+        not touched by that call.
         """
         k = min(len(pages.global_pages), len(g_row))
         g_row[:k] = pages.global_pages[:k]

@@ -102,7 +102,7 @@ def memory_mappings() -> int | None:
 
 def map_limit() -> int | None:
     """The mappings compiled code may take in this process (None: no known cap, or not XLA:CPU,
-    whose kernels live on the host; see engine.loader.MAPS_PER_SHAPE)."""
+    whose kernels live on the host: each compiled executable maps its kernels separately)."""
     if jax.default_backend() != "cpu":
         return None
     try:

@@ -213,6 +213,7 @@ class DraftModelProposer(_LayerDrafter):
         arrays = 0 if self.lends or not hasattr(self, "runner") else self.runner.kv.nbytes()
         return own + arrays + _tree_bytes(self._head) + self.slices.nbytes()
 
+
 def _page_bytes(cfg: ModelConfig, rc: RunnerConfig, kind: str) -> int:
     """K+V bytes of one page of one pool kind ("global" or "local")."""
     item = jnp.dtype(rc.kv_dtype).itemsize

@@ -114,8 +114,9 @@ def _layer_jobs(drafter: _LayerDrafter) -> list:
                                                          runner.kv)
 
     def job(n: int) -> None:
-        rb = jax.tree.map(np.asarray, RaggedBatch.build([], n, draft_rows(rc, n), table_width(rc), rc.ring_pages))
-        compiled = _layers_draft.lower(drafter.dcfg, *fixed, kv, rb, np.zeros(draft_rows(rc, n), np.int32)).compile()
+        R = draft_rows(rc, n)
+        rb = jax.tree.map(np.asarray, RaggedBatch.build([], n, R, table_width(rc), rc.ring_pages))
+        compiled = _layers_draft.lower(drafter.dcfg, *fixed, kv, rb, np.zeros(R, np.int32)).compile()
         _write.lower(kv, rb, outputs(compiled, committed)[1]).compile()
 
     return [partial(job, n) for n in drafter.token_slots()]
@@ -125,15 +126,8 @@ def _layer_first_runs(drafter: _LayerDrafter) -> list:
     """Thunks running `drafter`'s layer stack and its KV write once at each token bucket
     `_layer_jobs` compiles, as one row on the scratch page (all-zero page tables:
     engine/warmup/first_runs.py)."""
-    runner = drafter.runner
-    rc = runner.rc
-
     def run(n: int) -> None:
-        rb, last = _draft_call(rc, [((0,) * n, 1, (0,), (0,))])
-        tokens, new_kv = _layers_draft(drafter.dcfg, drafter.dparams, drafter.head, drafter.emb, drafter.ids,
-                                       runner.kv, rb, last)
-        runner.kv = _write(runner.kv, rb, new_kv)
-        np.asarray(tokens)
+        np.asarray(drafter._call([((0,) * n, 1, (0,), (0,))]))
 
     return [partial(run, n) for n in drafter.token_slots()]
 
@@ -156,10 +150,9 @@ class _LayerDrafter(Proposer):
         """The token buckets its calls run at."""
         return token_buckets(self.most_tokens)
 
-    def _call(self, rows: list[tuple]) -> tuple[jax.Array, int]:
-        """One drafting call over `rows`, its K/V written: (the drafts [R] on the device, R)."""
-        rb, last = _draft_call(self.runner.rc, rows)
-        return self._run(rb, last), len(last)
+    def _call(self, rows: list[tuple]) -> jax.Array:
+        """One drafting call over `rows`, its K/V written: the drafts [R] on the device."""
+        return self._run(*_draft_call(self.runner.rc, rows))
 
     def _run(self, rb: RaggedBatch, last: np.ndarray) -> jax.Array:
         runner = self.runner
@@ -188,8 +181,8 @@ class _LayerDrafter(Proposer):
             self._call([(seqs[i].tokens[start[i]: start[i] + k], start[i], *tables(i, start[i]))])
             start[i] += k
             pending[i] -= k
-        tokens, slots = self._call([(s.tokens[a: s.num_cached + 1], a, *tables(i, a))
-                                    for i, (s, a) in enumerate(zip(seqs, start))])
+        tokens = self._call([(s.tokens[a: s.num_cached + 1], a, *tables(i, a))
+                             for i, (s, a) in enumerate(zip(seqs, start))])
         out = [tokens]
         for j in range(1, depth):
             rb, last = _draft_call(rc, [((0,), s.num_cached + j, *tables(i, s.num_cached + j))
@@ -198,12 +191,12 @@ class _LayerDrafter(Proposer):
             # straight in, on the device, when the slots match (else a host copy: no eager jnp
             # op, each would compile).
             N = len(rb.tokens)
-            if slots == N:
+            if tokens.shape[0] == N:
                 fed_in = tokens
             else:
                 fed_in = np.zeros(N, np.int32)
                 fed_in[:n] = np.asarray(tokens)[:n]
-            tokens, slots = self._run(replace(rb, tokens=fed_in), last), len(last)
+            tokens = self._run(replace(rb, tokens=fed_in), last)
             out.append(tokens)
         return np.stack([np.asarray(t)[:n] for t in out], axis=1)
 

@@ -52,7 +52,7 @@ STATES = ("waiting", "compiling", "ready", "failed", "stopped")
 BACKGROUND_NICE = 10
 """Niceness added to the background compile thread, so serving keeps the CPU."""
 MAP_MARGIN = 1500
-"""Memory mappings a job may still need (a forward shape takes ~440; engine/loader.py)."""
+"""Memory mappings a job may still need (a compiled forward takes ~440 on XLA:CPU)."""
 WARMUP_THREADS = 2
 """Threads compiling (or loading) the ragged calls before the engine turns ready."""
 

@@ -33,7 +33,7 @@ sp = SamplingParams(max_tokens=12, ignore_eos=True)
 out = {"devices": len(jax.devices())}
 n = int(sys.argv[1])
 layout = lambda a: str(getattr(a.sharding, "spec", "single device"))
-# One N per process: every compiled shape holds memory mappings (engine/loader.py). Batch 1 and
+# One N per process: every compiled shape holds memory mappings on XLA:CPU. Batch 1 and
 # one batch for all prompts, one chunk, one context: what the check needs, compiled for N = 1, 2, 4.
 e = make_engine(tiny, verify_tokens=(3,), spec_max_batch=8, tensor_parallel=n, max_batch=8,
                 max_chunk=16, max_context=128)
