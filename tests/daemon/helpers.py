@@ -97,9 +97,12 @@ class LiveServer:
         self.loop.close()
 
     def wait_idle(self, timeout: float = 10.0) -> None:
-        """Wait until no request is in flight and the engine holds no pages."""
+        """Wait until no request is in flight and the engine holds no pages (either engine: the
+        fake counts its pages, the real one's pool does)."""
+        engine = self.engine
+        used = (lambda: engine.pages_used) if isinstance(engine, FakeEngine) else (lambda: engine.pool.used)
         wait_for(lambda: (self.app[STATE].in_flight == 0 and self.app[ENGINE_THREAD].active == 0
-                          and self.engine.pages_used == 0 and not self.engine.has_work()),
+                          and used() == 0 and not engine.has_work()),
                  timeout, "server idle")
 
     def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> Response:

@@ -22,9 +22,9 @@ def hit_tokens(server: LiveServer) -> int:
 
 
 def complete(server: LiveServer) -> None:
-    r = server.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+    r = server.post("/v1/completions", {"model": server.engine.model_name, "prompt": PROMPT, "max_tokens": 2})
     assert r.status == 200
-    server.wait_idle()
+    server.wait_idle(60.0)
 
 
 def test_only_the_admin_token_resets(live: Callable[..., LiveServer]) -> None:
@@ -95,3 +95,30 @@ def test_a_reset_that_times_out_still_runs_at_the_next_step(live: Callable[..., 
     server.wait_idle()
     complete(server)
     assert hit_tokens(server) == 0  # the queued reset ran once the step went on: PROMPT missed
+
+
+def test_the_route_resets_the_real_engines_prefix_cache() -> None:
+    """The same route over the real engine (the tiny model): the reset frees the cached pages, the
+    same prompt then hits nothing, and every page is back in the pool once idle."""
+    from tests.daemon.test_bad_input import tiny_engine
+
+    engine = tiny_engine()
+    server = LiveServer(engine, admin_token=TOKEN).start()
+    try:
+        complete(server)
+        complete(server)
+        hits = hit_tokens(server)
+        assert hits > 0  # the second request found the first's blocks
+        r = server.post(PATH, None, ADMIN)
+        assert r.status == 200
+        body = r.json()
+        assert body["enabled"] and body["dropped_blocks"] > 0 and body["freed_pages"] > 0
+        status = engine.status()["prefix_cache"]
+        assert (status["blocks"], status["cached_pages"]) == (0, 0)
+        complete(server)
+        assert hit_tokens(server) == hits  # this request computed its prompt in full
+        complete(server)
+        assert hit_tokens(server) > hits  # and cached it again
+        assert engine.pool.used == 0
+    finally:
+        server.close()

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from daemon.app import request_log
-from daemon.state import ENGINE_THREAD, STATE
+from daemon.state import ENGINE_THREAD
 from daemon.tenants.auth import AUTH
 from daemon.tenants.limits import TenantInfo, TenantLimits
 from engine.fake import BYTE_OFFSET, FakeEngine
@@ -210,10 +210,7 @@ def on(server: LiveServer, body: Any) -> Any:
 
 def wait_idle(server: LiveServer) -> None:
     """No request in flight and every KV page back (either engine)."""
-    engine = server.engine
-    used = (lambda: engine.pages_used) if isinstance(engine, FakeEngine) else (lambda: engine.pool.used)
-    wait_for(lambda: (server.app[STATE].in_flight == 0 and server.app[ENGINE_THREAD].active == 0
-                      and used() == 0 and not engine.has_work()), 60.0, "server idle")
+    server.wait_idle(60.0)
 
 
 @pytest.mark.parametrize("path,body,status,param", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
