@@ -58,12 +58,17 @@ JOB_ID = "retune"
 def starter_policy(capacity: EngineCapacity) -> TunedPolicy:
     """What a daemon without policy history serves until a retune replaces it: n-gram drafting
     (it holds no memory and drafts only where a sequence repeats itself) at depth 4 up to
-    batch 4 and depth 2 up to batch 8, as users configure vLLM's dynamic speculation; never
-    speculating when the engine has no n-gram proposer or cannot verify 4 drafts."""
+    batch 4 and depth 2 up to batch 8, as users configure vLLM's dynamic speculation; on a
+    CPU, depth 4 at batch 1 and depth 2 at batch 2 only, since there a step's time grows with
+    every token it verifies (the matmuls are compute-bound from a few rows on), so a row
+    verifying d drafts costs about d + 1 decode rows. Never speculating when the engine has
+    no n-gram proposer or cannot verify 4 drafts."""
     if "ngram" not in capacity.proposers or capacity.max_depth < 4:
         return NEVER
-    return TunedPolicy(rules=(BatchRule(4, "ngram", 4), BatchRule(8, "ngram", 2),
-                              BatchRule(NEVER.rules[-1].max_batch)), crossover=8)
+    last = BatchRule(NEVER.rules[-1].max_batch)
+    if capacity.backend == "cpu":
+        return TunedPolicy(rules=(BatchRule(1, "ngram", 4), BatchRule(2, "ngram", 2), last), crossover=2)
+    return TunedPolicy(rules=(BatchRule(4, "ngram", 4), BatchRule(8, "ngram", 2), last), crossover=8)
 
 
 def install(app: web.Application, database: Database) -> None:

@@ -375,6 +375,8 @@ class EngineCapacity:
     """Largest batch the engine speculates at."""
     proposers: dict[str, ProposerCapacity] = field(default_factory=dict)
     """Technique name -> the loaded proposer."""
+    backend: str = ""
+    """The platform the engine computes on ("cpu", "tpu", "gpu"; "" unknown)."""
 
 
 def pow2_bucket(n: float) -> int:

@@ -8,7 +8,8 @@ random stream). A technique whose shapes are still compiling, or a batch above
 the engine's largest verified batch, decodes plainly.
 
 The startup profile (engine.policy.Exploration.profile) measures each cell the
-telemetry lacks on live traffic; `observe` retires a cell whose first steps
+telemetry lacks on live traffic, at decode batches of up to PROFILE_MAX_BATCH rows;
+`observe` retires a cell whose first steps
 emitted tokens at under half the rate of the policy's own steps interleaved
 with them (a draft that cannot pay here: early exit at depth 8 beside n-gram on
 copy text emitted 15 tokens/s where n-gram emitted 95-107, on this CPU), so the
@@ -56,6 +57,11 @@ PROFILE_FIRST_RETIRE = 0.25
 """A cell already this far below the policy's rate after PROFILE_FIRST_STEPS steps each is
 retired then: a sequential test, so a cell that clearly cannot pay (early exit at depth 8
 beside n-gram on copy text: ~0.2 of its rate) costs two steps, not four."""
+PROFILE_MAX_BATCH = 4
+"""Largest decode batch a profile turn runs at: a turn drafts and verifies every row of its
+step at the cell's depth, so at batch 8 it costs about eight times what it learns at batch 1
+(acceptance is per row; a step's cost follows from the rows it runs, tuner.model). A busier
+engine keeps its profile turns for when the load dips."""
 EXPLORE_WORSE = 0.8
 """An exploration step where the policy says "none" misses when it emitted tokens at less than
 this share of the rate of plain steps at the same batch size (module doc)."""
@@ -170,7 +176,7 @@ class StepChooser:
         if explore is None or not explore.techniques:
             return chosen
         self._last = self._explored = None
-        if self._profile_left > 0:
+        if self._profile_left > 0 and batch_size <= PROFILE_MAX_BATCH:
             self._profile_left -= 1
             if self._profile_left % 2 == 0:
                 cells = [c for c in explore.profile if c not in self.retired]

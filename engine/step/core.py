@@ -26,6 +26,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+import jax
 import numpy as np
 
 from engine.config import ModelConfig
@@ -164,6 +165,7 @@ class EngineCore:
             proposers={n: ProposerCapacity(p.resident_bytes(), p.per_sequence_bytes(1), p.max_depth,
                                            tuple(getattr(p, "vocab_sizes", ())))  # MTP heads only
                        for n, p in self.proposers.items()},
+            backend=jax.default_backend(),
         )
 
     # -- the loop ------------------------------------------------------------

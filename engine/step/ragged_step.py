@@ -10,7 +10,9 @@ forward (EngineCore.step calls `run_ragged_step`).
 3. The rows go in one call, decode rows first, unless their tokens pass the largest token
    bucket: then in as few calls as hold them, in that order. Where the call's tokens pass a
    bucket by less than they would pad up to the next, the prefill chunks give up the excess
-   to a later step (`fit_step`): a 133-token step runs as 128 tokens, not padded to 256.
+   to a later step (`fit_step`): a 133-token step runs as 128 tokens, not padded to 256. Where
+   no later step would run but for those tokens, the cut must also save a call's fixed cost:
+   a lone 81-token prompt runs as one call of 128, not as 64 + 16 + 1.
 4. Each row's outputs go to its sequence (`EngineCore._emit`); a row whose own inputs fail is
    dropped alone before the call (engine/step/faults.py).
 """
@@ -68,8 +70,9 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
     decode, propose_ms = _drafted(core, plan.decode, fail, bool(plan.prefill))
     items = [(s, choice, d, None) for s, choice, d in decode]
     chunks = [(s, n) for s, n in plan.prefill if s.status is Status.RUNNING]
+    later = bool(decode) or any(n < s.remaining for s, n in chunks)  # a next step runs anyway
     lengths = fit_step(sum(1 + len(d) for _, _, d in decode), [n for _, n in chunks],
-                       tuple(token_buckets(max_tokens(core))))
+                       tuple(token_buckets(max_tokens(core))), later)
     fitted = {id(s): n for (s, _), n in zip(chunks, lengths, strict=True)}
     items += [(s, None, (), fitted[id(s)]) for s, _ in chunks]
     plan.prefill = [(s, fitted.get(id(s), n)) for s, n in plan.prefill]  # the step's stats count what ran
@@ -100,24 +103,34 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
     return spec
 
 
-def fit_step(decode_tokens: int, chunks: list[int], buckets: tuple[int, ...]) -> list[int]:
+CALL_TOKENS = 32
+"""A call's fixed cost in prompt tokens' worth: each call reads every weight and the output
+layer once, so a one-token call costs about what 32 tokens add to a prefill call on a 2-core
+CPU. A cut that leaves its tokens to a step of their own pays it again."""
+
+
+def fit_step(decode_tokens: int, chunks: list[int], buckets: tuple[int, ...], later: bool = True) -> list[int]:
     """Prefill chunk lengths cut so that a step of `decode_tokens` decode and verify tokens and
     these chunks ends on a token bucket, where it passes one by fewer tokens than padding up to
     the next would add (the cut tokens cost as much in a later step, padding costs for nothing).
-    Chunks are cut from the last one back, each keeping a token; a step past the largest bucket
-    (several calls) is left as it is.
+    `later`: a next step runs anyway (decode rows go on, or a chunk leaves prompt tokens behind);
+    without one, the cut tokens would make a call of their own, so the excess plus CALL_TOKENS
+    must stay under the padding. Chunks are cut from the last one back, each keeping a token;
+    a step past the largest bucket (several calls) is left as it is.
 
     >>> fit_step(7, [126], (16, 32, 64, 128, 256)), fit_step(7, [200], (16, 32, 64, 128, 256))
     ([121], [200])
     >>> fit_step(24, [30, 20], (16, 64, 128)), fit_step(60, [10, 2], (16, 64, 128)), fit_step(70, [1], (16, 64, 128))
     ([30, 10], [3, 1], [1])
+    >>> fit_step(0, [81], (64, 128), later=False), fit_step(0, [133], (128, 256), later=False)  # a call of its own
+    ([81], [128])
     >>> fit_step(0, [300], (128, 256))  # past the largest bucket: several calls
     [300]
     """
     n = decode_tokens + sum(chunks)
     up = [b for b in buckets if b >= n]
     down = [b for b in buckets if b < n]
-    if not up or not down or n - down[-1] >= up[0] - n:
+    if not up or not down or n - down[-1] + (0 if later else CALL_TOKENS) >= up[0] - n:
         return list(chunks)
     excess, out = n - down[-1], list(chunks)
     if excess > sum(c - 1 for c in out):

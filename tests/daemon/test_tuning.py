@@ -175,6 +175,20 @@ def test_without_an_ngram_proposer_the_daemon_starts_never_speculating(
     assert policy.rules == NEVER.rules and policy.crossover == 0 and policy.version == 0
 
 
+def test_the_starter_policy_speculates_at_fewer_rows_on_a_cpu() -> None:
+    """On a CPU a verify row of depth d costs about d + 1 decode rows, so the starter policy
+    speculates at batches 1-2 there and up to 8 elsewhere."""
+    from dataclasses import replace
+
+    from daemon.tuning import starter_policy
+
+    capacity = FakeEngine(proposers={"ngram": FakeProposer("ngram")}, cost=FakeCost(), max_batch=8).capacity()
+    choices = {backend: [starter_policy(replace(capacity, backend=backend)).choose(b) for b in (1, 2, 3, 8, 9)]
+               for backend in ("cpu", "tpu", "")}
+    assert choices["cpu"] == [("ngram", 4), ("ngram", 2), ("none", 0), ("none", 0), ("none", 0)]
+    assert choices["tpu"] == choices[""] == [("ngram", 4), ("ngram", 4), ("ngram", 4), ("ngram", 2), ("none", 0)]
+
+
 @pytest.mark.parametrize(("rule", "top", "param"), [
     ({"depth": 2.5}, {}, "rules[0].depth"),
     ({"max_batch": 1.5}, {}, "rules[0].max_batch"),

@@ -77,8 +77,8 @@ def _params():
 def test_a_batch_gives_each_prompt_its_tokens_decoded_alone(tiny, alone, prefix_cache, monkeypatch):
     cuts, fit = [], ragged_step.fit_step
 
-    def fit_step(decode_tokens, chunks, buckets):
-        out = fit(decode_tokens, chunks, buckets)
+    def fit_step(decode_tokens, chunks, buckets, later=True):
+        out = fit(decode_tokens, chunks, buckets, later)
         cuts.append(out != chunks)
         return out
 

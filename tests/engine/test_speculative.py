@@ -128,6 +128,7 @@ def test_capacity_names_what_the_engine_compiled_and_holds(tiny):
     assert cap.max_batch == e.max_batch
     assert cap.total_pages == cap.usable_pages == e.status()["kv_pages_total"] and cap.page_bytes > 0
     assert set(cap.proposers) == {"ngram"} and cap.proposers["ngram"].draft_vocabs == ()
+    assert cap.backend == jax.default_backend()  # the starter policy reads it (daemon/tuning.py)
     e.set_policy(TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=8, pool_split=0.25))
     _run(e, PROMPTS[:1], SamplingParams(max_tokens=2))
     split = e.capacity()

@@ -118,6 +118,19 @@ def test_the_startup_profile_visits_every_gap_then_stops() -> None:
     assert set(picks[12:]) == {("none", 0)}
 
 
+def test_the_profile_waits_for_small_batches() -> None:
+    """Above PROFILE_MAX_BATCH rows a step takes the policy's choice and leaves the profile's
+    turns for later: a turn at batch 8 would draft every row at the cell's depth."""
+    from engine.step.chooser import PROFILE_MAX_BATCH
+
+    gaps = (("ngram", 1), ("mtp", 2))
+    steps = chooser(dataclasses.replace(POLICY, explore=Exploration(
+        0.0, ("ngram", "mtp"), (1, 2, 3, 4), profile=gaps, profile_steps=4)))
+    assert {steps.choose(PROFILE_MAX_BATCH + 1) for _ in range(20)} == {POLICY.choose(PROFILE_MAX_BATCH + 1)}
+    assert set(steps.choose(PROFILE_MAX_BATCH) for _ in range(4)) == {("ngram", 2), *gaps}
+    assert {steps.choose(1) for _ in range(20)} == {("ngram", 2)}  # the profile is over
+
+
 def test_steps_that_prefill_take_the_policys_choice_and_no_exploration_turn() -> None:
     gaps = (("ngram", 1), ("mtp", 2))
     steps = chooser(dataclasses.replace(POLICY, explore=Exploration(

@@ -204,8 +204,12 @@ def test_too_few_steps_is_an_error() -> None:
         PerfModel.fit(synth.Synth().explore(3))
 
 
-def test_fit_on_the_fake_engines_own_telemetry() -> None:
-    """The fake's cost and acceptance are exact, so the fitted model recovers them."""
+def test_fit_on_the_fake_engines_own_telemetry(monkeypatch) -> None:
+    """The fake's cost and acceptance are exact, so the fitted model recovers them (the
+    profile's depth-4 turns at every batch size measure both draft positions)."""
+    from engine.step import chooser
+
+    monkeypatch.setattr(chooser, "PROFILE_MAX_BATCH", 8)
     cost = FakeCost()
     proposer = FakeProposer("ngram", (0.8, 0.6))
     engine = FakeEngine(proposers={"ngram": proposer}, cost=cost, max_batch=8)
