@@ -6,7 +6,9 @@ TOKEN_BUCKETS size of tokens only; `run(runner, call)` runs the forward (hidden 
 token), writes the new K/V into the pools in a call of its own, then `_heads` scores the output
 tokens alone and draws, or verifies drafts, there. The output slots are padded to an
 OUTPUT_BUCKETS size, so a call compiles one forward per token count and one head per output
-count, whatever the mix of rows. The engine's steps run as such calls (engine/step/ragged_step.py).
+count, whatever the mix of rows; the slots of rows with penalties or banned ids are drawn
+again by heads calls with those logit adjustments, up to ADJUST_OUTPUTS slots each. The
+engine's steps run as such calls (engine/step/ragged_step.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ OUTPUT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 51
 """Output slots the heads compile for: finer than the token buckets, since each slot costs a row
 of the output layer (262k rows for Gemma 3), where a token slot costs far less of the forward;
 every token bucket is one of them, so a call's outputs never pad past its tokens."""
+ADJUST_OUTPUTS = 16
+"""Most output slots of one heads call with logit adjustments (penalties, banned ids): the
+adjusted variant compiles for the output buckets up to this only (`_adjusted_heads`)."""
 
 
 @partial(jax.jit, static_argnames=("cfg", "block"))
@@ -147,14 +152,37 @@ def row_slots(runner: ModelRunner, n_tokens: int) -> int:
 def run(runner: ModelRunner, c: RaggedCall) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Execute one ragged call: (tokens, accepted, logprobs) [O] as numpy; the output slots'
     hidden states stay in `last_hidden` [O, d] and top logprobs in `last_top` ([O, k] ids,
-    [O, k] logprobs; `top_in` reads them)."""
+    [O, k] logprobs; `top_in` reads them). Slots with logit adjustments are drawn again in
+    heads calls of their own (`_adjusted_heads`)."""
     h, new_kv = _forward(runner.cfg, runner.params, runner.kv, c.batch)
     runner.kv = _write(runner.kv, c.batch, new_kv)
-    adj = None if c.adjust is None else Adjust(**c.adjust)
     tok, acc, lp, ti, tl, runner.last_hidden = _heads(runner.params, h, c.out_idx, c.cand,
-                                                      SamplingArrays(**c.samp), c.counter, adj)
-    runner.last_top = (np.asarray(ti), np.asarray(tl)) if c.samp["want_logprobs"].any() else None
-    return np.asarray(tok), np.asarray(acc), np.asarray(lp)
+                                                      SamplingArrays(**c.samp), c.counter)
+    out = [np.asarray(a) for a in (tok, acc, lp, ti, tl)]
+    if c.adjust is not None:
+        out = _adjusted_heads(runner, h, c, out)
+    runner.last_top = (out[3], out[4]) if c.samp["want_logprobs"].any() else None
+    return out[0], out[1], out[2]
+
+
+def _adjusted_heads(runner: ModelRunner, h, c: RaggedCall, out: list[np.ndarray]) -> list[np.ndarray]:
+    """`out` (tokens, accepted, logprobs, top ids, top logprobs) with the slots that carry logit
+    adjustments drawn again with them, ADJUST_OUTPUTS slots a call: the heads then compile the
+    adjusted variant for those few output counts only, and a call's other slots neither wait
+    for nor carry the adjustments' [O, 1, H] buffers."""
+    slots = np.flatnonzero((c.adjust["ids"] >= 0).any(axis=(1, 2)))
+    out = [np.array(a) for a in out]  # writable copies
+    for at in range(0, len(slots), ADJUST_OUTPUTS):
+        part = slots[at: at + ADJUST_OUTPUTS]
+        n, O = len(part), bucket(len(part), OUTPUT_BUCKETS)
+        pad = lambda a, fill: np.concatenate([a[part], np.full((O - n, *a.shape[1:]), fill, a.dtype)])
+        samp = {k: np.concatenate([v[part], SamplingArrays.host(O - n)[k]]) for k, v in c.samp.items()}
+        adj = {k: np.concatenate([v[part], Adjust.host((O - n, *v.shape[1:]))[k]]) for k, v in c.adjust.items()}
+        got = _heads(runner.params, h, pad(c.out_idx, 0), pad(c.cand, -1), SamplingArrays(**samp),
+                     pad(c.counter, 0), Adjust(**adj))
+        for dst, src in zip(out, got[:5]):
+            dst[part] = np.asarray(src)[:n]
+    return out
 
 
 def top_in(runner: ModelRunner, slots: slice) -> list[list[tuple[int, float]]] | None:
@@ -171,7 +199,7 @@ def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tupl
     """Thunks compiling every ragged call of `runner` ahead of time from the arrays' metadata
     (engine.runtime.compiles.abstract; no device buffer read): (one per token bucket up to `max_tokens`:
     its forward and KV write; then one per output bucket up to `max_outputs`: its heads,
-    with and without logit adjustments). The second list reads the first's output
+    and up to ADJUST_OUTPUTS those with logit adjustments too). The second list reads the first's output
     layouts: run it after. Make them on the runner's thread."""
     rc, cfg = runner.rc, runner.cfg
     params, kv = abstract(runner.params), abstract(runner.kv)
@@ -188,7 +216,9 @@ def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tupl
     def heads(o: int) -> None:
         h = hidden[max(hidden)]  # every forward's output has one shape (`_forward`)
         samp, idx = SamplingArrays(**SamplingArrays.host(o)), np.zeros(o, np.int32)
-        for adj in (None, Adjust(**Adjust.host((o, 1, runner.adjust_width)))):
+        _heads.lower(params, h, idx, idx, samp, idx).compile()
+        if o <= ADJUST_OUTPUTS:
+            adj = Adjust(**Adjust.host((o, 1, runner.adjust_width)))
             _heads.lower(params, h, idx, idx, samp, idx, adj).compile()
 
     tokens = token_buckets(max_tokens)

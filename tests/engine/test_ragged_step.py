@@ -139,3 +139,32 @@ def test_speculation_in_ragged_steps_equals_plain_decoding(tiny, alone, techniqu
         pass
     assert e.compiles_since_warmup() == 0
     assert e.pool.used == 0 and e.pool.free == e.pool.total
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_rows_with_penalties_beside_rows_without_get_what_each_gets_alone(tiny, alone, spec, monkeypatch):
+    """A call's slots with logit adjustments are drawn again in heads calls of their own
+    (ragged_calls._adjusted_heads), here two slots a call: greedy and penalized rows in one
+    batch, verifying n-gram drafts or not, each get their tokens decoded alone."""
+    from engine.execute import ragged_calls
+
+    monkeypatch.setattr(ragged_calls, "ADJUST_OUTPUTS", 2)
+    e = _engine(tiny, spec=spec)
+    if spec:
+        e.set_policy(TunedPolicy(rules=(BatchRule(64, "ngram", 3),), crossover=64, version=1))
+    params = _params()
+    for i, p in enumerate(PROMPTS):
+        e.add_request(Request(f"r{i}", TOK.encode(p), params[0 if i % 2 else 2]))
+    got: dict[str, list[int]] = {}
+    stats = []
+    while e.has_work():
+        out = e.step()
+        stats.append(out.stats)
+        for ev in out.events:
+            got.setdefault(ev.request_id, []).extend(ev.token_ids)
+    for i in range(len(PROMPTS)):
+        assert got[f"r{i}"] == alone[0 if i % 2 else 2][i], i
+    assert any(alone[2][i] != alone[0][i] for i in range(0, len(PROMPTS), 2))  # the penalties bite
+    assert not spec or any(s is not None and s.technique == "ngram" and s.accepted for s in stats)
+    assert e.compiles_since_warmup() == 0
+    assert e.pool.used == 0 and e.pool.free == e.pool.total
