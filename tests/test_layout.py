@@ -207,19 +207,24 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
-def module_cycle_violations(imports: list[Import]) -> list[str]:
-    """One message per cycle between modules, naming the imports that close it."""
-    runtime = [i for i in imports if not i.type_only]
+def _cycle_messages(runtime: list[Import], group, what: str) -> list[str]:
+    """One message per cycle between the groups `group` maps modules to, naming the imports of
+    `runtime` that close it."""
     edges: dict[str, set[str]] = defaultdict(set)
     for imp in runtime:
-        edges[imp.source].add(imp.target)
+        edges[group(imp.source)].add(group(imp.target))
     out = []
     for component in cycles(edges):
         members = set(component)
-        links = [str(i) for i in runtime if i.source in members and i.target in members]
-        out.append("import cycle between modules " + ", ".join(component) + ":\n    "
+        links = [str(i) for i in runtime if group(i.source) in members and group(i.target) in members]
+        out.append(f"import cycle between {what} " + ", ".join(component) + ":\n    "
                    + "\n    ".join(links))
     return out
+
+
+def module_cycle_violations(imports: list[Import]) -> list[str]:
+    """One message per cycle between modules, naming the imports that close it."""
+    return _cycle_messages([i for i in imports if not i.type_only], lambda m: m, "modules")
 
 
 def _tool_entry_point(imp: Import) -> bool:
@@ -231,16 +236,7 @@ def package_cycle_violations(imports: list[Import]) -> list[str]:
     """One message per cycle between top-level packages, naming the imports that close it."""
     runtime = [i for i in imports if not i.type_only and not _tool_entry_point(i)
                and top(i.source) != top(i.target)]
-    edges: dict[str, set[str]] = defaultdict(set)
-    for imp in runtime:
-        edges[top(imp.source)].add(top(imp.target))
-    out = []
-    for component in cycles(edges):
-        members = set(component)
-        links = [str(i) for i in runtime if top(i.source) in members and top(i.target) in members]
-        out.append("import cycle between packages " + ", ".join(component) + ":\n    "
-                   + "\n    ".join(links))
-    return out
+    return _cycle_messages(runtime, top, "packages")
 
 
 def engine_part(module: str) -> str:
@@ -257,16 +253,7 @@ def engine_part_cycle_violations(imports: list[Import]) -> list[str]:
     """One message per cycle between the engine's parts, naming the imports that close it."""
     runtime = [i for i in imports if not i.type_only and top(i.source) == top(i.target) == "engine"
                and engine_part(i.source) != engine_part(i.target)]
-    edges: dict[str, set[str]] = defaultdict(set)
-    for imp in runtime:
-        edges[engine_part(imp.source)].add(engine_part(imp.target))
-    out = []
-    for component in cycles(edges):
-        members = set(component)
-        links = [str(i) for i in runtime if engine_part(i.source) in members and engine_part(i.target) in members]
-        out.append("import cycle between engine parts " + ", ".join(component) + ":\n    "
-                   + "\n    ".join(links))
-    return out
+    return _cycle_messages(runtime, engine_part, "engine parts")
 
 
 def long_files(root: Path = ROOT, packages: tuple[str, ...] = SERVING, limit: int = MAX_LINES) -> list[str]:
