@@ -156,33 +156,38 @@ def run(runner: ModelRunner, c: RaggedCall) -> tuple[np.ndarray, np.ndarray, np.
     heads calls of their own (`_adjusted_heads`)."""
     h, new_kv = _forward(runner.cfg, runner.params, runner.kv, c.batch)
     runner.kv = _write(runner.kv, c.batch, new_kv)
-    tok, acc, lp, ti, tl, runner.last_hidden = _heads(runner.params, h, c.out_idx, c.cand,
-                                                      SamplingArrays(**c.samp), c.counter)
-    out = [np.asarray(a) for a in (tok, acc, lp, ti, tl)]
+    *out, runner.last_hidden = _heads(runner.params, h, c.out_idx, c.cand, SamplingArrays(**c.samp),
+                                      c.counter)
     if c.adjust is not None:
         out = _adjusted_heads(runner, h, c, out)
-    runner.last_top = (out[3], out[4]) if c.samp["want_logprobs"].any() else None
-    return out[0], out[1], out[2]
+    runner.last_top = (np.asarray(out[3]), np.asarray(out[4])) if c.samp["want_logprobs"].any() else None
+    return np.asarray(out[0]), np.asarray(out[1]), np.asarray(out[2])
 
 
-def _adjusted_heads(runner: ModelRunner, h, c: RaggedCall, out: list[np.ndarray]) -> list[np.ndarray]:
+def _adjusted_heads(runner: ModelRunner, h, c: RaggedCall, out: list) -> list[np.ndarray]:
     """`out` (tokens, accepted, logprobs, top ids, top logprobs) with the slots that carry logit
     adjustments drawn again with them, ADJUST_OUTPUTS slots a call: the heads then compile the
     adjusted variant for those few output counts only, and a call's other slots neither wait
     for nor carry the adjustments' [O, 1, H] buffers."""
     slots = np.flatnonzero((c.adjust["ids"] >= 0).any(axis=(1, 2)))
-    out = [np.array(a) for a in out]  # writable copies
+    out = [np.array(a) for a in out]  # writable host copies
     for at in range(0, len(slots), ADJUST_OUTPUTS):
         part = slots[at: at + ADJUST_OUTPUTS]
         n, O = len(part), bucket(len(part), OUTPUT_BUCKETS)
-        pad = lambda a, fill: np.concatenate([a[part], np.full((O - n, *a.shape[1:]), fill, a.dtype)])
-        samp = {k: np.concatenate([v[part], SamplingArrays.host(O - n)[k]]) for k, v in c.samp.items()}
-        adj = {k: np.concatenate([v[part], Adjust.host((O - n, *v.shape[1:]))[k]]) for k, v in c.adjust.items()}
-        got = _heads(runner.params, h, pad(c.out_idx, 0), pad(c.cand, -1), SamplingArrays(**samp),
-                     pad(c.counter, 0), Adjust(**adj))
+        spare_samp, spare_adj = SamplingArrays.host(O - n), Adjust.host((O - n, *c.adjust["ids"].shape[1:]))
+        idle = np.zeros(O - n, np.int32)
+        got = _heads(runner.params, h, _take(c.out_idx, part, idle), _take(c.cand, part, idle - 1),
+                     SamplingArrays(**{k: _take(v, part, spare_samp[k]) for k, v in c.samp.items()}),
+                     _take(c.counter, part, idle),
+                     Adjust(**{k: _take(v, part, spare_adj[k]) for k, v in c.adjust.items()}))
         for dst, src in zip(out, got[:5]):
             dst[part] = np.asarray(src)[:n]
     return out
+
+
+def _take(a: np.ndarray, part: np.ndarray, spare: np.ndarray) -> np.ndarray:
+    """a's rows at `part`, then the `spare` rows that pad them to a bucket."""
+    return np.concatenate([a[part], spare])
 
 
 def top_in(runner: ModelRunner, slots: slice) -> list[list[tuple[int, float]]] | None:

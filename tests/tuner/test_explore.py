@@ -127,7 +127,7 @@ def test_the_profile_waits_for_small_batches() -> None:
     steps = chooser(dataclasses.replace(POLICY, explore=Exploration(
         0.0, ("ngram", "mtp"), (1, 2, 3, 4), profile=gaps, profile_steps=4)))
     assert {steps.choose(PROFILE_MAX_BATCH + 1) for _ in range(20)} == {POLICY.choose(PROFILE_MAX_BATCH + 1)}
-    assert set(steps.choose(PROFILE_MAX_BATCH) for _ in range(4)) == {("ngram", 2), *gaps}
+    assert {steps.choose(PROFILE_MAX_BATCH) for _ in range(4)} == {("ngram", 2), *gaps}
     assert {steps.choose(1) for _ in range(20)} == {("ngram", 2)}  # the profile is over
 
 
