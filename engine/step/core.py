@@ -343,8 +343,12 @@ class EngineCore:
     def idle(self) -> bool:
         """Use a moment with no work: run one compiled shape that has not run yet, so its costly
         first execution is not a serving step's (engine/warmup/first_runs.py); whether one ran.
-        Call it on the thread that steps, only while `has_work()` is False."""
-        return self.first_runs is not None and self.first_runs.run_one()
+        Call it on the thread that steps, only while `has_work()` is False. None runs while
+        speculation's shapes compile in the background: a first run's forward takes both cores
+        from that lower-priority thread, and every technique would be ready seconds later."""
+        if self.first_runs is None or self.spec_warmup.running:
+            return False
+        return self.first_runs.run_one()
 
     def close(self) -> None:
         """Stop a background warmup, waiting for the compile under way."""

@@ -8,7 +8,9 @@ dozens of shapes in its first minute. So the engine runs each shape once on the 
 (all-zero page tables: padding rows write there anyway, nothing reads it as a sequence's):
 - `run_all` runs every compiled shape now (a benchmark before it measures);
 - `run_one` runs the next one, for the daemon's step loop while it has nothing to do
-  (`EngineCore.idle`), so a fresh daemon does this in its first idle seconds.
+  (`EngineCore.idle`, which waits until speculation's shapes are compiled: a first run would
+  take the cores from that background thread), so a fresh daemon does this in its first idle
+  seconds once every technique is ready.
 The ragged calls' shapes (token slots, output slots) are compiled before warmup returns
 (engine/warmup/warm.py). Proposers' own executables (MTP heads, the early-exit and draft-model
 layer stacks and the draft model's catch-up prefill: each proposer's `first_run_jobs`) run

@@ -85,6 +85,23 @@ def test_a_proposers_shapes_wait_until_its_technique_is_ready(tiny, monkeypatch)
     assert e.first_runs.left == [] and e.compiles_since_warmup() == 0
 
 
+def test_idle_moments_wait_for_the_background_warmup(tiny, monkeypatch):
+    """While speculation's shapes still compile on their thread, an idle moment runs nothing (a
+    first run would take the cores from that thread); once they are compiled it runs them."""
+    e = make_engine(tiny, **RC)
+    e.ecfg = dataclasses.replace(e.ecfg, background_warmup=True)
+    gate = threading.Event()
+    object.__setattr__(e.proposers["ngram"], "compile_jobs", lambda: [lambda: gate.wait(120)])
+    ran = _ran(monkeypatch)
+    try:
+        e.warmup(progress=False)
+        assert e.spec_warmup.running and not e.idle() and ran == []
+    finally:
+        gate.set()
+    assert e.spec_warmup.join(600)
+    assert e.idle() and ran[0][0] == "ragged"
+
+
 def test_a_failing_first_run_stops_first_runs_and_serving_goes_on(tiny, monkeypatch, caplog):
     e = make_engine(tiny, **{**RC, "verify_tokens": ()})
     e.warmup(progress=False)
