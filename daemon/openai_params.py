@@ -16,7 +16,6 @@ bounded by the tenant's max_concurrent too, since each choice takes one of its s
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from daemon.errors import ApiError, bad_request
-from engine.types import ParamError, Request, SamplingParams, check_prompt_ids
+from engine.types import ParamError, Request, SamplingParams, check_prompt_ids, is_finite_number
 
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
@@ -116,6 +115,12 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    if "\\ud" in text or "\\uD" in text:  # a \uXXXX escape of a surrogate: paired, or a 400
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                              "without its pair): strings must be valid Unicode", code="invalid_json") from None
     return body
 
 
@@ -349,6 +354,10 @@ def _message_text(content: Any, param: str, role: str) -> str:
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise bad_request("only text content parts are supported", f"{param}[{j}]", "invalid_value")
+        extra = [k for k, v in part.items() if k not in ("type", "text") and v is not None]
+        if extra:
+            raise bad_request(f"{param}[{j}].{extra[0]} is not supported by this server"[:300],
+                              f"{param}[{j}].{extra[0]}"[:300], "unsupported_parameter")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -381,6 +390,10 @@ def _include_usage(body: dict[str, Any], stream: bool) -> bool:
                           "stream_options", "invalid_value")
     if not isinstance(options, dict):
         raise _type_error("stream_options", "an object")
+    extra = [k for k, v in options.items() if k != "include_usage" and v is not None]
+    if extra:
+        raise bad_request(f"stream_options.{extra[0]} is not supported by this server"[:300],
+                          f"stream_options.{extra[0]}"[:300], "unsupported_parameter")
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
         raise _type_error("stream_options.include_usage", "a boolean")
@@ -393,7 +406,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    return is_finite_number(value)
 
 
 def _opt(body: dict[str, Any], key: str, kind: type, what: str) -> Any:

@@ -81,7 +81,8 @@ def _real(name: str, value: Any, lo: float, hi: float) -> float:
     """`value` as a finite float in [lo, hi] (an int is fine, a bool or NaN is not)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise PolicyError(name, f"{name}={value!r} must be a number")
-    if not (math.isfinite(value) and lo <= value <= hi):
+    # The range first: math.isfinite raises OverflowError on an int too large for a float.
+    if not (lo <= value <= hi and math.isfinite(value)):
         raise PolicyError(name, f"{name}={value!r} must be a finite number in [{lo}, {hi}]")
     return float(value)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -42,8 +43,26 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+def is_finite_number(value: object) -> bool:
+    """An int or float that is a finite float: a bool is not, nor NaN, nor an int too large
+    for a float (math.isfinite raises OverflowError on one of 310 digits).
+    Example: is_finite_number(10 ** 400) is False; is_finite_number(3) is True."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return _is_int(value) and -sys.float_info.max <= value <= sys.float_info.max
+
+
+_is_number = is_finite_number
+
+FLOAT32_TINY = 1.1754943508222875e-38
+"""Smallest normal float32: a sampling value below it (and not 0) would reach the device as 0 or
+a subnormal, where a rule such as repetition_penalty > 0 no longer holds."""
+
+
+def _float32_safe(name: str, value: float) -> None:
+    """ParamError when `value` is not 0 but too small in magnitude to stay a normal float32."""
+    if value != 0 and abs(value) < FLOAT32_TINY:
+        raise _bad(name, f"must be 0 or at least {FLOAT32_TINY:.4g} in magnitude (float32)", value)
 
 
 def _bad(name: str, rule: str, value: object, code: str = "invalid_value") -> ParamError:
@@ -131,6 +150,9 @@ class SamplingParams:
         r = self.repetition_penalty
         if not _is_number(r) or not 0.0 < r <= MAX_PENALTY:
             raise _bad("repetition_penalty", f"must be in (0, {MAX_PENALTY}]", r)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            _float32_safe(name, getattr(self, name))
 
     def _validate_stops(self, vocab_size: int | None) -> None:
         stop, ids = self.stop, self.stop_token_ids

@@ -4,7 +4,9 @@ Every policy the engine serves goes through here, from the tuner or an
 admin: it gets the next version (above every recorded one and the serving
 one), is handed to the engine (whose `set_policy` may refuse it with
 ValueError, before anything is recorded), then saved with its whole body and
-marked applied. A rollback re-applies the previous policy under its own
+marked applied. Should the database fail to record it (locked, full, gone),
+the engine is handed the previous policy again, so what serves is always
+what the history says. A rollback re-applies the previous policy under its own
 version and re-stamps its `applied_at`, so `store.history.active_policy`
 names it again.
 
@@ -115,19 +117,26 @@ class PolicyKeeper:
         with self._lock:
             if source == "tuner" and self.pinned:
                 raise PolicyPinned(f"policy v{self.current.version} is pinned by an admin")
+            previous = self.current
             for attempt in range(VERSION_ATTEMPTS):
+                served = False
                 try:
                     with session_scope(self._db) as session:
                         latest = max_policy_version(session, instance=self.instance) or 0
-                        version = max(latest, self.current.version) + 1
+                        version = max(latest, previous.version) + 1
                         versioned = dataclasses.replace(policy, version=version, source=source,
                                                         extra=extra)
                         self._host.set_policy(self._served(versioned))
-                        return self._record(session, versioned, source)
+                        served = True
+                        return self._record(session, versioned, source)  # committed on leaving
                 except IntegrityError:
                     if attempt == VERSION_ATTEMPTS - 1:
-                        self._host.set_policy(self._served(self.current))
+                        self._serve_again(previous)
                         raise
+                except Exception:  # the database failed (locked, full, gone): serve what it records
+                    if served:
+                        self._serve_again(previous)
+                    raise
                     log.warning("policy v%d of instance %r was recorded by another process; "
                                 "trying the next version", version, self.instance)
                     time.sleep(random.uniform(0.0, RETRY_BACKOFF_S * (attempt + 1)))
@@ -159,6 +168,11 @@ class PolicyKeeper:
             extra = {k: v for k, v in self.current.extra.items() if k != "pinned"}
             return self.apply(dataclasses.replace(self.current, extra=extra), "admin",
                               {"unpinned_from": self.current.version})
+
+    def _serve_again(self, previous: TunedPolicy) -> None:
+        """Hand the engine `previous` again after a change that was not recorded."""
+        self._host.set_policy(self._served(previous))
+        self.current = previous
 
     def _served(self, policy: TunedPolicy) -> TunedPolicy:
         """What the engine gets: the policy itself when pinned, else `wrap(policy)`."""

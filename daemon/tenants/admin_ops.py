@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from daemon.tenants.limits import LIMIT_FIELDS, LIMIT_MINIMUMS
+from daemon.tenants.limits import LIMIT_FIELDS, LIMIT_MAXIMUM, LIMIT_MINIMUMS
 from store.apikeys import generate_api_key
 from store.models import Tenant
 from store.tenants import add_tenant, revoke_tenant
@@ -38,16 +38,16 @@ def check_name(name: str) -> None:
 
 
 def check_limits(limits: dict[str, Any]) -> None:
-    """Raise ValueError naming the field unless every limit is known and an int (at least
-    its LIMIT_MINIMUMS entry) or None."""
+    """Raise ValueError naming the field unless every limit is known and an int (from its
+    LIMIT_MINIMUMS entry to LIMIT_MAXIMUM) or None."""
     for key, value in limits.items():
         if key not in LIMIT_FIELDS:
             raise ValueError(f"unknown tenant limit {key!r} (known: {', '.join(LIMIT_FIELDS)})")
         low = LIMIT_MINIMUMS[key]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < low):
-            what = "a positive integer" if low == 1 else f"an integer >= {low}"
-            raise ValueError(f"{key} must be {what} or null, got {value!r}")
+                                  or not low <= value <= LIMIT_MAXIMUM):
+            raise ValueError(f"{key} must be an integer in [{low}, {LIMIT_MAXIMUM}] or null, "
+                             f"got {value!r}"[:300])
 
 
 def create_tenant(session: Session, name: str, limits: dict[str, Any]) -> tuple[Tenant, str]:

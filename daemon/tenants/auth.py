@@ -66,6 +66,8 @@ class Authenticator:
         key = bearer_token(request)
         if key is None:
             raise ApiError(401, "missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+        if not (key.isascii() and key.isprintable()):  # no issued key is (store/apikeys.py): no lookup
+            raise ApiError(401, "invalid API key", code="invalid_api_key")
         tenant = await self._lookup(key)
         if tenant is None:
             raise ApiError(401, "invalid API key", code="invalid_api_key")

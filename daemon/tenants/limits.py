@@ -23,6 +23,8 @@ LIMIT_FIELDS: dict[str, str] = {
 add` and POST /admin/tenants may set (None = no limit of the tenant's own)."""
 
 LIMIT_MINIMUMS: dict[str, int] = {"max_concurrent": 1, "max_queued": 0, "max_tokens": 1}
+LIMIT_MAXIMUM = 2**31 - 1
+"""Largest value of any limit: the columns are INTEGER, 32-bit on PostgreSQL."""
 """The smallest value each limit takes (max_queued=0: never wait, 429 at once)."""
 
 

@@ -95,6 +95,9 @@ def test_tenants_add_list_revoke_over_http(server: LiveServer) -> None:
     assert add(server, {"name": "team-b", "max_tokens": 0})[0] == 400
     assert add(server, {"name": "team-b", "max_queued": -1})[0] == 400
     assert add(server, {"name": "team-b", "max_queued": True})[0] == 400
+    for key in ("max_concurrent", "max_queued", "max_tokens"):  # past the INTEGER columns: 400, not 500
+        assert add(server, {"name": "team-b", key: 2**31})[0] == 400
+        assert add(server, {"name": "team-b", key: 10**400})[0] == 400
     assert add(server, {"name": "team-b", "flavour": 1})[0] == 400
     assert add(server, {"name": "default"})[0] == 400
     listing = server.get("/admin/tenants", ADMIN).json()["data"]

@@ -119,6 +119,15 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("presence-penalty-high", CHAT, chat(presence_penalty=2.5), 400, "presence_penalty"),
     ("frequency-penalty-string", C, comp(frequency_penalty="x"), 400, "frequency_penalty"),
     ("repetition-penalty-zero", C, comp(repetition_penalty=0), 400, "repetition_penalty"),
+    ("temperature-huge-int", C, comp(temperature=10**400), 400, "temperature"),
+    ("top-p-huge-int", CHAT, chat(top_p=-(10**320)), 400, "top_p"),
+    ("presence-penalty-huge-int", C, comp(presence_penalty=10**309), 400, "presence_penalty"),
+    ("repetition-penalty-subnormal", C, comp(repetition_penalty=5e-324), 400, "repetition_penalty"),
+    ("top-p-below-float32", CHAT, chat(top_p=1e-40), 400, "top_p"),
+    ("temperature-below-float32", C, comp(temperature=1e-300), 400, "temperature"),
+    ("prompt-lone-surrogate", C, b'{"model": "fake-reverse", "prompt": "a\\ud800b"}', 400, None),
+    ("chat-lone-surrogate", CHAT,
+     b'{"model": "fake-reverse", "messages": [{"role": "user", "content": "\\udfff"}]}', 400, None),
     ("n-zero", C, comp(n=0), 400, "n"),
     ("n-nine", CHAT, chat(n=9, temperature=1.0), 400, "n"),
     ("n-float", C, comp(n=2.5), 400, "n"),
@@ -138,6 +147,12 @@ UNSUPPORTED: list[tuple[str, str, dict[str, Any], str]] = [
     ("tool-choice", CHAT, chat(tool_choice="auto"), "tool_choice"),
     ("functions", CHAT, chat(functions=[{"name": "f"}]), "functions"),
     ("logit-bias", C, comp(logit_bias={"5": 1}), "logit_bias"),
+    ("stream-options-other-key", C, comp(stream=True, stream_options={"include_usage": True,
+                                                                       "continuous_usage_stats": True}),
+     "stream_options.continuous_usage_stats"),
+    ("text-part-extra-key", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]),
+     "messages[0].content[0].cache_control"),
     ("tool-role", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
     ("message-name", CHAT, chat(messages=[{"role": "user", "content": "x", "name": "bob"}]),
      "messages[0].name"),
@@ -175,6 +190,7 @@ GOOD: list[tuple[str, str, dict[str, Any]]] = [
     ("n-two-sampled", C, comp(n=2, temperature=1.0, max_tokens=4, ignore_eos=True)),
     ("n-eight-chat", CHAT, chat(n=8, temperature=0.7, seed=-1, max_tokens=3, ignore_eos=True)),
     ("n-two-greedy", C, comp(n=2, temperature=0, max_tokens=4)),
+    ("paired-surrogates", C, comp(prompt="a\U0001F600b", max_tokens=4, ignore_eos=True)),
 ]
 
 

@@ -384,6 +384,7 @@ INVALID_PINS: list[tuple[Any, str | None]] = [
     ({"rules": [{"max_batch": 8}, {"max_batch": 4}]}, "rules"),
     ({"rules": []}, "rules"),
     ({"rules": [{"max_batch": 64}], "pool_split": 0.9}, "pool_split"),
+    ({"rules": [{"max_batch": 64}], "pool_split": 10**400}, "pool_split"),
     ({"rules": [{"max_batch": 64}], "bogus": 1}, "bogus"),
     ({"rules": [{"max_batch": 4, "technique": "none", "depth": 3}]}, "rules[0].depth"),
     (b"[1, 2]", None),

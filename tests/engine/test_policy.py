@@ -57,6 +57,8 @@ def rule(i: int, **changes: object) -> dict:
     (with_(pool_split=math.nan), "pool_split"),
     (with_(pool_split=math.inf), "pool_split"),
     (with_(pool_split=0.9), "pool_split"),
+    (with_(pool_split=10**400), "pool_split"),  # too large for a float: no OverflowError
+    (with_(explore={"share": -(10**309)}), "explore.share"),
     (with_(pool_split="0.1"), "pool_split"),
     # shapes
     (with_(rules="all of them"), "rules"),

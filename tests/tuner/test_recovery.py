@@ -120,3 +120,33 @@ def test_a_tuner_output_that_fails_the_checks_fails_the_retune(
     r = tuner.get(view["id"])
     assert r["status"] == "failed" and "PolicyError" in r["error"] and "crossover" in r["error"]
     assert host.policy.version == 0 and tuner.keeper.current.version == 0  # never applied
+
+
+@pytest.mark.parametrize("where", ["record", "commit"])
+def test_a_policy_the_database_fails_to_record_is_not_served(
+        db: Engine, host: Host, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A locked or full database while a pin is recorded: the pin fails and the engine is
+    handed the recorded policy again, so what serves is what the history says."""
+    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.orm import Session
+
+    from tuner import keeper as keeper_module
+
+    keeper = PolicyKeeper(db, host, default=STARTER)
+    assert keeper.restore() == STARTER
+
+    def locked(*_a, **_k):
+        raise OperationalError("INSERT INTO xo_policies", {}, Exception("database is locked"))
+
+    if where == "record":
+        monkeypatch.setattr(keeper_module, "mark_applied", locked)
+    else:
+        monkeypatch.setattr(Session, "commit", locked)
+    with pytest.raises(OperationalError):
+        keeper.pin({"rules": [{"max_batch": 64}], "crossover": 0})
+    monkeypatch.undo()
+    assert host.policy == STARTER and keeper.current == STARTER and not keeper.pinned
+    with session_scope(db) as s:
+        assert active_policy(s).version == 0
+    assert keeper.apply(NEVER, "admin").version == 1  # and the keeper goes on
+

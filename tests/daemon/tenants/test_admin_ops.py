@@ -41,9 +41,11 @@ def test_cli_sets_and_lists_the_token_and_queue_limits(
                "64", capsys=capsys)
     add_tenant(db_url, "team-b", capsys=capsys)
     assert cli(["tenants", "add", "team-c", "--max-tokens", "0", "--db", db_url]) == 2
-    assert "max_tokens must be a positive integer" in capsys.readouterr().err
+    assert "max_tokens must be an integer in [1, 2147483647]" in capsys.readouterr().err
     assert cli(["tenants", "add", "team-c", "--max-queued", "-1", "--db", db_url]) == 2
-    assert "max_queued must be an integer >= 0" in capsys.readouterr().err
+    assert "max_queued must be an integer in [0, 2147483647]" in capsys.readouterr().err
+    assert cli(["tenants", "add", "team-c", "--max-concurrent", str(2**31), "--db", db_url]) == 2
+    assert "max_concurrent must be an integer in [1, 2147483647]" in capsys.readouterr().err
     assert cli(["tenants", "list", "--db", db_url]) == 0
     header, row_a, row_b = capsys.readouterr().out.splitlines()
     assert header.split()[:5] == ["name", "active", "max_concurrent", "max_queued", "max_tokens"]

@@ -54,3 +54,17 @@ def test_requests_and_steps_are_recorded_with_their_tenant(
     con.close()
     assert dict(rows) == {"team-a": 2, "team-b": 1}
     assert tenants_in_steps == {"team-a", "team-b"}
+
+
+def test_a_key_with_bytes_no_issued_key_holds_is_a_401_without_a_lookup(
+        db_url: str, capsys: pytest.CaptureFixture[str], live: Callable[..., LiveServer]) -> None:
+    """A \\xff byte (or any other non-ASCII character) in the bearer key: 401 invalid_api_key,
+    not the 503 of a failed lookup, and the database is not asked."""
+    server = live(db_url=db_url, open_mode=False, tenant_cache_s=0.0)
+    key = add_tenant(db_url, "team-a", capsys=capsys)
+    for bad in ("xo-\xff", key + "\xe9"):
+        status, body = complete(server, bad)
+        assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+    assert server.app[TENANTS].db_lookups == 0
+    assert complete(server, key)[0] == 200 and server.app[TENANTS].db_lookups == 1
+
