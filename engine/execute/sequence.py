@@ -33,11 +33,19 @@ def request_key(seed: int | None) -> np.ndarray:
     return np.random.SeedSequence(seed % (1 << 64)).generate_state(2, np.uint32)
 
 
+HOLD_TOKENS = 8
+"""Most ids the Detokenizer holds back waiting for text: a UTF-8 character spans at most 4
+byte-fallback ids, so a longer run of U+FFFD or shrinking text is emitted as it renders."""
+
+
 class Detokenizer:
     """Incremental text from growing token ids, holding back incomplete UTF-8.
 
     Decodes a short window of ids (from `prefix` on) and emits what the newest
     ids added to it, so a leading-space piece renders as it would in context.
+    Ids that render nothing move the window on like any other, and it holds back
+    at most HOLD_TOKENS ids, so each push decodes a bounded window: a long run of
+    invisible or invalid ids costs linear time, not quadratic.
     """
 
     def __init__(self, decode, context: list[int] = ()):
@@ -50,8 +58,9 @@ class Detokenizer:
         self.ids.extend(ids)
         before = self._decode(self.ids[self._prefix : self._read])
         now = self._decode(self.ids[self._prefix :])
-        if now.endswith("\ufffd") or len(now) <= len(before):
-            return ""  # an incomplete UTF-8 sequence (byte fallback) or nothing visible yet
+        held = len(self.ids) - self._read
+        if (now.endswith("\ufffd") or len(now) < len(before)) and held < HOLD_TOKENS:
+            return ""  # an incomplete UTF-8 sequence (byte fallback) may complete with the next id
         self._prefix, self._read = self._read, len(self.ids)
         return now[len(before) :]
 

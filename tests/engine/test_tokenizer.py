@@ -12,6 +12,7 @@ from gguf.constants import TokenType as TT
 
 from engine.model.chat import apply_chat_template
 from engine.model.gguf_file import GGUFFile, WeightsError, cache_dir, default_gguf_path, file_sha256
+from engine.execute.sequence import HOLD_TOKENS, Detokenizer
 from engine.model.tokenizer import IncrementalDecoder, Tokenizer, build_backend
 
 ROUND_TRIP = [
@@ -186,6 +187,45 @@ def test_incremental_on_real_text(tok):
     pieces = [dec.push([i]) for i in ids]
     assert "".join(pieces) + dec.flush() == text
     assert "\ufffd" not in "".join(pieces)
+
+
+def test_the_engines_detokenizer_equals_full_decode_beside_invisible_and_invalid_ids(tok, piece_id):
+    """engine.execute.sequence.Detokenizer (what streams): runs of ids that render nothing
+    (skipped specials) and of lone UTF-8 lead bytes between real text, pushed 1-4 at a time."""
+    rng = np.random.default_rng(11)
+    pad, lead = 0, piece_id["<0xE2>"]
+    pools = [np.arange(238, 494), rng.integers(494, 262_144, 200)]
+    for _ in range(60):
+        ids: list[int] = []
+        while len(ids) < 80:
+            kind = rng.choice(4, p=[0.4, 0.3, 0.15, 0.15])
+            run = int(rng.integers(1, 25))
+            ids += ([pad] * run if kind == 2 else [lead] * run if kind == 3
+                    else [int(rng.choice(pools[kind])) for _ in range(run)])
+        det, parts, pos = Detokenizer(tok.decode), [], 0
+        while pos < len(ids):
+            step = int(rng.integers(1, 5))
+            parts.append(det.push(ids[pos: pos + step]))
+            pos += step
+        assert "".join(parts) + det.flush() == tok.decode(ids)
+
+
+@pytest.mark.parametrize("run", ["invisible", "invalid"])
+def test_the_engines_detokenizer_costs_linear_time_on_runs_that_render_nothing(tok, piece_id, run):
+    """Each push decodes a bounded window: 3,000 ids that render nothing (or only U+FFFD), one a
+    push, decode about as many ids as that, not the ~4.5 million of a window growing with the
+    run."""
+    decoded = [0]
+
+    def counting(ids):
+        decoded[0] += len(ids)
+        return tok.decode(ids)
+
+    det = Detokenizer(counting, [piece_id["Hello"]])
+    one = 0 if run == "invisible" else piece_id["<0xE2>"]
+    text = "".join(det.push([one]) for _ in range(3000)) + det.push([piece_id["▁world"]]) + det.flush()
+    assert text.endswith(" world") and text.count("\ufffd") == (0 if run == "invisible" else 3000)
+    assert decoded[0] < 3000 * 4 * (HOLD_TOKENS + 2)
 
 
 # ----------------------------------------------------- recipe on a toy vocab ---
