@@ -97,6 +97,15 @@ def _model_card(request: web.Request) -> dict[str, Any]:
             "max_model_len": engine.max_context}
 
 
+def _prompt_chars(settings: Any, engine: Any) -> int:
+    """Most prompt characters a request may send: `max_prompt_chars`, and no more than the
+    context could hold at the tokenizer's longest piece a token, so a prompt that cannot fit
+    is refused before it is tokenized (a million characters hold the GIL for a second)."""
+    piece = getattr(engine.tokenizer, "max_piece_chars", None)
+    cap = settings.max_prompt_chars
+    return cap if piece is None else min(cap, engine.max_context * piece)
+
+
 async def _generate(request: web.Request, parse: Parser, fmt_cls: type[Format]) -> web.StreamResponse:
     start = time.monotonic()  # the time-to-first-token clock
     arrival = time.time()  # waiting for a tenant slot counts toward latency
@@ -105,7 +114,7 @@ async def _generate(request: web.Request, parse: Parser, fmt_cls: type[Format]) 
     st.check_admission(app)
     engine, settings = app[st.ENGINE], app[st.SETTINGS]
     raw = await read_body(request, settings.max_body_bytes)
-    limits = Limits(engine.model_name, engine.max_context, settings.max_prompt_chars,
+    limits = Limits(engine.model_name, engine.max_context, _prompt_chars(settings, engine),
                     tenant.limits.max_tokens, getattr(engine.tokenizer, "vocab_size", None),
                     tenant.limits.max_concurrent)
     work = functools.partial(_parse, raw, parse, limits, engine.tokenizer)

@@ -317,6 +317,10 @@ def _chat_messages(body: dict[str, Any], limits: Limits) -> list[dict[str, Any]]
         raise _type_error("messages", "an array")
     if not messages:
         raise _value_error("messages", "must not be empty", messages)
+    if len(messages) > limits.max_context:  # each renders a turn of tokens: refused untokenized
+        raise bad_request(f"messages holds {len(messages)} messages; the context of "
+                          f"{limits.max_context} tokens cannot hold them", "messages",
+                          "context_length_exceeded")
     out, chars = [], 0
     for i, message in enumerate(messages):
         param = f"messages[{i}]"

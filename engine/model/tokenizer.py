@@ -123,6 +123,9 @@ class Tokenizer:
         for i in np.flatnonzero(types == _BYTE).tolist():
             self._byte[i] = int(pieces[i][3:5], 16)
         self._text = [p if s else p.replace(SPACE, " ") for p, s in zip(pieces, self._special)]
+        self.max_piece_chars = max(map(len, self._text), default=1)
+        """Most characters one token covers (31 for Gemma 3): a text of n characters encodes to
+        at least n / max_piece_chars tokens, a bound known before tokenizing it."""
 
     @classmethod
     def from_gguf(cls, path: str | Path | None = None, progress: Reporter = True) -> "Tokenizer":

@@ -128,6 +128,8 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("prompt-lone-surrogate", C, b'{"model": "fake-reverse", "prompt": "a\\ud800b"}', 400, None),
     ("chat-lone-surrogate", CHAT,
      b'{"model": "fake-reverse", "messages": [{"role": "user", "content": "\\udfff"}]}', 400, None),
+    ("chat-more-messages-than-context", CHAT, chat(messages=[{"role": "user", "content": ""}] * (CTX + 1)),
+     400, "messages"),
     ("n-zero", C, comp(n=0), 400, "n"),
     ("n-nine", CHAT, chat(n=9, temperature=1.0), 400, "n"),
     ("n-float", C, comp(n=2.5), 400, "n"),
@@ -248,6 +250,14 @@ def test_unsupported_field_is_refused(server: LiveServer, path: str, body: Any, 
     error = r.json()["error"]
     assert (error["param"], error["code"]) == (param, "unsupported_parameter")
     assert param.split(".")[-1] in error["message"]
+
+
+def test_more_messages_than_the_context_are_refused_before_tokenizing(server: LiveServer) -> None:
+    """Every message renders a turn of tokens: more messages than context tokens are refused
+    by count (the message says so), before a tokenizer call per message."""
+    r = server.post(CHAT, on(server, chat(messages=[{"role": "user", "content": ""}] * (CTX + 1))))
+    assert r.status == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert f"holds {CTX + 1} messages" in r.json()["error"]["message"]
 
 
 def test_nothing_reached_the_engine(server: LiveServer) -> None:

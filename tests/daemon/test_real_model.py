@@ -67,3 +67,16 @@ def test_requests_and_steps_are_recorded(client: openai.OpenAI, server: LiveServ
         n_steps = conn.execute(text("select count(*) from xo_steps")).scalar()
     assert n_req >= 1 and n_steps >= 4
     assert server.engine.pool.used == 0
+
+
+def test_a_prompt_the_context_cannot_hold_is_refused_before_tokenizing(server: LiveServer) -> None:
+    """Past max_context x the tokenizer's longest piece (31 characters) a prompt cannot fit:
+    400 context_length_exceeded counted in characters, the text never tokenized."""
+    limit = server.engine.max_context * server.engine.tokenizer.max_piece_chars
+    for path, body in (("/v1/completions", {"prompt": "ab " * (limit // 3 + 1)}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (limit + 1)}]})):
+        r = server.post(path, {"model": server.engine.model_name, "max_tokens": 4, **body})
+        error = r.json()["error"]
+        assert r.status == 400 and error["code"] == "context_length_exceeded", r.data
+        assert f"the limit is {limit}" in error["message"]
+
