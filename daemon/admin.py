@@ -119,7 +119,7 @@ async def list_tenants(request: web.Request) -> web.Response:
 
 @routes.post("/admin/tenants")
 async def add_tenant(request: web.Request) -> web.Response:
-    body = decode_json_object(await read_body(request, MAX_ADMIN_BODY))
+    body = decode_json_object(await read_body(request, MAX_ADMIN_BODY, request.app[st.SETTINGS].body_timeout_s))
     name = body.pop("name", None)
     try:
         admin_ops.check_name(name)
@@ -222,7 +222,7 @@ async def get_policy(request: web.Request) -> web.Response:
 async def pin_policy(request: web.Request) -> web.Response:
     """Serve the body (a TunedPolicy dict) until unpinned; 400 when invalid or refused."""
     keeper = _tuner(request).keeper
-    body = decode_json_object(await read_body(request, MAX_ADMIN_BODY))
+    body = decode_json_object(await read_body(request, MAX_ADMIN_BODY, request.app[st.SETTINGS].body_timeout_s))
     try:
         policy = await asyncio.to_thread(keeper.pin, body)
     except ValueError as exc:  # engine.policy.PolicyError names the field (e.g. rules[0].depth)

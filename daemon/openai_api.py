@@ -113,7 +113,7 @@ async def _generate(request: web.Request, parse: Parser, fmt_cls: type[Format]) 
     app = request.app
     st.check_admission(app)
     engine, settings = app[st.ENGINE], app[st.SETTINGS]
-    raw = await read_body(request, settings.max_body_bytes)
+    raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
     limits = Limits(engine.model_name, engine.max_context, _prompt_chars(settings, engine),
                     tenant.limits.max_tokens, getattr(engine.tokenizer, "vocab_size", None),
                     tenant.limits.max_concurrent)

@@ -15,6 +15,7 @@ bounded by the tenant's max_concurrent too, since each choice takes one of its s
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -90,16 +91,21 @@ class GenerationSpec:
     """Choices to generate (1..MAX_N), each its own engine request."""
 
 
-async def read_body(request: web.Request, max_bytes: int) -> bytes:
-    """The raw body, or 413 when it is larger than `max_bytes`."""
+async def read_body(request: web.Request, max_bytes: int, timeout_s: float | None = None) -> bytes:
+    """The raw body, or 413 when it is larger than `max_bytes`, or 408 when it has not all
+    arrived within `timeout_s` (a client stalling its body holds no handler)."""
     too_large = ApiError(413, f"request body is larger than {max_bytes} bytes",
                          code="request_too_large")
     if (request.content_length or 0) > max_bytes:
         raise too_large
     try:
-        return await request.read()
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise too_large from None
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s",
+                       code="request_timeout") from None
 
 
 def decode_json_object(raw: bytes) -> dict[str, Any]:

@@ -82,6 +82,12 @@ class Settings:
     """The tuner and its periodic job: the `[tuner]` section (tuner.config.TunerConfig)."""
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata=_SIZE)
     """Largest accepted request body; bigger ones get 413."""
+    max_connections: int = 512
+    """Most client connections open at once; one more is answered 503 and closed (daemon/connections.py)."""
+    header_timeout_s: float = 30.0
+    """Longest a connection may take to send a request's headers, or stay idle between requests; then it is closed."""
+    body_timeout_s: float = 30.0
+    """Longest a request's body may take to arrive once its headers are in; then 408."""
     max_prompt_chars: int = 1_000_000
     """Longest prompt (or sum of chat message contents) in characters."""
     max_waiting: int = 256
@@ -123,6 +129,9 @@ class Settings:
         _check_range("max_context", self.max_context, 2, 1 << 24)
         _check_range("tensor_parallel", self.tensor_parallel, 1, 4096)
         _check_range("max_body_bytes", self.max_body_bytes, 1024, 1 << 34)
+        _check_range("max_connections", self.max_connections, 1, 1 << 20)
+        _check_range("header_timeout_s", self.header_timeout_s, 0.001, 86400.0)
+        _check_range("body_timeout_s", self.body_timeout_s, 0.001, 86400.0)
         _check_range("max_prompt_chars", self.max_prompt_chars, 1, 1 << 34)
         _check_range("max_waiting", self.max_waiting, 0, 1 << 24)
         _check_range("drain_deadline_s", self.drain_deadline_s, 0.0, 86400.0)

@@ -254,14 +254,14 @@ async def serve(settings: Any, engine: Any, sink: Any = None, database: Any = No
     from aiohttp import web
 
     from daemon.app import drain, make_app
+    from daemon.connections import make_runner
     from daemon.jsonlog import log_event
     from daemon.progress import reporter
     from daemon.state import ENGINE_THREAD
 
     # warmup's progress: a terminal bar, else JSON log events (stderr stays one object per line)
     app = make_app(settings, engine, sink, database=database, warmup_progress=reporter(json_events=True))
-    runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                           handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S)
+    runner = make_runner(app, settings, SHUTDOWN_GRACE_S, handle_signals=False)
     await runner.setup()
     stop = asyncio.Event()
     exit_code = 0

@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from daemon.app import make_app
+from daemon.connections import make_runner
 from daemon.database import Database, open_database
 from daemon.settings import Settings
 from daemon.state import ENGINE_THREAD, STATE
@@ -79,8 +80,7 @@ class LiveServer:
         return self
 
     async def _start(self) -> int:
-        self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
-                                    shutdown_timeout=2.0)
+        self.runner = make_runner(self.app, self.settings, 2.0)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
@@ -171,8 +171,7 @@ class SmallBufferServer(LiveServer):
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, RCVBUF)
         listener.bind(("127.0.0.1", 0))
-        self.runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
-                                    shutdown_timeout=2.0)
+        self.runner = make_runner(self.app, self.settings, 2.0)
         await self.runner.setup()
         await web.SockSite(self.runner, listener).start()
         return int(listener.getsockname()[1])

@@ -1,0 +1,86 @@
+"""Client connections: how many may be open, and how long one may take to ask.
+
+`make_runner(app, settings)` is the aiohttp runner every server of the daemon uses
+(`crossover serve`, the tests' live servers):
+
+1. A connection has `header_timeout_s` to send a complete request line and headers,
+   and may stay idle that long between requests; then it is closed. (aiohttp's own
+   default is an hour, so a client trickling header bytes held its connection that
+   long, before any authentication.)
+2. At most `max_connections` are open at once: one more is answered 503 with an
+   OpenAI-style error body and closed at once, before aiohttp parses anything, so
+   descriptors and memory stay bounded however many sockets a client opens.
+3. A request's body must arrive within `body_timeout_s` (`read_body` in
+   daemon/openai_params.py answers 408 past it), so a stalled body holds no handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+from daemon.errors import ApiError
+
+FULL = ApiError(503, "too many open connections; retry later", code="too_many_connections")
+
+
+class _Refused(asyncio.Protocol):
+    """A connection past the cap: one 503 and the socket closes (nothing is read)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        body = json.dumps(FULL.body()).encode()
+        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode()
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(head + body)
+        transport.close()
+
+
+class _Capped:
+    """aiohttp's protocol factory (web.Server), refusing connections past `limit`."""
+
+    def __init__(self, server: web.Server, limit: int) -> None:
+        self._server, self._limit = server, limit
+        self.refused = 0
+
+    def __call__(self) -> asyncio.Protocol:
+        if len(self._server.connections) >= self._limit:
+            self.refused += 1
+            return _Refused()
+        return self._server()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+
+class GuardedRunner(web.AppRunner):
+    """An AppRunner whose sites get the capped protocol factory (module docstring)."""
+
+    def __init__(self, app: web.Application, max_connections: int, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._max_connections = max_connections
+        self._capped: _Capped | None = None
+
+    @property
+    def server(self) -> Any:  # the sites' protocol factory; the runner keeps the real one
+        real = super().server
+        if real is None:
+            return None
+        if self._capped is None or self._capped._server is not real:
+            self._capped = _Capped(real, self._max_connections)
+        return self._capped
+
+    @property
+    def refused(self) -> int:
+        """Connections answered 503 for the cap so far."""
+        return 0 if self._capped is None else self._capped.refused
+
+
+def make_runner(app: web.Application, settings: Any, shutdown_timeout: float, **kwargs: Any) -> GuardedRunner:
+    """The runner of `app` under `settings`' connection limits (module docstring)."""
+    return GuardedRunner(app, settings.max_connections, access_log=None, handler_cancellation=True,
+                         shutdown_timeout=shutdown_timeout, keepalive_timeout=settings.header_timeout_s,
+                         **kwargs)

@@ -1,0 +1,109 @@
+"""Connection limits (daemon/connections.py): a header deadline, a body deadline and a cap on
+open connections, each answered or closed without holding a handler."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.daemon.helpers import MODEL, LiveServer, http_request, wait_for
+
+
+@pytest.fixture
+def server() -> Iterator[LiveServer]:
+    srv = LiveServer(header_timeout_s=0.5, body_timeout_s=0.5, max_connections=4).start()
+    yield srv
+    srv.close()
+
+
+def connect(server: LiveServer) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (or 10 s pass)."""
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out
+
+
+def read_response(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One response's head and body (by its Content-Length)."""
+    out = b""
+    while b"\r\n\r\n" not in out:
+        out += sock.recv(65536)
+    head, _, body = out.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head, body
+
+
+def test_a_client_trickling_its_headers_is_closed_at_the_deadline(server: LiveServer) -> None:
+    sock = connect(server)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    start, closed = time.monotonic(), False
+    while time.monotonic() - start < 8:
+        try:
+            sock.sendall(b"X-Slow: a\r\n")  # a header line every 0.1 s, never the blank line
+        except OSError:
+            closed = True
+            break
+        sock.settimeout(0.1)
+        try:
+            if sock.recv(1024) == b"":
+                closed = True
+                break
+        except TimeoutError:
+            pass
+    sock.close()
+    assert closed and time.monotonic() - start < 5, "the trickling connection stayed open"
+
+
+def test_a_stalled_body_gets_408_at_the_deadline(server: LiveServer) -> None:
+    sock = connect(server)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 200\r\n\r\n{\"model\": ")
+    start = time.monotonic()
+    head, body = read_response(sock)
+    sock.close()
+    assert head.startswith(b"HTTP/1.1 408"), head
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    assert time.monotonic() - start < 5
+    assert http_request(server.port, "POST", "/v1/completions",
+                        {"model": MODEL, "prompt": "abc", "max_tokens": 2}).status == 200
+
+
+def test_connections_past_the_cap_get_503_and_the_next_after_one_closes_is_served(server: LiveServer) -> None:
+    held = [connect(server) for _ in range(4)]
+    wait_for(lambda: len(server.runner.server.connections) == 4, what="4 connections open")
+    extra = connect(server)
+    reply = read_all(extra)
+    extra.close()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), reply[:200]
+    assert json.loads(body)["error"]["code"] == "too_many_connections"
+    assert server.runner.refused == 1
+    held.pop().close()
+    wait_for(lambda: len(server.runner.server.connections) == 3, what="one connection closed")
+    r = http_request(server.port, "POST", "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 2})
+    assert r.status == 200
+    for sock in held:
+        sock.close()
+
+
+def test_idle_connections_are_closed_at_the_header_deadline_and_free_their_slots(server: LiveServer) -> None:
+    held = [connect(server) for _ in range(4)]  # connect and send nothing
+    wait_for(lambda: len(server.runner.server.connections) == 0, timeout=10, what="idle connections closed")
+    assert all(read_all(sock) == b"" for sock in held)
+    for sock in held:
+        sock.close()
+    r = http_request(server.port, "POST", "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 2})
+    assert r.status == 200 and server.runner.refused == 0
