@@ -122,11 +122,18 @@ async def _engine_thread_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def health(request: web.Request) -> web.Response:
     """200 while the engine thread is alive ("restarting" while it waits out a fault's backoff);
-    503 once it has failed for good. `engine_restarts` counts the loop's restarts after faults."""
+    503 once it has failed for good, and 503 "stalled" while one engine step (or idle first
+    run) has been under way longer than `step_deadline_s`: a hung device call, which leaves
+    the thread alive. `engine_restarts` counts the loop's restarts after faults."""
     thread = request.app[st.ENGINE_THREAD]
     if thread.failed is not None:
         return web.json_response({"status": "failed", "error": "the engine thread failed; see the server log",
                                   "engine_restarts": thread.restarts}, status=503)
+    busy = thread.busy_for
+    if busy > request.app[st.SETTINGS].step_deadline_s:
+        return web.json_response({"status": "stalled", "error": f"an engine step has run for {busy:.0f} s",
+                                  "step_seconds": round(busy, 1), "engine_restarts": thread.restarts},
+                                 status=503)
     status = "restarting" if thread.restarting else "ok"
     return web.json_response({"status": status, "engine_restarts": thread.restarts})
 

@@ -216,6 +216,7 @@ class EngineThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.failed: BaseException | None = None
+        self._call_started: float | None = None  # monotonic start of the engine call under way
 
     # ---- loop side ----------------------------------------------------
     def start(self) -> None:
@@ -381,11 +382,28 @@ class EngineThread:
     def _idle_work(self) -> bool:
         """The engine's use of an idle moment (EngineCore.idle; the fake engine has none)."""
         idle = getattr(self.engine, "idle", None)
-        return bool(idle is not None and idle())
+        if idle is None:
+            return False
+        self._call_started = time.monotonic()
+        try:
+            return bool(idle())
+        finally:
+            self._call_started = None
+
+    @property
+    def busy_for(self) -> float:
+        """Seconds the engine has spent in the step (or idle moment) under way; 0 between them.
+        /health reads it: a device call that hangs shows here while the thread looks alive."""
+        started = self._call_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def _step_once(self) -> bool:
         """One step, its telemetry and its events; whether it did anything."""
-        out = self.engine.step()
+        self._call_started = time.monotonic()
+        try:
+            out = self.engine.step()
+        finally:
+            self._call_started = None
         if out.stats is not None:
             self._to_sink(self.sink.on_step, out.stats)
         for result in out.finished:  # before the events: a finished stream's result is recorded

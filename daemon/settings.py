@@ -94,6 +94,8 @@ class Settings:
     """Requests allowed to wait beyond max_batch running ones; more get 429."""
     drain_deadline_s: float = 30.0
     """On SIGTERM, how long in-flight requests may finish before being aborted."""
+    step_deadline_s: float = 60.0
+    """An engine step under way longer than this turns /health to 503 "stalled" until it returns."""
     engine_max_restarts: int = 3
     """Engine-loop restarts in a row after faults no request owns (device errors) before the daemon exits."""
     engine_restart_backoff_s: float = 0.5
@@ -132,6 +134,7 @@ class Settings:
         _check_range("max_connections", self.max_connections, 1, 1 << 20)
         _check_range("header_timeout_s", self.header_timeout_s, 0.001, 86400.0)
         _check_range("body_timeout_s", self.body_timeout_s, 0.001, 86400.0)
+        _check_range("step_deadline_s", self.step_deadline_s, 0.001, 86400.0)
         _check_range("max_prompt_chars", self.max_prompt_chars, 1, 1 << 34)
         _check_range("max_waiting", self.max_waiting, 0, 1 << 24)
         _check_range("drain_deadline_s", self.drain_deadline_s, 0.0, 86400.0)

@@ -249,7 +249,12 @@ class Recorder:
             # Read the stop flag *before* flushing: rows queued while a flush ran
             # (before close() was called) still get one more flush.
             stopping = self._stop.is_set()
-            ok = self._flush_once()
+            try:
+                ok = self._flush_once()
+            except Exception as exc:  # noqa: BLE001 -- a bug or an odd driver error must not end the writer
+                log.exception("telemetry flush failed; retrying with backoff")
+                self._writer.last_error = _describe(exc)
+                ok = False
             if stopping and (ok or time.monotonic() >= self._deadline):
                 break
             if ok and not stopping and cfg.retention and time.monotonic() >= next_retention:
@@ -341,7 +346,7 @@ class Recorder:
     def _note_error(self, exc: BaseException) -> None:
         w = self._writer
         w.write_errors += 1
-        w.last_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        w.last_error = _describe(exc)
         if not w.last_error_active:
             log.warning("telemetry write failed, retrying with backoff: %s", w.last_error)
             w.last_error_active = True
@@ -353,7 +358,7 @@ class Recorder:
                 self._engine, self.config.retention, self._clock(), self.config.instance
             )
         except Exception as exc:  # the database may be locked: try next time
-            w.last_error = f"retention: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            w.last_error = f"retention: {_describe(exc)}"
             log.warning("telemetry %s", w.last_error)
             return
         w.retention_runs += 1
@@ -394,3 +399,10 @@ class _WriterState:
         self.last_flush_s = 0.0
         self.retention_runs = 0
         self.rolled_steps = 0
+
+
+def _describe(exc: BaseException) -> str:
+    """"Type: first line of the message" (an exception whose message is empty has no line)."""
+    first = (str(exc).splitlines() or [""])[0][:200]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+

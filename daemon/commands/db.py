@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         migrate.new_revision(url, args.message, autogenerate=not args.empty)
         return 0
     except SQLAlchemyError as exc:
-        raise UserError(f"{_shown(url)}: {str(exc).splitlines()[0]}") from exc
+        raise UserError(f"{_shown(url)}: {(str(exc).splitlines() or [type(exc).__name__])[0]}") from exc
 
 
 def _print_current(url: str) -> int:

@@ -211,7 +211,7 @@ def _open_database(settings: Any, port: int) -> Any:
     except SchemaError as exc:
         print(f"crossover serve: error: {exc}", file=sys.stderr)
     except SQLAlchemyError as exc:
-        print(f"crossover serve: error: cannot open the database: {str(exc).splitlines()[0]}",
+        print(f"crossover serve: error: cannot open the database: {(str(exc).splitlines() or [type(exc).__name__])[0]}",
               file=sys.stderr)
     return None
 

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     except (SchemaError, ValueError, LookupError) as exc:
         raise UserError(str(exc)) from exc
     except SQLAlchemyError as exc:
-        raise UserError(f"database error: {str(exc).splitlines()[0]}") from exc
+        raise UserError(f"database error: {(str(exc).splitlines() or [type(exc).__name__])[0]}") from exc
 
 
 def _add(session: Any, args: argparse.Namespace) -> int:

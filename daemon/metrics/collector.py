@@ -81,6 +81,8 @@ class DaemonCollector(Collector):
         self._app = app
         self.retunes: dict[str, int] = {}
         """Retunes by status, as last read from the database by the /metrics route."""
+        self.database_up: bool | None = None
+        """Whether the route's last read of the database succeeded (None: none yet)."""
 
     def collect(self) -> Iterator[Metric]:
         app = self._app
@@ -103,6 +105,10 @@ class DaemonCollector(Collector):
         yield CounterMetricFamily(P + "recorder_dropped_rows",
                                   "Telemetry rows that never reached the database.",
                                   value=db.recorder.stats()["dropped"] if db is not None else 0)
+        if self.database_up is not None:
+            yield GaugeMetricFamily(P + "database_up", "1 when /metrics last read the telemetry database, "
+                                    "0 when that read failed (the retune counts are then the last read).",
+                                    value=int(self.database_up))
         retunes = CounterMetricFamily(P + "retunes", "Policy retunes recorded, by status.",
                                       labels=["status"])
         for status in RETUNE_STATUSES:

@@ -4,8 +4,9 @@
    app: the engine thread's `EngineMetrics` (returned, to be wired in as a Sink), the app's
    `DaemonCollector`, and prometheus_client's process and platform collectors
    (CPU seconds, resident memory, open fds, start time; Python version).
-2. A scrape reads the retune counts from the database in a worker thread,
-   then renders the registry on the event loop with the encoder that
+2. A scrape reads the retune counts from the database in a worker thread (when
+   that fails, the last counts stand and `crossover_database_up` reads 0), then
+   renders the registry on the event loop with the encoder that
    `prometheus_client.exposition.choose_encoder` picks from the Accept header:
    OpenMetrics (`application/openmetrics-text`) when the scraper asks for it,
    else the Prometheus text format (version 0.0.4). With the setting
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
@@ -27,6 +29,7 @@ from daemon.metrics.sink import EngineMetrics
 
 REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
 COLLECTOR = web.AppKey("metrics_collector", DaemonCollector)
+log = logging.getLogger("crossover.metrics")
 
 
 def install(app: web.Application, model_name: str) -> EngineMetrics:
@@ -49,6 +52,15 @@ async def metrics(request: web.Request) -> web.Response:
         check_admin(request)  # 401 without a bearer, 403 with another one
     db = app.get(st.DATABASE)
     if db is not None:
-        app[COLLECTOR].retunes = await asyncio.to_thread(retune_counts, db.engine, db.instance)
+        collector = app[COLLECTOR]
+        try:
+            collector.retunes = await asyncio.to_thread(retune_counts, db.engine, db.instance)
+        except Exception as exc:  # noqa: BLE001 -- down, locked, gone: the last counts stand
+            if collector.database_up is not False:
+                log.warning("/metrics cannot read the telemetry database (%s); serving the last retune counts",
+                            type(exc).__name__)
+            collector.database_up = False
+        else:
+            collector.database_up = True
     encode, content_type = choose_encoder(request.headers.get("Accept", ""))
     return web.Response(body=encode(app[REGISTRY]), headers={"Content-Type": content_type})

@@ -112,6 +112,40 @@ def test_faults_past_the_restart_bound_fail_the_engine_for_good(live: Callable[.
     assert r.status == 503 and r.json()["error"]["code"] == "engine_failed"
 
 
+class HangOnce(FakeEngine):
+    """A fake engine whose step with two rows running blocks until `release` is set: a
+    device call that hangs, leaving the engine thread alive."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        import threading
+
+        self.hanging, self.release = threading.Event(), threading.Event()
+
+    def step(self) -> StepOutput:
+        if len(self._running) == 1 and not self.release.is_set():
+            self.hanging.set()
+            self.release.wait(60)
+        return super().step()
+
+
+def test_a_hung_step_turns_health_503_until_it_returns(live: Callable[..., LiveServer]) -> None:
+    engine = HangOnce()
+    server = live(engine, step_deadline_s=0.3)
+    assert server.get("/health").status == 200
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(_completion, server, "hang")
+        assert engine.hanging.wait(10)
+        wait_for(lambda: server.get("/health").status == 503, what="health 503 while the step hangs")
+        health = server.get("/health").json()
+        assert health["status"] == "stalled" and health["step_seconds"] >= 0.3
+        assert not reply.done()
+        engine.release.set()
+        assert reply.result(30).status == 200
+    wait_for(lambda: server.get("/health").json() == {"status": "ok", "engine_restarts": 0},
+             what="health 200 once the step returned")
+
+
 def test_faults_far_apart_do_not_add_up_to_the_bound() -> None:
     async def main(reset_s: float) -> EngineThread:
         engine = FaultWhen(lambda e: any(rid.startswith("r") for rid in e._live))

@@ -132,6 +132,32 @@ def test_retunes_total_reads_the_database(db_url: str, live: Callable[..., LiveS
     assert value(samples, "crossover_retunes_total", status="running") == 1
 
 
+def test_a_database_that_fails_leaves_metrics_up_with_the_last_counts(
+        db_url: str, live: Callable[..., LiveServer], monkeypatch) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from daemon.metrics import endpoint
+
+    server = live(db_url=db_url)
+    engine = make_engine(db_url)
+    with session_scope(engine) as s:
+        finish_retune(s, start_retune(s, "admin").id, "rejected")
+    engine.dispose()
+    samples = scrape(server)
+    assert value(samples, "crossover_database_up") == 1
+    real = endpoint.retune_counts
+
+    def down(*_a):
+        raise OperationalError("SELECT", {}, Exception("unable to open database file"))
+
+    monkeypatch.setattr(endpoint, "retune_counts", down)
+    samples = scrape(server)  # 200 (scrape asserts it), not the 500 of an unhandled error
+    assert value(samples, "crossover_database_up") == 0
+    assert value(samples, "crossover_retunes_total", status="rejected") == 1  # the last read
+    monkeypatch.setattr(endpoint, "retune_counts", real)
+    assert value(scrape(server), "crossover_database_up") == 1
+
+
 def test_spec_decode_counters_follow_step_stats() -> None:
     metrics = EngineMetrics()
     for depth, proposed, accepted, per_pos in [(3, 12, 7, (4, 2, 1)), (2, 4, 3, (2, 1)),

@@ -177,6 +177,42 @@ def test_locked_database_loses_nothing_within_the_buffer(db_url: str, max_buffer
         assert _count(db_url) >= max_buffer
 
 
+class _Blank(Exception):
+    """An exception whose message is empty (str() == "")."""
+
+
+def test_errors_with_empty_messages_and_unexpected_failures_do_not_end_the_writer(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write failing with an empty-message exception, then a failure outside the write (a
+    bug in taking rows): the writer thread logs, backs off and writes everything after."""
+    from sqlalchemy.exc import OperationalError
+
+    config = RecorderConfig(flush_interval_s=0.05, retry_initial_s=0.05, retry_max_s=0.1)
+    with Recorder(db_url, config) as rec:
+        write, take, failures = rec._write, rec._take, iter([
+            ("write", OperationalError("INSERT", {}, _Blank())), ("write", _Blank()), ("take", _Blank())])
+        due = next(failures)
+
+        def failing(where, real):
+            def call(*args):
+                nonlocal due
+                if due is not None and due[0] == where:
+                    exc, due = due[1], next(failures, None)
+                    raise exc
+                return real(*args)
+            return call
+
+        monkeypatch.setattr(rec, "_write", failing("write", write))
+        monkeypatch.setattr(rec, "_take", failing("take", take))
+        for i in range(20):
+            rec.record_step(sample_step(i, 1e9 + i))
+            if i % 5 == 4:  # in four flushes: the failures land in different ones
+                assert rec.flush(timeout=20)
+        assert due is None
+        assert rec._thread is not None and rec._thread.is_alive()
+    assert _count(db_url) == 20
+
+
 def test_unstarted_records_are_cheap() -> None:
     rec = Recorder("sqlite://", max_buffer=200_000, max_batch=200_000)  # in memory, never started
     steps = [sample_step(i, float(i)) for i in range(20_000)]
