@@ -133,11 +133,15 @@ class RequestStream:
     `async with` block, or cancellation while waiting) aborts the request.
     """
 
-    def __init__(self, owner: EngineThread, request_id: str, queue: asyncio.Queue[_Item]) -> None:
+    def __init__(self, owner: EngineThread, request_id: str, queue: asyncio.Queue[_Item],
+                 engine_done: asyncio.Event | None = None) -> None:
         self.request_id = request_id
         self._owner = owner
         self._queue = queue
         self._done = False
+        self.engine_done = engine_done or asyncio.Event()
+        """Set once the engine has sent its last event (or failed the request): what is left
+        is the client's reading."""
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -206,6 +210,7 @@ class EngineThread:
         self._warmup_progress = warmup_progress
         self._idle_wait_s = idle_wait_s
         self._queues: dict[str, asyncio.Queue[_Item]] = {}  # loop thread only
+        self._engine_done: dict[str, asyncio.Event] = {}  # loop thread only: set at the last event
         self._live: set[str] = set()  # guarded by _lock: submitted, not finished
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -235,6 +240,13 @@ class EngineThread:
         """Requests submitted whose stream has not ended."""
         return len(self._queues)
 
+    @property
+    def engine_active(self) -> int:
+        """Requests submitted that the engine has not finished: the daemon's capacity counts
+        these, so a client still reading a finished stream holds no engine slot."""
+        with self._lock:
+            return len(self._live)
+
     def submit(self, request: Request) -> RequestStream:
         """Hand `request` to the engine; raise ValueError if it rejects it."""
         if self._closed or self.failed is not None or self._thread is None:
@@ -244,6 +256,7 @@ class EngineThread:
             raise ValueError(f"duplicate request_id {rid!r}")
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._queues[rid] = queue
+        done = self._engine_done[rid] = asyncio.Event()
         with self._lock:  # with _live, atomically: a recovery fails exactly the requests it ended
             self._live.add(rid)
             try:
@@ -253,7 +266,7 @@ class EngineThread:
                 self._live.discard(rid)
                 raise
         self._wake.set()
-        return RequestStream(self, rid, queue)
+        return RequestStream(self, rid, queue, done)
 
     def abort_all(self) -> int:
         """Abort every unfinished request; return how many."""
@@ -293,6 +306,9 @@ class EngineThread:
 
     def _release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        done = self._engine_done.pop(request_id, None)
+        if done is not None:
+            done.set()
 
     def _abandon(self, request_id: str) -> None:
         self._release(request_id)
@@ -307,17 +323,27 @@ class EngineThread:
             queue = self._queues.get(event.request_id)
             if queue is not None:
                 queue.put_nowait(event)
+                if event.finished:
+                    done = self._engine_done.pop(event.request_id, None)
+                    if done is not None:
+                        done.set()
 
     def _fail_all(self, exc: BaseException) -> None:
         for queue in self._queues.values():
             queue.put_nowait(exc)
         self._queues.clear()
+        for done in self._engine_done.values():
+            done.set()
+        self._engine_done.clear()
 
     def _fail_ids(self, ids: list[str]) -> None:
         for rid in ids:
             queue = self._queues.pop(rid, None)
             if queue is not None:
                 queue.put_nowait(EngineError(REQUEST_FAILED))
+            done = self._engine_done.pop(rid, None)
+            if done is not None:
+                done.set()
 
     # ---- engine thread ------------------------------------------------
     def _run(self) -> None:

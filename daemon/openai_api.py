@@ -162,15 +162,31 @@ def _choice_requests(response_id: str, spec: GenerationSpec) -> list[tuple[str, 
 
 async def _serve(request: web.Request, tenant: TenantInfo, reqs: list[Request], fmt: Format,
                  outs: list[Output]) -> web.StreamResponse:
-    """Hold a tenant slot per choice while the engine serves them; answer in one body or as SSE."""
+    """Hold a tenant slot per choice while the engine serves them; answer in one body or as SSE.
+    The slots go back once the engine has finished every choice, even while a slow client
+    still reads the rest of the stream (the stream guard bounds that)."""
     app = request.app
-    async with AsyncExitStack() as slots:
+    async with AsyncExitStack() as acquiring:
         for _ in reqs:
-            await slots.enter_async_context(app[st.GATES].slot(tenant))
+            await acquiring.enter_async_context(app[st.GATES].slot(tenant))
+        slots = acquiring.pop_all()
+    watcher: asyncio.Task | None = None
+    try:
         async with aclosing(_submit_all(app, reqs, fmt.spec)) as choices:
+            watcher = asyncio.create_task(_release_when_done(choices, slots))
             if fmt.spec.stream:
                 return await stream_response(request, choices, fmt, outs)
             return await _collect(choices, fmt, outs)
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        await slots.aclose()  # a no-op once the watcher released them
+
+
+async def _release_when_done(choices: Choices, slots: AsyncExitStack) -> None:
+    await asyncio.gather(*(stream.engine_done.wait() for stream in choices.streams))
+    await slots.aclose()
 
 
 def _parse(raw: bytes, parse: Parser, limits: Limits, tok: Any) -> GenerationSpec:
@@ -181,7 +197,7 @@ def _submit_all(app: web.Application, reqs: list[Request], spec: GenerationSpec)
     """Submit every choice, or none: room for all is checked first, and a refusal after all
     aborts those already submitted."""
     limit = app[st.SETTINGS].max_in_flight
-    if len(reqs) > 1 and app[st.ENGINE_THREAD].active + len(reqs) > limit:
+    if len(reqs) > 1 and app[st.ENGINE_THREAD].engine_active + len(reqs) > limit:
         raise ApiError(429, f"the server has no room for {len(reqs)} more requests ({limit} in flight "
                        "at most); retry later", code="queue_full", headers={"Retry-After": st.RETRY_AFTER_S})
     streams: list[RequestStream] = []

@@ -69,6 +69,6 @@ def check_admission(app: web.Application) -> None:
 def check_capacity(app: web.Application) -> None:
     """429 when max_batch running plus max_waiting queued requests are taken."""
     limit = app[SETTINGS].max_in_flight
-    if app[ENGINE_THREAD].active >= limit:
+    if app[ENGINE_THREAD].engine_active >= limit:
         raise ApiError(429, f"the server is at capacity ({limit} requests in flight); retry later",
                        code="queue_full", headers={"Retry-After": RETRY_AFTER_S})

@@ -11,8 +11,17 @@ from contextlib import contextmanager
 
 import pytest
 
+from daemon.state import ENGINE_THREAD, GATES
 from engine.fake import FakeEngine
-from tests.daemon.helpers import MODEL, RCVBUF, LiveServer, SmallBufferServer, http_request, parse_sse, wait_for
+from tests.daemon.helpers import (
+    MODEL,
+    RCVBUF,
+    LiveServer,
+    SmallBufferServer,
+    http_request,
+    parse_sse,
+    wait_for,
+)
 
 """The stalled clients' receive buffer: small, so the daemon's writes back up quickly."""
 
@@ -118,3 +127,22 @@ def test_a_tenant_without_its_own_limit_cannot_take_every_slot(
         r = http_request(server.port, "POST", "/v1/completions",
                          {"model": MODEL, "prompt": "abc", "max_tokens": 3}, bearer(other))
         assert r.status == 200 and r.json()["choices"][0]["text"] == "cba"
+
+
+def test_a_stream_the_engine_finished_holds_no_slot_while_its_client_reads_slowly(
+        servers: list[LiveServer]) -> None:
+    """One engine slot in all (max_batch 1, nothing waits) and the tenant limited to one: a
+    stream whose tokens are all generated but not yet read by its (stalled) client frees both,
+    so the next request is served instead of 429; the stalled stream still ends by the guard."""
+    server = SmallBufferServer(FakeEngine(max_batch=1), max_waiting=0, max_batch=1,
+                               stream_write_timeout_s=600.0, stream_idle_timeout_s=600.0).start()
+    servers.append(server)
+    with stalled_stream(server.port, long_stream(3000)):  # ~3000 SSE events: far more than the buffers
+        wait_for(lambda: len(server.sink.results) == 1, 20, "the engine finished the stalled stream")
+        assert server.sink.results[0].finish_reason == "length"
+        assert server.app[ENGINE_THREAD].active == 1  # its response is still being written
+        wait_for(lambda: server.app[GATES].in_flight().get("default", (0, 0))[0] == 0, 10,
+                 "the tenant slot given back")
+        r = server.post("/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 5})
+        assert r.status == 200 and r.json()["choices"][0]["text"] == "cba"  # served, not 429
+
