@@ -31,6 +31,7 @@ from daemon import state as st
 from daemon.admin import admin_middleware
 from daemon.admin import routes as admin_routes
 from daemon.bridge import Engine, EngineThread, Sink
+from daemon.connections import origin_middleware
 from daemon.database import Database
 from daemon.errors import error_middleware
 from daemon.metrics import endpoint as metrics_endpoint
@@ -64,7 +65,7 @@ def make_app(
     answer 503.
     """
     app = web.Application(
-        middlewares=[_log_middleware, error_middleware, admin_middleware],
+        middlewares=[_log_middleware, error_middleware, origin_middleware, admin_middleware],
         client_max_size=settings.max_body_bytes,
     )
     app[st.SETTINGS] = settings

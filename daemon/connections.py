@@ -12,6 +12,15 @@
    descriptors and memory stay bounded however many sockets a client opens.
 3. A request's body must arrive within `body_timeout_s` (`read_body` in
    daemon/openai_params.py answers 408 past it), so a stalled body holds no handler.
+4. `origin_middleware`: a daemon bound to a loopback address answers only requests
+   that name a loopback host (`Host`) and, when a browser says where the request
+   comes from (`Origin`), come from a loopback page. A web page the user visits can
+   otherwise drive it: by DNS rebinding (its own name resolving to 127.0.0.1, so
+   `Host` is that name) or by a cross-site POST with a plain-text body, which a
+   browser sends without asking first (a CORS "simple request", carrying `Origin`).
+   Both get 403 `forbidden_origin`. A daemon bound elsewhere is reached by names
+   this cannot know, and checks neither; `check_origin = false` turns it off (a
+   proxy that forwards its clients' Host can instead set Host to the daemon's).
 """
 
 from __future__ import annotations
@@ -19,10 +28,14 @@ from __future__ import annotations
 import asyncio
 import json
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
+from daemon import state as st
 from daemon.errors import ApiError
+from daemon.settings import is_loopback
 
 FULL = ApiError(503, "too many open connections; retry later", code="too_many_connections")
 
@@ -84,3 +97,26 @@ def make_runner(app: web.Application, settings: Any, shutdown_timeout: float, **
     return GuardedRunner(app, settings.max_connections, access_log=None, handler_cancellation=True,
                          shutdown_timeout=shutdown_timeout, keepalive_timeout=settings.header_timeout_s,
                          **kwargs)
+
+
+def _loopback_name(netloc: str) -> bool:
+    """Whether a `Host` value or an Origin's host[:port] names this machine's loopback."""
+    host = urlsplit(f"//{netloc}").hostname
+    return host is not None and is_loopback(host)
+
+
+@web.middleware
+async def origin_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """403 for a loopback daemon's requests from elsewhere (module docstring, 4)."""
+    settings = request.app[st.SETTINGS]
+    if settings.check_origin and is_loopback(settings.host):
+        host, origin = request.headers.get("Host"), request.headers.get("Origin")
+        if host is not None and not _loopback_name(host):
+            raise ApiError(403, f"this daemon listens on a loopback address and serves only requests "
+                           f"to it; Host {host[:100]!r} is not one", code="forbidden_origin")
+        if origin is not None and not (origin.startswith(("http://", "https://"))
+                                       and _loopback_name(urlsplit(origin).netloc)):
+            raise ApiError(403, f"requests from web pages other than this machine's are refused; "
+                           f"Origin {origin[:100]!r}", code="forbidden_origin")
+    return await handler(request)
+

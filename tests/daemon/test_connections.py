@@ -48,7 +48,7 @@ def read_response(sock: socket.socket) -> tuple[bytes, bytes]:
 
 def test_a_client_trickling_its_headers_is_closed_at_the_deadline(server: LiveServer) -> None:
     sock = connect(server)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     start, closed = time.monotonic(), False
     while time.monotonic() - start < 8:
         try:
@@ -69,7 +69,7 @@ def test_a_client_trickling_its_headers_is_closed_at_the_deadline(server: LiveSe
 
 def test_a_stalled_body_gets_408_at_the_deadline(server: LiveServer) -> None:
     sock = connect(server)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 200\r\n\r\n{\"model\": ")
     start = time.monotonic()
     head, body = read_response(sock)
@@ -107,3 +107,48 @@ def test_idle_connections_are_closed_at_the_header_deadline_and_free_their_slots
         sock.close()
     r = http_request(server.port, "POST", "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 2})
     assert r.status == 200 and server.runner.refused == 0
+
+
+@pytest.mark.parametrize("headers,status", [
+    ({}, 200),
+    ({"Host": "localhost:8000"}, 200),
+    ({"Host": "127.0.0.2"}, 200),
+    ({"Host": "[::1]:8000"}, 200),
+    ({"Origin": "http://localhost:3000"}, 200),
+    ({"Origin": "https://127.0.0.1"}, 200),
+    ({"Host": "attacker.example:8000"}, 403),  # DNS rebinding: the page's own name
+    ({"Host": "localhost.attacker.example"}, 403),
+    ({"Origin": "https://attacker.example"}, 403),  # a cross-site "simple" POST
+    ({"Origin": "null"}, 403),  # a sandboxed frame or a file:// page
+    ({"Origin": "http://localhost.attacker.example"}, 403),
+])
+def test_a_loopback_daemon_serves_only_loopback_hosts_and_origins(
+        server: LiveServer, headers: dict[str, str], status: int) -> None:
+    r = http_request(server.port, "POST", "/v1/completions",
+                     {"model": MODEL, "prompt": "abc", "max_tokens": 2}, headers)
+    assert r.status == status, r.data
+    if status == 403:
+        assert r.json()["error"]["code"] == "forbidden_origin"
+        assert server.get("/health").status == 200  # and GET routes alike: only what it is asked
+        assert http_request(server.port, "GET", "/health", None, headers).status == 403
+
+
+def test_a_daemon_bound_elsewhere_checks_no_host() -> None:
+    srv = LiveServer(host="0.0.0.0", open_mode=True, open_non_loopback=True).start()
+    try:
+        r = http_request(srv.port, "POST", "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 2},
+                         {"Host": "api.example.com", "Origin": "https://app.example.com"})
+        assert r.status == 200
+    finally:
+        srv.close()
+
+
+def test_check_origin_off_serves_any_host_on_loopback() -> None:
+    srv = LiveServer(check_origin=False).start()
+    try:
+        r = http_request(srv.port, "POST", "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 2},
+                         {"Host": "gpu-box.example:8000"})
+        assert r.status == 200
+    finally:
+        srv.close()
+

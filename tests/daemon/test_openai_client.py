@@ -255,7 +255,7 @@ def raw_stream(port: int, body: dict[str, object], key: str | None = None) -> so
     sock.connect(("127.0.0.1", port))
     data = json.dumps(body).encode()
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\n{auth}\r\n".encode() + data)
     return sock
 
