@@ -4,7 +4,10 @@ Every /admin/ path goes through `admin_middleware`, so a route cannot forget
 the check: no admin token configured -> 403 `admin_disabled`; no bearer ->
 401; any other bearer (a tenant's API key included) -> 403. The comparison is
 `hmac.compare_digest` on bytes (constant time). Bodies are OpenAI-style
-errors like the rest of the API.
+errors like the rest of the API. Wrong tokens are throttled per client address
+(`GuessThrottle`): after GUESSES wrong ones within GUESS_WINDOW_S, that address
+gets 429 `too_many_attempts` (Retry-After) for every admin check, right or
+wrong, until the window has passed.
 
     GET    /admin/status           model, pool, queue, compiles, uptime, policy, recorder
     GET    /admin/tenants          every tenant (revoked ones too), never key hashes
@@ -49,6 +52,57 @@ from tuner.service import Tuner
 PREFIX = "/admin/"
 MAX_ADMIN_BODY = 64 * 1024
 T = TypeVar("T")
+GUESSES = 10
+"""Wrong admin tokens one client address may send within GUESS_WINDOW_S."""
+GUESS_WINDOW_S = 60.0
+MAX_TRACKED = 10_000
+"""Client addresses whose wrong guesses are remembered (the oldest go first)."""
+
+
+class GuessThrottle:
+    """Wrong admin-token guesses per client address, over a sliding window."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._wrong: dict[str, list[float]] = {}
+
+    def check(self, who: str) -> None:
+        """429 while `who` has used up its guesses."""
+        recent = self._recent(who)
+        if len(recent) >= GUESSES:
+            wait = max(1, int(recent[0] + GUESS_WINDOW_S - self._clock()) + 1)
+            raise ApiError(429, f"too many wrong admin tokens from this address; retry in {wait} s",
+                           code="too_many_attempts", headers={"Retry-After": str(wait)})
+
+    def wrong(self, who: str) -> None:
+        recent = self._recent(who)
+        recent.append(self._clock())
+        self._wrong[who] = recent
+        while len(self._wrong) > MAX_TRACKED:
+            del self._wrong[next(iter(self._wrong))]
+
+    def _recent(self, who: str) -> list[float]:
+        since = self._clock() - GUESS_WINDOW_S
+        recent = [t for t in self._wrong.pop(who, []) if t > since]
+        if recent:
+            self._wrong[who] = recent  # most recently seen last, for the eviction above
+        return recent
+
+
+GUESSES_KEY = web.AppKey("admin_guesses", GuessThrottle)
+
+
+def guessed(request: web.Request, right: bool) -> None:
+    """Count a token check of this request's client: 429 while it has used up its guesses
+    (before the answer to a right token too, so guessing on cannot find it), else note a
+    wrong one."""
+    throttle = request.app.get(GUESSES_KEY)
+    if throttle is None:
+        return
+    who = request.remote or "?"
+    throttle.check(who)
+    if not right:
+        throttle.wrong(who)
 
 routes = web.RouteTableDef()
 
@@ -68,7 +122,9 @@ def check_admin(request: web.Request) -> None:
     if given is None:
         raise ApiError(401, "missing admin token (Authorization: Bearer ...)",
                        code="missing_admin_token")
-    if not token_matches(given, expected):
+    right = token_matches(given, expected)
+    guessed(request, right)
+    if not right:
         raise ApiError(403, "not the admin token", code="invalid_admin_token")
 
 

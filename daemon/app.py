@@ -28,7 +28,7 @@ from aiohttp.typedefs import Handler
 
 from daemon import dashboard, jsonlog, openai_api, tuning
 from daemon import state as st
-from daemon.admin import admin_middleware
+from daemon.admin import GUESSES_KEY, GuessThrottle, admin_middleware
 from daemon.admin import routes as admin_routes
 from daemon.bridge import Engine, EngineThread, Sink
 from daemon.connections import origin_middleware
@@ -79,6 +79,7 @@ def make_app(
     app[st.ENGINE_THREAD] = thread
     app[st.SINK] = thread.sink
     app[st.GATES] = TenantGates()
+    app[GUESSES_KEY] = GuessThrottle()
     app[st.STATE] = st.ServerState()
     app[AUTH] = Authenticator(settings.is_open, default_limits(settings), app.get(st.TENANTS))
     app.cleanup_ctx.append(_engine_thread_ctx)

@@ -6,10 +6,12 @@ and works offline.
 
 Who may look:
 - with `admin_token` set: whoever shows it — open `/dashboard?token=TOKEN`
-  once; the daemon answers with a cookie (HttpOnly, SameSite=Strict, holding
-  an HMAC derived from the token, not the token itself, so the cookie cannot
-  call /admin/) and redirects to `/dashboard`. The JSON also accepts the
-  token as a bearer.
+  once; the daemon answers with a cookie (HttpOnly, SameSite=Strict, 12 hours'
+  Max-Age, Secure over HTTPS; it holds its expiry and an HMAC derived from the
+  token and that expiry, not the token itself, so the cookie stops working when
+  it expires and cannot call /admin/) and redirects to `/dashboard`. The JSON
+  also accepts the token as a bearer. Wrong tokens count toward the admin
+  API's per-address throttle (daemon/admin.py).
 - without `admin_token`: only a daemon in open mode bound to a loopback
   address shows it (to whoever can reach localhost); otherwise 403.
 
@@ -42,7 +44,7 @@ from typing import Any
 from aiohttp import web
 from daemon import dashboard_data as data
 from daemon import state as st
-from daemon.admin import status_body, token_matches
+from daemon.admin import guessed, status_body, token_matches
 from daemon.errors import ApiError, bad_request
 from daemon.settings import is_loopback
 from daemon.tenants.auth import bearer_token
@@ -51,6 +53,8 @@ from store.db import session_scope
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 PLOTLY_JS = "/dashboard/lib/plotly.min.js"
 COOKIE = "crossover_dashboard"
+SESSION_S = 12 * 3600
+"""How long a dashboard cookie works (it is sent with Max-Age, and Secure over HTTPS)."""
 DEFAULT_WINDOW_S = 3600.0
 MAX_WINDOW_S = 30 * 86400.0
 Reader = Callable[..., dict[str, Any]]
@@ -60,10 +64,21 @@ ALL_INSTANCES = "all"
 routes = web.RouteTableDef()
 
 
-def cookie_value(admin_token: str) -> str:
-    """What the dashboard cookie holds: HMAC-SHA256(admin token, a fixed label)."""
-    return hmac.new(admin_token.encode("utf-8", "surrogatepass"), b"crossover-dashboard-v1",
-                    hashlib.sha256).hexdigest()
+def cookie_value(admin_token: str, expires: int | None = None) -> str:
+    """What the dashboard cookie holds: when it expires (Unix seconds, default SESSION_S from
+    now) and HMAC-SHA256(admin token, a label and that time), so a copied cookie stops
+    working then, and changing the token ends every session."""
+    expires = int(time.time()) + SESSION_S if expires is None else expires
+    mac = hmac.new(admin_token.encode("utf-8", "surrogatepass"), f"crossover-dashboard-v2:{expires}".encode(),
+                   hashlib.sha256).hexdigest()
+    return f"{expires}.{mac}"
+
+
+def _cookie_ok(cookie: str, admin_token: str) -> bool:
+    expires, _, _ = cookie.partition(".")
+    if not expires.isdigit() or int(expires) <= time.time():
+        return False
+    return token_matches(cookie, cookie_value(admin_token, int(expires)))
 
 
 def may_view(request: web.Request) -> bool:
@@ -72,10 +87,13 @@ def may_view(request: web.Request) -> bool:
     if not token:
         return settings.is_open and is_loopback(settings.host)
     bearer = bearer_token(request)
-    if bearer is not None and token_matches(bearer, token):
-        return True
+    if bearer is not None:
+        right = token_matches(bearer, token)
+        guessed(request, right)
+        if right:
+            return True
     cookie = request.cookies.get(COOKIE)
-    return cookie is not None and token_matches(cookie, cookie_value(token))
+    return cookie is not None and _cookie_ok(cookie, token)
 
 
 @routes.get("/dashboard")
@@ -83,12 +101,14 @@ async def page(request: web.Request) -> web.StreamResponse:
     token = request.query.get("token")
     admin_token = request.app[st.SETTINGS].admin_token
     if token is not None:
-        if not admin_token or not token_matches(token, admin_token):
+        right = bool(admin_token) and token_matches(token, admin_token)
+        guessed(request, right)
+        if not right:
             return _refusal(403, "That is not the admin token.")
         # redirect, so the token leaves the address bar and the history
         response = web.Response(status=303, headers={"Location": "/dashboard"})
         response.set_cookie(COOKIE, cookie_value(admin_token), httponly=True, samesite="Strict",
-                            path="/dashboard")
+                            path="/dashboard", max_age=SESSION_S, secure=request.secure)
         return response
     if not may_view(request):
         hint = ("Open /dashboard?token=ADMIN_TOKEN once." if admin_token else

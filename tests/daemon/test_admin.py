@@ -121,3 +121,39 @@ def test_tenant_limits_set_over_http_apply_at_once(server: LiveServer) -> None:
     assert r.status == 400 and r.json()["error"]["code"] == "max_tokens_exceeded"
     r = server.post("/v1/completions", {**body, "max_tokens": 4}, as_bearer(created["api_key"]))
     assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_wrong_admin_tokens_are_throttled_per_address(live: Callable[..., LiveServer]) -> None:
+    """GUESSES wrong tokens within the window: from then on that address gets 429 for every
+    admin check, the right token included, so guessing on learns nothing; the dashboard's
+    token and bearer count the same."""
+    from daemon.admin import GUESSES
+
+    server = live(admin_token="right-token")
+    wrong = {"Authorization": "Bearer not-it"}
+    for i in range(GUESSES - 1):
+        assert server.get("/admin/status", wrong).status == 403
+    assert server.get("/dashboard?token=not-it").status == 403  # the last guess, by the dashboard
+    r = server.get("/admin/status", {"Authorization": "Bearer right-token"})
+    assert r.status == 429 and r.json()["error"]["code"] == "too_many_attempts"
+    assert int(r.headers["retry-after"]) >= 1
+    assert server.get("/dashboard/api/status", wrong).status == 429
+    assert server.post("/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 2}).status == 200
+
+
+def test_the_guess_window_slides() -> None:
+    from daemon.admin import GUESS_WINDOW_S, GUESSES, GuessThrottle
+    from daemon.errors import ApiError
+
+    now = [0.0]
+    throttle = GuessThrottle(clock=lambda: now[0])
+    for _ in range(GUESSES):
+        throttle.check("a")
+        throttle.wrong("a")
+    with pytest.raises(ApiError) as refused:
+        throttle.check("a")
+    assert refused.value.status == 429
+    throttle.check("b")  # another address is not held up
+    now[0] = GUESS_WINDOW_S + 0.1
+    throttle.check("a")  # the window passed: guesses again
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from daemon.dashboard import COOKIE, PLOTLY_JS, cookie_value
+from daemon.dashboard import COOKIE, PLOTLY_JS, SESSION_S, cookie_value
 from tests.daemon.helpers import LiveServer
 from tests.daemon.dashboard_fill import CROSSOVER, TENANTS, fill
 
@@ -39,16 +40,23 @@ def test_the_token_buys_a_cookie_that_cannot_call_the_admin_api(filled: LiveServ
     r = filled.get(f"/dashboard?token={TOKEN}")
     assert r.status == 303 and r.headers["location"] == "/dashboard"
     cookie = r.headers["set-cookie"]
-    assert f"{COOKIE}={cookie_value(TOKEN)}" in cookie and TOKEN not in cookie
+    value = cookie.split(f"{COOKIE}=")[1].split(";")[0]
+    expires = int(value.split(".")[0])
+    assert value == cookie_value(TOKEN, expires) and TOKEN not in cookie
+    assert abs(expires - time.time() - SESSION_S) < 60 and f"Max-Age={SESSION_S}" in cookie
     assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
-    with_cookie = {"Cookie": f"{COOKIE}={cookie_value(TOKEN)}"}
+    with_cookie = {"Cookie": f"{COOKIE}={value}"}
+    expired = {"Cookie": f"{COOKIE}={cookie_value(TOKEN, int(time.time()) - 1)}"}
+    assert filled.get("/dashboard", expired).status == 401  # a copied cookie stops working
+    forged = {"Cookie": f"{COOKIE}={expires + 10**6}.{value.split('.')[1]}"}
+    assert filled.get("/dashboard", forged).status == 401  # its expiry cannot be moved
     page = filled.get("/dashboard", with_cookie)
     assert page.status == 200 and PLOTLY_JS.encode() in page.data
     assert filled.get("/dashboard/api/batch", with_cookie).status == 200
     assert filled.get("/dashboard/api/batch").status == 401
     assert filled.get("/dashboard/api/batch", ADMIN).status == 200
     assert filled.get("/admin/status", with_cookie).status == 401
-    cookie_as_bearer = {"Authorization": f"Bearer {cookie_value(TOKEN)}"}
+    cookie_as_bearer = {"Authorization": f"Bearer {value}"}
     assert filled.get("/admin/status", cookie_as_bearer).status == 403
     assert filled.get("/dashboard/static/dashboard.js").status == 200  # code, no data
     library = filled.get(PLOTLY_JS)  # from the installed plotly package
