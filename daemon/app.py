@@ -31,7 +31,7 @@ from daemon import state as st
 from daemon.admin import GUESSES_KEY, GuessThrottle, admin_middleware
 from daemon.admin import routes as admin_routes
 from daemon.bridge import Engine, EngineThread, Sink
-from daemon.connections import origin_middleware
+from daemon.connections import origin_middleware, quiet_malformed_requests
 from daemon.database import Database
 from daemon.errors import error_middleware
 from daemon.metrics import endpoint as metrics_endpoint
@@ -64,6 +64,7 @@ def make_app(
     daemon then refuses every key) and the tenant and dashboard data routes
     answer 503.
     """
+    quiet_malformed_requests()
     app = web.Application(
         middlewares=[_log_middleware, error_middleware, origin_middleware, admin_middleware],
         client_max_size=settings.max_body_bytes,

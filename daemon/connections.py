@@ -21,16 +21,21 @@
    Both get 403 `forbidden_origin`. A daemon bound elsewhere is reached by names
    this cannot know, and checks neither; `check_origin = false` turns it off (a
    proxy that forwards its clients' Host can instead set Host to the daemon's).
+5. A request aiohttp cannot parse (a control byte in a header, a bad request line)
+   gets aiohttp's own 400 and closes; `quiet_malformed_requests` makes its log record
+   one warning line instead of an error with a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 
 from daemon import state as st
@@ -119,4 +124,24 @@ async def origin_middleware(request: web.Request, handler: Handler) -> web.Strea
             raise ApiError(403, f"requests from web pages other than this machine's are refused; "
                            f"Origin {origin[:100]!r}", code="forbidden_origin")
     return await handler(request)
+
+
+class _MalformedRequests(logging.Filter):
+    """aiohttp.server's record of a request it could not parse, as one warning line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            detail = (str(exc.message).strip().splitlines() or [type(exc).__name__])[0][:200]
+            record.msg, record.args = f"malformed HTTP request refused (400): {detail}", ()
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def quiet_malformed_requests() -> None:
+    """Install `_MalformedRequests` on aiohttp's server logger (once)."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _MalformedRequests) for f in logger.filters):
+        logger.addFilter(_MalformedRequests())
 

@@ -4,6 +4,7 @@ open connections, each answered or closed without holding a handler."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -151,4 +152,18 @@ def test_check_origin_off_serves_any_host_on_loopback() -> None:
         assert r.status == 200
     finally:
         srv.close()
+
+
+def test_a_request_aiohttp_cannot_parse_is_one_warning_line(server: LiveServer,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="aiohttp.server")
+    sock = connect(server)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer xo-\x7f\r\n\r\n")
+    reply = read_all(sock)
+    sock.close()
+    assert reply.startswith((b"HTTP/1.0 400", b"HTTP/1.1 400"))
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert records and all(r.levelno == logging.WARNING and r.exc_info is None for r in records)
+    assert "malformed HTTP request refused (400)" in records[0].getMessage()
+    assert server.get("/health").status == 200
 
