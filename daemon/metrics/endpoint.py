@@ -11,21 +11,28 @@
    OpenMetrics (`application/openmetrics-text`) when the scraper asks for it,
    else the Prometheus text format (version 0.0.4). With the setting
    `metrics_require_admin` a scrape must carry the admin token as its bearer.
+3. Tenant names show only to a scrape carrying the admin token: any other sees each
+   `tenant` label as a pseudonym (a hash of the name; "default" as itself), so
+   anyone who can reach the port learns how much traffic there is, not who sends it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+from collections.abc import Iterator
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
 
 from daemon import state as st
-from daemon.admin import check_admin
+from daemon.admin import check_admin, token_matches
 from daemon.metrics.collector import DaemonCollector, retune_counts
 from daemon.metrics.sink import EngineMetrics
+from daemon.tenants.auth import bearer_token
 
 REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
 COLLECTOR = web.AppKey("metrics_collector", DaemonCollector)
@@ -63,4 +70,40 @@ async def metrics(request: web.Request) -> web.Response:
         else:
             collector.database_up = True
     encode, content_type = choose_encoder(request.headers.get("Accept", ""))
-    return web.Response(body=encode(app[REGISTRY]), headers={"Content-Type": content_type})
+    registry = app[REGISTRY] if _is_admin(request) else _Pseudonymous(app[REGISTRY])
+    return web.Response(body=encode(registry), headers={"Content-Type": content_type})
+
+
+def _is_admin(request: web.Request) -> bool:
+    token, given = request.app[st.SETTINGS].admin_token, bearer_token(request)
+    return bool(token) and given is not None and token_matches(given, token)
+
+
+def pseudonym(tenant: str) -> str:
+    """How a scrape without the admin token names a tenant: "default" as itself, any other
+    by a hash of its name, so its series stay apart without the name showing.
+
+    >>> pseudonym("default"), pseudonym("acme-corp")
+    ('default', 'tenant-f13fa37c')
+    """
+    if tenant == "default":
+        return tenant
+    return "tenant-" + hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+
+
+class _Pseudonymous:
+    """A registry's metrics with every `tenant` label value replaced by its pseudonym (what the
+    encoders read: `collect()`)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            if not any("tenant" in sample.labels for sample in family.samples):
+                yield family
+                continue
+            renamed = Metric(family.name, family.documentation, family.type, family.unit)
+            renamed.samples = [sample._replace(labels={**sample.labels, "tenant": pseudonym(sample.labels["tenant"])})
+                               if "tenant" in sample.labels else sample for sample in family.samples]
+            yield renamed

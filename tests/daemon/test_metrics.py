@@ -158,6 +158,26 @@ def test_a_database_that_fails_leaves_metrics_up_with_the_last_counts(
     assert value(scrape(server), "crossover_database_up") == 1
 
 
+def test_tenant_names_show_only_to_the_admin_token(db_url: str, live: Callable[..., LiveServer],
+                                                   capsys) -> None:
+    """Anyone who reaches the port sees each tenant's traffic under a pseudonym; the admin
+    token's scrape sees the names."""
+    from daemon.metrics.endpoint import pseudonym
+    from tests.daemon.tenants.helpers import add_tenant, complete
+
+    server = live(db_url=db_url, open_mode=False, admin_token="adm")
+    key = add_tenant(db_url, "acme-corp", capsys=capsys)
+    assert complete(server, key)[0] == 200
+    server.wait_idle()
+    anyone = server.get("/metrics").data.decode()
+    assert "acme-corp" not in anyone
+    assert value(parse(anyone), "crossover_requests_total", tenant=pseudonym("acme-corp"),
+                 finish_reason="stop") == 1
+    admin = server.get("/metrics", {"Authorization": "Bearer adm"}).data.decode()
+    assert value(parse(admin), "crossover_requests_total", tenant="acme-corp", finish_reason="stop") == 1
+    assert "acme-corp" not in server.get("/metrics", {"Authorization": "Bearer wrong"}).data.decode()
+
+
 def test_spec_decode_counters_follow_step_stats() -> None:
     metrics = EngineMetrics()
     for depth, proposed, accepted, per_pos in [(3, 12, 7, (4, 2, 1)), (2, 4, 3, (2, 1)),
