@@ -42,7 +42,7 @@ from daemon import state as st
 from daemon.bridge import EngineError
 from daemon.database import Database
 from daemon.errors import ApiError, bad_request
-from daemon.openai_params import decode_json_object, read_body
+from daemon.request_body import decode_json_object, read_body
 from daemon.tenants import admin_ops
 from daemon.tenants.auth import bearer_token
 from daemon.tuning import TUNER

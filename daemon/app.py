@@ -30,9 +30,10 @@ from daemon import dashboard, jsonlog, openai_api, tuning
 from daemon import state as st
 from daemon.admin import GUESSES_KEY, GuessThrottle, admin_middleware
 from daemon.admin import routes as admin_routes
-from daemon.bridge import Engine, EngineThread, Sink
+from daemon.bridge import EngineThread
 from daemon.connections import origin_middleware, quiet_malformed_requests
 from daemon.database import Database
+from daemon.engine_surface import Engine, Sink
 from daemon.errors import error_middleware
 from daemon.metrics import endpoint as metrics_endpoint
 from daemon.settings import Settings

@@ -56,12 +56,11 @@ import contextlib
 import logging
 import threading
 import time
-from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
+from daemon.engine_surface import Engine, NullSink, Sink
 from engine.runtime.progress import Reporter
-from engine.policy import TunedPolicy
-from engine.types import EngineCapacity, Request, RequestResult, StepStats, TokenEvent
+from engine.types import Request, TokenEvent
 
 log = logging.getLogger("crossover.bridge")
 
@@ -78,49 +77,6 @@ class EngineError(RuntimeError):
 
 REQUEST_FAILED = "the engine failed while serving this request"
 """What a stream's EngineError says after a fault (the exception text goes to the log only)."""
-
-
-class Engine(Protocol):
-    """The surface of `EngineCore` (and `FakeEngine`) the daemon and the tuner use."""
-
-    tokenizer: Any
-    model_name: str
-    max_context: int
-
-    def add_request(self, req: Request) -> None: ...
-    def abort(self, request_id: str) -> None: ...
-    def step(self) -> Any: ...
-    def recover(self) -> list[RequestResult]: ...
-    def has_work(self) -> bool: ...
-    def warmup(self, progress: Reporter = True) -> None: ...
-    def status(self) -> dict[str, Any]: ...
-    def capacity(self) -> EngineCapacity: ...
-    def set_policy(self, policy: TunedPolicy) -> None: ...
-    def reset_prefix_cache(self) -> Future: ...
-
-    @property
-    def policy(self) -> TunedPolicy: ...
-
-
-class Sink(Protocol):
-    """Receives telemetry on the engine thread; must not block."""
-
-    def on_step(self, stats: StepStats) -> None: ...
-    def on_result(self, result: RequestResult) -> None: ...
-    def flush(self) -> None: ...
-
-
-class NullSink:
-    """Drops everything."""
-
-    def on_step(self, stats: StepStats) -> None:
-        pass
-
-    def on_result(self, result: RequestResult) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
 
 
 _Item = TokenEvent | BaseException

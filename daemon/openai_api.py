@@ -42,13 +42,12 @@ from daemon.openai_format import ChatFormat, Format, Output, usage
 from daemon.openai_params import (
     GenerationSpec,
     Limits,
-    decode_json_object,
     param_error,
     parse_chat,
     parse_completion,
-    read_body,
 )
 from daemon.openai_stream import Choices, aborted, engine_failed, stream_response
+from daemon.request_body import decode_json_object, read_body
 from daemon.tenants.auth import authenticate
 from daemon.tenants.limits import TenantInfo
 from engine.types import ParamError, Request

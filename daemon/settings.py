@@ -29,7 +29,6 @@ import dataclasses
 import inspect
 import ipaddress
 import os
-import re
 import textwrap
 import tomllib
 import typing
@@ -37,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from daemon.setting_values import int_tuple, parse_size
 from tuner.config import TunerConfig
 
 ENV_PREFIX = "CROSSOVER_"
@@ -372,7 +372,7 @@ def _coerce(key: _Key, raw: Any, source: str) -> Any:
     if isinstance(raw, str) and kind is not str:
         return _parse_str(key, raw, bad)
     if kind is tuple and isinstance(raw, (list, tuple)):
-        return _int_tuple([str(v) for v in raw], bad)
+        return _checked(int_tuple, [str(v) for v in raw], bad)
     if kind is bool and isinstance(raw, bool):
         return raw
     if kind is int and isinstance(raw, int) and not isinstance(raw, bool):
@@ -393,33 +393,20 @@ def _parse_str(key: _Key, raw: str, bad: SettingsError) -> Any:
             return False
         raise bad
     if key.kind is tuple:
-        return _int_tuple(text.split(","), bad)
+        return _checked(int_tuple, text.split(","), bad)
     if key.kind is int and key.size:
-        return _parse_size(text, bad)
+        return _checked(parse_size, text, bad)
     try:
         return key.kind(text)
     except ValueError:
         raise bad from None
 
 
-def _int_tuple(parts: list[str], bad: SettingsError) -> tuple[int, ...]:
-    """Integers from "2,4,8" (or a TOML array), each a whole number."""
+def _checked(parse: Any, raw: Any, bad: SettingsError) -> Any:
     try:
-        return tuple(int(p.strip()) for p in parts if p.strip())
+        return parse(raw)
     except ValueError:
         raise bad from None
-
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def _parse_size(text: str, bad: SettingsError) -> int:
-    """Bytes from "4096", "512MiB", "2GiB", "1.5GB"."""
-    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)", text.replace("_", ""))
-    if m is None or m.group(2) not in _UNITS:
-        raise bad
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 def _describe(key: _Key) -> str:

@@ -8,8 +8,9 @@ from typing import Any
 
 from aiohttp import web
 
-from daemon.bridge import Engine, EngineThread, Sink
+from daemon.bridge import EngineThread
 from daemon.database import Database
+from daemon.engine_surface import Engine, Sink
 from daemon.errors import ApiError
 from daemon.metrics.sink import EngineMetrics
 from daemon.settings import Settings

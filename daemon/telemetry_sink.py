@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from daemon.bridge import Sink
+from daemon.engine_surface import Sink
 from daemon.jsonlog import log_event
 from engine.types import RequestResult, StepStats
 from telemetry.recorder import Recorder

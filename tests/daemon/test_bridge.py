@@ -183,7 +183,7 @@ def test_both_engines_have_the_protocols_surface() -> None:
     and on EngineCore (checked on the class: building one needs a model)."""
     import typing
 
-    from daemon.bridge import Engine
+    from daemon.engine_surface import Engine
     from engine.step.core import EngineCore
 
     members = {n for n in vars(Engine) if not n.startswith("_")} | set(typing.get_type_hints(Engine))
