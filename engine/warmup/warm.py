@@ -32,16 +32,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.execute import ragged_calls
-from engine.runtime.compiles import (compile_count, freeze_heap, map_limit, memory_mappings,
-                                     release_lowerings, serving_compiles, trim_heap, warming)
+from engine.runtime.compiles import (
+    compile_count,
+    freeze_heap,
+    map_limit,
+    memory_mappings,
+    release_lowerings,
+    serving_compiles,
+    trim_heap,
+    warming,
+)
 from engine.runtime.progress import Reporter, Steps, note
 
 log = logging.getLogger("crossover.engine")
@@ -55,6 +64,9 @@ MAP_MARGIN = 1500
 """Memory mappings a job may still need (a compiled forward takes ~440 on XLA:CPU)."""
 WARMUP_THREADS = 2
 """Threads compiling (or loading) the ragged calls before the engine turns ready."""
+SPEC_THREADS = 2
+"""Threads compiling the proposers' shapes, one technique at a time each (the engine's idle
+moments wait for them: engine.step.core.EngineCore.idle)."""
 
 
 class SpecWarmup:
@@ -106,21 +118,26 @@ class SpecWarmup:
         return not self.running
 
     def _background(self, own: dict[str, list[Job]], progress: Reporter) -> None:
-        try:  # Linux: niceness is per thread; a compile started here keeps it
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-        except (AttributeError, OSError):
-            pass
-        with warming():
-            self._run(own, progress)
+        with _background_thread():
+            self._run(own, progress, background=True)
 
-    def _run(self, own: dict[str, list[Job]], progress: Reporter) -> None:
+    def _run(self, own: dict[str, list[Job]], progress: Reporter, background: bool = False) -> None:
         t0 = time.perf_counter()
         self._state = {t: "compiling" for t in own}
-        for technique, jobs in own.items():
-            if self._jobs(jobs, [technique]):
-                self._state[technique] = "ready"
+        lock = threading.Lock()
+
+        def technique_jobs(technique: str, jobs: list[Job]) -> None:
+            with _background_thread() if background else contextlib.nullcontext():
+                ok = self._jobs(jobs, [technique])
+            if ok:
+                with lock:
+                    self._state = {**self._state, technique: "ready"}
                 note(progress, f"warmup: speculation: {technique} ready after "
                                f"{time.perf_counter() - t0:.1f}s")
+
+        # The techniques' jobs on SPEC_THREADS threads, each technique's in order on one.
+        with ThreadPoolExecutor(SPEC_THREADS, thread_name_prefix="crossover-spec-warmup") as pool:
+            list(pool.map(lambda item: technique_jobs(*item), own.items()))
         self.seconds = time.perf_counter() - t0
         release_lowerings()  # every shape is compiled: JAX's copies of their lowerings go
         trim_heap()  # the compiles' scratch memory, freed but still resident
@@ -152,6 +169,18 @@ class SpecWarmup:
 
     def _mark(self, techniques: list[str], state: str) -> None:
         self._state = {**self._state, **{t: state for t in techniques if self._state.get(t) != "ready"}}
+
+
+@contextlib.contextmanager
+def _background_thread() -> Iterator[None]:
+    """This thread at BACKGROUND_NICE (Linux: niceness is per thread; a compile started here
+    keeps it), its lowerings counted as warmup (`compiles.warming`)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
+    with warming():
+        yield
 
 
 def _run_pool(jobs: list[Job], n_forward: int, bar: Steps | None = None) -> None:
