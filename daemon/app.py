@@ -179,6 +179,7 @@ async def drain(app: web.Application, deadline_s: float) -> bool:
     """
     state, thread = app[st.STATE], app[st.ENGINE_THREAD]
     state.draining = True
+    state.drain_started.set()
     jsonlog.log_event(log, "draining", in_flight=state.in_flight, deadline_s=deadline_s)
     if await _wait_idle(state, deadline_s):
         return True

@@ -29,7 +29,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from contextlib import AsyncExitStack, aclosing
+from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
@@ -96,6 +96,26 @@ def _model_card(request: web.Request) -> dict[str, Any]:
             "max_model_len": engine.max_context}
 
 
+async def _unless_draining(app: web.Application, reading: Any) -> bytes:
+    """The body `reading` reads, or the 503 of a draining server once draining begins: a
+    request still reading its body is not admitted yet, so a drain need not wait for it."""
+    read = asyncio.ensure_future(reading)
+    stop = asyncio.ensure_future(app[st.STATE].drain_started.wait())
+    try:
+        await asyncio.wait({read, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (read, stop):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(read, stop, return_exceptions=True)
+    if read.done() and not read.cancelled() and read.exception() is None:
+        return read.result()
+    if read.done() and not read.cancelled():
+        raise read.exception()  # 413, 408, or the client went away
+    st.check_admission(app)  # draining: 503 shutting_down
+    raise AssertionError("unreachable")
+
+
 def _prompt_chars(settings: Any, engine: Any) -> int:
     """Most prompt characters a request may send: `max_prompt_chars`, and no more than the
     context could hold at the tokenizer's longest piece a token, so a prompt that cannot fit
@@ -112,7 +132,7 @@ async def _generate(request: web.Request, parse: Parser, fmt_cls: type[Format]) 
     app = request.app
     st.check_admission(app)
     engine, settings = app[st.ENGINE], app[st.SETTINGS]
-    raw = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+    raw = await _unless_draining(app, read_body(request, settings.max_body_bytes, settings.body_timeout_s))
     limits = Limits(engine.model_name, engine.max_context, _prompt_chars(settings, engine),
                     tenant.limits.max_tokens, getattr(engine.tokenizer, "vocab_size", None),
                     tenant.limits.max_concurrent)
@@ -165,10 +185,8 @@ async def _serve(request: web.Request, tenant: TenantInfo, reqs: list[Request], 
     The slots go back once the engine has finished every choice, even while a slow client
     still reads the rest of the stream (the stream guard bounds that)."""
     app = request.app
-    async with AsyncExitStack() as acquiring:
-        for _ in reqs:
-            await acquiring.enter_async_context(app[st.GATES].slot(tenant))
-        slots = acquiring.pop_all()
+    slots = _Slots(app[st.GATES], tenant)
+    await slots.take(len(reqs))
     watcher: asyncio.Task | None = None
     try:
         async with aclosing(_submit_all(app, reqs, fmt.spec)) as choices:
@@ -176,16 +194,37 @@ async def _serve(request: web.Request, tenant: TenantInfo, reqs: list[Request], 
             if fmt.spec.stream:
                 return await stream_response(request, choices, fmt, outs)
             return await _collect(choices, fmt, outs)
-    finally:
+    finally:  # nothing awaited here: a client that hangs up now cannot cancel the cleanup
         if watcher is not None:
             watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
-        await slots.aclose()  # a no-op once the watcher released them
+        slots.give_back()
 
 
-async def _release_when_done(choices: Choices, slots: AsyncExitStack) -> None:
+class _Slots:
+    """A response's tenant slots, one per choice, given back once (whichever comes first: the
+    engine finished every choice, or the handler ends)."""
+
+    def __init__(self, gates: Any, tenant: TenantInfo) -> None:
+        self._gates, self._tenant, self._held = gates, tenant, 0
+
+    async def take(self, n: int) -> None:
+        try:
+            for _ in range(n):
+                await self._gates.acquire(self._tenant)
+                self._held += 1
+        except BaseException:
+            self.give_back()
+            raise
+
+    def give_back(self) -> None:
+        while self._held:
+            self._held -= 1
+            self._gates.release(self._tenant)
+
+
+async def _release_when_done(choices: Choices, slots: _Slots) -> None:
     await asyncio.gather(*(stream.engine_done.wait() for stream in choices.streams))
-    await slots.aclose()
+    slots.give_back()
 
 
 def _parse(raw: bytes, parse: Parser, limits: Limits, tok: Any) -> GenerationSpec:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ class ServerState:
     started_at: float = field(default_factory=time.time)
     draining: bool = False
     """Set at SIGTERM: new generation requests get 503, /ready turns 503."""
+    drain_started: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set with `draining`: a request still reading its body stops there with the 503."""
     in_flight: int = 0
     """Generation requests being handled right now."""
 

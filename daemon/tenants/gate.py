@@ -41,16 +41,25 @@ class TenantGates:
     @asynccontextmanager
     async def slot(self, tenant: TenantInfo) -> AsyncIterator[None]:
         """Hold one of the tenant's slots for the body of the `async with`."""
+        await self.acquire(tenant)
+        try:
+            yield
+        finally:
+            self.release(tenant)
+
+    async def acquire(self, tenant: TenantInfo) -> None:
+        """Take one of the tenant's slots (waiting, or 429, as the module docstring says); give
+        it back with `release`."""
         gate = self._gates.setdefault(tenant.name, _Gate())
         try:
             await self._acquire(gate, tenant)
         except BaseException:
             self._forget_if_idle(tenant.name, gate)
             raise
-        try:
-            yield
-        finally:
-            self._release(tenant.name, gate)
+
+    def release(self, tenant: TenantInfo) -> None:
+        """Give back a slot `acquire` took (synchronous: safe in a handler's cleanup)."""
+        self._release(tenant.name, self._gates[tenant.name])
 
     async def _acquire(self, gate: _Gate, tenant: TenantInfo) -> None:
         limit = tenant.limits.max_concurrent

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from daemon.app import drain
-from daemon.state import ENGINE_THREAD
+from daemon.state import ENGINE_THREAD, STATE
 from engine.fake import FakeEngine
 from engine.types import StepOutput
 from tests.daemon.helpers import (
@@ -84,6 +84,32 @@ async def _open_streams(url: str, n: int) -> tuple[aiohttp.ClientSession, list[O
         assert head.startswith(b"data: ") and head.endswith(b"\n\n")  # the first token is out
         streams.append(OpenStream(response, head))
     return session, streams
+
+
+def test_a_request_still_reading_its_body_does_not_hold_the_drain(live: Callable[..., LiveServer]) -> None:
+    """A client stalling its body is not admitted yet: the drain answers it 503 shutting_down at
+    once instead of waiting out the body deadline (30 s)."""
+    import json
+    import socket
+    import time
+
+    server = live()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 200\r\n\r\n{\"model\": ")
+    wait_for(lambda: server.app[STATE].in_flight == 1, what="the request in its handler")
+    start = time.monotonic()
+    assert asyncio.run_coroutine_threadsafe(drain(server.app, 20.0), server.loop).result(25) is True
+    assert time.monotonic() - start < 5
+    reply = b""
+    while b"\r\n\r\n" not in reply:
+        reply += sock.recv(65536)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    sock.close()
+    assert head.startswith(b"HTTP/1.1 503") and json.loads(body)["error"]["code"] == "shutting_down"
 
 
 def test_drain_past_deadline_aborts_streams_cleanly(live: Callable[..., LiveServer]) -> None:
