@@ -113,19 +113,33 @@ def token_matches(given: str, expected: str) -> bool:
                                expected.encode("utf-8", "surrogatepass"))
 
 
-def check_admin(request: web.Request) -> None:
-    """Raise 403/401 unless the request carries the admin token as its bearer."""
-    expected = request.app[st.SETTINGS].admin_token
-    if not expected:
-        raise ApiError(403, "the admin API is disabled (set admin_token)", code="admin_disabled")
-    given = bearer_token(request)
-    if given is None:
-        raise ApiError(401, "missing admin token (Authorization: Bearer ...)",
-                       code="missing_admin_token")
+def bearer_is_admin(request: web.Request) -> bool | None:
+    """Whether the request's bearer is the admin token, the answer counted by the guess
+    throttle (429 once an address has used up its wrong guesses); None when no admin token is
+    set or the request carries no bearer. Every admin-token check goes through here."""
+    expected, given = request.app[st.SETTINGS].admin_token, bearer_token(request)
+    if not expected or given is None:
+        return None
     right = token_matches(given, expected)
     guessed(request, right)
+    return right
+
+
+def check_admin(request: web.Request) -> None:
+    """Raise 403/401 unless the request carries the admin token as its bearer."""
+    if not request.app[st.SETTINGS].admin_token:
+        raise ApiError(403, "the admin API is disabled (set admin_token)", code="admin_disabled")
+    right = bearer_is_admin(request)
+    if right is None:
+        raise ApiError(401, "missing admin token (Authorization: Bearer ...)",
+                       code="missing_admin_token")
     if not right:
         raise ApiError(403, "not the admin token", code="invalid_admin_token")
+
+
+async def admin_body(request: web.Request) -> dict[str, Any]:
+    """An admin route's JSON object body (at most MAX_ADMIN_BODY bytes, within body_timeout_s)."""
+    return decode_json_object(await read_body(request, MAX_ADMIN_BODY, request.app[st.SETTINGS].body_timeout_s))
 
 
 @web.middleware
@@ -175,7 +189,7 @@ async def list_tenants(request: web.Request) -> web.Response:
 
 @routes.post("/admin/tenants")
 async def add_tenant(request: web.Request) -> web.Response:
-    body = decode_json_object(await read_body(request, MAX_ADMIN_BODY, request.app[st.SETTINGS].body_timeout_s))
+    body = await admin_body(request)
     name = body.pop("name", None)
     try:
         admin_ops.check_name(name)
@@ -278,7 +292,7 @@ async def get_policy(request: web.Request) -> web.Response:
 async def pin_policy(request: web.Request) -> web.Response:
     """Serve the body (a TunedPolicy dict) until unpinned; 400 when invalid or refused."""
     keeper = _tuner(request).keeper
-    body = decode_json_object(await read_body(request, MAX_ADMIN_BODY, request.app[st.SETTINGS].body_timeout_s))
+    body = await admin_body(request)
     try:
         policy = await asyncio.to_thread(keeper.pin, body)
     except ValueError as exc:  # engine.policy.PolicyError names the field (e.g. rules[0].depth)

@@ -44,10 +44,9 @@ from typing import Any
 from aiohttp import web
 from daemon import dashboard_data as data
 from daemon import state as st
-from daemon.admin import guessed, status_body, token_matches
+from daemon.admin import bearer_is_admin, guessed, status_body, token_matches
 from daemon.errors import ApiError, bad_request
 from daemon.settings import is_loopback
-from daemon.tenants.auth import bearer_token
 from store.db import session_scope
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -86,12 +85,8 @@ def may_view(request: web.Request) -> bool:
     token = settings.admin_token
     if not token:
         return settings.is_open and is_loopback(settings.host)
-    bearer = bearer_token(request)
-    if bearer is not None:
-        right = token_matches(bearer, token)
-        guessed(request, right)
-        if right:
-            return True
+    if bearer_is_admin(request):
+        return True
     cookie = request.cookies.get(COOKIE)
     return cookie is not None and _cookie_ok(cookie, token)
 

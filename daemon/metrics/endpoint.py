@@ -29,10 +29,9 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 
 from daemon import state as st
-from daemon.admin import check_admin, token_matches
+from daemon.admin import bearer_is_admin, check_admin
 from daemon.metrics.collector import DaemonCollector, retune_counts
 from daemon.metrics.sink import EngineMetrics
-from daemon.tenants.auth import bearer_token
 
 REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
 COLLECTOR = web.AppKey("metrics_collector", DaemonCollector)
@@ -70,13 +69,8 @@ async def metrics(request: web.Request) -> web.Response:
         else:
             collector.database_up = True
     encode, content_type = choose_encoder(request.headers.get("Accept", ""))
-    registry = app[REGISTRY] if _is_admin(request) else _Pseudonymous(app[REGISTRY])
+    registry = app[REGISTRY] if bearer_is_admin(request) else _Pseudonymous(app[REGISTRY])
     return web.Response(body=encode(registry), headers={"Content-Type": content_type})
-
-
-def _is_admin(request: web.Request) -> bool:
-    token, given = request.app[st.SETTINGS].admin_token, bearer_token(request)
-    return bool(token) and given is not None and token_matches(given, token)
 
 
 def pseudonym(tenant: str) -> str:
