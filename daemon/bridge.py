@@ -262,6 +262,10 @@ class EngineThread:
 
     def _release(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._engine_finished(request_id)
+
+    def _engine_finished(self, request_id: str) -> None:
+        """Set the request's `RequestStream.engine_done` (once)."""
         done = self._engine_done.pop(request_id, None)
         if done is not None:
             done.set()
@@ -280,26 +284,21 @@ class EngineThread:
             if queue is not None:
                 queue.put_nowait(event)
                 if event.finished:
-                    done = self._engine_done.pop(event.request_id, None)
-                    if done is not None:
-                        done.set()
+                    self._engine_finished(event.request_id)
 
     def _fail_all(self, exc: BaseException) -> None:
         for queue in self._queues.values():
             queue.put_nowait(exc)
         self._queues.clear()
-        for done in self._engine_done.values():
-            done.set()
-        self._engine_done.clear()
+        for rid in list(self._engine_done):
+            self._engine_finished(rid)
 
     def _fail_ids(self, ids: list[str]) -> None:
         for rid in ids:
             queue = self._queues.pop(rid, None)
             if queue is not None:
                 queue.put_nowait(EngineError(REQUEST_FAILED))
-            done = self._engine_done.pop(rid, None)
-            if done is not None:
-                done.set()
+            self._engine_finished(rid)
 
     # ---- engine thread ------------------------------------------------
     def _run(self) -> None:

@@ -108,10 +108,8 @@ async def _unless_draining(app: web.Application, reading: Any) -> bytes:
             if not task.done():
                 task.cancel()
         await asyncio.gather(read, stop, return_exceptions=True)
-    if read.done() and not read.cancelled() and read.exception() is None:
-        return read.result()
     if read.done() and not read.cancelled():
-        raise read.exception()  # 413, 408, or the client went away
+        return read.result()  # or its 413, 408, or the client's going away
     st.check_admission(app)  # draining: 503 shutting_down
     raise AssertionError("unreachable")
 

@@ -293,10 +293,7 @@ def _chat_messages(body: dict[str, Any], limits: Limits) -> list[dict[str, Any]]
                               f"{param}.role", "unsupported_parameter")
         if role not in ROLES:
             raise _value_error(f"{param}.role", f"must be one of {', '.join(ROLES)}", role)
-        extra = [k for k, v in message.items() if k not in MESSAGE_FIELDS and v is not None]
-        if extra:
-            raise bad_request(f"{param}.{extra[0]} is not supported by this server",
-                              f"{param}.{extra[0]}", "unsupported_parameter")
+        _only(message, MESSAGE_FIELDS, param)
         content = _message_text(message.get("content"), f"{param}.content", role)
         chars += len(content)
         out.append({"role": "system" if role == "developer" else role, "content": content})
@@ -317,10 +314,7 @@ def _message_text(content: Any, param: str, role: str) -> str:
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise bad_request("only text content parts are supported", f"{param}[{j}]", "invalid_value")
-        extra = [k for k, v in part.items() if k not in ("type", "text") and v is not None]
-        if extra:
-            raise bad_request(f"{param}[{j}].{extra[0]} is not supported by this server"[:300],
-                              f"{param}[{j}].{extra[0]}"[:300], "unsupported_parameter")
+        _only(part, ("type", "text"), f"{param}[{j}]")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -353,10 +347,7 @@ def _include_usage(body: dict[str, Any], stream: bool) -> bool:
                           "stream_options", "invalid_value")
     if not isinstance(options, dict):
         raise _type_error("stream_options", "an object")
-    extra = [k for k, v in options.items() if k != "include_usage" and v is not None]
-    if extra:
-        raise bad_request(f"stream_options.{extra[0]} is not supported by this server"[:300],
-                          f"stream_options.{extra[0]}"[:300], "unsupported_parameter")
+    _only(options, ("include_usage",), "stream_options")
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
         raise _type_error("stream_options.include_usage", "a boolean")
@@ -364,6 +355,15 @@ def _include_usage(body: dict[str, Any], stream: bool) -> bool:
 
 
 # ---- small field readers --------------------------------------------------
+def _only(obj: dict[str, Any], known: Any, param: str) -> None:
+    """400 unsupported_parameter naming `param`.KEY for the first non-null key of `obj` outside
+    `known`."""
+    extra = next((k for k, v in obj.items() if k not in known and v is not None), None)
+    if extra is not None:
+        name = f"{param}.{extra}"[:300]
+        raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

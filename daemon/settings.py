@@ -83,7 +83,7 @@ class Settings:
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata=_SIZE)
     """Largest accepted request body; bigger ones get 413."""
     check_origin: bool = True
-    """On a loopback address, refuse (403) requests naming another Host or sent by a web page of another Origin (daemon/connections.py)."""
+    """On a loopback address, refuse (403) requests naming another Host or from a web page of another Origin."""
     max_connections: int = 512
     """Most client connections open at once; one more is answered 503 and closed (daemon/connections.py)."""
     header_timeout_s: float = 30.0

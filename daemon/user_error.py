@@ -10,3 +10,9 @@ from __future__ import annotations
 
 class UserError(Exception):
     """A bad value from the user; printed without a traceback, exit code 2."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of `exc`'s message, or its type's name when the message is empty."""
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+

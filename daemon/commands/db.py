@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from daemon.user_error import UserError
+    from daemon.user_error import UserError, first_line
     from store import migrate
 
     url = database_url(args)
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         migrate.new_revision(url, args.message, autogenerate=not args.empty)
         return 0
     except SQLAlchemyError as exc:
-        raise UserError(f"{_shown(url)}: {(str(exc).splitlines() or [type(exc).__name__])[0]}") from exc
+        raise UserError(f"{_shown(url)}: {first_line(exc)}") from exc
 
 
 def _print_current(url: str) -> int:

@@ -202,6 +202,7 @@ def _open_database(settings: Any, port: int) -> Any:
     from sqlalchemy.exc import SQLAlchemyError
 
     from daemon.database import default_instance, open_database
+    from daemon.user_error import first_line
     from store.db import default_url
     from store.migrate import SchemaError
 
@@ -211,7 +212,7 @@ def _open_database(settings: Any, port: int) -> Any:
     except SchemaError as exc:
         print(f"crossover serve: error: {exc}", file=sys.stderr)
     except SQLAlchemyError as exc:
-        print(f"crossover serve: error: cannot open the database: {(str(exc).splitlines() or [type(exc).__name__])[0]}",
+        print(f"crossover serve: error: cannot open the database: {first_line(exc)}",
               file=sys.stderr)
     return None
 

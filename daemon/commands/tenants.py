@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from daemon.user_error import UserError
+    from daemon.user_error import UserError, first_line
     from store.db import make_engine, session_scope
     from store.migrate import SchemaError, check_schema
 
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     except (SchemaError, ValueError, LookupError) as exc:
         raise UserError(str(exc)) from exc
     except SQLAlchemyError as exc:
-        raise UserError(f"database error: {(str(exc).splitlines() or [type(exc).__name__])[0]}") from exc
+        raise UserError(f"database error: {first_line(exc)}") from exc
 
 
 def _add(session: Any, args: argparse.Namespace) -> int:
