@@ -45,7 +45,7 @@ from daemon.errors import ApiError, bad_request
 from daemon.request_body import decode_json_object, read_body
 from daemon.tenants import admin_ops
 from daemon.tenants.auth import bearer_token
-from daemon.tuning import TUNER
+from daemon.tuning import SCHEDULER, TUNER
 from store.db import session_scope
 from tuner.service import Tuner
 
@@ -171,7 +171,16 @@ def status_body(app: web.Application) -> dict[str, Any]:
         "tenants_in_flight": {name: {"running": r, "waiting": w}
                               for name, (r, w) in app[st.GATES].in_flight().items()},
         "recorder": db.recorder.stats() if db is not None else None,
+        "threads": threads(app),
     }
+
+
+def threads(app: web.Application) -> dict[str, bool | None]:
+    """Whether each long-lived worker of the daemon is running (None: this daemon has none)."""
+    db, scheduler = app.get(st.DATABASE), app.get(SCHEDULER)
+    return {"engine": app[st.ENGINE_THREAD].alive,
+            "telemetry_recorder": db.recorder.running if db is not None else None,
+            "tuner_scheduler": scheduler.running if scheduler is not None else None}
 
 
 @routes.get("/admin/status")

@@ -192,6 +192,11 @@ class EngineThread:
         return self._ready.is_set() and self.failed is None and not self._closed
 
     @property
+    def alive(self) -> bool:
+        """Whether the engine thread is running (a hung step leaves it alive: see `busy_for`)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def active(self) -> int:
         """Requests submitted whose stream has not ended."""
         return len(self._queues)

@@ -22,8 +22,9 @@
    this cannot know, and checks neither; `check_origin = false` turns it off (a
    proxy that forwards its clients' Host can instead set Host to the daemon's).
 5. A request aiohttp cannot parse (a control byte in a header, a bad request line)
-   gets aiohttp's own 400 and closes; `quiet_malformed_requests` makes its log record
-   one warning line instead of an error with a traceback.
+   gets a 400 with an OpenAI-style error body (`malformed_request`) and the connection
+   closes (`_JsonErrors`; aiohttp's own answer is plain text); `quiet_malformed_requests`
+   makes its log record one warning line instead of an error with a traceback.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from daemon import state as st
 from daemon.errors import ApiError
@@ -57,6 +60,26 @@ class _Refused(asyncio.Protocol):
         transport.close()
 
 
+class _JsonErrors(RequestHandler):
+    """aiohttp's connection handler, answering the errors it raises itself (a request it
+    cannot parse; a handler that failed outside the middleware) with an OpenAI-style error
+    body instead of plain text."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises once bytes went out
+        if status >= 500:
+            error = ApiError(status, "internal error; see the server log", code="internal_error")
+        else:
+            detail = (str(message or "").strip().splitlines() or ["the request could not be parsed"])[0]
+            error = ApiError(status, f"malformed HTTP request: {detail[:200]}", code="malformed_request")
+        response = error.response()
+        response.force_close()
+        return response
+
+
 class _Capped:
     """aiohttp's protocol factory (web.Server), refusing connections past `limit`."""
 
@@ -68,7 +91,8 @@ class _Capped:
         if len(self._server.connections) >= self._limit:
             self.refused += 1
             return _Refused()
-        return self._server()
+        server = self._server  # what web.Server.__call__ makes, with the JSON error answers
+        return _JsonErrors(server, loop=server._loop, **server._kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._server, name)

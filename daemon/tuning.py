@@ -52,6 +52,8 @@ from tuner.service import ProcessSearch, Tuner
 log = logging.getLogger("crossover.tuner")
 TUNER = web.AppKey("tuner", Tuner)
 """Absent without a database."""
+SCHEDULER = web.AppKey("tuner_scheduler", AsyncIOScheduler)
+"""Present while the periodic retune job is scheduled (tuner enabled)."""
 JOB_ID = "retune"
 
 
@@ -104,6 +106,7 @@ async def _tuner_ctx(app: web.Application, plan: ExplorationPlan,
         scheduler.add_job(tuner.scheduled, "interval", seconds=config.interval_s,
                           id=JOB_ID, max_instances=1, coalesce=True)
         scheduler.start()
+        app[SCHEDULER] = scheduler
     try:
         yield
     finally:

@@ -83,7 +83,7 @@ from tuner.data import count_step_rows, read_steps
 from tuner.keeper import PolicyKeeper, PolicyPinned
 from tuner.model import NotEnoughTelemetry
 from tuner.objective import Capacity
-from tuner.process import ProcessSearch, SearchRunner, bounded, lower_priority
+from tuner.process import ProcessSearch, SearchCrashed, SearchRunner, SearchTimeout, bounded, lower_priority
 from tuner.search import SearchJob, SearchOutcome, run_search
 from tuner.space import SearchSpace
 from tuner.tenant_fill import served_tenants
@@ -226,6 +226,7 @@ class Tuner:
             "policy": self.keeper.current.to_dict(), "pinned": self.keeper.pinned,
             "running": self._running.id if self._running else None,
             "search_ready": self.search_ready,
+            "search_pid": self._search.pid if isinstance(self._search, ProcessSearch) else None,
             "last_search": None if last is None else {
                 "study_name": last.study_name, "best_trial": last.best_trial, "fit": last.fit,
                 "method": last.method, "seconds": last.seconds, "tenants": last.tenants,
@@ -257,6 +258,9 @@ class Tuner:
         except NotEnoughTelemetry as exc:
             status, fields = "skipped", {"error": f"skipped: {exc}",
                                          "details": {"skipped": True, "reason": str(exc)}}
+        except (SearchCrashed, SearchTimeout) as exc:  # said in full by the message: no traceback
+            log.warning("retune %d failed: %s: %s", handle.id, type(exc).__name__, exc)
+            status, fields = "failed", {"error": f"{type(exc).__name__}: {exc}"}
         except Exception as exc:
             log.exception("retune %d failed", handle.id)
             status, fields = "failed", {"error": f"{type(exc).__name__}: {exc}"}

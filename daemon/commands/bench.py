@@ -1,4 +1,4 @@
-"""`crossover bench engine|telemetry|serve|crossover|tuner|tuner-compare|early-exit|findings`: measure,
+"""`crossover bench engine|telemetry|serve|crossover|tuner|tuner-compare|early-exit|findings|soak`: measure,
 print progress, write JSON."""
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                       "perplexity; JSON"))
     _add_findings(sub.add_parser("findings", help="measure the four open questions into one telemetry "
                                                   "database, then write the findings report (README + PNGs)"))
+    _add_soak(sub.add_parser("soak", help="a `crossover serve` child under well-formed and hostile traffic "
+                                          "(loopback), then an audit: health, KV pages, telemetry rows, "
+                                          "RSS and descriptors, TTFT beside a baseline; JSON"))
     c = sub.add_parser("tuner-compare", help="do two `bench tuner` JSONs (e.g. --quick against the full "
                                               "run) read the same ratios within their round-to-round noise")
     c.add_argument("a", help="a `bench tuner` result JSON (e.g. a --quick run)")
@@ -165,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
         _run_early_exit(args)
     elif args.bench == "findings":
         _run_findings(args)
+    elif args.bench == "soak":
+        _run_soak(args)
     elif args.bench == "tuner-compare":
         from bench.tuner_compare import run_compare
 
@@ -246,6 +251,42 @@ def _serve_config(args: argparse.Namespace) -> Any:
         engine_rates=args.engine_rates, tenant_keys=args.tenant_keys, prefix_cache=not args.no_prefix_cache,
         speculation=not args.no_speculation,
         idle_ttft=not args.no_idle_ttft)
+
+
+def _add_soak(s: argparse.ArgumentParser) -> None:
+    add = s.add_argument
+    add("--out", default="bench-out/soak.json", help="JSON output file")
+    add("--requests", type=int, default=2000, help="HTTP requests the soak phase sends in all")
+    add("--well-formed", type=int, default=400, help="well-formed requests of each phase (baseline, soak)")
+    add("--concurrency", type=int, default=8, help="clients sending the well-formed requests")
+    add("--hostile", type=int, default=56,
+        help="slowloris, idle and stalled-body connections held at once (nothing reaches the engine)")
+    add("--engine-hostile", type=int, default=4,
+        help="clients at once whose requests reach the engine: unread and slowly read streams, hang-ups")
+    add("--max-tokens", type=int, default=24, help="most output tokens of a well-formed request")
+    add("--seed", type=int, default=0, help="seed of the prompts and the clients' choices")
+    add("--tolerance", type=float, default=0.05, help="RSS and descriptors must end within this share "
+                                                       "of their level after the baseline")
+    add("--ttft-ratio", type=float, default=3.0, help="the soak's well-formed TTFT p99 over the baseline's, at most")
+    add("--serve-arg", action="append", default=[], metavar="ARG",
+        help="one more argument for `crossover serve` (repeatable), e.g. --serve-arg=--max-batch=16")
+    add("--fake", action="store_true", help="serve the fake engine (the soak's machinery in a minute)")
+
+
+def _run_soak(args: argparse.Namespace) -> None:
+    from bench.soak import SoakConfig, run_soak
+
+    cfg = SoakConfig(requests=args.requests, well_formed=args.well_formed, concurrency=args.concurrency,
+                     hostile=args.hostile, engine_hostile=args.engine_hostile, max_tokens=args.max_tokens,
+                     seed=args.seed, fake=args.fake, serve_args=tuple(args.serve_arg),
+                     tolerance=args.tolerance, ttft_ratio=args.ttft_ratio)
+    try:
+        cfg.check()
+    except ValueError as exc:
+        raise UserError(f"bench soak: {exc}") from None
+    result = run_soak(cfg, args.out)
+    if not result["ok"]:
+        raise UserError("bench soak: a check failed (see `checks` in the JSON)")
 
 
 def _add_findings(f: argparse.ArgumentParser) -> None:

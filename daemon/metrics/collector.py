@@ -3,7 +3,8 @@
 The engine's `status()` gives the gauges (KV pages, KV usage as a fraction
 labelled with the model name, queue, running, policy version) and the compile
 counters; the app's state gives the requests in flight, per tenant from the
-tenant gates; the recorder gives its dropped rows.
+tenant gates; the recorder gives its dropped rows; `daemon.admin.threads` whether each worker
+thread runs.
 Retunes by status come from the database (`store.history.retune_counts`,
 this daemon's instance only: several daemons may share the database, and
 each counts its own retunes), which is blocking: the /metrics route refreshes `retunes` in a worker thread
@@ -23,6 +24,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
 from daemon import state as st
+from daemon.admin import threads
 from daemon.metrics.sink import MODEL_LABEL, P
 from store import history
 from store.db import session_scope
@@ -109,6 +111,12 @@ class DaemonCollector(Collector):
             yield GaugeMetricFamily(P + "database_up", "1 when /metrics last read the telemetry database, "
                                     "0 when that read failed (the retune counts are then the last read).",
                                     value=int(self.database_up))
+        up = GaugeMetricFamily(P + "thread_up", "1 while the daemon's worker runs, 0 once it has died.",
+                               labels=["thread"])
+        for name, alive in threads(app).items():
+            if alive is not None:
+                up.add_metric([name], int(alive))
+        yield up
         retunes = CounterMetricFamily(P + "retunes", "Policy retunes recorded, by status.",
                                       labels=["status"])
         for status in RETUNE_STATUSES:

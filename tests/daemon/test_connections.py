@@ -162,6 +162,11 @@ def test_a_request_aiohttp_cannot_parse_is_one_warning_line(server: LiveServer,
     reply = read_all(sock)
     sock.close()
     assert reply.startswith((b"HTTP/1.0 400", b"HTTP/1.1 400"))
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert b"application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "malformed_request" and error["type"] == "invalid_request_error"
+    assert error["message"].startswith("malformed HTTP request: ")
     records = [r for r in caplog.records if r.name == "aiohttp.server"]
     assert records and all(r.levelno == logging.WARNING and r.exc_info is None for r in records)
     assert "malformed HTTP request refused (400)" in records[0].getMessage()

@@ -345,3 +345,20 @@ def test_real_engine_reports_when_a_request_first_ran() -> None:
     assert r0.finish_time <= r1.scheduled_time <= r1.first_token_time  # it waited for r0
     times = request_times(r1)
     assert times["queue"] == r1.scheduled_time - r1.arrival_time > 0
+
+
+def test_thread_up_shows_a_worker_that_died(db_url: str, live: Callable[..., LiveServer]) -> None:
+    from tuner.config import TunerConfig
+
+    server = live(db_url=db_url, admin_token="T", tuner=TunerConfig(enabled=True, search_process=False))
+    admin = {"Authorization": "Bearer T"}
+    samples = scrape(server)
+    up = {t: value(samples, "crossover_thread_up", thread=t)
+          for t in ("engine", "telemetry_recorder", "tuner_scheduler")}
+    assert up == {"engine": 1, "telemetry_recorder": 1, "tuner_scheduler": 1}
+    assert server.get("/admin/status", admin).json()["threads"] == {
+        "engine": True, "telemetry_recorder": True, "tuner_scheduler": True}
+    assert server.database is not None
+    server.database.recorder.close()  # its thread ends, as an uncaught error would end it
+    assert value(scrape(server), "crossover_thread_up", thread="telemetry_recorder") == 0
+    assert server.get("/admin/status", admin).json()["threads"]["telemetry_recorder"] is False

@@ -5,6 +5,7 @@ import them."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -63,12 +64,17 @@ def wait_until(check: Callable[[], bool], timeout: float = 20.0) -> bool:
 
 
 def test_a_search_process_that_dies_fails_one_retune_and_the_next_one_runs(
-        db: Engine, make_tuner: Callable[..., Tuner]) -> None:
+        db: Engine, make_tuner: Callable[..., Tuner], caplog: pytest.LogCaptureFixture) -> None:
     history(db)
+    caplog.set_level(logging.INFO, logger="crossover.tuner")
     tuner = make_tuner(NO_WAIT, search=ProcessSearch(exit_on_first_retune))
     crashed = finished(tuner, tuner.trigger("admin")[0])
     assert crashed["id"] == 1 and crashed["status"] == "failed"
     assert "SearchCrashed" in crashed["error"] and "died" in crashed["error"]
+    # the message says it all: one warning line, no traceback in the log
+    said = [r for r in caplog.records if "retune 1 failed" in r.getMessage()]
+    assert said and all(r.exc_info is None for r in said)
+    assert [r.levelno for r in said if r.levelno >= logging.WARNING] == [logging.WARNING]
     after = finished(tuner, tuner.trigger("admin")[0])
     assert after["status"] in ("applied", "rejected") and after["details"]["trials"] >= 1
 
