@@ -76,22 +76,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 @routes.get("/v1/models")
 async def list_models(request: web.Request) -> web.Response:
     await authenticate(request)
-    return web.json_response({"object": "list", "data": [_model_card(request)]})
+    names = request.app[st.SETTINGS].served_names(request.app[st.ENGINE].model_name)
+    return web.json_response({"object": "list", "data": [_model_card(request, name) for name in names]})
 
 
 @routes.get("/v1/models/{model}")
 async def get_model(request: web.Request) -> web.Response:
     await authenticate(request)
-    card = _model_card(request)
-    if request.match_info["model"] != card["id"]:
-        raise ApiError(404, f"the model {request.match_info['model']!r} does not exist",
-                       param="model", code="model_not_found")
-    return web.json_response(card)
+    name = request.match_info["model"]
+    if name not in request.app[st.SETTINGS].served_names(request.app[st.ENGINE].model_name):
+        raise ApiError(404, f"the model {name[:200]!r} does not exist", param="model", code="model_not_found")
+    return web.json_response(_model_card(request, name))
 
 
-def _model_card(request: web.Request) -> dict[str, Any]:
+def _model_card(request: web.Request, name: str) -> dict[str, Any]:
     engine = request.app[st.ENGINE]
-    return {"id": engine.model_name, "object": "model",
+    return {"id": name, "object": "model",
             "created": int(request.app[st.STATE].started_at), "owned_by": "crossover",
             "max_model_len": engine.max_context}
 
@@ -131,16 +131,17 @@ async def _generate(request: web.Request, parse: Parser, fmt_cls: type[Format]) 
     st.check_admission(app)
     engine, settings = app[st.ENGINE], app[st.SETTINGS]
     raw = await _unless_draining(app, read_body(request, settings.max_body_bytes, settings.body_timeout_s))
-    limits = Limits(engine.model_name, engine.max_context, _prompt_chars(settings, engine),
+    names = settings.served_names(engine.model_name)
+    limits = Limits(names[0], engine.max_context, _prompt_chars(settings, engine),
                     tenant.limits.max_tokens, getattr(engine.tokenizer, "vocab_size", None),
-                    tenant.limits.max_concurrent)
+                    tenant.limits.max_concurrent, names)
     work = functools.partial(_parse, raw, parse, limits, engine.tokenizer)
     # big bodies are decoded and tokenized off the loop, so other streams keep flowing
     spec = await asyncio.to_thread(work) if len(raw) > OFFLOAD_BYTES else work()
     if spec.n > settings.max_in_flight:  # could never be admitted whole
         raise bad_request(f"n={spec.n} is more than this server's {settings.max_in_flight} requests "
                           "in flight", "n", "invalid_value")
-    fmt = fmt_cls(engine.model_name, spec, engine.tokenizer)
+    fmt = fmt_cls(names[0], spec, engine.tokenizer)
     record = st.request_record(request)
     record.update(request_id=fmt.id, tenant=tenant.name, prompt_tokens=len(spec.prompt_ids),
                   stream=spec.stream)

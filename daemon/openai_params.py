@@ -11,6 +11,8 @@ boolean, as in vLLM) keeps generating past the model's stop tokens, so load
 tests get exactly max_tokens tokens; `top_k`, `min_p`, `min_tokens`,
 `repetition_penalty` and `stop_token_ids` are vLLM's. `n` (1..MAX_N choices) is
 bounded by the tenant's max_concurrent too, since each choice takes one of its slots.
+`response_format` and vLLM's `guided_*` / `structured_outputs` constrain the output
+(daemon/structured.py).
 """
 
 from __future__ import annotations
@@ -20,20 +22,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from daemon import structured
 from daemon.errors import ApiError, bad_request
 from engine.types import ParamError, Request, SamplingParams, check_prompt_ids, is_finite_number
 
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
     "logprobs", "stream", "stream_options", "ignore_eos", "user", "metadata", "min_p", "min_tokens",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "n",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "n", *structured.FIELDS,
 })
 """Keys both routes honour."""
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
-    "response_format": ({"type": "text"},), "tool_choice": ("none",), "tools": ([],), "functions": ([],),
+    "tool_choice": ("none",), "tools": ([],), "functions": ([],),
     "store": (False,), "modalities": (["text"],),
 }
 """Keys accepted only at the value that changes nothing (or null); any other value is refused."""
@@ -59,6 +62,7 @@ class Limits:
     """What a request may ask for."""
 
     model_name: str
+    """The name answers carry (the first served name)."""
     max_context: int
     max_prompt_chars: int
     max_tokens: int | None = None
@@ -67,6 +71,8 @@ class Limits:
     """Token ids must be below it (None: the engine checks them on submit)."""
     max_concurrent: int | None = None
     """The tenant's slots: `n` above it is a 400 (its n choices could never run at once)."""
+    model_names: tuple[str, ...] = ()
+    """Every name `model` may take (`--served-model-name`); () : `model_name` alone."""
 
 
 @dataclass(frozen=True)
@@ -93,9 +99,10 @@ def check_model(body: dict[str, Any], limits: Limits) -> None:
         raise bad_request("you must provide a model parameter", "model", "missing_required_parameter")
     if not isinstance(model, str):
         raise _type_error("model", "a string")
-    if model != limits.model_name:
-        raise ApiError(404, f"the model {model!r} does not exist; this daemon serves "
-                       f"{limits.model_name!r}", param="model", code="model_not_found")
+    names = limits.model_names or (limits.model_name,)
+    if model not in names:
+        raise ApiError(404, f"the model {model[:200]!r} does not exist; this daemon serves "
+                       f"{', '.join(map(repr, names))}", param="model", code="model_not_found")
 
 
 def parse_completion(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> GenerationSpec:
@@ -183,6 +190,7 @@ def _spec(body: dict[str, Any], limits: Limits, prompt_ids: list[int], logprobs:
         presence_penalty=_opt_number(body, "presence_penalty", 0.0),
         frequency_penalty=_opt_number(body, "frequency_penalty", 0.0),
         repetition_penalty=_opt_number(body, "repetition_penalty", 1.0),
+        constraint=structured.constraint_of(body),
     )
     with _naming(names):
         Request("parse", prompt_ids, sampling).validate(limits.vocab_size, limits.max_context)

@@ -58,6 +58,8 @@ class Settings:
     """TCP port to bind (0 picks a free one and logs it)."""
     model: str | None = None
     """Model id or path for the engine; None is the engine's default."""
+    served_model_name: str | None = None
+    """Names clients may send as `model`, comma-separated (answers carry the first); None: the engine's."""
     dtype: str | None = None
     """Weight/activation dtype for the engine; None is the engine's default."""
     kv_budget_bytes: int | None = field(default=None, metadata=_SIZE)
@@ -126,6 +128,10 @@ class Settings:
     """Share of max_batch a keyed tenant without its own max_concurrent may have in flight (at least 1); None: no limit."""
     tenant_cache_s: float = 5.0
     """How long an API key lookup is cached (a key revoked elsewhere works this long)."""
+
+    def served_names(self, engine_name: str) -> tuple[str, ...]:
+        """The names `model` may take: `served_model_name`'s, else the engine's own."""
+        return tuple(n.strip() for n in (self.served_model_name or "").split(",") if n.strip()) or (engine_name,)
 
     def __post_init__(self) -> None:
         _check_range("port", self.port, 0, 65535)

@@ -58,7 +58,7 @@ from engine.speculation.fake_speculation import FakeCost, FakeProposer
 from engine.policy import TunedPolicy, check_servable
 from engine.memory.prefix_cache import SeenPrefixes
 from engine.runtime.progress import Reporter, note
-from engine.types import EngineCapacity, ProposerCapacity, Request, RequestResult, StepOutput
+from engine.types import EngineCapacity, ParamError, ProposerCapacity, Request, RequestResult, StepOutput
 from engine.types import RowClass, StepStats, TokenEvent
 
 PAD_ID, EOS_ID, BOS_ID, END_OF_TURN_ID = 0, 1, 2, 3
@@ -281,6 +281,10 @@ class FakeEngine:
 
     def _check(self, req: Request) -> None:
         req.validate(VOCAB_SIZE, self.max_context)  # EngineCore.add_request's rules
+        if req.sampling.constraint is not None:  # its tokens are made up: no grammar could hold them
+            c = req.sampling.constraint
+            raise ParamError(c.param, f"{c.param}: the fake engine serves no constrained decoding",
+                             "unsupported_parameter")
         if self._pages_for(req) > self.num_pages:
             raise ValueError(f"request needs more than the {self.num_pages} KV pages there are")
 

@@ -70,6 +70,17 @@ def _bad(name: str, rule: str, value: object, code: str = "invalid_value") -> Pa
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match (engine/grammar.py): `kind` json (a JSON schema),
+    regex, grammar (Lark or GBNF) or choice (a JSON list of strings), its text `spec`, and
+    the request field it came from, which an error names."""
+
+    kind: str
+    spec: str
+    param: str = "response_format"
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings (validated by `validate`, the one place with the rules)."""
 
@@ -104,6 +115,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     """vLLM's: a token of the prompt or output has a positive logit divided by it and a negative
     one multiplied by it; 1 is off, (0, 2]."""
+    constraint: Constraint | None = None
+    """The output must match it (structured outputs); None: free text."""
 
     def validate(self, vocab_size: int | None = None, max_context: int | None = None) -> None:
         """Raise ParamError naming the bad field; token ids and max_tokens are also checked
@@ -135,6 +148,8 @@ class SamplingParams:
             raise _bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]", self.top_logprobs)
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", "must be a boolean", self.ignore_eos)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise _bad("constraint", "must be an engine.types.Constraint", self.constraint)
         self._validate_adjustments()
 
     def _validate_adjustments(self) -> None:
@@ -338,6 +353,10 @@ class StepStats:
     """The decode rows by (tenant, technique, depth), one RowClass each; empty without decode
     rows. With rows of several techniques the step-level fields sum theirs: technique is that
     of the most drafting rows, depth the verify depth (the deepest row's)."""
+    grammar_ms: float = 0.0
+    """Host time the step spent on constrained rows' grammars (drafts checked, masks computed)."""
+    constrained_rows: int = 0
+    """Rows of the batch whose output follows a grammar (structured outputs)."""
     plain_rows: int = 0
     """Decode rows of a speculative step that drafted nothing and decoded one token each beside
     the verify rows (engine/step/ragged_step.py); 0 in a step without drafts."""

@@ -146,6 +146,10 @@ class Step(Base):
     row_classes: Mapped[list[Any] | None]
     """JSON list of objects, one per (tenant, technique, depth) of the decode rows (the engine's
     RowClass fields); NULL on rows before revision 0009."""
+    grammar_ms: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    """Host time the step spent on constrained rows' grammars; 0 on rows before revision 0012."""
+    constrained_rows: Mapped[int] = mapped_column(default=0, server_default="0")
+    """Rows of the batch whose output follows a grammar; 0 on rows before revision 0012."""
     plain_rows: Mapped[int] = mapped_column(default=0, server_default="0")
     """Decode rows that ran in a segmented verify's plain segment (the others at the verify
     depth); 0 for one padded verify or none, and on rows before revision 0011."""

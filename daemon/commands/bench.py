@@ -1,4 +1,4 @@
-"""`crossover bench engine|telemetry|serve|crossover|tuner|tuner-compare|early-exit|findings|soak`: measure,
+"""`crossover bench engine|telemetry|serve|crossover|tuner|tuner-compare|early-exit|findings|soak|structured`: measure,
 print progress, write JSON."""
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_soak(sub.add_parser("soak", help="a `crossover serve` child under well-formed and hostile traffic "
                                           "(loopback), then an audit: health, KV pages, telemetry rows, "
                                           "RSS and descriptors, TTFT beside a baseline; JSON"))
+    _add_structured(sub.add_parser("structured", help="constrained decoding (20 JSON schemas x 5 prompts) against "
+                                                      "free decoding on one daemon: TPOT ratio, validity, "
+                                                      "grammar time per step; JSON"))
     c = sub.add_parser("tuner-compare", help="do two `bench tuner` JSONs (e.g. --quick against the full "
                                               "run) read the same ratios within their round-to-round noise")
     c.add_argument("a", help="a `bench tuner` result JSON (e.g. a --quick run)")
@@ -99,6 +102,9 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
         help="with --url and --shared-prefix: JSON {tenant: API key} the tenants send with")
     add("--no-idle-ttft", action="store_true",
         help="skip sending each request again alone to compare its TTFT with an idle daemon's")
+    add("--structured", action="store_true",
+        help="the structured-output workload instead: `crossover bench structured` with --url, --admin-token, "
+             "--concurrency, --rounds and --out (JSON schemas against free decoding, same daemon)")
 
 
 def _add_crossover(c: argparse.ArgumentParser) -> None:
@@ -152,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
         if args.seconds <= 0:
             raise UserError(f"--seconds must be positive, got {args.seconds}")
         tel_bench(args.out, args.seconds, args.db)
+    elif args.bench == "serve" and args.structured:
+        args.free_tokens, args.max_tokens, args.serve_arg = args.max_tokens, 160, []  # --max-tokens: free answers
+        _run_structured(args)
     elif args.bench == "serve":
         from bench.serve import run_bench as serve_bench
 
@@ -170,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         _run_findings(args)
     elif args.bench == "soak":
         _run_soak(args)
+    elif args.bench == "structured":
+        _run_structured(args)
     elif args.bench == "tuner-compare":
         from bench.tuner_compare import run_compare
 
@@ -287,6 +298,32 @@ def _run_soak(args: argparse.Namespace) -> None:
     result = run_soak(cfg, args.out)
     if not result["ok"]:
         raise UserError("bench soak: a check failed (see `checks` in the JSON)")
+
+
+def _add_structured(s: argparse.ArgumentParser) -> None:
+    add = s.add_argument
+    add("--out", default="bench-out/structured.json", help="JSON output file")
+    add("--url", default=None, help="bench the daemon at this URL (default: start `crossover serve` here)")
+    add("--admin-token", default=None, help="the --url daemon's admin token: its prefix cache is emptied "
+                                            "before each phase and its /metrics read")
+    add("--concurrency", type=int, default=8, help="clients sending at once")
+    add("--rounds", type=int, default=2, help="constrained and free phases, alternating, this many times each")
+    add("--max-tokens", type=int, default=160, help="most tokens of a constrained answer")
+    add("--free-tokens", type=int, default=48, help="tokens of each free answer (EOS ignored)")
+    add("--serve-arg", action="append", default=[], metavar="ARG",
+        help="one more argument for the `crossover serve` started here (repeatable)")
+
+
+def _run_structured(args: argparse.Namespace) -> None:
+    from bench.structured import StructuredConfig, run_structured
+
+    for flag, value in (("--concurrency", args.concurrency), ("--rounds", args.rounds),
+                        ("--max-tokens", args.max_tokens), ("--free-tokens", args.free_tokens)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    run_structured(StructuredConfig(url=args.url, admin_token=args.admin_token, concurrency=args.concurrency,
+                                    rounds=args.rounds, max_tokens=args.max_tokens, free_tokens=args.free_tokens,
+                                    serve_args=tuple(args.serve_arg)), args.out)
 
 
 def _add_findings(f: argparse.ArgumentParser) -> None:

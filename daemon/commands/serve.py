@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -42,7 +43,7 @@ from typing import Any
 from daemon.settings import SECTION_KEYS, add_section_flags
 
 SETTING_FLAGS = (
-    "host", "port", "model", "dtype", "kv_budget_bytes", "max_batch", "max_context", "db_url",
+    "host", "port", "model", "served_model_name", "dtype", "kv_budget_bytes", "max_batch", "max_context", "db_url",
     "instance", "tensor_parallel", "prefix_cache",
     "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
     "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
@@ -65,11 +66,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="TOML file of settings (key = value, named like the fields; a [tuner] table)")
     add("--host", help="address to bind (default 127.0.0.1)")
     add("--port", type=int, help="TCP port (default 8000; 0 picks a free one)")
+    add("model_arg", nargs="?", metavar="MODEL", help="model id or path, as vLLM's positional (same as --model)")
     add("--model", help="model id or path (default: the engine's)")
+    add("--served-model-name", nargs="+", metavar="NAME",
+        help="names clients may send as `model`; answers carry the first (default: the model's own)")
     add("--dtype", help="weight/activation dtype (default: the engine's)")
     add("--kv-budget", dest="kv_budget_bytes", metavar="BYTES", help="KV pool size, e.g. 4GiB")
-    add("--max-batch", type=int, help="most sequences decoded together (default 32)")
-    add("--max-context", type=int, help="longest prompt + completion in tokens (default 4096)")
+    add("--max-batch", "--max-num-seqs", dest="max_batch", type=int, help="most sequences decoded together")
+    add("--max-context", "--max-model-len", dest="max_context", type=int,
+        help="longest prompt + completion in tokens")
     add("--tensor-parallel", type=int, metavar="N",
         help="split the model and KV pool over N devices (default 1)")
     add("--db", "--db-url", dest="db_url", metavar="URL",
@@ -124,12 +129,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--fake-step-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     add("--fake-warmup-s", type=float, default=0.0, help=argparse.SUPPRESS)
     add("--fake-speculation", action="store_true", help=argparse.SUPPRESS)
+    _show_defaults(p)
+
+
+def _show_defaults(p: argparse.ArgumentParser) -> None:
+    """Append each setting's default to its flag's help, unless the help names one already."""
+    from daemon.settings import Settings
+
+    defaults = {f.name: f.default for f in dataclasses.fields(Settings) if f.default is not dataclasses.MISSING}
+    for action in p._actions:
+        value = defaults.get(action.dest, None)
+        if action.help and action.help != argparse.SUPPRESS and "default" not in action.help and value is not None:
+            action.help += f" (default {value})"
+
+
+def _vllm_spellings(args: argparse.Namespace) -> str | None:
+    """Fold vLLM's spellings into the settings' flags; the error, when they contradict."""
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            return f"the model is given twice: {args.model_arg!r} and --model {args.model!r}"
+        args.model = args.model_arg
+    if args.served_model_name is not None:
+        names = [n.strip() for n in args.served_model_name]
+        if not all(names) or any("," in n for n in names) or len(set(names)) != len(names):
+            return f"--served-model-name {args.served_model_name!r}: names must be distinct, non-empty, without commas"
+        args.served_model_name = ",".join(names)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
     from daemon import jsonlog
     from daemon.settings import SettingsError, load_settings
 
+    problem = _vllm_spellings(args)
+    if problem is not None:
+        print(f"crossover serve: error: {problem}", file=sys.stderr)
+        return 2
     try:
         settings = load_settings({k: getattr(args, k) for k in SETTING_FLAGS}, os.environ, args.config)
     except SettingsError as exc:

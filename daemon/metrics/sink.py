@@ -90,6 +90,10 @@ class EngineMetrics:
         self.model_name = model_name
         reg = self.registry
         self.steps = Counter(P + "engine_steps", "Engine steps run.", registry=reg)
+        self.grammar_steps = Counter(P + "grammar_steps", "Engine steps with constrained rows (structured outputs).",
+                                     registry=reg)
+        self.grammar_seconds = Counter(P + "grammar_seconds", "Host time steps spent on constrained rows' "
+                                       "grammars: drafts checked, token masks computed.", registry=reg)
         self.num_drafts = Counter(SPEC + "num_drafts",
                                   "Drafts proposed (one per speculating sequence per step).",
                                   registry=reg)
@@ -132,6 +136,9 @@ class EngineMetrics:
 
     def on_step(self, stats: StepStats) -> None:
         self.steps.inc()
+        if stats.constrained_rows:
+            self.grammar_steps.inc()
+            self.grammar_seconds.inc(stats.grammar_ms / 1000.0)
         if stats.depth > 0:  # rows of several depths (per-tenant rules): each class by its own depth
             self.num_drafts.inc(sum(c.proposed // c.depth for c in stats.row_classes if c.depth)
                                 if stats.row_classes else stats.proposed // stats.depth)

@@ -58,15 +58,16 @@ def _write(kv: KVState, rb: RaggedBatch, new_kv):
 
 
 @jax.jit
-def _heads(params: Params, h, out_idx, cand, samp: SamplingArrays, counter, adj: Adjust | None = None):
+def _heads(params: Params, h, out_idx, cand, samp: SamplingArrays, counter, mask, adj: Adjust | None = None):
     """The output layer at the call's output tokens h[out_idx] [O, d] (h is always `_forward`'s
     padded [TOKEN_BUCKETS[-1], d], so the heads compile per output count O alone), then at each a
     token drawn (greedy or sampled) and the draft `cand` [O] (-1: none) accepted when it is that
-    token, as engine.execute.sampling.verify. Returns (tokens, accepted, logprobs [O], top ids and
-    logprobs [O, k], the hidden states [O, d])."""
+    token, as engine.execute.sampling.verify; `adj` [O, 1, H] changes the logits first, and a
+    grammar's `mask` [O, W] (-1 words: every id) keeps its tokens alone. Returns (tokens,
+    accepted, logprobs [O], top ids and logprobs [O, k], the hidden states [O, d])."""
     hs = h[out_idx]
     sc = output_scores(params, hs[:, None])
-    tok, acc, lp, ti, tl = verify_scores(sc, cand[:, None], samp, counter[:, None], adj)
+    tok, acc, lp, ti, tl = verify_scores(sc, cand[:, None], samp, counter[:, None], adj, mask[:, None])
     return tok[:, 0], acc[:, 0], lp[:, 0], ti[:, 0], tl[:, 0], hs
 
 
@@ -98,6 +99,9 @@ class RaggedCall:
     samp: dict[str, np.ndarray] = field(default_factory=dict)
     adjust: dict[str, np.ndarray] | None = None
     """engine.execute.sampling.Adjust buffers [O, 1, H] once a row has penalties or banned ids."""
+    mask: np.ndarray | None = None
+    """[O, W] int32 grammar masks (engine/grammar.py) once a row is constrained; -1 (every id)
+    elsewhere. None: `open_mask`, kept on the device."""
 
 
 def new_call(runner: ModelRunner, rows: list[RaggedRow]) -> RaggedCall:
@@ -125,6 +129,11 @@ def new_call(runner: ModelRunner, rows: list[RaggedRow]) -> RaggedCall:
         at, o = at + len(r.tokens), o + k
     return RaggedCall(jax.tree.map(np.asarray, rb), out_idx, cand, counter, out_rows,
                       SamplingArrays.host(O))
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one output slot's grammar mask: a bit per vocabulary id."""
+    return (vocab_size + 31) // 32
 
 
 def table_width(rc) -> int:
@@ -156,21 +165,33 @@ def run(runner: ModelRunner, c: RaggedCall) -> tuple[np.ndarray, np.ndarray, np.
     heads calls of their own (`_adjusted_heads`)."""
     h, new_kv = _forward(runner.cfg, runner.params, runner.kv, c.batch)
     runner.kv = _write(runner.kv, c.batch, new_kv)
+    mask = c.mask if c.mask is not None else open_mask(runner, len(c.out_idx))
     *out, runner.last_hidden = _heads(runner.params, h, c.out_idx, c.cand, SamplingArrays(**c.samp),
-                                      c.counter)
+                                      c.counter, mask)
     if c.adjust is not None:
         out = _adjusted_heads(runner, h, c, out)
     runner.last_top = (np.asarray(out[3]), np.asarray(out[4])) if c.samp["want_logprobs"].any() else None
     return np.asarray(out[0]), np.asarray(out[1]), np.asarray(out[2])
 
 
+def open_mask(runner: ModelRunner, n: int):
+    """A device array [n, W] of -1 words, allowing every id: the mask of a call without
+    constraints, made once per output count."""
+    masks = runner.__dict__.setdefault("_open_masks", {})
+    if n not in masks:
+        masks[n] = jax.device_put(np.full((n, mask_words(runner.cfg.vocab_size)), -1, np.int32))
+    return masks[n]
+
+
 def _adjusted_heads(runner: ModelRunner, h, c: RaggedCall, out: list) -> list[np.ndarray]:
     """`out` (tokens, accepted, logprobs, top ids, top logprobs) with the slots that carry logit
-    adjustments drawn again with them, ADJUST_OUTPUTS slots a call: the heads then compile the
-    adjusted variant for those few output counts only, and a call's other slots neither wait
-    for nor carry the adjustments' [O, 1, H] buffers."""
+    adjustments drawn again with them (and their grammar masks), ADJUST_OUTPUTS slots a call:
+    the heads then compile the adjusted variant for those few output counts only, and a call's
+    other slots neither wait for nor carry the adjustments' [O, 1, H] buffers."""
     slots = np.flatnonzero((c.adjust["ids"] >= 0).any(axis=(1, 2)))
     out = [np.array(a) for a in out]  # writable host copies
+    words = mask_words(runner.cfg.vocab_size)
+    mask = c.mask if c.mask is not None else np.full((len(c.out_idx), words), -1, np.int32)
     for at in range(0, len(slots), ADJUST_OUTPUTS):
         part = slots[at: at + ADJUST_OUTPUTS]
         n, O = len(part), bucket(len(part), OUTPUT_BUCKETS)
@@ -178,7 +199,7 @@ def _adjusted_heads(runner: ModelRunner, h, c: RaggedCall, out: list) -> list[np
         idle = np.zeros(O - n, np.int32)
         got = _heads(runner.params, h, _take(c.out_idx, part, idle), _take(c.cand, part, idle - 1),
                      SamplingArrays(**{k: _take(v, part, spare_samp[k]) for k, v in c.samp.items()}),
-                     _take(c.counter, part, idle),
+                     _take(c.counter, part, idle), _take(mask, part, np.full((O - n, words), -1, np.int32)),
                      Adjust(**{k: _take(v, part, spare_adj[k]) for k, v in c.adjust.items()}))
         for dst, src in zip(out, got[:5]):
             dst[part] = np.asarray(src)[:n]
@@ -221,10 +242,11 @@ def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tupl
     def heads(o: int) -> None:
         h = hidden[max(hidden)]  # every forward's output has one shape (`_forward`)
         samp, idx = SamplingArrays(**SamplingArrays.host(o)), np.zeros(o, np.int32)
-        _heads.lower(params, h, idx, idx, samp, idx).compile()
+        mask = np.zeros((o, mask_words(cfg.vocab_size)), np.int32)
+        _heads.lower(params, h, idx, idx, samp, idx, mask).compile()
         if o <= ADJUST_OUTPUTS:
             adj = Adjust(**Adjust.host((o, 1, runner.adjust_width)))
-            _heads.lower(params, h, idx, idx, samp, idx, adj).compile()
+            _heads.lower(params, h, idx, idx, samp, idx, mask, adj).compile()
 
     tokens = token_buckets(max_tokens)
     return ([partial(forward, n) for n in tokens],

@@ -130,13 +130,16 @@ def _adjusted(sc: Scores, adj: Adjust | None):
 
 
 @jax.jit
-def _verify(sc: Scores, cand, samp: SamplingArrays, counter, adj: Adjust | None = None):
+def _verify(sc: Scores, cand, samp: SamplingArrays, counter, adj: Adjust | None = None,
+            mask: jax.Array | None = None):
     """Target tokens and acceptance at every verified position: logits [B, T, V], cand [B, T];
-    `adj` [B, T, H] changes each position's logits first (engine.execute.penalties)."""
+    `adj` [B, T, H] changes each position's logits first (engine.execute.penalties), then `mask`
+    [B, T, W] keeps a grammar's tokens alone (engine/grammar.py)."""
     B, T, V = sc.logits.shape
     rows = jax.tree.map(lambda a: jnp.repeat(a, T, axis=0), samp)
     lg, best, raw = _adjusted(sc, adj)
-    tok, acc, lp = verify(lg, cand.reshape(-1), rows, counter.reshape(-1), best=best, raw=raw)
+    tok, acc, lp = verify(lg, cand.reshape(-1), rows, counter.reshape(-1), best=best, raw=raw,
+                          mask=None if mask is None else mask.reshape(B * T, -1))
     ti, tl = top_logprobs(sc.logits.reshape(B * T, V), rows)
     return tok.reshape(B, T), acc.reshape(B, T), lp.reshape(B, T), ti.reshape(B, T, -1), tl.reshape(B, T, -1)
 

@@ -80,6 +80,16 @@ def adjust_logits(logits: jax.Array, best: jax.Array, a: Adjust):
     return lg, jnp.where(jnp.any(a.ids >= 0, axis=-1), greedy(lg), best)
 
 
+def masked(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """`logits` [N, V] with every id whose bit is clear in `mask` set to -inf. `mask` [N,
+    ceil(V / 32)] int32: bit i % 32 of word i // 32 allows id i (engine/grammar.py); a row of
+    -1 words allows every id. Elementwise: it fuses into the pass that reads the result.
+    Example: V 3, mask [[0b101]]: [2, 5, 1] -> [2, -inf, 1]."""
+    N, V = logits.shape
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return jnp.where(bits.reshape(N, -1)[:, :V] > 0, logits, -jnp.inf)
+
+
 TOP_BLOCK = 256
 """Vocabulary block of the two-stage top-k (see top_candidates)."""
 
@@ -257,7 +267,7 @@ def _verify_rows(logits, cand, s: SamplingArrays, counter):
 
 
 def verify(logits: jax.Array, cand: jax.Array, s: SamplingArrays, counter: jax.Array, best: jax.Array | None = None,
-           raw: jax.Array | None = None):
+           raw: jax.Array | None = None, mask: jax.Array | None = None):
     """Target tokens and draft acceptance at each verified position.
 
     logits: [N, V] f32 at one position each; cand: [N] int32, the draft token
@@ -266,13 +276,19 @@ def verify(logits: jax.Array, cand: jax.Array, s: SamplingArrays, counter: jax.A
     when it equals the token drawn there (see _verify_rows). `best` [N]: the greedy tokens
     when the caller already knows them (see engine.execute.runner.output_scores);
     `raw` [N, V]: the model's logits when `logits` were adjusted (logprobs
-    report the model's). Returns (tokens [N], accepted [N] bool, logprobs [N]).
+    report the model's). `mask` [N, W]: a grammar's allowed ids per row (`masked`); applied
+    inside the branches that read the logits, only when some row has one, so a call without
+    constraints neither materializes masked logits nor searches them again.
+    Returns (tokens [N], accepted [N] bool, logprobs [N]).
     Example: greedy, argmax 7, cand 7 -> (7, True).
     """
     g = greedy(logits) if best is None else best
+    lg = (lambda: logits) if mask is None else (lambda: masked(logits, mask))
+    if mask is not None:
+        g = jax.lax.cond(jnp.any(mask != -1), lambda: greedy(lg()), lambda: g)
     sampled = s.temperature > 0
     tok_s, acc_s = jax.lax.cond(
-        jnp.any(sampled), lambda: _verify_rows(logits, cand, s, counter), lambda: (g, cand == g)
+        jnp.any(sampled), lambda: _verify_rows(lg(), cand, s, counter), lambda: (g, cand == g)
     )
     tok = jnp.where(sampled, tok_s, g)
     acc = jnp.where(sampled, acc_s, cand == g)

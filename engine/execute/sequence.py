@@ -6,6 +6,7 @@ import enum
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -99,6 +100,8 @@ class Sequence:
     accepted: int = 0
     hidden: np.ndarray | None = None
     """[d] final hidden state at the newest cached position (kept only for MTP heads)."""
+    matcher: Any = None
+    """The grammar a constrained request's output follows (engine.grammar.Matcher), else None."""
 
     @property
     def request_id(self) -> str:
@@ -129,9 +132,10 @@ def append_tokens(seq: Sequence, new: list[int], logprobs: list[float] | None,
     """Append sampled tokens, apply stop rules, and return the event to emit.
 
     Stops, in order per token: a stop id (the id is reported, its text is not),
-    max_tokens, the context limit; then stop strings on the decoded text (the
-    text is cut before the match). Text that could still become a stop string
-    is held back until it cannot. `tops`: each token's most likely alternatives, best first.
+    the end of a constrained request's grammar, max_tokens, the context limit; then stop
+    strings on the decoded text (the text is cut before the match). Text that could still
+    become a stop string is held back until it cannot. `tops`: each token's most likely
+    alternatives, best first.
     """
     sp = seq.req.sampling
     if seq.first_token_time is None:
@@ -141,7 +145,8 @@ def append_tokens(seq: Sequence, new: list[int], logprobs: list[float] | None,
     for t in new:
         kept.append(t)
         seq.tokens.append(t)
-        if t in stop_ids:
+        done = seq.matcher is not None and seq.matcher.advance(t)
+        if t in stop_ids or done:
             reason = "stop"
         elif seq.num_output >= sp.max_tokens or len(seq.tokens) >= max_context:
             reason = "length"

@@ -123,6 +123,8 @@ class Tokenizer:
         for i in np.flatnonzero(types == _BYTE).tolist():
             self._byte[i] = int(pieces[i][3:5], 16)
         self._text = [p if s else p.replace(SPACE, " ") for p, s in zip(pieces, self._special)]
+        self._marked = [s or (t == _USER and p.startswith("<") and p.endswith(">") and len(p) > 2)
+                        for p, s, t in zip(pieces, self._special, types.tolist())]
         self.max_piece_chars = max(map(len, self._text), default=1)
         """Most characters one token covers (31 for Gemma 3): a text of n characters encodes to
         at least n / max_piece_chars tokens, a bound known before tokenizing it."""
@@ -187,6 +189,13 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         return apply_chat_template(messages, add_generation_prompt)
+
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes as constrained decoding (engine/grammar.py) matches them: a byte piece
+        its byte; a control piece, or a user-defined one written like one (<unused0>, <img>),
+        0xff then its name, which no text produces; any other its text."""
+        return [bytes((b,)) if b >= 0 else (b"\xff" + t.encode()) if m else t.encode()
+                for b, t, m in zip(self._byte, self._text, self._marked)]
 
     def _checked(self, token_id: int) -> int:
         if not 0 <= token_id < len(self._text):

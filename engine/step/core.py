@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -33,6 +34,7 @@ from engine.config import ModelConfig
 from engine.execute.ragged_calls import top_in
 from engine.execute.runner import ModelRunner, RunnerConfig
 from engine.execute.sequence import Detokenizer, Sequence, append_tokens, request_key
+from engine.grammar import GrammarVocab, Matcher
 from engine.memory import budget
 from engine.memory.kv import KVPool, KVState
 from engine.model.gemma import Params
@@ -104,6 +106,9 @@ class EngineCore:
         self.first_runs: FirstRuns | None = None  # shapes not yet executed once (engine/warmup/first_runs.py)
         self.add_proposer(NgramProposer())
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._grammar: GrammarVocab | None = None
+        self._grammar_lock = threading.Lock()
+        self._matchers: dict[str, Matcher] = {}  # constrained requests' grammars, until admitted
         self._seqs: dict[str, Sequence] = {}
         self._step_id = 0
         self._lost: list[RequestResult] = []  # results of the step that raised (see recover)
@@ -129,7 +134,21 @@ class EngineCore:
             raise ParamError(
                 "max_tokens", f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) needs more "
                 f"KV pages than the whole pool holds", "context_length_exceeded")
+        c = req.sampling.constraint
+        if c is not None:
+            if not hasattr(self.tokenizer, "token_bytes"):
+                raise ParamError(c.param, f"{c.param}: this engine's tokenizer gives constrained decoding "
+                                 "no token bytes", "unsupported_parameter")
+            self._matchers[req.request_id] = self.grammar().matcher(c)
         self._inbox.put(("add", req))
+
+    def grammar(self) -> GrammarVocab:
+        """The vocabulary constrained decoding matches against, built once (warmup starts it in
+        the background)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarVocab(self.tokenizer, self.cfg.vocab_size)
+            return self._grammar
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -229,12 +248,14 @@ class EngineCore:
         """Queue `req` for the scheduler; a fault of its own fails it alone."""
         if req.request_id in self._seqs:  # the live one keeps its id and its stream
             log.error("duplicate request id %r dropped", req.request_id)
+            self._matchers.pop(req.request_id, None)
             finished.append(unadmitted(req, "error"))
             return
         try:
             prompt = list(req.prompt_ids)
             seq = Sequence(req, prompt, len(prompt), request_key(req.sampling.seed),
-                           Detokenizer(self.tokenizer.decode, prompt[-4:]))
+                           Detokenizer(self.tokenizer.decode, prompt[-4:]),
+                           matcher=self._matchers.pop(req.request_id, None))
         except Exception:
             log.exception("request %s failed at admission", req.request_id)
             events.append(TokenEvent(req.request_id, (), "", None, True, "error"))
@@ -279,6 +300,7 @@ class EngineCore:
             except queue.Empty:
                 break
             if kind == "add":
+                self._matchers.pop(arg.request_id, None)
                 results.append(unadmitted(arg, "error"))
             elif kind in ("policy", "reset_prefix"):
                 keep.append((kind, arg))
@@ -330,7 +352,8 @@ class EngineCore:
             preempted=plan.preempted, tenants=tuple(sorted({s.req.tenant for s in seqs})),
             sampled_rows=sum(1 for s in seqs if s.req.sampling.temperature > 0), plain_rows=spec.plain_rows,
             prefix_hit_tokens=plan.prefix_hit_tokens, prefix_query_tokens=plan.prefix_query_tokens,
-            row_classes=spec.row_classes(plan.decode),
+            row_classes=spec.row_classes(plan.decode), grammar_ms=spec.grammar_ms,
+            constrained_rows=spec.constrained_rows,
         )
 
     # -- lifecycle and introspection ---------------------------------------
@@ -339,6 +362,8 @@ class EngineCore:
         self.spec_warmup = warm_engine(self, progress, self.ecfg.background_warmup)
         self.first_runs = FirstRuns(self)
         self.warmed_up = True
+        if hasattr(self.tokenizer, "token_bytes"):  # the first constrained request finds it built
+            threading.Thread(target=self.grammar, name="grammar-vocab", daemon=True).start()
 
     def idle(self) -> bool:
         """Use a moment with no work: run one compiled shape that has not run yet, so its costly

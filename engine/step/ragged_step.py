@@ -53,6 +53,9 @@ class SpecResult:
     """(tenant, technique, depth) -> [rows, proposed, accepted, per_pos] of the verified rows."""
     plain_rows: int = 0
     """Decode rows of a speculative step that drafted nothing: they decode one token each."""
+    grammar_ms: float = 0.0
+    """Time spent on constrained rows' grammars: drafts cut, masks computed."""
+    constrained_rows: int = 0
 
     def row_classes(self, decode: list[Sequence]) -> tuple[RowClass, ...]:
         """One RowClass per class of the verified rows, or (plain decode) per tenant of `decode`."""
@@ -68,6 +71,9 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
     """Run `plan` on `core` (an EngineCore) as ragged calls (module docstring)."""
     fail = core._failer(events, finished)
     decode, propose_ms = _drafted(core, plan.decode, fail, bool(plan.prefill))
+    g0 = time.perf_counter()
+    decode = [(s, choice, _grammar_drafts(s, d)) for s, choice, d in decode]
+    grammar_s = time.perf_counter() - g0
     items = [(s, choice, d, None) for s, choice, d in decode]
     chunks = [(s, n) for s, n in plan.prefill if s.status is Status.RUNNING]
     later = bool(decode) or any(n < s.remaining for s, n in chunks)  # a next step runs anyway
@@ -79,7 +85,9 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
     rows = []
     for item in items:
         try:
+            t = time.perf_counter()
             rows.append((item, _row(core, item), _sampling(core, item)))
+            grammar_s += (time.perf_counter() - t) if item[0].matcher is not None else 0.0
         except Exception:
             fail(item[0], "its sampling inputs")
     plan.decode = [item[0] for item, _, _ in rows if item[3] is None]
@@ -89,6 +97,8 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
         spec = SpecResult(_most_rows([item for item, _, _ in rows if item[3] is None]), depth, propose_ms,
                           per_pos=[0] * depth)
         spec.plain_rows = sum(1 for item, _, _ in rows if item[3] is None and not item[2])  # decode one token
+    spec.grammar_ms = grammar_s * 1e3
+    spec.constrained_rows = sum(1 for item, _, _ in rows if item[0].matcher is not None)
     t0 = time.perf_counter()
     for call_rows in _pack(rows, token_buckets(max_tokens(core))[-1]):
         call = ragged_calls.new_call(core.runner, [r for _, r, _ in call_rows])
@@ -180,6 +190,13 @@ def _propose(core, seqs, choices, fail) -> list[tuple[Sequence, tuple[str, int],
             if c == PLAIN or id(s) in drafted]
 
 
+def _grammar_drafts(seq: Sequence, drafts: list[int]) -> list[int]:
+    """A constrained row's drafts up to the first its grammar refuses (engine/grammar.py)."""
+    if seq.matcher is None or not drafts:
+        return drafts
+    return drafts[: seq.matcher.drafts_allowed(drafts)]
+
+
 def accepted_prefix(acc, n: int) -> int:
     """Drafts kept of a row's n: how many of acc[:n] are true before the first false."""
     a = 0
@@ -238,26 +255,33 @@ def _pack(rows: list, most: int) -> list[list]:
     return [c for c in calls if c]
 
 
-def _sampling(core, item) -> tuple[dict, dict | None]:
-    """A row's sampling settings at its output slots (SamplingArrays host arrays [k]), and its
-    logit adjustments ([1, k, H]) where it has any: made before the call, so that a row whose
-    settings fail (engine/step/faults.py) is dropped alone."""
+def _sampling(core, item) -> tuple[dict, dict | None, np.ndarray | None]:
+    """A row's sampling settings at its output slots (SamplingArrays host arrays [k]), its logit
+    adjustments ([1, k, H]) where it has any, and its grammar's masks ([k, W]) where it is
+    constrained: made before the call, so that a row whose settings fail (engine/step/faults.py)
+    is dropped alone. A prefill chunk's one output slot matters only at the prompt's end."""
     seq, _, drafts, _ = item
     sp, k = seq.req.sampling, 1 + len(drafts)
     samp = SamplingArrays.host(k)
     SamplingArrays.fill(samp, slice(0, k), sp, seq.key)
+    masks = seq.matcher.masks(drafts) if seq.matcher is not None and (item[3] is None or
+                                                                      item[3] == seq.remaining) else None
     if not wants_adjust(sp, seq.num_output):
-        return samp, None
+        return samp, None, masks
     one = Adjust.host((1, k, core.runner.adjust_width))  # position j counts drafts[:j] as output
     fill_adjust(one, 0, seq.tokens, seq.n_prompt, sp, core._stops(sp), drafts)
-    return samp, one
+    return samp, one, masks
 
 
-def _put_sampling(core, call, slots: slice, prepared: tuple[dict, dict | None]) -> None:
+def _put_sampling(core, call, slots: slice, prepared: tuple[dict, dict | None, np.ndarray | None]) -> None:
     """A row's `_sampling` arrays into the call's output slots."""
-    samp, one = prepared
+    samp, one, masks = prepared
     for name, buf in samp.items():
         call.samp[name][slots] = buf
+    if masks is not None:
+        if call.mask is None:
+            call.mask = np.full((len(call.out_idx), masks.shape[1]), -1, np.int32)
+        call.mask[slots] = masks
     if one is not None:
         if call.adjust is None:
             call.adjust = Adjust.host((len(call.out_idx), 1, core.runner.adjust_width))

@@ -144,7 +144,6 @@ UNSUPPORTED: list[tuple[str, str, dict[str, Any], str]] = [
     ("best-of-with-n", C, comp(n=2, best_of=2), "best_of"),
     ("echo", C, comp(echo=True), "echo"),
     ("suffix", C, comp(suffix="x"), "suffix"),
-    ("response-format-json", CHAT, chat(response_format={"type": "json_object"}), "response_format"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     ("tool-choice", CHAT, chat(tool_choice="auto"), "tool_choice"),
     ("functions", CHAT, chat(functions=[{"name": "f"}]), "functions"),

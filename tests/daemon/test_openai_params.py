@@ -95,3 +95,15 @@ def test_n_is_read_and_bounded_by_the_tenants_slots() -> None:
         parse_chat({**chat, "n": 3}, two_slots, tok)
     assert (info.value.param, info.value.code) == ("n", "invalid_value")
     assert "max_concurrent limit of 2" in info.value.message
+
+
+def test_served_model_names_answer_to_each_and_report_the_first(live) -> None:
+    server = live(served_model_name="gemma,g3")
+    listed = server.get("/v1/models").json()["data"]
+    assert [m["id"] for m in listed] == ["gemma", "g3"]
+    assert server.get("/v1/models/g3").json()["id"] == "g3"
+    assert server.get("/v1/models/other").status == 404
+    r = server.post("/v1/completions", {"model": "g3", "prompt": "abc", "max_tokens": 2})
+    assert r.status == 200 and r.json()["model"] == "gemma"
+    r = server.post("/v1/completions", {"model": "fake-reverse", "prompt": "abc", "max_tokens": 2})  # the engine's own
+    assert r.status == 404 and r.json()["error"]["code"] == "model_not_found"

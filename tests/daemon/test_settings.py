@@ -204,3 +204,42 @@ def test_every_tuner_field_has_a_flag_with_its_docstring_as_help() -> None:
     assert docs["interval_s"] == "Seconds between scheduled retunes"
     assert docs["min_new_steps"].endswith("(tuner.data.count_step_rows)")  # cut at ": " outside ()
     assert f"{docs['trials']} (default 48)" in text
+
+
+def test_vllm_spellings_of_serve_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """`crossover serve MODEL`, --served-model-name, --max-model-len and --max-num-seqs as vLLM
+    spells them; the old spellings keep working; defaults show in --help."""
+    import argparse
+
+    from daemon.commands import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+
+    def settings(*argv: str) -> Settings:
+        args = parser.parse_args(list(argv))
+        assert serve._vllm_spellings(args) is None
+        return load_settings({k: getattr(args, k) for k in serve.SETTING_FLAGS}, env={})
+
+    s = settings("some/model.gguf", "--served-model-name", "gemma", "g3", "--max-model-len", "2048",
+                 "--max-num-seqs", "16")
+    assert (s.model, s.served_model_name, s.max_context, s.max_batch) == ("some/model.gguf", "gemma,g3", 2048, 16)
+    assert s.served_names("engine-name") == ("gemma", "g3")
+    s = settings("--model", "m", "--max-context", "1024", "--max-batch", "8")
+    assert (s.model, s.max_context, s.max_batch, s.served_names("engine-name")) == ("m", 1024, 8, ("engine-name",))
+    for argv, says in ((["a", "--model", "b"], "given twice"), (["--served-model-name", "x,y"], "without commas"),
+                       (["--served-model-name", "x", "x"], "distinct")):
+        assert serve.run(parser.parse_args(argv)) == 2
+        assert says in capsys.readouterr().err
+    shown = " ".join(parser.format_help().split())  # unwrapped
+    assert "(default 32)" in shown and "(default 4096)" in shown and "(default 256)" in shown
+
+
+def test_crossover_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    from daemon.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"crossover {version('crossover')}"

@@ -24,6 +24,13 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
 
+    def encode_plain(self, text: str) -> list[int]:
+        return self.encode(text, add_bos=False)
+
+    def token_bytes(self) -> list[bytes]:
+        """Constrained decoding's view (engine/grammar.py): pad, eos and bos are control tokens."""
+        return [b"\xff<pad>", b"\xff<eos>", b"\xff<bos>"] + [bytes((b,)) for b in range(256)]
+
 
 TINY_RC = RunnerConfig(
     page_size=4, max_batch=8, max_chunk=16, max_context=128,
