@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.openai_params import GenerationSpec
+from daemon.tools import calls_in
 from engine.types import TokenEvent
 
 
@@ -77,6 +78,10 @@ class Format:
     def finish_choice(self, reason: str | None, index: int = 0) -> dict[str, Any]:
         return {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
 
+    def finish_choices(self, out: Output, reason: str | None, index: int = 0) -> list[dict[str, Any]]:
+        """The stream chunks' choices that end a choice (what `text_choice` held back, then its finish)."""
+        return [self.finish_choice(reason, index)]
+
     def first_chunks(self) -> list[dict[str, Any]]:
         return []
 
@@ -107,14 +112,36 @@ class ChatFormat(Format):
     object_chunk = "chat.completion.chunk"
 
     def full_choice(self, out: Output, index: int = 0) -> dict[str, Any]:
-        message = {"role": "assistant", "content": "".join(out.text), "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(out.text), "refusal": None}
+        calls, reason = self._calls(out), out.finish_reason
+        if calls:
+            message, reason = {**message, "content": None, "tool_calls": calls}, "tool_calls"
         return {"index": index, "message": message,
-                "logprobs": self._lp(out.token_ids, out.logprobs, out.tops),
-                "finish_reason": out.finish_reason}
+                "logprobs": self._lp(out.token_ids, out.logprobs, out.tops), "finish_reason": reason}
 
-    def text_choice(self, event: TokenEvent, index: int = 0) -> dict[str, Any]:
+    def text_choice(self, event: TokenEvent, index: int = 0) -> dict[str, Any] | None:
+        if self.spec.tools is not None:  # held until the answer is whole: a call, or text (`finish_choices`)
+            return None
         lp = self._lp(list(event.token_ids), list(event.logprobs or ()), list(event.top_logprobs or ()))
         return {"index": index, "delta": {"content": event.text}, "logprobs": lp, "finish_reason": None}
+
+    def finish_choices(self, out: Output, reason: str | None, index: int = 0) -> list[dict[str, Any]]:
+        if self.spec.tools is None:
+            return [self.finish_choice(reason, index)]
+        calls = self._calls(out)
+        if calls:  # each call whole in one delta, as the openai client reassembles them
+            delta: dict[str, Any] = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+            reason = "tool_calls"
+        else:
+            delta = {"content": "".join(out.text)}
+        return [{"index": index, "delta": delta, "logprobs": self._lp(out.token_ids, out.logprobs, out.tops),
+                 "finish_reason": None}, self.finish_choice(reason, index)]
+
+    def _calls(self, out: Output) -> list[dict[str, Any]] | None:
+        """The tool calls of a whole answer that ended by itself; None for text."""
+        if self.spec.tools is None or out.finish_reason != "stop":
+            return None
+        return calls_in("".join(out.text), self.spec.tools)
 
     def finish_choice(self, reason: str | None, index: int = 0) -> dict[str, Any]:
         return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}

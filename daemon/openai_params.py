@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from daemon import structured
+from daemon import structured, tools
 from daemon.errors import ApiError, bad_request
-from engine.types import ParamError, Request, SamplingParams, check_prompt_ids, is_finite_number
+from engine.types import Constraint, ParamError, Request, SamplingParams, check_prompt_ids, is_finite_number
 
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
@@ -33,17 +33,19 @@ COMMON_FIELDS = frozenset({
 })
 """Keys both routes honour."""
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls"}
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
-    "tool_choice": ("none",), "tools": ([],), "functions": ([],),
+    "functions": ([],),
     "store": (False,), "modalities": (["text"],),
 }
 """Keys accepted only at the value that changes nothing (or null); any other value is refused."""
 MESSAGE_FIELDS = frozenset({"role", "content"})
-ROLES = ("system", "developer", "user", "assistant")
-"""Chat roles honoured; `developer` is read as `system`."""
-UNSUPPORTED_ROLES = ("tool", "function")
+ROLE_FIELDS = {"assistant": MESSAGE_FIELDS | {"tool_calls"}, "tool": MESSAGE_FIELDS | {"tool_call_id"}}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""Chat roles honoured; `developer` is read as `system`, `tool` results as user turns (daemon/tools.py)."""
+UNSUPPORTED_ROLES = ("function",)
 MAX_USER_CHARS = 256
 MAX_N = 8
 """Most choices one request may ask for (`n`); each is its own engine request."""
@@ -91,6 +93,8 @@ class GenerationSpec:
     """The client's end-user label (accepted, not interpreted)."""
     n: int = 1
     """Choices to generate (1..MAX_N), each its own engine request."""
+    tools: tools.Tools | None = None
+    """The functions a chat answer may call (daemon/tools.py); None: it answers in text."""
 
 
 def check_model(body: dict[str, Any], limits: Limits) -> None:
@@ -129,7 +133,12 @@ def _completion_logprobs(body: dict[str, Any]) -> tuple[bool, int]:
 def parse_chat(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> GenerationSpec:
     check_model(body, limits)
     check_fields(body, CHAT_FIELDS)
-    messages = _chat_messages(body, limits)
+    offered = tools.parse_tools(body)
+    messages = tools.tool_messages(_chat_messages(body, limits), offered)
+    forced = offered.constraint() if offered is not None else None
+    if forced is not None and structured.constraint_of(body) is not None:
+        raise bad_request("a forced tool call and a response format both constrain the output; send one",
+                          "tool_choice", "invalid_value")
     encode_chat = getattr(tok, "encode_chat", None)  # the real tokenizer: forging-safe ids
     try:
         if encode_chat is not None:
@@ -148,12 +157,13 @@ def parse_chat(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> Generati
         raise bad_request("max_tokens and max_completion_tokens disagree; send one of them",
                           "max_tokens", "invalid_value")
     names = {"prompt_ids": "messages", "max_tokens": key}
-    return _spec(body, limits, prompt_ids, logprobs, top, names, default_max_tokens=None)
+    spec = _spec(body, limits, prompt_ids, logprobs, top, names, default_max_tokens=None, constraint=forced)
+    return replace(spec, tools=offered)
 
 
 def _spec(body: dict[str, Any], limits: Limits, prompt_ids: list[int], logprobs: bool,
-          top_logprobs: int, names: dict[str, str], *, default_max_tokens: int | None
-          ) -> GenerationSpec:
+          top_logprobs: int, names: dict[str, str], *, default_max_tokens: int | None,
+          constraint: Constraint | None = None) -> GenerationSpec:
     """The sampling settings, checked by the engine's own rules (Request.validate).
 
     An absent max_tokens defaults to `default_max_tokens` (completions: 16, as
@@ -190,7 +200,7 @@ def _spec(body: dict[str, Any], limits: Limits, prompt_ids: list[int], logprobs:
         presence_penalty=_opt_number(body, "presence_penalty", 0.0),
         frequency_penalty=_opt_number(body, "frequency_penalty", 0.0),
         repetition_penalty=_opt_number(body, "repetition_penalty", 1.0),
-        constraint=structured.constraint_of(body),
+        constraint=constraint or structured.constraint_of(body),
     )
     with _naming(names):
         Request("parse", prompt_ids, sampling).validate(limits.vocab_size, limits.max_context)
@@ -301,10 +311,17 @@ def _chat_messages(body: dict[str, Any], limits: Limits) -> list[dict[str, Any]]
                               f"{param}.role", "unsupported_parameter")
         if role not in ROLES:
             raise _value_error(f"{param}.role", f"must be one of {', '.join(ROLES)}", role)
-        _only(message, MESSAGE_FIELDS, param)
+        _only(message, ROLE_FIELDS.get(role, MESSAGE_FIELDS), param)
         content = _message_text(message.get("content"), f"{param}.content", role)
         chars += len(content)
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        turn: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if message.get("tool_calls") is not None:
+            turn["tool_calls"] = tools.check_tool_calls(message["tool_calls"], f"{param}.tool_calls")
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise _type_error(f"{param}.tool_call_id", "a string")
+            turn["tool_call_id"] = message["tool_call_id"]
+        out.append(turn)
     if chars > limits.max_prompt_chars:
         raise _too_long("messages", chars, limits)
     return out

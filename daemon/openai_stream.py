@@ -125,7 +125,7 @@ async def _stream_events(writer: StreamGuard, choices: Choices, fmt: Format,
     try:
         async for index, event in choices:
             outs[index].add(event)
-            data = _event_chunks(fmt, event, index)
+            data = _event_chunks(fmt, event, index, outs[index])
             running -= 1 if event.finished else 0
             if not running or event.finish_reason == "abort":  # an abort (shutdown) ends them all
                 tail.append(data)  # goes out with the usage chunk (or the error) and [DONE]
@@ -146,14 +146,16 @@ async def _stream_events(writer: StreamGuard, choices: Choices, fmt: Format,
     await writer.write_eof()
 
 
-def _event_chunks(fmt: Format, event: TokenEvent, index: int) -> bytes:
-    """The SSE chunks of one engine event: its text (if any), then its finish (if it ends)."""
+def _event_chunks(fmt: Format, event: TokenEvent, index: int, out: Output) -> bytes:
+    """The SSE chunks of one engine event: its text (if any, and not held back), then its finish
+    (if it ends)."""
     data = b""
-    if event.text or (event.logprobs and fmt.spec.sampling.logprobs):
-        data = _encode(fmt, fmt.envelope(fmt.object_chunk, [fmt.text_choice(event, index)]))
+    choice = fmt.text_choice(event, index) if event.text or (event.logprobs and fmt.spec.sampling.logprobs) else None
+    if choice is not None:
+        data = _encode(fmt, fmt.envelope(fmt.object_chunk, [choice]))
     if event.finished and event.finish_reason != "abort":
-        finish = fmt.finish_choice(event.finish_reason, index)
-        data += _encode(fmt, fmt.envelope(fmt.object_chunk, [finish]))
+        for finish in fmt.finish_choices(out, event.finish_reason, index):
+            data += _encode(fmt, fmt.envelope(fmt.object_chunk, [finish]))
     return data
 
 

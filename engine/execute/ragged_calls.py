@@ -175,11 +175,13 @@ def run(runner: ModelRunner, c: RaggedCall) -> tuple[np.ndarray, np.ndarray, np.
 
 
 def open_mask(runner: ModelRunner, n: int):
-    """A device array [n, W] of -1 words, allowing every id: the mask of a call without
-    constraints, made once per output count."""
+    """[n, W] -1 words, allowing every id: the mask of a call without constraints, made once per
+    output count and kept on the device (a runner over a mesh takes it from the host, as the
+    call's other host arrays, whose placement its compiled calls expect)."""
     masks = runner.__dict__.setdefault("_open_masks", {})
     if n not in masks:
-        masks[n] = jax.device_put(np.full((n, mask_words(runner.cfg.vocab_size)), -1, np.int32))
+        words = np.full((n, mask_words(runner.cfg.vocab_size)), -1, np.int32)
+        masks[n] = words if runner.mesh is not None else jax.device_put(words)
     return masks[n]
 
 

@@ -134,6 +134,14 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("n-nine", CHAT, chat(n=9, temperature=1.0), 400, "n"),
     ("n-float", C, comp(n=2.5), 400, "n"),
     ("n-true", C, comp(n=True), 400, "n"),
+    ("tool-choice-without-tools", CHAT, chat(tool_choice="auto"), 400, "tool_choice"),
+    ("tool-bad-name", CHAT, chat(tools=[{"type": "function", "function": {"name": "a b"}}]), 400,
+     "tools[0].function.name"),
+    ("tool-role-without-call-id", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400,
+     "messages[0].tool_call_id"),
+    ("message-tool-calls-empty", CHAT, chat(messages=[{"role": "user", "content": "x"},
+                                                      {"role": "assistant", "content": None, "tool_calls": []}]),
+     400, "messages[1].tool_calls"),
 ]
 
 UNSUPPORTED: list[tuple[str, str, dict[str, Any], str]] = [
@@ -144,8 +152,6 @@ UNSUPPORTED: list[tuple[str, str, dict[str, Any], str]] = [
     ("best-of-with-n", C, comp(n=2, best_of=2), "best_of"),
     ("echo", C, comp(echo=True), "echo"),
     ("suffix", C, comp(suffix="x"), "suffix"),
-    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    ("tool-choice", CHAT, chat(tool_choice="auto"), "tool_choice"),
     ("functions", CHAT, chat(functions=[{"name": "f"}]), "functions"),
     ("logit-bias", C, comp(logit_bias={"5": 1}), "logit_bias"),
     ("stream-options-other-key", C, comp(stream=True, stream_options={"include_usage": True,
@@ -154,12 +160,8 @@ UNSUPPORTED: list[tuple[str, str, dict[str, Any], str]] = [
     ("text-part-extra-key", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]),
      "messages[0].content[0].cache_control"),
-    ("tool-role", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
     ("message-name", CHAT, chat(messages=[{"role": "user", "content": "x", "name": "bob"}]),
      "messages[0].name"),
-    ("message-tool-calls", CHAT, chat(messages=[{"role": "user", "content": "x"},
-                                                {"role": "assistant", "content": None, "tool_calls": []}]),
-     "messages[1].tool_calls"),
 ]
 
 GOOD: list[tuple[str, str, dict[str, Any]]] = [

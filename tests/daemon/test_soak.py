@@ -179,7 +179,7 @@ BAD_PROMPTS: list[tuple[Any, str]] = [
 BAD_CHAT: list[tuple[Any, str]] = [
     ([], "messages"), ([{"role": "wizard", "content": "x"}], "messages[0].role"),
     ([{"role": "user", "content": 5}], "messages[0].content"),
-    ([{"role": "tool", "content": "x"}], "messages[0].role"), ("hi", "messages"),
+    ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"), ("hi", "messages"),
 ]
 
 

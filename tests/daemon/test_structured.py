@@ -74,7 +74,7 @@ def server() -> Iterator[LiveServer]:
 
     cfg = tiny_config()
     engine = make_engine((cfg, init_random_params(cfg, jax.random.PRNGKey(0))), ChatBytes(),
-                         max_batch=4, max_context=512)
+                         max_batch=4, max_context=1536, global_pages=2000)  # tool prompts: ~700 byte tokens
     engine.warmup = lambda progress=True: None  # the shapes compile on use
     srv = LiveServer(engine).start()
     yield srv
