@@ -138,19 +138,18 @@ async def _generate(request: web.Request, parse: Parser, fmt_cls: type[Format]) 
     work = functools.partial(_parse, raw, parse, limits, engine.tokenizer)
     # big bodies are decoded and tokenized off the loop, so other streams keep flowing
     spec = await asyncio.to_thread(work) if len(raw) > OFFLOAD_BYTES else work()
-    if spec.n > settings.max_in_flight:  # could never be admitted whole
-        raise bad_request(f"n={spec.n} is more than this server's {settings.max_in_flight} requests "
+    if spec.choices > settings.max_in_flight:  # could never be admitted whole
+        raise bad_request(f"{spec.choices} choices are more than this server's {settings.max_in_flight} requests "
                           "in flight", "n", "invalid_value")
     fmt = fmt_cls(names[0], spec, engine.tokenizer)
     record = st.request_record(request)
-    record.update(request_id=fmt.id, tenant=tenant.name, prompt_tokens=len(spec.prompt_ids),
+    record.update(request_id=fmt.id, tenant=tenant.name, prompt_tokens=sum(map(len, spec.all_prompts)),
                   stream=spec.stream)
     if spec.user is not None:  # the client's end-user label goes to the log line, nowhere else
         record["user"] = spec.user
-    if spec.n > 1:
-        record["n"] = spec.n
-    reqs = [Request(rid, spec.prompt_ids, sampling, tenant.name, arrival)
-            for rid, sampling in _choice_requests(fmt.id, spec)]
+    if spec.choices > 1:
+        record["n"] = spec.choices
+    reqs = [Request(rid, ids, sampling, tenant.name, arrival) for rid, ids, sampling in _choice_requests(fmt.id, spec)]
     outs = [Output(start) for _ in reqs]
     try:
         return await _serve(request, tenant, reqs, fmt, outs)
@@ -162,20 +161,21 @@ async def _generate(request: web.Request, parse: Parser, fmt_cls: type[Format]) 
                       ttft_ms=min(firsts, default=None))
 
 
-def _choice_requests(response_id: str, spec: GenerationSpec) -> list[tuple[str, Any]]:
-    """(engine request id, sampling) per choice: one choice keeps the response's id and seed.
+def _choice_requests(response_id: str, spec: GenerationSpec) -> list[tuple[str, list[int], Any]]:
+    """(engine request id, prompt ids, sampling) per choice, `n` per prompt in prompt order (the
+    choice's `index`): one choice keeps the response's id and seed; choice i gets seed + i.
 
     >>> from engine.types import SamplingParams
     >>> spec = GenerationSpec([1], SamplingParams(seed=2**64 - 1), False, False, 0, n=2)
-    >>> [(rid, sp.seed) for rid, sp in _choice_requests("cmpl-x", spec)]
+    >>> [(rid, sp.seed) for rid, _, sp in _choice_requests("cmpl-x", spec)]
     [('cmpl-x-0', 18446744073709551615), ('cmpl-x-1', 0)]
     """
-    if spec.n == 1:
-        return [(response_id, spec.sampling)]
+    if spec.choices == 1:
+        return [(response_id, spec.prompt_ids, spec.sampling)]
     seed = spec.sampling.seed
-    return [(f"{response_id}-{i}", spec.sampling if seed is None else
+    return [(f"{response_id}-{i}", ids, spec.sampling if seed is None else
              dataclasses.replace(spec.sampling, seed=(seed + i) % SEED_MODULUS))
-            for i in range(spec.n)]
+            for i, ids in enumerate(ids for ids in spec.all_prompts for _ in range(spec.n))]
 
 
 async def _serve(request: web.Request, tenant: TenantInfo, reqs: list[Request], fmt: Format,

@@ -39,13 +39,14 @@ class Output:
 
 
 def usage(spec: GenerationSpec, outs: list[Output]) -> dict[str, int]:
-    """Token counts of a response: the prompt once (as OpenAI counts n > 1), every choice's output.
+    """Token counts of a response: each prompt once (as OpenAI counts n > 1), every choice's output.
 
     >>> a, b = Output(token_ids=[5, 6]), Output(token_ids=[7])
     >>> usage(GenerationSpec([1, 2, 3], None, False, False, 0), [a, b])
     {'prompt_tokens': 3, 'completion_tokens': 3, 'total_tokens': 6}
     """
-    prompt, completion = len(spec.prompt_ids), sum(len(out.token_ids) for out in outs)
+    prompt = sum(len(ids) for ids in spec.all_prompts)
+    completion = sum(len(out.token_ids) for out in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 

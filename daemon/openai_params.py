@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 from daemon import structured, tools
 from daemon.errors import ApiError, bad_request
+from daemon.generation import GenerationSpec, Limits, Tokenizer
 from engine.types import Constraint, ParamError, Request, SamplingParams, check_prompt_ids, is_finite_number
 
 COMMON_FIELDS = frozenset({
@@ -49,52 +50,8 @@ UNSUPPORTED_ROLES = ("function",)
 MAX_USER_CHARS = 256
 MAX_N = 8
 """Most choices one request may ask for (`n`); each is its own engine request."""
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str: ...
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a request may ask for."""
-
-    model_name: str
-    """The name answers carry (the first served name)."""
-    max_context: int
-    max_prompt_chars: int
-    max_tokens: int | None = None
-    """The tenant's cap on completion tokens: more is a 400; an unset max_tokens is clamped."""
-    vocab_size: int | None = None
-    """Token ids must be below it (None: the engine checks them on submit)."""
-    max_concurrent: int | None = None
-    """The tenant's slots: `n` above it is a 400 (its n choices could never run at once)."""
-    model_names: tuple[str, ...] = ()
-    """Every name `model` may take (`--served-model-name`); () : `model_name` alone."""
-
-
-@dataclass(frozen=True)
-class GenerationSpec:
-    """A validated request, ready to become an `engine.types.Request`."""
-
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    stream: bool
-    include_usage: bool
-    top_logprobs: int
-    """Most likely tokens listed per token in top_logprobs (0..20)."""
-    names: dict[str, str] = field(default_factory=dict)
-    """engine field -> the body key it came from (prompt_ids -> prompt or messages), for errors."""
-    user: str | None = None
-    """The client's end-user label (accepted, not interpreted)."""
-    n: int = 1
-    """Choices to generate (1..MAX_N), each its own engine request."""
-    tools: tools.Tools | None = None
-    """The functions a chat answer may call (daemon/tools.py); None: it answers in text."""
+MAX_PROMPTS = 16
+"""Most prompts one completion request may carry; each is answered with its own `n` choices."""
 
 
 def check_model(body: dict[str, Any], limits: Limits) -> None:
@@ -113,9 +70,20 @@ def parse_completion(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> Ge
     check_model(body, limits)
     check_fields(body, COMPLETION_FIELDS)
     names = {"prompt_ids": "prompt", "top_logprobs": "logprobs"}
-    prompt_ids = _completion_prompt(body, limits, tok)
+    prompts = _completion_prompts(body, limits, tok)
     logprobs, top = _completion_logprobs(body)
-    return _spec(body, limits, prompt_ids, logprobs, top, names, default_max_tokens=16)
+    longest = max(prompts, key=len)  # max_tokens' default and bound: the room the longest leaves
+    spec = _spec(body, limits, longest, logprobs, top, names, default_max_tokens=16)
+    if len(prompts) == 1:
+        return spec
+    with _naming(names):
+        for ids in prompts:
+            Request("parse", ids, spec.sampling).validate(limits.vocab_size, limits.max_context)
+    cap = limits.max_concurrent if limits.max_concurrent is not None else MAX_PROMPTS * MAX_N
+    if len(prompts) * spec.n > min(cap, MAX_PROMPTS * MAX_N):
+        raise bad_request(f"{len(prompts)} prompts x n={spec.n} choices is more than the {min(cap, MAX_PROMPTS * MAX_N)} "
+                          "requests this API key may have in flight", "prompt", "invalid_value")
+    return replace(spec, prompt_ids=prompts[0], prompts=prompts)
 
 
 def _completion_logprobs(body: dict[str, Any]) -> tuple[bool, int]:
@@ -266,24 +234,30 @@ def _labels(body: dict[str, Any]) -> str | None:
     return user
 
 
-def _completion_prompt(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> list[int]:
+def _completion_prompts(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> list[list[int]]:
+    """The token ids of each prompt: a string, a list of token ids, or a list of either (a batch,
+    at most MAX_PROMPTS); their characters together within max_prompt_chars."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
     if prompt is None:
         raise bad_request("you must provide a prompt parameter", "prompt", "missing_required_parameter")
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _value_error("prompt", "must not be empty", prompt)
-        if len(prompt) > limits.max_prompt_chars:
-            raise _too_long("prompt", len(prompt), limits)
-        return tok.encode(prompt, add_bos=True)  # control strings in it stay control tokens
-    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        return list(prompt)  # range-checked by check_prompt_ids in _spec
-    if isinstance(prompt, list):
-        raise bad_request("only a single prompt (a string or a list of token ids) is supported",
-                          "prompt", "invalid_type")
-    raise _type_error("prompt", "a string or a list of token ids")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        batch = [prompt]
+    elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt) or all(
+            isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt)):
+        batch = prompt
+    elif isinstance(prompt, list) and not prompt:
+        raise _value_error("prompt", "must not be empty", prompt)
+    else:
+        raise _type_error("prompt", "a string, a list of token ids, or a list of either")
+    if len(batch) > MAX_PROMPTS:
+        raise _value_error("prompt", f"may hold at most {MAX_PROMPTS} prompts", len(batch))
+    chars = sum(len(p) for p in batch if isinstance(p, str))
+    if chars > limits.max_prompt_chars:
+        raise _too_long("prompt", chars, limits)
+    if any(p == "" for p in batch):
+        raise _value_error("prompt", "must not be empty", "")
+    # a string's control strings stay control tokens; ids are range-checked by Request.validate
+    return [tok.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in batch]
 
 
 def _chat_messages(body: dict[str, Any], limits: Limits) -> list[dict[str, Any]]:

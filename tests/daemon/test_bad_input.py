@@ -54,7 +54,9 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("empty-prompt", C, comp(prompt=""), 400, "prompt"),
     ("empty-token-list", C, comp(prompt=[]), 400, "prompt"),
     ("prompt-wrong-type", C, comp(prompt=12), 400, "prompt"),
-    ("prompt-batch", C, comp(prompt=["a", "b"]), 400, "prompt"),
+    ("prompt-batch-too-many", C, comp(prompt=["a"] * 17), 400, "prompt"),
+    ("prompt-batch-mixed", C, comp(prompt=["a", [5, 6]]), 400, "prompt"),
+    ("prompt-batch-empty-one", C, comp(prompt=["a", ""]), 400, "prompt"),
     ("prompt-negative-id", C, comp(prompt=[5, -1]), 400, "prompt"),
     ("prompt-over-context", C, comp(prompt="x" * CTX), 400, "prompt"),
     ("prompt-over-char-limit", C, comp(prompt="x" * 600), 400, "prompt"),
@@ -194,6 +196,8 @@ GOOD: list[tuple[str, str, dict[str, Any]]] = [
     ("n-eight-chat", CHAT, chat(n=8, temperature=0.7, seed=-1, max_tokens=3, ignore_eos=True)),
     ("n-two-greedy", C, comp(n=2, temperature=0, max_tokens=4)),
     ("paired-surrogates", C, comp(prompt="a\U0001F600b", max_tokens=4, ignore_eos=True)),
+    ("prompt-batch", C, comp(prompt=["ab", "cd", "e"], n=2, temperature=1.0, seed=3, max_tokens=3,
+                             ignore_eos=True)),
 ]
 
 
@@ -272,7 +276,8 @@ def test_good_request_is_served(server: LiveServer, path: str, body: Any) -> Non
     before = len(server.sink.results)
     r = server.post(path, on(server, body))
     assert r.status == 200, r.data
-    n = body.get("n") or 1
+    n = (body.get("n") or 1) * (len(body["prompt"]) if isinstance(body.get("prompt"), list)
+                                and isinstance(body["prompt"][0], (str, list)) else 1)
     choices = r.json()["choices"]
     assert [c["index"] for c in choices] == list(range(n))
     assert all(c["finish_reason"] in ("stop", "length") for c in choices)

@@ -107,3 +107,31 @@ def test_served_model_names_answer_to_each_and_report_the_first(live) -> None:
     assert r.status == 200 and r.json()["model"] == "gemma"
     r = server.post("/v1/completions", {"model": "fake-reverse", "prompt": "abc", "max_tokens": 2})  # the engine's own
     assert r.status == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_list_of_prompts_is_answered_prompt_by_prompt(live) -> None:
+    """Each prompt its own `n` choices, in prompt order; usage counts every prompt (the fake
+    engine answers a prompt with its text reversed)."""
+    from tests.daemon.helpers import MODEL
+
+    server = live()
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": ["abc", "hello"], "max_tokens": 20, "n": 2})
+    assert r.status == 200, r.data
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == list(range(4))
+    assert [c["text"] for c in body["choices"]] == ["cba", "cba", "olleh", "olleh"]
+    assert body["usage"]["prompt_tokens"] == 4 + 6  # each with its BOS
+    from engine.fake import FakeTokenizer
+
+    ids = [FakeTokenizer().encode("xy"), FakeTokenizer().encode("z")]
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 20})
+    assert [c["text"] for c in r.json()["choices"]] == ["yx", "z"]
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": ["ab", "cd"], "max_tokens": 20, "stream": True})
+    from tests.daemon.helpers import parse_sse
+
+    chunks = [e for e in parse_sse(r.data) if isinstance(e, dict)]
+    by_index: dict[int, str] = {}
+    for e in chunks:
+        for c in e["choices"]:
+            by_index[c["index"]] = by_index.get(c["index"], "") + c["text"]
+    assert by_index == {0: "ba", 1: "dc"}
