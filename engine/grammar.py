@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -49,8 +50,11 @@ def _llguidance() -> Any:
     return llguidance
 
 
+@functools.lru_cache(maxsize=256)
 def grammar_text(c: Constraint) -> str:
     """llguidance's grammar for `c`, checked; ConstraintError naming `c.param` when it is not one.
+    Cached: the daemon checks a request's constraint when it parses it, and the engine compiles
+    the same one again for each choice's matcher.
 
     >>> grammar_text(Constraint("regex", "[0-9]+", "guided_regex")).startswith("{")
     True

@@ -178,7 +178,7 @@ def open_mask(runner: ModelRunner, n: int):
     """[n, W] -1 words, allowing every id: the mask of a call without constraints, made once per
     output count and kept on the device (a runner over a mesh takes it from the host, as the
     call's other host arrays, whose placement its compiled calls expect)."""
-    masks = runner.__dict__.setdefault("_open_masks", {})
+    masks = runner.open_masks
     if n not in masks:
         words = np.full((n, mask_words(runner.cfg.vocab_size)), -1, np.int32)
         masks[n] = words if runner.mesh is not None else jax.device_put(words)

@@ -473,13 +473,9 @@ def admin_chaos(server: SmallBufferServer, done: threading.Event, pin_lock: thre
 
 def scrape(server: SmallBufferServer) -> dict[str, float]:
     """Each sample name of /metrics with its values summed over the labels."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from bench.soak import scrape as summed
 
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(server.get("/metrics").data.decode()):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
+    return summed(server.get("/metrics").data.decode())
 
 
 def free_lists_whole(engine: Any) -> bool:
