@@ -1,6 +1,7 @@
 """The aiohttp application: `make_app(settings, engine, database=...)` and its lifecycle.
 
-Routes: the OpenAI-compatible API (daemon.openai_api), /health (the process
+Routes: the OpenAI-compatible API (daemon.openai_api; vLLM's /tokenize, /detokenize and
+/tokenizer_info in daemon.tokenize_api), /health (the process
 and its engine thread are alive), /ready (warmed up and not draining),
 /metrics (daemon.metrics), /admin/* (daemon.admin) and /dashboard
 (daemon.dashboard).
@@ -26,7 +27,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from daemon import dashboard, jsonlog, openai_api, tuning
+from daemon import dashboard, jsonlog, openai_api, tokenize_api, tuning
 from daemon import state as st
 from daemon.admin import GUESSES_KEY, GuessThrottle, admin_middleware
 from daemon.admin import routes as admin_routes
@@ -103,6 +104,7 @@ def _attach_database(app: web.Application, database: Database | None) -> list[Si
 
 def _add_routes(app: web.Application) -> None:
     app.add_routes(openai_api.routes)
+    app.add_routes(tokenize_api.routes)
     app.add_routes(admin_routes)
     dashboard.add_routes(app)
     app.router.add_get("/health", health)

@@ -56,6 +56,11 @@ class GenerationSpec:
     """The functions a chat answer may call (daemon/tools.py); None: it answers in text."""
     prompts: list[list[int]] | None = None
     """A completion request's prompts when it sent a list of them (`prompt_ids` is the first)."""
+    tokens_as_ids: bool = False
+    """Logprobs name tokens `token_id:<id>` (vLLM's `return_tokens_as_token_ids`)."""
+    echo: tuple[str, ...] | None = None
+    """A completion request's `echo`: each prompt's text, put before its choices' text (and
+    with logprobs, its tokens' logprobs before theirs); None: off."""
 
     @property
     def all_prompts(self) -> list[list[int]]:

@@ -26,10 +26,14 @@ class Output:
     tops: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     finish_reason: str | None = None
     ttft_ms: float | None = None
+    prompt_logprobs: tuple | None = None
+    """Per prompt token its engine.types.PromptLogprob (None for the first) when the prompt was scored."""
 
     def add(self, event: TokenEvent) -> None:
         if self.ttft_ms is None and event.token_ids:
             self.ttft_ms = round((time.monotonic() - self.start) * 1000.0, 1)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         self.text.append(event.text)
         self.token_ids.extend(event.token_ids)
         self.logprobs.extend(event.logprobs or ())
@@ -62,6 +66,8 @@ class Format:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.model, self.spec, self.tok = model, spec, tok
         self.created = int(time.time())
+        self.unechoed = set(range(spec.choices)) if spec.echo is not None else set()
+        """Choices whose stream has not yet carried their prompt (`echo`)."""
 
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -69,12 +75,34 @@ class Format:
 
     def full_choice(self, out: Output, index: int = 0) -> dict[str, Any]:
         lp = self._lp(out.token_ids, out.logprobs, out.tops)
-        return {"index": index, "text": "".join(out.text), "logprobs": lp,
-                "finish_reason": out.finish_reason}
+        text, lp = self._echoed(index, "".join(out.text), lp, out.prompt_logprobs)
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
 
     def text_choice(self, event: TokenEvent, index: int = 0) -> dict[str, Any]:
         lp = self._lp(list(event.token_ids), list(event.logprobs or ()), list(event.top_logprobs or ()))
-        return {"index": index, "text": event.text, "logprobs": lp, "finish_reason": None}
+        text = event.text
+        if index in self.unechoed:  # a choice's first chunk carries its prompt
+            self.unechoed.discard(index)
+            text, lp = self._echoed(index, text, lp, event.prompt_logprobs)
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
+
+    def _echoed(self, index: int, text: str, lp: dict[str, Any] | None,
+                prompt_lps: tuple | None) -> tuple[str, dict[str, Any] | None]:
+        """A choice's `text` and logprobs with its prompt's before them (`echo`); the first prompt
+        token has no logprob (nothing precedes it), as vLLM and OpenAI answer."""
+        if self.spec.echo is None:
+            return text, lp
+        prompt = self.spec.echo[index // self.spec.n]
+        if lp is None or prompt_lps is None:
+            return prompt + text, lp
+        ids = self.spec.all_prompts[index // self.spec.n]
+        head = self._lp(ids, [p and p[0] for p in prompt_lps], [p and p[1] for p in prompt_lps])
+        shift = sum(map(len, head["tokens"]))
+        top = None if lp["top_logprobs"] is None else head["top_logprobs"] + lp["top_logprobs"]
+        return prompt + text, {"tokens": head["tokens"] + lp["tokens"],
+                               "token_logprobs": head["token_logprobs"] + lp["token_logprobs"],
+                               "top_logprobs": top,
+                               "text_offset": head["text_offset"] + [shift + o for o in lp["text_offset"]]}
 
     def finish_choice(self, reason: str | None, index: int = 0) -> dict[str, Any]:
         return {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
@@ -86,21 +114,29 @@ class Format:
     def first_chunks(self) -> list[dict[str, Any]]:
         return []
 
+    def token_text(self, token: int) -> str:
+        """How logprobs name a token: its text, or `token_id:<id>` (vLLM's
+        `return_tokens_as_token_ids`, for tokens whose text is not whole UTF-8)."""
+        return f"token_id:{token}" if self.spec.tokens_as_ids else self.tok.decode([token])
+
     def _lp(self, token_ids: list[int], logprobs: list[float], tops: list) -> dict[str, Any] | None:
         """The legacy shape: top_logprobs is one {token text: logprob} per token (the N most
         likely, then the chosen token if it is not among them, as vLLM)."""
         if not self.spec.sampling.logprobs:
             return None
-        tokens = [self.tok.decode([t]) for t in token_ids]
+        tokens = [self.token_text(t) for t in token_ids]
         offsets, pos = [], 0
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
         top = None
-        if self.spec.top_logprobs:
+        if self.spec.top_logprobs or self.spec.sampling.prompt_logprobs is not None:
             top = []
             for text, lp, alts in zip(tokens, logprobs, tops, strict=False):
-                entry = {self.tok.decode([i]): v for i, v in reversed(alts)}  # equal texts: the best wins
+                if lp is None:  # a prompt's first token
+                    top.append(None)
+                    continue
+                entry = {self.token_text(i): v for i, v in reversed(alts)}  # equal texts: the best wins
                 entry.setdefault(text, lp)
                 top.append(entry)
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top,
@@ -165,5 +201,5 @@ class ChatFormat(Format):
         return {"content": content, "refusal": None}
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self.tok.decode([token])
+        text = self.token_text(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}

@@ -30,14 +30,15 @@ from engine.types import Constraint, ParamError, Request, SamplingParams, check_
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
     "logprobs", "stream", "stream_options", "ignore_eos", "user", "metadata", "min_p", "min_tokens",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "n", *structured.FIELDS,
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "n", "return_tokens_as_token_ids",
+    *structured.FIELDS,
 })
 """Keys both routes honour."""
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                "parallel_tool_calls"}
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
+    "best_of": (1,), "suffix": ("",), "logit_bias": ({},),
     "functions": ([],),
     "store": (False,), "modalities": (["text"],),
 }
@@ -70,10 +71,16 @@ def parse_completion(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> Ge
     check_model(body, limits)
     check_fields(body, COMPLETION_FIELDS)
     names = {"prompt_ids": "prompt", "top_logprobs": "logprobs"}
-    prompts = _completion_prompts(body, limits, tok)
+    batch = _completion_batch(body, limits)
+    # a string's control strings stay control tokens; ids are range-checked by Request.validate
+    prompts = [tok.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in batch]
     logprobs, top = _completion_logprobs(body)
     longest = max(prompts, key=len)  # max_tokens' default and bound: the room the longest leaves
     spec = _spec(body, limits, longest, logprobs, top, names, default_max_tokens=16)
+    if _opt(body, "echo", bool, "a boolean"):  # the prompt's text, and with logprobs its tokens' too
+        echo = tuple(p if isinstance(p, str) else tok.decode(p) for p in batch)
+        scored = replace(spec.sampling, prompt_logprobs=top if logprobs else None)
+        spec = replace(spec, echo=echo, sampling=scored)
     if len(prompts) == 1:
         return spec
     with _naming(names):
@@ -102,20 +109,12 @@ def parse_chat(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> Generati
     check_model(body, limits)
     check_fields(body, CHAT_FIELDS)
     offered = tools.parse_tools(body)
-    messages = tools.tool_messages(_chat_messages(body, limits), offered)
+    messages = tools.tool_messages(chat_messages(body, limits), offered)
     forced = offered.constraint() if offered is not None else None
     if forced is not None and structured.constraint_of(body) is not None:
         raise bad_request("a forced tool call and a response format both constrain the output; send one",
                           "tool_choice", "invalid_value")
-    encode_chat = getattr(tok, "encode_chat", None)  # the real tokenizer: forging-safe ids
-    try:
-        if encode_chat is not None:
-            prompt_ids = encode_chat(messages, add_generation_prompt=True)
-        else:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
-            prompt_ids = tok.encode(text, add_bos=True)
-    except ValueError as exc:
-        raise bad_request(str(exc), "messages", "invalid_value") from None
+    prompt_ids = chat_ids(messages, tok)
     logprobs = _opt(body, "logprobs", bool, "a boolean") or False
     top = _opt_int(body, "top_logprobs") or 0
     if top and not logprobs:
@@ -127,6 +126,18 @@ def parse_chat(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> Generati
     names = {"prompt_ids": "messages", "max_tokens": key}
     spec = _spec(body, limits, prompt_ids, logprobs, top, names, default_max_tokens=None, constraint=forced)
     return replace(spec, tools=offered)
+
+
+def chat_ids(messages: list[dict[str, Any]], tok: Tokenizer, add_generation_prompt: bool = True) -> list[int]:
+    """The prompt's token ids of checked chat `messages` in the model's template."""
+    encode_chat = getattr(tok, "encode_chat", None)  # the real tokenizer: forging-safe ids
+    try:
+        if encode_chat is not None:
+            return encode_chat(messages, add_generation_prompt=add_generation_prompt)
+        text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return tok.encode(text, add_bos=True)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages", "invalid_value") from None
 
 
 def _spec(body: dict[str, Any], limits: Limits, prompt_ids: list[int], logprobs: bool,
@@ -173,7 +184,8 @@ def _spec(body: dict[str, Any], limits: Limits, prompt_ids: list[int], logprobs:
     with _naming(names):
         Request("parse", prompt_ids, sampling).validate(limits.vocab_size, limits.max_context)
     return GenerationSpec(prompt_ids, sampling, stream, _include_usage(body, stream),
-                          top_logprobs, names, _labels(body), _choices(body, limits))
+                          top_logprobs, names, _labels(body), _choices(body, limits),
+                          tokens_as_ids=_opt(body, "return_tokens_as_token_ids", bool, "a boolean") or False)
 
 
 @contextmanager
@@ -234,9 +246,9 @@ def _labels(body: dict[str, Any]) -> str | None:
     return user
 
 
-def _completion_prompts(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> list[list[int]]:
-    """The token ids of each prompt: a string, a list of token ids, or a list of either (a batch,
-    at most MAX_PROMPTS); their characters together within max_prompt_chars."""
+def _completion_batch(body: dict[str, Any], limits: Limits) -> list[str | list[int]]:
+    """Each prompt, a string or a list of token ids: `prompt` is one of them or a list of either
+    (a batch, at most MAX_PROMPTS); their characters together within max_prompt_chars."""
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("you must provide a prompt parameter", "prompt", "missing_required_parameter")
@@ -256,11 +268,10 @@ def _completion_prompts(body: dict[str, Any], limits: Limits, tok: Tokenizer) ->
         raise _too_long("prompt", chars, limits)
     if any(p == "" for p in batch):
         raise _value_error("prompt", "must not be empty", "")
-    # a string's control strings stay control tokens; ids are range-checked by Request.validate
-    return [tok.encode(p, add_bos=True) if isinstance(p, str) else list(p) for p in batch]
+    return batch
 
 
-def _chat_messages(body: dict[str, Any], limits: Limits) -> list[dict[str, Any]]:
+def chat_messages(body: dict[str, Any], limits: Limits) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if messages is None:
         raise bad_request("you must provide a messages parameter", "messages", "missing_required_parameter")

@@ -150,7 +150,8 @@ def _event_chunks(fmt: Format, event: TokenEvent, index: int, out: Output) -> by
     """The SSE chunks of one engine event: its text (if any, and not held back), then its finish
     (if it ends)."""
     data = b""
-    choice = fmt.text_choice(event, index) if event.text or (event.logprobs and fmt.spec.sampling.logprobs) else None
+    wanted = event.text or (event.logprobs and fmt.spec.sampling.logprobs) or index in fmt.unechoed
+    choice = fmt.text_choice(event, index) if wanted else None
     if choice is not None:
         data = _encode(fmt, fmt.envelope(fmt.object_chunk, [choice]))
     if event.finished and event.finish_reason != "abort":

@@ -21,7 +21,8 @@ with max_tokens=2 the text is "cb" and finish_reason "length". With
 ignore_eos the reversed text repeats instead of ending; a stop token before
 min_tokens is replaced by the script's first other token. Stop strings cut the
 text before the match and hold back text that might start one. The
-log-probability of output position i is `fake_logprob(i)` (its top_logprobs: that token only).
+log-probability of output position i is `fake_logprob(i)` (its top_logprobs: that token only);
+a scored prompt's token i (SamplingParams.prompt_logprobs) has `fake_logprob(i)` likewise.
 
 Memory: each admitted request reserves ceil((prompt + max_tokens) / page_size)
 pages and returns them when it finishes, so leak tests can assert
@@ -91,6 +92,11 @@ class FakeTokenizer:
     def decode(self, ids: list[int] | tuple[int, ...]) -> str:
         data = bytes(i - BYTE_OFFSET for i in ids if i >= BYTE_OFFSET)
         return data.decode("utf-8", errors="replace")
+
+    def piece(self, token_id: int) -> str:
+        """One id's text, a control id's name too."""
+        names = {PAD_ID: "<pad>", EOS_ID: "<eos>", BOS_ID: "<bos>", END_OF_TURN_ID: "<end_of_turn>"}
+        return names.get(token_id) or self.decode([token_id])
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:
@@ -368,8 +374,13 @@ class FakeEngine:
         if hit:
             reason = "stop"
         tops = tuple(((t, lp),) for t, lp in zip(tokens, logprobs)) if sp.top_logprobs else None  # one
+        prompt = None
+        if sp.prompt_logprobs is not None and seq.produced == len(tokens):  # the first event
+            ids = seq.request.prompt_ids
+            prompt = (None, *((fake_logprob(i), ((t, fake_logprob(i)),)[: sp.prompt_logprobs])
+                              for i, t in enumerate(ids) if i))
         return TokenEvent(seq.request.request_id, tuple(tokens), text,
-                          tuple(logprobs) if sp.logprobs else None, reason is not None, reason, tops)
+                          tuple(logprobs) if sp.logprobs else None, reason is not None, reason, tops, prompt)
 
     @staticmethod
     def _release_text(seq: _Sequence, stops: tuple[str, ...], final: bool) -> tuple[str, bool]:

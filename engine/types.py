@@ -117,6 +117,10 @@ class SamplingParams:
     one multiplied by it; 1 is off, (0, 2]."""
     constraint: Constraint | None = None
     """The output must match it (structured outputs); None: free text."""
+    prompt_logprobs: int | None = None
+    """Score the prompt: each prompt token's logprob given the tokens before it, with this many
+    most likely tokens at each position (0..MAX_TOP_LOGPROBS), on the first TokenEvent; None: off.
+    Such a prompt is computed whole (the prefix cache is not read for it)."""
 
     def validate(self, vocab_size: int | None = None, max_context: int | None = None) -> None:
         """Raise ParamError naming the bad field; token ids and max_tokens are also checked
@@ -146,6 +150,10 @@ class SamplingParams:
             raise _bad("logprobs", "must be a boolean", self.logprobs)
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise _bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]", self.top_logprobs)
+        if self.prompt_logprobs is not None and not (_is_int(self.prompt_logprobs)
+                                                     and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise _bad("prompt_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]",
+                       self.prompt_logprobs)
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", "must be a boolean", self.ignore_eos)
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
@@ -231,6 +239,11 @@ class Request:
                              f"context of {max_context} tokens", "context_length_exceeded")
 
 
+PromptLogprob = tuple[float, tuple[tuple[int, float], ...]]
+"""A prompt token's logprob given the tokens before it, and the most likely (token id, logprob)
+pairs at that position, best first."""
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """New output of one request in one step (several tokens with speculation)."""
@@ -247,6 +260,9 @@ class TokenEvent:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     """Per token, the most likely (token id, logprob) pairs, best first (SamplingParams.top_logprobs
     of them); None unless asked for."""
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
+    """On a request's first event when SamplingParams.prompt_logprobs is set: per prompt token its
+    PromptLogprob, None for the first token (nothing precedes it)."""
 
 
 @dataclass(frozen=True)

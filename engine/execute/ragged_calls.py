@@ -23,7 +23,7 @@ import numpy as np
 from engine.config import ModelConfig
 from engine.execute.runner import ModelRunner, bucket, output_scores
 from engine.execute.runner import _verify as verify_scores
-from engine.execute.sampling import Adjust, SamplingArrays
+from engine.execute.sampling import Adjust, SamplingArrays, given_logprobs
 from engine.memory.kv import KVState
 from engine.model import ragged
 from engine.model.gemma import ATTEND_BLOCK, Params
@@ -64,11 +64,13 @@ def _heads(params: Params, h, out_idx, cand, samp: SamplingArrays, counter, mask
     token drawn (greedy or sampled) and the draft `cand` [O] (-1: none) accepted when it is that
     token, as engine.execute.sampling.verify; `adj` [O, 1, H] changes the logits first, and a
     grammar's `mask` [O, W] (-1 words: every id) keeps its tokens alone. Returns (tokens,
-    accepted, logprobs [O], top ids and logprobs [O, k], the hidden states [O, d])."""
+    accepted, logprobs [O], top ids and logprobs [O, k], the model's logprob of `cand` [O] (a
+    scored prompt's next token), the hidden states [O, d])."""
     hs = h[out_idx]
     sc = output_scores(params, hs[:, None])
     tok, acc, lp, ti, tl = verify_scores(sc, cand[:, None], samp, counter[:, None], adj, mask[:, None])
-    return tok[:, 0], acc[:, 0], lp[:, 0], ti[:, 0], tl[:, 0], hs
+    given = given_logprobs(sc.logits[:, 0], cand, samp)
+    return tok[:, 0], acc[:, 0], lp[:, 0], ti[:, 0], tl[:, 0], given, hs
 
 
 @dataclass(frozen=True)
@@ -160,8 +162,9 @@ def row_slots(runner: ModelRunner, n_tokens: int) -> int:
 
 def run(runner: ModelRunner, c: RaggedCall) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Execute one ragged call: (tokens, accepted, logprobs) [O] as numpy; the output slots'
-    hidden states stay in `last_hidden` [O, d] and top logprobs in `last_top` ([O, k] ids,
-    [O, k] logprobs; `top_in` reads them). Slots with logit adjustments are drawn again in
+    hidden states stay in `last_hidden` [O, d], top logprobs in `last_top` ([O, k] ids,
+    [O, k] logprobs; `top_in` reads them) and the drafts' (`cand`) logprobs in `last_given` [O]
+    (both only when some row wants logprobs). Slots with logit adjustments are drawn again in
     heads calls of their own (`_adjusted_heads`)."""
     h, new_kv = _forward(runner.cfg, runner.params, runner.kv, c.batch)
     runner.kv = _write(runner.kv, c.batch, new_kv)
@@ -170,7 +173,9 @@ def run(runner: ModelRunner, c: RaggedCall) -> tuple[np.ndarray, np.ndarray, np.
                                       c.counter, mask)
     if c.adjust is not None:
         out = _adjusted_heads(runner, h, c, out)
-    runner.last_top = (np.asarray(out[3]), np.asarray(out[4])) if c.samp["want_logprobs"].any() else None
+    wanted = c.samp["want_logprobs"].any()
+    runner.last_top = (np.asarray(out[3]), np.asarray(out[4])) if wanted else None
+    runner.last_given = np.asarray(out[5]) if wanted else None
     return np.asarray(out[0]), np.asarray(out[1]), np.asarray(out[2])
 
 
@@ -186,8 +191,8 @@ def open_mask(runner: ModelRunner, n: int):
 
 
 def _adjusted_heads(runner: ModelRunner, h, c: RaggedCall, out: list) -> list[np.ndarray]:
-    """`out` (tokens, accepted, logprobs, top ids, top logprobs) with the slots that carry logit
-    adjustments drawn again with them (and their grammar masks), ADJUST_OUTPUTS slots a call:
+    """`out` (tokens, accepted, logprobs, top ids and logprobs, given logprobs) with the slots that
+    carry logit adjustments drawn again with them (and their grammar masks), ADJUST_OUTPUTS slots a call:
     the heads then compile the adjusted variant for those few output counts only, and a call's
     other slots neither wait for nor carry the adjustments' [O, 1, H] buffers."""
     slots = np.flatnonzero((c.adjust["ids"] >= 0).any(axis=(1, 2)))
@@ -203,7 +208,7 @@ def _adjusted_heads(runner: ModelRunner, h, c: RaggedCall, out: list) -> list[np
                      SamplingArrays(**{k: _take(v, part, spare_samp[k]) for k, v in c.samp.items()}),
                      _take(c.counter, part, idle), _take(mask, part, np.full((O - n, words), -1, np.int32)),
                      Adjust(**{k: _take(v, part, spare_adj[k]) for k, v in c.adjust.items()}))
-        for dst, src in zip(out, got[:5]):
+        for dst, src in zip(out, got[:6]):
             dst[part] = np.asarray(src)[:n]
     return out
 

@@ -162,6 +162,7 @@ class ModelRunner:
         self.warm_compiles: int | None = None
         self.last_hidden = None  # [B, Tl, d] final hidden states of the latest call
         self.last_top = None  # ([B, Tl, k] ids, [B, Tl, k] logprobs) of the latest call, if asked
+        self.last_given = None  # [O] logprobs of the latest ragged call's drafts, if asked
         self.open_masks: dict[int, object] = {}  # output count -> its all-ids mask (ragged_calls.open_mask)
         self.adjust_width = rc.max_context + SPARE_ENTRIES
         """Logit entries per position: a context's distinct tokens plus banned stop ids."""

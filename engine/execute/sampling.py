@@ -303,6 +303,18 @@ def _logprobs(logits, tok, s: SamplingArrays):
     return jax.lax.cond(jnp.any(s.want_logprobs), lp, lambda: jnp.zeros(tok.shape, jnp.float32))
 
 
+def given_logprobs(logits: jax.Array, ids: jax.Array, s: SamplingArrays):
+    """Each row's log-probability of the given token `ids` [N] (-1: none, 0 there) under
+    `logits` [N, V]: a scored prompt's next token at each of its positions. Zeros unless a row
+    wants logprobs. Example: log-probabilities [-1.6, -0.4, -2.3] and id 2 -> -2.3."""
+
+    def lp():
+        chosen = jnp.take_along_axis(logits, jnp.maximum(ids, 0)[:, None], axis=1)[:, 0]
+        return jnp.where(ids >= 0, chosen - jax.nn.logsumexp(logits, axis=-1), 0.0)
+
+    return jax.lax.cond(jnp.any(s.want_logprobs), lp, lambda: jnp.zeros(ids.shape, jnp.float32))
+
+
 def sample(logits: jax.Array, s: SamplingArrays, counter: jax.Array, best: jax.Array | None = None,
            raw: jax.Array | None = None):
     """Pick one token per row and its log-probability under the model.

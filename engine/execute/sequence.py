@@ -102,6 +102,9 @@ class Sequence:
     """[d] final hidden state at the newest cached position (kept only for MTP heads)."""
     matcher: Any = None
     """The grammar a constrained request's output follows (engine.grammar.Matcher), else None."""
+    prompt_lps: list | None = None
+    """A scored prompt's (SamplingParams.prompt_logprobs) PromptLogprob per prompt token, filled
+    as its chunks run (engine/step/ragged_step.py); sent on its first event."""
 
     @property
     def request_id(self) -> str:

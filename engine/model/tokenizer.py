@@ -190,6 +190,10 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         return apply_chat_template(messages, add_generation_prompt)
 
+    def piece(self, token_id: int) -> str:
+        """The vocabulary's text of one id, a control piece's too (`<bos>`, `<eos>`)."""
+        return self._text[self._checked(token_id)]
+
     def token_bytes(self) -> list[bytes]:
         """Each id's bytes as constrained decoding (engine/grammar.py) matches them: a byte piece
         its byte; a control piece, or a user-defined one written like one (<unused0>, <img>),

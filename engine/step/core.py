@@ -332,6 +332,8 @@ class EngineCore:
             if sp.top_logprobs:
                 tops = top_in(self.runner, slots)
             ev = append_tokens(seq, toks, lps if sp.logprobs else None, self._stops(sp), self.max_context, tops)
+            if seq.prompt_lps is not None:  # a scored prompt, sent with its first token
+                ev, seq.prompt_lps = replace(ev, prompt_logprobs=tuple(seq.prompt_lps)), None
         except Exception:
             self._fail(seq, "its detokenization or stop rules", events, finished)
             return

@@ -26,13 +26,13 @@ import numpy as np
 
 from engine.execute import ragged_calls
 from engine.execute.penalties import fill_adjust, wants_adjust
-from engine.execute.ragged_calls import RaggedRow, table_width, token_buckets
+from engine.execute.ragged_calls import RaggedRow, table_width, token_buckets, top_in
 from engine.execute.sampling import Adjust, SamplingArrays
 from engine.execute.sequence import Sequence, Status
 from engine.step.chooser import PLAIN
 from engine.step.faults import propose_alone
 from engine.types import RowClass
-from engine.warmup.warm import max_tokens
+from engine.warmup.warm import max_outputs, max_tokens
 
 
 @dataclass
@@ -79,6 +79,7 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
     later = bool(decode) or any(n < s.remaining for s, n in chunks)  # a next step runs anyway
     lengths = fit_step(sum(1 + len(d) for _, _, d in decode), [n for _, n in chunks],
                        tuple(token_buckets(max_tokens(core))), later)
+    lengths = scored_lengths(chunks, lengths, max_outputs(core) - sum(1 + len(d) for _, _, d in decode))
     fitted = {id(s): n for (s, _), n in zip(chunks, lengths, strict=True)}
     items += [(s, None, (), fitted[id(s)]) for s, _ in chunks]
     plan.prefill = [(s, fitted.get(id(s), n)) for s, n in plan.prefill]  # the step's stats count what ran
@@ -150,6 +151,30 @@ def fit_step(decode_tokens: int, chunks: list[int], buckets: tuple[int, ...], la
         out[i] -= cut
         excess -= cut
     return out
+
+
+def scored_lengths(chunks: list[tuple[Sequence, int]], lengths: list[int], outputs: int) -> list[int]:
+    """`lengths` with the chunks of scored prompts (SamplingParams.prompt_logprobs: an output
+    slot at every token) cut so that the step's output slots stay within `outputs`, the most
+    its heads compile for (every chunk keeps one token and its one slot).
+
+    >>> class R: sampling = type("S", (), {"prompt_logprobs": 1})
+    >>> scored, plain = type("Q", (), {"req": R})(), type("Q", (), {"req": None})()
+    >>> scored_lengths([(plain, 0), (scored, 0), (scored, 0)], [50, 40, 30], 60)
+    [50, 40, 19]
+    """
+    spare = outputs - len(lengths)
+    out = list(lengths)
+    for i, (seq, _) in enumerate(chunks):
+        if _scored(seq):
+            out[i] = min(out[i], 1 + max(spare, 0))
+            spare -= out[i] - 1
+    return out
+
+
+def _scored(seq: Sequence) -> bool:
+    """Whether `seq`'s prompt is scored: its chunks give an output slot at every token."""
+    return seq.req is not None and seq.req.sampling.prompt_logprobs is not None
 
 
 def _drafted(core, seqs: list[Sequence], fail, prefill: bool = False) -> tuple[list, float]:
@@ -231,14 +256,18 @@ def _most_rows(rows) -> str:
 
 
 def _row(core, item) -> RaggedRow:
-    """The call row of a decode row (seq, choice, drafts, None) or a chunk (seq, None, (), n)."""
+    """The call row of a decode row (seq, choice, drafts, None) or a chunk (seq, None, (), n); a
+    scored prompt's chunk has an output at every token, checking the token that follows it."""
     seq, _, drafts, n = item
-    n = n or 1
     rc = core.runner.rc
     g = np.zeros(table_width(rc), np.int32)
     ring, write = np.zeros(rc.ring_pages, np.int32), np.zeros(rc.ring_pages, np.int32)
     core.pool.fill_tables(seq.pages, g, ring, write)
-    tokens = tuple(seq.tokens[seq.num_cached: seq.num_cached + n]) + tuple(drafts)
+    if n is not None and _scored(seq):
+        at = seq.num_cached
+        nxt = tuple(seq.tokens[at + 1: at + n + 1])
+        return RaggedRow(tuple(seq.tokens[at: at + n]), at, g, ring, write, n, nxt)
+    tokens = tuple(seq.tokens[seq.num_cached: seq.num_cached + (n or 1)]) + tuple(drafts)
     return RaggedRow(tokens, seq.num_cached, g, ring, write, 1 + len(drafts), tuple(drafts))
 
 
@@ -257,18 +286,21 @@ def _pack(rows: list, most: int) -> list[list]:
 
 def _sampling(core, item) -> tuple[dict, dict | None, np.ndarray | None]:
     """A row's sampling settings at its output slots (SamplingArrays host arrays [k]), its logit
-    adjustments ([1, k, H]) where it has any, and its grammar's masks ([k, W]) where it is
+    adjustments ([1, 1 + drafts, H]) where it has any, and its grammar's masks ([k, W]) where it is
     constrained: made before the call, so that a row whose settings fail (engine/step/faults.py)
-    is dropped alone. A prefill chunk's one output slot matters only at the prompt's end."""
-    seq, _, drafts, _ = item
-    sp, k = seq.req.sampling, 1 + len(drafts)
+    is dropped alone. A prefill chunk's one output slot (its last, for a scored prompt's chunk)
+    matters only at the prompt's end."""
+    seq, _, drafts, n = item
+    sp, k = seq.req.sampling, (n if n is not None and _scored(seq) else 1 + len(drafts))
     samp = SamplingArrays.host(k)
     SamplingArrays.fill(samp, slice(0, k), sp, seq.key)
+    if k > 1 + len(drafts):
+        samp["want_logprobs"][:] = True
     masks = seq.matcher.masks(drafts) if seq.matcher is not None and (item[3] is None or
                                                                       item[3] == seq.remaining) else None
     if not wants_adjust(sp, seq.num_output):
         return samp, None, masks
-    one = Adjust.host((1, k, core.runner.adjust_width))  # position j counts drafts[:j] as output
+    one = Adjust.host((1, 1 + len(drafts), core.runner.adjust_width))  # position j: drafts[:j] are output
     fill_adjust(one, 0, seq.tokens, seq.n_prompt, sp, core._stops(sp), drafts)
     return samp, one, masks
 
@@ -278,15 +310,16 @@ def _put_sampling(core, call, slots: slice, prepared: tuple[dict, dict | None, n
     samp, one, masks = prepared
     for name, buf in samp.items():
         call.samp[name][slots] = buf
+    last = slice(slots.stop - 1, slots.stop)  # a scored chunk's slot that draws its next token
     if masks is not None:
         if call.mask is None:
             call.mask = np.full((len(call.out_idx), masks.shape[1]), -1, np.int32)
-        call.mask[slots] = masks
+        call.mask[slots if len(masks) > 1 else last] = masks
     if one is not None:
         if call.adjust is None:
             call.adjust = Adjust.host((len(call.out_idx), 1, core.runner.adjust_width))
         for name, buf in one.items():
-            call.adjust[name][slots, 0] = buf[0]
+            call.adjust[name][slots if buf.shape[1] > 1 else last, 0] = buf[0]
 
 
 def _update(core, spec: SpecResult, item, slots: slice, tok, acc, lp, hidden, events, finished) -> None:
@@ -295,10 +328,13 @@ def _update(core, spec: SpecResult, item, slots: slice, tok, acc, lp, hidden, ev
     seq, choice, drafts, n = item
     at = slots.start
     if n is not None:  # a prefill chunk
+        if _scored(seq):
+            _score_prompt(core, seq, slots)
         seq.num_cached += n
         if seq.remaining == 0:  # the chunk reached the newest token: its logits give the next one
+            at = slots.stop - 1
             seq.hidden = None if hidden is None else hidden[at]
-            core._emit(seq, [int(tok[at])], [float(lp[at])], events, finished, slots)
+            core._emit(seq, [int(tok[at])], [float(lp[at])], events, finished, slice(at, at + 1))
         return
     a = accepted_prefix(acc[at:], len(drafts))
     if spec.depth:  # a speculative step counts every decode row, plain ones too
@@ -308,3 +344,20 @@ def _update(core, spec: SpecResult, item, slots: slice, tok, acc, lp, hidden, ev
         seq.hidden = hidden[at + a]
     core._emit(seq, list(drafts[:a]) + [int(tok[at + a])], [float(x) for x in lp[at: at + a + 1]], events,
                finished, slice(at, at + a + 1))
+
+
+def _score_prompt(core, seq: Sequence, slots: slice) -> None:
+    """A scored prompt's PromptLogprobs at the positions its chunk (output `slots` of the
+    latest call, one per token from `seq.num_cached` on) predicts: each next prompt token's
+    logprob and the position's most likely tokens."""
+    k = seq.req.sampling.prompt_logprobs
+    if seq.num_output:  # computed again after a preemption: sent with the first token already
+        return
+    if seq.prompt_lps is None:
+        seq.prompt_lps = [None] * seq.n_prompt
+    given = core.runner.last_given
+    tops = top_in(core.runner, slots)
+    for j in range(slots.stop - slots.start):
+        pos = seq.num_cached + j + 1  # the prompt token slot j predicts
+        if pos < seq.n_prompt:
+            seq.prompt_lps[pos] = (float(given[slots.start + j]), tuple(tuple(t) for t in tops[j][:k]))

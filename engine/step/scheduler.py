@@ -10,7 +10,8 @@ One step's plan, in order:
    per-step token budget lasts, and the pool has pages for the whole prompt
    (taken at admission, so prefill chunks never wait for pages).
    A chunk is at most `max_chunk` tokens. An admitted sequence starts after
-   the longest prefix of its tokens the prefix cache holds (KVPool.lookup).
+   the longest prefix of its tokens the prefix cache holds (KVPool.lookup),
+   unless its prompt is scored (SamplingParams.prompt_logprobs).
    With `mix_tokens_per_row` (ragged steps: one call carries the decode rows
    and the chunks, engine/step/ragged_step.py): while sequences decode, a long
    prompt (more than `mix_long` tokens to compute at admission: one that needs
@@ -187,7 +188,8 @@ class Scheduler:
             seq = self.waiting[0]
             # Pages for the whole prompt (and the first decode) are taken at admission,
             # so a running prefill never stalls for want of pages.
-            seq.num_cached = self.pool.lookup(seq.pages, seq.tokens, seq.req.tenant)
+            scored = seq.req.sampling.prompt_logprobs is not None  # every prompt position is computed
+            seq.num_cached = 0 if scored else self.pool.lookup(seq.pages, seq.tokens, seq.req.tenant)
             seq.long_prefill = seq.remaining > self.cfg.mix_long
             n = room(seq)
             if not n or not self.pool.grow(seq.pages, len(seq.tokens) + 1 + self.cfg.lookahead):

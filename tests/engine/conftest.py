@@ -31,6 +31,9 @@ class ByteTokenizer:
         """Constrained decoding's view (engine/grammar.py): pad, eos and bos are control tokens."""
         return [b"\xff<pad>", b"\xff<eos>", b"\xff<bos>"] + [bytes((b,)) for b in range(256)]
 
+    def piece(self, token_id: int) -> str:
+        return ("<pad>", "<eos>", "<bos>")[token_id] if token_id < 3 else self.decode([token_id])
+
 
 TINY_RC = RunnerConfig(
     page_size=4, max_batch=8, max_chunk=16, max_context=128,
