@@ -192,8 +192,8 @@ class Exploration:
     catch_up: tuple[str, ...] = ()
     """Techniques of `techniques` whose first draft for a row fills a cache of their own from
     the row's whole context (the draft model): where the policy says none they are tried only
-    at batch sizes it speculates at (up to its crossover). At batch 28-32 such a step took
-    2.7-3.7 s here, against 0.3-0.4 s for a plain one."""
+    at batch sizes it speculates at (up to its crossover): a step that fills such caches for a
+    large batch prefills every row's context and costs several plain steps."""
 
     def __post_init__(self) -> None:
         techniques = tuple(_technique(f"techniques[{i}]", t)

@@ -208,8 +208,8 @@ def warm_up(db_url: str | None = None) -> int:
     TPE with constraints, its RDB storage and Alembic) and, given the database, open Optuna's
     storage there (its first open creates Optuna's tables), so a fresh search process pays
     for them before traffic and not in the first retune; returns the process id. Under
-    `lower_priority` a fresh worker's first search otherwise took 10-16 s of wall time
-    with the engine busy (about 2.5 s of CPU at normal priority)."""
+    `lower_priority` the worker gets only the CPU serving leaves, so a busy engine would
+    stretch that one-time cost to several times its CPU time inside the first retune."""
     import os
 
     import numpy as np
