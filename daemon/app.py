@@ -8,7 +8,7 @@ and its engine thread are alive), /ready (warmed up and not draining),
 
 The engine thread's telemetry fans out (daemon.telemetry_sink) to the
 /metrics counters, to the database's Recorder when there is a database, and
-to the caller's sink if any. Resources are cleanup contexts (STYLE 11),
+to the caller's sink if any. Resources are aiohttp cleanup contexts,
 started in order and closed in reverse: the database (its recorder) first,
 then the engine thread, which at shutdown drains and flushes into the
 still-open recorder before the recorder writes its last rows and closes,

@@ -1,4 +1,4 @@
-"""The engine thread and its bridge to asyncio (STYLE 10).
+"""The engine thread and its bridge to asyncio (a queue per request, one task fanning out).
 
 Data flow of one request:
 

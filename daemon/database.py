@@ -5,7 +5,7 @@ reads (tenants, dashboard, /metrics) and one Recorder for writes.
                                 # raises SchemaOutOfDate / SchemaTooNew otherwise
     app = make_app(settings, engine, database=db)   # the app starts and closes it
 
-The app's cleanup context (daemon.app, STYLE 11) calls `start()` with the
+The app's cleanup context (daemon.app, an aiohttp `cleanup_ctx`) calls `start()` with the
 app and, at shutdown (after the engine thread has stopped and flushed),
 `close()`: the recorder writes everything still buffered, the engine is
 disposed.

@@ -1,4 +1,4 @@
-"""Typed application state (STYLE 11) and the admission checks that read it."""
+"""Typed application state (`web.AppKey`s) and the admission checks that read it."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 `install(app, database)` (from make_app, when there is a database) builds
 the PolicyKeeper and the Tuner from the engine's `capacity()` and the
-settings' `[tuner]` section, and adds a cleanup context (STYLE 11) that, at
+settings' `[tuner]` section, and adds an aiohttp cleanup context that, at
 startup:
 
 1. closes retunes a crash left "running" as "interrupted" (rolling back a

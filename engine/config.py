@@ -1,7 +1,8 @@
 """Static configuration of the engine: model architecture and serving knobs.
 
 Everything here is a frozen, hashable dataclass, so it can be a static
-argument of `jax.jit` (STYLE 2). Per-step values never live here.
+argument of `jax.jit`. Per-step values never live here: as arrays they never
+trigger a recompile.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A fake `EngineCore` whose output you can check by hand (STYLE 8).
+"""A fake `EngineCore` whose output you can check by hand (for fast daemon and tuner tests).
 
 Same surface as the real engine (the `Engine` protocol of daemon/bridge.py:
 requests, steps, status, warmup, policy, capacity), no JAX, no weights.

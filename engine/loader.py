@@ -1,10 +1,11 @@
 """Build a ready EngineCore from a model spec: weights, tokenizer, planned KV pool.
 
 Default compute dtype per backend: float32 on CPU, bfloat16 on TPU/GPU.
-On this CPU, XLA's bfloat16 matrix-vector product (batch 1) is ~10x slower
-than float32, and float32 already streams weights near the read bandwidth;
-bfloat16 pays only from batch ~8 on. Accelerators have native bf16 units and
-half the bytes to read, so bf16 is faster there.
+XLA:CPU has no native bfloat16 matrix-vector product on most hosts (it widens
+each operand to float32 first), so at small batches a bfloat16 engine does
+more work than a float32 one, which already streams the weights at the read
+bandwidth. Accelerators have native bf16 units and half the bytes to read,
+so bf16 is faster there.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
 
 
 def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX BF16 in /proc/cpuinfo):
+    """Whether the host CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX BF16 in /proc/cpuinfo):
     only there may a float32 engine keep a bfloat16 copy of its output table
     (RunnerConfig.fast_output); elsewhere the float32 product is as fast or faster
     (engine.model.gemma.tied_logits) and the copy would cost a third of a gigabyte for nothing."""

@@ -105,6 +105,14 @@ def _keys(name: str, d: Any, cls: type) -> dict:
     return d
 
 
+def _rule(cls: type, d: Any, required: str, what: str) -> Any:
+    """A `cls` rule from its JSON object `d`, which must name `required` (PolicyError otherwise)."""
+    d = _keys("", d, cls)
+    if required not in d:
+        raise PolicyError(required, f"{what} needs {required}")
+    return cls(**d)
+
+
 def _set(obj: Any, **values: Any) -> None:
     """Store normalized field values on a frozen dataclass (from its __post_init__)."""
     for k, v in values.items():
@@ -137,10 +145,7 @@ class BatchRule:
     @staticmethod
     def from_dict(d: Any) -> BatchRule:
         """A rule from its JSON object; PolicyError names the field to blame."""
-        d = _keys("", d, BatchRule)
-        if "max_batch" not in d:
-            raise PolicyError("max_batch", "a batch rule needs max_batch")
-        return BatchRule(**d)
+        return _rule(BatchRule, d, "max_batch", "a batch rule")
 
 
 @dataclass(frozen=True)
@@ -169,10 +174,7 @@ class TenantRule:
     @staticmethod
     def from_dict(d: Any) -> TenantRule:
         """A tenant rule from its JSON object; PolicyError names the field to blame."""
-        d = _keys("", d, TenantRule)
-        if "tenant" not in d:
-            raise PolicyError("tenant", "a tenant rule needs tenant")
-        return TenantRule(**d)
+        return _rule(TenantRule, d, "tenant", "a tenant rule")
 
 
 @dataclass(frozen=True)
@@ -192,8 +194,8 @@ class Exploration:
     catch_up: tuple[str, ...] = ()
     """Techniques of `techniques` whose first draft for a row fills a cache of their own from
     the row's whole context (the draft model): where the policy says none they are tried only
-    at batch sizes it speculates at (up to its crossover). At batch 28-32 such a step took
-    2.7-3.7 s here, against 0.3-0.4 s for a plain one."""
+    at batch sizes it speculates at (up to its crossover): a step that fills such caches for a
+    large batch prefills every row's context and costs several plain steps."""
 
     def __post_init__(self) -> None:
         techniques = tuple(_technique(f"techniques[{i}]", t)

@@ -1,4 +1,4 @@
-"""Plain dataclasses that cross the engine's boundary (STYLE 5).
+"""Plain dataclasses that cross the engine's boundary (scheduler, runner, daemon).
 
 The daemon builds `Request`s, hands them to `EngineCore.add_request`, calls
 `EngineCore.step()` in its own thread and fans the returned `TokenEvent`s out

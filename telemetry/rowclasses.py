@@ -15,7 +15,7 @@ single row did. So:
   techniques (`step_technique`); the verify depth stays its depth.
 
 A step without classes (NULL: rows from before 0009, or [] for a step with
-no decode rows) counts as one unit, as before.
+no decode rows) counts as one unit: its technique and depth are the step's own.
 
     >>> classes = [{"tenant": "copy", "technique": "ngram", "depth": 4, "rows": 2, "proposed": 8,
     ...             "accepted": 3, "accepted_per_pos": [2, 1, 0, 0]},

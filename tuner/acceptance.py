@@ -55,10 +55,10 @@ shrunk toward 1 like the rates: a weighted mean of the measured ratio and 1
 with DEPTH_PRIOR_SEQUENCES pseudo-sequences at 1. One sequence's accepted
 drafts vary about as much as their mean, so n sequences measure the ratio
 to about 1/sqrt(n); factors spread about 0.15 around 1, so 1/0.15^2 ~ 50
-sequences of evidence weigh as much as the prior. Unshrunk, one busy step
-of an explored depth (25 drafting rows at batch 32) read 0.68 and kept the
-tuner off that depth for the whole busy phase, where the fixed policy of
-that depth served 1.09x faster. A depth not measured takes the nearest
+sequences of evidence weigh as much as the prior. Unshrunk, the one step
+exploration ran at a depth would set its factor alone, and a low reading
+would keep the search off that depth until exploration happened to visit it
+again. A depth not measured takes the nearest
 measured depth's factor (the deeper one on a tie); tuner.model caps the
 accepted draft at the depth.
 """
@@ -332,12 +332,10 @@ def remembered(recent: Sequence[StepStats], older: Sequence[StepStats],
     where the window has none.
 
     Acceptance follows the technique and the tenant's text, not the load, but a window only
-    holds what its policy ran: after a busy stretch served plainly (speculation does not pay
-    at batch 32 here) it holds one n-gram step per few hundred (exploration), so when the
-    batch drains to the copy tenant's long requests the search knew no n-gram rates at all
-    and kept decoding plainly, where the batch-size table's n-gram steps emitted 1.3-1.7x
-    the tokens per second (`bench tuner --quick`). Only tenants measured before get
-    remembered rates; the others keep the window's (a technique's pooled rate stays the
+    holds what its policy ran: after a busy stretch served plainly it holds only the few
+    n-gram steps exploration ran, so when the batch drains to a copy tenant's long requests
+    the search would know no n-gram rates and keep decoding plainly where n-gram pays.
+    Only tenants measured before get remembered rates; the others keep the window's (a technique's pooled rate stays the
     window's, so a tenant never measured is not credited with the copy tenant's).
 
     >>> from engine.types import StepStats

@@ -1,4 +1,4 @@
-"""The tuner's knobs: one frozen dataclass, checked on construction (STYLE 15).
+"""The tuner's knobs: one frozen dataclass, checked on construction.
 
 It is also the `[tuner]` section of the daemon's settings: `crossover serve`
 reads each field from `--tuner-<field>`, `CROSSOVER_TUNER_<FIELD>` or the

@@ -2,7 +2,7 @@
 
 Aggregates for dashboards are in telemetry/queries.py and the policy and
 retune history in store/history.py. Every function takes the Session
-explicitly (STYLE 12).
+explicitly (the caller's `session_scope` commits or rolls back).
 
 Several daemons may share the database: every reader takes `instance` (the
 `instance` column of the rows; None reads every instance's). The step-time

@@ -42,9 +42,9 @@ above the last range, which never speculate). Steps:
    the one lending fewer pages. A range beyond what the fit saw keeps the
    serving policy's cell (`incumbent`), where a footprint allows it (between
    footprints of equal goodput and fill, the one keeping more wins): the
-   window holds no evidence to change it. Left at "none", the first retune
-   of a run, fitted on batch 1-2, stopped the default policy's n-gram at
-   batch 3-8 (`bench tuner --quick`, the low phase's rise to batch 8).
+   window holds no evidence to change it. Left at "none", a first retune
+   fitted on batch 1-2 would stop the starter policy's n-gram at batch 3-8,
+   the sizes the load reaches next as it rises.
 
 The p95 TPOT constraint and the Pareto front of the two-objective mode are
 not sums over ranges: there the search (tuner.search) starts TPE from this

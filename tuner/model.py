@@ -22,14 +22,12 @@ fit has no q-only term (t2 is kept in the tuple for a caller's own model, fitted
 with one, steps measured at small batches could explain the cost of deeper verifies by
 depth alone, and the model would carry that to large batches as almost free. The rows term
 carries across batch sizes, but a row does not cost the same everywhere: a forward of a few
-rows is bound by reading the weights, and a row it adds costs 1-2 ms here, while in a
-batch-32 verify of 96 rows each drafted row added 4.6 ms (`bench tuner --quick`, the fixed
-n-gram@2 run). Linear in R, a fit of every shape priced that verify at 0.77 of its measured
-time even with 57 of its steps in the fit; t5*R^2 makes the row cost grow with the rows
-(convex, as non-negative), which priced it at 1.00 and, with every verify above batch 8
-left out of the fit, at 0.90 (linear: 0.77), so a large verify the window has not run is
-priced closer to its cost instead of far below it. (Those figures were measured on the
-engine's former padded steps, where R was the batch times the query length.)
+rows is bound by reading the weights, so a row it adds is nearly free, while a large verify
+is bound by compute and each row it adds costs several times as much. Linear in R, a fit
+over every shape prices a large verify well below its cost, and the search then drafts at
+large batches where drafting does not pay; t5*R^2 makes the row cost grow with the rows
+(convex, as non-negative), so a large verify the window has not run is priced closer to its
+cost instead of far below it.
 
 The context the rows read has no term: attention reads each row's cached tokens, but steps
 do not record how many (`kv_pages_used` counts the pool's pages, prefix-cache pages and

@@ -64,11 +64,10 @@ def lower_priority(niceness: int = 19) -> None:
     normal priority.
 
     Where the process may run on several CPUs, every thread is also confined to the last
-    of them (threads started later inherit it). SCHED_IDLE alone still slowed serving: an
-    engine decoding at batch 2 beside a worker running searches back to back took 5-16 %
-    longer per step (plain 53.4 -> 58.3 ms, n-gram@2 62.7 -> 72.6 on this 2-core machine),
-    and 0-2 % with the worker confined to one CPU, for about as many searches (12-13 against
-    14-15 in the same time; bench/README.md, "What slows the autotuned run's steps").
+    of them (threads started later inherit it). SCHED_IDLE alone still slows serving on a
+    machine with few cores: a worker free to move between them takes the engine's caches
+    and migrates its XLA threads, where one confined to a single CPU leaves the others to
+    the engine at nearly the same search rate.
     """
     threads = _threads()
     cpus = _cpus()

@@ -15,7 +15,7 @@ own instead:
   each priced p0 + p1 * rows + p2 * rows * depth on its own rows
   (`propose_columns`), so the terms of every technique are fitted jointly.
 
-A step without row classes (older telemetry) is one unit as before: its
+A step without row classes (older telemetry) is one unit: its
 technique and depth, all its rows, and its tenant when the batch held one.
 
     >>> from engine.types import RowClass, StepStats

@@ -18,19 +18,23 @@ or a thread (tests). Data flow:
    configured, is offset by the trial count so a restart never repeats.
 4. Solve for the best policy exactly (`tuner.split`: for each pool split,
    capacity priced at it, `tuner.exact`'s Dinkelbach solve per KV footprint;
-   milliseconds). When it meets every constraint (the p95
-   TPOT target too) and one objective is asked for, it is the answer:
-   enqueue it and the current policy, and ask/tell only those two, so the
-   study records both under today's model (each trial is a dozen small
-   database commits; sampling more could not find better).
-5. Otherwise (two objectives, or the optimum misses the TPOT target) TPE
-   searches: enqueue the current policy, a greedy policy built from the model
+   milliseconds). **The solve decides** whenever it can: when its optimum
+   meets every constraint (the p95 TPOT target too) and one objective is
+   asked for, enqueue it and the current policy and ask/tell only those two;
+   the better of them is chosen, the optimum on a tie. Optuna decides
+   nothing here: it records both under today's model (each trial is a dozen
+   small database commits; sampling more could not find better). When the
+   solve finds no policy that fits the KV pool at any split, no policy of the
+   space can: nothing is asked and nothing is chosen.
+5. Otherwise (two objectives, the optimum misses the TPOT target, or
+   `TunerConfig.exact` is off) **TPE decides**: enqueue the current policy,
+   a greedy policy built from the model
    (the best (technique, depth) of each batch-size range on its own), the
    exact optimum and the study's (or the previous generation's) best earlier
    parameters, so they are scored under today's model and traffic and TPE
    starts from them; then ask/tell `trials` times: suggest a policy, evaluate
    it, store its constraints (KV pages, TPOT) with `Trial.set_constraint`,
-   which TPE honours. `TunerConfig.exact = False` always takes this path.
+   which TPE honours.
 6. Pick the best feasible trial of this run (two-objective: the highest
    goodput on this run's Pareto front).
 7. One objective: add per-tenant rules to it where they pay by more than
@@ -41,7 +45,7 @@ or a thread (tests). Data flow:
    measured tenant gets its own cell where the window held none of its rows
    (below the observed batch sizes; anywhere for one it did not serve) where
    its acceptance says so (tuner.tenant_fill; the outcome's `tenants.fill`).
-   Return the policy with the evidence.
+   Return the policy with the evidence (tuner.outcome.SearchOutcome).
 """
 
 from __future__ import annotations
@@ -50,7 +54,6 @@ import dataclasses
 import logging
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
@@ -58,14 +61,14 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from engine.policy import BatchRule, TunedPolicy
-from store.db import install_sqlite_pragmas, is_sqlite, make_engine, resolve_url, session_scope
 from engine.types import StepStats
+from store.db import install_sqlite_pragmas, is_sqlite, make_engine, resolve_url, session_scope
 from store.history import draft_vocab_by_instance
 from tuner.acceptance import fit_acceptance, fit_depth_factors, fit_draft_share
-from tuner.config import TunerConfig
 from tuner.data import read_requests, read_steps, read_steps_by_instance
 from tuner.model import MIN_FIT_ROWS, PerfModel
-from tuner.objective import Capacity, Evaluation, evaluate
+from tuner.objective import Evaluation, evaluate
+from tuner.outcome import ParetoPoint, SearchJob, SearchOutcome
 from tuner.space import SearchSpace
 from tuner.split import solve_splits
 from tuner.stepfit import MIN_SHAPE_STEPS, cost_history
@@ -82,53 +85,7 @@ SQLITE_TIMEOUT_S = 30
 optuna.logging.set_verbosity(logging.WARNING)
 
 
-@dataclass(frozen=True)
-class SearchJob:
-    """Everything one search needs (picklable)."""
-
-    db_url: str
-    config: TunerConfig
-    capacity: Capacity
-    incumbent: TunedPolicy
-    """The policy serving now."""
-    since: float
-    until: float
-    retune_id: int | None = None
-    instance: str = ""
-    """The daemon searching: its steps fit the step time, every instance's the acceptance."""
-
-
-@dataclass
-class SearchOutcome:
-    """The chosen policy and the evidence behind it."""
-
-    study_name: str
-    best: TunedPolicy | None
-    """The chosen policy (version 0, source "tuner"), None when no trial was feasible."""
-    best_trial: int | None
-    predicted: dict[str, Any] | None
-    """The chosen policy's Evaluation.to_dict()."""
-    incumbent: dict[str, Any]
-    fit: dict[str, Any]
-    model: dict[str, Any]
-    traffic: dict[str, Any]
-    trials: list[int] = field(default_factory=list)
-    pareto: list[dict[str, Any]] = field(default_factory=list)
-    per_batch: dict[int, tuple[float, float]] = field(default_factory=dict)
-    """The chosen policy's predicted (tokens per step, step ms) of a step without prefill at
-    each batch size up to the engine's largest (`decode_figures`): what validation compares
-    its measured decode steps with, wherever the load takes the batch."""
-    incumbent_per_batch: dict[int, tuple[float, float]] = field(default_factory=dict)
-    """The same for the serving policy (what validation compares with when the serving
-    policy has too few steps at the batch sizes the chosen one ran)."""
-    method: str = "tpe"
-    """"exact" (the solved optimum and the serving policy were told) or "tpe" (module doc, 4-5)."""
-    seconds: float = 0.0
-    """Wall time of the whole search: read, fit, solve, ask/tell, per-tenant rules."""
-    tenants: dict[str, Any] | None = None
-    """The per-tenant search's record (tuner.tenants.TenantSearch.to_dict(): method, seconds,
-    predicted gain over the best single-rule policy, the rules, whether they were chosen);
-    None when it did not run (off, two objectives, nothing feasible)."""
+__all__ = ["ParetoPoint", "SearchJob", "SearchOutcome", "run_search"]
 
 
 def make_storage(db_url: str) -> optuna.storages.RDBStorage:
@@ -208,8 +165,8 @@ def warm_up(db_url: str | None = None) -> int:
     TPE with constraints, its RDB storage and Alembic) and, given the database, open Optuna's
     storage there (its first open creates Optuna's tables), so a fresh search process pays
     for them before traffic and not in the first retune; returns the process id. Under
-    `lower_priority` a fresh worker's first search otherwise took 10-16 s of wall time
-    with the engine busy (about 2.5 s of CPU at normal priority)."""
+    `lower_priority` the worker gets only the CPU serving leaves, so a busy engine would
+    stretch that one-time cost to several times its CPU time inside the first retune."""
     import os
 
     import numpy as np
@@ -254,37 +211,39 @@ def run_search(job: SearchJob) -> SearchOutcome:
         incumbent = job.incumbent
         sizes = range(1, min(job.capacity.max_batch, MAX_FIGURE_BATCH) + 1)
         exact = solve_splits(space, model, traffic, job.capacity, job.incumbent) if cfg.exact else None
-        if exact is not None and not cfg.two_objective and score(exact).feasible:
+        if cfg.exact and exact is None:  # nothing fits the pool: no trial could be feasible
+            method, trials = "exact", 0
+        elif exact is not None and not cfg.two_objective and score(exact).feasible:
             method, trials = "exact", _enqueue(study, None, space, [exact, incumbent], cfg.trials)
         else:
             donor = optuna.load_study(study_name=previous, storage=storage) if previous else study
             _enqueue(study, donor, space, [incumbent, greedy_policy(space, score, traffic), exact],
                      cfg.trials)
             method, trials = "tpe", cfg.trials
-        told = [_one_trial(study, space, score, job.retune_id) for _ in range(trials)]
+        scored: dict[int, Evaluation] = {}
+        told = [_one_trial(study, space, score, job.retune_id, scored) for _ in range(trials)]
         best, pareto = _choose(told, cfg.two_objective)
-        chosen = TunedPolicy.from_dict(best.user_attrs["policy"]) if best else None
-        predicted = best.user_attrs["evaluation"] if best else None
+        chosen = _policy(best) if best else None
+        predicted = scored[best.number] if best else None
         tenants = None
         if chosen is not None and cfg.tenant_rules and not cfg.two_objective:
             ruled, record = add_tenant_rules(
                 chosen, space, model, traffic, job.capacity, tpot_target_ms=cfg.tpot_p95_ms,
                 min_gain=cfg.tenant_min_gain, exact_limit=cfg.tenant_exact_limit,
                 trials=cfg.tenant_trials, seed=cfg.seed)
-            filled, fill = fill_tenant_rules(ruled, space, model, traffic, job.capacity)
-            tenants = {**record.to_dict(), "fill": fill}
+            filled, record.fill = fill_tenant_rules(ruled, space, model, traffic, job.capacity)
+            tenants = record
             if filled is not chosen:
-                chosen, predicted = filled, score(filled).to_dict()
+                chosen, predicted = filled, score(filled)
         return SearchOutcome(
             study_name=study.study_name,
             best=chosen,
             best_trial=best.number if best else None,
             predicted=predicted,
-            incumbent=score(incumbent).to_dict(),
-            fit=report.to_dict(), traffic=traffic.summary(),
-            model={**model.summary(), "acceptance_from": pooled_from},
+            incumbent=score(incumbent),
+            fit=report, model=model, traffic=traffic, acceptance_from=pooled_from,
             trials=[t.number for t in told],
-            pareto=[_front_entry(t) for t in pareto],
+            pareto=[ParetoPoint(t.number, t.values[0], t.values[1], _policy(t)) for t in pareto],
             per_batch=decode_figures(chosen, score, traffic, sizes) if chosen else {},
             incumbent_per_batch=decode_figures(incumbent, score, traffic, sizes),
             method=method, seconds=round(time.perf_counter() - start, 3), tenants=tenants,
@@ -409,11 +368,13 @@ def _enqueue(study: optuna.Study, donor: optuna.Study | None, space: SearchSpace
     return len(queued)
 
 
-def _one_trial(study: optuna.Study, space: SearchSpace, score: Any,
-               retune_id: int | None) -> FrozenTrial:
+def _one_trial(study: optuna.Study, space: SearchSpace, score: Any, retune_id: int | None,
+               scored: dict[int, Evaluation]) -> FrozenTrial:
+    """Ask a trial, score its policy and tell it; its Evaluation goes into `scored` under
+    the trial's number."""
     trial = study.ask()
     policy = space.suggest(trial)
-    ev = score(policy)
+    ev = scored[trial.number] = score(policy)
     trial.set_user_attr("policy", policy.to_dict())
     trial.set_user_attr("evaluation", ev.to_dict())
     for name, value in zip(CONSTRAINT_NAMES, ev.constraints(), strict=True):
@@ -443,6 +404,6 @@ def _dominates(a: FrozenTrial, b: FrozenTrial) -> bool:
     return ga >= gb and ta <= tb and (ga > gb or ta < tb)
 
 
-def _front_entry(t: FrozenTrial) -> dict[str, Any]:
-    return {"trial": t.number, "goodput": round(t.values[0], 3),
-            "p95_tpot_ms": round(t.values[1], 4), "policy": t.user_attrs["policy"]}
+def _policy(t: FrozenTrial) -> TunedPolicy:
+    """The policy a trial scored, rebuilt from its stored form (what the study records)."""
+    return TunedPolicy.from_dict(t.user_attrs["policy"])

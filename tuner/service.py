@@ -82,7 +82,7 @@ from tuner.config import TunerConfig
 from tuner.data import count_step_rows, read_steps
 from tuner.keeper import PolicyKeeper, PolicyPinned
 from tuner.model import NotEnoughTelemetry
-from tuner.objective import Capacity
+from tuner.objective import Capacity, Evaluation
 from tuner.process import ProcessSearch, SearchCrashed, SearchRunner, SearchTimeout, bounded, lower_priority
 from tuner.search import SearchJob, SearchOutcome, run_search
 from tuner.space import SearchSpace
@@ -221,16 +221,17 @@ class Tuner:
     def describe(self) -> dict[str, Any]:
         """What /admin/tuner shows."""
         last = self.last_outcome
+        shown = None if last is None else last.details()
         return {
             "instance": self.instance, "config": dataclasses.asdict(self.config),
             "policy": self.keeper.current.to_dict(), "pinned": self.keeper.pinned,
             "running": self._running.id if self._running else None,
             "search_ready": self.search_ready,
             "search_pid": self._search.pid if isinstance(self._search, ProcessSearch) else None,
-            "last_search": None if last is None else {
-                "study_name": last.study_name, "best_trial": last.best_trial, "fit": last.fit,
-                "method": last.method, "seconds": last.seconds, "tenants": last.tenants,
-                "traffic": last.traffic, "pareto": last.pareto, "predicted": last.predicted},
+            "last_search": None if last is None or shown is None else {
+                "study_name": last.study_name, "best_trial": last.best_trial, "fit": shown["fit"],
+                "method": last.method, "seconds": last.seconds, "tenants": shown.get("tenants"),
+                "traffic": shown["traffic"], "pareto": shown["pareto"], "predicted": shown["predicted"]},
         }  # fmt: skip
 
     def start_search(self) -> None:
@@ -285,14 +286,7 @@ class Tuner:
         outcome = (self._search(job) if isinstance(self._search, ProcessSearch)
                    else bounded(self._search, job))
         self.last_outcome = outcome
-        details = {"fit": outcome.fit, "traffic": outcome.traffic, "incumbent": outcome.incumbent,
-                   "predicted": outcome.predicted, "trials": len(outcome.trials),
-                   "search": {"method": outcome.method, "seconds": outcome.seconds},
-                   "pareto": outcome.pareto, "model": outcome.model}
-        if outcome.tenants is not None:  # per-tenant decisions and their predicted gain
-            details["tenants"] = outcome.tenants
-            details["search"]["tenant_method"] = outcome.tenants["method"]
-            details["search"]["tenant_seconds"] = outcome.tenants["seconds"]
+        details = outcome.details()
         common = {"trial_number": outcome.best_trial, "details": details}
         candidate, reason = self._candidate(outcome, incumbent)
         if candidate is None:
@@ -324,14 +318,14 @@ class Tuner:
         # rebuilt through the constructor's checks: an outcome unpickled from the search
         # process skipped them (PolicyError here fails the retune, naming the field)
         candidate = TunedPolicy.from_dict(outcome.best.to_dict())
-        best, current = _goodput(outcome.predicted) or 0.0, outcome.incumbent["goodput"]
+        best, current = _goodput(outcome.predicted) or 0.0, _goodput(outcome.incumbent) or 0.0
         if _shape(candidate) == _shape(incumbent):
             return None, "the serving policy is still the best found"
-        observed = [int(b) for b in outcome.traffic.get("batch_weights", {})]
-        served = served_tenants(outcome.traffic.get("tenant_mix") or {}) or None  # others: tenant_fill
+        observed = list(outcome.traffic.batch_weights)
+        served = served_tenants(outcome.traffic.tenant_mix) or None  # others: tenant_fill
         if observed and chooses_same(candidate, incumbent, observed, served) and best >= current * (1 - 1e-9):
             return candidate, ""  # only batch sizes the window did not see change (module doc, 3)
-        if outcome.incumbent["feasible"] and best < current * (1 + self.config.min_gain):
+        if outcome.incumbent.feasible and best < current * (1 + self.config.min_gain):
             return None, (f"best predicted goodput {best:.1f} does not beat the serving "
                           f"policy's {current:.1f} by {self.config.min_gain:.0%}")
         return candidate, ""
@@ -412,8 +406,10 @@ class Tuner:
         }  # fmt: skip
 
 
-def _goodput(evaluation: dict[str, Any] | None) -> float | None:
-    return None if evaluation is None else float(evaluation["goodput"])
+def _goodput(evaluation: Evaluation | None) -> float | None:
+    """Predicted goodput to the 4 decimals `details` records, so the retune row's figure and
+    its details agree."""
+    return None if evaluation is None else round(evaluation.goodput, 4)
 
 
 def _shape(p: TunedPolicy) -> tuple:

@@ -16,10 +16,10 @@ one of step 2's candidates. Among the splits that tie on goodput the
 smallest wins, with one exception: speculating needs a few lent pages
 (verify slots), so at split 0 every batch-size range without traffic is left
 plain (tuner.exact, 5), and the smallest split above 0 wins over it where its
-solve fills those ranges faster. With split 0 on any tie, a busy phase's
-retune (batch 29 observed, the same goodput at 0 and 0.05) chose a policy
-that stopped speculating when the phase drained to batch 1-4, where the solve
-at 0.05 filled n-gram (`bench tuner --quick`, the high-mixed phase's tail).
+solve fills those ranges faster. With split 0 on any tie, a retune of a busy
+window (observed only at batch sizes where speculation does not pay, so
+every split ties) would choose a policy that stops speculating when the load
+drains to batch 1-4, where the solve at the smallest lending split fills them.
 Larger splits are not lent for the fill: pages a tenant may need are not
 spent on batch sizes nobody has run. Where no split
 moves anything (no technique of the space keeps its KV in lent pages and the

@@ -3,12 +3,11 @@ below every one it observed, and for the tenants it did not serve.
 
 The exact solve fills a batch-size range the window did not observe with the
 cell that is fastest per output token for the window's tenant mix
-(tuner.exact, 5): a busy window at batch 15-30 gives the drain that follows
-n-gram@8 at batch 1-4, priced on a mix whose copy tenant accepts 0.66 of its
-first drafts and whose prose tenant 0.15. When the load falls, the rows left
-are often one kind: the prose and chat of the next low phase drafted 8 deep
-for the 8-10 s until a retune had seen them, at 0.6-0.8x plain decoding
-(`bench tuner --quick`, kept databases of three rounds).
+(tuner.exact, 5): a busy window of copy and prose rows gives the drain that
+follows a deep n-gram draft at batch 1-4, priced on a mix where the copy
+tenant accepts most of its drafts. When the load falls, the rows left are
+often one kind, and prose rows drafting that deep run slower than plain
+decoding until a retune has seen them.
 
 `fill_tenant_rules` gives each tenant of the window (MIN_SHARE of its rows,
 at most MAX_TENANTS in all, none that already has a rule) a rule of its own there
@@ -21,9 +20,8 @@ range's probe batch (`exact.cell_cost`, the window's sampling share). The
 cheapest option wins; "no rule" on a tie. A tenant the model knows (its
 acceptance or factor, from the fit window) that the traffic window did not
 serve (less than MIN_SHARE of it, `served_tenants`) gets the same over every
-range up to the crossover: the window holds none or few of its rows, and a
-copy drain's window had set n-gram@8 at batch 1-4 for the prose and chat rows
-that came next (0.35x its prediction in one round). A tenant the model has
+range up to the crossover: the window holds none or few of its rows, so the
+batch rules it set were priced on other tenants' text. A tenant the model has
 not measured gets no rule: its rates are the no-credit prior
 (`PerfModel.factor_of`), which would give it "none" everywhere and keep its
 rows from ever drafting there, so they follow the batch rules and get

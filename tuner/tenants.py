@@ -90,6 +90,8 @@ class TenantSearch:
     margin: float = 0.0
     rules: list[dict[str, Any]] = field(default_factory=list)
     """The best candidate's rules ({tenant, technique, depth, max_batch}), kept or not."""
+    fill: list[dict[str, Any]] = field(default_factory=list)
+    """Rules tuner.tenant_fill added afterwards where the window held none of a tenant's rows."""
 
     @property
     def gain(self) -> float:

@@ -206,7 +206,7 @@ def _served_mix(steps: Sequence[StepStats]) -> dict[str, float]:
     tenants).
 
     Finished requests lag: in a busy minute the window's requests are still running, and a
-    mix taken from them alone was empty or the previous phase's.
+    mix taken from them alone would be empty or the previous traffic's.
 
     >>> from engine.types import RowClass, StepStats
     >>> def row(n, *tenants): return StepStats(batch_size=n, decode_tokens=n, step_ms=10.0, tenants=tenants)

@@ -84,9 +84,8 @@ class Verdict:
 def own_steps(rows: Sequence[StepStats], policy: TunedPolicy) -> list[StepStats]:
     """The decode steps of `policy`'s version that were not exploration. Steps that carried
     prefill are left out: their prefill is the same work whatever the policy, and how many
-    of them a short window catches depends on when requests arrived (at batch 32 one
-    admitting 500 prompt tokens took 1.0-1.6 s against 0.3-0.4 s without), which would
-    read as one policy being slower than another."""
+    of them a short window catches depends on when requests arrived (a large admission
+    costs several decode steps), which would read as one policy being slower than another."""
     return [r for r in _decode(rows) if r.policy_version == policy.version
             and not is_exploration(policy, r.batch_size, r.technique, r.depth)]
 
@@ -140,9 +139,9 @@ are MIN_PER_BATCH steps: a step of batch 32 averages 32 sequences' drafts."""
 def enough_evidence(steps: Sequence[StepStats]) -> bool:
     """Whether `steps` are enough for a verdict against a prediction: MIN_MATCHED sequences,
     in MIN_PREDICTION_STEPS steps or, in large batches, MIN_PER_BATCH steps holding
-    MIN_BATCHED_SEQUENCES. At batch 32 an n-gram@4 step took 0.85 s here, so 8 of them
-    outlasted even a stretched window (`bench tuner --quick`: 5 s); a policy measured 38%
-    below its prediction on 4 such steps stayed, as inconclusive, and served a busy phase.
+    MIN_BATCHED_SEQUENCES. A verify step at a large batch is slow, so MIN_PREDICTION_STEPS of
+    them may not fit even a stretched window; counted by steps alone, a policy far below its
+    prediction there would stay, as inconclusive, and serve the busy traffic.
 
     >>> from engine.types import StepStats
     >>> at = lambda b, n: [StepStats(batch_size=b, decode_tokens=b, step_ms=9.0)] * n
@@ -184,11 +183,9 @@ def unmatched(own: Sequence[StepStats], previous_own: Sequence[StepStats]) -> li
     """The steps of `own` at batch sizes where `previous_own` has fewer than MIN_PER_BATCH
     steps: where only the model's prediction can judge the candidate (`against_prediction`).
     Where the previous policy was measured, `against_replaced` compares with its steps: a
-    prediction made for the search's traffic is no baseline once the traffic has moved on.
-    In three kept `bench tuner --quick` runs, seven retunes were rolled back 38-60 % below
-    their prediction (most chose for a copy-heavy drain and were measured on the next
-    phase's prose); in four of them the candidate's steps were within -18 to +17 % of the
-    previous policy's at the same batch sizes, too few steps for `compare`.
+    prediction made for the search's traffic is no baseline once the traffic has moved on:
+    a policy chosen for a copy-heavy drain and measured on the prose that follows falls far
+    below its prediction while matching the previous policy's steps at the same batch sizes.
 
     >>> from engine.types import StepStats
     >>> def s(b): return StepStats(batch_size=b, decode_tokens=b, step_ms=9.0)

@@ -2,7 +2,7 @@
 min-p, top-p, seeds.
 
 Every row carries its own settings as arrays, so one compiled function serves
-any mix of greedy and sampled requests (STYLE 2). Randomness is a per-request
+any mix of greedy and sampled requests. Randomness is a per-request
 key folded with the position being sampled: the same seed gives the same
 tokens whatever else shares the batch.
 """

@@ -18,7 +18,7 @@ padding rows and padding tokens write there, so it is scratch.
   overwriting it (that call reads the old page, writes the new one).
 
 The device side never sees Python lists: the scheduler builds int32 page
-tables with numpy and passes them in (STYLE 6).
+tables with numpy and passes them in as arrays.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ into gate, up; `block` takes either form.
 Loaders produce the layers stacked as above; `unstack_layers` turns them into
 a list of per-layer dicts, which is what `forward` takes.
 
-Attention reads the paged KV cache *as it was before this call* plus the new
+Attention reads the paged KV cache *in its state before this call* plus the new
 tokens' own keys and values, then returns the new keys and values; the caller
 scatters them into the pages after the layer scan (engine/memory/kv.py). Reading the
 old cache and writing afterwards lets one function serve prefill chunks,
@@ -77,9 +77,9 @@ class KVView:
 
 
 ATTEND_BLOCK = 128
-"""Cached key slots attention reads per loop iteration (a multiple of the page size). On XLA:CPU,
-128 was as fast as the whole padded gather at short contexts and up to 2x faster at long ones
-(one global layer: batch 32 at 4,000 tokens, batch 8 verifying 5 tokens at 300)."""
+"""Cached key slots attention reads per loop iteration (a multiple of the page size): large enough
+that a short context takes one or two iterations, small enough that a long one never gathers its
+whole padded context at once."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ short decode row beside a long prompt's chunk reads its own few blocks). A decod
 in a group of one wastes no score compute; a prompt chunk reads each block once per GROUP
 queries. The local table's width is the ring (ring_pages entries).
 
-The cache is read as it was before the call; the new keys and values come back per layer for
+The cache is read in its state before the call; the new keys and values come back per layer for
 `write`, which scatters them into their pages afterwards (a separate call: see
 engine/execute/runner.py `_write` for why XLA:CPU wants it apart).
 """

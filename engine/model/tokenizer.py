@@ -164,9 +164,9 @@ class Tokenizer:
         a message is the characters `<`, `end`, ..., never the control id (no BOS).
 
         The one backend is switched to that mode for the call, under the lock `encode` takes
-        too. A second backend copied from it (`from_str(to_str())`) took 2.0 s for this
-        vocabulary while holding the GIL: the first chat request of a daemon's life stalled
-        every thread, decoding included, for that long (a 2-3 s step in `bench tuner`)."""
+        too, rather than kept as a second backend: copying one (`from_str(to_str())`) rebuilds
+        the 262k-token vocabulary while holding the GIL, so the first chat request of a
+        daemon's life would stall every thread, the engine's included, for seconds."""
         with self._lock:
             self._backend.encode_special_tokens = True
             try:

@@ -121,7 +121,7 @@ def release_lowerings() -> int:
     (then nothing is changed). It walks the Python heap (gc.get_objects): call it once, after
     warmup.
     Only computations already compiled are touched, and the lowering cache is only a cache:
-    a shape not compiled yet lowers again when first compiled, as before."""
+    a shape not compiled yet is lowered when it is first compiled."""
     import gc
 
     try:
@@ -171,12 +171,11 @@ def trim_heap() -> None:
 
 def freeze_heap() -> int:
     """Move every object alive now into the collector's permanent generation (`gc.freeze`) and
-    return how many are frozen. A warmed-up engine holds ~2.7 million objects (the vocabulary,
-    JAX's executables and caches); a full collection walked all of them (`gc.collect(2)` after
-    warming up Gemma 3 270M with every proposer: 2.0-2.2 s here), a pause that stalls
-    decoding whenever one falls during serving. Frozen, they are never walked again; what
-    serving creates later is collected as before. Call it once warmup has built what lives for the
-    process's life (it does not collect first: that would be the same 2 s pause)."""
+    return how many are frozen. A warmed-up engine holds millions of objects (the vocabulary,
+    JAX's executables and caches); a full collection walks all of them, a pause of seconds
+    that stalls decoding whenever one falls during serving. Frozen, they are never walked
+    again; what serving creates later is collected as usual. Call it once warmup has built what
+    lives for the process's life (it does not collect first: that would be the same pause)."""
     import gc
 
     gc.freeze()

@@ -6,7 +6,7 @@ calls `progress(label, done, total)` as it goes (done == total last, once);
 the command line turns the calls into a terminal bar or JSON log events
 (daemon/progress.py). The engine itself imports no UI library.
 
-A `progress` argument is a `Progress`, or a bool as before callbacks existed:
+A `progress` argument is a `Progress`, or a bool (the older form callers still pass):
 False / None is silent; True prints the informational lines but draws no bar.
 """
 

@@ -11,8 +11,8 @@ The startup profile (engine.policy.Exploration.profile) measures each cell the
 telemetry lacks on live traffic, at decode batches of up to PROFILE_MAX_BATCH rows;
 `observe` retires a cell whose first steps
 emitted tokens at under half the rate of the policy's own steps interleaved
-with them (a draft that cannot pay here: early exit at depth 8 beside n-gram on
-copy text emitted 15 tokens/s where n-gram emitted 95-107, on this CPU), so the
+with them (a draft that cannot pay on this traffic and hardware: the two rates
+are measured side by side, so the test needs no machine constant), so the
 profile does not spend its other turns on it. Its few steps are still recorded,
 and exploration keeps visiting techniques where the policy says "none".
 
@@ -20,12 +20,11 @@ Where the policy says "none", `observe` also compares each exploration step
 with the plain steps at its batch size: a technique that emitted under
 `EXPLORE_WORSE` of their token rate skips its next turns at that batch bucket,
 twice as many after each such miss in a row (up to `EXPLORE_MAX_SKIP`), and
-one that kept up is tried every turn again. At batch 26-32 on this CPU an early
-exit step at depth 1 took 430-560 ms for 34-41 tokens where a plain step took
-~190 ms for ~25: exploring every technique in turn there cost the busy phase
-2-4 % of its time. Acceptance does not depend on batch size and a step's cost
-is predicted from the rows it runs (tuner.model), so the fewer visits still
-keep the tuner's estimates fresh.
+one that kept up is tried every turn again. At a large batch a technique that
+does not pay costs a whole step of every row, so trying each technique in turn
+there would cost the busiest traffic the most. Acceptance does not depend on
+batch size and a step's cost is predicted from the rows it runs (tuner.model),
+so the fewer visits still keep the tuner's estimates fresh.
 """
 
 from __future__ import annotations

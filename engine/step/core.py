@@ -24,8 +24,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from typing import Any
 
 import jax
 import numpy as np
@@ -219,12 +221,16 @@ class EngineCore:
                                   stats.prefill_tokens, stats.batch_size)
         return StepOutput(events, stats, finished)
 
-    def _drain_inbox(self, events: list[TokenEvent], finished: list[RequestResult]) -> None:
+    def _pending(self) -> Iterator[tuple[str, Any]]:
+        """The inbox's messages (kind, argument), each taken once, until it is empty."""
         while True:
             try:
-                kind, arg = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self, events: list[TokenEvent], finished: list[RequestResult]) -> None:
+        for kind, arg in self._pending():
             if kind == "add":
                 self._admit(arg, events, finished)
             elif kind == "policy":
@@ -294,11 +300,7 @@ class EngineCore:
         Requests the failed step had already ended count too: their events never left it."""
         results = [r if r.finish_reason == "abort" else replace(r, finish_reason="error") for r in self._lost]
         self._lost, keep = [], []
-        while True:
-            try:
-                kind, arg = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        for kind, arg in self._pending():
             if kind == "add":
                 self._matchers.pop(arg.request_id, None)
                 results.append(unadmitted(arg, "error"))

@@ -18,7 +18,7 @@ One step's plan, in order:
    several chunks) is prefilled `mix_chunk` tokens a step, at most `mix_rows`
    of them at once, so the running streams keep their pace however long it
    is. The chunk is not grown to fill the call's token bucket: a real prompt
-   token costs ~4 ms of compute on this CPU wherever it rides, where a
+   token costs its full share of the forward wherever it rides, where a
    padding slot costs little. A short
    prompt still takes the step's budget (one stall of at most a chunk, and
    bursts of short requests keep their time to first token), as vLLM's
@@ -71,12 +71,12 @@ class SchedulerConfig:
 
 MIX_TOKENS_PER_ROW = 4
 """Prefill tokens per decode row a ragged step carries for a long prompt (EngineCore's
-SchedulerConfig.mix_tokens_per_row): with 4 rows decoding on this CPU, the 16 tokens of a chunk
-after 1,900 cached ones about double the decode step."""
+SchedulerConfig.mix_tokens_per_row): a chunk's tokens also attend to the prompt cached before them,
+so a few per decode row already cost about one decode step."""
 MIX_MAX_CHUNK = 128
-"""Most prefill tokens a step that decodes carries for a long prompt (with ragged calls on this CPU,
-128 fresh prompt tokens make a batch-32 decode call ~1.6x as long; more would stretch it past
-twice its time)."""
+"""Most prefill tokens a step that decodes carries for a long prompt: the chunk rides in the decode
+rows' call, so its size bounds how much a long prompt's admission slows the running streams'
+steps."""
 MIX_MIN_CHUNK = 16
 """Fewest prefill tokens a step that decodes carries for a long prompt."""
 

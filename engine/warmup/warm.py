@@ -81,7 +81,7 @@ class SpecWarmup:
 
     def is_ready(self, technique: str) -> bool:
         """Whether `technique` may run: its shapes are compiled (or warmup never began, so the
-        engine compiles on demand as before)."""
+        engine compiles each shape on demand)."""
         state = self._state.get(technique)
         return state is None or state == "ready"
 

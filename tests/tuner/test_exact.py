@@ -230,7 +230,7 @@ def test_an_exact_search_tells_the_optimum_and_the_serving_policy(db: Engine, db
     serving = tpe.best
     exact = run_search(job(db_url, FAST, serving))
     assert exact.method == "exact" and tpe.method == "tpe"
-    assert exact.predicted["goodput"] >= tpe.predicted["goodput"] * (1 - 1e-9)
+    assert exact.predicted.goodput >= tpe.predicted.goodput * (1 - 1e-9)
     study = optuna.load_study(study_name=exact.study_name, storage=make_storage(db_url))
     told = [study.trials[n] for n in exact.trials]
     policies = [TunedPolicy.from_dict(t.user_attrs["policy"]) for t in told]
@@ -249,7 +249,7 @@ def test_a_missed_tpot_target_falls_back_to_tpe(db: Engine, db_url: str) -> None
     """A TPOT target the optimum misses: TPE searches, starting from that optimum."""
     history(db)
     free = run_search(job(db_url, FAST))
-    tpot = free.predicted["p95_tpot_ms"]
+    tpot = free.predicted.p95_tpot_ms
     config = dataclasses.replace(FAST, tpot_p95_ms=tpot * 0.9, study_name="tpot")
     out = run_search(job(db_url, config))
     assert out.method == "tpe" and len(out.trials) == FAST.trials
@@ -257,7 +257,7 @@ def test_a_missed_tpot_target_falls_back_to_tpe(db: Engine, db_url: str) -> None
     first = [study.trials[n].params for n in out.trials[:3]]
     assert SearchSpace.build(FAST, CAPACITY).params_of(free.best) in first
     if out.best is not None:
-        assert out.predicted["p95_tpot_ms"] <= tpot * 0.9
+        assert out.predicted.p95_tpot_ms <= tpot * 0.9
 
 
 @pytest.mark.parametrize("spec_max_batch", [16, 32])
@@ -291,3 +291,20 @@ def test_a_search_leaves_no_trial_waiting(db: Engine, db_url: str) -> None:
         study = optuna.load_study(study_name=out.study_name, storage=make_storage(db_url))
         states = [t.state for t in study.trials]
         assert len(out.trials) == config.trials and states.count(optuna.trial.TrialState.WAITING) == 0
+
+
+def test_when_nothing_fits_the_pool_nothing_is_asked(db: Engine, db_url: str) -> None:
+    """A pool too small for one sequence of the observed length at any split: the exact solve
+    finds no policy, so the search asks no trial and chooses none; TPE over the same space (exact off)
+    finds no feasible trial either, so asking it could never decide."""
+    history(db)
+    now = time.time()
+    starved = dataclasses.replace(CAPACITY, total_pages=1)
+
+    def run(config: TunerConfig):
+        return run_search(SearchJob(db_url, config, starved, NEVER, since=now - 3600, until=now + 1))
+    exact = run(dataclasses.replace(FAST, study_name="starved"))
+    assert exact.method == "exact" and exact.trials == [] and exact.best is None
+    assert exact.predicted is None and not exact.incumbent.feasible and exact.details()["trials"] == 0
+    tpe = run(dataclasses.replace(FAST, exact=False, trials=24, study_name="starved-tpe"))
+    assert tpe.method == "tpe" and len(tpe.trials) == 24 and tpe.best is None

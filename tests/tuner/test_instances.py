@@ -125,8 +125,8 @@ def test_a_search_fits_its_own_steps_and_reports_the_pooled_instances(
     job = SearchJob(db_url, dataclasses.replace(FAST, trials=4), CAPACITY, NEVER,
                     since=now - 600, until=now + 1, instance="a")
     outcome = run_search(job)
-    assert outcome.model["acceptance_from"] == {"a": 700, "b": 300}
-    assert 0 < outcome.traffic["steps"] <= 700  # a's traffic, not b's too
+    assert outcome.acceptance_from == {"a": 700, "b": 300}
+    assert 0 < outcome.traffic.steps <= 700  # a's traffic, not b's too
 
 
 def test_a_restart_closes_only_its_own_instances_running_retunes(db: Engine, db_url: str) -> None:

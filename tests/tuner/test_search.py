@@ -78,11 +78,11 @@ def test_the_search_finds_speculation_where_it_pays(db: Engine, db_url: str, exa
     best = out.best
     assert isinstance(best, TunedPolicy) and best.source == "tuner"
     assert best.choose(1)[0] in ("ngram", "mtp")  # acceptance 0.7-0.8 pays at batch 1
-    assert out.predicted["goodput"] > out.incumbent["goodput"] * 1.2
-    assert out.fit["step_ms_median_ape"] < 0.10
-    assert set(out.traffic["tenant_mix"]) == {"chat", "code"}
+    assert out.predicted.goodput > out.incumbent.goodput * 1.2
+    assert out.fit.step_ms_median_ape < 0.10
+    assert set(out.traffic.tenant_mix) == {"chat", "code"}
     # validation's figures cover every batch size the engine may run, seen in the window or not
-    seen = {int(b) for b in out.traffic["batch_weights"]}
+    seen = set(out.traffic.batch_weights)
     for figures in (out.per_batch, out.incumbent_per_batch):
         assert set(range(1, MAX_FIGURE_BATCH + 1)) <= set(figures) and seen < set(figures)
         assert all(tokens >= b and ms > 0 for b, (tokens, ms) in figures.items())
@@ -93,13 +93,13 @@ def test_constraints_exclude_policies_that_starve_tenants(db: Engine, db_url: st
     may lend more, and every trial that did is recorded infeasible."""
     history(db)
     out0 = run_search(job(db_url))
-    need = out0.incumbent["tenant_pages_needed"]
+    need = out0.incumbent.tenant_pages_needed
     tight = dataclasses.replace(CAPACITY, total_pages=int(need / 0.9) + 1)
     config = dataclasses.replace(TPE, trials=20, study_name="tight")
     out = run_search(job(db_url, config, tight))
     assert out.best.pool_split <= 0.1
     exact = run_search(job(db_url, dataclasses.replace(config, exact=True), tight))
-    assert exact.method == "exact" and exact.predicted["feasible"]
+    assert exact.method == "exact" and exact.predicted.feasible
     assert exact.best.pool_split <= 0.1
     study = optuna.load_study(study_name=out.study_name, storage=make_storage(db_url))
     splits = [(t.params["pool_split"], trial_constraints(t)[0]) for t in study.trials]
@@ -111,8 +111,8 @@ def test_two_objective_mode_exposes_a_pareto_front(db: Engine, db_url: str) -> N
     history(db)
     config = dataclasses.replace(FAST, trials=24, two_objective=True)  # exact or not: TPE
     out = run_search(job(db_url, config))
-    assert out.method == "tpe" and out.pareto and out.best == TunedPolicy.from_dict(out.pareto[0]["policy"])
-    points = [(p["goodput"], p["p95_tpot_ms"]) for p in out.pareto]
+    assert out.method == "tpe" and out.pareto and out.best == out.pareto[0].policy
+    points = [(p.goodput, p.p95_tpot_ms) for p in out.pareto]
     for g, t in points:  # nobody on the front dominates anybody else on it
         assert not any(g2 >= g and t2 <= t and (g2, t2) != (g, t) for g2, t2 in points)
     study = optuna.load_study(study_name=out.study_name, storage=make_storage(db_url))
@@ -165,9 +165,9 @@ def test_a_technique_the_window_never_ran_keeps_its_tenants_acceptance(
     run = lambda: run_search(SearchJob(db_url, config, CAPACITY, NEVER, since=now - 61.0,
                                        until=now + 1))
     out = run()
-    assert "ngram|copy" in out.model["acceptance"] and out.best.choose(4)[0] == "ngram", out.model
-    assert out.predicted["goodput"] > 1.2 * out.incumbent["goodput"]
+    assert "ngram|copy" in out.model.acceptance and out.best.choose(4)[0] == "ngram", out.model
+    assert out.predicted.goodput > 1.2 * out.incumbent.goodput
     monkeypatch.setattr("tuner.model.PerfModel.remembering", lambda self, *a: self)
     forgot = run()
-    assert not any(k.startswith("ngram") for k in forgot.model["acceptance"])
+    assert not any(k.startswith("ngram") for k in forgot.model.acceptance)
     assert forgot.best is None or forgot.best.choose(4)[0] == "none"

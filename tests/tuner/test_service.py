@@ -287,8 +287,8 @@ def test_a_policy_that_changes_only_unobserved_batch_sizes_is_applied_without_a_
 
     def search(job: SearchJob) -> SearchOutcome:
         out = run_search(job)
-        return dataclasses.replace(out, best=filled, predicted=dict(out.incumbent),
-                                   traffic={**out.traffic, "batch_weights": {observed: 1.0}})
+        return dataclasses.replace(out, best=filled, predicted=out.incumbent, traffic=dataclasses.replace(
+            out.traffic, batch_weights={int(observed): 1.0}))
     tuner = make_tuner(NO_WAIT, search=search)
     r = finished(tuner, tuner.trigger("admin")[0])
     if observed == "29":
@@ -311,8 +311,8 @@ def test_a_rule_for_a_tenant_the_window_did_not_serve_is_applied_without_a_gain(
 
     def search(job: SearchJob) -> SearchOutcome:
         out = run_search(job)
-        return dataclasses.replace(out, best=filled, predicted=dict(out.incumbent), traffic={
-            **out.traffic, "batch_weights": {"3": 1.0}, "tenant_mix": {t: 1 / len(served) for t in served}})
+        return dataclasses.replace(out, best=filled, predicted=out.incumbent, traffic=dataclasses.replace(
+            out.traffic, batch_weights={3: 1.0}, tenant_mix={t: 1 / len(served) for t in served}))
     tuner = make_tuner(NO_WAIT, search=search)
     r = finished(tuner, tuner.trigger("admin")[0])
     if served == ("copy",):

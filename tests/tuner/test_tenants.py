@@ -171,12 +171,12 @@ def test_a_retune_search_records_per_tenant_decisions(db, db_url: str) -> None:
     job = SearchJob(db_url, FAST, CAPACITY, NEVER, since=now - 3600, until=now + 1)
     outcome = run_search(job)
     record = outcome.tenants
-    assert record is not None and record["chosen"] and record["gain"] > FAST.tenant_min_gain
-    assert record["method"] in ("exact", "tpe") and record["seconds"] > 0
+    assert record is not None and record.chosen and record.gain > FAST.tenant_min_gain
+    assert record.method in ("exact", "tpe") and record.seconds > 0
     assert outcome.best.choose_row(1, "copy") == ("ngram", 4)
     assert outcome.best.choose_row(1, "prose") == ("none", 0)
-    assert outcome.predicted["goodput"] == pytest.approx(record["tenant_goodput"], rel=1e-6)
-    assert "prose" in {r["tenant"] for r in record["rules"]}  # copy may follow the batch rule
+    assert outcome.predicted.goodput == pytest.approx(record.tenant_goodput, rel=1e-6)
+    assert "prose" in {r["tenant"] for r in record.rules}  # copy may follow the batch rule
     # without tenant rules the same search keeps one rule for both
     plain = run_search(dataclasses.replace(job, config=dataclasses.replace(FAST, tenant_rules=False)))
     assert plain.tenants is None and not plain.best.tenants
