@@ -40,13 +40,22 @@ SCORED = 16
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="crossover bench lm-eval", description=__doc__.split("\n")[0])
+    add_flags(p)
+    return run_flags(p.parse_args(argv))
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """The command's flags (`crossover bench lm-eval`, or `python -m bench.lm_eval_check`)."""
     p.add_argument("--url", help="a running daemon (default: start `crossover serve` at its defaults)")
     p.add_argument("--lm-eval", default=shutil.which("lm_eval") or shutil.which("lm-eval"),
                    help="lm-eval's executable (pip install 'lm-eval[api]' in any environment)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per request lm-eval sends")
     p.add_argument("--api-key", help="a tenant key, when the daemon asks for one")
     p.add_argument("--out", type=Path, help="write the JSON here as well as to stdout")
-    args = p.parse_args(argv)
+
+
+def run_flags(args: argparse.Namespace) -> int:
+    """Run with parsed flags; the exit status (1: the accuracies or picks differ)."""
     if not args.lm_eval or not Path(args.lm_eval).exists():
         print("crossover bench lm-eval: lm-eval not found; install it (pip install 'lm-eval[api]', any "
               f"environment) and pass --lm-eval PATH (got {args.lm_eval!r})", file=sys.stderr)

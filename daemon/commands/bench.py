@@ -1,4 +1,4 @@
-"""`crossover bench engine|telemetry|serve|crossover|tuner|tuner-compare|early-exit|findings|soak|structured`: measure,
+"""`crossover bench engine|telemetry|serve|crossover|tuner|tuner-compare|early-exit|findings|soak|structured|lm-eval`: measure,
 print progress, write JSON."""
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_structured(sub.add_parser("structured", help="constrained decoding (20 JSON schemas x 5 prompts) against "
                                                       "free decoding on one daemon: TPOT ratio, validity, "
                                                       "grammar time per step; JSON"))
+    from bench.lm_eval_check import add_flags as add_lm_eval_flags
+
+    add_lm_eval_flags(sub.add_parser("lm-eval", help="lm-eval's local-completions scores a 60-item multiple-choice "
+                                     "task against the daemon; its accuracy against the engine's own "
+                                     "loglikelihoods; JSON"))
     c = sub.add_parser("tuner-compare", help="do two `bench tuner` JSONs (e.g. --quick against the full "
                                               "run) read the same ratios within their round-to-round noise")
     c.add_argument("a", help="a `bench tuner` result JSON (e.g. a --quick run)")
@@ -181,6 +186,11 @@ def run(args: argparse.Namespace) -> int:
         _run_soak(args)
     elif args.bench == "structured":
         _run_structured(args)
+    elif args.bench == "lm-eval":
+        from bench.lm_eval_check import run_flags as run_lm_eval
+
+        if code := run_lm_eval(args):
+            raise SystemExit(code)
     elif args.bench == "tuner-compare":
         from bench.tuner_compare import run_compare
 

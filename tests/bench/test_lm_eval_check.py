@@ -3,6 +3,8 @@ script makes, lm-eval's context/continuation split, and the comparison that deci
 
 from __future__ import annotations
 
+import pytest
+
 from bench import lm_eval_check
 from bench.workloads import mc_task
 from tests.engine.conftest import ByteTokenizer
@@ -46,3 +48,11 @@ def test_compare_passes_only_when_every_pick_and_the_accuracy_agree() -> None:
     differ = lm_eval_check.compare(_samples(off), {"acc,none": 1.0 - 1 / len(items)}, direct, 1.0, "m")
     assert not differ["passed"] and differ["same_picks"] == len(items) - 1
     assert differ["max_abs_loglikelihood_diff"] == 4.0
+
+
+def test_the_command_names_a_missing_lm_eval(capsys) -> None:
+    from daemon.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "lm-eval", "--lm-eval", "/nowhere/lm_eval", "--url", "http://127.0.0.1:9"])
+    assert done.value.code == 2 and "/nowhere/lm_eval" in capsys.readouterr().err
