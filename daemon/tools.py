@@ -4,14 +4,16 @@ model reads and, for a forced choice, a grammar its answer follows; the answer -
 1. `parse_tools(body)` checks `tools` (functions: a name, a description, a JSON schema of
    parameters), `tool_choice` (`none`, `auto`, `required`, or one named function) and
    `parallel_tool_calls`; None when the request offers no tools or chooses `none`.
-2. `tool_messages(messages, tools)` renders the conversation for a template without a tool
-   role (Gemma 3 has none): the functions and how to call them go into the system turn, an
-   assistant's `tool_calls` become its turn's text (one JSON object per call), and `tool`
-   results become user turns naming the function they answer.
-3. A call is the JSON object `{"name": ..., "arguments": {...}}`. With `required` or a named
-   function, `constraint` makes decoding follow that shape (the arguments follow the
-   function's parameter schema); with `auto` the model may answer either way.
-4. `calls_in(text, tools)` reads an answer: the call(s) it makes, or None for plain content.
+2. `tool_messages(messages, tools)` renders the conversation in Gemma 3's prompted function
+   calling (its template has no tool role and the model no tool token): the instruction and
+   the functions' JSON definitions open the system turn (the template puts it before the
+   first user text), an assistant's `tool_calls` become its turn's text (one JSON object per
+   call), and `tool` results become user turns naming the function they answer.
+3. A call is Gemma's JSON form `{"name": ..., "parameters": {...}}`. With `required` or a named
+   function, `constraint` makes decoding follow that shape (the parameters follow the
+   function's schema); with `auto` the model may answer either way.
+4. `calls_in(text, tools)` reads an answer: the call(s) it makes (`arguments` is read as
+   `parameters` too), or None for plain content.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from engine.types import Constraint
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 MAX_TOOLS = 128
-INSTRUCTIONS = ("You can call functions. To call one, answer with only a JSON object "
-                '{"name": <function name>, "arguments": <an object of its arguments>} and nothing else.')
-AUTO = " If no function fits, answer in plain text instead."
+INSTRUCTIONS = ("You have access to functions. If you decide to invoke any of the function(s), you MUST put it "
+                'in the format of {"name": function name, "parameters": dictionary of argument name and its '
+                "value}\nYou SHOULD NOT include any other text in the response if you call a function")
+"""Gemma 3's documented instruction for prompted function calling, in its JSON form."""
 
 
 @dataclass(frozen=True)
@@ -48,15 +51,14 @@ class Tools:
         if not self.forced:
             return None
         names = list(self.functions) if self.choice == "required" else [self.choice]
-        shapes = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                   "properties": {"name": {"const": n}, "arguments": self.functions[n]["parameters"]}}
+        shapes = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                   "properties": {"name": {"const": n}, "parameters": self.functions[n]["parameters"]}}
                   for n in names]
         schema = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
         return Constraint("json", json.dumps(schema), "tool_choice" if self.choice != "required" else "tools")
 
     def system_text(self) -> str:
-        listed = "\n".join(json.dumps(f) for f in self.functions.values())
-        return INSTRUCTIONS + ("" if self.forced else AUTO) + "\nFunctions:\n" + listed
+        return INSTRUCTIONS + "\n" + json.dumps(list(self.functions.values()), indent=2)
 
 
 def parse_tools(body: dict[str, Any]) -> Tools | None:
@@ -135,7 +137,7 @@ def tool_messages(messages: list[dict[str, Any]], tools: Tools | None) -> list[d
         if role == "assistant" and m.get("tool_calls"):
             for call in m["tool_calls"]:
                 names[call["id"]] = call["name"]
-            calls = "\n".join(json.dumps({"name": c["name"], "arguments": c["arguments"]}) for c in m["tool_calls"])
+            calls = "\n".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in m["tool_calls"])
             text = (text + "\n" if text else "") + calls
         elif role == "tool":
             role, text = "user", f"Function {names.get(m.get('tool_call_id', ''), 'call')} returned: {text}"
@@ -183,8 +185,11 @@ def calls_in(text: str, tools: Tools) -> list[dict[str, Any]] | None:
             obj = json.loads(line)
         except ValueError:
             return None
-        if not (isinstance(obj, dict) and obj.get("name") in tools.functions and isinstance(obj.get("arguments"), dict)):
+        if not isinstance(obj, dict) or obj.get("name") not in tools.functions:
+            return None
+        args = obj.get("parameters", obj.get("arguments"))  # Gemma's key, or OpenAI's
+        if not isinstance(args, dict):
             return None
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"])}})
+                      "function": {"name": obj["name"], "arguments": json.dumps(args)}})
     return calls or None

@@ -33,9 +33,9 @@ def test_tool_choice_spellings() -> None:
     named = parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
     assert named is not None and named.choice == "get_time"
     schema = json.loads(named.constraint().spec)
-    jsonschema.validate({"name": "get_time", "arguments": {"zone": "UTC"}}, schema)
+    jsonschema.validate({"name": "get_time", "parameters": {"zone": "UTC"}}, schema)
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"name": "get_weather", "arguments": {"zone": "UTC"}}, schema)
+        jsonschema.validate({"name": "get_weather", "parameters": {"zone": "UTC"}}, schema)
     required = parse_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False})
     assert [s["properties"]["name"]["const"] for s in json.loads(required.constraint().spec)["anyOf"]] == [
         "get_weather", "get_time"]
@@ -68,17 +68,21 @@ def test_the_conversation_renders_calls_and_results_as_turns() -> None:
                 {"role": "user", "content": "Thanks. And the time?"}]
     out = tool_messages(messages, tools)
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
-    assert out[0]["content"].startswith("You can call functions.") and out[0]["content"].endswith("Be brief.")
-    assert '"name": "get_weather"' in out[0]["content"] and "plain text" in out[0]["content"]
-    assert json.loads(out[2]["content"]) == {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}
+    system = out[0]["content"]
+    assert system.startswith("You have access to functions.") and system.endswith("Be brief.")
+    listed = system.split("\n", 2)[2].rsplit("\n\n", 1)[0]  # after the instruction's two lines
+    assert [f["name"] for f in json.loads(listed)] == ["get_weather", "get_time"]
+    call = {"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}  # Gemma's JSON form
+    assert json.loads(out[2]["content"]) == call
     assert out[3]["content"] == "Function get_weather returned: 4 degrees\n\nThanks. And the time?"
 
 
 def test_answers_are_read_as_calls_or_content() -> None:
     tools = parse_tools({"tools": TOOLS})
-    calls = calls_in('{"name": "get_time", "arguments": {"zone": "CET"}}\n', tools)
-    assert calls is not None and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
-    assert calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "CET"}'}
+    for key in ("parameters", "arguments"):  # Gemma's form, and OpenAI's key
+        calls = calls_in(f'{{"name": "get_time", "{key}": {{"zone": "CET"}}}}\n', tools)
+        assert calls is not None and calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+        assert calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "CET"}'}
     assert calls_in("It is sunny.", tools) is None
     assert calls_in('{"name": "launch", "arguments": {}}', tools) is None  # not an offered function
 
@@ -91,7 +95,8 @@ def chat(server: LiveServer, **fields: Any) -> dict[str, Any]:  # noqa: F811
 def test_a_named_call_follows_the_functions_schema(server: LiveServer) -> None:  # noqa: F811
     choice = {"type": "function", "function": {"name": "get_weather"}}
     for temperature in (0.0, 1.0):
-        r = server.post("/v1/chat/completions", chat(server, tool_choice=choice, temperature=temperature, seed=1))
+        body = chat(server, tool_choice=choice, temperature=temperature, seed=1, max_tokens=120)
+        r = server.post("/v1/chat/completions", body)
         assert r.status == 200, r.data
         (answer,) = r.json()["choices"]
         assert answer["finish_reason"] == "tool_calls" and answer["message"]["content"] is None
