@@ -101,7 +101,7 @@ class Tally:
     """Counted steps of one or more runs."""
 
     tokens: int = 0
-    """Output tokens emitted (one per sequence plus accepted drafts)."""
+    """Output tokens delivered (one per sequence plus the accepted drafts its request kept)."""
     ms: float = 0.0
     steps: int = 0
     seq_steps: int = 0

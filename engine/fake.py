@@ -36,10 +36,10 @@ exploration with a random stream seeded once and picks each row's technique
 and depth (a tenant rule's, else the batch's). A row that drafts has its drafts
 accepted by `FakeProposer.accepts` (a deterministic hash against the
 proposer's per-position acceptance, scaled per tenant) and emits 1 + accepted
-tokens of its script in that step; each step's `row_classes` group the rows
-as the real engine's do. With a `FakeCost` (engine/speculation/fake_speculation.py),
-step_ms / propose_ms are computed from it instead of measured, so goodput per
-policy is known exactly.
+tokens of its script in that step, up to its request's end (the stats count only
+those, as the real engine's); `row_classes` group the rows as the real engine's.
+With a `FakeCost` (engine/speculation/fake_speculation.py), step_ms / propose_ms
+are computed from it instead of measured, so goodput per policy is known exactly.
 """
 
 from __future__ import annotations
@@ -236,14 +236,16 @@ class FakeEngine:
                    for c in self._chooser.choose_rows([s.request.tenant for s in batch])]
         per_pos = [0] * max(d for _, d in choices)  # the verify depth: the deepest row's
         classes: dict[tuple[str, str, int], list] = {}  # as engine/step/ragged_step.py's SpecResult.classes
-        emitted = 0
+        emitted = cut = 0
         for seq, (technique, depth) in zip(batch, choices):
             cls = classes.setdefault((seq.request.tenant, technique, depth), [0, 0, 0, [0] * depth])
             try:
                 self.request_fault and self.request_fault(seq.request.request_id)
-                accepted = self._speculate(seq, self.proposers.get(technique), depth, cls[3])
+                accepted = self._speculate(seq, self.proposers.get(technique), depth)
                 event = self._advance(seq, 1 + accepted)
-                cls[:3] = cls[0] + 1, cls[1] + depth, cls[2] + accepted
+                delivered = min(accepted, len(event.token_ids) - 1)  # as EngineCore: what the request kept
+                cut += 1 + accepted - len(event.token_ids)
+                self._count(seq, cls, depth, delivered)
             except Exception:  # this sequence's own fault fails it alone, as in EngineCore
                 events.append(TokenEvent(seq.request.request_id, (), "", None, True, "error"))
                 finished.append(self._finish(seq, "error"))
@@ -258,7 +260,7 @@ class FakeEngine:
                 per_pos[i] += n
         row_classes = tuple(RowClass(t, tech, d, *c[:3], tuple(c[3]))
                             for (t, tech, d), c in sorted(classes.items()) if c[0])
-        stats = self._stats(start, batch, prefill, emitted, per_pos, row_classes)
+        stats = self._stats(start, batch, prefill, emitted, per_pos, row_classes, cut)
         self._chooser.observe(stats.technique, stats.depth, stats.decode_tokens, stats.step_ms,
                               stats.prefill_tokens, stats.batch_size)  # as EngineCore
         return StepOutput(events=events, stats=stats, finished=finished)
@@ -272,18 +274,22 @@ class FakeEngine:
         return ([self._finish(seq, "error") for seq in list(self._running.values())]
                 + [self._result(r, None, 0, "error") for r in queued])
 
-    def _speculate(self, seq: _Sequence, proposer: FakeProposer | None, depth: int,
-                   per_pos: list[int]) -> int:
-        """Drafts of `seq` accepted this step (0 without a proposer); counts them per position."""
+    def _speculate(self, seq: _Sequence, proposer: FakeProposer | None, depth: int) -> int:
+        """Drafts of `seq` accepted this step (0 without a proposer)."""
         if proposer is None:
             return 0
         scale = self.tenant_acceptance.get(seq.request.tenant, 1.0)
-        accepted = proposer.accepts(f"{seq.request.request_id}:{seq.produced}", depth, scale)
-        seq.proposed += depth
-        seq.accepted += accepted
-        for i in range(accepted):
-            per_pos[i] += 1
-        return accepted
+        return proposer.accepts(f"{seq.request.request_id}:{seq.produced}", depth, scale)
+
+    @staticmethod
+    def _count(seq: _Sequence, cls: list, proposed: int, delivered: int) -> None:
+        """One row in its class [rows, proposed, accepted, per_pos] and its sequence: `proposed`
+        drafts, `delivered` of them accepted (those its request kept, as EngineCore counts)."""
+        cls[:3] = cls[0] + 1, cls[1] + proposed, cls[2] + delivered
+        for i in range(delivered):
+            cls[3][i] += 1
+        seq.proposed += proposed
+        seq.accepted += delivered
 
     def _check(self, req: Request) -> None:
         req.validate(VOCAB_SIZE, self.max_context)  # EngineCore.add_request's rules
@@ -419,7 +425,7 @@ class FakeEngine:
                              scheduled_time=scheduled_time)
 
     def _stats(self, start: float, batch: list[_Sequence], prefill: int, decode_tokens: int,
-               per_pos: list[int], row_classes: tuple[RowClass, ...]) -> StepStats:
+               per_pos: list[int], row_classes: tuple[RowClass, ...], cut: int = 0) -> StepStats:
         depth, sampled = len(per_pos), sum(1 for s in batch if s.request.sampling.temperature > 0)
         drafting: dict[str, int] = {}  # technique -> rows that drafted with it
         for c in row_classes:
@@ -440,4 +446,5 @@ class FakeEngine:
             kv_pages_free=self.num_pages - self.pages_used, queue_len=len(self._waiting),
             policy_version=self.policy.version, sampled_rows=sampled, **self.prefixes.take(),
             tenants=tuple(sorted({s.request.tenant for s in batch})), row_classes=row_classes,
+            cut_tokens=cut,
         )

@@ -301,9 +301,9 @@ class RowClass:
     """Decode rows of this class in the step."""
     proposed: int = 0
     """Draft tokens its rows proposed (each up to `depth`)."""
-    accepted: int = 0
+    accepted: int = 0  # drafts delivered, as StepStats.accepted
     accepted_per_pos: tuple[int, ...] = ()
-    """accepted_per_pos[i]: drafts accepted at draft position i (len == depth)."""
+    """accepted_per_pos[i]: drafts delivered at draft position i (len == depth)."""
 
 
 def row_classes_from_json(value: object) -> tuple[RowClass, ...]:
@@ -326,10 +326,9 @@ def row_classes_from_json(value: object) -> tuple[RowClass, ...]:
 class StepStats:
     """What one engine step did: the one definition of a step's record.
 
-    Telemetry stores it as one `xo_steps` row (store.models.Step mirrors these
-    fields, a test checks) and the tuner reads those rows back as StepStats.
-    The engine fills every field; the zero defaults let tests and examples
-    name only what matters to them.
+    Telemetry stores it as one `xo_steps` row (store.models.Step mirrors these fields, a test
+    checks) and the tuner reads those rows back as StepStats. The engine fills every field; the
+    zero defaults let tests and examples name only what matters to them.
     """
 
     step_id: int = 0
@@ -339,14 +338,17 @@ class StepStats:
     """Sequences that produced or consumed tokens this step."""
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    """Output tokens the decode batch emitted (one per sequence plus accepted drafts)."""
+    """Goodput: output tokens the decode rows delivered, those their TokenEvents carry (decode
+    rows + accepted); what verification produced past a request's end is `cut_tokens`."""
     technique: str = "none"
     """"none" for plain decode, else the proposer's name."""
     depth: int = 0
     proposed: int = 0
     accepted: int = 0
+    """Drafts delivered: min(accepted drafts, tokens kept - 1) per verify row; one its request's
+    end cut off counts as rejected (engine.step.ragged_step.count_verified says why)."""
     accepted_per_pos: tuple[int, ...] = ()
-    """accepted_per_pos[i]: drafts accepted at draft position i (len == depth)."""
+    """accepted_per_pos[i]: drafts delivered at draft position i (len == depth)."""
     propose_ms: float = 0.0
     verify_ms: float = 0.0
     step_ms: float = 0.0
@@ -376,6 +378,8 @@ class StepStats:
     plain_rows: int = 0
     """Decode rows of a speculative step that drafted nothing and decoded one token each beside
     the verify rows (engine/step/ragged_step.py); 0 in a step without drafts."""
+    cut_tokens: int = 0
+    """Output tokens decode rows computed past their requests' ends (stop, max_tokens, context)."""
 
     @property
     def speculating(self) -> float:
@@ -384,7 +388,7 @@ class StepStats:
 
     @property
     def goodput(self) -> float:
-        """Output tokens per second of this step."""
+        """Output tokens delivered per second of this step."""
         return self.decode_tokens * 1000.0 / self.step_ms if self.step_ms > 0 else 0.0
 
 

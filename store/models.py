@@ -121,12 +121,15 @@ class Step(Base):
     batch_size: Mapped[int]
     prefill_tokens: Mapped[int]
     decode_tokens: Mapped[int]
+    """Output tokens delivered to requests (StepStats.decode_tokens); before revision 0013 it also
+    counted accepted drafts past a request's end."""
     technique: Mapped[str] = mapped_column(String(64))
     depth: Mapped[int]
     proposed: Mapped[int]
     accepted: Mapped[int]
+    """Drafts delivered (StepStats.accepted); before revision 0013, drafts accepted by verification."""
     accepted_per_pos: Mapped[list[Any]]
-    """JSON list: drafts accepted at each draft position (len == depth)."""
+    """JSON list: `accepted` at each draft position (len == depth)."""
     propose_ms: Mapped[float]
     verify_ms: Mapped[float]
     step_ms: Mapped[float]
@@ -153,6 +156,9 @@ class Step(Base):
     plain_rows: Mapped[int] = mapped_column(default=0, server_default="0")
     """Decode rows that ran in a segmented verify's plain segment (the others at the verify
     depth); 0 for one padded verify or none, and on rows before revision 0011."""
+    cut_tokens: Mapped[int] = mapped_column(default=0, server_default="0")
+    """Tokens the decode rows computed past their requests' ends (a stop, max_tokens, the
+    context), not in decode_tokens; 0 on rows before revision 0013."""
 
 
 class StepRowClass(Base):

@@ -61,6 +61,13 @@ would keep the search off that depth until exploration happened to visit it
 again. A depth not measured takes the nearest
 measured depth's factor (the deeper one on a tie); tuner.model caps the
 accepted draft at the depth.
+
+Delivered drafts. The counts are the engine's (StepStats.accepted): a draft
+that verification accepted but a stop, max_tokens or the context cut off
+counts as rejected. So a rate is the chance a draft reaches the request, the
+cost of drafting past requests' ends included, and the tokens per step the
+model predicts are the goodput the steps record (decode_tokens): on short
+outputs a deep draft's last positions earn less, as they deliver less.
 """
 
 from __future__ import annotations

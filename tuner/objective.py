@@ -2,7 +2,8 @@
 
 For each observed batch size B (u_B: its share of the output tokens) the
 policy picks (technique, depth); the model gives the step time ms_B and the
-tokens one sequence emits e_B for the tenant mix. The tokens served at each
+tokens one sequence delivers e_B for the tenant mix (drafts past a request's
+end count as rejected: tuner.acceptance, "Delivered drafts"). The tokens served at each
 batch size are the work, whatever the policy, so a policy that emits more per
 step needs fewer steps there (u_B / (B e_B) of them, not the observed share):
 

@@ -99,11 +99,12 @@ class EngineMetrics:
                                   registry=reg)
         self.num_draft_tokens = Counter(SPEC + "num_draft_tokens", "Draft tokens proposed.",
                                         registry=reg)
-        self.num_accepted_tokens = Counter(SPEC + "num_accepted_tokens", "Draft tokens accepted.",
-                                           registry=reg)
+        self.num_accepted_tokens = Counter(
+            SPEC + "num_accepted_tokens", "Draft tokens accepted and delivered (none past a request's end).",
+            registry=reg)
         self.accepted_per_pos = Counter(
             SPEC + "num_accepted_tokens_per_pos",
-            "Draft tokens accepted at each draft position (0-based).", ["position"], registry=reg)
+            "Draft tokens accepted and delivered at each draft position (0-based).", ["position"], registry=reg)
         self._per_pos: list[Counter] = []  # children of accepted_per_pos, by position
         self.requests = Counter(P + "requests", "Finished requests by tenant and finish reason.",
                                 ["tenant", "finish_reason"], registry=reg)

@@ -135,16 +135,19 @@ def append_tokens(seq: Sequence, new: list[int], logprobs: list[float] | None,
     """Append sampled tokens, apply stop rules, and return the event to emit.
 
     Stops, in order per token: a stop id (the id is reported, its text is not),
-    the end of a constrained request's grammar, max_tokens, the context limit; then stop
-    strings on the decoded text (the text is cut before the match). Text that could still
-    become a stop string is held back until it cannot. `tops`: each token's most likely
-    alternatives, best first.
+    the end of a constrained request's grammar, max_tokens, the context limit, then stop
+    strings on the decoded text (the text is cut before the match). The tokens after the one
+    that stops are dropped, as one token per step would never have made them: with speculation
+    (several tokens at once) the output is still plain decoding's. Text that could still become
+    a stop string is held back until it cannot. `tops`: each token's most likely alternatives,
+    best first.
     """
     sp = seq.req.sampling
     if seq.first_token_time is None:
         seq.first_token_time = time.time()
     kept: list[int] = []
     reason = None
+    per_token = bool(sp.stop) and len(new) > 1  # a stop string may end the output inside `new`
     for t in new:
         kept.append(t)
         seq.tokens.append(t)
@@ -153,21 +156,30 @@ def append_tokens(seq: Sequence, new: list[int], logprobs: list[float] | None,
             reason = "stop"
         elif seq.num_output >= sp.max_tokens or len(seq.tokens) >= max_context:
             reason = "length"
+        if per_token:
+            reason = _push(seq, [t], stop_ids, reason)
         if reason:
             break
-    visible = [t for t in kept if t not in stop_ids]
-    seq.text += seq.detok.push(visible)
-    if reason:
-        seq.text += seq.detok.flush()
-    cut = _find_stop(seq.text, sp.stop, seq.emitted)
-    if cut is not None:
-        seq.text, reason = seq.text[:cut], "stop"
+    if not per_token:
+        reason = _push(seq, kept, stop_ids, reason)
     hold = 0 if reason else max((len(s) - 1 for s in sp.stop), default=0)
     end = max(seq.emitted, len(seq.text) - hold)
     delta, seq.emitted = seq.text[seq.emitted : end], end
     lps = tuple(logprobs[: len(kept)]) if logprobs is not None else None
     top = None if tops is None else tuple(tuple(t[: sp.top_logprobs]) for t in tops[: len(kept)])
     return TokenEvent(seq.request_id, tuple(kept), delta, lps, reason is not None, reason, top)
+
+
+def _push(seq: Sequence, ids: list[int], stop_ids: frozenset[int], reason: str | None) -> str | None:
+    """Decode `ids` onto `seq.text` (stop ids render nothing; a `reason` to end flushes what the
+    Detokenizer held) and cut the text before the first stop string: the reason, "stop" then."""
+    seq.text += seq.detok.push([t for t in ids if t not in stop_ids])
+    if reason:
+        seq.text += seq.detok.flush()
+    cut = _find_stop(seq.text, seq.req.sampling.stop, seq.emitted)
+    if cut is not None:
+        seq.text, reason = seq.text[:cut], "stop"
+    return reason
 
 
 def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:

@@ -325,9 +325,10 @@ class EngineCore:
         """Token ids that end this request's output."""
         return (frozenset() if sp.ignore_eos else self.stop_ids) | frozenset(sp.stop_token_ids)
 
-    def _emit(self, seq: Sequence, toks, lps, events, finished, slots: slice) -> None:
+    def _emit(self, seq: Sequence, toks, lps, events, finished, slots: slice, kept=None) -> None:
         """Append `seq`'s new tokens (its output slots `slots` of the latest ragged call) and
-        queue its event."""
+        queue its event. `kept(n)`, when given, hears how many tokens the request kept (0 after a
+        fault) before the sequence may finish, whose RequestResult reads what it counts."""
         sp = seq.req.sampling
         try:
             tops = None
@@ -337,8 +338,12 @@ class EngineCore:
             if seq.prompt_lps is not None:  # a scored prompt, sent with its first token
                 ev, seq.prompt_lps = replace(ev, prompt_logprobs=tuple(seq.prompt_lps)), None
         except Exception:
+            if kept is not None:
+                kept(0)
             self._fail(seq, "its detokenization or stop rules", events, finished)
             return
+        if kept is not None:
+            kept(len(ev.token_ids))
         events.append(ev)
         if ev.finished:
             finished.append(self._finish(seq, ev.finish_reason))
@@ -347,7 +352,7 @@ class EngineCore:
         seqs = plan.decode + [s for s, _ in plan.prefill]
         return StepStats(
             step_id=self._step_id, time=wall, batch_size=len(seqs),
-            prefill_tokens=sum(n for _, n in plan.prefill), decode_tokens=len(plan.decode) + spec.accepted,
+            prefill_tokens=sum(n for _, n in plan.prefill), decode_tokens=spec.delivered,
             technique=spec.technique, depth=spec.depth, proposed=spec.proposed, accepted=spec.accepted,
             accepted_per_pos=tuple(spec.per_pos), propose_ms=spec.propose_ms,
             verify_ms=spec.verify_ms if spec.depth else step_ms, step_ms=step_ms,
@@ -357,7 +362,7 @@ class EngineCore:
             sampled_rows=sum(1 for s in seqs if s.req.sampling.temperature > 0), plain_rows=spec.plain_rows,
             prefix_hit_tokens=plan.prefix_hit_tokens, prefix_query_tokens=plan.prefix_query_tokens,
             row_classes=spec.row_classes(plan.decode), grammar_ms=spec.grammar_ms,
-            constrained_rows=spec.constrained_rows,
+            constrained_rows=spec.constrained_rows, cut_tokens=spec.cut,
         )
 
     # -- lifecycle and introspection ---------------------------------------

@@ -49,8 +49,13 @@ class SpecResult:
     per_pos: list[int] = field(default_factory=list)
     proposed: int = 0
     accepted: int = 0
+    """Drafts delivered (count_verified)."""
     classes: dict[tuple[str, str, int], list] = field(default_factory=dict)
     """(tenant, technique, depth) -> [rows, proposed, accepted, per_pos] of the verified rows."""
+    delivered: int = 0
+    """Tokens the decode rows' requests kept (their TokenEvents'): StepStats.decode_tokens."""
+    cut: int = 0
+    """Tokens the decode rows produced past their requests' ends: StepStats.cut_tokens."""
     plain_rows: int = 0
     """Decode rows of a speculative step that drafted nothing: they decode one token each."""
     grammar_ms: float = 0.0
@@ -230,9 +235,26 @@ def accepted_prefix(acc, n: int) -> int:
     return a
 
 
+def delivered_drafts(accepted: int, kept: int) -> int:
+    """Of a verify row's `accepted` drafts, those its request kept beyond the row's one token,
+    when it kept `kept` of the 1 + accepted tokens the row produced (a stop, max_tokens or the
+    context may end it sooner; a fault keeps none).
+
+    >>> delivered_drafts(3, 4), delivered_drafts(3, 2), delivered_drafts(3, 0)
+    (3, 1, 0)
+    """
+    return max(0, min(accepted, kept - 1))
+
+
 def count_verified(res: SpecResult, seq: Sequence, choice: tuple[str, int], drafts, accepted: int) -> None:
-    """Count one verified row, `accepted` of its drafts kept, in `res` (its class, per position)
-    and in its sequence."""
+    """Count one verified row in `res` (its class, per position) and in its sequence: its drafts
+    as proposed and `accepted` as accepted, the drafts its request kept (delivered_drafts).
+
+    A draft that verification accepted but the request's end cut off counts as rejected, so
+    goodput (decode rows + accepted) is what requests received, and acceptance rates (accepted
+    / proposed, the tuner's per-position rates) carry the cost of drafting past a request's
+    end: the tokens per step they predict are delivered tokens. Each row's drafts stay proposed
+    in full: each took a verify slot."""
     cls = res.classes.setdefault((seq.req.tenant, *choice), [0, 0, 0, [0] * choice[1]])
     for j in range(accepted):
         res.per_pos[j] += 1
@@ -337,13 +359,17 @@ def _update(core, spec: SpecResult, item, slots: slice, tok, acc, lp, hidden, ev
             core._emit(seq, [int(tok[at])], [float(lp[at])], events, finished, slice(at, at + 1))
         return
     a = accepted_prefix(acc[at:], len(drafts))
-    if spec.depth:  # a speculative step counts every decode row, plain ones too
-        count_verified(spec, seq, choice, drafts, a)
     seq.num_cached += 1 + a  # the fed token and the accepted drafts are now valid cache
     if hidden is not None:
         seq.hidden = hidden[at + a]
+
+    def kept(n: int) -> None:  # before the sequence may finish: its result reads seq.accepted
+        spec.delivered, spec.cut = spec.delivered + n, spec.cut + (1 + a - n if n else 0)
+        if spec.depth:  # a speculative step counts every decode row, plain ones too
+            count_verified(spec, seq, choice, drafts, delivered_drafts(a, n))
+
     core._emit(seq, list(drafts[:a]) + [int(tok[at + a])], [float(x) for x in lp[at: at + a + 1]], events,
-               finished, slice(at, at + a + 1))
+               finished, slice(at, at + a + 1), kept)
 
 
 def _score_prompt(core, seq: Sequence, slots: slice) -> None:

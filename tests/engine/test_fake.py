@@ -176,3 +176,20 @@ def test_capacity_and_policy_follow_the_real_engines_surface() -> None:
     engine.add_request(req("a", "hello"))
     engine.step()
     assert engine.policy is policy and engine.status()["policy_version"] == 5
+
+
+def test_speculation_counts_only_the_tokens_a_request_keeps() -> None:
+    """As EngineCore: drafts accepted past max_tokens are cut_tokens, not goodput."""
+    from engine.fake import FakeProposer
+    from engine.policy import BatchRule, TunedPolicy
+
+    engine = FakeEngine(max_depth=3, proposers={"ngram": FakeProposer("ngram", (1.0,))})
+    engine.set_policy(TunedPolicy((BatchRule(8, "ngram", 3),), crossover=8, version=1))
+    engine.add_request(req("a", "abcdefgh", max_tokens=6))  # steps of 1 + 3 tokens: 4, then 2 of 4
+    events, outs = run(engine)
+    stats = [o.stats for o in outs if o.stats is not None]
+    assert [s.decode_tokens for s in stats] == [len(e.token_ids) for e in events] == [4, 2]
+    assert [(s.accepted, s.accepted_per_pos, s.cut_tokens) for s in stats] == [(3, (1, 1, 1), 0), (1, (1, 0, 0), 2)]
+    assert [c.accepted for s in stats for c in s.row_classes] == [3, 1]
+    (result,) = [r for o in outs for r in o.finished]
+    assert (result.output_tokens, result.proposed_tokens, result.accepted_tokens) == (6, 6, 4)

@@ -93,6 +93,16 @@ def test_stop_string_cuts_text_and_stop_id_ends(tiny):
     assert res["c"].finish_reason == "stop"
 
 
+def test_a_stop_string_inside_several_new_tokens_ends_the_tokens_where_one_at_a_time_would():
+    from engine.execute.sequence import Detokenizer, Sequence, append_tokens, request_key
+
+    letters = LetterTokenizer()  # id i is letter i: 0 1 2 3 4 is "abcde"
+    sp = SamplingParams(max_tokens=8, stop=("cd",), ignore_eos=True)
+    seq = Sequence(Request("s", [7], sp), [7], 1, request_key(0), Detokenizer(letters.decode, [7]))
+    ev = append_tokens(seq, [0, 1, 2, 3, 4], None, frozenset(), 128)
+    assert (ev.token_ids, ev.text, ev.finish_reason, seq.num_output) == ((0, 1, 2, 3), "ab", "stop", 4)
+
+
 def test_serving_a_mixed_workload_compiles_nothing_after_warmup(tiny):
     engine = make_engine(tiny)
     engine.warmup(progress=False)

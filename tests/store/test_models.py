@@ -34,7 +34,7 @@ def test_every_model_round_trips(db_url: str) -> None:
              accepted_per_pos=[3, 1, 1], propose_ms=0.5, verify_ms=3.25, step_ms=4.5,
              kv_pages_used=10, kv_pages_free=90, queue_len=2, policy_version=4, preempted=1,
              sampled_rows=2, prefix_hit_tokens=32, prefix_query_tokens=40, tenants=["acme", "globex"],
-             plain_rows=3, grammar_ms=1.25, constrained_rows=2),
+             plain_rows=3, grammar_ms=1.25, constrained_rows=2, cut_tokens=4),
         Request(instance="a", request_id="r-1", tenant="acme", prompt_tokens=12, output_tokens=30,
                 arrival_time=1.7e9, first_token_time=None, finish_time=1.7e9 + 2.5,
                 finish_reason="abort", status="aborted", proposed_tokens=20, accepted_tokens=8,

@@ -229,7 +229,9 @@ def test_fit_on_the_fake_engines_own_telemetry(monkeypatch) -> None:
     model, report = PerfModel.fit_with_report(rows)
     assert report.step_ms_median_ape < 0.01  # the fake's step time is exactly linear
     assert model.predict_step_ms("ngram", 3, 5) == pytest.approx(cost.times(5, 3)[0], rel=0.01)
-    assert model.acceptance["ngram"][:2] == pytest.approx((0.8, 0.6), abs=0.08)
+    # drafts past max_tokens count as rejected (StepStats.accepted): the 24 requests' last steps
+    # take about 0.02 off the rates measured here, position 1's most
+    assert model.acceptance["ngram"][:2] == pytest.approx((0.8, 0.6), abs=0.1)
 
 
 def test_a_few_slow_collinear_steps_cannot_fit_negative_costs() -> None:
