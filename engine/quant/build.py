@@ -4,9 +4,9 @@ The library lands in ``<cache>/quant/qkernel-<key>.so`` (`<cache>`: `$CROSSOVER_
 `$XDG_CACHE_HOME/crossover`, else `~/.cache/crossover`), `<key>` hashing the source, the
 compiler's version, the flags and jaxlib's FFI headers. An flock on a sibling lock file keeps
 two processes from building the same key at once; the second finds the first's library.
-The source is compiled three times: the AVX2+FMA kernels, the AVX-512 kernels and the FFI
-handlers (which choose between the two by CPUID at load); a compiler without AVX-512 support
-builds the AVX2 kernels alone.
+The source is compiled four times, side by side: the AVX2+FMA kernels, the AVX-512 kernels, a
+portable copy of the AVX-512 tiling (for tests) and the FFI handlers (which choose by CPUID at
+load); a compiler without AVX-512 support builds the others alone.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ SOURCE = Path(__file__).with_name("kernel.cc")
 COMMON = ["-O3", "-fPIC", "-std=c++17", "-ffp-contract=off", "-fno-math-errno"]
 """-ffp-contract=off: each weight is formed with the roundings gguf's dequantize uses."""
 PARTS = {"avx2": ["-DQK_PART=1", "-mavx2", "-mfma"],
-         "avx512": ["-DQK_PART=2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]}
+         "avx512": ["-DQK_PART=2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"],
+         "portable": ["-DQK_PART=3", "-O1"]}  # tests only: a quicker build
 
 
 class BuildError(RuntimeError):
@@ -67,30 +68,45 @@ def _key(cxx: str, include: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _start(cmd: list[str]) -> subprocess.Popen:
+    try:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    except OSError as exc:
+        raise BuildError(f"{cmd[0]} failed to run: {exc}") from exc
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired as exc:
+        proc.kill()
+        raise BuildError(f"compiling took over 300 s: {exc}") from exc
+    return proc.returncode, err.strip()[-2000:]
+
+
 def _compile(cxx: str, include: Path, out: Path) -> list[str]:
-    """Compile and link into `out`; returns the ISA parts built."""
-    built, objects = [], []
+    """Compile the parts side by side and link them into `out`; returns the ISA parts built."""
     with tempfile.TemporaryDirectory(prefix="qkernel-") as tmp:
-        for name, flags in PARTS.items():
-            obj = Path(tmp) / f"{name}.o"
-            done = _run([cxx, *COMMON, *flags, "-c", str(SOURCE), "-o", str(obj)])
-            if done.returncode != 0:
-                if name == "avx2":
-                    raise BuildError(f"compiling the AVX2 kernel failed: {done.stderr.strip()[-2000:]}")
-                continue  # an old compiler: AVX2 only
-            built.append(name)
-            objects.append(str(obj))
-        main = Path(tmp) / "main.o"
-        extra = [] if "avx512" in built else ["-DQK_NO_AVX512"]
-        done = _run([cxx, *COMMON, "-DQK_PART=0", *extra, f"-I{include}", "-c", str(SOURCE), "-o", str(main)])
-        if done.returncode != 0:
-            raise BuildError(f"compiling the FFI handlers failed: {done.stderr.strip()[-2000:]}")
+        objs = {name: Path(tmp) / f"{name}.o" for name in (*PARTS, "main")}
+        main = [cxx, *COMMON, "-DQK_PART=0", f"-I{include}", "-c", str(SOURCE), "-o"]
+        procs = {name: _start([cxx, *COMMON, *flags, "-c", str(SOURCE), "-o", str(objs[name])])
+                 for name, flags in PARTS.items()}
+        procs["main"] = _start([*main, str(objs["main"])])
+        results = {name: _finish(proc) for name, proc in procs.items()}
+        failed = {name: err for name, (rc, err) in results.items() if rc != 0}
+        if "avx512" in failed and len(failed) == 1:  # an old compiler: AVX2 alone
+            rc, err = _finish(_start([*main[:-1], "-DQK_NO_AVX512", "-c", str(SOURCE), "-o", str(objs["main"])]))
+            failed = {"main": err} if rc else {}
+            del objs["avx512"]
+        if failed:
+            name, err = next(iter(failed.items()))
+            raise BuildError(f"compiling the kernel ({name}) failed: {err}")
         tmp_out = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        done = _run([cxx, "-shared", "-o", str(tmp_out), str(main), *objects])
-        if done.returncode != 0:
-            raise BuildError(f"linking the kernel failed: {done.stderr.strip()[-2000:]}")
+        rc, err = _finish(_start([cxx, "-shared", "-o", str(tmp_out), *map(str, objs.values())]))
+        if rc != 0:
+            raise BuildError(f"linking the kernel failed: {err}")
         os.replace(tmp_out, out)
-    return built
+    return [name for name in PARTS if name in objs]
 
 
 def build() -> Path:

@@ -8,9 +8,11 @@
 // Each weight is formed exactly as gguf's dequantize forms it (one rounding per multiply and
 // per subtraction; built with -ffp-contract=off), then multiplied into float32 accumulators.
 //
-// One source, compiled three times (engine/quant/build.py): QK_PART=1 the AVX2+FMA kernels,
-// QK_PART=2 the AVX-512 kernels, QK_PART=0 the XLA FFI handlers, which pick a kernel by CPUID
-// once and split the panels over XLA's intra-op thread pool.
+// One source, compiled four times (engine/quant/build.py): QK_PART=1 the AVX2+FMA kernels,
+// QK_PART=2 the AVX-512 kernels, QK_PART=3 a portable scalar copy of the AVX-512 kernels (the
+// same tiling, one 16-lane vector a panel: tests check that tiling on CPUs without AVX-512; never
+// chosen by default), QK_PART=0 the XLA FFI handlers, which pick a kernel by CPUID once and
+// split the panels over XLA's intra-op thread pool.
 #include <cstddef>
 #include <cstdint>
 
@@ -26,7 +28,8 @@ struct Args {
 using PanelFn = void (*)(const Args&, int64_t p0, int64_t p1);  // panels [p0, p1)
 }  // namespace qk
 
-#if QK_PART == 1 || QK_PART == 2
+#if QK_PART == 1 || QK_PART == 2 || QK_PART == 3
+#include <cmath>
 #include <immintrin.h>
 
 #include <vector>
@@ -64,7 +67,7 @@ struct V {  // AVX2: a panel of 16 columns is two 8-float vectors
 constexpr int kRows = 6;        // rows a float tile keeps in registers (6 x 2 accumulators)
 constexpr int kDirectRows = 4;  // up to these rows convert weights in registers per row tile
 constexpr int kWide = 2;        // panels a one-row tile reads at once (4 independent chains)
-#else
+#elif QK_PART == 2
 struct V {  // AVX-512: a panel is one 16-float vector
   using F = __m512;
   static constexpr int kPer = 1;
@@ -86,6 +89,28 @@ struct V {  // AVX-512: a panel is one 16-float vector
   }
 };
 #define QK_NAME(x) x##_avx512
+constexpr int kRows = 12;
+constexpr int kDirectRows = 8;
+constexpr int kWide = 4;
+#else
+struct V {  // portable: the AVX-512 layout in plain C++, with the same single-rounding fma
+  struct F {
+    float v[16];
+  };
+  static constexpr int kPer = 1;
+  static F zero() { return F{}; }
+  static F load(const float* p) { F r; for (int i = 0; i < 16; ++i) r.v[i] = p[i]; return r; }
+  static F bcast(const float* p) { F r; for (int i = 0; i < 16; ++i) r.v[i] = *p; return r; }
+  static F fma(F a, F b, F c) { for (int i = 0; i < 16; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return c; }
+  static F mul(F a, F b) { for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i]; return a; }
+  static F sub(F a, F b) { for (int i = 0; i < 16; ++i) a.v[i] -= b.v[i]; return a; }
+  static void store(float* p, F v) { for (int i = 0; i < 16; ++i) p[i] = v.v[i]; }
+  static void i8(const int8_t* p, F* out) { for (int i = 0; i < 16; ++i) out[0].v[i] = p[i]; }
+  static void u4(const uint8_t* p, F* lo, F* hi) {
+    for (int i = 0; i < 16; ++i) lo[0].v[i] = p[i] & 15, hi[0].v[i] = p[i] >> 4;
+  }
+};
+#define QK_NAME(x) x##_portable
 constexpr int kRows = 12;
 constexpr int kDirectRows = 8;
 constexpr int kWide = 4;
@@ -258,6 +283,8 @@ namespace ffi = xla::ffi;
 #define QK_EXPORT __attribute__((visibility("default")))
 
 namespace qk {
+void panels_i8_portable(const Args&, int64_t, int64_t);
+void panels_i4_portable(const Args&, int64_t, int64_t);
 void panels_i8_avx2(const Args&, int64_t, int64_t);
 void panels_i4_avx2(const Args&, int64_t, int64_t);
 #ifndef QK_NO_AVX512
@@ -266,7 +293,7 @@ void panels_i4_avx512(const Args&, int64_t, int64_t);
 #endif
 
 namespace {
-// 0: none usable, 2: AVX2+FMA, 3: AVX-512 (F, BW, VL).
+// 0: none usable, 2: AVX2+FMA, 3: AVX-512 (F, BW, VL); 1: portable (only when asked for).
 int Detect() {
   __builtin_cpu_init();
 #ifndef QK_NO_AVX512
@@ -287,6 +314,7 @@ PanelFn Pick(bool int4) {
     case 3: return int4 ? panels_i4_avx512 : panels_i8_avx512;
 #endif
     case 2: return int4 ? panels_i4_avx2 : panels_i8_avx2;
+    case 1: return int4 ? panels_i4_portable : panels_i8_portable;
     default: return nullptr;
   }
 }
@@ -388,12 +416,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CrossoverQMatmulI4, qk::I4,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// ctypes controls: the ISA in use (0 none, 2 AVX2, 3 AVX-512), the best this CPU has, forcing a
-// lower one (tests compare paths), and a thread count (0: the pool's size).
+// ctypes controls: the ISA in use (0 none, 1 portable, 2 AVX2, 3 AVX-512), the best this CPU
+// has, forcing another it runs (tests compare paths), and a thread count (0: the pool's size).
 extern "C" QK_EXPORT int crossover_qk_isa() { return qk::g_isa.load(); }
 extern "C" QK_EXPORT int crossover_qk_best_isa() { return qk::kBest; }
 extern "C" QK_EXPORT int crossover_qk_set_isa(int isa) {
-  if (isa > qk::kBest || (isa != 2 && isa != 3)) return -1;
+  if (isa != 1 && (isa > qk::kBest || (isa != 2 && isa != 3))) return -1;
   qk::g_isa.store(isa);
   return isa;
 }

@@ -28,7 +28,7 @@ log = logging.getLogger("crossover.engine")
 
 _TARGETS = {8: "crossover_qmatmul_i8", 4: "crossover_qmatmul_i4"}
 _SYMBOLS = {8: "CrossoverQMatmulI8", 4: "CrossoverQMatmulI4"}
-ISA_NAMES = {0: "none", 2: "avx2", 3: "avx512"}
+ISA_NAMES = {0: "none", 1: "portable", 2: "avx2", 3: "avx512"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": ctypes.CDLL | None, "status": str
@@ -71,8 +71,9 @@ def kernel_available() -> bool:
 
 
 def set_isa(name: str) -> str:
-    """Force the kernel's ISA ("avx2", or "avx512" where the CPU has it; "best" restores);
-    returns the previous one. For tests and benchmarks: it is process-wide."""
+    """Force the kernel's ISA ("avx2", "avx512" where the CPU has it, or "portable": plain C++
+    with the AVX-512 kernels' tiling; "best" restores); returns the previous one. For tests and
+    benchmarks: it is process-wide."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"no kernel: {kernel_status()}")
@@ -83,10 +84,14 @@ def set_isa(name: str) -> str:
     return previous
 
 
-def supported_isas() -> list[str]:
-    """The kernel ISAs this CPU runs ([] without the kernel)."""
+def supported_isas(portable: bool = False) -> list[str]:
+    """The kernel ISAs this CPU runs ([] without the kernel); with `portable`, the plain C++ copy
+    of the AVX-512 tiling too (slow: for tests)."""
     lib = _load()
-    return [] if lib is None else [n for c, n in ISA_NAMES.items() if 2 <= c <= lib.crossover_qk_best_isa()]
+    if lib is None:
+        return []
+    low = 1 if portable else 2
+    return [n for c, n in ISA_NAMES.items() if low <= c <= lib.crossover_qk_best_isa()]
 
 
 def set_threads(n: int) -> None:
