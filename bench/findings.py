@@ -246,7 +246,7 @@ def command_line(args: Any) -> str:
 
 
 def config_from_flags(args: Any) -> FindingsConfig:
-    """The config `crossover bench findings` flags ask for (daemon/commands/bench.py parses them);
+    """The config `crossover bench findings` flags ask for (cli/commands/bench.py parses them);
     ValueError naming a bad value."""
     from dataclasses import fields
 

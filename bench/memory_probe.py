@@ -99,7 +99,7 @@ def serving(model: str | None = None, max_batch: int = 32, max_context: int = 40
     called), to measure what releasing them saves."""
     from engine.runtime.compiles import compile_count, limit_malloc_arenas
 
-    limit_malloc_arenas(2)  # as daemon/commands/serve.py does before XLA starts its threads
+    limit_malloc_arenas(2)  # as daemon/lifecycle.py does before XLA starts its threads
     import jax
 
     import engine.warmup.warm

@@ -119,7 +119,7 @@ class Daemon:
         token_file.write_text(self.token + "\n")
         token_file.chmod(0o600)
         fake = ["--fake-engine", "--fake-step-ms", "5", "--fake-speculation"] if cfg.fake else []
-        self.argv = [sys.executable, "-m", "daemon.cli", "serve", "--host", "127.0.0.1",
+        self.argv = [sys.executable, "-m", "cli.main", "serve", "--host", "127.0.0.1",
                      "--port", str(self.port), "--db", f"sqlite:///{self.db_path}",
                      "--admin-token-file", str(token_file), "--no-open", *fake, *cfg.serve_args]
         self._log = self.log_path.open("wb")

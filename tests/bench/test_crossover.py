@@ -25,7 +25,7 @@ from bench.crossover import (
     write_result,
 )
 from bench.plots import TECHNIQUE_COLORS, crossover_figure
-from daemon.cli import main as cli_main
+from cli.main import main as cli_main
 from engine.speculation.drafting import add_model_proposers
 from engine.speculation.heads import DraftHeads
 from tests.engine.conftest import SPEC_RC, ChatBytes, make_engine

@@ -18,7 +18,7 @@ from bench.findings import (
     default_early_exit,
     parse_size,
 )
-from daemon.cli import main
+from cli.main import main
 from store.db import make_engine, session_scope
 from store.models import Policy, Request, Step
 

@@ -11,7 +11,7 @@ import pytest
 
 from bench.loadgen import Sample, forget_prefixes
 from bench.serve import _ttft_vs_idle, distribution
-from daemon.cli import main as cli
+from cli.main import main as cli
 from engine.fake import FakeEngine
 from tests.bench.conftest import recording_resets
 from tests.daemon.helpers import LiveServer
@@ -179,8 +179,8 @@ def test_no_prefix_cache_reaches_the_engine_started_here(monkeypatch: pytest.Mon
     """--no-prefix-cache is what `load_engine` gets (the cache is on without it)."""
     import engine.loader
     from bench.serve import _load_engine
-    from daemon.cli import build_parser
-    from daemon.commands.bench import _serve_config
+    from cli.commands.bench import _serve_config
+    from cli.main import build_parser
 
     seen: list[bool] = []
 
@@ -208,8 +208,8 @@ def test_speculation_reaches_the_engine_started_here(monkeypatch: pytest.MonkeyP
     --no-speculation, and the engine-only phase serves the starter policy or never speculates."""
     import engine.loader
     from bench.serve import _load_engine, _policy
-    from daemon.cli import build_parser
-    from daemon.commands.bench import _serve_config
+    from cli.commands.bench import _serve_config
+    from cli.main import build_parser
     from engine.speculation.fake_speculation import FakeProposer
 
     seen: list[tuple[bool, tuple]] = []

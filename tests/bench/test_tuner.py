@@ -20,7 +20,7 @@ from matplotlib.image import imread
 import bench.tuner
 from bench.plots import MET, MISSED, REFERENCE, ratio_bars, tuner_figure
 from bench.tuner_report import TARGETS, retune_itl
-from daemon.cli import main as cli
+from cli.main import main as cli
 from daemon.user_error import UserError
 from engine.policy import TunedPolicy
 from tests.bench.conftest import recording_resets
@@ -305,8 +305,8 @@ def test_bad_temperatures_are_user_errors(capsys: pytest.CaptureFixture) -> None
 
 
 def test_quick_sets_its_values_unless_a_flag_is_given() -> None:
-    from daemon.cli import build_parser
-    from daemon.commands.bench_tuner import QUICK, tuner_config
+    from cli.commands.bench_tuner import QUICK, tuner_config
+    from cli.main import build_parser
 
     def config(*flags: str) -> Any:
         return tuner_config(build_parser().parse_args(["bench", "tuner", "--fake", *flags]))

@@ -31,7 +31,7 @@ from tests.daemon.memory_sink import MemorySink
 
 MODEL = "fake-reverse"
 REPO = Path(__file__).resolve().parents[2]
-SERVE = [sys.executable, "-m", "daemon.cli", "serve"]
+SERVE = [sys.executable, "-m", "cli.main", "serve"]
 """`crossover serve` as a subprocess command (run with cwd=REPO)."""
 
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 import pytest
 from sqlalchemy import select
 
-from daemon.commands import serve
-from daemon.commands.serve import _open_database
+from cli.commands import serve
 from daemon.database import default_instance
+from daemon.lifecycle import connect_database
 from daemon.settings import Settings, SettingsError, load_settings
 from store.db import make_engine, session_scope
 from store.history import finish_retune, start_retune
@@ -42,11 +42,11 @@ def test_the_instance_setting_flag_and_environment() -> None:
 
 def test_serve_names_the_instance_host_and_port_unless_told(tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 't.db'}"
-    database = _open_database(Settings(db_url=url), 8123)
+    database = connect_database(Settings(db_url=url), 8123)
     assert database.instance == default_instance(8123) == f"{socket.gethostname()}:8123"
     assert database.recorder.config.instance == database.instance
     database.engine.dispose()
-    database = _open_database(Settings(db_url=url, instance="east-1"), 8123)
+    database = connect_database(Settings(db_url=url, instance="east-1"), 8123)
     assert database.instance == "east-1" and database.recorder.config.instance == "east-1"
     database.engine.dispose()
 

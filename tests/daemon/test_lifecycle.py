@@ -246,7 +246,7 @@ def _serve_once(tmp_path: Path, *flags: str, env: dict[str, str] | None = None,
                 preload: str = "") -> subprocess.CompletedProcess[str]:
     """Run `crossover serve` (with `preload` Python run first in the process) until it exits."""
     db = f"sqlite:///{tmp_path / 'telemetry.db'}"
-    code = f"import sys\n{preload}\nfrom daemon.cli import main\nsys.exit(main(sys.argv[1:]))"
+    code = f"import sys\n{preload}\nfrom cli.main import main\nsys.exit(main(sys.argv[1:]))"
     cmd = [sys.executable, "-c", code, "serve", "--db", db, *flags]
     return subprocess.run(cmd, check=False, cwd=REPO, env=daemon_env(**(env or {})),
                           capture_output=True, text=True, timeout=60)

@@ -37,7 +37,8 @@ def test_no_prefix_cache_flag_and_variable_reach_the_engine(monkeypatch) -> None
     import argparse
 
     import engine.loader
-    from daemon.commands import serve
+    from cli.commands import serve
+    from daemon import lifecycle
     from daemon.settings import load_settings
 
     parser = argparse.ArgumentParser()
@@ -50,5 +51,5 @@ def test_no_prefix_cache_flag_and_variable_reach_the_engine(monkeypatch) -> None
     seen = {}
     monkeypatch.setattr(engine.loader, "load_engine", lambda **kw: seen.update(kw) or type(
         "E", (), {"model_name": "m"})())
-    serve._load_engine(settings, args)
+    lifecycle.load_engine(settings, serve.fake_engine(args))
     assert seen["prefix_cache"] is False

@@ -150,7 +150,7 @@ def test_settings_are_frozen() -> None:
 def test_serve_flags_map_onto_settings_and_bad_values_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from daemon.commands import serve
+    from cli.commands import serve
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
@@ -191,7 +191,7 @@ def test_every_tuner_field_has_a_flag_with_its_docstring_as_help() -> None:
     import argparse
     import dataclasses
 
-    from daemon.commands import serve
+    from cli.commands import serve
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
@@ -211,7 +211,7 @@ def test_vllm_spellings_of_serve_flags(capsys: pytest.CaptureFixture[str]) -> No
     spells them; the old spellings keep working; defaults show in --help."""
     import argparse
 
-    from daemon.commands import serve
+    from cli.commands import serve
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
@@ -238,7 +238,7 @@ def test_vllm_spellings_of_serve_flags(capsys: pytest.CaptureFixture[str]) -> No
 def test_crossover_version(capsys: pytest.CaptureFixture[str]) -> None:
     from importlib.metadata import version
 
-    from daemon.cli import main
+    from cli.main import main
 
     with pytest.raises(SystemExit) as done:
         main(["--version"])

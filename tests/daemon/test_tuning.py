@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from daemon.cli import main
+from cli.main import main
 from engine.fake import FakeCost, FakeEngine, FakeProposer
 from engine.policy import NEVER, TunedPolicy
 from tests.daemon.helpers import MODEL, LiveServer, http_request, wait_for

@@ -152,7 +152,7 @@ def test_real_270m_golden_prompts_over_2_devices_equal_transformers():
 def test_serve_flag_reaches_the_setting_and_bad_values_are_refused():
     import argparse
 
-    from daemon.commands import serve
+    from cli.commands import serve
     from daemon.settings import Settings, SettingsError, load_settings
 
     parser = argparse.ArgumentParser()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from daemon.commands.bench_flags import add_engine, add_policies
-from daemon.commands.bench_tuner import add_tuner, tuner_config
+from cli.commands.bench_flags import add_engine, add_policies
+from cli.commands.bench_tuner import add_tuner, tuner_config
 from daemon.user_error import UserError
 
 
