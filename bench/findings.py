@@ -490,8 +490,8 @@ def _earlier(path: Path, db: str, appended: bool) -> list[dict[str, Any]]:
 
 def _report(cfg: FindingsConfig, engine: Any, drv: Driver, phases: dict[str, float], t0: float,
             appended: bool = False) -> Path:
-    from bench.report import PlanInputs, ReportRequest, build_report
-    from bench.report.build import machine_facts
+    from bench.report.build import ReportRequest, build_report, machine_facts
+    from bench.report.planned import PlanInputs
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

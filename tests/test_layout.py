@@ -101,7 +101,7 @@ def _import_targets(node: ast.Import | ast.ImportFrom, module: str, is_package: 
         base = ".".join([*package, base] if base else package)
     targets = {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else _resolve(base, modules)
                for alias in node.names}
-    return {t for t in targets if t}
+    return {t for t in (*targets, _resolve(base, modules)) if t}
 
 
 def _resolve(name: str, modules: set[str]) -> str | None:
@@ -224,7 +224,7 @@ def _cycle_messages(imports: list[Import], group, what: str) -> list[str]:
 
 def module_cycle_violations(imports: list[Import]) -> list[str]:
     """One message per cycle between modules, naming the imports that close it."""
-    return _cycle_messages([i for i in imports if not i.type_only], lambda m: m, "modules")
+    return _cycle_messages(imports, lambda m: m, "modules")
 
 
 def package_cycle_violations(imports: list[Import]) -> list[str]:
@@ -352,8 +352,31 @@ def test_checker_resolves_relative_and_submodule_imports(tmp_path):
         "daemon/x.py": "import store.db\nfrom store import db, models\n",
     })
     got = sorted((i.source, i.target, i.line) for i in imports)
-    assert got == [("daemon.x", "store.db", 1), ("daemon.x", "store.db", 2), ("daemon.x", "store.models", 2),
-                   ("store.db", "store.models", 1), ("store.db", "store.models", 2)]
+    assert got == [("daemon.x", "store", 2), ("daemon.x", "store.db", 1), ("daemon.x", "store.db", 2),
+                   ("daemon.x", "store.models", 2), ("store.db", "store", 1), ("store.db", "store.models", 1),
+                   ("store.db", "store.models", 2)]
+
+
+def test_checker_finds_a_cycle_a_type_only_import_closes(tmp_path):
+    imports = _toy(tmp_path, {
+        "tuner/__init__.py": "",
+        "tuner/a.py": "from tuner.b import f\n",
+        "tuner/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tuner.a import A\n",
+    })
+    (problem,) = module_cycle_violations(imports)
+    assert "tuner.a, tuner.b" in problem and "tuner/b.py:3" in problem and "type-checking only" in problem
+
+
+def test_checker_finds_a_cycle_through_a_package_init(tmp_path):
+    # __init__ re-exports from a submodule that reads a sibling off the package
+    imports = _toy(tmp_path, {
+        "bench/__init__.py": "",
+        "bench/report/__init__.py": "from bench.report.build import build\n",
+        "bench/report/build.py": "from bench.report import figures\n",
+        "bench/report/figures.py": "",
+    })
+    (problem,) = module_cycle_violations(imports)
+    assert "bench.report, bench.report.build:" in problem
 
 
 def test_checker_flags_wrong_directions(tmp_path):
@@ -373,9 +396,10 @@ def test_checker_flags_wrong_directions(tmp_path):
         "daemon/other.py": "def f():\n    import bench\n",
     })
     problems = direction_violations(imports)
-    assert len(problems) == 4, problems
+    assert len(problems) == 5, problems  # `from store import db` reads store/__init__ and loads store.db
     assert any(p.startswith("engine/step/core.py:1 engine.step.core -> store.db") and "nothing of ours" in p
                for p in problems)
+    assert any(p.startswith("engine/step/core.py:1 engine.step.core -> store:") for p in problems)
     assert any(p.startswith("tuner/x.py:2 tuner.x -> engine.step.core") for p in problems)
     assert any(p.startswith("daemon/other.py:2") for p in problems)
     assert any(p.startswith("bench/x.py:1 bench.x -> cli.main") for p in problems)

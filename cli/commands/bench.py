@@ -349,7 +349,7 @@ def _add_findings(f: argparse.ArgumentParser) -> None:
 
 def _run_findings(args: argparse.Namespace) -> None:
     from bench.findings import config_from_flags, run_findings
-    from bench.report import ReportInputError
+    from bench.report.data import ReportInputError
 
     try:
         cfg = config_from_flags(args)
