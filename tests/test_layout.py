@@ -249,7 +249,7 @@ def engine_part_cycle_violations(imports: list[Import]) -> list[str]:
     return _cycle_messages(inside, engine_part, "engine parts")
 
 
-def long_files(root: Path = ROOT, packages: tuple[str, ...] = SERVING, limit: int = MAX_LINES) -> list[str]:
+def long_files(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES, limit: int = MAX_LINES) -> list[str]:
     out = []
     for pkg in packages:
         for path in sorted((root / pkg).rglob("*.py")):

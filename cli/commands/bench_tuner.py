@@ -101,7 +101,7 @@ def _tenant_choice(text: str) -> tuple[str, str, int]:
 
 def tuner_config(args: argparse.Namespace) -> Any:
     """The bench tuner config from flags; UserError naming what is wrong."""
-    from bench.tuner import TunerBenchConfig
+    from bench.tuner_config import TunerBenchConfig
     from cli.commands.plan import parse_size
     from engine.policy import TECHNIQUES
 
