@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import pytest
 
@@ -28,19 +27,6 @@ def speculating_engine() -> FakeEngine:
 @pytest.fixture
 def server(db_url: str, live: Callable[..., LiveServer]) -> LiveServer:
     return live(speculating_engine(), db_url=db_url, **TUNER)
-
-
-@pytest.fixture
-def live() -> Iterator[Callable[..., LiveServer]]:
-    servers: list[LiveServer] = []
-
-    def start(engine: FakeEngine, **settings: Any) -> LiveServer:
-        servers.append(LiveServer(engine, **settings).start())
-        return servers[-1]
-
-    yield start
-    for s in servers:
-        s.close()
 
 
 @contextmanager
