@@ -204,7 +204,7 @@ def _start_daemon(work: Path) -> tuple[subprocess.Popen, int]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = (work / "daemon.log").open("wb")
-    argv = [sys.executable, "-m", "daemon.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    argv = [sys.executable, "-m", "cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--db", f"sqlite:///{work / 'crossover.db'}"]
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), port
 

@@ -95,17 +95,17 @@ def serving(model: str | None = None, max_batch: int = 32, max_context: int = 40
     background-warmup) EngineCore instead of engine.loader.load_engine with these settings.
     `requests`: greedy requests served once the warmup has ended (so the weights' pages are
     touched as in serving) before the steady-state figures are taken.
-    `keep_lowerings`: the warmup keeps JAX's lowerings (engine.runtime.compiles.release_lowerings not
-    called), to measure what releasing them saves."""
+    `keep_lowerings`: the warmup keeps JAX's lowerings (engine.runtime.compiles.drop_lowering made
+    a no-op), to measure what dropping them saves."""
     from engine.runtime.compiles import compile_count, limit_malloc_arenas
 
-    limit_malloc_arenas(2)  # as daemon/commands/serve.py does before XLA starts its threads
+    limit_malloc_arenas(2)  # as daemon/lifecycle.py does before XLA starts its threads
     import jax
 
-    import engine.warmup.warm
+    import engine.runtime.compiles
 
     if keep_lowerings:
-        engine.warmup.warm.release_lowerings = lambda: 0
+        engine.runtime.compiles.drop_lowering = lambda lowered: False
 
     _count_compiles()
     jax.devices()
@@ -128,11 +128,6 @@ def serving(model: str | None = None, max_batch: int = 32, max_context: int = 40
     finished = core.spec_warmup.join(wait_s)
     steady_s = time.perf_counter() - t0
     _traffic(core, requests)
-    from engine.runtime.compiles import release_lowerings
-
-    t = time.perf_counter()
-    left = 0 if keep_lowerings else release_lowerings()  # what the warmup left; timed: it walks the heap
-    walk_s = time.perf_counter() - t
     steady = _settle()
     runner = core.runner
     params = dict(runner.params)
@@ -149,7 +144,7 @@ def serving(model: str | None = None, max_batch: int = 32, max_context: int = 40
         "warmup_finished": finished, "ready_s": round(ready_s, 1), "steady_s": round(steady_s, 1),
         "executables": compile_count() - before, "compiles_while_serving": core.compiles_since_warmup(),
         "by_function": dict(sorted(_by_function.items())),
-        "techniques": core.spec_warmup.status(), "lowerings_left": left, "release_walk_s": round(walk_s, 3),
+        "techniques": core.spec_warmup.status(), "lowerings_kept": keep_lowerings,
         "max_context": runner.rc.max_context,
         "rss_runtime": runtime["rss"], "rss_loaded": loaded["rss"], "rss_ready": at_ready["rss"],
         "rss_steady": steady["rss"], "mappings_steady": steady["mappings"],
@@ -182,12 +177,15 @@ def executables(tokens: list[int], model: str | None = None, drop: bool = False,
     mappings after each. The runner is the serving engine's at default settings (so its calls
     hit the persistent compilation cache), or `runner`.
     `drop`: clear JAX's in-memory caches after the last compile (what that gives back).
-    `release`: drop each compiled computation's StableHLO module (engine.runtime.compiles.release_lowerings)."""
+    `release`: drop each compiled computation's StableHLO module (engine.runtime.compiles.drop_lowering);
+    without it the lowerings are kept, to measure what dropping them saves."""
     import jax
 
+    import engine.runtime.compiles
     from engine.execute.ragged_calls import compile_jobs
-    from engine.runtime.compiles import release_lowerings
 
+    if not release:
+        engine.runtime.compiles.drop_lowering = lambda lowered: False
     if runner is None:
         from engine.loader import load_engine
 
@@ -197,8 +195,6 @@ def executables(tokens: list[int], model: str | None = None, drop: bool = False,
         t = time.perf_counter()
         forwards, _ = compile_jobs(runner, n, 1)
         forwards[-1]()  # the bucket holding n (the smaller ones are other shapes)
-        if release:
-            release_lowerings()
         seconds = round(time.perf_counter() - t, 2)
         rows.append({"tokens": n, "seconds": seconds, **_settle()})
     out = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows,
@@ -222,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--progress", action="store_true")
     s.add_argument("--requests", type=int, default=8, help="requests served before the steady figures")
     s.add_argument("--keep-lowerings", action="store_true",
-                   help="keep JAX's lowerings after warmup (engine.runtime.compiles.release_lowerings not called)")
+                   help="keep JAX's lowerings of the compiled shapes (engine.runtime.compiles.drop_lowering not called)")
     e = sub.add_parser("executables")
     e.add_argument("--model")
     e.add_argument("--tokens", default="1,2,4", help="token counts, comma-separated")

@@ -48,83 +48,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import tempfile
-import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from bench.efficiency import EngineRates, efficiency, measure_rates, rates_from_file
+from bench.efficiency import EngineRates, rates_from_file
 from bench.loadgen import Job, Sample, empty_prefix_cache, forget_prefixes, make_jobs, run_engine, run_http
+from bench.serve_bound import efficiency_block
+from bench.serve_config import ServeBenchConfig
+from bench.serve_stats import CpuMeter, best_rounds, log, summarize, summary_line, ttft_vs_idle
 from daemon.user_error import UserError
-
-PERCENTILES = (50, 90, 99)
-DEFAULT_MIX = {"copy": 1.0, "code": 1.0, "chat": 1.0, "prose": 1.0}
-
-
-@dataclass(frozen=True)
-class ServeBenchConfig:
-    """What `crossover bench serve` was asked to do."""
-
-    concurrency: int = 8
-    """Closed loop: clients, each with one request in flight."""
-    requests: int = 64
-    """Jobs to send (fewer when --seconds runs out first)."""
-    max_tokens: int = 64
-    """Output tokens per request (exactly: EOS is ignored)."""
-    rate: float | None = None
-    """Open loop: Poisson arrivals per second; None is the closed loop."""
-    seconds: float | None = None
-    """Stop sending new requests after this long."""
-    mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
-    """Prompt kind -> weight."""
-    seed: int = 0
-    """Seed of the prompt draw and of the arrival times."""
-    rounds: int = 1
-    """Both phases this many times, alternating; each phase reports its fastest round."""
-    model: str | None = None
-    """A .gguf file or a HF Gemma 3 directory; None: Gemma 3 270M."""
-    dtype: str | None = None
-    """Compute dtype; None: the backend's default."""
-    max_batch: int = 32
-    """The engine's most sequences decoded together."""
-    max_context: int = 1024
-    """The engine's context in tokens; prompts that do not fit with max_tokens are not drawn."""
-    fake: bool = False
-    """FakeEngine instead of the model (fast; for tests)."""
-    fake_step_ms: float = 10.0
-    """FakeEngine: sleep per step, standing in for the model's step time."""
-    url: str | None = None
-    """Bench a running daemon instead of one started here."""
-    api_key: str | None = None
-    """Bearer key for `url` (never written to the JSON)."""
-    admin_token: str | None = None
-    """`url`'s admin token: its prefix cache is emptied where the engine here has its own emptied
-    (before each HTTP round and the idle phase); without it the daemon keeps its cache. Never
-    written to the JSON."""
-    db: str | None = None
-    """Telemetry database of the in-process daemon; None: a temporary SQLite file."""
-    no_db: bool = False
-    """Run the in-process daemon without a telemetry database."""
-    shared_prefix: bool = False
-    """The shared-prefix workload (bench.workloads.shared) instead of --mix."""
-    prefix_tokens: int = 1000
-    """--shared-prefix: tokens of each tenant's system prompt."""
-    prefix_cache: bool = True
-    """The engine started here shares KV pages of common prompt prefixes (engine/memory/prefix_cache.py)."""
-    speculation: bool = True
-    """The engine started here loads the n-gram proposer and serves the policy a new daemon
-    starts with (daemon.tuning.starter_policy), in both phases; False: plain decoding only."""
-    engine_rates: str | None = None
-    """A `crossover bench engine` JSON whose rates the efficiency bound uses (else measured here)."""
-    tenant_keys: str | None = None
-    """--url: a JSON file {tenant: API key}; a tenant's requests are sent with its key."""
-    idle_ttft: bool = True
-    """After the rounds, send each served job alone (one token) and compare its TTFT with the
-    fastest HTTP round's (`ttft_vs_idle` in the JSON)."""
 
 
 def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, Any]:
@@ -141,14 +75,14 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
     if engine is not None:
         result["engine_only_policy"] = _policy(cfg, engine).to_dict()
     mode = f"rate {cfg.rate}/s" if cfg.rate else f"concurrency {cfg.concurrency}"
-    _log(f"{len(jobs)} requests of {cfg.max_tokens} tokens, {mode}, {cfg.rounds} round(s)")
+    log(f"{len(jobs)} requests of {cfg.max_tokens} tokens, {mode}, {cfg.rounds} round(s)")
     rounds, served = [], []
     for r in range(cfg.rounds):
         asyncio.run(empty_prefix_cache(engine, cfg.url, cfg.admin_token))
         http, samples = asyncio.run(_http_phase(cfg, engine, jobs, remote_keys, deadline=r == 0))
         jobs = jobs[:len(samples)]  # later rounds, and the engine, send what the first round sent
         sent = len(jobs)
-        _log(_line(f"round {r + 1} http", http))
+        log(summary_line(f"round {r + 1} http", http))
         rounds.append({"http": http})
         served.append(samples)
         if engine is not None:
@@ -158,48 +92,29 @@ def run_bench(cfg: ServeBenchConfig, out_path: str | None = None) -> dict[str, A
             direct, wall = run_engine(engine, jobs, cfg.concurrency, cfg.rate,
                                       _progress("engine", sent), tag=f"r{r}")
             rounds[-1]["engine_only"] = summarize(direct, wall, meter.share())
-            _log(_line(f"round {r + 1} engine only", rounds[-1]["engine_only"]))
+            log(summary_line(f"round {r + 1} engine only", rounds[-1]["engine_only"]))
     result["workload"] = _workload(cfg, jobs, remote_keys)  # the jobs sent
-    result.update(_best_rounds(rounds))
+    result.update(best_rounds(rounds))
     if engine is not None:
         result["compiles_since_warmup"] = _compiles(engine)
-    _log(f"http_over_engine: {result['http_over_engine']}")
+    log(f"http_over_engine: {result['http_over_engine']}")
     best = max(range(len(rounds)), key=lambda i: rounds[i]["http"]["output_tokens_per_s"] or 0.0)
-    result["efficiency"] = _efficiency(cfg, engine, file_rates, result, served[best], jobs)
+    result["efficiency"] = efficiency_block(cfg, engine, file_rates, result, served[best], jobs)
     if cfg.idle_ttft:
-        result["ttft_vs_idle"] = _ttft_vs_idle(served[best], *asyncio.run(_idle_phase(cfg, engine, jobs,
+        result["ttft_vs_idle"] = ttft_vs_idle(served[best], *asyncio.run(_idle_phase(cfg, engine, jobs,
                                                                                      remote_keys)))
         idle = result["ttft_vs_idle"]
-        _log(f"ttft vs idle: {idle['reason']}" if "reason" in idle else
-             f"ttft vs idle: p99 {idle['loaded_p99_over_idle_p99']}x the idle p99; per request "
-             f"p50 / p99 {idle['per_request']['p50']} / {idle['per_request']['p99']}x")
-    _log(f"efficiency: {result['efficiency'].get('ratio')} (served "
-         f"{result['efficiency'].get('served_tokens_per_s')} of a bound of "
-         f"{result['efficiency'].get('bound_tokens_per_s')} output tok/s)")
+        log(f"ttft vs idle: {idle['reason']}" if "reason" in idle else
+            f"ttft vs idle: p99 {idle['loaded_p99_over_idle_p99']}x the idle p99; per request "
+            f"p50 / p99 {idle['per_request']['p50']} / {idle['per_request']['p99']}x")
+    log(f"efficiency: {result['efficiency'].get('ratio')} (served "
+        f"{result['efficiency'].get('served_tokens_per_s')} of a bound of "
+        f"{result['efficiency'].get('bound_tokens_per_s')} output tok/s)")
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         Path(out_path).write_text(json.dumps(result, indent=2) + "\n")
-        _log(f"wrote {out_path}")
+        log(f"wrote {out_path}")
     return result
-
-
-def _best_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each phase's fastest round (other processes only ever slow a round down) and the ratio.
-
-    Every round's throughput and the CPU share others took stay in `rounds`.
-    """
-    out: dict[str, Any] = {}
-    for phase in ("http", "engine_only"):
-        runs = [r[phase] for r in rounds if phase in r]
-        if runs:
-            out[phase] = max(runs, key=lambda s: s["output_tokens_per_s"] or 0.0)
-    engine_tps = out.get("engine_only", {}).get("output_tokens_per_s")
-    out["http_over_engine"] = (round(out["http"]["output_tokens_per_s"] / engine_tps, 4)
-                               if engine_tps else None)
-    out["rounds"] = [{f"{phase}_{key}": r[phase][key] for phase in ("http", "engine_only")
-                      if phase in r for key in ("output_tokens_per_s", "other_processes_cpu_share")}
-                     for r in rounds]
-    return out
 
 
 # ---- the phases ---------------------------------------------------------------
@@ -263,155 +178,12 @@ async def _idle_phase(cfg: ServeBenchConfig, engine: Any, jobs: list[Job], remot
     phase's prompts may hit it: a warning says so). (samples, whether the cache was emptied)."""
     emptied = await empty_prefix_cache(engine, cfg.url, cfg.admin_token)
     if not emptied:
-        _log(f"warning: without --admin-token the daemon at {cfg.url} keeps its prefix cache: idle "
-             "requests may hit the load phase's prompts, so the idle TTFT may come out low")
+        log(f"warning: without --admin-token the daemon at {cfg.url} keeps its prefix cache: idle "
+            "requests may hit the load phase's prompts, so the idle TTFT may come out low")
     alone = [Job(job.index, job.prompt, 1) for job in jobs]
     _, samples = await _http_phase(replace(cfg, concurrency=1, rate=None, seconds=None), engine, alone,
                                    remote_keys, deadline=False)
     return samples, emptied
-
-
-def _ttft_vs_idle(loaded: list[Sample], idle: list[Sample], cache_emptied: bool) -> dict[str, Any]:
-    """Loaded TTFT against the same requests' idle TTFT: the two p99s' ratio, and per request
-    the ratio loaded / idle (its distribution; the ratios, not ms)."""
-    alone = {s.index: s.ttft_s for s in idle if s.error is None and s.ttft_s}
-    pairs = [(s.ttft_s, alone[s.index]) for s in loaded if s.error is None and s.ttft_s and s.index in alone]
-    if not pairs:
-        return {"reason": "no request has both a loaded and an idle TTFT"}
-    ratios = [a / b for a, b in pairs]
-    loaded_ms, idle_ms = distribution([a for a, _ in pairs]), distribution([b for _, b in pairs])
-    per_request = {k: (None if v is None else round(v / 1000.0, 3)) for k, v in distribution(ratios).items()}
-    per_request["n"] = len(ratios)
-    return {"requests": len(pairs), "prefix_cache_emptied": cache_emptied,
-            "idle_prefix_cache": "reset" if cache_emptied else "not reset",
-            "loaded_ttft_ms": loaded_ms, "idle_ttft_ms": idle_ms,
-            "loaded_p99_over_idle_p99": round(loaded_ms["p99"] / idle_ms["p99"], 3),
-            "per_request": per_request}
-
-
-# ---- the efficiency bound -----------------------------------------------------------
-def _efficiency(cfg: ServeBenchConfig, engine: Any, file_rates: EngineRates | None,
-                result: dict[str, Any], samples: list[Sample], jobs: list[Job]) -> dict[str, Any]:
-    """The `efficiency` block for the served (error-free) samples of the fastest HTTP round."""
-    ok = [s for s in samples if s.error is None]
-    http = result["http"]
-    if not ok:
-        return {"ratio": None, "reason": "no request was served without an error"}
-    if cfg.rate is None:
-        concurrency, how = min(cfg.concurrency, len(ok)), "--concurrency (closed loop)"
-    else:
-        concurrency, how = max(1, round(http["mean_in_flight"])), "mean requests in flight (open loop)"
-    if engine is not None:
-        concurrency = min(concurrency, engine.max_batch)
-    rates = file_rates
-    if rates is None and engine is None:
-        return {"served_tokens_per_s": http["output_tokens_per_s"], "ratio": None,
-                "reason": "no engine here to measure (--url): pass --engine-rates FILE, the JSON of "
-                          "`crossover bench engine` on the daemon's machine and model"}
-    if rates is None:
-        rates = _measure(cfg, engine, ok, concurrency, jobs)
-    block = efficiency(http["output_tokens_per_s"], [s.prompt_tokens for s in ok],
-                       [s.output_tokens for s in ok], concurrency, rates,
-                       result.get("engine_only", {}).get("output_tokens_per_s"))
-    block["bound"]["concurrency_from"] = how
-    return block
-
-
-def _measure(cfg: ServeBenchConfig, engine: Any, ok: list[Sample], concurrency: int,
-             jobs: list[Job]) -> EngineRates:
-    """Rates of the idle `engine` at the batch sizes an ideal closed loop of `concurrency` runs,
-    decoding the served prompts (speculation meets their acceptance), prefilling one of their
-    mean length."""
-    from bench.efficiency import decode_schedule
-
-    batches = list(decode_schedule([s.output_tokens for s in ok], concurrency)) or [1]
-    new_tokens = max(4, min(cfg.max_tokens, 64))
-    mean_prompt = round(sum(s.prompt_tokens for s in ok) / len(ok))
-    prompt_len = max(2, min(mean_prompt, engine.max_context - new_tokens - 1))
-    _log(f"measuring the engine's rates: decode at batch {sorted(batches)}, prefill of "
-         f"{prompt_len} tokens")
-    meter = CpuMeter()
-    by_index = {job.index: job for job in jobs}
-    prompts = [by_index[s.index].request(engine.tokenizer, "rate").prompt_ids for s in ok if s.index in by_index]
-    rates = measure_rates(engine, batches, prompt_len, new_tokens, prompt_len, prompts)
-    return replace(rates, detail={**rates.detail, "other_processes_cpu_share": meter.share()})
-
-
-# ---- the summary --------------------------------------------------------------
-def summarize(samples: list[Sample], wall_s: float, cpu_share: float | None = None
-              ) -> dict[str, Any]:
-    """Throughput and latency percentiles of the samples without an error."""
-    ok = [s for s in samples if s.error is None]
-    tokens = sum(s.output_tokens for s in ok)
-    errors = [s.error for s in samples if s.error is not None]
-    return {
-        "requests": len(ok), "errors": len(errors), "error_examples": sorted(set(errors))[:3],
-        "duration_s": round(wall_s, 4),
-        "prompt_tokens": sum(s.prompt_tokens for s in ok), "output_tokens": tokens,
-        "output_tokens_per_s": round(tokens / wall_s, 3) if wall_s > 0 else None,
-        "requests_per_s": round(len(ok) / wall_s, 4) if wall_s > 0 else None,
-        "ttft_ms": distribution([s.ttft_s for s in ok]),
-        "tpot_ms": distribution([s.tpot_s for s in ok]),
-        "itl_ms": distribution([gap for s in ok for gap in s.itl_s]),
-        "latency_ms": distribution([s.latency_s for s in ok]),
-        "mean_in_flight": (round(sum(s.latency_s or 0.0 for s in ok) / wall_s, 3)
-                           if wall_s > 0 else None),
-        "other_processes_cpu_share": cpu_share,
-    }
-
-
-def distribution(seconds: list[float | None]) -> dict[str, float | None]:
-    """Mean and PERCENTILES in ms of the values that are not None (numpy's linear interpolation).
-
-    >>> distribution([0.001, 0.002, 0.003, None])
-    {'n': 3, 'mean': 2.0, 'p50': 2.0, 'p90': 2.8, 'p99': 2.98}
-    """
-    ms = np.asarray([v * 1000.0 for v in seconds if v is not None], dtype=np.float64)
-    out: dict[str, float | None] = {"n": int(ms.size),
-                                    "mean": round(float(ms.mean()), 3) if ms.size else None}
-    qs = np.percentile(ms, PERCENTILES) if ms.size else [None] * len(PERCENTILES)
-    out.update({f"p{q}": None if v is None else round(float(v), 3) for q, v in zip(PERCENTILES, qs)})
-    return out
-
-
-class CpuMeter:
-    """Share of the machine's CPU time that other processes used since it was made, and
-    `steal()`: the share the hypervisor gave to other machines while ours wanted it (a VM's
-    steal time, which "other processes" includes: /proc/stat counts it busy)."""
-
-    def __init__(self) -> None:
-        self._start = _cpu_sample()
-
-    def share(self) -> float | None:
-        return self._of_capacity(lambda busy, own, steal: max(0.0, busy - own))
-
-    def steal(self) -> float | None:
-        return self._of_capacity(lambda busy, own, steal: steal)
-
-    def _of_capacity(self, seconds) -> float | None:
-        """`seconds(busy, own, steal)` (CPU seconds since the start) over the machine's CPU
-        seconds in that time."""
-        end = _cpu_sample()
-        if self._start is None or end is None:
-            return None
-        busy, own, wall, steal = (b - a for a, b in zip(self._start, end, strict=True))
-        capacity = wall * (os.cpu_count() or 1)
-        return round(seconds(busy, own, steal) / capacity, 3) if capacity > 0 else None
-
-
-def _cpu_sample() -> tuple[float, float, float, float] | None:
-    """(seconds of busy CPU machine-wide, this process's CPU seconds, wall seconds, seconds
-    of steal machine-wide)."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    busy = (sum(ticks) - ticks[3] - ticks[4]) / hz  # all but idle, iowait
-    steal = ticks[7] / hz if len(ticks) > 7 else 0.0
-    own = os.times()
-    return busy, own.user + own.system, time.perf_counter(), steal
 
 
 # ---- setup ----------------------------------------------------------------------
@@ -427,11 +199,11 @@ def _load_engine(cfg: ServeBenchConfig) -> Any:
     from engine.loader import load_engine
 
     progress = reporter()
-    _log("loading the model")
+    log("loading the model")
     engine = load_engine(model=cfg.model, dtype=cfg.dtype, max_batch=cfg.max_batch,
                          max_context=cfg.max_context, speculation=cfg.speculation, model_proposers=(),
                          progress=progress, prefix_cache=cfg.prefix_cache)
-    _log("warming up (every bucket compiles once; cached on disk for the next run)")
+    log("warming up (every bucket compiles once; cached on disk for the next run)")
     engine.warmup(progress=progress)
     from bench.engine import run_each_shape_once
 
@@ -480,7 +252,7 @@ def _local_tokenizer(model: str | None) -> Any:
         gguf = model if model and model.endswith(".gguf") else None
         return Tokenizer.from_gguf(gguf, progress=False) if model is None or gguf else None
     except Exception as exc:  # no model package here: size by characters
-        _log(f"no local tokenizer ({exc}); system prompts sized at 4 characters a token")
+        log(f"no local tokenizer ({exc}); system prompts sized at 4 characters a token")
         return None
 
 
@@ -605,10 +377,6 @@ def _compiles(engine: Any) -> int | None:
 
 
 # ---- progress on stderr -----------------------------------------------------------
-def _log(message: str) -> None:
-    from daemon.progress import say
-
-    say(f"bench serve: {message}")
 
 
 def _progress(phase: str, total: int) -> Any:
@@ -621,13 +389,6 @@ def _progress(phase: str, total: int) -> Any:
         if callable(bars):
             bars(f"bench serve: {phase} requests", done, total)
         elif done % every == 0 or done == total:
-            _log(f"{phase}: {done}/{total} requests done")
+            log(f"{phase}: {done}/{total} requests done")
 
     return report
-
-
-def _line(phase: str, s: dict[str, Any]) -> str:
-    return (f"{phase}: {s['output_tokens_per_s']} output tok/s, {s['requests_per_s']} req/s, "
-            f"TTFT p50/p99 {s['ttft_ms']['p50']}/{s['ttft_ms']['p99']} ms, "
-            f"TPOT p50/p99 {s['tpot_ms']['p50']}/{s['tpot_ms']['p99']} ms, "
-            f"{s['errors']} errors")

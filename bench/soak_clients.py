@@ -4,10 +4,10 @@
    greedy or seeded) and returns a `Answer`: status, X-Request-Id, TTFT of a stream
    (first chunk carrying text), tokens, whether it ended properly.
 2. `HOSTILE` (connection-level, nothing reaches the engine) and `ENGINE_HOSTILE` (their
-   requests reach the engine) are coroutines that each hold one connection the way an
-   attacker or a broken client would, and return a `Hostile` outcome: slowloris headers,
-   a stalled body, an idle keep-alive socket, a stream nobody reads, a reader taking a
-   kilobyte every few seconds, a hang-up mid-stream and one before the answer.
+   requests reach the engine), in bench/soak_hostile.py, are coroutines that each hold one
+   connection the way an attacker or a broken client would, and return a `Hostile` outcome:
+   slowloris headers, a stalled body, an idle keep-alive socket, a stream nobody reads, a
+   reader taking a kilobyte every few seconds, a hang-up mid-stream and one before the answer.
 3. `bad_cases` lists every bad input the daemon must refuse with a 4xx OpenAI error body,
    sent raw (`raw_request`: one request per connection, exact bytes) so that bytes an
    HTTP library would refuse to send (a lone surrogate, `\\xff` in a header, a control
@@ -217,7 +217,7 @@ class BadCase:
     """Sent with the admin token (the guess throttle counts wrong ones: see `wrong_admin`)."""
 
 
-def _post(path: str, body: Any, key: str, extra: dict[str, str] | None = None, raw: bytes | None = None) -> bytes:
+def post_bytes(path: str, body: Any, key: str, extra: dict[str, str] | None = None, raw: bytes | None = None) -> bytes:
     data = raw if raw is not None else json.dumps(body).encode()
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", **(extra or {})}
     return http_bytes("POST", path, data, headers)
@@ -230,32 +230,32 @@ def bad_cases(model: str, key: str, admin_token: str, max_context: int, max_body
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     huge = "1" + "0" * 400  # an integer past float range, as JSON text
     cases = [
-        BadCase("huge int temperature", _post(C, None, key, raw=json.dumps(comp)[:-1].encode()
-                                              + f', "temperature": {huge}}}'.encode()), 400),
-        BadCase("huge int top_p", _post(CHAT, None, key, raw=json.dumps(chat)[:-1].encode()
-                                        + f', "top_p": {huge}}}'.encode()), 400),
-        BadCase("huge int presence_penalty", _post(C, None, key, raw=json.dumps(comp)[:-1].encode()
-                                                   + f', "presence_penalty": -{huge}}}'.encode()), 400),
-        BadCase("denormal repetition_penalty", _post(C, {**comp, "repetition_penalty": 5e-324}, key), 400),
-        BadCase("lone surrogate in prompt", _post(C, None, key, raw=json.dumps(comp).replace(
+        BadCase("huge int temperature", post_bytes(C, None, key, raw=json.dumps(comp)[:-1].encode()
+                                                   + f', "temperature": {huge}}}'.encode()), 400),
+        BadCase("huge int top_p", post_bytes(CHAT, None, key, raw=json.dumps(chat)[:-1].encode()
+                                             + f', "top_p": {huge}}}'.encode()), 400),
+        BadCase("huge int presence_penalty", post_bytes(C, None, key, raw=json.dumps(comp)[:-1].encode()
+                                                        + f', "presence_penalty": -{huge}}}'.encode()), 400),
+        BadCase("denormal repetition_penalty", post_bytes(C, {**comp, "repetition_penalty": 5e-324}, key), 400),
+        BadCase("lone surrogate in prompt", post_bytes(C, None, key, raw=json.dumps(comp).replace(
             '"hello"', '"\\ud800"').encode()), 400),
-        BadCase("lone surrogate in chat", _post(CHAT, None, key, raw=json.dumps(chat).replace(
+        BadCase("lone surrogate in chat", post_bytes(CHAT, None, key, raw=json.dumps(chat).replace(
             '"hi"', '"a\\udfffb"').encode()), 400),
-        BadCase("empty messages past the context", _post(CHAT, {**chat, "messages": [
+        BadCase("empty messages past the context", post_bytes(CHAT, {**chat, "messages": [
             {"role": "user", "content": ""}] * (max_context + 1)}, key), 400),
-        BadCase("prompt past the character bound", _post(C, {**comp, "prompt": "x" * (max_context * 40)}, key), 400),
-        BadCase("unknown stream_options key", _post(C, {**comp, "stream": True,
-                                                        "stream_options": {"include_usage": True, "x": 1}}, key), 400),
-        BadCase("unknown text-part key", _post(CHAT, {**chat, "messages": [{"role": "user", "content": [
+        BadCase("prompt past the character bound", post_bytes(C, {**comp, "prompt": "x" * (max_context * 40)}, key), 400),
+        BadCase("unknown stream_options key", post_bytes(C, {**comp, "stream": True,
+                                                             "stream_options": {"include_usage": True, "x": 1}}, key), 400),
+        BadCase("unknown text-part key", post_bytes(CHAT, {**chat, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "hi", "cache": True}]}]}, key), 400),
-        BadCase("unknown field", _post(C, {**comp, "frobnicate": 1}, key), 400),
-        BadCase("unknown model", _post(C, {**comp, "model": "gpt-17"}, key), 404),
-        BadCase("seed past 64 bits", _post(C, {**comp, "seed": 2**64}, key), 400),
-        BadCase("max_tokens past the context", _post(C, {**comp, "max_tokens": 10**9}, key), 400),
-        BadCase("truncated JSON", _post(C, None, key, raw=json.dumps(comp).encode()[:-3]), 400),
-        BadCase("JSON not an object", _post(C, None, key, raw=b"[1, 2]"), 400),
-        BadCase("body past the limit", _post(C, None, key, raw=b" " * (max_body + 1)), 413),
-        BadCase("wrong API key", _post(C, comp, "xo-not-a-key"), 401),
+        BadCase("unknown field", post_bytes(C, {**comp, "frobnicate": 1}, key), 400),
+        BadCase("unknown model", post_bytes(C, {**comp, "model": "gpt-17"}, key), 404),
+        BadCase("seed past 64 bits", post_bytes(C, {**comp, "seed": 2**64}, key), 400),
+        BadCase("max_tokens past the context", post_bytes(C, {**comp, "max_tokens": 10**9}, key), 400),
+        BadCase("truncated JSON", post_bytes(C, None, key, raw=json.dumps(comp).encode()[:-3]), 400),
+        BadCase("JSON not an object", post_bytes(C, None, key, raw=b"[1, 2]"), 400),
+        BadCase("body past the limit", post_bytes(C, None, key, raw=b" " * (max_body + 1)), 413),
+        BadCase("wrong API key", post_bytes(C, comp, "xo-not-a-key"), 401),
         BadCase("\\xff in the bearer", http_bytes("POST", C, json.dumps(comp).encode(), {
             "Authorization": "Bearer xo-\xff\xfe", "Content-Type": "application/json"}), 401),
         BadCase("control byte in a header", http_bytes("GET", "/v1/models", headers={
@@ -263,7 +263,7 @@ def bad_cases(model: str, key: str, admin_token: str, max_context: int, max_body
         BadCase("foreign Host", http_bytes("POST", C, json.dumps(comp).encode(), {
             "Authorization": f"Bearer {key}", "Content-Type": "application/json"}, host="evil.example"),
             403, "forbidden_origin"),
-        BadCase("foreign Origin", _post(C, comp, key, {"Origin": "https://evil.example"}), 403, "forbidden_origin"),
+        BadCase("foreign Origin", post_bytes(C, comp, key, {"Origin": "https://evil.example"}), 403, "forbidden_origin"),
         BadCase("text/plain cross-site POST", http_bytes("POST", C, json.dumps(comp).encode(), {
             "Content-Type": "text/plain", "Origin": "http://attacker.test"}), 403, "forbidden_origin"),
     ]
@@ -294,165 +294,4 @@ def wrong_admin(admin_token: str) -> BadCase:
 
 # ---- hostile connections ------------------------------------------------------------------
 
-@dataclass
-class Hostile:
-    kind: str
-    seconds: float = 0.0
-    status: int = 0
-    """The status the daemon answered (0: none, it closed the connection or the client left)."""
-    closed_by_daemon: bool = False
-    problem: str | None = None
 
-
-async def slowloris(port: int, key: str, rng: random.Random, header_timeout_s: float) -> Hostile:
-    """Header bytes trickled every 2 s: the daemon must close the connection once
-    `header_timeout_s` passed, answering nothing."""
-    out, start = Hostile("slowloris"), time.monotonic()
-    reader, writer = await connect(port)
-    try:
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-        while time.monotonic() - start < header_timeout_s * 2 + 10:
-            writer.write(f"X-Pad-{rng.randrange(10**6)}: ".encode())
-            await writer.drain()
-            try:
-                data = await asyncio.wait_for(reader.read(1024), 2.0)
-            except TimeoutError:
-                continue
-            out.closed_by_daemon = True
-            out.status = parse_answer(data).status if data else 0
-            break
-    except ConnectionError:
-        out.closed_by_daemon = True
-    finally:
-        writer.close()
-    out.seconds = time.monotonic() - start
-    if not out.closed_by_daemon:
-        out.problem = f"trickled headers kept the connection {out.seconds:.0f} s"
-    return out
-
-
-async def idle_socket(port: int, key: str, rng: random.Random, header_timeout_s: float) -> Hostile:
-    """A connection that never sends a byte: closed after `header_timeout_s`."""
-    out, start = Hostile("idle socket"), time.monotonic()
-    reader, writer = await connect(port)
-    try:
-        data = await read_to_end(reader, header_timeout_s * 2 + 10)
-        out.status = parse_answer(data).status if data else 0
-        out.closed_by_daemon = time.monotonic() - start < header_timeout_s * 2 + 9
-    finally:
-        writer.close()
-    out.seconds = time.monotonic() - start
-    if not out.closed_by_daemon:
-        out.problem = f"an idle connection stayed open {out.seconds:.0f} s"
-    return out
-
-
-async def stalled_body(port: int, key: str, rng: random.Random, body_timeout_s: float) -> Hostile:
-    """Headers promising 20 kB, 100 bytes of it, then nothing: 408 once `body_timeout_s` passed."""
-    out, start = Hostile("stalled body"), time.monotonic()
-    reader, writer = await connect(port)
-    try:
-        writer.write(http_bytes("POST", "/v1/completions", b"", {
-            "Authorization": f"Bearer {key}", "Content-Type": "application/json"}).replace(
-            b"Content-Length: 0", b"Content-Length: 20000") + b'{"prompt": "' + b"x" * 88)
-        await writer.drain()
-        raw = parse_answer(await read_to_end(reader, body_timeout_s * 2 + 10))
-        out.status, out.closed_by_daemon = raw.status, raw.status != 0
-        if raw.status != 408 or error_of(raw) is None:
-            out.problem = f"stalled body got {raw.status}: {raw.body[:200]!r}"
-    except ConnectionError:
-        out.problem = "stalled body: connection reset without an answer"
-    finally:
-        writer.close()
-    out.seconds = time.monotonic() - start
-    return out
-
-
-def _stream_request(model: str, key: str, max_tokens: int) -> bytes:
-    body = {"model": model, "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": max_tokens,
-            "stream": True, "ignore_eos": True, "logprobs": 1}
-    return _post("/v1/completions", body, key)
-
-
-async def stalled_reader(port: int, key: str, rng: random.Random, model: str, max_tokens: int,
-                         pace_s: float) -> Hostile:
-    """A stream request whose client never reads, holding its socket 0.7-1.3 `pace_s` (the
-    daemon's stream write timeout), then leaving."""
-    out, start = Hostile("stalled reader"), time.monotonic()
-    _reader, writer = await connect(port, rcvbuf=4096)
-    try:
-        writer.write(_stream_request(model, key, max_tokens))
-        await writer.drain()
-        await asyncio.sleep(rng.uniform(0.7, 1.3) * pace_s)
-    finally:
-        writer.close()
-    out.seconds = time.monotonic() - start
-    return out
-
-
-async def slow_reader(port: int, key: str, rng: random.Random, model: str, max_tokens: int,
-                      pace_s: float) -> Hostile:
-    """A stream read a kilobyte every `pace_s` / 10 until the daemon ends it."""
-    out, start = Hostile("slow reader"), time.monotonic()
-    reader, writer = await connect(port, rcvbuf=4096)
-    try:
-        writer.write(_stream_request(model, key, max_tokens))
-        await writer.drain()
-        first = await asyncio.wait_for(reader.read(1024), READ_LIMIT_S)
-        out.status = parse_answer(first).status
-        while time.monotonic() - start < 300:
-            await asyncio.sleep(pace_s / 10)
-            data = await asyncio.wait_for(reader.read(1024), READ_LIMIT_S)
-            if not data:
-                out.closed_by_daemon = True
-                break
-    except (TimeoutError, ConnectionError):
-        out.closed_by_daemon = True
-    finally:
-        writer.close()
-    out.seconds = time.monotonic() - start
-    if out.status not in (200, 429):
-        out.problem = f"slow reader got {out.status}"
-    return out
-
-
-async def midstream_hangup(port: int, key: str, rng: random.Random, model: str, max_tokens: int,
-                           pace_s: float) -> Hostile:
-    """A stream read for a few chunks, then the connection closed."""
-    out, start = Hostile("hang-up mid-stream"), time.monotonic()
-    reader, writer = await connect(port)
-    try:
-        writer.write(_stream_request(model, key, max_tokens))
-        await writer.drain()
-        first = await asyncio.wait_for(reader.read(rng.randint(200, 2000)), READ_LIMIT_S)
-        out.status = parse_answer(first).status
-    except (TimeoutError, ConnectionError):
-        pass
-    finally:
-        writer.close()
-    out.seconds = time.monotonic() - start
-    if out.status not in (200, 429):
-        out.problem = f"stream before the hang-up got {out.status}"
-    return out
-
-
-async def early_hangup(port: int, key: str, rng: random.Random, model: str, max_tokens: int,
-                       pace_s: float) -> Hostile:
-    """A request sent whole, the connection closed before the answer."""
-    out, start = Hostile("hang-up before the answer"), time.monotonic()
-    _reader, writer = await connect(port)
-    try:
-        writer.write(_post("/v1/completions", {"model": model, "prompt": "Once upon a time",
-                                               "max_tokens": max_tokens}, key))
-        await writer.drain()
-        await asyncio.sleep(rng.uniform(0.0, 0.2))
-    finally:
-        writer.close()
-    out.seconds = time.monotonic() - start
-    return out
-
-
-HOSTILE = (slowloris, idle_socket, stalled_body)
-"""Connection-level: `(port, key, rng, timeout_s)`; nothing of theirs reaches the engine."""
-ENGINE_HOSTILE = (stalled_reader, slow_reader, midstream_hangup, early_hangup)
-"""Their requests reach the engine: `(port, key, rng, model, max_tokens, pace_s)`."""

@@ -57,7 +57,8 @@ def run_split_bench(cfg: Any, out_path: str | None = None) -> dict[str, Any]:
 
 
 def _bench(cfg: Any, out_path: str | None) -> dict[str, Any]:
-    from bench.tuner import _log, load_engine
+    from bench.tuner import load_engine
+    from bench.tuner_replay import log as _log
 
     engine = split_fake(cfg) if cfg.fake else load_engine(cfg)
     if cfg.fake:
@@ -91,7 +92,8 @@ def fixed_policy(cfg: Any, engine: Any, split: float) -> TunedPolicy:
 
 
 def _trace(cfg: Any, engine: Any, name: str) -> dict[str, Any]:
-    from bench.tuner import _log, _run
+    from bench.tuner import _run
+    from bench.tuner_replay import log as _log
     from bench.tuner_report import median_run
     from bench.workloads.memory import split_trace
 
@@ -135,9 +137,9 @@ def _trace(cfg: Any, engine: Any, name: str) -> dict[str, Any]:
 
 
 def build_arrivals(cfg: Any, engine: Any, trace: Any) -> tuple[list[Any], list[Any]]:
-    """The trace's phases and its arrivals that fit the context (bench.tuner.Arrival)."""
+    """The trace's phases and its arrivals that fit the context (bench.tuner_replay.Arrival)."""
     from bench.loadgen import Job
-    from bench.tuner import Arrival
+    from bench.tuner_replay import Arrival
     from bench.workloads import trace as timed
 
     arrivals = []

@@ -31,7 +31,9 @@ from typing import Any
 
 import aiohttp
 
-from bench.soak import Daemon, percentile, scrape
+from bench.soak import scrape
+from bench.soak_daemon import Daemon
+from bench.soak_run import percentile
 from bench.workloads.schemas import structured_requests
 
 
@@ -180,7 +182,7 @@ def _r(x: float | None, digits: int = 2) -> float | None:
 def run_structured(cfg: StructuredConfig, out: str | None, note: Callable[[str], None] | None = None) -> dict:
     """Run the bench (module docstring); print and write its JSON."""
     from bench import print_and_write
-    from bench.soak import SoakConfig
+    from bench.soak_daemon import SoakConfig
 
     note = note or (lambda line: print(line, file=sys.stderr, flush=True))
     if cfg.url:
@@ -192,7 +194,7 @@ def run_structured(cfg: StructuredConfig, out: str | None, note: Callable[[str],
         note(f"structured: started {' '.join(daemon.argv[2:])} (pid {daemon.proc.pid})")
         try:
             async def go() -> dict[str, Any]:
-                from bench.soak import Soak
+                from bench.soak_run import Soak
 
                 soak = Soak(SoakConfig(), daemon, note)
                 async with aiohttp.ClientSession() as session:

@@ -54,6 +54,9 @@
    indexes in `rounds`), and `search_slowdown`: the autotuned run's steps
    while a retune searched over those while none did. A diagnostic of the
    shared machine's drift; the targets are judged on the measured figures.
+
+The ratios (2) are computed in bench/tuner_ratios.py, the retune probe's gaps and the
+history (2's last, 3) in bench/tuner_retunes.py.
 """
 
 from __future__ import annotations
@@ -63,19 +66,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from bench.serve import distribution
-
-TARGETS = {"phase": 0.95, "best_fixed": 1.05, "oracle": 0.98, "table": None,
-           "retune_itl": 1.10, "mid_single_depth": 1.08, "single_rule": 0.98}
-"""Issue 18's targets on this CPU (issue 5's 1.15x the best fixed policy was set for an
-accelerator, where the oracle itself reaches more); None: reported without a target."""
-NOT_STATIC = ("autotuned", "single-rule", "tenants")
-"""Runs that are not static policies: the two tuned ones and the fixed per-tenant policy."""
-MID_PHASE = "mid-mixed"
-"""The phase of mixed tenants at moderate load, where per-tenant rules are to beat the best
-single-depth policy by TARGETS["mid_single_depth"]."""
+from bench.serve_stats import distribution
+from bench.tuner_ratios import TARGETS, met, ratios
+from bench.tuner_retunes import retune_itl, search_line, tenant_search_line
 
 
 # ---- the summary ---------------------------------------------------------------------
@@ -102,7 +95,7 @@ def summarize(cfg: Any, engine: Any, phases: list[Any], arrivals: list[Any],
         result["retune_itl"] = retune_itl(auto["probe"])
         result["ratios"]["retune_itl"] = {
             "ratio": result["retune_itl"]["p99_ratio"], "target": TARGETS["retune_itl"],
-            "met": _met(result["retune_itl"]["p99_ratio"], TARGETS["retune_itl"], below=True)}
+            "met": met(result["retune_itl"]["p99_ratio"], TARGETS["retune_itl"], below=True)}
     return result
 
 
@@ -310,186 +303,6 @@ def describe(body: dict[str, Any]) -> str:
             + (f"; tenants {', '.join(tenants)}" if tenants else ""))
 
 
-def ratios(policies: dict[str, dict[str, Any]], names: list[str] | None = None) -> dict[str, Any]:
-    """Autotuned over the static policies (module doc, 2); empty without an autotuned run.
-    `names`: the phases' names (the mid-mixed phase's per-tenant ratio has a target)."""
-    auto = policies.get("autotuned")
-    static = {n: p for n, p in policies.items() if n not in NOT_STATIC}
-    fixed = [n for n in static if n.startswith("fixed:") or n == "never"]
-    ruled = {}
-    if "tenants" in policies and fixed:
-        ruled = {"tenants_vs_single_depth": single_depth(policies["tenants"], static, fixed, names or [],
-                                                         target=False)}
-    if auto is None or not static:
-        return ruled
-    per_phase = []
-    for i, phase in enumerate(auto["phases"]):
-        best = max(static, key=lambda n: static[n]["phases"][i]["goodput"])
-        per_phase.append(_ratio(phase["goodput"], static[best]["phases"][i]["goodput"],
-                                TARGETS["phase"], phase=i, best_static=best))
-    out: dict[str, Any] = {"per_phase": per_phase, **ruled}
-    whole = auto["whole"]["goodput"]
-    if "single-rule" in policies:
-        single = policies["single-rule"]
-        out["vs_single_rule"] = [
-            _ratio(p["goodput"], s["goodput"], TARGETS["single_rule"], phase=i)
-            for i, (p, s) in enumerate(zip(auto["phases"], single["phases"], strict=True))]
-        out["whole_vs_single_rule"] = _ratio(whole, single["whole"]["goodput"], TARGETS["single_rule"])
-    if fixed:
-        out["per_phase_vs_single_depth"] = single_depth(auto, static, fixed, names or [])
-    oracle = _oracle(static, len(auto["phases"]))
-    if fixed:
-        best = max(fixed, key=lambda n: static[n]["whole"]["goodput"])
-        out["whole_vs_best_fixed"] = _ratio(whole, static[best]["whole"]["goodput"],
-                                            TARGETS["best_fixed"], best_fixed=best)
-        # the most that switching among the static policies once per phase could gain
-        out["oracle_vs_best_fixed"] = {
-            **oracle, "best_fixed": best, "target": None, "met": None,
-            "ratio": round(oracle["goodput"] / static[best]["whole"]["goodput"], 4)
-            if static[best]["whole"]["goodput"] else None}
-    out["whole_vs_oracle"] = _ratio(whole, oracle["goodput"], TARGETS["oracle"])
-    if "table" in static:
-        table = static["table"]["whole"]["goodput"]
-        out["whole_vs_table"] = _ratio(whole, table, TARGETS["table"])
-        out["oracle_vs_table"] = {**oracle, "target": None, "met": None,
-                                  "ratio": round(oracle["goodput"] / table, 4) if table else None}
-    if "never" in static:
-        out["whole_vs_never"] = _ratio(whole, static["never"]["whole"]["goodput"], None)
-    return out
-
-
-def single_depth(auto: dict[str, Any], static: dict[str, dict[str, Any]], fixed: list[str],
-                 names: list[str], target: bool = True) -> list[dict[str, Any]]:
-    """Per phase: the autotuned run (free to give tenants rules of their own; or the fixed
-    "tenants" run, `target` False) over the best single-depth policy of that phase (one
-    technique and depth for every row at every batch size, or never speculating), with the
-    share of its steps whose rows drafted with several choices. Target only in the mid-mixed
-    phase, for the autotuned run (module doc, 2)."""
-    out = []
-    for i, phase in enumerate(auto["phases"]):
-        best = max(fixed, key=lambda n: static[n]["phases"][i]["goodput"])
-        name = names[i] if i < len(names) else None
-        goal = TARGETS["mid_single_depth"] if name == MID_PHASE and target else None
-        out.append(_ratio(phase["goodput"], static[best]["phases"][i]["goodput"], goal,
-                          phase=i, name=name, best_single_depth=best,
-                          per_row_steps=phase.get("per_row_steps", 0.0)))
-    return out
-
-
-def _oracle(static: dict[str, dict[str, Any]], phases: int) -> dict[str, Any]:
-    """The whole-trace goodput of the best static policy of each phase (engine tokens over
-    engine time, summed over phases), and which policy that was per phase."""
-    picks = [max(static, key=lambda n: static[n]["phases"][i]["goodput"]) for i in range(phases)]
-    tokens = sum(static[n]["phases"][i]["engine_tokens"] for i, n in enumerate(picks))
-    seconds = sum(static[n]["phases"][i]["engine_s"] for i, n in enumerate(picks))
-    return {"goodput": round(tokens / seconds, 3) if seconds else 0.0, "per_phase": picks}
-
-
-def _ratio(num: float, den: float, target: float | None, **extra: Any) -> dict[str, Any]:
-    ratio = round(num / den, 4) if den else None
-    return {**extra, "autotuned": num, "static": den, "ratio": ratio, "target": target,
-            "met": None if target is None else _met(ratio, target)}
-
-
-def _met(ratio: float | None, target: float, below: bool = False) -> bool | None:
-    if ratio is None:
-        return None
-    return ratio <= target if below else ratio >= target
-
-
-def retune_itl(*probes: dict[str, Any]) -> dict[str, Any]:
-    """Inter-token gaps ending while a retune searched vs those of the quiet windows before
-    each retune, overlapping none, pooled over `probes` (one per round of --repeats: three
-    retunes alone gave p99 ratios from 0.94 to 1.52 with the same code). A retune may apply a
-    new policy, which changes the gaps by more than a search does; the quiet window before a
-    retune is served by the policy its search runs under, so the gaps after the last retune
-    (a policy no search ran under) are left out."""
-    during, without, shown = [], [], []
-    for probe in probes:
-        d, w = _probe_gaps(probe)
-        during += d
-        without += w
-        t0 = probe["settle"]["start"]
-        shown += [{"id": x["id"], "status": x["status"], "version": x["version"], "note": x["note"],
-                   "start_s": round(x["start"] - t0, 3), "search_s": round(x["search_end"] - x["start"], 3),
-                   "total_s": round(x["end"] - x["start"], 3)} for x in [probe["settle"], *probe["windows"]]]
-    d, w = distribution(during), distribution(without)
-    ratio = round(d["p99"] / w["p99"], 4) if d["p99"] and w["p99"] else None
-    return {"definition": "gap between two streamed chunks of one request; 'during' ends while "
-                          "a retune searches, 'without' lies in a quiet window before a retune and "
-                          "overlaps none (the settling one included)",
-            "probes": len(probes), "retunes": shown, "during_ms": d, "without_ms": w,
-            "p99_ratio": ratio, "requests": sum(len(p["streams"]) for p in probes),
-            "seconds": round(sum(p["end"] - p["settle"]["start"] for p in probes), 3)}
-
-
-def _probe_gaps(probe: dict[str, Any]) -> tuple[list[float], list[float]]:
-    """One probe's gaps (seconds): (ending while a retune searched, in a quiet window)."""
-    windows = probe["windows"]
-    busy = [(probe["settle"]["start"], probe["settle"]["end"])] + [(w["start"], w["end"]) for w in windows]
-    after = probe["settle"]["end"]
-    until = windows[-1]["end"] if windows else probe["end"]
-    during, without = [], []
-    for s in probe["streams"]:
-        for a, b in zip(s.chunks, s.chunks[1:]):
-            if a < after or b > until:
-                continue
-            if any(w["start"] <= b <= w["search_end"] for w in windows):
-                during.append(b - a)
-            elif not any(a <= hi and b >= lo for lo, hi in busy):
-                without.append(b - a)
-    return during, without
-
-
-def with_pooled_probes(result: dict[str, Any], probes: list[dict[str, Any]]) -> dict[str, Any]:
-    """`result` (combine_rounds') with the retune-latency figures pooled over every round's
-    probe; each round keeps its own ratio in `rounds[i]["retune_itl_p99_ratio"]`."""
-    if not probes:
-        return result
-    itl = retune_itl(*probes)
-    return {**result, "retune_itl": itl, "ratios": {**result["ratios"], "retune_itl": {
-        "ratio": itl["p99_ratio"], "target": TARGETS["retune_itl"],
-        "met": _met(itl["p99_ratio"], TARGETS["retune_itl"], below=True)}}}
-
-
-def read_history(database: Any, start: float) -> dict[str, Any]:
-    """The policies and retunes of a run's database (times in seconds from the trace's start)."""
-    from sqlalchemy import select
-
-    from store.db import session_scope
-    from store.history import retune_history
-    from store.models import Policy
-
-    with session_scope(database.engine) as session:
-        policies = [{"version": p.version, "source": p.source, "created_s": _rel(p.created_at, start),
-                     "rolled_back_at_s": _rel(p.rolled_back_at, start), "body": p.body}
-                    for p in session.scalars(select(Policy).order_by(Policy.version))]
-        retunes = [{"id": r.id, "by": r.triggered_by, "status": r.status,
-                    "started_s": _rel(r.started_at, start), "finished_s": _rel(r.finished_at, start),
-                    "version": r.chosen_policy_version, "predicted_goodput": r.predicted_goodput,
-                    "measured_goodput": r.measured_goodput,
-                    "note": r.error or (r.details or {}).get("reason")
-                    or ((r.details or {}).get("validation") or {}).get("decision"),
-                    **_search_evidence(r.details or {})}
-                   for r in reversed(retune_history(session, limit=10_000))]
-    return {"policies": policies, "retunes": retunes}
-
-
-def _search_evidence(details: dict[str, Any]) -> dict[str, Any]:
-    """What a retune's model saw (held-out fit error, acceptance, tenant factors) and how it
-    searched: "exact" or "tpe", and its seconds from reading telemetry to the last trial."""
-    if "fit" not in details:
-        return {}
-    model = details.get("model") or {}
-    return {"fit": details["fit"], "acceptance": model.get("acceptance"),
-            "tenant_factor": model.get("tenant_factor"), "search": details.get("search"),
-            "tenants": details.get("tenants")}
-
-
-def _rel(t: float | None, start: float) -> float | None:
-    return None if t is None else round(t - start, 3)
-
-
 def headline(result: dict[str, Any]) -> list[str]:
     """The figures in a few lines for stderr."""
     lines = []
@@ -539,41 +352,6 @@ def drift_line(result: dict[str, Any]) -> str:
     slow = [d["search_slowdown"]["ratio"] for d in rounds if d.get("search_slowdown", {}).get("ratio")]
     return (f"drift-adjusted (a diagnostic): {', '.join(parts)}; speed index per phase: {speeds}"
             + (f"; steps while searching / not: {', '.join(f'{x:.2f}' for x in slow)}" if slow else ""))
-
-
-def search_line(retunes: list[dict[str, Any]]) -> str:
-    """How long the autotuned run's searches took.
-
-    >>> search_line([{"search": {"method": "exact", "seconds": 0.5}},
-    ...              {"search": {"method": "tpe", "seconds": 4.0}}, {"note": "no fit"}])
-    'autotuned searches: 2 (exact 1, tpe 1), median 2.25 s, max 4.0 s'
-    """
-    done = [r["search"] for r in retunes if r.get("search")]
-    if not done:
-        return "autotuned searches: none"
-    seconds = [x["seconds"] for x in done]
-    methods = Counter(x["method"] for x in done)
-    return (f"autotuned searches: {len(done)} ({', '.join(f'{m} {n}' for m, n in sorted(methods.items()))}), "
-            f"median {np.median(seconds):.2f} s, max {max(seconds):.1f} s")
-
-
-def tenant_search_line(retunes: list[dict[str, Any]]) -> str:
-    """What the autotuned run's per-tenant searches decided and how long they took.
-
-    >>> tenant_search_line([{"tenants": {"method": "exact", "seconds": 0.02, "chosen": True, "gain": 0.09}},
-    ...                     {"tenants": {"method": "tpe", "seconds": 0.3, "chosen": False, "gain": 0.01}},
-    ...                     {"note": "no fit"}])
-    'per-tenant searches: 2 (exact 1, tpe 1), rules chosen in 1 (predicted gain up to +9.0%), median 0.16 s, max 0.3 s'
-    """
-    done = [r["tenants"] for r in retunes if r.get("tenants") and r["tenants"].get("method") != "skipped"]
-    if not done:
-        return "per-tenant searches: none"
-    chosen = [x for x in done if x.get("chosen")]
-    methods = Counter(x["method"] for x in done)
-    seconds = [x["seconds"] for x in done]
-    gain = f" (predicted gain up to {max(x['gain'] for x in chosen):+.1%})" if chosen else ""
-    return (f"per-tenant searches: {len(done)} ({', '.join(f'{m} {n}' for m, n in sorted(methods.items()))}), "
-            f"rules chosen in {len(chosen)}{gain}, median {np.median(seconds):.2f} s, max {max(seconds):.1f} s")
 
 
 def _describe(engine: Any) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """`UserError`: what a `crossover` command raises for a bad value from the user.
 
-It lives apart from daemon.cli so that commands and the CLI share one class
-even when the CLI runs as `python -m daemon.cli` (where that module is
+It lives apart from cli.main so that commands and the CLI share one class
+even when the CLI runs as `python -m cli.main` (where that module is
 `__main__`, and a class defined in it would be a second, different one).
 """
 

@@ -1,4 +1,4 @@
-"""Every worked example (`>>>`) in a docstring of the serving packages, bench/ and training/ runs.
+"""Every worked example (`>>>`) in a docstring of the serving packages, the command line, bench/ and training/ runs.
 
 Modules are chosen by reading their source with `ast` (a docstring holding
 `>>>`), so a new example is picked up without being listed here; each chosen
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("daemon", "engine", "tuner", "telemetry", "store", "bench", "training")
+PACKAGES = ("cli", "daemon", "engine", "tuner", "telemetry", "store", "bench", "training")
 _DEFINITIONS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 

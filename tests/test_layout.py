@@ -2,12 +2,20 @@
 
 Nothing is imported: every module of the project's packages is parsed, its
 imports of the project's own modules are collected (at module level, inside
-functions, under `if TYPE_CHECKING:`), and four rules are checked:
+functions, under `if TYPE_CHECKING:`), and these rules are checked:
 
-1. no import cycle between modules, nor between packages;
-2. every import goes in a direction DESIGN.md allows (`ALLOWED` below);
-3. no Python file of a serving package is longer than `MAX_LINES`;
-4. no import cycle between the engine's parts (its subpackages and top-level modules), so
+1. no import cycle between modules, nor between packages. Every import counts, the lazy
+   ones inside functions and the type-checking ones too: a cycle that only a function-level
+   or a TYPE_CHECKING import closes is still two modules that each need the other, and it
+   turns into an import error the day someone moves the import to the top. `from pkg import
+   mod` counts as importing `pkg` (its `__init__` runs and is read) and `pkg.mod`;
+2. every import goes in a direction DESIGN.md allows (`ALLOWED` below), with no exceptions:
+   the command line (`cli/`) is the one package that may call into the tools (`bench/`,
+   `training/`), and nothing imports it;
+3. the command line loads the tools only inside the command that runs them, so `crossover
+   --help` and the serving commands never import them;
+4. no Python file of the project's packages is longer than `MAX_LINES`;
+5. no import cycle between the engine's parts (its subpackages and top-level modules), so
    the layers engine/__init__.py maps stay layers.
 """
 
@@ -21,34 +29,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("daemon", "engine", "tuner", "telemetry", "store", "migrations", "bench", "training")
+PACKAGES = ("cli", "daemon", "engine", "tuner", "telemetry", "store", "migrations", "bench", "training")
 OURS = (*PACKAGES, "tests")  # a production module importing tests/ is an error too
 SERVING = ("daemon", "engine", "tuner", "telemetry", "store")
+TOOLS = ("bench", "training")
 MAX_LINES = 450
 
 ALLOWED: dict[str, tuple[str, ...]] = {
     # importer package -> what it may import besides itself: a package or a module (and its submodules)
+    "cli": tuple(p for p in PACKAGES if p != "cli"),
     "daemon": ("engine", "tuner", "telemetry", "store"),
     "tuner": ("store", "engine.policy", "engine.types", "engine.config"),
     "telemetry": ("store",),
     "store": (),
     "migrations": ("store.models", "store.versioning"),
     "engine": (),
-    "bench": PACKAGES,
+    "bench": (*SERVING, "migrations"),
     "training": ("engine", "bench.workloads"),
 }
-"""Import directions from DESIGN.md (`EXCEPTIONS` adds single modules' permissions)."""
-
-EXCEPTIONS: dict[str, tuple[tuple[str, bool], ...]] = {
-    # importer module -> (target, must the import sit inside a function?)
-    "daemon.commands.bench": (("bench", True),),  # `crossover bench` parses flags and calls in
-    "daemon.commands.bench_tuner": (("bench", True),),  # its `tuner` flags, likewise
-    "daemon.commands.train_heads": (("training", True),),  # `crossover train-heads` likewise
-    "daemon.commands.report": (("bench", True),),  # `crossover report` likewise
-}
-"""Single modules allowed one more direction. All are tools around the daemon, so they are
-left out of the package graph's cycle check (serving code never loads them). store.migrate
-is not here: it points Alembic at the migrations folder without importing the package."""
+"""Import directions from DESIGN.md. store.migrate points Alembic at the migrations folder
+without importing the package."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def _import_targets(node: ast.Import | ast.ImportFrom, module: str, is_package: 
         base = ".".join([*package, base] if base else package)
     targets = {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else _resolve(base, modules)
                for alias in node.names}
-    return {t for t in targets if t}
+    return {t for t in (*targets, _resolve(base, modules)) if t}
 
 
 def _resolve(name: str, modules: set[str]) -> str | None:
@@ -148,21 +148,21 @@ def within(module: str, prefix: str) -> bool:
 
 
 def direction_violations(imports: list[Import]) -> list[str]:
-    """Imports that go against ALLOWED / EXCEPTIONS, one message each."""
+    """Imports that go against ALLOWED, one message each."""
     out = []
     for imp in imports:
         src, dst = top(imp.source), top(imp.target)
         if src == dst or any(within(imp.target, a) for a in ALLOWED[src]):
             continue
-        granted = [lazy for t, lazy in EXCEPTIONS.get(imp.source, ()) if within(imp.target, t)]
-        if granted and (imp.lazy or not granted[0]):
-            continue
-        if granted:
-            out.append(f"{imp}: must be imported inside the function that calls it, not at module level")
-        else:
-            allowed = ", ".join(ALLOWED[src]) or "nothing of ours"
-            out.append(f"{imp}: {src}/ may import {allowed}")
+        allowed = ", ".join(ALLOWED[src]) or "nothing of ours"
+        out.append(f"{imp}: {src}/ may import {allowed}")
     return out
+
+
+def eager_tool_imports(imports: list[Import]) -> list[str]:
+    """The command line's imports of a tool package that run when the module loads."""
+    return [f"{imp}: import it inside the command that runs it" for imp in imports
+            if top(imp.source) == "cli" and top(imp.target) in TOOLS and not imp.lazy]
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -207,16 +207,16 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
-def _cycle_messages(runtime: list[Import], group, what: str) -> list[str]:
+def _cycle_messages(imports: list[Import], group, what: str) -> list[str]:
     """One message per cycle between the groups `group` maps modules to, naming the imports of
-    `runtime` that close it."""
+    `imports` that close it."""
     edges: dict[str, set[str]] = defaultdict(set)
-    for imp in runtime:
+    for imp in imports:
         edges[group(imp.source)].add(group(imp.target))
     out = []
     for component in cycles(edges):
         members = set(component)
-        links = [str(i) for i in runtime if group(i.source) in members and group(i.target) in members]
+        links = [str(i) for i in imports if group(i.source) in members and group(i.target) in members]
         out.append(f"import cycle between {what} " + ", ".join(component) + ":\n    "
                    + "\n    ".join(links))
     return out
@@ -224,26 +224,19 @@ def _cycle_messages(runtime: list[Import], group, what: str) -> list[str]:
 
 def module_cycle_violations(imports: list[Import]) -> list[str]:
     """One message per cycle between modules, naming the imports that close it."""
-    return _cycle_messages([i for i in imports if not i.type_only], lambda m: m, "modules")
-
-
-def _tool_entry_point(imp: Import) -> bool:
-    """A lazy import that EXCEPTIONS sanctions for a command calling into a tool package."""
-    return imp.lazy and any(lazy and within(imp.target, t) for t, lazy in EXCEPTIONS.get(imp.source, ()))
+    return _cycle_messages(imports, lambda m: m, "modules")
 
 
 def package_cycle_violations(imports: list[Import]) -> list[str]:
     """One message per cycle between top-level packages, naming the imports that close it."""
-    runtime = [i for i in imports if not i.type_only and not _tool_entry_point(i)
-               and top(i.source) != top(i.target)]
-    return _cycle_messages(runtime, top, "packages")
+    return _cycle_messages([i for i in imports if top(i.source) != top(i.target)], top, "packages")
 
 
 def engine_part(module: str) -> str:
     """The engine subpackage or top-level module a module belongs to; other modules unchanged.
 
-    >>> engine_part("engine.memory.kv"), engine_part("engine.policy"), engine_part("daemon.cli")
-    ('engine.memory', 'engine.policy', 'daemon.cli')
+    >>> engine_part("engine.memory.kv"), engine_part("engine.policy"), engine_part("cli.main")
+    ('engine.memory', 'engine.policy', 'cli.main')
     """
     parts = module.split(".")
     return ".".join(parts[:2]) if parts[0] == "engine" else module
@@ -251,12 +244,12 @@ def engine_part(module: str) -> str:
 
 def engine_part_cycle_violations(imports: list[Import]) -> list[str]:
     """One message per cycle between the engine's parts, naming the imports that close it."""
-    runtime = [i for i in imports if not i.type_only and top(i.source) == top(i.target) == "engine"
-               and engine_part(i.source) != engine_part(i.target)]
-    return _cycle_messages(runtime, engine_part, "engine parts")
+    inside = [i for i in imports if top(i.source) == top(i.target) == "engine"
+              and engine_part(i.source) != engine_part(i.target)]
+    return _cycle_messages(inside, engine_part, "engine parts")
 
 
-def long_files(root: Path = ROOT, packages: tuple[str, ...] = SERVING, limit: int = MAX_LINES) -> list[str]:
+def long_files(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES, limit: int = MAX_LINES) -> list[str]:
     out = []
     for pkg in packages:
         for path in sorted((root / pkg).rglob("*.py")):
@@ -276,7 +269,7 @@ def imports() -> list[Import]:
 
 def test_the_walk_sees_the_tree(imports):
     files = project_files()
-    want = {"engine.step.core", "engine.memory.kv", "daemon.cli", "store.models", "migrations.env", "bench", "training"}
+    want = {"engine.step.core", "engine.memory.kv", "cli.main", "store.models", "migrations.env", "bench", "training"}
     assert want <= set(files)
     pairs = {(i.source, i.target) for i in imports}
     assert ("migrations.env", "store.models") in pairs
@@ -303,7 +296,12 @@ def test_imports_follow_the_design_directions(imports):
     assert not problems, "\n".join(problems)
 
 
-def test_serving_files_stay_short():
+def test_the_command_line_loads_tools_only_when_a_command_runs(imports):
+    problems = eager_tool_imports(imports)
+    assert not problems, "\n".join(problems)
+
+
+def test_files_stay_short():
     problems = long_files()
     assert not problems, "\n".join(problems)
 
@@ -354,11 +352,34 @@ def test_checker_resolves_relative_and_submodule_imports(tmp_path):
         "daemon/x.py": "import store.db\nfrom store import db, models\n",
     })
     got = sorted((i.source, i.target, i.line) for i in imports)
-    assert got == [("daemon.x", "store.db", 1), ("daemon.x", "store.db", 2), ("daemon.x", "store.models", 2),
-                   ("store.db", "store.models", 1), ("store.db", "store.models", 2)]
+    assert got == [("daemon.x", "store", 2), ("daemon.x", "store.db", 1), ("daemon.x", "store.db", 2),
+                   ("daemon.x", "store.models", 2), ("store.db", "store", 1), ("store.db", "store.models", 1),
+                   ("store.db", "store.models", 2)]
 
 
-def test_checker_flags_wrong_directions_and_eager_tool_imports(tmp_path):
+def test_checker_finds_a_cycle_a_type_only_import_closes(tmp_path):
+    imports = _toy(tmp_path, {
+        "tuner/__init__.py": "",
+        "tuner/a.py": "from tuner.b import f\n",
+        "tuner/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tuner.a import A\n",
+    })
+    (problem,) = module_cycle_violations(imports)
+    assert "tuner.a, tuner.b" in problem and "tuner/b.py:3" in problem and "type-checking only" in problem
+
+
+def test_checker_finds_a_cycle_through_a_package_init(tmp_path):
+    # __init__ re-exports from a submodule that reads a sibling off the package
+    imports = _toy(tmp_path, {
+        "bench/__init__.py": "",
+        "bench/report/__init__.py": "from bench.report.build import build\n",
+        "bench/report/build.py": "from bench.report import figures\n",
+        "bench/report/figures.py": "",
+    })
+    (problem,) = module_cycle_violations(imports)
+    assert "bench.report, bench.report.build:" in problem
+
+
+def test_checker_flags_wrong_directions(tmp_path):
     imports = _toy(tmp_path, {
         "engine/__init__.py": "",
         "engine/step/core.py": "from store import db\n",
@@ -368,28 +389,37 @@ def test_checker_flags_wrong_directions_and_eager_tool_imports(tmp_path):
         "tuner/x.py": "from engine.policy import P\nfrom engine.step.core import C\n",
         "engine/policy.py": "",
         "bench/__init__.py": "",
+        "bench/x.py": "import cli.main\n",
+        "cli/__init__.py": "",
+        "cli/main.py": "import daemon.other\n",
         "daemon/__init__.py": "",
-        "daemon/commands/__init__.py": "",
-        "daemon/commands/bench.py": "import bench\n\ndef run():\n    import bench\n",
         "daemon/other.py": "def f():\n    import bench\n",
     })
     problems = direction_violations(imports)
-    assert len(problems) == 4, problems
+    assert len(problems) == 5, problems  # `from store import db` reads store/__init__ and loads store.db
     assert any(p.startswith("engine/step/core.py:1 engine.step.core -> store.db") and "nothing of ours" in p
                for p in problems)
+    assert any(p.startswith("engine/step/core.py:1 engine.step.core -> store:") for p in problems)
     assert any(p.startswith("tuner/x.py:2 tuner.x -> engine.step.core") for p in problems)
-    assert any(p.startswith("daemon/commands/bench.py:1") and "inside the function" in p for p in problems)
     assert any(p.startswith("daemon/other.py:2") for p in problems)
+    assert any(p.startswith("bench/x.py:1 bench.x -> cli.main") for p in problems)
 
 
-def test_checker_finds_package_cycles_but_not_through_tool_commands(tmp_path):
+def test_checker_flags_the_command_lines_eager_tool_imports(tmp_path):
     imports = _toy(tmp_path, {
-        "daemon/__init__.py": "",
-        "daemon/commands/__init__.py": "",
-        "daemon/commands/bench.py": "def run():\n    import bench.serve\n",
         "bench/__init__.py": "",
-        "bench/serve.py": "import daemon.app\n",
-        "daemon/app.py": "",
+        "training/__init__.py": "",
+        "cli/__init__.py": "",
+        "cli/commands/__init__.py": "",
+        "cli/commands/bench.py": "import bench\n\ndef run():\n    import bench\n    import training\n",
+    })
+    assert not direction_violations(imports)
+    (problem,) = eager_tool_imports(imports)
+    assert problem.startswith("cli/commands/bench.py:1 cli.commands.bench -> bench:")
+
+
+def test_checker_finds_package_cycles_through_lazy_imports(tmp_path):
+    imports = _toy(tmp_path, {
         "telemetry/__init__.py": "import store\n",
         "store/__init__.py": "def f():\n    import telemetry\n",
     })

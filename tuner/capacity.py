@@ -64,22 +64,75 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from engine.types import pow2_bucket
+from engine.types import EngineCapacity, pow2_bucket
 from tuner.traffic import Traffic
-
-if TYPE_CHECKING:
-    from tuner.objective import Capacity
 
 LENT_KV = ("draft",)
 """Techniques whose draft KV pages are lent from the tenant pool (Capacity.from_engine)."""
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """What the engine can give: pool size, proposers and their memory."""
+
+    total_pages: int
+    page_size: int
+    page_bytes: int = 0
+    """Bytes per page (0: unknown, proposer bytes are then not counted)."""
+    max_depth: int = 4
+    """Deepest speculation the engine can verify."""
+    depths: tuple[int, ...] = ()
+    """The depths the search and exploration offer (the engine verifies any depth up to
+    max_depth, each row at its own). Empty: every depth to max_depth."""
+    proposer_depths: Mapping[str, int] = field(default_factory=dict)
+    """Technique -> the deepest it drafts (e.g. its MTP heads); the engine verifies no deeper."""
+    spec_max_batch: int = 1 << 30
+    """Largest batch the engine speculates at."""
+    proposers: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Technique -> (resident bytes, bytes per speculating sequence per draft)."""
+    draft_vocabs: tuple[int, ...] = ()
+    """The MTP proposer's compiled draft vocabularies (empty: unknown, the config's are searched)."""
+    max_batch: int = 1 << 30
+    """Most sequences the engine decodes together (demand above it waits whatever the split)."""
+    lent_kv: Mapping[str, float] = field(default_factory=dict)
+    """Technique -> lent pages its draft KV needs per page of a sequence it holds (a draft
+    model's pages come from the split: tuner.capacity); techniques not named need none."""
+    pools: tuple[tuple[int, int], ...] = ()
+    """(pages, most pages one sequence holds there; 0: no cap) of each pool the split divides
+    (global pages and a sliding-window ring); empty: one pool of total_pages (tuner.capacity)."""
+    priced_split: float | None = None
+    """Price capacity at this split instead of each policy's (tuner.split solves per split)."""
+
+    @property
+    def techniques(self) -> tuple[str, ...]:
+        return ("none", *sorted(self.proposers))
+
+    @staticmethod
+    def from_engine(cap: EngineCapacity) -> Capacity:
+        """The objective's view of an engine's `capacity()`: the whole pool (the pool split
+        divides it), its depths and batch limits and its proposers' memory."""
+        mtp = cap.proposers.get("mtp")
+        # the engine may say what a draft page costs in tenant pages; else one (the target's shape)
+        lent = {n: float(getattr(p, "kv_page_ratio", None) or 1.0)
+                for n, p in cap.proposers.items() if n in LENT_KV}
+        return Capacity(
+            total_pages=cap.total_pages, page_size=cap.page_size, page_bytes=cap.page_bytes,
+            max_depth=cap.max_depth,
+            proposer_depths={n: p.max_depth for n, p in cap.proposers.items()},
+            spec_max_batch=cap.spec_max_batch,
+            proposers={n: (p.resident_bytes, p.bytes_per_draft) for n, p in cap.proposers.items()},
+            draft_vocabs=mtp.draft_vocabs if mtp else (), max_batch=cap.max_batch, lent_kv=lent,
+            pools=tuple(getattr(cap, "pools", None) or ()),
+        )  # fmt: skip
+
+
+
 def pages_per_sequence(traffic: Traffic, capacity: Capacity) -> float:
     """Pages one running sequence holds (module doc, 1).
 
-    >>> from tuner.objective import Capacity
     >>> t = Traffic(1, {1: 1.0}, {}, 1.0, 1, mean_prompt_tokens=40, mean_output_tokens=9)
     >>> pages_per_sequence(t, Capacity(64, 16)), pages_per_sequence(t, Capacity(64, 16, pools=((40, 0), (24, 2))))
     (4.0, 6.0)

@@ -6,10 +6,8 @@ database), `stats` (Wilson and delta-method intervals, the crossover rule),
 `pool` (Q3 measured end to end: runs under each pool split), `early` (Q4's
 `--early-exit` files), `roofline` (the step-time model and chip peaks behind
 the predictions), `summary` (a paragraph per question), `figures` (PNGs).
+
+Import from the modules themselves (`bench.report.build.build_report`): this package
+re-exports nothing, so its modules can name each other (`from bench.report import figures`)
+without a circle through this file.
 """
-
-from bench.report.build import ReportRequest, build_report
-from bench.report.data import ReportInputError
-from bench.report.planned import PlanInputs
-
-__all__ = ["PlanInputs", "ReportInputError", "ReportRequest", "build_report"]

@@ -28,7 +28,7 @@ from engine.memory.kv import KVState
 from engine.model import ragged
 from engine.model.gemma import ATTEND_BLOCK, Params
 from engine.model.ragged import RaggedBatch
-from engine.runtime.compiles import abstract, any_committed, outputs
+from engine.runtime.compiles import abstract, any_committed, compile_ahead, outputs
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 """Token slots a ragged call (engine/model/ragged.py) compiles for; the largest is a step's token budget."""
@@ -242,18 +242,18 @@ def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tupl
 
     def forward(n: int) -> None:
         rb = jax.tree.map(np.asarray, RaggedBatch.build([], n, row_slots(runner, n), width, rc.ring_pages))
-        h, new_kv = outputs(_forward.lower(cfg, params, kv, rb).compile(), committed)
+        h, new_kv = outputs(compile_ahead(_forward.lower(cfg, params, kv, rb)), committed)
         hidden[n] = h
-        _write.lower(kv, rb, new_kv).compile()
+        compile_ahead(_write.lower(kv, rb, new_kv))
 
     def heads(o: int) -> None:
         h = hidden[max(hidden)]  # every forward's output has one shape (`_forward`)
         samp, idx = SamplingArrays(**SamplingArrays.host(o)), np.zeros(o, np.int32)
         mask = np.zeros((o, mask_words(cfg.vocab_size)), np.int32)
-        _heads.lower(params, h, idx, idx, samp, idx, mask).compile()
+        compile_ahead(_heads.lower(params, h, idx, idx, samp, idx, mask))
         if o <= ADJUST_OUTPUTS:
             adj = Adjust(**Adjust.host((o, 1, runner.adjust_width)))
-            _heads.lower(params, h, idx, idx, samp, idx, mask, adj).compile()
+            compile_ahead(_heads.lower(params, h, idx, idx, samp, idx, mask, adj))
 
     tokens = token_buckets(max_tokens)
     return ([partial(forward, n) for n in tokens],

@@ -14,7 +14,7 @@
    sequence's keys is found, capped at (tokens - 1) // page_size blocks: the
    last token is always computed, its logits give the next token. The
    sequence takes a reference on those pages and starts at the hit length.
-4. Reference counts and eviction live in engine.memory.kv.PageAllocator: a page the
+4. Reference counts and eviction live in engine.memory.pages.PageAllocator: a page the
    cache indexes that no sequence references is free-but-evictable (it counts
    as free), and allocation takes truly free pages first, then evicts the
    least recently released cached page (deepest blocks of a prefix first).
@@ -36,7 +36,7 @@ ring exactly as a sequence that computed the prefix would hold it), so:
   adopted by a hit: that sequence's entry becomes shared too, and the hit
   allocates the spare it will need (`lookup`), so accounting stays whole;
 - the call that first writes a replaced entry's new block still reads the old
-  page (engine.memory.kv.SeqPages.reading: the read and write page tables differ for
+  page (engine.memory.pages.SeqPages.reading: the read and write page tables differ for
   that call). That needs ring capacity >= window + page_size - 1, so the
   slots of the new page not yet written are outside every query's window;
   otherwise the cache stays off (engine.memory.kv.KVPool).
@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from engine.memory.kv import PageAllocator, SeqPages
+    from engine.memory.pages import PageAllocator, SeqPages
 
 
 def root_key(tenant: str) -> bytes:

@@ -1,7 +1,7 @@
 """The process's allocator settings for the engine (glibc), read before anything heavy loads.
 
 `crossover serve`, `generate` and `bench` restart themselves once with HUGE_PAGE_TUNABLE
-(daemon/cli.py); `bench engine` reports the settings beside its page faults per step.
+(cli/main.py); `bench engine` reports the settings beside its page faults per step.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@
   executable it compiles is the one a later call with those arrays finds in
   the jit cache (a committed and an uncommitted argument lower differently).
 - The persistent compilation cache and the memory-mapping cap of XLA:CPU.
-- Host memory: `release_lowerings` drops what JAX keeps of each compiled
-  shape's lowering once warmup is done; glibc arenas capped and trimmed;
+- Host memory: `compile_ahead` drops what JAX keeps of each shape's lowering
+  once it is compiled; glibc arenas capped and trimmed;
   `freeze_heap` takes warmup's objects out of the garbage collector's walks.
 """
 
@@ -112,32 +112,35 @@ def map_limit() -> int | None:
         return None
 
 
-def release_lowerings() -> int:
-    """Drop the StableHLO module (and its MLIR context) that JAX keeps beside every executable
-    it compiled in this process: a later call of that shape finds the executable without it.
-    Each lowering keeps its own MLIR context with every dialect loaded: a few MiB per shape,
-    close to a gigabyte over all the shapes of `crossover serve` with every proposer.
-    Returns how many were dropped; 0 where JAX's internals differ from those of jax 0.10
-    (then nothing is changed). It walks the Python heap (gc.get_objects): call it once, after
-    warmup.
-    Only computations already compiled are touched, and the lowering cache is only a cache:
-    a shape not compiled yet is lowered when it is first compiled."""
-    import gc
+def compile_ahead(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """`lowered.compile()`, then `drop_lowering(lowered)`: what warmup's jobs compile with."""
+    compiled = lowered.compile()
+    drop_lowering(lowered)
+    return compiled
 
+
+def drop_lowering(lowered: jax.stages.Lowered) -> bool:
+    """Drop the StableHLO module (and its MLIR context) that JAX keeps beside the executable of
+    a compiled `lowered` (in its lowering, which jit's cache holds, and in the cache of lowerings):
+    a later call of that shape finds the executable without it. Each lowering keeps its own
+    MLIR context with every dialect loaded, about a MiB per shape on a small function and more
+    on the model's (`python -m bench.memory_probe serving --keep-lowerings` measures it).
+    Whether it was dropped: False when `lowered` is not compiled yet or was dropped already, and
+    where JAX's internals differ from those of jax 0.10 (then nothing is changed). Only this
+    lowering is touched, and the cache of lowerings is only a cache: a shape not compiled yet
+    lowers again when first compiled."""
     try:
         from jax._src.interpreters import pxla
 
-        kind, clear = pxla.MeshComputation, pxla._cached_lowering_to_hlo.cache_clear
+        clear = pxla._cached_lowering_to_hlo.cache_clear
     except (ImportError, AttributeError):
-        return 0
-    n = 0
-    for obj in gc.get_objects():
-        if type(obj) is kind and getattr(obj, "_executable", None) is not None \
-                and getattr(obj, "_hlo", None) is not None:
-            obj._hlo = None  # MeshComputation.compile() returns the cached executable first
-            n += 1
+        return False
+    computation = getattr(lowered, "_lowering", None)
+    if getattr(computation, "_executable", None) is None or getattr(computation, "_hlo", None) is None:
+        return False
+    computation._hlo = None  # MeshComputation.compile() returns the cached executable first
     clear()
-    return n
+    return True
 
 
 M_ARENA_MAX = -8

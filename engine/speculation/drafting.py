@@ -41,7 +41,7 @@ import numpy as np
 from engine.execute.runner import bucket
 from engine.execute.sequence import Sequence
 from engine.policy import TunedPolicy
-from engine.runtime.compiles import abstract
+from engine.runtime.compiles import abstract, compile_ahead
 from engine.speculation.draft_model import DraftModelProposer
 from engine.speculation.heads import DraftHeads, Head, apply_chain_head, apply_head, token_features
 from engine.speculation.layer_draft import DRAFT_VOCABS, _LayerDrafter, _VocabSlices, spec_batches
@@ -167,9 +167,9 @@ class MtpProposer(Proposer):
             emb, ids = abstract(self.slices.get(n))
             h, last = jax.ShapeDtypeStruct((b, self._d), self._dtype), np.zeros((b,), np.int32)
             if self.chained:
-                _mtp_chain_draft.lower(heads, h, last, embed, emb, ids, np.int32(k)).compile()
+                compile_ahead(_mtp_chain_draft.lower(heads, h, last, embed, emb, ids, np.int32(k)))
             else:
-                _mtp_draft.lower(heads[:k], h, emb, ids).compile()
+                compile_ahead(_mtp_draft.lower(heads[:k], h, emb, ids))
 
         return [partial(job, *s) for s in self._job_shapes()]
 

@@ -33,7 +33,7 @@ from engine.memory.kv import KVPool, SeqPages
 from engine.model import ragged
 from engine.model.gemma import ATTEND_BLOCK, Params
 from engine.model.ragged import RaggedBatch
-from engine.runtime.compiles import abstract, any_committed, outputs
+from engine.runtime.compiles import abstract, any_committed, compile_ahead, outputs
 from engine.speculation.heads import Head, head_logits
 from engine.speculation.proposers import Proposer
 
@@ -116,8 +116,8 @@ def _layer_jobs(drafter: _LayerDrafter) -> list:
     def job(n: int) -> None:
         R = draft_rows(rc, n)
         rb = jax.tree.map(np.asarray, RaggedBatch.build([], n, R, table_width(rc), rc.ring_pages))
-        compiled = _layers_draft.lower(drafter.dcfg, *fixed, kv, rb, np.zeros(R, np.int32)).compile()
-        _write.lower(kv, rb, outputs(compiled, committed)[1]).compile()
+        compiled = compile_ahead(_layers_draft.lower(drafter.dcfg, *fixed, kv, rb, np.zeros(R, np.int32)))
+        compile_ahead(_write.lower(kv, rb, outputs(compiled, committed)[1]))
 
     return [partial(job, n) for n in drafter.token_slots()]
 

@@ -20,9 +20,9 @@
    technique not ready yet decodes plainly, so serving never compiles.
 5. `stop()` (shutdown) starts no further job and waits for the one under way
    (XLA cannot interrupt a compile); unfinished techniques read "stopped".
-6. Once every job has run, JAX's lowerings of the compiled shapes are dropped
-   (`engine.runtime.compiles.release_lowerings`), the heap trimmed and what is left
-   frozen out of the garbage collector's full walks (`freeze_heap`: 2 s each
+6. Each job drops JAX's lowering of the shape it compiled
+   (`engine.runtime.compiles.compile_ahead`); once every job has run, the heap is trimmed
+   and what is left frozen out of the garbage collector's full walks (`freeze_heap`: 2 s each
    over a warmed-up engine's objects).
 7. Before each job it checks the process's memory mappings (XLA:CPU maps
    every compiled kernel; Linux kills a process past vm.max_map_count): with
@@ -46,7 +46,6 @@ from engine.runtime.compiles import (
     freeze_heap,
     map_limit,
     memory_mappings,
-    release_lowerings,
     serving_compiles,
     trim_heap,
     warming,
@@ -139,7 +138,6 @@ class SpecWarmup:
         with ThreadPoolExecutor(SPEC_THREADS, thread_name_prefix="crossover-spec-warmup") as pool:
             list(pool.map(lambda item: technique_jobs(*item), own.items()))
         self.seconds = time.perf_counter() - t0
-        release_lowerings()  # every shape is compiled: JAX's copies of their lowerings go
         trim_heap()  # the compiles' scratch memory, freed but still resident
         freeze_heap()  # what warmup built lives on: out of the collector's full walks
         used, limit = memory_mappings(), map_limit()

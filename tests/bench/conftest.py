@@ -2,7 +2,7 @@
 daemon tests' one."""
 
 from tests.daemon.conftest import live  # noqa: F401  (pytest fixture)
-from tests.engine.conftest import _compile_cache, tiny  # noqa: F401  (pytest fixtures)
+from tests.engine.conftest import _compile_cache, tiny, tok  # noqa: F401  (pytest fixtures)
 
 
 def recording_resets(load, resets: list[bool]):

@@ -15,17 +15,10 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from bench.crossover import (
-    BenchConfigError,
-    CrossoverGrid,
-    crossover,
-    measure,
-    prefill_steps,
-    prompt_ids,
-    write_result,
-)
+from bench.crossover import BenchConfigError, CrossoverGrid, measure, prefill_steps, prompt_ids, write_result
+from bench.crossover_summary import crossover
 from bench.plots import TECHNIQUE_COLORS, crossover_figure
-from daemon.cli import main as cli_main
+from cli.main import main as cli_main
 from engine.speculation.drafting import add_model_proposers
 from engine.speculation.heads import DraftHeads
 from tests.engine.conftest import SPEC_RC, ChatBytes, make_engine

@@ -19,7 +19,7 @@ from bench.early_exit import (
     write_result,
 )
 from bench.early_exit_decoder import EarlyExit
-from daemon.cli import main as cli_main
+from cli.main import main as cli_main
 from engine.speculation.heads import DraftHeads
 from tests.engine.conftest import ChatBytes, make_engine
 

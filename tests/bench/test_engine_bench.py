@@ -53,7 +53,7 @@ def test_the_allocator_restart_adds_the_huge_page_tunable_once(env, want):
     (["--kv-gib", "0"], "--kv-gib"),
 ])
 def test_bench_engine_refuses_bad_context_and_budget_flags_naming_them(flags, named, capsys):
-    from daemon.cli import main
+    from cli.main import main
 
     assert main(["bench", "engine", *flags]) == 2  # refused before any model loads
     assert named in capsys.readouterr().err

@@ -10,15 +10,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from bench.findings import (
-    INSTANCE,
-    POOL_INSTANCE,
-    TENANT_INSTANCE,
-    FindingsConfig,
-    default_early_exit,
-    parse_size,
-)
-from daemon.cli import main
+from bench.findings import INSTANCE, POOL_INSTANCE, TENANT_INSTANCE
+from bench.findings_config import FindingsConfig, default_early_exit, parse_size
+from cli.main import main
 from store.db import make_engine, session_scope
 from store.models import Policy, Request, Step
 

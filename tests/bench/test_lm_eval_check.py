@@ -51,7 +51,7 @@ def test_compare_passes_only_when_every_pick_and_the_accuracy_agree() -> None:
 
 
 def test_the_command_names_a_missing_lm_eval(capsys) -> None:
-    from daemon.cli import main
+    from cli.main import main
 
     with pytest.raises(SystemExit) as done:
         main(["bench", "lm-eval", "--lm-eval", "/nowhere/lm_eval", "--url", "http://127.0.0.1:9"])

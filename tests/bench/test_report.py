@@ -16,11 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.report import PlanInputs, ReportRequest, build_report
+from bench.report.build import ReportRequest, build_report
 from bench.report.data import MIXED, open_database, read_telemetry
 from bench.report.measured import acceptance_rows, crossovers, goodput_cells
+from bench.report.planned import PlanInputs
 from bench.report.stats import wilson
-from daemon.cli import main
+from cli.main import main
 from engine.types import StepStats
 from store.db import make_engine
 from telemetry.writer import request_row, step_row, write_rows

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.report import ReportRequest, build_report
+from bench.report.build import ReportRequest, build_report
 from bench.report.data import open_database, read_telemetry
 from bench.report.pool import pool_rows
 from engine.policy import BatchRule, TunedPolicy

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from bench.loadgen import Sample, forget_prefixes
-from bench.serve import _ttft_vs_idle, distribution
-from daemon.cli import main as cli
+from bench.serve_stats import distribution, ttft_vs_idle
+from cli.main import main as cli
 from engine.fake import FakeEngine
 from tests.bench.conftest import recording_resets
 from tests.daemon.helpers import LiveServer
@@ -71,11 +71,11 @@ def test_ttft_vs_idle_pairs_each_request_with_itself() -> None:
     loaded = [Sample(0, ttft_s=0.3), Sample(1, ttft_s=0.8), Sample(2, ttft_s=0.5, error="boom"),
               Sample(3, ttft_s=0.9)]
     idle = [Sample(1, ttft_s=0.2), Sample(0, ttft_s=0.1), Sample(2, ttft_s=0.1)]  # 3: never alone
-    out = _ttft_vs_idle(loaded, idle, True)
+    out = ttft_vs_idle(loaded, idle, True)
     assert out["requests"] == 2  # 2 failed loaded, 3 has no idle TTFT
     assert out["per_request"]["p50"] == pytest.approx(3.5) and out["per_request"]["p99"] == pytest.approx(3.99)
     assert out["loaded_p99_over_idle_p99"] == pytest.approx(0.795 / 0.199, rel=1e-3)
-    assert "reason" in _ttft_vs_idle(loaded, [], False)
+    assert "reason" in ttft_vs_idle(loaded, [], False)
 
 
 def test_an_idle_phase_without_a_ttft_reports_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -179,8 +179,8 @@ def test_no_prefix_cache_reaches_the_engine_started_here(monkeypatch: pytest.Mon
     """--no-prefix-cache is what `load_engine` gets (the cache is on without it)."""
     import engine.loader
     from bench.serve import _load_engine
-    from daemon.cli import build_parser
-    from daemon.commands.bench import _serve_config
+    from cli.commands.bench import _serve_config
+    from cli.main import build_parser
 
     seen: list[bool] = []
 
@@ -208,8 +208,8 @@ def test_speculation_reaches_the_engine_started_here(monkeypatch: pytest.MonkeyP
     --no-speculation, and the engine-only phase serves the starter policy or never speculates."""
     import engine.loader
     from bench.serve import _load_engine, _policy
-    from daemon.cli import build_parser
-    from daemon.commands.bench import _serve_config
+    from cli.commands.bench import _serve_config
+    from cli.main import build_parser
     from engine.speculation.fake_speculation import FakeProposer
 
     seen: list[tuple[bool, tuple]] = []

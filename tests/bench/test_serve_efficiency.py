@@ -7,13 +7,13 @@ import json
 import sqlite3
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench.efficiency import EngineRates, decode_schedule, efficiency, engine_bound, rates_from_file
-from daemon.cli import main as cli
+from cli.main import main as cli
 from engine.fake import FakeEngine
 from tests.bench.test_serve import STEP_MS, bench, check_phase
 from tests.daemon.helpers import LiveServer

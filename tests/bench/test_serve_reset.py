@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cli import main as cli
+from cli.main import main as cli
 from engine.fake import FakeEngine
 from tests.bench.test_serve import STEP_MS, bench
 from tests.daemon.helpers import LiveServer

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import SoakConfig, log_findings, percentile, run_soak, within
+from bench.soak import log_findings, run_soak, within
 from bench.soak_clients import bad_cases, parse_answer
+from bench.soak_daemon import SoakConfig
+from bench.soak_run import percentile
 
 pytestmark = pytest.mark.xdist_group("soak-bench")
 

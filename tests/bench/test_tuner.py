@@ -19,8 +19,9 @@ from matplotlib.image import imread
 
 import bench.tuner
 from bench.plots import MET, MISSED, REFERENCE, ratio_bars, tuner_figure
-from bench.tuner_report import TARGETS, retune_itl
-from daemon.cli import main as cli
+from bench.tuner_ratios import TARGETS
+from bench.tuner_retunes import retune_itl
+from cli.main import main as cli
 from daemon.user_error import UserError
 from engine.policy import TunedPolicy
 from tests.bench.conftest import recording_resets
@@ -305,8 +306,8 @@ def test_bad_temperatures_are_user_errors(capsys: pytest.CaptureFixture) -> None
 
 
 def test_quick_sets_its_values_unless_a_flag_is_given() -> None:
-    from daemon.cli import build_parser
-    from daemon.commands.bench_tuner import QUICK, tuner_config
+    from cli.commands.bench_tuner import QUICK, tuner_config
+    from cli.main import build_parser
 
     def config(*flags: str) -> Any:
         return tuner_config(build_parser().parse_args(["bench", "tuner", "--fake", *flags]))
@@ -365,7 +366,7 @@ def test_repeats_run_every_policy_each_round_and_report_medians(tmp_path: Path,
     the second policy), each kept database tagged with its round; a policy's phase and
     whole-trace figures are its median round's, and the ratios are computed from them; the
     retune-latency figures pool every round's probe."""
-    from bench.tuner_report import ratios
+    from bench.tuner_ratios import ratios
 
     out = tmp_path / "tuner.json"
     flags = ["--fake", "--phase-seconds", "1", "--rate-scale", "4", "--max-tokens", "16",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.tuner_compare import compare, load, readings
-from daemon.cli import main
+from cli.main import main
 
 FULL = "bench/results/tuner/full-repeats3-search-one-cpu.json"
 QUICK = "bench/results/tuner/quick-one-round-split-cache.json"

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from bench.tuner_report import TARGETS, _steps, cell_shares, single_depth
-from daemon.cli import main as cli
+from bench.tuner_ratios import TARGETS, single_depth
+from bench.tuner_report import _steps, cell_shares
+from cli.main import main as cli
 from engine.types import RowClass, StepStats
 
 PHASES = ["low-copy", "high-mixed", "low-prose", "mid-mixed"]

@@ -15,7 +15,7 @@ import pytest
 from bench.split_bench import TARGET, split_fake
 from bench.tuner import TunerBenchConfig
 from bench.workloads.memory import split_trace
-from daemon.cli import main as cli
+from cli.main import main as cli
 from engine.policy import BatchRule, TunedPolicy
 from engine.types import Request, SamplingParams
 

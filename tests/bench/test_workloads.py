@@ -23,15 +23,8 @@ from bench.workloads import (
     trace,
 )
 from bench.workloads.sources import load_modules, stdlib_dir
-from engine.model.gguf_file import default_gguf_path
-from engine.model.tokenizer import Tokenizer
 
 MIN_TOKENS, MAX_TOKENS, MOST_UNDER = 40, 600, 400
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_gguf(default_gguf_path(progress=False), progress=False)
 
 
 def _key(p: Prompt) -> object:

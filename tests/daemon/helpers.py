@@ -11,6 +11,7 @@ import http.client
 import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -31,8 +32,20 @@ from tests.daemon.memory_sink import MemorySink
 
 MODEL = "fake-reverse"
 REPO = Path(__file__).resolve().parents[2]
-SERVE = [sys.executable, "-m", "daemon.cli", "serve"]
+SERVE = [sys.executable, "-m", "cli.main", "serve"]
 """`crossover serve` as a subprocess command (run with cwd=REPO)."""
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM `proc` (unless it has exited), wait up to `timeout_s`, then SIGKILL it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def daemon_env(**extra: str) -> dict[str, str]:

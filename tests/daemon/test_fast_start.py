@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from daemon.commands.serve import _close_engine
+from daemon.lifecycle import close_engine
 from engine.fake import FakeEngine, FakeProposer
 from tests.daemon.helpers import MODEL, LiveServer
 
@@ -50,6 +50,6 @@ def test_shutdown_stops_a_background_warmup() -> None:
             self.closed += 1
 
     engine = Closing()
-    _close_engine(engine)
-    _close_engine(FakeEngine())  # an engine without close() is fine
+    close_engine(engine)
+    close_engine(FakeEngine())  # an engine without close() is fine
     assert engine.closed == 1

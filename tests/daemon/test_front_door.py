@@ -33,7 +33,16 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.daemon.helpers import MODEL, REPO, SERVE, daemon_env, free_port, http_request, parse_sse
+from tests.daemon.helpers import (
+    MODEL,
+    REPO,
+    SERVE,
+    daemon_env,
+    free_port,
+    http_request,
+    parse_sse,
+    stop_process,
+)
 
 DOC = REPO / "docs" / "scale-out.md"
 HAPROXY = shutil.which("haproxy") or next(
@@ -128,13 +137,7 @@ class HAProxy:
         return self.servers()[name]["status"]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 10)
 
 
 def _config_from_doc(front_port: int, replicas: list[Replica], socket_path: Path) -> str:

@@ -5,17 +5,15 @@ daemons on PostgreSQL)."""
 
 from __future__ import annotations
 
-import argparse
 import socket
 from collections.abc import Callable
 
 import pytest
 from sqlalchemy import select
 
-from daemon.commands import serve
-from daemon.commands.serve import _open_database
 from daemon.database import default_instance
-from daemon.settings import Settings, SettingsError, load_settings
+from daemon.lifecycle import connect_database
+from daemon.settings import Settings, SettingsError
 from store.db import make_engine, session_scope
 from store.history import finish_retune, start_retune
 from store.models import Request
@@ -27,13 +25,8 @@ TOKEN = "instances-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def test_the_instance_setting_flag_and_environment() -> None:
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-    args = parser.parse_args(["--instance", "gpu-3"])
-    assert load_settings({k: getattr(args, k) for k in serve.SETTING_FLAGS}, env={}).instance == "gpu-3"
-    assert load_settings({}, env={"CROSSOVER_INSTANCE": "east"}).instance == "east"
-    assert load_settings({}, env={}).instance is None
+def test_reserved_and_overlong_instance_names_are_refused() -> None:
+    # the flag and CROSSOVER_INSTANCE: tests/cli/test_serve.py
     with pytest.raises(SettingsError, match="reserved"):
         Settings(instance="all")
     with pytest.raises(SettingsError, match="1 to 64"):
@@ -42,11 +35,11 @@ def test_the_instance_setting_flag_and_environment() -> None:
 
 def test_serve_names_the_instance_host_and_port_unless_told(tmp_path) -> None:
     url = f"sqlite:///{tmp_path / 't.db'}"
-    database = _open_database(Settings(db_url=url), 8123)
+    database = connect_database(Settings(db_url=url), 8123)
     assert database.instance == default_instance(8123) == f"{socket.gethostname()}:8123"
     assert database.recorder.config.instance == database.instance
     database.engine.dispose()
-    database = _open_database(Settings(db_url=url, instance="east-1"), 8123)
+    database = connect_database(Settings(db_url=url, instance="east-1"), 8123)
     assert database.instance == "east-1" and database.recorder.config.instance == "east-1"
     database.engine.dispose()
 

@@ -27,6 +27,7 @@ from tests.daemon.helpers import (
     daemon_env,
     http_request,
     parse_sse,
+    stop_process,
     wait_for,
 )
 
@@ -246,7 +247,7 @@ def _serve_once(tmp_path: Path, *flags: str, env: dict[str, str] | None = None,
                 preload: str = "") -> subprocess.CompletedProcess[str]:
     """Run `crossover serve` (with `preload` Python run first in the process) until it exits."""
     db = f"sqlite:///{tmp_path / 'telemetry.db'}"
-    code = f"import sys\n{preload}\nfrom daemon.cli import main\nsys.exit(main(sys.argv[1:]))"
+    code = f"import sys\n{preload}\nfrom cli.main import main\nsys.exit(main(sys.argv[1:]))"
     cmd = [sys.executable, "-c", code, "serve", "--db", db, *flags]
     return subprocess.run(cmd, check=False, cwd=REPO, env=daemon_env(**(env or {})),
                           capture_output=True, text=True, timeout=60)
@@ -298,8 +299,7 @@ def test_an_admin_token_on_the_command_line_is_warned_about(tmp_path: Path) -> N
         auth = {"Authorization": "Bearer s3cret"}
         assert http_request(port, "GET", "/metrics", headers=auth).status == 200
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_process(proc, 10)
     warnings = [line["msg"] for line in _json_lines(log_path) if line.get("level") == "warning"]
     assert any("admin token was given on the command line" in msg for msg in warnings)
     assert "s3cret" not in log_path.read_text()
@@ -314,6 +314,5 @@ def test_the_admin_token_file_works_without_a_warning(tmp_path: Path) -> None:
         assert http_request(port, "GET", "/admin/status", headers=auth).status == 200
         assert http_request(port, "GET", "/admin/status").status == 401
     finally:
-        proc.terminate()
-        proc.wait(10)
+        stop_process(proc, 10)
     assert "command line" not in log_path.read_text()

@@ -33,22 +33,14 @@ def test_hits_in_metrics_ready_and_database(db_url: str, live: Callable[..., Liv
     assert row == (48, queried)
 
 
-def test_no_prefix_cache_flag_and_variable_reach_the_engine(monkeypatch) -> None:
-    import argparse
-
+def test_the_prefix_cache_setting_reaches_the_engine(monkeypatch) -> None:
+    # the flag and CROSSOVER_PREFIX_CACHE reach the setting: tests/cli/test_serve.py
     import engine.loader
-    from daemon.commands import serve
-    from daemon.settings import load_settings
+    from daemon import lifecycle
+    from daemon.settings import Settings
 
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-    args = parser.parse_args(["--no-prefix-cache"])
-    settings = load_settings({k: getattr(args, k) for k in serve.SETTING_FLAGS}, {})
-    assert settings.prefix_cache is False
-    assert load_settings({}, env={"CROSSOVER_PREFIX_CACHE": "off"}).prefix_cache is False
-    assert load_settings({}, env={}).prefix_cache is True
     seen = {}
     monkeypatch.setattr(engine.loader, "load_engine", lambda **kw: seen.update(kw) or type(
         "E", (), {"model_name": "m"})())
-    serve._load_engine(settings, args)
+    lifecycle.load_engine(Settings(prefix_cache=False))
     assert seen["prefix_cache"] is False

@@ -20,7 +20,7 @@ from sqlalchemy import select
 from store.db import make_engine, session_scope
 from store.history import active_policy, policy_history, retune_history
 from store.models import Request
-from tests.daemon.helpers import REPO, SERVE, daemon_env, free_port, http_request, wait_for
+from tests.daemon.helpers import REPO, SERVE, daemon_env, free_port, http_request, stop_process, wait_for
 from tests.daemon.test_tuning import ADMIN, TOKEN
 
 NAMES = ("g1", "g2")
@@ -60,13 +60,7 @@ class Daemon:
             return False
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 60)
 
 
 def _retune_done(daemon: Daemon, retune_id: int) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.settings import Settings, SettingsError, field_docs, load_settings
+from daemon.settings import Settings, SettingsError, load_settings
 from tuner.config import TunerConfig
 
 
@@ -147,32 +147,6 @@ def test_settings_are_frozen() -> None:
         Settings().port = 1  # type: ignore[misc]
 
 
-def test_serve_flags_map_onto_settings_and_bad_values_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    import argparse
-
-    from daemon.commands import serve
-
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-    args = parser.parse_args(["--kv-budget", "2GiB", "--no-tuner", "--drain-deadline", "3", "--open",
-                              "--tuner-interval", "5", "--tuner-trials", "9", "--tuner-ranges", "4,64",
-                              "--no-tuner-search-process", "--stream-write-timeout", "7",
-                              "--stream-idle-timeout", "8", "--tenant-max-concurrent-share", "0.25",
-                              "--admin-token", "t", "--metrics-require-admin"])
-    flags = {k: getattr(args, k) for k in serve.SETTING_FLAGS}
-    s = load_settings(flags, env={})
-    assert (s.kv_budget_bytes, s.tuner.enabled, s.drain_deadline_s, s.open_mode) == (2 << 30, False, 3.0, True)
-    assert (s.tuner.interval_s, s.tuner.trials, s.tuner.ranges) == (5.0, 9, (4, 64))
-    assert s.tuner.search_process is False and s.tuner.min_new_steps == TunerConfig().min_new_steps
-    assert (s.stream_write_timeout_s, s.stream_idle_timeout_s, s.tenant_max_concurrent_share) == (7, 8, 0.25)
-    assert s.metrics_require_admin and s.admin_token == "t" and not s.open_non_loopback
-    assert "--fake-engine" not in parser.format_help()
-
-    bad = parser.parse_args(["--max-batch", "0"])
-    assert serve.run(bad) == 2
-    assert "max_batch" in capsys.readouterr().err
-
-
 def test_the_tuner_section_loads_through_every_layer(tmp_path: Path) -> None:
     path = write(tmp_path, "port = 7000\n[tuner]\ntrials = 10\nvalidation_s = 30\nranges = [2, 16]\n"
                            "seed = 3\nenabled = false\n")
@@ -185,61 +159,3 @@ def test_the_tuner_section_loads_through_every_layer(tmp_path: Path) -> None:
     assert s.tuner.ranges == (2, 16) and s.tuner.enabled is False  # file only
     assert s.tuner.baseline_s == TunerConfig().baseline_s  # default
     assert Settings(tuner=TunerConfig(trials=5)).tuner.trials == 5
-
-
-def test_every_tuner_field_has_a_flag_with_its_docstring_as_help() -> None:
-    import argparse
-    import dataclasses
-
-    from daemon.commands import serve
-
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-    text = " ".join(parser.format_help().split())
-    for f in dataclasses.fields(TunerConfig):
-        flag = {"enabled": "--tuner", "interval_s": "--tuner-interval"}.get(
-            f.name, "--tuner-" + f.name.replace("_", "-"))
-        assert flag in text and "tuner_" + f.name in serve.SETTING_FLAGS
-    docs = field_docs(TunerConfig)
-    assert docs["interval_s"] == "Seconds between scheduled retunes"
-    assert docs["min_new_steps"].endswith("(tuner.data.count_step_rows)")  # cut at ": " outside ()
-    assert f"{docs['trials']} (default 48)" in text
-
-
-def test_vllm_spellings_of_serve_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    """`crossover serve MODEL`, --served-model-name, --max-model-len and --max-num-seqs as vLLM
-    spells them; the old spellings keep working; defaults show in --help."""
-    import argparse
-
-    from daemon.commands import serve
-
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-
-    def settings(*argv: str) -> Settings:
-        args = parser.parse_args(list(argv))
-        assert serve._vllm_spellings(args) is None
-        return load_settings({k: getattr(args, k) for k in serve.SETTING_FLAGS}, env={})
-
-    s = settings("some/model.gguf", "--served-model-name", "gemma", "g3", "--max-model-len", "2048",
-                 "--max-num-seqs", "16")
-    assert (s.model, s.served_model_name, s.max_context, s.max_batch) == ("some/model.gguf", "gemma,g3", 2048, 16)
-    assert s.served_names("engine-name") == ("gemma", "g3")
-    s = settings("--model", "m", "--max-context", "1024", "--max-batch", "8")
-    assert (s.model, s.max_context, s.max_batch, s.served_names("engine-name")) == ("m", 1024, 8, ("engine-name",))
-    for argv, says in ((["a", "--model", "b"], "given twice"), (["--served-model-name", "x,y"], "without commas"),
-                       (["--served-model-name", "x", "x"], "distinct")):
-        assert serve.run(parser.parse_args(argv)) == 2
-        assert says in capsys.readouterr().err
-    shown = " ".join(parser.format_help().split())  # unwrapped
-    assert "(default 32)" in shown and "(default 4096)" in shown and "(default 256)" in shown
-
-
-def test_crossover_version(capsys: pytest.CaptureFixture[str]) -> None:
-    from importlib.metadata import version
-
-    from daemon.cli import main
-
-    with pytest.raises(SystemExit) as done:
-        main(["--version"])
-    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"crossover {version('crossover')}"

@@ -5,11 +5,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import pytest
 
-from daemon.cli import main
+from cli.main import main
 from engine.fake import FakeCost, FakeEngine, FakeProposer
 from engine.policy import NEVER, TunedPolicy
 from tests.daemon.helpers import MODEL, LiveServer, http_request, wait_for
@@ -28,19 +27,6 @@ def speculating_engine() -> FakeEngine:
 @pytest.fixture
 def server(db_url: str, live: Callable[..., LiveServer]) -> LiveServer:
     return live(speculating_engine(), db_url=db_url, **TUNER)
-
-
-@pytest.fixture
-def live() -> Iterator[Callable[..., LiveServer]]:
-    servers: list[LiveServer] = []
-
-    def start(engine: FakeEngine, **settings: Any) -> LiveServer:
-        servers.append(LiveServer(engine, **settings).start())
-        return servers[-1]
-
-    yield start
-    for s in servers:
-        s.close()
 
 
 @contextmanager

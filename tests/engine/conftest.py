@@ -47,6 +47,15 @@ def tiny():
     return cfg, init_random_params(cfg, jax.random.PRNGKey(0))
 
 
+@pytest.fixture(scope="session")
+def tok():
+    """The real Gemma 3 tokenizer, read from the GGUF file the engine serves."""
+    from engine.model.gguf_file import default_gguf_path
+    from engine.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(default_gguf_path(progress=False), progress=False)
+
+
 class ChatBytes(ByteTokenizer):
     """The byte tokenizer with a trivial chat template (the workloads render chat prompts with one)."""
 
@@ -93,13 +102,13 @@ def run_prompts(engine, prompts: list[str], sp, tokenizer=None):
     return run_requests(engine, [tok.encode(p) for p in prompts], sp)
 
 
-def run_requests(engine, prompt_ids: list[list[int]], sp):
-    """Submit each prompt's token ids (as request r<i>), step until idle: (token ids per prompt,
-    step stats)."""
+def run_requests(engine, prompt_ids: list[list[int]], sp, tenants: list[str] | None = None):
+    """Submit each prompt's token ids (as request r<i>, from tenants[i] when given), step until
+    idle: (token ids per prompt, step stats)."""
     from engine.types import Request
 
     for i, ids in enumerate(prompt_ids):
-        engine.add_request(Request(f"r{i}", ids, sp))
+        engine.add_request(Request(f"r{i}", ids, sp, **({"tenant": tenants[i]} if tenants else {})))
     out = {f"r{i}": [] for i in range(len(prompt_ids))}
     stats = []
     while engine.has_work():

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from engine.memory.budget import heads_resident_bytes, memory_status
-from engine.memory.kv import KVPool, SeqPages
+from engine.memory.kv import KVPool
+from engine.memory.pages import SeqPages
 from engine.policy import BatchRule, TunedPolicy
 from engine.speculation.drafting import add_model_proposers
 from engine.speculation.heads import DraftHeads

@@ -12,8 +12,8 @@ import pytest
 from bench.padded import forward_and_write, padded_call
 from engine.execute.runner import ModelRunner, RunnerConfig
 from engine.memory.kv import Batch
-from engine.types import Request, SamplingParams
-from tests.engine.conftest import TINY_RC, ByteTokenizer, make_engine
+from engine.types import SamplingParams
+from tests.engine.conftest import TINY_RC, ByteTokenizer, make_engine, run_requests
 from tests.engine.reference import dense_logits
 
 
@@ -60,13 +60,7 @@ def test_dense_reference_differs_without_the_window(tiny):
 
 
 def _greedy(engine, prompts, max_tokens=12):
-    for i, p in enumerate(prompts):
-        engine.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
-    out = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_work():
-        for ev in engine.step().events:
-            out[ev.request_id] += ev.token_ids
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    return run_requests(engine, prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
 
 
 def test_mixed_length_batch_equals_each_sequence_alone(tiny):

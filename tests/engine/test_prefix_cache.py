@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from engine.execute.runner import RunnerConfig
-from engine.memory.kv import KVPool, PageAllocator, SeqPages
+from engine.memory.kv import KVPool
+from engine.memory.pages import PageAllocator, SeqPages
 from engine.memory.prefix_cache import SeenPrefixes, extend_keys, root_key
 from engine.step.core import EngineConfig, EngineCore
 from engine.types import Request, SamplingParams

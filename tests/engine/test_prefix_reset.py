@@ -5,7 +5,8 @@ every page is accounted for once; on the engine it runs between steps, from the 
 from __future__ import annotations
 
 from engine.fake import FakeEngine
-from engine.memory.kv import KVPool, PageAllocator, SeqPages
+from engine.memory.kv import KVPool
+from engine.memory.pages import PageAllocator, SeqPages
 from engine.types import Request, SamplingParams
 from tests.engine.conftest import run_requests
 from tests.engine.test_prefix_cache import GREEDY, PROMPTS, _computed, _engine

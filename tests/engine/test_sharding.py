@@ -149,16 +149,9 @@ def test_real_270m_golden_prompts_over_2_devices_equal_transformers():
     _check_golden(2)
 
 
-def test_serve_flag_reaches_the_setting_and_bad_values_are_refused():
-    import argparse
+def test_a_tensor_parallel_below_one_is_refused():
+    # the flag and CROSSOVER_TENSOR_PARALLEL: tests/cli/test_serve.py
+    from daemon.settings import Settings, SettingsError
 
-    from daemon.commands import serve
-    from daemon.settings import Settings, SettingsError, load_settings
-
-    parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
-    args = parser.parse_args(["--tensor-parallel", "2"])
-    s = load_settings({k: getattr(args, k) for k in serve.SETTING_FLAGS}, env={})
-    assert s.tensor_parallel == 2 and Settings().tensor_parallel == 1
     with pytest.raises(SettingsError):
         Settings(tensor_parallel=0)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from engine.policy import NEVER, BatchRule, TenantRule, TunedPolicy
-from engine.types import Request, SamplingParams
+from engine.types import SamplingParams
+from tests.engine.conftest import run_requests
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
@@ -43,15 +44,7 @@ def requests(engine):
 def _run(engine, requests, policy):
     engine.set_policy(policy)
     sp = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    for i, (tenant, ids) in enumerate(requests):
-        engine.add_request(Request(f"r{i}", ids, sp, tenant=tenant))
-    out, stats = {f"r{i}": [] for i in range(len(requests))}, []
-    while engine.has_work():
-        o = engine.step()
-        stats += [o.stats] if o.stats else []
-        for ev in o.events:
-            out[ev.request_id] += ev.token_ids
-    return [out[f"r{i}"] for i in range(len(requests))], stats
+    return run_requests(engine, [ids for _, ids in requests], sp, tenants=[tenant for tenant, _ in requests])
 
 
 def test_tenants_drafting_differently_in_one_batch_equal_plain_on_the_real_model(engine, requests):

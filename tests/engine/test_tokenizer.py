@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from gguf.constants import TokenType as TT
 
+from engine.execute.sequence import HOLD_TOKENS, Detokenizer
 from engine.model.chat import apply_chat_template
 from engine.model.gguf_file import GGUFFile, WeightsError, cache_dir, default_gguf_path, file_sha256
-from engine.execute.sequence import HOLD_TOKENS, Detokenizer
 from engine.model.tokenizer import IncrementalDecoder, Tokenizer, build_backend
 
 ROUND_TRIP = [
@@ -38,11 +38,6 @@ ROUND_TRIP = [
     "control \x00\x01\x7f bytes",
     "math ∑∫√∞ ≠ ≤",
 ]
-
-
-@pytest.fixture(scope="session")
-def tok() -> Tokenizer:
-    return Tokenizer.from_gguf(default_gguf_path(progress=False), progress=False)
 
 
 @pytest.fixture(scope="session")

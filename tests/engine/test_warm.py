@@ -9,7 +9,13 @@ import logging
 import threading
 
 from engine.policy import BatchRule, TunedPolicy
-from engine.runtime.compiles import compile_count, limit_malloc_arenas, release_lowerings, trim_heap
+from engine.runtime.compiles import (
+    compile_ahead,
+    compile_count,
+    drop_lowering,
+    limit_malloc_arenas,
+    trim_heap,
+)
 from engine.speculation.drafting import add_model_proposers
 from engine.speculation.heads import DraftHeads
 from engine.step.chooser import StepChooser
@@ -66,26 +72,30 @@ def test_the_serving_process_caps_its_malloc_arenas_and_trims_its_heap():
     trim_heap()
 
 
-def test_released_lowerings_keep_their_executables():
+def test_a_dropped_lowering_keeps_its_executable():
+    """Deterministic: the lowering in hand is dropped (no heap walk, no garbage collector)."""
     import jax
     import numpy as np
 
     f = jax.jit(lambda x: x * 2 + 1)
     x = np.arange(5, dtype=np.float32)
-    lowered = f.lower(x)  # held: the lowering stays reachable whatever earlier tests left in the caches
-    lowered.compile()  # ahead of time, as the warmup jobs compile
-    assert release_lowerings() >= 1
+    lowered = f.lower(x)
+    assert not drop_lowering(lowered)  # not compiled yet: nothing to drop
+    assert compile_ahead(lowered)(x).tolist() == [1, 3, 5, 7, 9]  # compiled, then dropped
+    assert not drop_lowering(lowered)  # dropped already
     before = compile_count()
     assert f(x).tolist() == [1, 3, 5, 7, 9] and compile_count() == before  # found, not lowered again
     f(np.arange(6, dtype=np.float32))
     assert compile_count() == before + 1  # a new shape still compiles
+    again = f.lower(np.arange(7, dtype=np.float32))
+    again.compile()
+    assert drop_lowering(again) and not drop_lowering(again)
 
 
-def test_warmup_releases_the_lowerings_and_serving_compiles_nothing(tiny):
+def test_after_warmup_serving_compiles_nothing(tiny):
     plain = run_prompts(make_engine(tiny, **SMALL), PROMPTS, SP)[0]
     e = make_engine(tiny, **SMALL)
     e.warmup(progress=False)
-    assert release_lowerings() == 0  # the warmup dropped every compiled shape's lowering
     e.set_policy(NGRAM)
     before = compile_count()
     out, stats = run_prompts(e, PROMPTS, SP)

@@ -12,9 +12,9 @@ from sqlalchemy import Engine
 
 from engine.policy import TunedPolicy
 from tests.tuner import synth
+from tuner.capacity import Capacity
 from tuner.config import TunerConfig
 from tuner.keeper import PolicyKeeper
-from tuner.objective import Capacity
 from tuner.service import Tuner
 
 CAPACITY = Capacity(total_pages=4096, page_size=16, max_depth=4, spec_max_batch=32,

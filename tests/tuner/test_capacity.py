@@ -7,13 +7,13 @@ import dataclasses
 
 import pytest
 
+import tuner.exact as exact
 from engine.policy import BatchRule, TunedPolicy
 from engine.types import EngineCapacity, ProposerCapacity, StepStats
-import tuner.exact as exact
-from tuner.capacity import held_share, served_batches, under_split
+from tuner.capacity import Capacity, held_share, served_batches, under_split
 from tuner.config import TunerConfig
 from tuner.model import PerfModel
-from tuner.objective import Capacity, evaluate
+from tuner.objective import evaluate
 from tuner.space import SearchSpace
 from tuner.split import solve_splits
 from tuner.traffic import Traffic, observe

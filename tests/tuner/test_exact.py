@@ -15,10 +15,11 @@ from sqlalchemy import Engine
 from engine.policy import NEVER, BatchRule, TunedPolicy
 from tests.tuner import synth
 from tests.tuner.conftest import CAPACITY, FAST, history
+from tuner.capacity import Capacity
 from tuner.config import TunerConfig
 from tuner.exact import solve
 from tuner.model import PerfModel
-from tuner.objective import Capacity, evaluate
+from tuner.objective import evaluate
 from tuner.search import SearchJob, make_storage, run_search
 from tuner.space import SearchSpace
 from tuner.split import solve_splits

@@ -12,9 +12,9 @@ from engine.fake import FakeCost, FakeEngine, FakeProposer
 from engine.policy import NEVER, BatchRule, Exploration, PolicyError, TunedPolicy
 from engine.step.chooser import StepChooser
 from engine.types import Request, SamplingParams, StepStats
+from tuner.capacity import Capacity
 from tuner.config import TunerConfig
 from tuner.explore import ExplorationPlan, is_exploration
-from tuner.objective import Capacity
 from tuner.validate import own_steps
 
 POLICY = TunedPolicy((BatchRule(4, "ngram", 2), BatchRule(64)), crossover=4, version=3)

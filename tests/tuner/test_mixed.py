@@ -12,9 +12,10 @@ import pytest
 
 from engine.policy import BatchRule, TenantRule, TunedPolicy
 from engine.types import RowClass, StepStats
+from tuner.capacity import Capacity
 from tuner.mixed import Pricer
 from tuner.model import PerfModel
-from tuner.objective import Capacity, evaluate
+from tuner.objective import evaluate
 from tuner.traffic import Traffic
 
 T0, T1, T3 = 12.0, 0.4, 1.5

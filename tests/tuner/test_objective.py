@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 
 from engine.policy import NEVER, BatchRule, TunedPolicy
+from tuner.capacity import Capacity
 from tuner.model import PerfModel
-from tuner.objective import Capacity, evaluate
+from tuner.objective import evaluate
 from tuner.traffic import Traffic
 
 # step_ms = 10 + 1 * B * q; ngram accepts every position with 0.5

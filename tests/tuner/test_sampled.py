@@ -11,8 +11,9 @@ from engine.fake import FakeCost, FakeEngine, FakeProposer
 from engine.policy import BatchRule, Exploration, TunedPolicy
 from engine.types import Request, SamplingParams, StepStats
 from tests.tuner import synth
+from tuner.capacity import Capacity
 from tuner.model import PerfModel
-from tuner.objective import Capacity, evaluate
+from tuner.objective import evaluate
 from tuner.traffic import observe
 
 PER_SAMPLED_ROW_MS = 0.4

@@ -16,7 +16,7 @@ from engine.policy import NEVER, BatchRule, TunedPolicy
 from store.migrate import check_schema, head_revision
 from tests.tuner import synth
 from tests.tuner.conftest import CAPACITY, FAST, history
-from tuner.objective import Capacity
+from tuner.capacity import Capacity
 from tuner.search import (
     REVISIT,
     SearchJob,

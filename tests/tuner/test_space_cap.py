@@ -8,10 +8,10 @@ import dataclasses
 import optuna
 
 from engine.policy import speculates_up_to
+from tuner.capacity import Capacity
 from tuner.config import TunerConfig
 from tuner.exact import solve
 from tuner.model import PerfModel
-from tuner.objective import Capacity
 from tuner.space import SearchSpace
 from tuner.traffic import Traffic
 

@@ -8,10 +8,11 @@ import itertools
 import pytest
 
 from engine.policy import BatchRule, TenantRule, TunedPolicy
+from tuner.capacity import Capacity
 from tuner.config import TunerConfig
 from tuner.mixed import Pricer
 from tuner.model import PerfModel
-from tuner.objective import Capacity, evaluate
+from tuner.objective import evaluate
 from tuner.space import SearchSpace
 from tuner.split import solve_splits
 from tuner.tenants import add_tenant_rules, with_tenants

@@ -13,11 +13,11 @@ from sqlalchemy import Engine
 
 from engine.policy import BatchRule, TunedPolicy
 from engine.types import StepStats
+from store.db import session_scope
+from store.history import get_policy
 from tests.tuner import synth
 from tests.tuner.conftest import FAST, Host, history
 from tests.tuner.test_service import finished
-from store.db import session_scope
-from store.history import get_policy
 from tuner.service import VALIDATION_STRETCH, Tuner
 from tuner.validate import (
     MIN_PREDICTION_STEPS,

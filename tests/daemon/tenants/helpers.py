@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.cli import main as cli
+from cli.main import main as cli
 from tests.daemon.helpers import MODEL, LiveServer, http_request
 
 C = "/v1/completions"

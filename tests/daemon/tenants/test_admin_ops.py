@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from daemon.cli import main as cli
+from cli.main import main as cli
 from tests.daemon.tenants.helpers import add_tenant
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from daemon.cli import main as cli
+from cli.main import main as cli
 from daemon.state import TENANTS
 from tests.daemon.helpers import LiveServer
 from tests.daemon.tenants.helpers import add_tenant, complete

@@ -1,4 +1,4 @@
-"""The `crossover` command line: one subcommand per module in daemon/commands.
+"""The `crossover` command line: one subcommand per module in cli/commands.
 
 Each command module exposes `add_arguments(parser)` and `run(args) -> int`
 and imports heavy packages (jax, sqlalchemy, ...) only inside `run`, so
@@ -15,15 +15,15 @@ from daemon.user_error import UserError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("daemon.commands.serve", "run the HTTP inference daemon"),
-    "generate": ("daemon.commands.generate", "one-shot generation from the CLI (no server)"),
-    "plan": ("daemon.commands.plan", "print the memory plan for a device and a model"),
-    "bench": ("daemon.commands.bench", "run a benchmark and write JSON"),
-    "db": ("daemon.commands.db", "manage the telemetry database schema"),
-    "tenants": ("daemon.commands.tenants", "add, list and revoke tenants' API keys"),
-    "retune": ("daemon.commands.retune", "ask a running daemon to retune its policy now"),
-    "train-heads": ("daemon.commands.train_heads", "train the MTP heads and exit adapters of the draft proposers"),
-    "report": ("daemon.commands.report", "write the findings report (Markdown + figures) from a telemetry database"),
+    "serve": ("cli.commands.serve", "run the HTTP inference daemon"),
+    "generate": ("cli.commands.generate", "one-shot generation from the CLI (no server)"),
+    "plan": ("cli.commands.plan", "print the memory plan for a device and a model"),
+    "bench": ("cli.commands.bench", "run a benchmark and write JSON"),
+    "db": ("cli.commands.db", "manage the telemetry database schema"),
+    "tenants": ("cli.commands.tenants", "add, list and revoke tenants' API keys"),
+    "retune": ("cli.commands.retune", "ask a running daemon to retune its policy now"),
+    "train-heads": ("cli.commands.train_heads", "train the MTP heads and exit adapters of the draft proposers"),
+    "report": ("cli.commands.report", "write the findings report (Markdown + figures) from a telemetry database"),
 }
 
 

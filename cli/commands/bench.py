@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from daemon.commands.bench_flags import add_engine, add_policies
-from daemon.commands.bench_tuner import add_tuner, tuner_config
+from cli.commands.bench_flags import add_engine, add_policies
+from cli.commands.bench_tuner import add_tuner, tuner_config
 from daemon.user_error import UserError
 
 
@@ -233,7 +233,7 @@ def _serve_config(args: argparse.Namespace) -> Any:
     """The bench serve config from flags; UserError naming a bad one."""
     import os
 
-    from bench.serve import ServeBenchConfig
+    from bench.serve_config import ServeBenchConfig
     from bench.workloads import check_mix
 
     max_context = (args.max_context if args.max_context is not None
@@ -295,7 +295,8 @@ def _add_soak(s: argparse.ArgumentParser) -> None:
 
 
 def _run_soak(args: argparse.Namespace) -> None:
-    from bench.soak import SoakConfig, run_soak
+    from bench.soak import run_soak
+    from bench.soak_daemon import SoakConfig
 
     cfg = SoakConfig(requests=args.requests, well_formed=args.well_formed, concurrency=args.concurrency,
                      hostile=args.hostile, engine_hostile=args.engine_hostile, max_tokens=args.max_tokens,
@@ -358,8 +359,9 @@ def _add_findings(f: argparse.ArgumentParser) -> None:
 
 
 def _run_findings(args: argparse.Namespace) -> None:
-    from bench.findings import config_from_flags, run_findings
-    from bench.report import ReportInputError
+    from bench.findings import run_findings
+    from bench.findings_config import config_from_flags
+    from bench.report.data import ReportInputError
 
     try:
         cfg = config_from_flags(args)

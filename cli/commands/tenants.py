@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from daemon.commands import database_actions, database_url
+from cli.commands import database_actions, database_url
 
 ACTIONS = {
     "add": "add a tenant and print its new API key (shown only this once)",

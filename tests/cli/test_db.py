@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon.commands import db as db_command
+from cli.commands import db as db_command
 from store import migrate
 
-FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "telemetry_rev1.sqlite"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "telemetry_rev1.sqlite"
 
 
 def _run(*argv: str) -> int:

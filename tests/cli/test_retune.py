@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from daemon.commands.retune import describe
+from cli.commands.retune import describe
 
 RULES = [{"tenant": "copy-tenant", "technique": "ngram", "depth": 4, "max_batch": 8},
          {"tenant": "code-tenant", "technique": "mtp", "depth": 2, "max_batch": 8},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from daemon.commands.bench_flags import add_engine, add_policies
+from cli.commands.bench_flags import add_engine, add_policies
 from daemon.user_error import UserError
 
 
@@ -101,8 +101,8 @@ def _tenant_choice(text: str) -> tuple[str, str, int]:
 
 def tuner_config(args: argparse.Namespace) -> Any:
     """The bench tuner config from flags; UserError naming what is wrong."""
-    from bench.tuner import TunerBenchConfig
-    from daemon.commands.plan import parse_size
+    from bench.tuner_config import TunerBenchConfig
+    from cli.commands.plan import parse_size
     from engine.policy import TECHNIQUES
 
     for name, (default, quick) in QUICK.items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from daemon.commands import database_actions, database_url
+from cli.commands import database_actions, database_url
 
 ACTIONS = {
     "upgrade": "bring the database to the newest schema (creates it when empty)",

@@ -1,4 +1,4 @@
-"""`crossover plan`, run in-process through daemon.cli.main."""
+"""`crossover plan`, run in-process through cli.main.main."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from daemon.cli import main
+from cli.main import main
 from engine.config import GEMMA3_270M
 from engine.memory.planner import GiB, MiB, device_profile, make_plan
 

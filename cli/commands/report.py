@@ -58,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("matplotlib") is None:
         raise UserError("crossover report draws its figures with matplotlib: pip install 'crossover[bench]'")
 
-    from bench.report import PlanInputs, ReportInputError, ReportRequest, build_report
+    from bench.report.build import ReportRequest, build_report
+    from bench.report.data import ReportInputError
+    from bench.report.planned import PlanInputs
 
     req = ReportRequest(db=args.db, out=Path(args.out), instance=args.instance, source_command=args.source_command,
                         pool_instance=args.pool_instance, note=args.note,
