@@ -275,7 +275,7 @@ def run_bench(out_path: str | None, grid: CrossoverGrid, model: str | None = Non
     from daemon.progress import reporter, say
     from engine.loader import load_engine
 
-    log = lambda msg: say(f"bench crossover: {msg}")  # noqa: E731
+    log = lambda msg: say(f"bench crossover: {msg}")
     progress = reporter()
     top = grid.batches[-1]
     budget = max(512, top * (grid.prompt_tokens + 1))  # every prompt prefilled in one step

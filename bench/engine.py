@@ -136,7 +136,7 @@ def run_bench(out_path: str | None, model: str | None = None, dtype: str | None 
     from daemon.progress import reporter, say
     from engine.loader import load_engine
 
-    log = lambda msg: say(f"bench engine: {msg}")  # noqa: E731
+    log = lambda msg: say(f"bench engine: {msg}")
     progress = reporter()
     engine = load_engine(model=model, dtype=dtype, max_batch=max(batches), max_context=max_context,
                          kv_budget_bytes=kv_budget_bytes,

@@ -21,7 +21,6 @@ import numpy as np
 
 from bench import print_and_write
 
-
 STARTS = (0, 500, 1000, 1900)
 """Tokens cached before the chunk, and (the last) before the long decode row."""
 

@@ -54,13 +54,22 @@ from typing import Any
 
 import numpy as np
 
-from engine.step.chooser import StepChooser
-from engine.speculation.fake_speculation import FakeCost, FakeProposer
-from engine.policy import TunedPolicy, check_servable
 from engine.memory.prefix_cache import SeenPrefixes
+from engine.policy import TunedPolicy, check_servable
 from engine.runtime.progress import Reporter, note
-from engine.types import EngineCapacity, ParamError, ProposerCapacity, Request, RequestResult, StepOutput
-from engine.types import RowClass, StepStats, TokenEvent
+from engine.speculation.fake_speculation import FakeCost, FakeProposer
+from engine.step.chooser import StepChooser
+from engine.types import (
+    EngineCapacity,
+    ParamError,
+    ProposerCapacity,
+    Request,
+    RequestResult,
+    RowClass,
+    StepOutput,
+    StepStats,
+    TokenEvent,
+)
 
 PAD_ID, EOS_ID, BOS_ID, END_OF_TURN_ID = 0, 1, 2, 3
 BYTE_OFFSET = 16

@@ -86,8 +86,8 @@ class TrainConfig:
 
 def generate_corpus(engine, tc: TrainConfig, progress: Reporter = True) -> list[tuple[str, list[int], int]]:
     """(kind, prompt + continuation ids, prompt length) per prompt, greedy."""
-    from engine.types import Request, SamplingParams
     from bench.workloads import KINDS, prompts, to_request
+    from engine.types import Request, SamplingParams
 
     reqs = []
     for kind in KINDS:

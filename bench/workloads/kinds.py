@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Protocol
 
 from bench.workloads.sources import Definition, Module, load_modules
@@ -247,7 +247,7 @@ _BUILDERS = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def pool(kind: str) -> tuple[Prompt, ...]:
     """Every distinct prompt of `kind` this interpreter's stdlib yields, in source order."""
     _check_kind(kind)

@@ -143,7 +143,7 @@ def _threshold_from_candidates(vals, tau_k, top_k, top_p, lse):
     return jnp.maximum(tau_k, tau_p), exact
 
 
-def _threshold_bisect(k: "Kept", tau_k, top_p, lse, iters: int = 40):
+def _threshold_bisect(k: Kept, tau_k, top_p, lse, iters: int = 40):
     """Top-p threshold by bisection over the full vocabulary (rare fallback).
 
     Reads k.scaled in fused passes (no [N, V] temporaries), 2 per iteration.

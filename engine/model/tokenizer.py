@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 from gguf.constants import TokenType
-from tokenizers import AddedToken, Tokenizer as _Backend, decoders, models, normalizers
+from tokenizers import AddedToken, decoders, models, normalizers
+from tokenizers import Tokenizer as _Backend
 
 from engine.model.chat import apply_chat_template, chat_segments
 from engine.model.gguf_file import GGUFFile, WeightsError, cache_dir, default_gguf_path, file_sha256
@@ -130,7 +131,7 @@ class Tokenizer:
         at least n / max_piece_chars tokens, a bound known before tokenizing it."""
 
     @classmethod
-    def from_gguf(cls, path: str | Path | None = None, progress: Reporter = True) -> "Tokenizer":
+    def from_gguf(cls, path: str | Path | None = None, progress: Reporter = True) -> Tokenizer:
         """The tokenizer of a GGUF file (default: the bundled Gemma 3 270M)."""
         gf = GGUFFile.open(default_gguf_path(progress) if path is None else path)
         meta = gf.metadata

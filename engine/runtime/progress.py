@@ -73,7 +73,7 @@ class Steps:
             self.done = self.total
             report(self.progress, self.label, self.done, self.total)
 
-    def __enter__(self) -> "Steps":
+    def __enter__(self) -> Steps:
         return self
 
     def __exit__(self, *exc: object) -> None:

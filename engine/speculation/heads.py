@@ -116,8 +116,8 @@ class DraftHeads:
     def head_bytes(self, head: Head) -> int:
         return int(sum(np.asarray(a).nbytes for a in head.values()))
 
-    def astype(self, dtype) -> "DraftHeads":
-        cast = lambda h: {k: jnp.asarray(v, dtype) for k, v in h.items()}  # noqa: E731
+    def astype(self, dtype) -> DraftHeads:
+        cast = lambda h: {k: jnp.asarray(v, dtype) for k, v in h.items()}
         return DraftHeads(self.vocab, [cast(h) for h in self.mtp],
                           {L: cast(h) for L, h in self.exits.items()}, dict(self.meta))
 
@@ -140,7 +140,7 @@ class DraftHeads:
 
     @staticmethod
     def random(cfg: ModelConfig, n_mtp: int, exits: tuple[int, ...], n_vocab: int, seed: int = 0,
-               scale: float = 1.0, chained: bool = True) -> "DraftHeads":
+               scale: float = 1.0, chained: bool = True) -> DraftHeads:
         """Random (not identity) heads for tests: w2 is random too, times `scale`."""
         key = jax.random.PRNGKey(seed)
         heads = []
@@ -167,7 +167,7 @@ class DraftHeads:
         save_file(tensors, str(path), metadata={"crossover": json.dumps(self.meta, sort_keys=True)})
 
     @staticmethod
-    def load(path: str | Path, dtype=jnp.float32) -> "DraftHeads":
+    def load(path: str | Path, dtype=jnp.float32) -> DraftHeads:
         """Read a heads file; a missing or foreign file raises ValueError naming it."""
         from safetensors import SafetensorError, safe_open
 

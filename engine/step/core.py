@@ -348,7 +348,7 @@ class EngineCore:
         if ev.finished:
             finished.append(self._finish(seq, ev.finish_reason))
 
-    def _stats(self, plan: StepPlan, wall: float, step_ms: float, spec: "SpecResult") -> StepStats:
+    def _stats(self, plan: StepPlan, wall: float, step_ms: float, spec: SpecResult) -> StepStats:
         seqs = plan.decode + [s for s, _ in plan.prefill]
         return StepStats(
             step_id=self._step_id, time=wall, batch_size=len(seqs),

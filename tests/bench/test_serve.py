@@ -80,7 +80,7 @@ def test_ttft_vs_idle_pairs_each_request_with_itself() -> None:
 
 def test_an_idle_phase_without_a_ttft_reports_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture) -> None:
-    import bench.serve as serve
+    from bench import serve
 
     async def failed(*_a: Any) -> tuple[list[Sample], bool]:
         return [Sample(0, error="HTTP 503")], True
@@ -231,7 +231,7 @@ def test_speculation_reaches_the_engine_started_here(monkeypatch: pytest.MonkeyP
 def test_each_phase_starts_with_the_prefix_cache_emptied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every phase sends the same prompts: the engine's prefix cache is emptied before each, while
     the engine is idle, so no phase skips the prefill of prompts the one before it sent."""
-    import bench.serve as serve
+    from bench import serve
 
     resets: list[bool] = []
     monkeypatch.setattr(serve, "_load_engine", recording_resets(serve._load_engine, resets))

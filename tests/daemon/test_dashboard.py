@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from daemon.dashboard import COOKIE, PLOTLY_JS, SESSION_S, cookie_value
-from tests.daemon.helpers import LiveServer
 from tests.daemon.dashboard_fill import CROSSOVER, TENANTS, fill
+from tests.daemon.helpers import LiveServer
 
 TOKEN = "dash-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}

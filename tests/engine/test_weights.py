@@ -48,8 +48,8 @@ def random_roles(cfg, seed=0) -> dict[tuple[str, int], np.ndarray]:
 def expected_params(cfg, roles, norm_offset: float) -> dict[str, np.ndarray]:
     """The pytree the loaders must produce, built independently of `build_leaf`."""
     L = range(cfg.n_layers)
-    stack = lambda f: np.stack([f(i) for i in L])  # noqa: E731
-    norm = lambda r: stack(lambda i: roles[(r, i)] + norm_offset)  # noqa: E731
+    stack = lambda f: np.stack([f(i) for i in L])
+    norm = lambda r: stack(lambda i: roles[(r, i)] + norm_offset)
     return {
         "embed": roles[("embed", -1)],
         "final_norm": roles[("final_norm", -1)] + norm_offset,

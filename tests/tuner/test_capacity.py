@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-import tuner.exact as exact
 from engine.policy import BatchRule, TunedPolicy
 from engine.types import EngineCapacity, ProposerCapacity, StepStats
+from tuner import exact
 from tuner.capacity import Capacity, held_share, served_batches, under_split
 from tuner.config import TunerConfig
 from tuner.model import PerfModel
