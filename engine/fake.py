@@ -59,17 +59,8 @@ from engine.policy import TunedPolicy, check_servable
 from engine.runtime.progress import Reporter, note
 from engine.speculation.fake_speculation import FakeCost, FakeProposer
 from engine.step.chooser import StepChooser
-from engine.types import (
-    EngineCapacity,
-    ParamError,
-    ProposerCapacity,
-    Request,
-    RequestResult,
-    RowClass,
-    StepOutput,
-    StepStats,
-    TokenEvent,
-)
+from engine.types import EngineCapacity, ParamError, ProposerCapacity, Request, RequestResult, StepOutput
+from engine.types import RowClass, StepStats, TokenEvent
 
 PAD_ID, EOS_ID, BOS_ID, END_OF_TURN_ID = 0, 1, 2, 3
 BYTE_OFFSET = 16
@@ -107,8 +98,7 @@ class FakeTokenizer:
         names = {PAD_ID: "<pad>", EOS_ID: "<eos>", BOS_ID: "<bos>", END_OF_TURN_ID: "<end_of_turn>"}
         return names.get(token_id) or self.decode([token_id])
 
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         lines = []
         for i, message in enumerate(messages):
             role, content = message.get("role"), message.get("content")
@@ -221,8 +211,9 @@ class FakeEngine:
     def status(self) -> dict[str, Any]:
         return {"kv_pages_used": self.pages_used, "kv_pages_free": self.num_pages - self.pages_used,
                 "kv_pages_total": self.num_pages, "running": len(self._running),
-                "waiting": len(self._waiting), "compile_count": 0, "techniques": dict.fromkeys(self.proposers, "ready"),
-                "policy_version": self.policy.version, "prefix_cache": self.prefixes.status()}
+                "waiting": len(self._waiting), "compile_count": 0,
+                "techniques": dict.fromkeys(self.proposers, "ready"), "policy_version": self.policy.version,
+                "prefix_cache": self.prefixes.status()}
 
     def warmup(self, progress: Reporter = True) -> None:
         note(progress, "fake engine: warming up")
