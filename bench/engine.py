@@ -200,7 +200,8 @@ def _executables(engine) -> dict | None:
 
 def _versus(ours: dict[int, float], hf: dict) -> dict:
     """Our decode tokens/s over Hugging Face transformers' at each batch both measured."""
-    theirs = {int(r["batch"]): float(r.get("decode_tok_s", r.get("tokens_per_s", 0))) for r in hf.get("decode", [])}
+    theirs = {int(r["batch"]): float(r.get("decode_tok_s", r.get("tokens_per_s", 0)))
+              for r in hf.get("decode", [])}
     return {str(b): ours[b] / theirs[b] for b in sorted(ours) if b in theirs and theirs[b] > 0}
 
 

@@ -348,7 +348,8 @@ def drift_line(result: dict[str, Any]) -> str:
             parts.append(f"{r[key]['ratio']}x {label}")
     rounds = [x["drift"] for x in result.get("rounds", [])] or [drift]
     speeds = "; ".join(", ".join(f"{n} {'/'.join(f'{v:.2f}' for v in idx)}"
-                                 for n, idx in d["speed_index"].items()) for d in rounds if "speed_index" in d)
+                                 for n, idx in d["speed_index"].items()) for d in rounds
+                                 if "speed_index" in d)
     slow = [d["search_slowdown"]["ratio"] for d in rounds if d.get("search_slowdown", {}).get("ratio")]
     return (f"drift-adjusted (a diagnostic): {', '.join(parts)}; speed index per phase: {speeds}"
             + (f"; steps while searching / not: {', '.join(f'{x:.2f}' for x in slow)}" if slow else ""))

@@ -138,5 +138,6 @@ def tenant_search_line(retunes: list[dict[str, Any]]) -> str:
     methods = Counter(x["method"] for x in done)
     seconds = [x["seconds"] for x in done]
     gain = f" (predicted gain up to {max(x['gain'] for x in chosen):+.1%})" if chosen else ""
-    return (f"per-tenant searches: {len(done)} ({', '.join(f'{m} {n}' for m, n in sorted(methods.items()))}), "
-            f"rules chosen in {len(chosen)}{gain}, median {np.median(seconds):.2f} s, max {max(seconds):.1f} s")
+    return (f"per-tenant searches: {len(done)} "
+            f"({', '.join(f'{m} {n}' for m, n in sorted(methods.items()))}), rules chosen in "
+            f"{len(chosen)}{gain}, median {np.median(seconds):.2f} s, max {max(seconds):.1f} s")

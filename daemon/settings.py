@@ -131,7 +131,8 @@ class Settings:
 
     def served_names(self, engine_name: str) -> tuple[str, ...]:
         """The names `model` may take: `served_model_name`'s, else the engine's own."""
-        return tuple(n.strip() for n in (self.served_model_name or "").split(",") if n.strip()) or (engine_name,)
+        return tuple(n.strip() for n in (self.served_model_name or "").split(",")
+                     if n.strip()) or (engine_name,)
 
     def __post_init__(self) -> None:
         _check_range("port", self.port, 0, 65535)

@@ -269,7 +269,8 @@ def imports() -> list[Import]:
 
 def test_the_walk_sees_the_tree(imports):
     files = project_files()
-    want = {"engine.step.core", "engine.memory.kv", "cli.main", "store.models", "migrations.env", "bench", "training"}
+    want = {"engine.step.core", "engine.memory.kv", "cli.main", "store.models", "migrations.env", "bench",
+            "training"}
     assert want <= set(files)
     pairs = {(i.source, i.target) for i in imports}
     assert ("migrations.env", "store.models") in pairs

@@ -228,7 +228,8 @@ def under_split(traffic: Traffic, capacity: Capacity, split: float) -> Traffic:
     shares = traffic.token_shares()
     weights: dict[int, float] = {}
     tokens: dict[int, float] = {}
-    sums: dict[int, list[float]] = {}  # to -> [prefill per token, tokens per step, sampled rate, sampled steps]
+    sums: dict[int,
+               list[float]] = {}  # to -> [prefill per token, tokens per step, sampled rate, sampled steps]
     for b, to in served.items():
         u = shares.get(b, 0.0)
         seen = traffic.tokens_per_step.get(b) or float(b)

@@ -147,8 +147,8 @@ def header(req: ReportRequest, t: Telemetry, revision: str | None) -> list[str]:
     return [
         "# crossover findings: the four open questions", "",
         ("Made from a telemetry database alone (plus the memory planner). Measured numbers come from the "
-        "database; anything from the planner or the roofline model is labelled PREDICTION or PROJECTION."), "",
-        f"- **Date**: {_utc(time.time())}",
+        "database; anything from the planner or the roofline model is labelled PREDICTION or PROJECTION."),
+        "", f"- **Date**: {_utc(time.time())}",
         f"- **Machine** (where this report was made): {machine()}",
         f"- **Packages**: {versions()}",
         f"- **Database**: `{shown_url(req.db)}` (schema revision {revision or '?'})"
@@ -162,8 +162,9 @@ def header(req: ReportRequest, t: Telemetry, revision: str | None) -> list[str]:
         f"requests; instances: {', '.join(repr(x) for x in sorted(t.instances)) or 'none'}; tenants: "
         f"{', '.join(sorted(t.tenants)) or 'none'}; techniques: {techs}. {t.rollup_minutes} per-minute "
         "rollups of older steps exist and are not used (they keep no tenants or per-step times)."
-        + (f" Counted apart: {sum(r.steps for r in t.pool_runs.values())} steps of {len(t.pool_runs)} pool-split "
-           f"runs (policy versions) of instance `{t.pool_instance}`, shown in Q3 only." if t.pool_instance else "")),
+        + (f" Counted apart: {sum(r.steps for r in t.pool_runs.values())} steps of {len(t.pool_runs)} "
+           f"pool-split runs (policy versions) of instance `{t.pool_instance}`, shown in Q3 only."
+           if t.pool_instance else "")),
         (f"- **Planner inputs**: model {p.model} (the database does not record the served model), "
         f"{p.weight_dtype} weights, {p.kv_dtype} KV, context {p.context} tokens, page {p.page_size}."), "",
     ]

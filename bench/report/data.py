@@ -174,7 +174,8 @@ class Telemetry:
     mixed_by_tenant: dict[tuple[str, str], PositionCounts] = field(default_factory=dict)
     """(technique, tenant) -> counts of the tenant's row classes in several-tenant batches (steps
     that record row classes only)."""
-    mixed_by_tenant_by_instance: dict[str, dict[tuple[str, str], PositionCounts]] = field(default_factory=dict)
+    mixed_by_tenant_by_instance: dict[str,
+                                      dict[tuple[str, str], PositionCounts]] = field(default_factory=dict)
     """Instance -> `mixed_by_tenant` of its steps alone."""
     pool_runs: dict[int, PoolRun] = field(default_factory=dict)
     """Policy version -> its run, for `pool_instance`."""

@@ -30,8 +30,8 @@ def load_runs(paths: tuple[Path, ...]) -> list[tuple[Path, dict[str, Any]]]:
             raise EarlyExitFileError(f"--early-exit {str(path)!r} is not a readable JSON file ({exc})") from None
         missing = [k for k in REQUIRED if not isinstance(data, dict) or k not in data]
         if missing:
-            raise EarlyExitFileError(f"--early-exit {str(path)!r} is not a `crossover bench early-exit` result "
-                                     f"(missing {', '.join(missing)})")
+            raise EarlyExitFileError(f"--early-exit {str(path)!r} is not a `crossover bench early-exit` "
+                                     f"result (missing {', '.join(missing)})")
         runs.append((Path(path), data))
     return runs
 
@@ -46,11 +46,12 @@ def run_section(path: Path, data: dict[str, Any]) -> list[str]:
     batches = sorted({c["batch"] for c in data["cells"]})
     thresholds = list(dict.fromkeys(c["threshold"] for c in data["cells"]))  # in the run's order
     cell = {(c["threshold"], c["batch"]): c for c in data["cells"]}
-    lines = [f"#### `{path.name}`" + (" (LOSSY: output differs from the full model)" if data["lossy"] else ""), "",
+    lines = [f"#### `{path.name}`"
+             + (" (LOSSY: output differs from the full model)" if data["lossy"] else ""), "",
              (f"Exit after layer(s) {', '.join(map(str, grid.get('exits', [])))}, confidence "
               f"`{grid.get('confidence', '?')}`, {grid.get('new_tokens', '?')} new tokens per sequence, "
-              f"KV fill by {data.get('kv_fill', '?')}; model {data.get('model', '?')} {data.get('dtype', '')}; "
-              f"machine {json.dumps(data.get('machine', {}))}."), "",
+              f"KV fill by {data.get('kv_fill', '?')}; model {data.get('model', '?')} "
+              f"{data.get('dtype', '')}; machine {json.dumps(data.get('machine', {}))}."), "",
              "Tokens/s against never exiting (same code path, same run); exit fraction in parentheses:", "",
              "| threshold | " + " | ".join(f"batch {b}" for b in batches) + " |",
              "|---|" + "---:|" * len(batches)]
@@ -99,7 +100,8 @@ def early_exit_figure(runs: list[tuple[Path, dict[str, Any]]], out: Path) -> str
             pts = sorted((c["batch"], c["speedup_vs_never"]) for c in cells if c["threshold"] == th)
             agree = agreement.get(_threshold(th))
             ax.plot(*zip(*pts), marker="o", markersize=3, color=_rgb(GROUP_COLORS[i % len(GROUP_COLORS)]),
-                    label=f"threshold {_threshold(th)}" + (f" (greedy agreement {agree:.2f})" if agree else ""))
+                    label=f"threshold {_threshold(th)}"
+                    + (f" (greedy agreement {agree:.2f})" if agree else ""))
         ax.axhline(1.0, color="black", linewidth=0.8)
         _log2_batches(ax, batches)
         ax.set_ylim(bottom=0)

@@ -98,6 +98,7 @@ class _Pseudonymous:
                 yield family
                 continue
             renamed = Metric(family.name, family.documentation, family.type, family.unit)
-            renamed.samples = [sample._replace(labels={**sample.labels, "tenant": pseudonym(sample.labels["tenant"])})
+            renamed.samples = [sample._replace(labels={**sample.labels,
+                                                       "tenant": pseudonym(sample.labels["tenant"])})
                                if "tenant" in sample.labels else sample for sample in family.samples]
             yield renamed

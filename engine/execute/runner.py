@@ -158,7 +158,8 @@ class ModelRunner:
             from engine.model.sharding import make_mesh, shard_kv, shard_params
 
             self.mesh = make_mesh(rc.tensor_parallel)
-            self.params, self.kv = shard_params(cfg, self.params, self.mesh), shard_kv(cfg, self.kv, self.mesh)
+            self.params, self.kv = shard_params(cfg, self.params,
+                                                self.mesh), shard_kv(cfg, self.kv, self.mesh)
         self.warm_compiles: int | None = None
         self.last_hidden = None  # [B, Tl, d] final hidden states of the latest call
         self.last_top = None  # ([B, Tl, k] ids, [B, Tl, k] logprobs) of the latest call, if asked

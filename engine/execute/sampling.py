@@ -195,7 +195,8 @@ def kept(logits, s: SamplingArrays) -> Kept:
     temp = jnp.maximum(s.temperature, 1e-6)
     C = min(CANDIDATES, logits.shape[-1])
     # candidates from the logits themselves (same order): `scaled` stays unmaterialized
-    vals = -jnp.sort(-jnp.take_along_axis(logits, top_candidates(logits, C), axis=-1), axis=-1) / temp[:, None]
+    vals = -jnp.sort(-jnp.take_along_axis(logits, top_candidates(logits, C), axis=-1),
+                     axis=-1) / temp[:, None]
     tau_k = jnp.where(
         s.top_k > 0,
         jnp.take_along_axis(vals, jnp.clip(s.top_k - 1, 0, C - 1)[:, None], axis=1)[:, 0],
@@ -266,7 +267,8 @@ def _verify_rows(logits, cand, s: SamplingArrays, counter):
     return tok, (cand >= 0) & (tok == cand)
 
 
-def verify(logits: jax.Array, cand: jax.Array, s: SamplingArrays, counter: jax.Array, best: jax.Array | None = None,
+def verify(logits: jax.Array, cand: jax.Array, s: SamplingArrays, counter: jax.Array,
+           best: jax.Array | None = None,
            raw: jax.Array | None = None, mask: jax.Array | None = None):
     """Target tokens and draft acceptance at each verified position.
 

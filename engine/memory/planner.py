@@ -363,7 +363,8 @@ def make_plan(
     tenants, naive_tenants = held // seq, held // naive
     displaced = max(pool + speculation_bytes, 0) // seq - tenants
     ratio = tenants / naive_tenants if naive_tenants else None
-    pools = size_pool(cfg, int(held / kv_share), page_size, kv_dtype, context_len, max_spec_depth) if tenants else None
+    pools = size_pool(cfg, int(held / kv_share), page_size, kv_dtype, context_len,
+                      max_spec_depth) if tenants else None
     if fits:
         verdict = (f"fits: {tenants} tenants at {context_len} tokens paged + windowed vs "
                    f"{naive_tenants} with a naive cache"

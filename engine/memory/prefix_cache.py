@@ -307,4 +307,5 @@ class SeenPrefixes:
 
     def status(self) -> dict:
         q = self.total["query_tokens"]
-        return {"enabled": True, **self.total, "hit_rate": round(self.total["hit_tokens"] / q, 4) if q else 0.0}
+        return {"enabled": True, **self.total,
+                "hit_rate": round(self.total["hit_tokens"] / q, 4) if q else 0.0}

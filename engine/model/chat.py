@@ -28,7 +28,8 @@ def _content(message: Mapping[str, Any], where: str) -> str:
         if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
             raise ValueError(f"{where}: only text content parts are supported")
         return "".join(p["text"].strip() for p in content)
-    raise ValueError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+    raise ValueError(f"{where}: content must be a string or a list of text parts, got "
+                     f"{type(content).__name__}")
 
 
 def _role(message: Any, where: str) -> str:

@@ -70,7 +70,8 @@ def build_backend(pieces: Sequence[str], types: np.ndarray, unk: str = "<unk>") 
     model = models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True, fuse_unk=True)
     backend = _Backend(model)
     backend.normalizer = normalizers.Replace(" ", SPACE)
-    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
     backend.add_special_tokens(
         [AddedToken(p, special=True, normalized=False) for p, t in zip(pieces, kinds) if t in _SPECIAL_TYPES]
     )
@@ -110,7 +111,8 @@ class Tokenizer:
     [2, 9259, 1902]
     """
 
-    def __init__(self, backend: _Backend, pieces: list[str], types: np.ndarray, bos_id: int, eos_id: int) -> None:
+    def __init__(self, backend: _Backend, pieces: list[str], types: np.ndarray, bos_id: int,
+                 eos_id: int) -> None:
         self._backend = backend
         self._lock = threading.Lock()  # encode_plain flips the backend's special-token mode
         self.bos_id, self.eos_id = bos_id, eos_id

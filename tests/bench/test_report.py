@@ -313,7 +313,8 @@ def _early_exit_run(path: Path) -> Path:
                 "perplexity": 48.6, "perplexity_ratio": 1.33}]
     path.write_text(json.dumps({"lossy": True, "grid": {"exits": [8], "confidence": "prob", "new_tokens": 32},
                                 "kv_fill": "state propagation", "model": "gemma3-270m", "dtype": "float32",
-                                "cells": cells, "quality": quality, "command": "crossover bench early-exit --x 1"}))
+                                "cells": cells, "quality": quality,
+                                "command": "crossover bench early-exit --x 1"}))
     return path
 
 

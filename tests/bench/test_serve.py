@@ -228,7 +228,8 @@ def test_speculation_reaches_the_engine_started_here(monkeypatch: pytest.MonkeyP
     assert policies[1].choose(2) == ("none", 0)
 
 
-def test_each_phase_starts_with_the_prefix_cache_emptied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_phase_starts_with_the_prefix_cache_emptied(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every phase sends the same prompts: the engine's prefix cache is emptied before each, while
     the engine is idle, so no phase skips the prefill of prompts the one before it sent."""
     from bench import serve

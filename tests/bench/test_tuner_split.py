@@ -91,8 +91,8 @@ def test_split_repeats_run_every_policy_each_round_and_report_medians(tmp_path: 
     err = io.StringIO()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "stderr", err)
-        assert cli(["bench", "tuner", "--fake", "--trace", "light", "--splits", "0,0.5", "--split-repeats", "3",
-                    "--phase-seconds", "1.5", "--rate-scale", "4", "--fake-time-scale", "0.5",
+        assert cli(["bench", "tuner", "--fake", "--trace", "light", "--splits", "0,0.5", "--split-repeats",
+                    "3", "--phase-seconds", "1.5", "--rate-scale", "4", "--fake-time-scale", "0.5",
                     "--kv-budget", "32MiB", "--search-in-thread", "--out", str(out)]) == 0
     t = json.loads(out.read_text())["traces"]["light"]
     assert len(t["rounds"]) == 3 and len(t["ratio_per_round"]) == 3

@@ -184,7 +184,8 @@ def test_adjustments_that_do_not_fit_fail_their_request_alone(tiny, unpenalized)
 
     e = make_engine(tiny, **SPEC_RC)
     e.runner.adjust_width = 4  # the repetition penalty needs one entry per distinct prompt token
-    e.add_request(Request("bad", IDS[1], SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.5)))
+    e.add_request(Request("bad", IDS[1],
+                          SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.5)))
     for i, ids in enumerate(IDS):
         e.add_request(Request(f"r{i}", ids, SamplingParams(max_tokens=24, ignore_eos=True)))
     out, reasons = {}, {}

@@ -127,7 +127,8 @@ def test_a_split_lends_pages_and_a_technique_pays_from_the_same_budget():
     dev = device_profile("cpu", 8 * GiB)
     base = make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096)
     small = make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096, technique="mtp", mtp_vocabs=(8192,))
-    large = make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096, technique="mtp", mtp_vocabs=(8192, 32768))
+    large = make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096, technique="mtp",
+                      mtp_vocabs=(8192, 32768))
     extra = 32768 * (640 * 2 + 4)  # the 32768-id slice: bfloat16 rows and int32 ids
     assert large.speculation_bytes - small.speculation_bytes == extra
     assert base.pool_bytes - small.pool_bytes == small.speculation_bytes

@@ -109,7 +109,8 @@ def test_a_mixed_ragged_call_equals_each_row_alone_and_the_dense_model(tiny):
             if temps[r] == 0:  # greedy: the argmax, and a draft accepted where it is that
                 best = ref.argmax(axis=-1)
                 np.testing.assert_array_equal(tok[sl], best)
-                np.testing.assert_array_equal(acc[sl][: len(row.cand)], np.asarray(row.cand) == best[: len(row.cand)])
+                np.testing.assert_array_equal(acc[sl][: len(row.cand)],
+                                              np.asarray(row.cand) == best[: len(row.cand)])
             if row.cand:
                 n_ok = int(np.cumprod(acc[sl][: len(row.cand)]).sum())
                 accepted += n_ok
