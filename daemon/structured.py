@@ -67,8 +67,8 @@ def _response_format(value: Any) -> Constraint | None:
     if kind == "json_object":
         return Constraint("json", ANY_OBJECT, "response_format")
     if kind != "json_schema":
-        raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}"[:300],
-                          "response_format.type", "invalid_value")
+        raise bad_request(("response_format.type must be text, json_object or json_schema, "
+                           f"got {kind!r}")[:300], "response_format.type", "invalid_value")
     spec = value.get("json_schema")
     param = "response_format.json_schema"
     if not isinstance(spec, dict):

@@ -332,7 +332,8 @@ def test_checker_finds_a_cycle_between_engine_parts_but_not_inside_one(tmp_path)
     imports = _toy(tmp_path, {
         "engine/__init__.py": "",
         "engine/step/__init__.py": "",
-        "engine/step/core.py": "from engine.speculation.proposers import P\nfrom engine.step import chooser\n",
+        "engine/step/core.py": ("from engine.speculation.proposers import P\n"
+                                "from engine.step import chooser\n"),
         "engine/step/chooser.py": "",
         "engine/step/sequence.py": "",
         "engine/speculation/__init__.py": "",

@@ -66,7 +66,8 @@ def prepare_out(out: Path) -> Path:
         with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check-"):
             pass
     except OSError as exc:
-        raise ReportInputError(f"--out {str(out)!r} is not a writable folder ({exc.strerror or exc})") from None
+        raise ReportInputError(f"--out {str(out)!r} is not a writable folder "
+                               f"({exc.strerror or exc})") from None
     return out
 
 

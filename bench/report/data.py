@@ -86,7 +86,8 @@ def open_database(url: str) -> Engine:
         raise ReportInputError(f"--db {shown!r}: {exc}") from None
     except (SQLAlchemyError, ImportError, OSError) as exc:
         reason = getattr(exc, "orig", None) or exc
-        raise ReportInputError(f"--db {shown!r}: cannot connect ({type(reason).__name__}: {reason})") from None
+        raise ReportInputError(f"--db {shown!r}: cannot connect "
+                               f"({type(reason).__name__}: {reason})") from None
     return engine
 
 

@@ -27,7 +27,8 @@ def load_runs(paths: tuple[Path, ...]) -> list[tuple[Path, dict[str, Any]]]:
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise EarlyExitFileError(f"--early-exit {str(path)!r} is not a readable JSON file ({exc})") from None
+            raise EarlyExitFileError(f"--early-exit {str(path)!r} is not a readable JSON file "
+                                     f"({exc})") from None
         missing = [k for k in REQUIRED if not isinstance(data, dict) or k not in data]
         if missing:
             raise EarlyExitFileError(f"--early-exit {str(path)!r} is not a `crossover bench early-exit` "
@@ -67,7 +68,8 @@ def run_section(path: Path, data: dict[str, Any]) -> list[str]:
               "|---|---:|---:|---:|---:|"]
     for q in data["quality"]:
         lines.append(f"| {_threshold(q['threshold'])} | {q['greedy_agreement']:.3f} | "
-                     f"{q['sequences_identical']:.0%} | {q['perplexity']:.1f} | {q['perplexity_ratio']:.2f} |")
+                     f"{q['sequences_identical']:.0%} | {q['perplexity']:.1f} | "
+                     f"{q['perplexity_ratio']:.2f} |")
     command = data.get("command")
     lines += ["", f"Source: `{path}`" + (f", made by `{command}`." if command else "."), ""]
     return lines

@@ -58,7 +58,8 @@ def q1_section(t: Telemetry, out: Path) -> list[str]:
     if not acc:
         return lines + [("**No data:** no step in `xo_steps` speculated (depth > 0 with proposed drafts > "
                         "0), so there is no acceptance to report. Serve traffic with a speculative policy "
-                        "(e.g. `crossover bench tuner`, or `crossover serve` under load) into this database."), ""]
+                        "(e.g. `crossover bench tuner`, or `crossover serve` under load) "
+                        "into this database."), ""]
     lines += [("Acceptance = drafts accepted / drafts offered; a step of depth d with P proposed drafts "
               "offers P/d drafts at each position; a step that records row classes (`row_classes`: its rows "
               "may draft with several techniques and depths) counts each class at its own technique and "
@@ -158,7 +159,8 @@ def _tenant_pays(t: Telemetry) -> list[str]:
     if not out:
         return []
     return [("Does speculation pay per tenant? Decode-only goodput against plain decoding in the same kind "
-             "of batch: *pays* / *loses* where the ratio's 95% interval lies above / below 1 (details in Q2)."),
+             "of batch: *pays* / *loses* where the ratio's 95% interval lies above / below 1 "
+             "(details in Q2)."),
             "", *out, ""]
 
 

@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                     "batch size, acceptance per position, crossover batch; "
                                                     "JSON + PNG"))
     add_tuner(sub.add_parser("tuner", help="the autotuned daemon vs static policies on a shifting "
-                                            "trace: goodput per phase, ratios, ITL during retunes; JSON + PNG"))
+                                            "trace: goodput per phase, ratios, ITL during retunes; "
+                                            "JSON + PNG"))
     _add_early_exit(sub.add_parser("early-exit", help="LOSSY opt-in experiment: early exit with a compacting "
                                                       "batch; tokens/s vs batch and threshold, agreement, "
                                                       "perplexity; JSON"))

@@ -63,8 +63,8 @@ async def metrics(request: web.Request) -> web.Response:
             collector.retunes = await asyncio.to_thread(retune_counts, db.engine, db.instance)
         except Exception as exc:  # noqa: BLE001 -- down, locked, gone: the last counts stand
             if collector.database_up is not False:
-                log.warning("/metrics cannot read the telemetry database (%s); serving the last retune counts",
-                            type(exc).__name__)
+                log.warning("/metrics cannot read the telemetry database (%s); serving the last retune "
+                            "counts", type(exc).__name__)
             collector.database_up = False
         else:
             collector.database_up = True

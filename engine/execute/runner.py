@@ -76,7 +76,8 @@ class RunnerConfig:
             raise ValueError(f"max_chunk {self.max_chunk} exceeds the local ring capacity "
                              f"ring_pages*page_size={cap}")
         if self.max_context % self.page_size:
-            raise ValueError(f"max_context {self.max_context} is not a multiple of page_size={self.page_size}")
+            raise ValueError(f"max_context {self.max_context} is not a multiple of "
+                             f"page_size={self.page_size}")
 
 
 FAST_OUTPUT_MIN_ROWS = 2

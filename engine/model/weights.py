@@ -384,7 +384,8 @@ def _hf_names(root: Path, keys: dict[str, Path], n_layers: int) -> Callable[[str
     wanted += [prefix + _HF_NAMES[r].format(i=i) for i in range(n_layers) for r in layer_roles]
     missing = [k for k in wanted if k not in keys]
     if missing:
-        raise WeightsError(f"{root}: tensor {missing[0]} is missing ({len(missing)} of {len(wanted)} missing)")
+        raise WeightsError(f"{root}: tensor {missing[0]} is missing "
+                           f"({len(missing)} of {len(wanted)} missing)")
     return lambda role, layer: prefix + _HF_NAMES[role].format(i=layer)
 
 

@@ -173,7 +173,8 @@ class DraftHeads:
 
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"draft heads file {path} does not exist (make one with `crossover train-heads`)")
+            raise ValueError(f"draft heads file {path} does not exist "
+                             "(make one with `crossover train-heads`)")
         try:
             with safe_open(str(path), framework="numpy") as f:
                 names = list(f.keys())
