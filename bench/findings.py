@@ -15,9 +15,9 @@
    kind), the prompts of bench/crossover.py's draw; at each batch size plain decoding, every
    technique, plain again (interleaved, so drift on a shared machine hits both sides).
 5. Q3, the pool split (instance POOL_INSTANCE): a queue of `q3_requests` long requests (the
-   kinds with the longest prompts), more than the pool holds at once, under plain decoding and each technique with no split, then the
-   draft model at each of `splits`. Whatever the engine does with a split (pages withheld from
-   tenants, the draft model's KV) shows in the steps' `kv_pages_used + kv_pages_free`.
+   kinds with the longest prompts), more than the pool holds at once, under plain decoding and each technique
+   with no split, then the draft model at each of `splits`. Whatever the engine does with a split (pages
+   withheld from tenants, the draft model's KV) shows in the steps' `kv_pages_used + kv_pages_free`.
 6. Flush, write a JSON of what ran (runs, wall times, machine) next to the report, and build the
    report (bench.report) with the command, the machine and `note` in its header.
 """

@@ -2,8 +2,8 @@
 
 Loads the engine as `crossover serve` does (plain decoding), then times ragged calls
 (engine/execute/ragged_calls.py) on rows laid over arbitrary pool pages (what they write is never read):
-4 decode rows at a short context alone, with a 16-token (`--chunk-tokens`) chunk of a row that has 0 / 500 / 1000
-/ 1900 tokens cached, the chunk alone, one decode row at 1900 alone and beside the 4, and a
+4 decode rows at a short context alone, with a 16-token (`--chunk-tokens`) chunk of a row that has 0 / 500 /
+1000 / 1900 tokens cached, the chunk alone, one decode row at 1900 alone and beside the 4, and a
 full batch of decode rows at 1900. Each case is the fastest of `--repeats` runs after one
 untimed run. With `--chunks`, it also times each case's forward alone at each number of query
 groups read together (engine/model/ragged.py CHUNK; 512 reads every group slot of a call in one pass,

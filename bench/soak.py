@@ -17,9 +17,9 @@
    `--engine-hostile` clients whose requests reach the engine (streams nobody reads, slow
    readers, hang-ups mid-stream and before the answer), every bad input of
    `bench.soak_clients.bad_cases` in turn, paced to spread `--requests` over the time the
-   baseline took (a wrong admin token at most every 10 s, under the guess throttle), and an admin pinning valid policies and unpinning; once, a retune
-   whose search process is killed (SIGKILL) as it starts, then a retune that must end
-   normally. When the well-formed load is done the hostile clients stop and bad inputs
+   baseline took (a wrong admin token at most every 10 s, under the guess throttle), and an admin pinning
+   valid policies and unpinning; once, a retune whose search process is killed (SIGKILL) as it starts, then a
+   retune that must end normally. When the well-formed load is done the hostile clients stop and bad inputs
    continue until `--requests` requests were sent in all.
 4. Audit, once the daemon is idle: /health 200 with no engine restart; no request in
    flight; every KV page back (used 0, free = total); every worker thread up; one

@@ -401,8 +401,8 @@ def check_servable(policy: Any, capacity: EngineCapacity) -> None:
     """PolicyError (a ValueError) unless an engine of this capacity can serve `policy`: it is
     a TunedPolicy whose every field passes the constructor's checks, every technique has a loaded
     proposer, no depth exceeds the compiled verify buckets, and an MTP draft vocabulary is
-    one the heads compiled (where the proposer lists them, as the real one always does). EngineCore and FakeEngine both call it from `set_policy`, so
-    what the fake accepts the real engine accepts."""
+    one the heads compiled (where the proposer lists them, as the real one always does). EngineCore and
+    FakeEngine both call it from `set_policy`, so what the fake accepts the real engine accepts."""
     if not isinstance(policy, TunedPolicy):
         raise PolicyError("policy", f"a policy must be a TunedPolicy, got {type(policy).__name__}")
     TunedPolicy.from_dict(policy.to_dict())  # one unpickled or built around __post_init__ too

@@ -29,9 +29,9 @@ telemetry of the traffic window (tuner.traffic.Traffic):
    cannot grow. With L lent pages left once speculation's resident bytes and verify slots
    are paid, it drafts for min(1, L / (ratio * F * B)) of a batch of B (`held_share`), F the
    0.9 quantile of the per-step footprint (`lender_footprint`: the mean would hold the
-   shorter sequences and lose the longer ones); the other rows decode plainly. That share replaces the technique's fitted draft share: a draft model
-   proposes for every sequence it holds, and the share measured under another split says
-   how much that split held, not what this one will.
+   shorter sequences and lose the longer ones); the other rows decode plainly. That share replaces the
+   technique's fitted draft share: a draft model proposes for every sequence it holds, and the share measured
+   under another split says how much that split held, not what this one will.
 
 5. Pools. An engine with sliding-window layers keeps two pools (Capacity.pools): global pages
    grow with the context, a local ring holds at most its window's pages per sequence. The

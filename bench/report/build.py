@@ -5,9 +5,9 @@
    bad value otherwise.
 2. Read the raw steps and requests once (bench/report/data.py).
 3. Write the sections, each with its figures and the query behind every number, then the
-   answers that open the report (summary.py: a paragraph, a figure and a source per question): Q1 acceptance (measured.py), Q2 crossover measured (measured.py)
-   and predicted (planned.py), Q3 memory against goodput and the projection
-   for larger models (planned.py), Q4 early exit with compaction and the
+   answers that open the report (summary.py: a paragraph, a figure and a source per question): Q1 acceptance
+   (measured.py), Q2 crossover measured (measured.py) and predicted (planned.py), Q3 memory against goodput
+   and the projection for larger models (planned.py), Q4 early exit with compaction and the
    mixture-of-experts verdict (planned.py).
 4. Write DIR/README.md: date, machine, database URL (password hidden), the
    command that made the report and, when given, the one that made the data.

@@ -235,7 +235,8 @@ def _add_pool_step(t: Telemetry, r: dict) -> None:
 
 
 def _pool_splits(session, t: Telemetry) -> None:
-    """Each pool run's split (and its rule's technique, for runs that never speculated) from its stored policy."""
+    """Each pool run's split (and its rule's technique, for runs that never speculated) from its stored
+    policy."""
     from store.history import policy_history
 
     for p in policy_history(session, limit=10_000, instance=t.pool_instance):

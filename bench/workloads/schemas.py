@@ -3,8 +3,8 @@
 Twenty schemas of the shapes applications send: flat and nested objects, arrays of objects,
 enums, integers and numbers with bounds, optional fields, string patterns and lengths, and
 `$ref` to `$defs`. Every number is bounded in digits (a maximum, or `multipleOf` for
-fractions): an unbounded one lets a small model write zeros until max_tokens. Each has a chat prompt that asks for that kind of object; `PROMPTS` are five
-subjects each prompt is asked about.
+fractions): an unbounded one lets a small model write zeros until max_tokens. Each has a chat prompt that asks
+for that kind of object; `PROMPTS` are five subjects each prompt is asked about.
 """
 
 from __future__ import annotations

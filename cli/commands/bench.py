@@ -1,5 +1,5 @@
-"""`crossover bench engine|telemetry|serve|crossover|tuner|tuner-compare|early-exit|findings|soak|structured|lm-eval`: measure,
-print progress, write JSON."""
+"""`crossover bench KIND`: measure, print progress, write JSON. KIND: engine|telemetry|serve|crossover|tuner|
+tuner-compare|early-exit|findings|soak|structured|lm-eval."""
 
 from __future__ import annotations
 

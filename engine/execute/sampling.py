@@ -324,8 +324,8 @@ def sample(logits: jax.Array, s: SamplingArrays, counter: jax.Array, best: jax.A
     logits: [N, V] f32; counter: [N] int32 (position being sampled, folded into
     the row's key). Returns (tokens [N] int32, logprobs [N] f32; zeros unless
     requested). Greedy rows ignore the key and take `best` [N] when given
-    (the caller's greedy tokens); logprobs read `raw` when given (see verify). Example: with temperature 0 everywhere this
-    is `argmax` and no random numbers are drawn.
+    (the caller's greedy tokens); logprobs read `raw` when given (see verify). Example: with temperature 0
+    everywhere this is `argmax` and no random numbers are drawn.
     """
     tok = greedy(logits) if best is None else best
     any_sampled = jnp.any(s.temperature > 0)
