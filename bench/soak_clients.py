@@ -83,7 +83,8 @@ async def well_formed(session: aiohttp.ClientSession, base: str, path: str, body
             else:
                 data = await r.json()
                 choice = data["choices"][0]
-                answer.finish_reason, answer.tokens = choice["finish_reason"], data["usage"]["completion_tokens"]
+                answer.finish_reason = choice["finish_reason"]
+                answer.tokens = data["usage"]["completion_tokens"]
     except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError) as exc:
         answer.error = f"{type(exc).__name__}: {exc}"
     answer.latency_s = time.perf_counter() - sent

@@ -109,7 +109,8 @@ def valid(answer: Answer, schema: dict[str, Any]) -> str | None:
     try:
         jsonschema.validate(json.loads(answer.text), schema)
     except (ValueError, jsonschema.ValidationError) as exc:
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]} (finish {answer.finish}): {answer.text[:200]!r}"
+        return (f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]} (finish {answer.finish}): "
+                f"{answer.text[:200]!r}")
     return None
 
 

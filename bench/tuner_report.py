@@ -134,7 +134,8 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     ...         "never": {"phases": [{"goodput": g, "engine_tokens": g, "engine_s": 1.0}],
     ...                   "whole": {"goodput": g}}}, "ratios": {}}
     >>> out = combine_rounds([summary(3.0), summary(1.0), summary(2.0)])
-    >>> out["policies"]["never"]["phases"][0]["goodput"], [r["policies"]["never"]["whole"] for r in out["rounds"]]
+    >>> (out["policies"]["never"]["phases"][0]["goodput"],
+    ...  [r["policies"]["never"]["whole"] for r in out["rounds"]])
     (2.0, [3.0, 1.0, 2.0])
     """
     if len(rounds) == 1:

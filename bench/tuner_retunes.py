@@ -128,8 +128,9 @@ def tenant_search_line(retunes: list[dict[str, Any]]) -> str:
 
     >>> tenant_search_line([{"tenants": {"method": "exact", "seconds": 0.02, "chosen": True, "gain": 0.09}},
     ...                     {"tenants": {"method": "tpe", "seconds": 0.3, "chosen": False, "gain": 0.01}},
-    ...                     {"note": "no fit"}])
-    'per-tenant searches: 2 (exact 1, tpe 1), rules chosen in 1 (predicted gain up to +9.0%), median 0.16 s, max 0.3 s'
+    ...                     {"note": "no fit"}])  # doctest: +NORMALIZE_WHITESPACE
+    'per-tenant searches: 2 (exact 1, tpe 1), rules chosen in 1 (predicted gain up to +9.0%), median 0.16 s,
+    max 0.3 s'
     """
     done = [r["tenants"] for r in retunes if r.get("tenants") and r["tenants"].get("method") != "skipped"]
     if not done:

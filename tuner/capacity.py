@@ -134,7 +134,8 @@ def pages_per_sequence(traffic: Traffic, capacity: Capacity) -> float:
     """Pages one running sequence holds (module doc, 1).
 
     >>> t = Traffic(1, {1: 1.0}, {}, 1.0, 1, mean_prompt_tokens=40, mean_output_tokens=9)
-    >>> pages_per_sequence(t, Capacity(64, 16)), pages_per_sequence(t, Capacity(64, 16, pools=((40, 0), (24, 2))))
+    >>> (pages_per_sequence(t, Capacity(64, 16)),
+    ...  pages_per_sequence(t, Capacity(64, 16, pools=((40, 0), (24, 2)))))
     (4.0, 6.0)
     """
     if traffic.pages_per_sequence > 0:

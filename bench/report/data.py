@@ -205,7 +205,8 @@ def read_telemetry(engine: Engine, instance: str | None = None, pool_instance: s
                     Request.proposed_tokens, Request.accepted_tokens)
         if instance is not None:
             rq = rq.where(Request.instance == instance)
-        for inst, tenant, start, end, proposed, accepted in session.execute(rq.execution_options(yield_per=5000)):
+        rows = session.execute(rq.execution_options(yield_per=5000))
+        for inst, tenant, start, end, proposed, accepted in rows:
             if pool_instance is not None and inst == pool_instance:
                 continue
             kind = _request_kind(presence.get((inst, tenant)), start, end)

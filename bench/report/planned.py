@@ -110,7 +110,8 @@ def q2_predicted_section(t: Telemetry, p: PlanInputs, out: Path) -> list[str]:
                                                p.weight_dtype)
             marks.setdefault(chip.name, {})[tech] = b_x
             plain = dict(curves[chip.name][PLAIN])
-            ends = f"{pts[0][1] / plain[batches[0]]:.2f}x / {pts[-1][1] / plain[batches[-1]]:.2f}x (B={batches[-1]})"
+            ends = (f"{pts[0][1] / plain[batches[0]]:.2f}x / {pts[-1][1] / plain[batches[-1]]:.2f}x "
+                    f"(B={batches[-1]})")
             where = f"B={b_x}" if b_x else f"none up to B={batches[-1]}"
             accs = ", ".join(f"{a:.3f}" for a in acc[:depth])
             lines.append(f"| {tech} | {depth} | {accs} | {chip.name} | {plan.tenants} | {where} | {ends} |")

@@ -150,7 +150,8 @@ def _q3_verdict(rows: list[dict], base: Any) -> str:
     said = [f"paid for its memory: {', '.join(paid)}" if paid else "no run paid for its memory beyond doubt",
             f"cost more than it saved: {', '.join(lost)}" if lost else "",
             f"not distinguishable from plain: {', '.join(unclear)}" if unclear else ""]
-    return "In short, on this machine (95% intervals of the throughput ratio): " + "; ".join(s for s in said if s) + "."
+    return ("In short, on this machine (95% intervals of the throughput ratio): "
+            + "; ".join(s for s in said if s) + ".")
 
 
 AGREEMENT, PAYS = 0.95, 1.05
@@ -170,7 +171,8 @@ def _q4(t: Telemetry, early: list[tuple[Path, dict[str, Any]]]) -> list[str]:
                 continue
             best = max(mine, key=lambda c: c["speedup_vs_never"])
             q = quality.get(str(best["threshold"]))
-            agree = f", greedy agreement {q['greedy_agreement']:.3f}, perplexity x{q['perplexity_ratio']:.2f}" if q else ""
+            agree = (f", greedy agreement {q['greedy_agreement']:.3f}, "
+                     f"perplexity x{q['perplexity_ratio']:.2f}" if q else "")
             safest = max(mine, key=lambda c: c["threshold"])
             qs = quality.get(str(safest["threshold"]))
             tail = (f"; at threshold {safest['threshold']:g} (agreement {qs['greedy_agreement']:.3f}) "

@@ -168,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--seconds must be positive, got {args.seconds}")
         tel_bench(args.out, args.seconds, args.db)
     elif args.bench == "serve" and args.structured:
-        args.free_tokens, args.max_tokens, args.serve_arg = args.max_tokens, 160, []  # --max-tokens: free answers
+        # --max-tokens: free answers
+        args.free_tokens, args.max_tokens, args.serve_arg = args.max_tokens, 160, []
         _run_structured(args)
     elif args.bench == "serve":
         from bench.serve import run_bench as serve_bench

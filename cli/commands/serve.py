@@ -118,7 +118,8 @@ def _show_defaults(p: argparse.ArgumentParser) -> None:
                 if f.default is not dataclasses.MISSING}
     for action in p._actions:
         value = defaults.get(action.dest, None)
-        if action.help and action.help != argparse.SUPPRESS and "default" not in action.help and value is not None:
+        if (action.help and action.help != argparse.SUPPRESS and "default" not in action.help
+                and value is not None):
             action.help += f" (default {value})"
 
 
@@ -131,7 +132,8 @@ def _vllm_spellings(args: argparse.Namespace) -> str | None:
     if args.served_model_name is not None:
         names = [n.strip() for n in args.served_model_name]
         if not all(names) or any("," in n for n in names) or len(set(names)) != len(names):
-            return f"--served-model-name {args.served_model_name!r}: names must be distinct, non-empty, without commas"
+            return (f"--served-model-name {args.served_model_name!r}: names must be distinct, non-empty, "
+                    "without commas")
         args.served_model_name = ",".join(names)
     return None
 

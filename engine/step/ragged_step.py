@@ -138,9 +138,11 @@ def fit_step(decode_tokens: int, chunks: list[int], buckets: tuple[int, ...],
 
     >>> fit_step(7, [126], (16, 32, 64, 128, 256)), fit_step(7, [200], (16, 32, 64, 128, 256))
     ([121], [200])
-    >>> fit_step(24, [30, 20], (16, 64, 128)), fit_step(60, [10, 2], (16, 64, 128)), fit_step(70, [1], (16, 64, 128))
+    >>> (fit_step(24, [30, 20], (16, 64, 128)), fit_step(60, [10, 2], (16, 64, 128)),
+    ...  fit_step(70, [1], (16, 64, 128)))
     ([30, 10], [3, 1], [1])
-    >>> fit_step(0, [81], (64, 128), later=False), fit_step(0, [133], (128, 256), later=False)  # a call of its own
+    >>> (fit_step(0, [81], (64, 128), later=False),  # a call of its own
+    ...  fit_step(0, [133], (128, 256), later=False))
     ([81], [128])
     >>> fit_step(0, [300], (128, 256))  # past the largest bucket: several calls
     [300]

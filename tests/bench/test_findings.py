@@ -119,6 +119,7 @@ def test_a_later_phases_run_appends_to_the_same_database(findings):
     assert min(r["version"] for r in facts["runs"]) == max(r["version"]
                                                            for r in before) + 1  # versions continue
     text = (out / "README.md").read_text()
-    assert "--note 'shared machine, test run'; then crossover bench findings" in text and "--phases q3" in text
+    assert ("--note 'shared machine, test run'; then crossover bench findings" in text
+            and "--phases q3" in text)
     table = text.split("### Measured end to end")[1].split("\n### ")[0]
     assert table.count("| draft@4 | 0.25 |") == 2  # both commands' pool runs are in the report

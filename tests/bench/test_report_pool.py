@@ -80,7 +80,8 @@ def test_report_shows_the_pool_table_and_q1_on_the_tenant_instance(pool_url, tmp
     text = build_report(ReportRequest(db=pool_url, out=tmp_path / "r", pool_instance="pool",
                                       tenant_instance="tenants", note="a designed fixture")).read_text()
     table = text.split("### Measured end to end")[1].split("\n### ")[0]
-    assert "| 2 | draft@2 | 0.25 | 750 | 250 (25%) | 6 |" in table and "| 1 | none@0 | 0 | 1000 | 0 (0%) | 8 |" in table
+    assert ("| 2 | draft@2 | 0.25 | 750 | 250 (25%) | 6 |" in table
+            and "| 1 | none@0 | 0 | 1000 | 0 (0%) | 8 |" in table)
     assert (tmp_path / "r" / "q3_pool.png").is_file() and "![Q3](q3_pool.png)" in text
     q1 = text.split("### Q1.")[1].split("\n### ")[0]
     # only instance "tenants" (acme alone, 1 of 4 drafts accepted) counts: no mixed batch there

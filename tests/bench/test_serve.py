@@ -73,7 +73,8 @@ def test_ttft_vs_idle_pairs_each_request_with_itself() -> None:
     idle = [Sample(1, ttft_s=0.2), Sample(0, ttft_s=0.1), Sample(2, ttft_s=0.1)]  # 3: never alone
     out = ttft_vs_idle(loaded, idle, True)
     assert out["requests"] == 2  # 2 failed loaded, 3 has no idle TTFT
-    assert out["per_request"]["p50"] == pytest.approx(3.5) and out["per_request"]["p99"] == pytest.approx(3.99)
+    assert (out["per_request"]["p50"] == pytest.approx(3.5)
+            and out["per_request"]["p99"] == pytest.approx(3.99))
     assert out["loaded_p99_over_idle_p99"] == pytest.approx(0.795 / 0.199, rel=1e-3)
     assert "reason" in ttft_vs_idle(loaded, [], False)
 

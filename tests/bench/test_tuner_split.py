@@ -67,7 +67,8 @@ def test_the_tuner_lends_less_on_the_memory_bound_trace(run: tuple) -> None:
     assert bound["chosen_split"] < light["chosen_split"]
     assert light["decision"]["predicted"]["held_share"] == 1.0  # light: every row drafted
     # the decision saw the pool bind (requests waiting for pages) only on the memory-bound trace
-    assert bound["decision"]["traffic"]["queue_per_step"] and not light["decision"]["traffic"]["queue_per_step"]
+    assert (bound["decision"]["traffic"]["queue_per_step"]
+            and not light["decision"]["traffic"]["queue_per_step"])
     for t in (light, bound):  # each choice measures near the best fixed split of its trace
         assert t["ratio"] >= 0.9
 

@@ -69,8 +69,10 @@ while engine.has_work():
     for ev in engine.step().events:
         got[ev.request_id] += ev.token_ids
 print("RESULT " + json.dumps({"got": got, "golden": golden, "seconds": time.time() - t0,
-                              "kv_shards": len({str(s.index) for s in engine.runner.kv.global_k.addressable_shards}),
-                              "embed_shards": len({str(s.index) for s in engine.runner.params["embed"].addressable_shards})}))
+                              "kv_shards": len({str(s.index)
+                                                for s in engine.runner.kv.global_k.addressable_shards}),
+                              "embed_shards": len({str(s.index) for s in
+                                                   engine.runner.params["embed"].addressable_shards})}))
 """
 
 

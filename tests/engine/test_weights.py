@@ -394,7 +394,8 @@ def test_cache_dir_honours_crossover_cache_then_xdg(tmp_path, monkeypatch):
     monkeypatch.setenv("CROSSOVER_CACHE", str(tmp_path / "own"))
     assert gguf_file.cache_dir() == tmp_path / "own"
     monkeypatch.delenv("CROSSOVER_CACHE")
-    assert gguf_file.cache_dir() == tmp_path / "xdg" / "crossover" and (tmp_path / "xdg" / "crossover").is_dir()
+    assert (gguf_file.cache_dir() == tmp_path / "xdg" / "crossover"
+            and (tmp_path / "xdg" / "crossover").is_dir())
 
 
 # ------------------------------------------------------------- real file ---
