@@ -314,14 +314,14 @@ class EarlyExit:
                             top, st.kv, sub_batch(full, rows, nb), x, np.full((nb, T), -1, np.int32),
                             np.full((nb, T), W, np.int32), z)
                     st.bk, st.bv, bm = timed(f"stage{s}@{nb}" + (f"x{T}" if T > 1 else ""),
-                                             lambda o: stage(*args, *o, pads, z)[4:],
-                                             (st.bk, st.bv, bm))  # noqa: B023
+                                             lambda o: stage(*args, *o, pads, z)[4:],  # noqa: B023
+                                             (st.bk, st.bv, bm))
                 if hi < L and kv_fill == "propagate":  # any number of a stage's rows may exit
                     pargs = (self.cfg, hi, self.kvw[hi:], np.zeros((nb, 1, self.cfg.d_model), self.xdtype),
                              np.full((nb, 1), -1, np.int32))
                     st.bk, st.bv, bm = timed(f"propagate{hi}@{nb}",
-                                             lambda o: propagate(*pargs, *o, pads),
-                                             (st.bk, st.bv, bm))  # noqa: B023
+                                             lambda o: propagate(*pargs, *o, pads),  # noqa: B023
+                                             (st.bk, st.bv, bm))
         for w in segs:
             p0 = st.start.astype(np.int32)
             st.kv = timed(f"write@{B}" + (f"x{w}" if w > 1 else ""),

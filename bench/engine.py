@@ -39,7 +39,7 @@ def memory_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> dict:
     out = {}
     for name, fn, moved in (("copy", copy, 2 * nbytes), ("read", read, nbytes)):
         fn(x).block_until_ready()
-        best = min(_timed(lambda: fn(x).block_until_ready()) for _ in range(reps))
+        best = min(_timed(lambda: fn(x).block_until_ready()) for _ in range(reps))  # noqa: B023
         out[f"{name}_bytes_per_s"] = moved / best
     out["roofline_bytes_per_s"] = max(out["copy_bytes_per_s"], out["read_bytes_per_s"])
     return out

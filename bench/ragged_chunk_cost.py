@@ -68,12 +68,12 @@ def measure(engine, starts: tuple[int, ...] = STARTS, repeats: int = 3, chunks: 
     cases[f"1 decode row at {last} alone"] = [row(1, last, 1)]
     cases[f"4 decode rows + 1 decode row at {last}"] = decode + [row(1, last, 1)]
     cases[f"{rc.max_batch} decode rows at {last}"] = [row(1, last, 1 + 3 * i) for i in range(rc.max_batch)]
-    out = {name: timed(lambda: run(runner, new_call(runner, rows))) for name, rows in cases.items()}
+    out = {name: timed(lambda: run(runner, new_call(runner, rows))) for name, rows in cases.items()}  # noqa: B023
     by_chunk = {}
     for name, rows in cases.items():
         rb = new_call(runner, rows).batch
         by_chunk[name] = {c: timed(lambda: jax.block_until_ready(
-            forward(runner.cfg, runner.params, runner.kv, rb, c))) for c in chunks}
+            forward(runner.cfg, runner.params, runner.kv, rb, c))) for c in chunks}  # noqa: B023
     return {"bench": "ragged_chunk_cost", "max_batch": rc.max_batch, "max_context": rc.max_context,
             "chunk": ragged.CHUNK, "ms": out, **({"forward_ms_by_chunk": by_chunk} if chunks else {})}
 

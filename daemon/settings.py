@@ -34,6 +34,7 @@ import tomllib
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from daemon.setting_values import as_text, int_tuple, parse_size
@@ -318,7 +319,7 @@ def field_docs(cls: type) -> dict[str, str]:
     """
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
     docs = {}
-    for node, after in zip(body, body[1:]):
+    for node, after in pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
             docs[node.target.id] = _first_sentence(" ".join(str(after.value.value).split()))

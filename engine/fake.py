@@ -105,7 +105,7 @@ class FakeTokenizer:
             if role not in CHAT_ROLES:
                 raise ValueError(f"messages[{i}].role must be one of {CHAT_ROLES}, got {role!r}")
             if not isinstance(content, str):
-                raise ValueError(f"messages[{i}].content must be a string")
+                raise ValueError(f"messages[{i}].content must be a string")  # noqa: TRY004
             lines.append(f"{role}: {content}\n")
         return "".join(lines) + ("assistant: " if add_generation_prompt else "")
 

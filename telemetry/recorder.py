@@ -232,7 +232,7 @@ class Recorder:
     def _close_at_exit(self) -> None:
         self.close(timeout=AT_EXIT_TIMEOUT_S)
 
-    def __enter__(self) -> Recorder:
+    def __enter__(self) -> Recorder:  # noqa: PYI034
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

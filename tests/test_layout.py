@@ -123,8 +123,8 @@ def collect_imports(files: dict[str, Path], root: Path = ROOT) -> list[Import]:
 
         def visit(node: ast.AST, lazy: bool, type_only: bool) -> None:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for target in sorted(_import_targets(node, module, is_package, modules) - {module}):
-                    found.append(Import(module, target, str(path.relative_to(root)), node.lineno,
+                for target in sorted(_import_targets(node, module, is_package, modules) - {module}):  # noqa: B023
+                    found.append(Import(module, target, str(path.relative_to(root)), node.lineno,  # noqa: B023
                                         lazy, type_only))
                 return
             for child in ast.iter_child_nodes(node):

@@ -116,7 +116,7 @@ def generate_corpus(engine, tc: TrainConfig, progress: Reporter = True) -> list[
 @partial(jax.jit, static_argnames=("cfg", "capture"))
 def _capture(cfg, params, tokens, pos, capture: tuple[int, ...]):
     """Dense forward over one padded sequence [1, T]: final states, exit states (final-normed)."""
-    B, T = tokens.shape
+    B, _ = tokens.shape
 
     def empty(kind, idx):
         z = jnp.zeros((B, 0, cfg.n_kv_heads, cfg.head_dim), params["embed"].dtype)

@@ -56,7 +56,7 @@ def shown_url(url: str) -> str:
 
     try:
         return hidden(url)
-    except Exception:  # noqa: BLE001 - an unparsable URL is shown as given, minus nothing to hide
+    except Exception:  # an unparsable URL is shown as given, minus nothing to hide
         return url
 
 

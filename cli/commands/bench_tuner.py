@@ -113,9 +113,8 @@ def tuner_config(args: argparse.Namespace) -> Any:
     for name, (default, quick) in QUICK.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else default)
-    if args.quick:
-        if args.fixed_techniques is None:  # every technique stays loaded for the autotuned run
-            args.fixed_techniques = args.table_technique
+    if args.quick and args.fixed_techniques is None:  # every technique stays loaded for the autotuned run
+        args.fixed_techniques = args.table_technique
 
     def items(text: str | None) -> tuple[str, ...]:
         return tuple(x.strip() for x in (text or "").split(",") if x.strip())

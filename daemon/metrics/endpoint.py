@@ -61,7 +61,7 @@ async def metrics(request: web.Request) -> web.Response:
         collector = app[COLLECTOR]
         try:
             collector.retunes = await asyncio.to_thread(retune_counts, db.engine, db.instance)
-        except Exception as exc:  # noqa: BLE001 -- down, locked, gone: the last counts stand
+        except Exception as exc:  # down, locked, gone: the last counts stand
             if collector.database_up is not False:
                 log.warning("/metrics cannot read the telemetry database (%s); serving the last retune "
                             "counts", type(exc).__name__)

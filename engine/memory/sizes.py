@@ -143,7 +143,7 @@ def size_pool(
                          f"context_len={context_len} ({seq} bytes each)")
     g_tok, l_tok = kv_bytes_per_token(cfg, kv_dtype)
     g_page, l_page = g_tok * page_size, l_tok * page_size
-    g, l = pages_per_sequence(cfg, context_len, page_size, max_spec_depth)
+    _, l = pages_per_sequence(cfg, context_len, page_size, max_spec_depth)
     tenants = pool_bytes // seq
     num_local = tenants * l
     if g_page:

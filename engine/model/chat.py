@@ -35,7 +35,7 @@ def _content(message: Mapping[str, Any], where: str) -> str:
 def _role(message: Any, where: str) -> str:
     if not isinstance(message, Mapping):
         kind = type(message).__name__
-        raise ValueError(f"{where}: a message must be a dict with 'role' and 'content', got {kind}")
+        raise ValueError(f"{where}: a message must be a dict with 'role' and 'content', got {kind}")  # noqa: TRY004
     role = message.get("role")
     if role not in (*_SYSTEM, *_TURN_ROLE):
         raise ValueError(f"{where}: unknown role {role!r} (system, developer, user, assistant)")

@@ -125,8 +125,8 @@ class DraftHeads:
         """Raise ValueError when these heads do not fit the model config."""
         if any(is_chained(h) != self.chained for h in self.mtp):
             raise ValueError("the MTP heads mix chained and unchained heads")
-        for name, h in [*(("mtp.%d" % k, h) for k, h in enumerate(self.mtp)),
-                        *(("exit.%d" % L, h) for L, h in self.exits.items())]:
+        for name, h in [*((f"mtp.{k}", h) for k, h in enumerate(self.mtp)),
+                        *((f"exit.{L}", h) for L, h in self.exits.items())]:
             d_in = 2 * cfg.d_model if name.startswith("mtp") and self.chained else cfg.d_model
             if h["w1"].shape[0] != d_in or h["w2"].shape[1] != cfg.d_model:
                 raise ValueError(f"head {name} has w1 {tuple(h['w1'].shape)} and w2 "

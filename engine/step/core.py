@@ -68,7 +68,7 @@ log = logging.getLogger("crossover.engine")
 class EngineConfig:
     """Serving knobs that are not the model's."""
 
-    runner: RunnerConfig = RunnerConfig()
+    runner: RunnerConfig = RunnerConfig()  # noqa: RUF009
     token_budget: int = 512
     """Most new tokens processed per step (decode + prefill)."""
     background_warmup: bool = False

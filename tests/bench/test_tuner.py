@@ -265,7 +265,7 @@ def test_the_model_verifies_every_batch_size_with_the_compared_techniques(
     asked: dict[str, Any] = {}
 
     class Loaded:
-        proposers: dict = {}
+        proposers: dict = {}  # noqa: RUF012
 
         def warmup(self, progress: bool) -> None:
             asked["warmed"] = True

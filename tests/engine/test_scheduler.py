@@ -49,7 +49,7 @@ def test_thousands_of_random_requests_leak_no_page(tiny):
     events, results = _drive(engine, reqs, abort_p=0.05, rng=rng)
     assert len(results) == len(reqs)
     assert {r.finish_reason for r in results.values()} >= {"stop", "length", "abort"}
-    for rid, evs in events.items():
+    for evs in events.values():
         assert evs[-1].finished and not any(e.finished for e in evs[:-1])
     assert engine.pool.used == 0
     assert engine.pool.free == engine.pool.total

@@ -354,7 +354,7 @@ def test_file_sha256_is_remembered_by_stat(tmp_path, tmp_cache):
     path.write_bytes(b"abc" * 1000)
     assert file_sha256(path) == hashlib.sha256(b"abc" * 1000).hexdigest()
     table = json.loads((tmp_cache / "sha256-cache.json").read_text())
-    assert list(table.values())[0][2] == hashlib.sha256(b"abc" * 1000).hexdigest()
+    assert next(iter(table.values()))[2] == hashlib.sha256(b"abc" * 1000).hexdigest()
     path.write_bytes(b"abcd" * 1000)  # new size -> hashed again
     assert file_sha256(path) == hashlib.sha256(b"abcd" * 1000).hexdigest()
 
