@@ -269,8 +269,8 @@ def _engine_info(engine: Any) -> dict[str, Any]:
 
 
 def _config(cfg: Any) -> dict[str, Any]:
-    keys = ("traces", "splits", "split_technique", "split_depth", "split_repeats", "kv_budget", "phase_s", "rate_scale",
-            "low_rate", "high_rate",
+    keys = ("traces", "splits", "split_technique", "split_depth", "split_repeats", "kv_budget", "phase_s",
+            "rate_scale", "low_rate", "high_rate",
             "seed", "max_batch", "max_context", "fake", "fake_time_scale")
     return {k: getattr(cfg, k) for k in keys}
 

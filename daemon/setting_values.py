@@ -24,3 +24,16 @@ def int_tuple(parts: list[str]) -> tuple[int, ...]:
     """Integers from "2,4,8" split (or a TOML array's items), each a whole number; ValueError
     otherwise."""
     return tuple(int(p.strip()) for p in parts if p.strip())
+
+
+def as_text(value: object) -> str:
+    """A setting's value as --help shows it.
+
+    >>> as_text(True), as_text((2, 4)), as_text(None), as_text(0.5)
+    ('on', '2,4', 'none', '0.5')
+    """
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return "none" if value is None else str(value)

@@ -10,8 +10,10 @@ import uuid
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
-    p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face Gemma 3 directory (default: Gemma 3 270M)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="compute dtype (default: per backend)")
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or a Hugging Face Gemma 3 directory (default: Gemma 3 270M)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="compute dtype (default: per backend)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in Gemma's chat template")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -66,7 +66,8 @@ class PageAllocator:
     def alloc(self, n: int, lend: bool = False) -> list[int] | None:
         """n pages, or None (and nothing taken) when fewer are free; `lend`: from the reservation
         (the draft model's share of the pool split), never kept by the prefix cache."""
-        room = min(self.reserved - len(self.lent), len(self._free) + len(self._cached)) if lend else self.num_free
+        room = min(self.reserved - len(self.lent),
+                   len(self._free) + len(self._cached)) if lend else self.num_free
         if n > room:
             return None
         out = []

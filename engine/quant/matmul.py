@@ -78,9 +78,11 @@ def set_isa(name: str) -> str:
     if lib is None:
         raise RuntimeError(f"no kernel: {kernel_status()}")
     previous = ISA_NAMES[lib.crossover_qk_isa()]
-    code = lib.crossover_qk_best_isa() if name == "best" else {v: k for k, v in ISA_NAMES.items()}.get(name, -1)
+    code = lib.crossover_qk_best_isa() if name == "best" else {v: k
+                                                               for k, v in ISA_NAMES.items()}.get(name, -1)
     if lib.crossover_qk_set_isa(code) < 0:
-        raise ValueError(f"ISA {name!r} is not available on this CPU (best: {ISA_NAMES[lib.crossover_qk_best_isa()]})")
+        raise ValueError(f"ISA {name!r} is not available on this CPU (best: "
+                         f"{ISA_NAMES[lib.crossover_qk_best_isa()]})")
     return previous
 
 
