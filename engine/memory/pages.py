@@ -1,5 +1,5 @@
 """Host-side page bookkeeping: the allocator of one pool's page ids and the pages one sequence
-holds. The device never sees these (STYLE 6); engine.memory.kv.KVPool owns one allocator per
+holds, on the host only (no device array); engine.memory.kv.KVPool owns one allocator per
 pool and engine.memory.prefix_cache indexes the pages they hand out.
 """
 
