@@ -150,6 +150,19 @@ def http_request(port: int, method: str, path: str, body: Any = None,
         conn.close()
 
 
+def read_response(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One response's head and body (by its Content-Length)."""
+    out = b""
+    while b"\r\n\r\n" not in out:
+        out += sock.recv(65536)
+    head, _, body = out.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head, body
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
     end = time.monotonic() + timeout
     while not predicate():
