@@ -33,6 +33,12 @@ class Hostile:
     closed_by_daemon: bool = False
     problem: str | None = None
 
+    def expect_stream(self, what: str) -> Hostile:
+        """A stream request must have been answered 200 (or 429, busy): a problem otherwise."""
+        if self.status not in (200, 429):
+            self.problem = f"{what} got {self.status}"
+        return self
+
 
 @asynccontextmanager
 async def _held(kind: str, port: int, rcvbuf: int | None = None) -> AsyncIterator[
@@ -142,9 +148,7 @@ async def slow_reader(port: int, key: str, rng: random.Random, model: str, max_t
                     break
         except (TimeoutError, ConnectionError):
             out.closed_by_daemon = True
-    if out.status not in (200, 429):
-        out.problem = f"slow reader got {out.status}"
-    return out
+    return out.expect_stream("slow reader")
 
 
 async def midstream_hangup(port: int, key: str, rng: random.Random, model: str, max_tokens: int,
@@ -156,9 +160,7 @@ async def midstream_hangup(port: int, key: str, rng: random.Random, model: str, 
             out.status = await _stream_status(reader, writer, request, rng.randint(200, 2000))
         except (TimeoutError, ConnectionError):
             pass
-    if out.status not in (200, 429):
-        out.problem = f"stream before the hang-up got {out.status}"
-    return out
+    return out.expect_stream("stream before the hang-up")
 
 
 async def early_hangup(port: int, key: str, rng: random.Random, model: str, max_tokens: int,
