@@ -18,6 +18,13 @@ from store.db import session_scope
 from store.history import active_policy, get_policy
 from tests.tuner import synth
 from tests.tuner.conftest import FAST, Host, history
+from tests.tuner.sched_probe import (
+    cpus_of,
+    early_thread_cpus,
+    early_thread_scheduling,
+    scheduling,
+    start_early_thread,
+)
 from tuner.search import SearchJob, SearchOutcome, make_storage, run_search
 from tuner.service import Tuner
 
@@ -212,45 +219,6 @@ def test_a_pin_during_the_search_wins_over_the_tuner(
     assert host.policy.source == "admin" and tuner.keeper.pinned
 
 
-def _scheduling(tid: int = 0) -> tuple[int, int]:
-    return os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid)
-
-
-_EARLY: dict[str, int] = {}
-"""The worker's thread started before its priority was lowered (`_start_early_thread`)."""
-
-
-def _start_early_thread() -> None:
-    """A worker initializer that starts a thread before lowering the process's priority, as
-    a numerical library's thread pool does at import."""
-    import threading
-
-    from tuner.process import lower_priority
-
-    ready = threading.Event()
-
-    def run() -> None:
-        _EARLY["tid"] = threading.get_native_id()
-        ready.set()
-        threading.Event().wait()  # alive for the worker's life
-
-    threading.Thread(target=run, daemon=True).start()
-    ready.wait()
-    lower_priority()
-
-
-def _early_thread_scheduling() -> tuple[int, int]:
-    return _scheduling(_EARLY["tid"])
-
-
-def _cpus_of(tid: int = 0) -> set[int]:
-    return set(os.sched_getaffinity(tid))
-
-
-def _early_thread_cpus() -> set[int]:
-    return _cpus_of(_EARLY["tid"])
-
-
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
 def test_the_search_process_runs_only_on_idle_cores() -> None:
     """Every thread of the worker, one started before its priority was lowered included."""
@@ -261,18 +229,18 @@ def test_the_search_process_runs_only_on_idle_cores() -> None:
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
                              initializer=lower_priority) as pool:
-        niceness, policy = pool.submit(_scheduling).result(timeout=60)
+        niceness, policy = pool.submit(scheduling).result(timeout=60)
     assert niceness == 19 and policy == os.SCHED_IDLE
-    mine = _cpus_of()
+    mine = cpus_of()
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_start_early_thread) as pool:
-        assert pool.submit(_early_thread_scheduling).result(timeout=60) == (19, os.SCHED_IDLE)
-        assert pool.submit(_scheduling).result(timeout=60) == (19, os.SCHED_IDLE)
+                             initializer=start_early_thread) as pool:
+        assert pool.submit(early_thread_scheduling).result(timeout=60) == (19, os.SCHED_IDLE)
+        assert pool.submit(scheduling).result(timeout=60) == (19, os.SCHED_IDLE)
         # confined to one CPU where there are several, the early thread too
         want = {max(mine)} if len(mine) > 1 else mine
-        assert pool.submit(_cpus_of).result(timeout=60) == want
-        assert pool.submit(_early_thread_cpus).result(timeout=60) == want
-    assert _scheduling()[1] != os.SCHED_IDLE and _cpus_of() == mine  # the caller is untouched
+        assert pool.submit(cpus_of).result(timeout=60) == want
+        assert pool.submit(early_thread_cpus).result(timeout=60) == want
+    assert scheduling()[1] != os.SCHED_IDLE and cpus_of() == mine  # the caller is untouched
 
 
 @pytest.mark.parametrize("observed", ["29", "3"])
