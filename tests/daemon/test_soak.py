@@ -28,7 +28,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import os
 import random
 import socket
 import threading
@@ -47,9 +46,9 @@ from daemon.tuning import TUNER
 from store.db import session_scope
 from store.models import Request as RequestRow
 from tests.daemon.helpers import RCVBUF, SmallBufferServer, http_request, parse_sse, wait_for
+from tests.tuner import searches
 from tuner.config import TunerConfig
 from tuner.process import ProcessSearch
-from tuner.search import SearchJob, SearchOutcome
 
 TOKEN = "soak-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -66,12 +65,6 @@ PROMPTS = [
     "abcabcabcabcabc abc", "the cat sat on the mat. the cat sat on the", "x", "hello there",
     "def f(x):\n    return x\ndef f(x):\n    return", "one two three one two three one two",
 ]
-
-
-def crash_search(job: SearchJob) -> SearchOutcome:
-    """A search whose process dies at once, as an OOM-killed one would (module level: the
-    spawned worker imports it)."""
-    os._exit(3)
 
 
 def tiny_engine(context: int = 512) -> Any:
@@ -423,7 +416,7 @@ def crash_then_retune(server: SmallBufferServer, finished: list[Outcome], pin_lo
     with pin_lock:
         server.delete("/admin/policy/pin", ADMIN)
         original = search._search
-        search._search = crash_search
+        search._search = searches.crash
         try:
             r = server.post("/admin/retune", None, ADMIN)
             crashed = wait_retune(server, r.json()["retune"]["id"], 240)

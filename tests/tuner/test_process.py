@@ -1,6 +1,6 @@
 """A search process that dies or hangs fails its retune alone: the next retune gets a fresh
-process and succeeds. The search functions live at module level so the spawned worker can
-import them."""
+process and succeeds. The search functions live in tests/tuner/searches.py, which the spawned
+worker imports."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 from sqlalchemy import Engine
 
 from tests.tuner.conftest import FAST, history
+from tests.tuner.searches import exit_on_first_retune, hang_when_bounded_short, lazy_modules_loaded
 from tuner.config import TunerConfig
 from tuner.process import ProcessSearch
 from tuner.search import SearchJob, SearchOutcome, run_search
@@ -22,20 +23,6 @@ from tuner.service import Tuner
 
 NO_WAIT = dataclasses.replace(FAST, validation_s=0.0, search_timeout_s=120.0)
 SHORT = dataclasses.replace(NO_WAIT, search_timeout_s=1.0)
-
-
-def exit_on_first_retune(job: SearchJob) -> SearchOutcome:
-    """Dies like an OOM-killed worker on the test database's first retune (id 1)."""
-    if job.retune_id == 1:
-        os._exit(3)
-    return run_search(job)
-
-
-def hang_when_bounded_short(job: SearchJob) -> SearchOutcome:
-    """Hangs whenever its timeout is short (SHORT), else searches."""
-    if job.config.search_timeout_s < 5:
-        time.sleep(600)
-    return run_search(job)
 
 
 def finished(tuner: Tuner, view: dict, timeout: float = 120) -> dict:
@@ -144,13 +131,6 @@ def test_the_search_timeout_is_a_bounded_setting() -> None:
             TunerConfig(search_timeout_s=bad)
     with pytest.raises(ValueError, match="ranges"):
         TunerConfig(ranges=tuple(range(1, 100)))  # more rules than a policy may hold
-
-
-def lazy_modules_loaded(job: SearchJob) -> list[bool]:
-    """Whether what a search imports lazily is already imported in this worker."""
-    import sys
-
-    return [name in sys.modules for name in ("scipy.optimize", "optuna.storages._rdb.storage")]
 
 
 def test_a_started_worker_warms_up_before_the_first_search(
