@@ -1,4 +1,6 @@
-"""Fixtures for the daemon tests (helpers live in helpers.py)."""
+"""Fixtures for the daemon tests (helpers live in helpers.py). The persistent compilation cache is
+on for them as for the engine tests: the tiny-model daemons load their shapes from it instead of
+compiling them, whichever tests ran before in the process."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 
 from engine.fake import FakeEngine
 from tests.daemon.helpers import LiveServer
+from tests.engine.conftest import _compile_cache  # noqa: F401  (pytest fixture)
 
 
 @pytest.fixture
