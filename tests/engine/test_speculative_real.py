@@ -6,6 +6,12 @@ heads (engine/data) load by default, so MTP, early exit and the draft model
 run with their trained weights. Also checks that serving compiled nothing,
 that every page came back, and that `crossover plan`'s per-technique memory
 formulas match what the loaded proposers really hold.
+
+Per-tenant speculation on the same engine: one batch of four tenants, each drafting with its
+own (technique, depth) or not at all, gives plain decoding's greedy tokens, compiles nothing
+after warmup and returns every page; rows that draft nothing decode one token each beside the
+drafting rows' verify in the same ragged call (engine/step/ragged_step.py) with the same tokens.
+One module, so one load and warmup of the engine serves both.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import json
 
 import pytest
 
-from engine.policy import NEVER, BatchRule, TunedPolicy
+from engine.policy import NEVER, BatchRule, TenantRule, TunedPolicy
 from engine.types import Constraint, SamplingParams
 from tests.engine.conftest import run_requests
 
@@ -151,3 +157,56 @@ def test_greedy_constrained_output_is_the_same_with_each_technique(engine, promp
         assert any(s.technique == technique for s in stats)
         assert engine.pool.used == 0
     assert engine.compiles_since_warmup() == 0
+
+
+TENANT_TOKENS = 16
+TENANT_POLICY = TunedPolicy((BatchRule(4, "early_exit", 2), BatchRule(64)), crossover=4, pool_split=0.25,
+                            version=5, tenants=(TenantRule("copy", "ngram", 6), TenantRule("code", "mtp", 3),
+                                                TenantRule("chat", "draft", 4)))
+"""copy: n-gram at 6, code: MTP at 3, chat: the draft model at 4; prose: the batch rule (early exit at 2)."""
+
+
+@pytest.fixture(scope="module")
+def tenant_requests(prompts):
+    """Each prompt from the tenant named after its workload kind: (tenant, prompt ids)."""
+    from bench.workloads import KINDS
+
+    return list(zip(KINDS, prompts))
+
+
+def _run_tenants(engine, requests, policy):
+    engine.set_policy(policy)
+    sp = SamplingParams(max_tokens=TENANT_TOKENS, ignore_eos=True)
+    return run_requests(engine, [ids for _, ids in requests], sp, tenants=[tenant for tenant, _ in requests])
+
+
+def test_tenants_drafting_differently_in_one_batch_equal_plain_on_the_real_model(engine, tenant_requests):
+    assert {"ngram", "mtp", "early_exit", "draft"} <= set(engine.proposers)
+    plain, _ = _run_tenants(engine, tenant_requests, NEVER)
+    out, stats = _run_tenants(engine, tenant_requests, TENANT_POLICY)
+    assert out == plain
+    classes = {(c.tenant, c.technique, c.depth) for s in stats for c in s.row_classes if c.proposed}
+    assert {t for t, _, _ in classes} >= {"copy", "code", "prose"}, classes
+    rules = {"copy": ("ngram", 6), "code": ("mtp", 3), "chat": ("draft", 4), "prose": ("early_exit", 2)}
+    # each tenant drafts with its rule's technique and depth, shallower only where max_tokens leaves less room
+    assert all(t in rules and tech == rules[t][0] and 0 < depth <= rules[t][1] for t, tech, depth in classes)
+    assert {(t, *rules[t]) for t, _, _ in classes} <= classes  # and at full depth somewhere
+    assert any(len({c.technique for c in s.row_classes if c.proposed}) >= 2 for s in stats)
+    assert sum(s.accepted for s in stats) > 0
+    assert engine.compiles_since_warmup() == 0
+    assert engine.pool.used == 0 and engine.pool.free == engine.pool.total
+    assert engine.proposers["draft"].held_pages() == 0
+
+
+def test_rows_without_drafts_decode_beside_the_verify_rows_on_the_real_model(engine, tenant_requests):
+    """copy and code draft, chat and prose do not: two plain rows beside two drafting ones."""
+    plain, _ = _run_tenants(engine, tenant_requests, NEVER)
+    policy = TunedPolicy((BatchRule(64),), crossover=64, version=6,
+                         tenants=(TenantRule("copy", "ngram", 4), TenantRule("code", "mtp", 3)))
+    out, stats = _run_tenants(engine, tenant_requests, policy)
+    assert out == plain
+    mixed = [s for s in stats if s.plain_rows]
+    assert mixed and all(s.plain_rows <= 2 for s in mixed), [s.plain_rows for s in stats]
+    assert sum(s.accepted for s in mixed) > 0
+    assert engine.compiles_since_warmup() == 0
+    assert engine.pool.used == 0 and engine.pool.free == engine.pool.total
