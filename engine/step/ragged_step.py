@@ -193,39 +193,42 @@ def _drafted(core, seqs: list[Sequence], fail, prefill: bool = False) -> tuple[l
     if not seqs:
         return [], 0.0
     choices = _row_choices(core, seqs, prefill)
-    if all(c == PLAIN for c in choices) or len(seqs) > core.runner.rc.spec_max_batch:
+    if all(c == PLAIN for c, _ in choices) or len(seqs) > core.runner.rc.spec_max_batch:
         return [(s, PLAIN, []) for s in seqs], 0.0
     t0 = time.perf_counter()
     rows = _propose(core, seqs, choices, fail)
     return rows, (time.perf_counter() - t0) * 1e3
 
 
-def _row_choices(core, seqs: list[Sequence], prefill: bool = False) -> list[tuple[str, int]]:
-    """Each row's (technique, depth): the chooser's (`prefill`: the step also prefills, see
-    StepChooser.choose), cut to what its proposer drafts, to what its request may still keep
-    (a verify row yields its accepted drafts and one token more, so max_tokens - num_output - 1
-    drafts at most) and to what the context holds (drafting and verifying write positions up to
-    num_cached + depth)."""
+def _row_choices(core, seqs: list[Sequence], prefill: bool = False) -> list[tuple[tuple[str, int], int]]:
+    """Each row's (technique, depth) and the depth its proposer drafts at. The drafting depth is
+    the chooser's (`prefill`: the step also prefills, see StepChooser.choose) cut to what its
+    proposer drafts and to what the context holds for every row (drafting and verifying write
+    positions up to num_cached + depth). The row's depth is that, cut further to what its request
+    may still keep: a verify row yields its accepted drafts and one token more, so
+    max_tokens - num_output - 1 drafts at most."""
+    room = core.max_context - 1 - max(s.num_cached for s in seqs)
     out = []
     chosen = core._chooser.choose_rows([s.req.tenant for s in seqs], prefill)
     for seq, (technique, depth) in zip(seqs, chosen, strict=True):
+        keeps = 0
         if technique != "none":
-            keeps = seq.req.sampling.max_tokens - seq.num_output - 1
-            room = min(core.max_context - 1 - seq.num_cached, keeps)
             depth = min(depth, room, core.proposers[technique].max_depth)  # e.g. 4 MTP heads
-        out.append((technique, depth) if depth > 0 else PLAIN)
+            keeps = min(depth, seq.req.sampling.max_tokens - seq.num_output - 1)
+        out.append(((technique, keeps) if keeps > 0 else PLAIN, depth))
     return out
 
 
 def _propose(core, seqs, choices, fail) -> list[tuple[Sequence, tuple[str, int], list[int]]]:
-    """(sequence, its choice, its drafts) per row kept, in batch order: each (technique, depth)
-    group drafts in one call; a row whose own proposal fails is dropped alone (engine/step/faults.py)."""
+    """(sequence, its choice, its drafts) per row kept, in batch order: the rows of one technique
+    and drafting depth draft in one call, each row keeping as many drafts as its choice's depth;
+    a row whose own proposal fails is dropped alone (engine/step/faults.py)."""
     drafted: dict[int, list[int]] = {}
-    for choice in dict.fromkeys(c for c in choices if c != PLAIN):
-        group = [s for s, c in zip(seqs, choices) if c == choice]
-        kept, drafts = propose_alone(core.proposers[choice[0]], group, choice[1], fail)
+    for technique, depth in dict.fromkeys((c[0], d) for c, d in choices if c != PLAIN):
+        group = [s for s, (c, d) in zip(seqs, choices) if c != PLAIN and (c[0], d) == (technique, depth)]
+        kept, drafts = propose_alone(core.proposers[technique], group, depth, fail)
         drafted.update((id(s), list(d)) for s, d in zip(kept, drafts))
-    return [(s, c, drafted[id(s)] if c != PLAIN else []) for s, c in zip(seqs, choices)
+    return [(s, c, drafted[id(s)][: c[1]] if c != PLAIN else []) for s, (c, _) in zip(seqs, choices)
             if c == PLAIN or id(s) in drafted]
 
 
