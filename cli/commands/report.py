@@ -72,4 +72,3 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     print(f"wrote {path}")
     return 0
-
