@@ -19,6 +19,7 @@ from engine.config import ModelConfig
 from engine.execute.runner import RunnerConfig
 from engine.memory.budget import heads_resident_bytes
 from engine.memory.sizes import KV_DTYPE_BYTES, size_pool
+from engine.model.gemma import table_dtype
 from engine.runtime.compiles import enable_persistent_cache
 from engine.runtime.progress import Reporter, note
 from engine.speculation.layer_draft import DRAFT_VOCABS
@@ -77,6 +78,24 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     )
 
 
+def weights_and_dtype(weights: str | None, dtype: str | None) -> tuple[str, str]:
+    """(compute dtype, weights form) from the two flags: a float form is the dtype; a quantized
+    form computes in float32; None follows the dtype (default: per backend).
+
+    >>> weights_and_dtype(None, None), weights_and_dtype("gguf", None), weights_and_dtype("bfloat16", None)
+    (('float32', 'float32'), ('float32', 'gguf'), ('bfloat16', 'bfloat16'))
+    """
+    from engine.model.quant_weights import QUANTIZED, WEIGHT_FORMS
+
+    if weights is not None and weights not in WEIGHT_FORMS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMS)}, got {weights!r}")
+    want = "float32" if weights in QUANTIZED else weights
+    if dtype is not None and want is not None and dtype != want:
+        raise ValueError(f"dtype {dtype} contradicts weights {weights} (which computes in {want})")
+    dtype = dtype or want or default_dtype()
+    return dtype, weights or dtype
+
+
 def cpu_has_bf16() -> bool:
     """Whether the host CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX BF16 in /proc/cpuinfo):
     only there may a float32 engine keep a bfloat16 copy of its output table
@@ -94,7 +113,8 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                 token_budget: int = 512, speculation: bool = True, heads: str | None = None,
                 verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH,
                 model_proposers: tuple[str, ...] = MODEL_PROPOSERS, tensor_parallel: int = 1,
-                prefix_cache: bool = True, background_warmup: bool = False) -> EngineCore:
+                prefix_cache: bool = True, background_warmup: bool = False,
+                weights: str | None = None) -> EngineCore:
     """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine.
 
     With `speculation`, the verify buckets are compiled and the proposers load:
@@ -108,18 +128,24 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     `prefix_cache`: share the KV pages of common prompt prefixes (engine/memory/prefix_cache.py).
     `background_warmup`: `warmup()` returns once the ragged calls are compiled and the
     proposers' shapes compile on a thread (engine/warmup/warm.py; `crossover serve` does so).
+    `weights` (engine/model/quant_weights.py): "gguf" serves the file's own quantized blocks,
+    "int8" an int8 copy of the float weights, both through the quantized-matmul kernel (built
+    here; without it, their numbers as float32), computing in float32; "float32" or "bfloat16"
+    is `dtype`; None: `dtype` alone decides, as before.
     """
     from engine.model.gguf_file import default_gguf_path
+    from engine.model.quant_weights import QUANTIZED, load_weights, weight_bytes
     from engine.model.tokenizer import Tokenizer
-    from engine.model.weights import load_model
 
     enable_persistent_cache()
     if tensor_parallel != 1:
         from engine.model.sharding import make_mesh
 
         make_mesh(tensor_parallel)  # fail before loading weights when the devices are not there
-    dtype = dtype or default_dtype()
-    cfg, params = load_model(model, dtype, progress=progress)
+    dtype, weights = weights_and_dtype(weights, dtype)
+    if weights in QUANTIZED and tensor_parallel != 1:
+        raise ValueError(f"weights {weights} serve on one device; tensor parallel needs float32 or bfloat16")
+    cfg, params = load_weights(model, weights, progress=progress)
     if max_context > cfg.max_position:
         raise ValueError(f"max_context={max_context} exceeds the model's max_position={cfg.max_position}")
     gguf = model if model and model.endswith(".gguf") else None
@@ -128,11 +154,12 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     budget = kv_budget_bytes or DEFAULT_KV_BUDGET.get(jax.default_backend(), 4 << 30)
     loaded = _read_heads(heads, cfg, dtype, progress) if speculation and model_proposers else None
     resident = 0 if loaded is None else heads_resident_bytes(  # one budget (engine/memory/budget.py)
-        loaded[0], cfg, model_proposers, DRAFT_VOCABS, params["embed"].dtype.itemsize)
+        loaded[0], cfg, model_proposers, DRAFT_VOCABS, table_dtype(params["embed"]).itemsize)
     rc = runner_config(cfg, dtype, budget - resident, max_batch, max_context,
                        verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
                        tensor_parallel=tensor_parallel)
-    note(progress, f"engine: {cfg.name} {dtype}, KV pool {rc.global_pages - 1} global + "
+    note(progress, f"engine: {cfg.name} {dtype}, weights {weights} "
+                   f"({weight_bytes(params) / 2**20:.0f} MiB), KV pool {rc.global_pages - 1} global + "
                    f"{rc.local_pages - 1} local pages of {PAGE_SIZE} tokens, max batch {max_batch}, "
                    f"context {rc.max_context}"
                    + (f", tensor parallel over {tensor_parallel} devices" if tensor_parallel > 1 else ""))
