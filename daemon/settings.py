@@ -27,7 +27,6 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import ipaddress
 import os
 import textwrap
 import tomllib
@@ -36,7 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.setting_values import int_tuple, parse_size
+from daemon.setting_values import int_tuple, is_loopback, parse_size
+from engine.config import WEIGHT_FORMS
 from tuner.config import TunerConfig
 
 ENV_PREFIX = "CROSSOVER_"
@@ -62,6 +62,8 @@ class Settings:
     """Names clients may send as `model`, comma-separated (answers carry the first); None: the engine's."""
     dtype: str | None = None
     """Weight/activation dtype for the engine; None is the engine's default."""
+    weights: str | None = None
+    """Weights as served: gguf (a GGUF's own quantized blocks), int8, bfloat16, float32; None: dtype's."""
     kv_budget_bytes: int | None = field(default=None, metadata=_SIZE)
     """Bytes of accelerator memory for the KV pool; None lets the planner decide."""
     max_batch: int = 32
@@ -158,6 +160,8 @@ class Settings:
             _check_range("max_tokens", self.max_tokens, 1, 1 << 24)
         if self.kv_budget_bytes is not None:
             _check_range("kv_budget_bytes", self.kv_budget_bytes, 1, 1 << 50)
+        if self.weights is not None and self.weights not in WEIGHT_FORMS:
+            raise SettingsError(f"weights must be one of {WEIGHT_FORMS}, got {self.weights!r}")
         if self.log_level not in LOG_LEVELS:
             raise SettingsError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not self.host:
@@ -192,15 +196,6 @@ class Settings:
     def max_in_flight(self) -> int:
         """Running plus waiting requests the daemon admits before answering 429."""
         return self.max_batch + self.max_waiting
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _check_range(key: str, value: float, lo: float, hi: float) -> None:

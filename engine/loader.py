@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from engine.config import ModelConfig
+from engine.config import QUANTIZED_FORMS, WEIGHT_FORMS, ModelConfig
 from engine.execute.runner import RunnerConfig
 from engine.memory.budget import heads_resident_bytes
 from engine.memory.sizes import KV_DTYPE_BYTES, size_pool
@@ -85,11 +85,9 @@ def weights_and_dtype(weights: str | None, dtype: str | None) -> tuple[str, str]
     >>> weights_and_dtype(None, None), weights_and_dtype("gguf", None), weights_and_dtype("bfloat16", None)
     (('float32', 'float32'), ('float32', 'gguf'), ('bfloat16', 'bfloat16'))
     """
-    from engine.model.quant_weights import QUANTIZED, WEIGHT_FORMS
-
     if weights is not None and weights not in WEIGHT_FORMS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMS)}, got {weights!r}")
-    want = "float32" if weights in QUANTIZED else weights
+    want = "float32" if weights in QUANTIZED_FORMS else weights
     if dtype is not None and want is not None and dtype != want:
         raise ValueError(f"dtype {dtype} contradicts weights {weights} (which computes in {want})")
     dtype = dtype or want or default_dtype()
@@ -134,7 +132,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     is `dtype`; None: `dtype` alone decides, as before.
     """
     from engine.model.gguf_file import default_gguf_path
-    from engine.model.quant_weights import QUANTIZED, load_weights, weight_bytes
+    from engine.model.quant_weights import load_weights, weight_bytes
     from engine.model.tokenizer import Tokenizer
 
     enable_persistent_cache()
@@ -143,7 +141,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
 
         make_mesh(tensor_parallel)  # fail before loading weights when the devices are not there
     dtype, weights = weights_and_dtype(weights, dtype)
-    if weights in QUANTIZED and tensor_parallel != 1:
+    if weights in QUANTIZED_FORMS and tensor_parallel != 1:
         raise ValueError(f"weights {weights} serve on one device; tensor parallel needs float32 or bfloat16")
     cfg, params = load_weights(model, weights, progress=progress)
     if max_context > cfg.max_position:

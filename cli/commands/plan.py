@@ -17,6 +17,7 @@ import re
 from decimal import Decimal
 
 from daemon.user_error import UserError
+from engine.config import QUANTIZED_FORMS, WEIGHT_FORMS
 from engine.memory import planner, sizes
 from engine.memory.planner import Plan
 from engine.memory.sizes import format_bytes
@@ -63,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(e.g. 26B/4B) (default: %(default)s)")
     parser.add_argument("--dtype", default="bfloat16",
                         help=f"weight dtype: {', '.join(sizes.WEIGHT_BITS)} (default: %(default)s)")
+    parser.add_argument("--weights", choices=WEIGHT_FORMS,
+                        help="weights as the engine serves them: gguf (the model file's own quantized "
+                        "blocks) or int8 count the exact bytes of the default model's GGUF; bfloat16 or "
+                        "float32 are --dtype (default: --dtype)")
     parser.add_argument("--kv-dtype", default="bfloat16",
                         help=f"KV dtype: {', '.join(sizes.KV_DTYPE_BYTES)} (default: %(default)s)")
     parser.add_argument("--context", default="8192", help="tokens per tenant (default: %(default)s)")
@@ -94,12 +99,13 @@ def build_plan(args: argparse.Namespace) -> Plan:
                  for key in ("layers", "kv_heads", "head_dim")}
     budget = None if args.budget is None else parse_size("--budget", args.budget)
     reserve = None if args.reserve is None else parse_size("--reserve", args.reserve)
+    dtype, served = _weights(args)
     try:
         device = planner.device_profile(args.device, budget)
         model = planner.model_by_name(args.model, moe_shape["layers"], moe_shape["kv_heads"],
                                       moe_shape["head_dim"])
         return planner.make_plan(
-            model, device, args.dtype, args.kv_dtype,
+            model, device, dtype, args.kv_dtype, served=served,
             context_len=_int("--context", args.context, 1),
             page_size=_int("--page-size", args.page_size, 1),
             max_spec_depth=_int("--spec-depth", args.spec_depth, 0),
@@ -111,6 +117,20 @@ def build_plan(args: argparse.Namespace) -> Plan:
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
+
+
+def _weights(args: argparse.Namespace) -> tuple[str, tuple[str, int] | None]:
+    """(the dtype the planner prices, (form, bytes) of quantized served weights or None)."""
+    if args.weights is None or args.weights not in QUANTIZED_FORMS:
+        return args.weights or args.dtype, None
+    if args.model != "gemma3-270m":
+        raise UserError(f"--weights {args.weights} counts the default model's GGUF (gemma3-270m); for "
+                        f"--model {args.model} estimate with --dtype int8 or int4")
+    from engine.model.gguf_file import GGUFFile, default_gguf_path
+
+    gf = GGUFFile.open(default_gguf_path())
+    tensors = [(t.shape, t.qtype.name) for t in gf.tensors.values()]
+    return "float32", (args.weights, sizes.served_bytes(tensors, args.weights))
 
 
 def _split(text: str) -> float:

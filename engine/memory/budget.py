@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import jax
+
 from engine.memory.kv import SeqPages
 
 
@@ -38,7 +40,8 @@ def _tenants(pool, length: int, lent: tuple[int, int]) -> int:
 
 def memory_status(core) -> dict:
     """The budget of an EngineCore in bytes and pages (module docstring); `budget_bytes` is the
-    configured budget when the loader set one, else pool + resident bytes."""
+    configured budget when the loader set one, else pool + resident bytes. `weight_bytes`: the
+    target's params as held (quantized ones: values, scales and mins), outside the budget."""
     pool, kv = core.pool, core.runner.kv
     gb, lb = page_bytes(kv)
     ga, la = pool.global_alloc, pool.local_alloc
@@ -49,6 +52,7 @@ def memory_status(core) -> dict:
     length = core.max_context
     return {
         "budget_bytes": int(getattr(core, "budget_bytes", 0) or kv_bytes + resident),
+        "weight_bytes": int(sum(a.nbytes for a in jax.tree.leaves(core.runner.params))),
         "kv_pool_bytes": kv_bytes,
         "resident_bytes": resident,
         "pool_split": pool.split,

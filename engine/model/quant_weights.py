@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from engine.config import ModelConfig
+from engine.config import QUANTIZED_FORMS, WEIGHT_FORMS, ModelConfig
 from engine.model.gguf_file import GGUFFile, WeightsError, default_gguf_path, file_sha256
 from engine.model.weights import gguf_config, load_model, role_shapes
 from engine.model.weights_cache import cache_folder, read_cache, write_cache
@@ -42,9 +42,6 @@ from engine.quant.matmul import kernel_available, kernel_status
 from engine.runtime.progress import Reporter, Steps, note
 
 Params = dict[str, Any]
-WEIGHT_FORMS = ("gguf", "int8", "bfloat16", "float32")
-"""What `--weights` accepts: the file's own blocks, int8 per channel, or float matrices."""
-QUANTIZED = ("gguf", "int8")
 
 _NORMS = ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "pre_ffw_norm", "post_ffw_norm")
 _FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
@@ -228,7 +225,7 @@ def load_weights(spec: str | Path | None, weights: str,
     with the same numbers, and the log says so."""
     if weights not in WEIGHT_FORMS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMS)}, got {weights!r}")
-    if weights not in QUANTIZED:
+    if weights not in QUANTIZED_FORMS:
         return load_model(spec, weights, progress)
     gguf = spec is None or str(spec).lower().endswith(".gguf")
     if weights == "gguf" and not gguf:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.memory.sizes import served_bytes
 from engine.model import quant_weights
-from engine.model.gguf_file import WeightsError, default_gguf_path
+from engine.model.gguf_file import GGUFFile, WeightsError, default_gguf_path
 from engine.model.quant_weights import dequantize_params, load_gguf_quantized, load_weights, weight_bytes
 from engine.model.weights import load_gguf
 from engine.model.weights_cache import cache_folder
@@ -81,11 +82,14 @@ def test_gguf_form_needs_a_gguf_file(tmp_path):
 def test_real_file_is_served_in_its_own_blocks():
     """The default model: q|k|v and gate|up fuse as int8 groups of 32, o is 4-bit, down 4-bit in
     some layers and 6-bit (int8 values, groups of 16) in others; all of it under 400 MiB."""
-    cfg, params = load_gguf_quantized(default_gguf_path(progress=False), progress=False)
+    gf = GGUFFile.open(default_gguf_path(progress=False))
+    cfg, params = load_gguf_quantized(gf.path, progress=False)
     layers = params["layers"]
     fused = {(lp["qkv"].bits, lp["qkv"].group, lp["gate_up"].bits, lp["o"].bits) for lp in layers}
     assert fused == {(8, 32, 8, 4)}
     assert {(lp["down"].bits, lp["down"].group) for lp in layers} == {(4, 32), (8, 16)}
     assert params["embed"].shape == (cfg.d_model, cfg.vocab_size) and params["embed"].bits == 8
     assert weight_bytes(params) < 400 * 2**20
+    tensors = [(t.shape, t.qtype.name) for t in gf.tensors.values()]
+    assert weight_bytes(params) == served_bytes(tensors, "gguf") == 294_398_464
     assert weight_bytes(params) < 0.35 * 4 * 268_098_176  # the float32 params' bytes (FACTS.md)
