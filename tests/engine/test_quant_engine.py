@@ -1,6 +1,6 @@
 """Quantized weights through the engine: the tiny model's matrices as int8 QuantWeights give the
 same greedy tokens as a float32 engine holding exactly their dequantized numbers, plainly and
-under every speculation technique."""
+under every speculation technique, with every shape compiled at warmup."""
 
 from __future__ import annotations
 
@@ -51,14 +51,22 @@ def test_quantized_greedy_equals_float32_on_the_same_numbers(pair, float_greedy)
     assert run_prompts(e, PROMPTS, SP)[0] == float_greedy
 
 
-@pytest.mark.parametrize("technique", ["ngram", "mtp", "early_exit", "draft"])
-def test_quantized_speculation_equals_float32_plain(pair, float_greedy, technique):
+@pytest.fixture(scope="module")
+def spec_engine(pair):
+    """The int8 engine with every proposer (MTP also over the whole quantized table), warmed up."""
     cfg, q, _ = pair
     e = make_engine((cfg, q), **SPEC_RC)
-    if technique != "ngram":  # MTP drafts over the whole quantized table, the others over 128 of its rows
-        vocab = (0,) if technique == "mtp" else (0, 128)
-        add_model_proposers(e, DraftHeads.random(cfg, 8, (3, 6), 128, seed=1, scale=0.3), vocab_sizes=vocab)
+    heads = DraftHeads.random(cfg, 8, (3, 6), 128, seed=1, scale=0.3)
+    add_model_proposers(e, heads, vocab_sizes=(0, 128))
+    e.warmup(progress=False)
+    return e
+
+
+@pytest.mark.parametrize("technique", ["ngram", "mtp", "early_exit", "draft"])
+def test_quantized_speculation_equals_float32_plain(spec_engine, float_greedy, technique):
+    e = spec_engine
     e.set_policy(TunedPolicy(rules=(BatchRule(64, technique, 3),), crossover=64, pool_split=0.2, version=1))
     got, stats = run_prompts(e, PROMPTS, SP)
     assert got == float_greedy
     assert sum(s.proposed for s in stats if s.technique == technique) > 0
+    assert e.compiles_since_warmup() == 0 and e.pool.used == 0
