@@ -20,10 +20,13 @@ serve: $(STAMP)
 # Two workers: the real-model tests on one, the other files beside them (tests/conftest.py).
 TEST_WORKERS ?= 2
 
+# ruff (pinned in the dev extra; configured in pyproject.toml) runs first.
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 clean:

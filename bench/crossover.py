@@ -86,7 +86,8 @@ class CrossoverGrid:
             raise BenchConfigError(f"prompt_sets {self.prompt_sets} must be >= 1")
         if self.batches[0] < 1:
             raise BenchConfigError(f"batches {list(self.batches)}: each must be >= 1")
-        for name, values, known in (("kinds", self.kinds, KINDS), ("techniques", self.techniques, SPEC_TECHNIQUES)):
+        for name, values, known in (("kinds", self.kinds, KINDS),
+                                    ("techniques", self.techniques, SPEC_TECHNIQUES)):
             bad = [v for v in values if v not in known]
             if bad or (name == "kinds" and not values):
                 raise BenchConfigError(f"{name} {list(values)}: {bad or 'none given'} not in {list(known)}")
@@ -148,15 +149,16 @@ def _resolve(engine, grid: CrossoverGrid) -> tuple[tuple[str, ...], dict[str, tu
     loaded = tuple(t for t in SPEC_TECHNIQUES if t in engine.proposers)
     missing = [t for t in grid.techniques if t not in loaded]
     if missing:
-        raise BenchConfigError(f"techniques {missing} are not loaded (loaded: {list(loaded)}; the model-based "
-                               "ones need a heads file)")
+        raise BenchConfigError(f"techniques {missing} are not loaded (loaded: {list(loaded)}; the "
+                               "model-based ones need a heads file)")
     techniques = grid.techniques or loaded
     rc = engine.runner.rc
     if grid.batches[-1] > min(engine.max_batch, rc.spec_max_batch):
         raise BenchConfigError(f"batch {grid.batches[-1]} exceeds the engine's max batch {engine.max_batch} "
                                f"or speculative max batch {rc.spec_max_batch}")
     if grid.depths[-1] + 1 > max(rc.verify_tokens, default=1):
-        raise BenchConfigError(f"depth {grid.depths[-1]} exceeds the compiled verify buckets {rc.verify_tokens}")
+        raise BenchConfigError(f"depth {grid.depths[-1]} exceeds the compiled verify buckets "
+                               f"{rc.verify_tokens}")
     _check_context(engine, grid)
     depths = {t: tuple(d for d in grid.depths if d <= engine.proposers[t].max_depth) or grid.depths[:1]
               for t in techniques}
@@ -175,8 +177,8 @@ def _check_context(engine, grid: CrossoverGrid) -> None:
     worst = prefill_steps(engine.scheduler.cfg.token_budget, [[0] * grid.prompt_tokens] * top)
     need = grid.prompt_tokens + grid.new_tokens + worst + engine.scheduler.cfg.lookahead
     if need > engine.max_context:
-        raise BenchConfigError(f"prompt_tokens={grid.prompt_tokens} + new_tokens={grid.new_tokens} at batch {top} "
-                               f"need a {need}-token context, the engine has {engine.max_context}")
+        raise BenchConfigError(f"prompt_tokens={grid.prompt_tokens} + new_tokens={grid.new_tokens} at batch "
+                               f"{top} need a {need}-token context, the engine has {engine.max_context}")
 
 
 def prompt_ids(tokenizer, kind: str, n: int, limit: int, seed: int) -> tuple[list[list[int]], int]:
@@ -275,7 +277,7 @@ def run_bench(out_path: str | None, grid: CrossoverGrid, model: str | None = Non
     from daemon.progress import reporter, say
     from engine.loader import load_engine
 
-    log = lambda msg: say(f"bench crossover: {msg}")  # noqa: E731
+    log = lambda msg: say(f"bench crossover: {msg}")
     progress = reporter()
     top = grid.batches[-1]
     budget = max(512, top * (grid.prompt_tokens + 1))  # every prompt prefilled in one step

@@ -38,7 +38,7 @@ class Tally:
         for i, a in enumerate(st.accepted_per_pos):
             self.per_pos[i] += a
 
-    def merge(self, other: "Tally") -> None:
+    def merge(self, other: Tally) -> None:
         for name in ("tokens", "ms", "steps", "seq_steps", "drafting_steps", "proposed", "propose_ms", "runs",
                      "preempted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))

@@ -134,7 +134,8 @@ def held_out_ids(tokenizer, tokens: int) -> list[list[int]]:
     return [r[:n] for r in rows]
 
 
-def _rate(ee: EarlyExit, prompts, grid: EarlyExitGrid, thr: float, plain: bool = False, fill: str = "propagate"):
+def _rate(ee: EarlyExit, prompts, grid: EarlyExitGrid, thr: float, plain: bool = False,
+          fill: str = "propagate"):
     run = ee.run(prompts, grid.new_tokens, thr, plain=plain, kv_fill=fill)
     steps = grid.new_tokens - 1
     return run, {"tokens_per_s": len(prompts) * steps / run.decode_s, "step_ms": 1e3 * run.decode_s / steps}

@@ -67,7 +67,8 @@ from engine.model.gemma import Params, unstack_layers
 from engine.speculation.heads import DraftHeads
 from engine.types import pow2_bucket
 
-__all__ = ["FILLS", "NEVER", "EarlyExit", "Run", "kind_index", "pending_bucket", "pow2_bucket", "propagate_kv"]
+__all__ = ["FILLS", "NEVER", "EarlyExit", "Run", "kind_index", "pending_bucket", "pow2_bucket",
+           "propagate_kv"]
 
 NEVER = math.inf
 """A threshold no confidence reaches: the full model through the compacting stages."""
@@ -243,7 +244,8 @@ class EarlyExit:
             if lps is not None:
                 lps[:, t] = lp
         jax.block_until_ready(st.kv)
-        return Run(toks, layers, lps, time.perf_counter() - t0, st.kv, (st.gtab, st.ltab), st.caught_up, st.forced)
+        return Run(toks, layers, lps, time.perf_counter() - t0, st.kv, (st.gtab, st.ltab), st.caught_up,
+                   st.forced)
 
     def _plain_step(self, st: _State, inp: np.ndarray) -> np.ndarray:
         batch = Batch(inp[:, None], st.start, st.n_new, st.gtab, st.ltab)
@@ -274,7 +276,8 @@ class EarlyExit:
         W, M = (1 + self.max_pending, self.max_pending) if recompute else (1, 1)
         bk = jnp.zeros((cfg.n_layers, B, W, cfg.n_kv_heads, cfg.head_dim), dtype)
         st = _State(kv, gtab, ltab, lens.copy(), np.ones(B, np.int32), R, bk, bk.copy(), recompute,
-                    np.zeros(B, np.int32), np.zeros((B, M), np.int32), np.zeros((B, M, cfg.d_model), self.xdtype))
+                    np.zeros(B, np.int32), np.zeros((B, M), np.int32),
+                    np.zeros((B, M, cfg.d_model), self.xdtype))
         return st, np.asarray(sc.best)[:, 0]
 
     def warm(self, batch: int, prompt_len: int, new_tokens: int, score: bool = False,
@@ -307,16 +310,18 @@ class EarlyExit:
                 lo, hi = self.bounds[s], self.bounds[s + 1]
                 for T in (segs if s > 0 else (1,) if nb == top_b else ()):  # stage 0 runs the whole batch
                     x = None if s == 0 else np.zeros((nb, T, self.cfg.d_model), self.xdtype)
-                    args = (self.cfg, st.ring, lo, hi, self.confidence, score, self.params["layers"][lo:hi], top,
-                            st.kv, sub_batch(full, rows, nb), x, np.full((nb, T), -1, np.int32),
+                    args = (self.cfg, st.ring, lo, hi, self.confidence, score, self.params["layers"][lo:hi],
+                            top, st.kv, sub_batch(full, rows, nb), x, np.full((nb, T), -1, np.int32),
                             np.full((nb, T), W, np.int32), z)
                     st.bk, st.bv, bm = timed(f"stage{s}@{nb}" + (f"x{T}" if T > 1 else ""),
-                                             lambda o: stage(*args, *o, pads, z)[4:], (st.bk, st.bv, bm))  # noqa: B023
+                                             lambda o: stage(*args, *o, pads, z)[4:],  # noqa: B023
+                                             (st.bk, st.bv, bm))
                 if hi < L and kv_fill == "propagate":  # any number of a stage's rows may exit
                     pargs = (self.cfg, hi, self.kvw[hi:], np.zeros((nb, 1, self.cfg.d_model), self.xdtype),
                              np.full((nb, 1), -1, np.int32))
                     st.bk, st.bv, bm = timed(f"propagate{hi}@{nb}",
-                                             lambda o: propagate(*pargs, *o, pads), (st.bk, st.bv, bm))  # noqa: B023
+                                             lambda o: propagate(*pargs, *o, pads),  # noqa: B023
+                                             (st.bk, st.bv, bm))
         for w in segs:
             p0 = st.start.astype(np.int32)
             st.kv = timed(f"write@{B}" + (f"x{w}" if w > 1 else ""),

@@ -134,7 +134,8 @@ def propagate(cfg: ModelConfig, lo: int, kvw, x, pos, bk, bv, bm, rows):
 
 
 @partial(jax.jit, static_argnames=("cfg", "ring_pages", "width"), donate_argnames=("kv",))
-def write_window(cfg: ModelConfig, ring_pages: int, width: int, kv: KVState, p0, gtab, ltab, bk, bv, bm) -> KVState:
+def write_window(cfg: ModelConfig, ring_pages: int, width: int, kv: KVState, p0, gtab, ltab, bk, bv,
+                 bm) -> KVState:
     """The first `width` window slots of the buffers into the pages, masked-in slots only.
 
     p0: [B] position of slot 0 per row; gtab [B, P], ltab [B, R] page tables; bk, bv [L, B, W, KV, hd];

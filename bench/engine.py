@@ -39,7 +39,7 @@ def memory_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> dict:
     out = {}
     for name, fn, moved in (("copy", copy, 2 * nbytes), ("read", read, nbytes)):
         fn(x).block_until_ready()
-        best = min(_timed(lambda: fn(x).block_until_ready()) for _ in range(reps))
+        best = min(_timed(lambda: fn(x).block_until_ready()) for _ in range(reps))  # noqa: B023
         out[f"{name}_bytes_per_s"] = moved / best
     out["roofline_bytes_per_s"] = max(out["copy_bytes_per_s"], out["read_bytes_per_s"])
     return out
@@ -137,7 +137,7 @@ def run_bench(out_path: str | None, model: str | None = None, dtype: str | None 
     from daemon.progress import reporter, say
     from engine.loader import load_engine
 
-    log = lambda msg: say(f"bench engine: {msg}")  # noqa: E731
+    log = lambda msg: say(f"bench engine: {msg}")
     progress = reporter()
     engine = load_engine(model=model, dtype=dtype, weights=weights, max_batch=max(batches),
                          max_context=max_context,
@@ -203,7 +203,8 @@ def _executables(engine) -> dict | None:
 
 def _versus(ours: dict[int, float], hf: dict) -> dict:
     """Our decode tokens/s over Hugging Face transformers' at each batch both measured."""
-    theirs = {int(r["batch"]): float(r.get("decode_tok_s", r.get("tokens_per_s", 0))) for r in hf.get("decode", [])}
+    theirs = {int(r["batch"]): float(r.get("decode_tok_s", r.get("tokens_per_s", 0)))
+              for r in hf.get("decode", [])}
     return {str(b): ours[b] / theirs[b] for b in sorted(ours) if b in theirs and theirs[b] > 0}
 
 

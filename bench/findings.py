@@ -15,9 +15,9 @@
    kind), the prompts of bench/crossover.py's draw; at each batch size plain decoding, every
    technique, plain again (interleaved, so drift on a shared machine hits both sides).
 5. Q3, the pool split (instance POOL_INSTANCE): a queue of `q3_requests` long requests (the
-   kinds with the longest prompts), more than the pool holds at once, under plain decoding and each technique with no split, then the
-   draft model at each of `splits`. Whatever the engine does with a split (pages withheld from
-   tenants, the draft model's KV) shows in the steps' `kv_pages_used + kv_pages_free`.
+   kinds with the longest prompts), more than the pool holds at once, under plain decoding and each technique
+   with no split, then the draft model at each of `splits`. Whatever the engine does with a split (pages
+   withheld from tenants, the draft model's KV) shows in the steps' `kv_pages_used + kv_pages_free`.
 6. Flush, write a JSON of what ran (runs, wall times, machine) next to the report, and build the
    report (bench.report) with the command, the machine and `note` in its header.
 """
@@ -89,7 +89,8 @@ class Driver:
 
         self.version += 1
         top = self.engine.max_batch
-        policy = (TunedPolicy(pool_split=split, version=self.version, source="admin") if technique == "none" else
+        policy = (TunedPolicy(pool_split=split, version=self.version, source="admin")
+                  if technique == "none" else
                   TunedPolicy(rules=(BatchRule(top, technique, depth),), crossover=top, pool_split=split,
                               version=self.version, source="admin"))
         db = make_engine(self.db)
@@ -150,7 +151,8 @@ def _last_version(db: str) -> int:
     engine = make_engine(db)
     try:
         with session_scope(engine) as session:
-            return max((max_policy_version(session, instance=i) or 0) for i in (TENANT_INSTANCE, INSTANCE, POOL_INSTANCE))
+            return max((max_policy_version(session, instance=i) or 0)
+                       for i in (TENANT_INSTANCE, INSTANCE, POOL_INSTANCE))
     finally:
         engine.dispose()
 
@@ -166,12 +168,13 @@ def load(cfg: FindingsConfig, log: Any) -> Any:
     longest = max(cfg.prompt_tokens + cfg.new_tokens, cfg.q3_prompt_tokens + cfg.q3_new_tokens)
     verify = verify_tokens_for((cfg.depth,))
     context = 1 << (longest + verify[-1] + 2 - 1).bit_length()
-    log(f"loading {cfg.model or 'Gemma 3 270M'}: KV budget {cfg.kv_budget / 2**20:.0f} MiB, context {context}, "
-        f"max batch {cfg.max_batch}")
+    log(f"loading {cfg.model or 'Gemma 3 270M'}: KV budget {cfg.kv_budget / 2**20:.0f} MiB, context "
+        f"{context}, max batch {cfg.max_batch}")
     from engine.loader import MODEL_PROPOSERS
 
     wanted = tuple(t for t in MODEL_PROPOSERS if t in cfg.techniques)  # only these load (and cost memory)
-    engine = load_engine(model=cfg.model, dtype=cfg.dtype, kv_budget_bytes=cfg.kv_budget, max_batch=cfg.max_batch,
+    engine = load_engine(model=cfg.model, dtype=cfg.dtype, kv_budget_bytes=cfg.kv_budget,
+                         max_batch=cfg.max_batch,
                          max_context=context, token_budget=2048, speculation=True, heads=cfg.heads,
                          verify_tokens=verify, spec_max_batch=cfg.max_batch, model_proposers=wanted,
                          progress=progress)
@@ -187,7 +190,8 @@ def fake_engine(cfg: FindingsConfig) -> Any:
     """engine/fake.py's engine with every technique, acceptance scaled per tenant, simulated step times."""
     from engine.fake import FakeCost, FakeEngine, FakeProposer
 
-    proposers = {"ngram": FakeProposer("ngram", (0.8, 0.7, 0.6, 0.5)), "mtp": FakeProposer("mtp", (0.6, 0.4, 0.3)),
+    proposers = {"ngram": FakeProposer("ngram", (0.8, 0.7, 0.6, 0.5)),
+                 "mtp": FakeProposer("mtp", (0.6, 0.4, 0.3)),
                  "early_exit": FakeProposer("early_exit", (0.5, 0.4, 0.3)),
                  "draft": FakeProposer("draft", (0.55, 0.45, 0.35), resident=1 << 20)}
     scale = {"copy-tenant": 1.0, "code-tenant": 0.7, "chat-tenant": 0.5, "prose-tenant": 0.4}
@@ -197,7 +201,8 @@ def fake_engine(cfg: FindingsConfig) -> Any:
     return engine
 
 
-def kind_prompts(engine: Any, kinds: tuple[str, ...], n: int, limit: int, seed: int) -> dict[str, list[list[int]]]:
+def kind_prompts(engine: Any, kinds: tuple[str, ...], n: int, limit: int,
+                 seed: int) -> dict[str, list[list[int]]]:
     """Each kind's first n prompts of bench/crossover.py's seeded draw (at most `limit` tokens)."""
     return {k: prompt_ids(engine.tokenizer, k, n, limit, seed)[0] for k in kinds}
 
@@ -209,7 +214,8 @@ def interleave(by_kind: dict[str, list[list[int]]], n: int) -> list[tuple[str, l
     [('copy-tenant', [1]), ('chat-tenant', [3]), ('copy-tenant', [2])]
     """
     kinds = list(by_kind)
-    return [(tenant_for(kinds[i % len(kinds)]), by_kind[kinds[i % len(kinds)]][i // len(kinds)]) for i in range(n)]
+    return [(tenant_for(kinds[i % len(kinds)]), by_kind[kinds[i % len(kinds)]][i // len(kinds)])
+            for i in range(n)]
 
 
 def run_findings(cfg: FindingsConfig) -> Path:
@@ -241,7 +247,8 @@ def run_findings(cfg: FindingsConfig) -> Path:
     t = time.time()
     readme = _report(cfg, engine, drv, phases, t0, appended)
     phases["report"] = time.time() - t
-    log(f"wrote {readme} in {time.time() - t0:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in phases.items())})")
+    log(f"wrote {readme} in {time.time() - t0:.0f} s "
+        f"({', '.join(f'{k} {v:.0f} s' for k, v in phases.items())})")
     return readme
 
 
@@ -274,7 +281,8 @@ def _q2(cfg: FindingsConfig, engine: Any, drv: Driver, techs: tuple[str, ...], l
         # below one request per kind, several batches rotate the kinds so each batch size sees every kind
         sets = [interleave({k: by_kind[k] for k in kinds[j:] + kinds[:j]}, b)
                 for j in range(0, len(kinds), b)] if b < len(kinds) else [interleave(by_kind, b)]
-        log(f"Q2 [{i + 1}/{len(cfg.batches)}] batch {b}" + (f", {len(sets)} batches" if len(sets) > 1 else ""))
+        log(f"Q2 [{i + 1}/{len(cfg.batches)}] batch {b}"
+            + (f", {len(sets)} batches" if len(sets) > 1 else ""))
         for tech in ("none", *techs, "none"):
             for prompts in sets:
                 drv.run("q2", INSTANCE, tech, cfg.depth, _split_for(cfg, tech), prompts, cfg.new_tokens)
@@ -289,8 +297,8 @@ def _q3(cfg: FindingsConfig, engine: Any, drv: Driver, techs: tuple[str, ...], l
     # from tenants, under the first technique loaded, which leaves them idle
     lender = "draft" if "draft" in techs else techs[0] if techs else "none"
     plan += [(lender, s) for s in cfg.splits]
-    log(f"Q3: {cfg.q3_requests} requests of up to {cfg.q3_prompt_tokens} + {cfg.q3_new_tokens} tokens queued at "
-        f"once, {len(plan)} runs ({lender} at splits {list(cfg.splits)})")
+    log(f"Q3: {cfg.q3_requests} requests of up to {cfg.q3_prompt_tokens} + {cfg.q3_new_tokens} tokens queued "
+        f"at once, {len(plan)} runs ({lender} at splits {list(cfg.splits)})")
     for i, (tech, split) in enumerate(plan):
         log(f"Q3 [{i + 1}/{len(plan)}] {tech} split {split:g}")
         drv.run("q3", POOL_INSTANCE, tech, cfg.depth, split, prompts, cfg.q3_new_tokens)
@@ -310,11 +318,11 @@ def engine_line(e: dict[str, Any], budget: int) -> str:
     resident = sum(p["resident_bytes"] for p in e["proposers"].values())
     heads = ", ".join(f"{n} {p['resident_bytes'] / 2**20:.1f} MiB" for n, p in sorted(e["proposers"].items())
                       if p["resident_bytes"])
-    return (f"{e['model']} ({e['dtype']}), max batch {e['max_batch']}, context {e['max_context']}; one memory budget "
-            f"of {budget / 2**20:.0f} MiB, of which speculation's resident bytes ({resident / 2**20:.1f} MiB: "
-            f"{heads or 'none'}) stay loaded for every run, plain decoding's included, and the KV pool has "
-            f"{e['total_pages']} pages of {e['page_size']} tokens; a pool split withholds its share of those "
-            "pages from tenants for the run.")
+    return (f"{e['model']} ({e['dtype']}), max batch {e['max_batch']}, context {e['max_context']}; one "
+            f"memory budget of {budget / 2**20:.0f} MiB, of which speculation's resident bytes "
+            f"({resident / 2**20:.1f} MiB: {heads or 'none'}) stay loaded for every run, plain decoding's "
+            f"included, and the KV pool has {e['total_pages']} pages of {e['page_size']} tokens; a pool "
+            "split withholds its share of those pages from tenants for the run.")
 
 
 def _earlier(path: Path, db: str, appended: bool) -> list[dict[str, Any]]:
@@ -338,7 +346,8 @@ def _report(cfg: FindingsConfig, engine: Any, drv: Driver, phases: dict[str, flo
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    facts = {"db": cfg.db, "command": cfg.command, "note": cfg.note, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
+    facts = {"db": cfg.db, "command": cfg.command, "note": cfg.note,
+             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                                   time.gmtime(t0)),
              "seconds": {k: round(v, 1) for k, v in phases.items()}, "machine": machine_facts(),
              "engine": _engine_facts(engine), "config": {k: v for k, v in asdict(cfg).items() if k != "db"},
@@ -353,8 +362,8 @@ def _report(cfg: FindingsConfig, engine: Any, drv: Driver, phases: dict[str, flo
 
     plan = PlanInputs(model=model if model in PRESETS else "gemma3-270m")
     minutes = (time.time() - t0) / 60
-    note = ((cfg.note + " " if cfg.note else "") + f"The measurement took {minutes:.1f} minutes (findings.json: per "
-            f"phase). Engine: {engine_line(facts['engine'], cfg.kv_budget)}")
+    note = ((cfg.note + " " if cfg.note else "") + f"The measurement took {minutes:.1f} minutes "
+            f"(findings.json: per phase). Engine: {engine_line(facts['engine'], cfg.kv_budget)}")
     source = "; then ".join([e["command"] for e in earlier if e.get("command")] + [cfg.command or "?"])
     req = ReportRequest(db=cfg.db, out=out, plan=plan, source_command=source, pool_instance=POOL_INSTANCE,
                         tenant_instance=TENANT_INSTANCE,

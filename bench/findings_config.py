@@ -77,7 +77,8 @@ class FindingsConfig:
         if not self.phases or any(x not in ("q1", "q2", "q3") for x in self.phases):
             raise ValueError(f"phases {list(self.phases)} must be some of q1, q2, q3")
         if any(not 0 < s <= 0.5 for s in (*self.splits, self.draft_split)):
-            raise ValueError(f"splits {list(self.splits)} and draft_split {self.draft_split} must be in (0, 0.5]")
+            raise ValueError(f"splits {list(self.splits)} and draft_split {self.draft_split} must be in (0, "
+                             "0.5]")
 
     @staticmethod
     def quick_config(db: str, out: str, **kw: Any) -> FindingsConfig:
@@ -107,7 +108,8 @@ def command_line(args: Any) -> str:
     default omitted), for the report header."""
     import shlex
 
-    parts = ["crossover", "bench", "findings", "--db", args.db, "--out", args.out] + (["--quick"] if args.quick else [])
+    parts = ["crossover", "bench", "findings", "--db", args.db, "--out",
+             args.out] + (["--quick"] if args.quick else [])
     for flag in ("kv_budget", "splits", "batches", "techniques", "phases", "note", "model", "heads", "dtype"):
         if getattr(args, flag) is not None:
             parts += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]

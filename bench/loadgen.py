@@ -177,7 +177,7 @@ async def _stream_one(session: aiohttp.ClientSession, base: str, model: str, job
                 return sample
             async for chunk in read_sse(response.content):
                 _account(sample, chunk, time.perf_counter() - sent)
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:  # bad JSON too
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:  # bad JSON too
         sample.error = f"{type(exc).__name__}: {exc}"
     sample.latency_s = time.perf_counter() - sent
     if sample.error is None and sample.last_token_s is None:

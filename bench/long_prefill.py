@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", help="JSON output file")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=2000)
-    ap.add_argument("--warm-tokens", type=int, default=8, help="tokens each stream has before the long prompt")
+    ap.add_argument("--warm-tokens", type=int, default=8,
+                    help="tokens each stream has before the long prompt")
     ap.add_argument("--stream-tokens", type=int, default=160, help="output tokens of each stream")
     ap.add_argument("--max-context", type=int, default=4096)
     ap.add_argument("--max-batch", type=int, default=32)

@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--progress", action="store_true")
     s.add_argument("--requests", type=int, default=8, help="requests served before the steady figures")
     s.add_argument("--keep-lowerings", action="store_true",
-                   help="keep JAX's lowerings of the compiled shapes (engine.runtime.compiles.drop_lowering not called)")
+                   help="keep JAX's lowerings of the compiled shapes (engine.runtime.compiles.drop_lowering "
+                        "not called)")
     e = sub.add_parser("executables")
     e.add_argument("--model")
     e.add_argument("--tokens", default="1,2,4", help="token counts, comma-separated")

@@ -27,10 +27,12 @@ def measure(table: np.ndarray, rows: tuple[int, ...], repeats: int = 5) -> dict:
 
     from engine.model.gemma import tied_logits
 
-    plain = jax.jit(lambda t, h: jnp.einsum("nd,vd->nv", h.astype(t.dtype), t, preferred_element_type=jnp.float32))
+    plain = jax.jit(lambda t, h: jnp.einsum("nd,vd->nv", h.astype(t.dtype), t,
+                                            preferred_element_type=jnp.float32))
     tied = jax.jit(tied_logits)
     tables = {"float32": jnp.asarray(table), "bfloat16": jnp.asarray(table).astype(jnp.bfloat16)}
-    variants = {f"{how} {dt}": (fn, tables[dt]) for how, fn in (("rows @ table.T", plain), ("tied_logits", tied))
+    variants = {f"{how} {dt}": (fn, tables[dt])
+                for how, fn in (("rows @ table.T", plain), ("tied_logits", tied))
                 for dt in tables}
     out = {}
     rng = np.random.default_rng(0)
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     _, params = load_model(None, "float32", progress=False)
     result = {"bench": "output_layer", "cpu_has_bf16": cpu_has_bf16(),
-              "table": list(params["embed"].shape), "ms": measure(np.asarray(params["embed"]), rows, args.repeats)}
+              "table": list(params["embed"].shape),
+              "ms": measure(np.asarray(params["embed"]), rows, args.repeats)}
     return print_and_write(result, args.out)
 
 

@@ -91,13 +91,13 @@ def _crossover_panel(ax: Any, kind: str, data: dict[str, Any]) -> None:
                 label="plain decoding")
     for tech, v in data["techniques"].items():
         color = _rgb(TECHNIQUE_COLORS[tech])
-        for depth, rows in v["depths"].items():  # every measured depth, faint
+        for rows in v["depths"].values():  # every measured depth, faint
             pts = [(r["batch"], r["goodput"]) for r in rows if r["goodput"] is not None]
             if pts:
                 ax.plot(*zip(*pts), color=color, linewidth=1, alpha=0.3)
         best = [(x["batch"], x["goodput"], x["depth"]) for x in v["best"] if x["goodput"] is not None]
         if best:
-            xs, ys, depths = zip(*best)
+            xs, ys, _ = zip(*best)
             ax.plot(xs, ys, color=color, marker="o", linewidth=2.5, label=f"{tech} (best depth)")
             for x, y, d in best:
                 ax.annotate(f"d{d}", (x, y), textcoords="offset points", xytext=(4, 5), fontsize=7,

@@ -122,7 +122,8 @@ def bench(weights: list[QuantWeight], rows: list[int], reps: int, seed: int = 0)
         for r in row.values():
             r["x_f32"] = round(base / r["median_ms"], 2)
         result[str(m)] = row
-        print(json.dumps({"rows": m, **{k: v["median_ms"] for k, v in row.items()}}), flush=True, file=sys.stderr)
+        print(json.dumps({"rows": m, **{k: v["median_ms"] for k, v in row.items()}}), flush=True,
+              file=sys.stderr)
     return result
 
 

@@ -2,8 +2,8 @@
 
 Loads the engine as `crossover serve` does (plain decoding), then times ragged calls
 (engine/execute/ragged_calls.py) on rows laid over arbitrary pool pages (what they write is never read):
-4 decode rows at a short context alone, with a 16-token (`--chunk-tokens`) chunk of a row that has 0 / 500 / 1000
-/ 1900 tokens cached, the chunk alone, one decode row at 1900 alone and beside the 4, and a
+4 decode rows at a short context alone, with a 16-token (`--chunk-tokens`) chunk of a row that has 0 / 500 /
+1000 / 1900 tokens cached, the chunk alone, one decode row at 1900 alone and beside the 4, and a
 full batch of decode rows at 1900. Each case is the fastest of `--repeats` runs after one
 untimed run. With `--chunks`, it also times each case's forward alone at each number of query
 groups read together (engine/model/ragged.py CHUNK; 512 reads every group slot of a call in one pass,
@@ -20,7 +20,6 @@ import time
 import numpy as np
 
 from bench import print_and_write
-
 
 STARTS = (0, 500, 1000, 1900)
 """Tokens cached before the chunk, and (the last) before the long decode row."""
@@ -69,12 +68,12 @@ def measure(engine, starts: tuple[int, ...] = STARTS, repeats: int = 3, chunks: 
     cases[f"1 decode row at {last} alone"] = [row(1, last, 1)]
     cases[f"4 decode rows + 1 decode row at {last}"] = decode + [row(1, last, 1)]
     cases[f"{rc.max_batch} decode rows at {last}"] = [row(1, last, 1 + 3 * i) for i in range(rc.max_batch)]
-    out = {name: timed(lambda: run(runner, new_call(runner, rows))) for name, rows in cases.items()}
+    out = {name: timed(lambda: run(runner, new_call(runner, rows))) for name, rows in cases.items()}  # noqa: B023
     by_chunk = {}
     for name, rows in cases.items():
         rb = new_call(runner, rows).batch
         by_chunk[name] = {c: timed(lambda: jax.block_until_ready(
-            forward(runner.cfg, runner.params, runner.kv, rb, c))) for c in chunks}
+            forward(runner.cfg, runner.params, runner.kv, rb, c))) for c in chunks}  # noqa: B023
     return {"bench": "ragged_chunk_cost", "max_batch": rc.max_batch, "max_context": rc.max_context,
             "chunk": ragged.CHUNK, "ms": out, **({"forward_ms_by_chunk": by_chunk} if chunks else {})}
 

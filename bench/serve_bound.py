@@ -55,6 +55,7 @@ def _measure(cfg: ServeBenchConfig, engine: Any, ok: list[Sample], concurrency: 
         f"{prompt_len} tokens")
     meter = CpuMeter()
     by_index = {job.index: job for job in jobs}
-    prompts = [by_index[s.index].request(engine.tokenizer, "rate").prompt_ids for s in ok if s.index in by_index]
+    prompts = [by_index[s.index].request(engine.tokenizer, "rate").prompt_ids for s in ok
+               if s.index in by_index]
     rates = measure_rates(engine, batches, prompt_len, new_tokens, prompt_len, prompts)
     return replace(rates, detail={**rates.detail, "other_processes_cpu_share": meter.share()})

@@ -17,9 +17,9 @@
    `--engine-hostile` clients whose requests reach the engine (streams nobody reads, slow
    readers, hang-ups mid-stream and before the answer), every bad input of
    `bench.soak_clients.bad_cases` in turn, paced to spread `--requests` over the time the
-   baseline took (a wrong admin token at most every 10 s, under the guess throttle), and an admin pinning valid policies and unpinning; once, a retune
-   whose search process is killed (SIGKILL) as it starts, then a retune that must end
-   normally. When the well-formed load is done the hostile clients stop and bad inputs
+   baseline took (a wrong admin token at most every 10 s, under the guess throttle), and an admin pinning
+   valid policies and unpinning; once, a retune whose search process is killed (SIGKILL) as it starts, then a
+   retune that must end normally. When the well-formed load is done the hostile clients stop and bad inputs
    continue until `--requests` requests were sent in all.
 4. Audit, once the daemon is idle: /health 200 with no engine restart; no request in
    flight; every KV page back (used 0, free = total); every worker thread up; one
@@ -93,12 +93,14 @@ async def audit(soak: Soak, result: dict[str, Any]) -> dict[str, dict[str, Any]]
                         "status": code, "answer": health}
     queue, pool = status["queue"], status["pool"]
     checks["nothing_in_flight"] = {"passed": not any(queue.values()), **queue}
-    checks["kv_pages_back"] = {"passed": pool["pages_used"] == 0 and pool["pages_free"] == pool["pages_total"],
+    checks["kv_pages_back"] = {"passed": pool["pages_used"] == 0
+                               and pool["pages_free"] == pool["pages_total"],
                                **pool}
     _, metrics_text = await soak.get("/metrics")
     metrics = scrape(metrics_text)
     up = {k: v for k, v in status["threads"].items() if v is not None}
-    checks["threads_up"] = {"passed": bool(up) and all(up.values()) and metrics.get("crossover_thread_up") == len(up),
+    checks["threads_up"] = {"passed": bool(up) and all(up.values())
+                            and metrics.get("crossover_thread_up") == len(up),
                             **status["threads"]}
     finished = int(metrics.get("crossover_requests_total", -1))
     end, rows = time.monotonic() + 60, request_rows(d.db_path)
@@ -140,7 +142,8 @@ async def audit(soak: Soak, result: dict[str, Any]) -> dict[str, dict[str, Any]]
     ended = ("applied", "rejected", "skipped")
     checks["search_process_killed"] = {
         "passed": (crashed or killed.get("status") in ended) and nxt.get("status") in ended,
-        "killed_pid": soak.retunes.get("killed_pid"), "search_crashed": crashed, "killed_retune": _brief(killed), "next_retune": _brief(nxt)}
+        "killed_pid": soak.retunes.get("killed_pid"), "search_crashed": crashed,
+        "killed_retune": _brief(killed), "next_retune": _brief(nxt)}
     return checks
 
 
@@ -203,7 +206,8 @@ def run_soak(cfg: SoakConfig, out: str | None, note: Note | None = None) -> dict
         tally = soak.tally
         summary = {
             "bench": "soak", "ok": all(c["passed"] for c in checks.values()),
-            "config": dataclasses.asdict(cfg), "daemon_argv": daemon.argv[3:], "wall_s": round(time.monotonic() - started, 1),
+            "config": dataclasses.asdict(cfg), "daemon_argv": daemon.argv[3:],
+            "wall_s": round(time.monotonic() - started, 1),
             "checks": checks, **result,
             "hostile": dict(tally.hostile), "bad_inputs": dict(tally.bad), "admin": dict(tally.admin),
             "retunes": {k: _brief(v) if isinstance(v, dict) else v for k, v in soak.retunes.items()},
@@ -216,7 +220,8 @@ def run_soak(cfg: SoakConfig, out: str | None, note: Note | None = None) -> dict
 async def _run_and_audit(soak: Soak) -> dict[str, Any]:
     result = await soak.run()
     timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as session:
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(force_close=True)) as session:
         soak.session = session  # force_close: no connection of the audit's stays open for the level
         result["checks"] = await audit(soak, result)
     return result

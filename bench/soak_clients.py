@@ -47,7 +47,8 @@ class Answer:
     error: str | None = None
 
 
-def request_body(prompt: Prompt, model: str, rng: random.Random, max_tokens: int) -> tuple[str, dict[str, Any]]:
+def request_body(prompt: Prompt, model: str, rng: random.Random,
+                 max_tokens: int) -> tuple[str, dict[str, Any]]:
     """(path, body) of a valid request for `prompt`: streaming three times in four, greedy
     or seeded sampling, sometimes a stop string, usage in the stream."""
     body: dict[str, Any] = {"model": model, "max_tokens": rng.randint(max(1, max_tokens // 4), max_tokens),
@@ -82,7 +83,8 @@ async def well_formed(session: aiohttp.ClientSession, base: str, path: str, body
             else:
                 data = await r.json()
                 choice = data["choices"][0]
-                answer.finish_reason, answer.tokens = choice["finish_reason"], data["usage"]["completion_tokens"]
+                answer.finish_reason = choice["finish_reason"]
+                answer.tokens = data["usage"]["completion_tokens"]
     except (TimeoutError, aiohttp.ClientError, OSError, ValueError, KeyError) as exc:
         answer.error = f"{type(exc).__name__}: {exc}"
     answer.latency_s = time.perf_counter() - sent
@@ -199,7 +201,8 @@ def error_of(raw: Raw) -> dict[str, Any] | None:
         error = json.loads(raw.body)["error"]
     except (ValueError, KeyError, TypeError):
         return None
-    ok = isinstance(error, dict) and isinstance(error.get("message"), str) and isinstance(error.get("type"), str)
+    ok = isinstance(error, dict) and isinstance(error.get("message"),
+                                                str) and isinstance(error.get("type"), str)
     return error if ok else None
 
 
@@ -217,7 +220,8 @@ class BadCase:
     """Sent with the admin token (the guess throttle counts wrong ones: see `wrong_admin`)."""
 
 
-def post_bytes(path: str, body: Any, key: str, extra: dict[str, str] | None = None, raw: bytes | None = None) -> bytes:
+def post_bytes(path: str, body: Any, key: str, extra: dict[str, str] | None = None,
+               raw: bytes | None = None) -> bytes:
     data = raw if raw is not None else json.dumps(body).encode()
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", **(extra or {})}
     return http_bytes("POST", path, data, headers)
@@ -236,16 +240,19 @@ def bad_cases(model: str, key: str, admin_token: str, max_context: int, max_body
                                              + f', "top_p": {huge}}}'.encode()), 400),
         BadCase("huge int presence_penalty", post_bytes(C, None, key, raw=json.dumps(comp)[:-1].encode()
                                                         + f', "presence_penalty": -{huge}}}'.encode()), 400),
-        BadCase("denormal repetition_penalty", post_bytes(C, {**comp, "repetition_penalty": 5e-324}, key), 400),
+        BadCase("denormal repetition_penalty", post_bytes(C, {**comp, "repetition_penalty": 5e-324}, key),
+                400),
         BadCase("lone surrogate in prompt", post_bytes(C, None, key, raw=json.dumps(comp).replace(
             '"hello"', '"\\ud800"').encode()), 400),
         BadCase("lone surrogate in chat", post_bytes(CHAT, None, key, raw=json.dumps(chat).replace(
             '"hi"', '"a\\udfffb"').encode()), 400),
         BadCase("empty messages past the context", post_bytes(CHAT, {**chat, "messages": [
             {"role": "user", "content": ""}] * (max_context + 1)}, key), 400),
-        BadCase("prompt past the character bound", post_bytes(C, {**comp, "prompt": "x" * (max_context * 40)}, key), 400),
+        BadCase("prompt past the character bound",
+                post_bytes(C, {**comp, "prompt": "x" * (max_context * 40)}, key), 400),
         BadCase("unknown stream_options key", post_bytes(C, {**comp, "stream": True,
-                                                             "stream_options": {"include_usage": True, "x": 1}}, key), 400),
+                                                             "stream_options": {"include_usage": True,
+                                                                                "x": 1}}, key), 400),
         BadCase("unknown text-part key", post_bytes(CHAT, {**chat, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "hi", "cache": True}]}]}, key), 400),
         BadCase("unknown field", post_bytes(C, {**comp, "frobnicate": 1}, key), 400),
@@ -263,21 +270,26 @@ def bad_cases(model: str, key: str, admin_token: str, max_context: int, max_body
         BadCase("foreign Host", http_bytes("POST", C, json.dumps(comp).encode(), {
             "Authorization": f"Bearer {key}", "Content-Type": "application/json"}, host="evil.example"),
             403, "forbidden_origin"),
-        BadCase("foreign Origin", post_bytes(C, comp, key, {"Origin": "https://evil.example"}), 403, "forbidden_origin"),
+        BadCase("foreign Origin", post_bytes(C, comp, key, {"Origin": "https://evil.example"}), 403,
+                "forbidden_origin"),
         BadCase("text/plain cross-site POST", http_bytes("POST", C, json.dumps(comp).encode(), {
             "Content-Type": "text/plain", "Origin": "http://attacker.test"}), 403, "forbidden_origin"),
     ]
     admin = {"Authorization": f"Bearer {admin_token}", "Content-Type": "application/json"}
     for name, body, code in (
-            ("pin pool_split a huge int", b'{"rules": [{"max_batch": 64}], "pool_split": 1' + b"0" * 400 + b"}",
+            ("pin pool_split a huge int",
+             b'{"rules": [{"max_batch": 64}], "pool_split": 1' + b"0" * 400 + b"}",
              "invalid_policy"),
             ("pin pool_split NaN", b'{"rules": [{"max_batch": 64}], "pool_split": NaN}', None),
             ("pin depth past the verify depth", json.dumps({"rules": [
-                {"max_batch": 4, "technique": "ngram", "depth": 99}, {"max_batch": 64}]}).encode(), "invalid_policy"),
+                {"max_batch": 4, "technique": "ngram", "depth": 99}, {"max_batch": 64}]}).encode(),
+                "invalid_policy"),
             ("pin rules out of order", json.dumps({"rules": [{"max_batch": 8}, {"max_batch": 4}]}).encode(),
              "invalid_policy"),
-            ("pin unknown key", json.dumps({"rules": [{"max_batch": 64}], "bogus": 1}).encode(), "invalid_policy")):
-        cases.append(BadCase(name, http_bytes("PUT", "/admin/policy/pin", body, admin), 400, code, admin=True))
+            ("pin unknown key", json.dumps({"rules": [{"max_batch": 64}], "bogus": 1}).encode(),
+             "invalid_policy")):
+        cases.append(BadCase(name, http_bytes("PUT", "/admin/policy/pin", body, admin), 400, code,
+                             admin=True))
     for name, limits in (("tenant limit past 2**31", {"max_concurrent": 10**12}),
                          ("tenant limit a huge int", {"max_tokens": 10**400}),
                          ("tenant limit negative", {"max_queued": -1})):

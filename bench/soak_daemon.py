@@ -89,7 +89,8 @@ class Daemon:
                 target = os.readlink(f"/proc/{self.proc.pid}/fd/{fd}")
             except OSError:
                 continue
-            kinds[target.split(":")[0] if target.split(":")[0] in ("socket", "pipe", "anon_inode") else target] += 1
+            kinds[target.split(":")[0] if target.split(":")[0] in ("socket", "pipe", "anon_inode")
+                  else target] += 1
         return dict(kinds)
 
     def threads(self) -> int:
@@ -103,7 +104,8 @@ class Daemon:
                 continue
             try:
                 stat = Path(f"/proc/{entry}/stat").read_text()
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0",
+                                                                          b" ").decode(errors="replace")
             except OSError:
                 continue
             if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid:

@@ -97,7 +97,8 @@ async def stalled_body(port: int, key: str, rng: random.Random, body_timeout_s: 
 
 
 def _stream_request(model: str, key: str, max_tokens: int) -> bytes:
-    body = {"model": model, "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": max_tokens,
+    body = {"model": model, "prompt": "Write a long story about a lighthouse keeper.",
+            "max_tokens": max_tokens,
             "stream": True, "ignore_eos": True, "logprobs": 1}
     return post_bytes("/v1/completions", body, key)
 

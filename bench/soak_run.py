@@ -86,7 +86,8 @@ class Soak:
                 status, body = await self.get("/ready", admin=False)
             except aiohttp.ClientError:
                 status, body = 0, None
-            techniques = (body or {}).get("engine", {}).get("techniques", {}) if isinstance(body, dict) else {}
+            techniques = (body or {}).get("engine", {}).get("techniques",
+                                                            {}) if isinstance(body, dict) else {}
             if status == 200 and all(v == "ready" for v in techniques.values()):
                 self.note(f"soak: daemon ready, every technique compiled ({time.monotonic() - start:.0f} s)")
                 return body
@@ -124,7 +125,8 @@ class Soak:
         async def client() -> None:
             while pending:
                 path, body = pending.pop()
-                answer = await well_formed(self.session, self.d.base, path, body, key)  # type: ignore[arg-type]
+                answer = await well_formed(self.session, self.d.base, path, body,
+                                           key)  # type: ignore[arg-type]
                 answers.append(answer)
                 if count is not None:
                     count(answer)
@@ -163,7 +165,8 @@ class Soak:
             self.tally.hostile_peak = max(self.tally.hostile_peak, self.tally.hostile_open)
             try:
                 if engine:
-                    out = await rng.choice(ENGINE_HOSTILE)(self.d.port, key, rng, self.model, self.cfg.max_tokens,
+                    out = await rng.choice(ENGINE_HOSTILE)(self.d.port, key, rng, self.model,
+                                                           self.cfg.max_tokens,
                                                             self.settings.stream_write_timeout_s)
                 else:
                     kind = rng.choice(HOSTILE)
@@ -182,7 +185,8 @@ class Soak:
     async def bad_inputs(self, rate: float, paced: Callable[[], bool], stop: Callable[[], bool]) -> None:
         """Bad inputs in turn, `rate` a second while `paced()`, then as fast as they are
         answered until `stop()`."""
-        cases = bad_cases(self.model, self.keys["soak-clients"], self.d.token, self.settings.max_context or 4096,
+        cases = bad_cases(self.model, self.keys["soak-clients"], self.d.token,
+                          self.settings.max_context or 4096,
                           self.settings.max_body_bytes)
         wrong, i, last_wrong = wrong_admin(self.d.token), 0, time.monotonic()
         next_at = time.monotonic()
@@ -212,7 +216,8 @@ class Soak:
             async with lock:
                 if rng.random() < 0.6:
                     depth = rng.choice([1, 2, 3, 4])
-                    pin = {"rules": [{"max_batch": rng.choice([1, 2, 4]), "technique": "ngram", "depth": depth},
+                    pin = {"rules": [{"max_batch": rng.choice([1, 2, 4]), "technique": "ngram",
+                                      "depth": depth},
                                      {"max_batch": 64}], "crossover": rng.choice([1, 2, 4])}
                     status, body = await self.send("PUT", "/admin/policy/pin", pin)
                     ok, what = status == 200 and body.get("pinned") is True, "pin"
@@ -232,7 +237,8 @@ class Soak:
             raise RuntimeError(f"POST /admin/retune: {status} {body}")
         return body["retune"]
 
-    async def retune_done(self, retune_id: int, timeout_s: float, searched_only: bool = False) -> dict[str, Any]:
+    async def retune_done(self, retune_id: int, timeout_s: float,
+                          searched_only: bool = False) -> dict[str, Any]:
         end = time.monotonic() + timeout_s
         while True:
             _, view = await self.get(f"/admin/retunes/{retune_id}")
@@ -244,7 +250,8 @@ class Soak:
     async def search_pid(self) -> int | None:
         _, tuner = await self.get("/admin/tuner")
         return tuner.get("search_pid") or next(
-            (p for p, cmd in self.d.children() if "multiprocessing" in cmd and "resource_tracker" not in cmd), None)
+            (p for p, cmd in self.d.children() if "multiprocessing" in cmd and "resource_tracker" not in cmd),
+            None)
 
     async def kill_search(self, lock: asyncio.Lock) -> None:
         """A retune whose search process is SIGKILLed while it searches (tried a few times: a
@@ -317,7 +324,8 @@ class Soak:
                 "answers": (base, answers), "ready": {"techniques": ready["engine"].get("techniques")},
                 "level_before": before}
 
-    async def under_attack(self, phase: str, n: int, requests: int, rate: float) -> tuple[list[Answer], float]:
+    async def under_attack(self, phase: str, n: int, requests: int,
+                           rate: float) -> tuple[list[Answer], float]:
         """`n` well-formed requests beside the hostile clients, the admin and bad inputs at `rate`
         a second (then unpaced until `requests` were sent); a search process killed a third of
         the way. Returns once every client stopped and the last retune ended."""
@@ -332,7 +340,8 @@ class Soak:
                 killer.append(asyncio.create_task(self.kill_search(lock)))
 
         hostile = [asyncio.create_task(self.hostile_slot(i, stop_hostile, False)) for i in range(cfg.hostile)]
-        hostile += [asyncio.create_task(self.hostile_slot(i, stop_hostile, True)) for i in range(cfg.engine_hostile)]
+        hostile += [asyncio.create_task(self.hostile_slot(i, stop_hostile, True))
+                    for i in range(cfg.engine_hostile)]
         admin = asyncio.create_task(self.admin_chaos(stop_admin, lock))
         bad = asyncio.create_task(self.bad_inputs(rate, lambda: not well_done.is_set(),
                                                   lambda: well_done.is_set() and tally.sent >= requests))

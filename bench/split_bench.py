@@ -269,8 +269,8 @@ def _engine_info(engine: Any) -> dict[str, Any]:
 
 
 def _config(cfg: Any) -> dict[str, Any]:
-    keys = ("traces", "splits", "split_technique", "split_depth", "split_repeats", "kv_budget", "phase_s", "rate_scale",
-            "low_rate", "high_rate",
+    keys = ("traces", "splits", "split_technique", "split_depth", "split_repeats", "kv_budget", "phase_s",
+            "rate_scale", "low_rate", "high_rate",
             "seed", "max_batch", "max_context", "fake", "fake_time_scale")
     return {k: getattr(cfg, k) for k in keys}
 
@@ -303,7 +303,7 @@ def split_fake(cfg: Any) -> Any:
                 prefill += len(req.prompt_ids) - self.prefixes.admit(req.prompt_ids, req.tenant)
             return prefill
 
-        def _speculate(self, seq: Any, proposer: Any, depth: int, per_pos: list[int]) -> int:
+        def _speculate(self, seq: Any, proposer: Any, depth: int) -> int:
             if proposer is None:
                 return 0
             step, taken, rows = self.held if self.held[0] == self.step_count else (self.step_count, 0, 0)
@@ -314,11 +314,7 @@ def split_fake(cfg: Any) -> Any:
             # drafts accepted by the prompt and position, not the run's request id: every run
             # of a trace draws the same acceptance, so runs differ by their split alone
             prompt = hashlib.blake2b(bytes(str(seq.request.prompt_ids), "utf-8"), digest_size=8).hexdigest()
-            accepted = proposer.accepts(f"{prompt}:{seq.produced}", depth)
-            seq.proposed, seq.accepted = seq.proposed + depth, seq.accepted + accepted
-            for i in range(accepted):
-                per_pos[i] += 1
-            return accepted
+            return proposer.accepts(f"{prompt}:{seq.produced}", depth)  # counted as the base engine counts
 
         def step(self) -> Any:
             start = time.perf_counter()

@@ -65,10 +65,12 @@ class Answer:
         return (self.last_s - self.ttft_s) / (self.tokens - 1)
 
 
-async def _one(session: aiohttp.ClientSession, base: str, model: str, name: str, schema: dict[str, Any] | None,
+async def _one(session: aiohttp.ClientSession, base: str, model: str, name: str,
+               schema: dict[str, Any] | None,
                message: str, max_tokens: int) -> Answer:
-    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": message}], "temperature": 0,
-                            "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": message}],
+                            "temperature": 0, "max_tokens": max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}}
     if schema is None:
         body["ignore_eos"] = True
     else:
@@ -107,12 +109,14 @@ def valid(answer: Answer, schema: dict[str, Any]) -> str | None:
     try:
         jsonschema.validate(json.loads(answer.text), schema)
     except (ValueError, jsonschema.ValidationError) as exc:
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]} (finish {answer.finish}): {answer.text[:200]!r}"
+        return (f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]} (finish {answer.finish}): "
+                f"{answer.text[:200]!r}")
     return None
 
 
 class Runner:
-    def __init__(self, cfg: StructuredConfig, base: str, admin: dict[str, str] | None, note: Callable[[str], None]):
+    def __init__(self, cfg: StructuredConfig, base: str, admin: dict[str, str] | None,
+                 note: Callable[[str], None]):
         self.cfg, self.base, self.admin, self.note = cfg, base, admin, note
         self.work = structured_requests()
 
@@ -127,8 +131,8 @@ class Runner:
             while pending:
                 i = pending.pop()
                 name, schema, message = self.work[i]
-                answers[i] = await _one(session, self.base, model, name, schema if constrained else None, message,
-                                        self.cfg.max_tokens if constrained else self.cfg.free_tokens)
+                answers[i] = await _one(session, self.base, model, name, schema if constrained else None,
+                                        message, self.cfg.max_tokens if constrained else self.cfg.free_tokens)
 
         await asyncio.gather(*(client() for _ in range(self.cfg.concurrency)))
         wall = time.perf_counter() - start
@@ -138,18 +142,23 @@ class Runner:
         ttft = [a.ttft_s * 1e3 for a in got if a.ttft_s is not None]
         out: dict[str, Any] = {
             "phase": "constrained" if constrained else "free", "requests": len(got), "wall_s": round(wall, 2),
-            "output_tokens": sum(a.tokens for a in got), "output_tok_s": round(sum(a.tokens for a in got) / wall, 2),
+            "output_tokens": sum(a.tokens for a in got),
+            "output_tok_s": round(sum(a.tokens for a in got) / wall, 2),
             "tpot_ms": {"p50": _r(percentile(tpot, 50)), "p90": _r(percentile(tpot, 90))},
             "ttft_ms": {"p50": _r(percentile(ttft, 50))}, "errors": [a.error for a in got if a.error][:5]}
         if constrained:
             bad = [(a.name, why) for a, (_, schema, _) in zip(got, self.work) if (why := valid(a, schema))]
-            steps = after.get("crossover_grammar_steps_total", 0) - before.get("crossover_grammar_steps_total", 0)
-            secs = after.get("crossover_grammar_seconds_total", 0) - before.get("crossover_grammar_seconds_total", 0)
+            steps = after.get("crossover_grammar_steps_total",
+                              0) - before.get("crossover_grammar_steps_total", 0)
+            secs = after.get("crossover_grammar_seconds_total",
+                             0) - before.get("crossover_grammar_seconds_total", 0)
             out.update(valid=len(got) - len(bad), invalid=bad[:10],
                        finish_reasons={r: sum(a.finish == r for a in got) for r in {a.finish for a in got}},
-                       grammar_steps=int(steps), grammar_ms_per_step=_r(secs * 1e3 / steps) if steps else None)
+                       grammar_steps=int(steps),
+                       grammar_ms_per_step=_r(secs * 1e3 / steps) if steps else None)
         self.note(f"structured: {out['phase']}: TPOT p50 {out['tpot_ms']['p50']} ms, "
-                  f"{out['output_tok_s']} tok/s" + (f", {out['valid']}/{len(got)} valid" if constrained else ""))
+                  f"{out['output_tok_s']} tok/s"
+                  + (f", {out['valid']}/{len(got)} valid" if constrained else ""))
         return out
 
     async def metrics(self, session: aiohttp.ClientSession) -> dict[str, float]:
@@ -172,7 +181,8 @@ class Runner:
         ratios = [r["tpot_p50_ratio"] for r in rounds if r["tpot_p50_ratio"] is not None]
         return {"bench": "structured", "config": asdict(self.cfg), "model": model, "rounds": rounds,
                 "tpot_p50_ratio_median": _r(statistics.median(ratios), 3) if ratios else None,
-                "valid_all_rounds": all(r["constrained"]["valid"] == r["constrained"]["requests"] for r in rounds)}
+                "valid_all_rounds": all(r["constrained"]["valid"] == r["constrained"]["requests"]
+                                        for r in rounds)}
 
 
 def _r(x: float | None, digits: int = 2) -> float | None:

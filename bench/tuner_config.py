@@ -137,7 +137,8 @@ class TunerBenchConfig:
 
     def __post_init__(self) -> None:
         if self.split_repeats < 1 or self.repeats < 1:
-            raise ValueError(f"split_repeats={self.split_repeats} and repeats={self.repeats} must be at least 1")
+            raise ValueError(f"split_repeats={self.split_repeats} and repeats={self.repeats} must be at "
+                             "least 1")
         if not self.phase_s > 0 or not self.rate_scale > 0:
             raise ValueError(f"phase_s={self.phase_s} and rate_scale={self.rate_scale} must be > 0")
         unknown = set(self.runs) - {"never", "fixed", "table", "tenants", *TUNED}
@@ -162,7 +163,8 @@ class TunerBenchConfig:
         from bench.workloads.memory import SPLIT_TRACES
 
         if set(self.traces) - set(SPLIT_TRACES) or any(not 0 <= s <= 0.5 for s in self.splits):
-            raise ValueError(f"traces={self.traces} must be among {SPLIT_TRACES} and splits={self.splits} in [0, 0.5]")
+            raise ValueError(f"traces={self.traces} must be among {SPLIT_TRACES} and splits={self.splits} in "
+                             "[0, 0.5]")
         if not self.mid_rate > 0 or self.mid_max_concurrency < 1:
             raise ValueError(f"mid_rate={self.mid_rate} must be > 0 and mid_max_concurrency="
                              f"{self.mid_max_concurrency} >= 1")

@@ -78,7 +78,7 @@ class Client:
                     if chunk.usage:
                         s.output_tokens = chunk.usage["completion_tokens"]
                     s.chunks += [time.time()] * chunk.texts
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             s.error = f"{type(exc).__name__}: {exc}"
         s.done = time.time()
         return s

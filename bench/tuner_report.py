@@ -134,7 +134,8 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     ...         "never": {"phases": [{"goodput": g, "engine_tokens": g, "engine_s": 1.0}],
     ...                   "whole": {"goodput": g}}}, "ratios": {}}
     >>> out = combine_rounds([summary(3.0), summary(1.0), summary(2.0)])
-    >>> out["policies"]["never"]["phases"][0]["goodput"], [r["policies"]["never"]["whole"] for r in out["rounds"]]
+    >>> (out["policies"]["never"]["phases"][0]["goodput"],
+    ...  [r["policies"]["never"]["whole"] for r in out["rounds"]])
     (2.0, [3.0, 1.0, 2.0])
     """
     if len(rounds) == 1:
@@ -348,7 +349,8 @@ def drift_line(result: dict[str, Any]) -> str:
             parts.append(f"{r[key]['ratio']}x {label}")
     rounds = [x["drift"] for x in result.get("rounds", [])] or [drift]
     speeds = "; ".join(", ".join(f"{n} {'/'.join(f'{v:.2f}' for v in idx)}"
-                                 for n, idx in d["speed_index"].items()) for d in rounds if "speed_index" in d)
+                                 for n, idx in d["speed_index"].items()) for d in rounds
+                                 if "speed_index" in d)
     slow = [d["search_slowdown"]["ratio"] for d in rounds if d.get("search_slowdown", {}).get("ratio")]
     return (f"drift-adjusted (a diagnostic): {', '.join(parts)}; speed index per phase: {speeds}"
             + (f"; steps while searching / not: {', '.join(f'{x:.2f}' for x in slow)}" if slow else ""))

@@ -128,8 +128,9 @@ def tenant_search_line(retunes: list[dict[str, Any]]) -> str:
 
     >>> tenant_search_line([{"tenants": {"method": "exact", "seconds": 0.02, "chosen": True, "gain": 0.09}},
     ...                     {"tenants": {"method": "tpe", "seconds": 0.3, "chosen": False, "gain": 0.01}},
-    ...                     {"note": "no fit"}])
-    'per-tenant searches: 2 (exact 1, tpe 1), rules chosen in 1 (predicted gain up to +9.0%), median 0.16 s, max 0.3 s'
+    ...                     {"note": "no fit"}])  # doctest: +NORMALIZE_WHITESPACE
+    'per-tenant searches: 2 (exact 1, tpe 1), rules chosen in 1 (predicted gain up to +9.0%), median 0.16 s,
+    max 0.3 s'
     """
     done = [r["tenants"] for r in retunes if r.get("tenants") and r["tenants"].get("method") != "skipped"]
     if not done:
@@ -138,5 +139,6 @@ def tenant_search_line(retunes: list[dict[str, Any]]) -> str:
     methods = Counter(x["method"] for x in done)
     seconds = [x["seconds"] for x in done]
     gain = f" (predicted gain up to {max(x['gain'] for x in chosen):+.1%})" if chosen else ""
-    return (f"per-tenant searches: {len(done)} ({', '.join(f'{m} {n}' for m, n in sorted(methods.items()))}), "
-            f"rules chosen in {len(chosen)}{gain}, median {np.median(seconds):.2f} s, max {max(seconds):.1f} s")
+    return (f"per-tenant searches: {len(done)} "
+            f"({', '.join(f'{m} {n}' for m, n in sorted(methods.items()))}), rules chosen in "
+            f"{len(chosen)}{gain}, median {np.median(seconds):.2f} s, max {max(seconds):.1f} s")

@@ -22,8 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "db": ("cli.commands.db", "manage the telemetry database schema"),
     "tenants": ("cli.commands.tenants", "add, list and revoke tenants' API keys"),
     "retune": ("cli.commands.retune", "ask a running daemon to retune its policy now"),
-    "train-heads": ("cli.commands.train_heads", "train the MTP heads and exit adapters of the draft proposers"),
-    "report": ("cli.commands.report", "write the findings report (Markdown + figures) from a telemetry database"),
+    "train-heads": ("cli.commands.train_heads",
+                    "train the MTP heads and exit adapters of the draft proposers"),
+    "report": ("cli.commands.report",
+               "write the findings report (Markdown + figures) from a telemetry database"),
 }
 
 

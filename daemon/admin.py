@@ -139,7 +139,8 @@ def check_admin(request: web.Request) -> None:
 
 async def admin_body(request: web.Request) -> dict[str, Any]:
     """An admin route's JSON object body (at most MAX_ADMIN_BODY bytes, within body_timeout_s)."""
-    return decode_json_object(await read_body(request, MAX_ADMIN_BODY, request.app[st.SETTINGS].body_timeout_s))
+    return decode_json_object(await read_body(request, MAX_ADMIN_BODY,
+                                              request.app[st.SETTINGS].body_timeout_s))
 
 
 @web.middleware

@@ -131,7 +131,7 @@ class RequestStream:
     async def aclose(self) -> None:
         self.close()
 
-    async def __aenter__(self) -> RequestStream:
+    async def __aenter__(self) -> RequestStream:  # noqa: PYI034
         return self
 
     async def __aexit__(self, *exc: object) -> None:

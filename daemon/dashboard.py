@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
 from daemon import dashboard_data as data
 from daemon import state as st
 from daemon.admin import bearer_is_admin, guessed, status_body, token_matches

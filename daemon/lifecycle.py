@@ -154,7 +154,8 @@ def load_engine(settings: Any, fake: FakeEngineOptions | None = None) -> Any:
                          speculation=settings.speculation, heads=settings.heads,
                          prefix_cache=settings.prefix_cache,
                          background_warmup=True,
-                         **({"tensor_parallel": settings.tensor_parallel} if settings.tensor_parallel > 1 else {}))
+                         **({"tensor_parallel": settings.tensor_parallel} if settings.tensor_parallel > 1
+                            else {}))
     log_event(log, "model loaded", model=engine.model_name, seconds=round(time.monotonic() - start, 1))
     return engine
 

@@ -139,8 +139,8 @@ async def _generate(request: web.Request, parse: Parser, fmt_cls: type[Format]) 
     # big bodies are decoded and tokenized off the loop, so other streams keep flowing
     spec = await asyncio.to_thread(work) if len(raw) > OFFLOAD_BYTES else work()
     if spec.choices > settings.max_in_flight:  # could never be admitted whole
-        raise bad_request(f"{spec.choices} choices are more than this server's {settings.max_in_flight} requests "
-                          "in flight", "n", "invalid_value")
+        raise bad_request(f"{spec.choices} choices are more than this server's {settings.max_in_flight} "
+                          "requests in flight", "n", "invalid_value")
     fmt = fmt_cls(names[0], spec, engine.tokenizer)
     record = st.request_record(request)
     record.update(request_id=fmt.id, tenant=tenant.name, prompt_tokens=sum(map(len, spec.all_prompts)),
@@ -149,7 +149,8 @@ async def _generate(request: web.Request, parse: Parser, fmt_cls: type[Format]) 
         record["user"] = spec.user
     if spec.choices > 1:
         record["n"] = spec.choices
-    reqs = [Request(rid, ids, sampling, tenant.name, arrival) for rid, ids, sampling in _choice_requests(fmt.id, spec)]
+    reqs = [Request(rid, ids, sampling, tenant.name, arrival)
+            for rid, ids, sampling in _choice_requests(fmt.id, spec)]
     outs = [Output(start) for _ in reqs]
     try:
         return await _serve(request, tenant, reqs, fmt, outs)

@@ -88,7 +88,8 @@ def parse_completion(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> Ge
             Request("parse", ids, spec.sampling).validate(limits.vocab_size, limits.max_context)
     cap = limits.max_concurrent if limits.max_concurrent is not None else MAX_PROMPTS * MAX_N
     if len(prompts) * spec.n > min(cap, MAX_PROMPTS * MAX_N):
-        raise bad_request(f"{len(prompts)} prompts x n={spec.n} choices is more than the {min(cap, MAX_PROMPTS * MAX_N)} "
+        raise bad_request(f"{len(prompts)} prompts x n={spec.n} choices is more than the "
+                          f"{min(cap, MAX_PROMPTS * MAX_N)} "
                           "requests this API key may have in flight", "prompt", "invalid_value")
     return replace(spec, prompt_ids=prompts[0], prompts=prompts)
 

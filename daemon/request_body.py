@@ -51,7 +51,8 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
             json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             raise bad_request("request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
-                              "without its pair): strings must be valid Unicode", code="invalid_json") from None
+                              "without its pair): strings must be valid Unicode",
+                              code="invalid_json") from None
     return body
 
 

@@ -34,3 +34,16 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def as_text(value: object) -> str:
+    """A setting's value as --help shows it.
+
+    >>> as_text(True), as_text((2, 4)), as_text(None), as_text(0.5)
+    ('on', '2,4', 'none', '0.5')
+    """
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return "none" if value is None else str(value)

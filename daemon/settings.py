@@ -33,9 +33,10 @@ import tomllib
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
-from daemon.setting_values import int_tuple, is_loopback, parse_size
+from daemon.setting_values import as_text, int_tuple, is_loopback, parse_size
 from engine.config import WEIGHT_FORMS
 from tuner.config import TunerConfig
 
@@ -73,7 +74,8 @@ class Settings:
     tensor_parallel: int = 1
     """Devices the model and KV pool are split over (engine/model/sharding.py); 1: one device."""
     speculation: bool = True
-    """Compile verification and load the proposers (n-gram; MTP, early exit, draft model from the heads file)."""
+    """Compile verification and load the proposers (n-gram; MTP, early exit, draft model from the heads
+    file)."""
     prefix_cache: bool = True
     """Share the KV pages of common prompt prefixes between requests (engine/memory/prefix_cache.py)."""
     heads: str | None = None
@@ -81,17 +83,20 @@ class Settings:
     db_url: str | None = None
     """SQLAlchemy URL or SQLite path of the telemetry database; None: $CROSSOVER_DB, ./crossover.db."""
     instance: str | None = None
-    """This daemon's name among those sharing the database (its rows, policies, retunes); None: host name:port."""
+    """This daemon's name among those sharing the database (its rows, policies, retunes); None: host
+    name:port."""
     tuner: TunerConfig = field(default_factory=TunerConfig)
     """The tuner and its periodic job: the `[tuner]` section (tuner.config.TunerConfig)."""
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata=_SIZE)
     """Largest accepted request body; bigger ones get 413."""
     check_origin: bool = True
-    """On a loopback address, refuse (403) requests naming another Host or from a web page of another Origin."""
+    """On a loopback address, refuse (403) requests naming another Host or from a web page of another
+    Origin."""
     max_connections: int = 512
     """Most client connections open at once; one more is answered 503 and closed (daemon/connections.py)."""
     header_timeout_s: float = 30.0
-    """Longest a connection may take to send a request's headers, or stay idle between requests; then it is closed."""
+    """Longest a connection may take to send a request's headers, or stay idle between requests; then it
+    is closed."""
     body_timeout_s: float = 30.0
     """Longest a request's body may take to arrive once its headers are in; then 408."""
     max_prompt_chars: int = 1_000_000
@@ -107,7 +112,8 @@ class Settings:
     engine_restart_backoff_s: float = 0.5
     """Wait before restarting the engine loop after such a fault; doubles with each restart in a row."""
     stream_write_timeout_s: float = 30.0
-    """Longest one write of a streamed response may wait for a client that is not reading; then the request is aborted."""
+    """Longest one write of a streamed response may wait for a client that is not reading; then the
+    request is aborted."""
     stream_idle_timeout_s: float = 60.0
     """Longest a stream's client may take none of the bytes waiting for it; then the request is aborted."""
     log_level: str = "info"
@@ -127,13 +133,15 @@ class Settings:
     tenant_max_queued: int = 0
     """Requests of one tenant that may wait for a slot past its max_concurrent; more get 429."""
     tenant_max_concurrent_share: float | None = 0.5
-    """Share of max_batch a keyed tenant without its own max_concurrent may have in flight (at least 1); None: no limit."""
+    """Share of max_batch a keyed tenant without its own max_concurrent may have in flight (at least 1);
+    None: no limit."""
     tenant_cache_s: float = 5.0
     """How long an API key lookup is cached (a key revoked elsewhere works this long)."""
 
     def served_names(self, engine_name: str) -> tuple[str, ...]:
         """The names `model` may take: `served_model_name`'s, else the engine's own."""
-        return tuple(n.strip() for n in (self.served_model_name or "").split(",") if n.strip()) or (engine_name,)
+        return tuple(n.strip() for n in (self.served_model_name or "").split(",")
+                     if n.strip()) or (engine_name,)
 
     def __post_init__(self) -> None:
         _check_range("port", self.port, 0, 65535)
@@ -186,7 +194,8 @@ class Settings:
     def tenant_default_max_concurrent(self) -> int | None:
         """max_concurrent of a keyed tenant without its own: the share of max_batch, at least 1.
 
-        >>> Settings(max_batch=32).tenant_default_max_concurrent, Settings(max_batch=1).tenant_default_max_concurrent
+        >>> (Settings(max_batch=32).tenant_default_max_concurrent,
+        ...  Settings(max_batch=1).tenant_default_max_concurrent)
         (16, 1)
         """
         share = self.tenant_max_concurrent_share
@@ -289,7 +298,7 @@ def add_section_flags(parser: Any) -> None:
             flat = f"{section}_{f.name}"
             key, default = _KEYS[flat], getattr(cls(), f.name)
             names = _FLAG_NAMES.get(flat, ("--" + flat.replace("_", "-"),))
-            text = f"{docs.get(f.name, f.name)} (default {_show(default)})".replace("%", "%%")
+            text = f"{docs.get(f.name, f.name)} (default {as_text(default)})".replace("%", "%%")
             if key.kind is bool:
                 parser.add_argument(*names, dest=flat, action=argparse.BooleanOptionalAction,
                                     default=None, help=text)
@@ -305,7 +314,7 @@ def field_docs(cls: type) -> dict[str, str]:
     """
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
     docs = {}
-    for node, after in zip(body, body[1:]):
+    for node, after in pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
             docs[node.target.id] = _first_sentence(" ".join(str(after.value.value).split()))
@@ -320,14 +329,6 @@ def _first_sentence(text: str) -> str:
         if depth == 0 and ch in ".;:" and text[i + 1 : i + 2] in (" ", ""):
             return text[:i]
     return text
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, tuple):
-        return ",".join(str(v) for v in value)
-    return "none" if value is None else str(value)
 
 
 def _metavar(key: _Key) -> str:

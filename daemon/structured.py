@@ -19,7 +19,8 @@ from daemon.errors import bad_request
 from engine.grammar import ConstraintError, grammar_text
 from engine.types import Constraint
 
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
 """vLLM's request extras -> constraint kinds."""
 STRUCTURED = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 """The keys of vLLM's `structured_outputs` object -> constraint kinds."""
@@ -66,8 +67,8 @@ def _response_format(value: Any) -> Constraint | None:
     if kind == "json_object":
         return Constraint("json", ANY_OBJECT, "response_format")
     if kind != "json_schema":
-        raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}"[:300],
-                          "response_format.type", "invalid_value")
+        raise bad_request(("response_format.type must be text, json_object or json_schema, "
+                           f"got {kind!r}")[:300], "response_format.type", "invalid_value")
     spec = value.get("json_schema")
     param = "response_format.json_schema"
     if not isinstance(spec, dict):
@@ -113,7 +114,8 @@ def _extra(param: str, kind: str, value: Any) -> Constraint | None:
         return Constraint("json", json.dumps(value), param)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(x, str) and x for x in value):
-            raise bad_request(f"{param} must be a non-empty list of non-empty strings", param, "invalid_value")
+            raise bad_request(f"{param} must be a non-empty list of non-empty strings", param,
+                              "invalid_value")
         return Constraint("choice", json.dumps(value), param)
     if not isinstance(value, str) or not value:
         raise bad_request(f"{param} must be a non-empty string", param, "invalid_type")

@@ -29,7 +29,8 @@ from engine.types import Constraint
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 MAX_TOOLS = 128
-INSTRUCTIONS = ("You have access to functions. If you decide to invoke any of the function(s), you MUST put it "
+INSTRUCTIONS = ("You have access to functions. If you decide to invoke any of the function(s), you MUST put "
+                "it "
                 'in the format of {"name": function name, "parameters": dictionary of argument name and its '
                 "value}\nYou SHOULD NOT include any other text in the response if you call a function")
 """Gemma 3's documented instruction for prompted function calling, in its JSON form."""
@@ -83,21 +84,24 @@ def parse_tools(body: dict[str, Any]) -> Tools | None:
         return None
     if choice == "required":
         return Tools(functions, "required")
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+    if isinstance(choice,
+                  dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if set(choice) - {"type", "function"} or set(choice["function"]) - {"name"}:
             raise bad_request("tool_choice has unknown keys", "tool_choice", "invalid_value")
         if name not in functions:
-            raise bad_request(f"tool_choice names {str(name)[:80]!r}, which is not among tools", "tool_choice",
-                              "invalid_value")
+            raise bad_request(f"tool_choice names {str(name)[:80]!r}, which is not among tools",
+                              "tool_choice", "invalid_value")
         return Tools(functions, name)
     raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                       '{"name": ...}}', "tool_choice", "invalid_value")
 
 
 def _function(tool: Any, param: str, seen: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise bad_request(f'{param} must be {{"type": "function", "function": {{...}}}}', param, "invalid_value")
+    if not isinstance(tool,
+                      dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise bad_request(f'{param} must be {{"type": "function", "function": {{...}}}}', param,
+                          "invalid_value")
     if set(tool) - {"type", "function"}:
         raise bad_request(f"{param} has unknown keys {sorted(set(tool) - {'type', 'function'})}", param,
                           "invalid_value")
@@ -108,7 +112,8 @@ def _function(tool: Any, param: str, seen: dict[str, Any]) -> tuple[str, dict[st
                           "invalid_value")
     name = fn.get("name")
     if not isinstance(name, str) or not NAME.match(name):
-        raise bad_request(f"{param}.function.name must be 1-64 letters, digits, _ or -", f"{param}.function.name",
+        raise bad_request(f"{param}.function.name must be 1-64 letters, digits, _ or -",
+                          f"{param}.function.name",
                           "invalid_value")
     if name in seen:
         raise bad_request(f"{param}.function.name {name!r} is offered twice", f"{param}.function.name",
@@ -122,7 +127,8 @@ def _function(tool: Any, param: str, seen: dict[str, Any]) -> tuple[str, dict[st
         raise bad_request(f"{param}.function.parameters must be a JSON schema object",
                           f"{param}.function.parameters", "invalid_type")
     if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
-        raise bad_request(f"{param}.function.strict must be a boolean", f"{param}.function.strict", "invalid_type")
+        raise bad_request(f"{param}.function.strict must be a boolean", f"{param}.function.strict",
+                          "invalid_type")
     return name, {"name": name, "description": description, "parameters": parameters}
 
 
@@ -137,7 +143,8 @@ def tool_messages(messages: list[dict[str, Any]], tools: Tools | None) -> list[d
         if role == "assistant" and m.get("tool_calls"):
             for call in m["tool_calls"]:
                 names[call["id"]] = call["name"]
-            calls = "\n".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in m["tool_calls"])
+            calls = "\n".join(json.dumps({"name": c["name"], "parameters": c["arguments"]})
+                              for c in m["tool_calls"])
             text = (text + "\n" if text else "") + calls
         elif role == "tool":
             role, text = "user", f"Function {names.get(m.get('tool_call_id', ''), 'call')} returned: {text}"
@@ -162,10 +169,11 @@ def check_tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
     for j, call in enumerate(calls):
         where = f"{param}[{j}]"
         fn = call.get("function") if isinstance(call, dict) else None
-        if not (isinstance(fn, dict) and call.get("type", "function") == "function" and isinstance(call.get("id"), str)
+        if not (isinstance(fn, dict) and call.get("type", "function") == "function"
+                and isinstance(call.get("id"), str)
                 and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
-            raise bad_request(f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}',
-                              where, "invalid_value")
+            raise bad_request(f'{where} must be {{"id", "type": "function", "function": {{"name", '
+                              f'"arguments"}}}}', where, "invalid_value")
         try:
             arguments = json.loads(fn["arguments"])
         except ValueError:

@@ -97,7 +97,7 @@ class ModelConfig:
         )
         return self.vocab_size * d + self.n_layers * per_layer + d
 
-    def replace(self, **kw) -> "ModelConfig":
+    def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 
 

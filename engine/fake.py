@@ -54,11 +54,11 @@ from typing import Any
 
 import numpy as np
 
-from engine.step.chooser import StepChooser
-from engine.speculation.fake_speculation import FakeCost, FakeProposer
-from engine.policy import TunedPolicy, check_servable
 from engine.memory.prefix_cache import SeenPrefixes
+from engine.policy import TunedPolicy, check_servable
 from engine.runtime.progress import Reporter, note
+from engine.speculation.fake_speculation import FakeCost, FakeProposer
+from engine.step.chooser import StepChooser
 from engine.types import EngineCapacity, ParamError, ProposerCapacity, Request, RequestResult, StepOutput
 from engine.types import RowClass, StepStats, TokenEvent
 
@@ -98,15 +98,14 @@ class FakeTokenizer:
         names = {PAD_ID: "<pad>", EOS_ID: "<eos>", BOS_ID: "<bos>", END_OF_TURN_ID: "<end_of_turn>"}
         return names.get(token_id) or self.decode([token_id])
 
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         lines = []
         for i, message in enumerate(messages):
             role, content = message.get("role"), message.get("content")
             if role not in CHAT_ROLES:
                 raise ValueError(f"messages[{i}].role must be one of {CHAT_ROLES}, got {role!r}")
             if not isinstance(content, str):
-                raise ValueError(f"messages[{i}].content must be a string")
+                raise ValueError(f"messages[{i}].content must be a string")  # noqa: TRY004
             lines.append(f"{role}: {content}\n")
         return "".join(lines) + ("assistant: " if add_generation_prompt else "")
 
@@ -212,8 +211,9 @@ class FakeEngine:
     def status(self) -> dict[str, Any]:
         return {"kv_pages_used": self.pages_used, "kv_pages_free": self.num_pages - self.pages_used,
                 "kv_pages_total": self.num_pages, "running": len(self._running),
-                "waiting": len(self._waiting), "compile_count": 0, "techniques": dict.fromkeys(self.proposers, "ready"),
-                "policy_version": self.policy.version, "prefix_cache": self.prefixes.status()}
+                "waiting": len(self._waiting), "compile_count": 0,
+                "techniques": dict.fromkeys(self.proposers, "ready"), "policy_version": self.policy.version,
+                "prefix_cache": self.prefixes.status()}
 
     def warmup(self, progress: Reporter = True) -> None:
         note(progress, "fake engine: warming up")

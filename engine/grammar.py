@@ -108,7 +108,8 @@ class GrammarVocab:
             eos_token_id, bos_token_id, tokens, special_token_ids = stops[0], tokenizer.bos_id, words, special
 
             def __call__(self, text: str | bytes) -> list[int]:
-                return tokenizer.encode_plain(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+                return tokenizer.encode_plain(text.decode("utf-8", "replace") if isinstance(text, bytes)
+                                              else text)
 
         self.ll = llg.LLTokenizer(llg.TokenizerWrapper(_Words()), n_vocab=n_vocab, eos_token=stops)
         self.n_vocab = n_vocab

@@ -122,7 +122,8 @@ def _set(obj: Any, **values: Any) -> None:
 def _check_choice(rule: Any) -> None:
     """Normalize and check a rule's technique, depth and max_batch (from its __post_init__)."""
     _set(rule, technique=_technique("technique", rule.technique),
-         max_batch=_int("max_batch", rule.max_batch, 1, MAX_BATCH), depth=_int("depth", rule.depth, 0, MAX_DEPTH))
+         max_batch=_int("max_batch", rule.max_batch, 1, MAX_BATCH),
+         depth=_int("depth", rule.depth, 0, MAX_DEPTH))
     if (rule.technique == "none") != (rule.depth == 0):
         raise PolicyError("depth", f"technique={rule.technique!r} and depth={rule.depth} "
                           "disagree (depth 0 exactly when the technique is 'none')")
@@ -386,7 +387,8 @@ class TunedPolicy:
         rest = dict(_keys("", d, TunedPolicy))
         for name, parse in (("rules", BatchRule.from_dict), ("tenants", TenantRule.from_dict)):
             if name in rest:
-                rest[name] = tuple(_parsed(f"{name}[{i}]", parse, x) for i, x in enumerate(_seq(name, rest[name])))
+                rest[name] = tuple(_parsed(f"{name}[{i}]", parse, x)
+                                   for i, x in enumerate(_seq(name, rest[name])))
         if rest.get("explore") is not None:
             try:
                 rest["explore"] = Exploration.from_dict(rest["explore"])
@@ -399,8 +401,8 @@ def check_servable(policy: Any, capacity: EngineCapacity) -> None:
     """PolicyError (a ValueError) unless an engine of this capacity can serve `policy`: it is
     a TunedPolicy whose every field passes the constructor's checks, every technique has a loaded
     proposer, no depth exceeds the compiled verify buckets, and an MTP draft vocabulary is
-    one the heads compiled (where the proposer lists them, as the real one always does). EngineCore and FakeEngine both call it from `set_policy`, so
-    what the fake accepts the real engine accepts."""
+    one the heads compiled (where the proposer lists them, as the real one always does). EngineCore and
+    FakeEngine both call it from `set_policy`, so what the fake accepts the real engine accepts."""
     if not isinstance(policy, TunedPolicy):
         raise PolicyError("policy", f"a policy must be a TunedPolicy, got {type(policy).__name__}")
     TunedPolicy.from_dict(policy.to_dict())  # one unpickled or built around __post_init__ too

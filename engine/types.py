@@ -311,7 +311,7 @@ def row_classes_from_json(value: object) -> tuple[RowClass, ...]:
 
     >>> row_classes_from_json([{"tenant": "a", "technique": "ngram", "depth": 2, "rows": 1,
     ...                         "proposed": 2, "accepted": 1, "accepted_per_pos": [1, 0]}])
-    (RowClass(tenant='a', technique='ngram', depth=2, rows=1, proposed=2, accepted=1, accepted_per_pos=(1, 0)),)
+    (RowClass(tenant='a', technique='ngram', depth=2, rows=1, ..., accepted_per_pos=(1, 0)),)
     """
     if value is None:
         return ()

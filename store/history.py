@@ -209,7 +209,7 @@ def instances(session: Session) -> list[str]:
     return sorted(names)
 
 
-def _of(query: Select, table: type[Policy] | type[Retune], instance: str | None) -> Select:
+def _of(query: Select, table: type[Policy | Retune], instance: str | None) -> Select:
     """`query` limited to one instance's rows (None: every instance)."""
     return query if instance is None else query.where(table.instance == instance)
 

@@ -60,7 +60,7 @@ class Base(DeclarativeBase):
     """Declarative base: constraint naming (batch ALTER on SQLite needs names)."""
 
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {float: Double(), dict[str, Any]: JSON(), list[Any]: JSON()}
+    type_annotation_map = {float: Double(), dict[str, Any]: JSON(), list[Any]: JSON()}  # noqa: RUF012
 
 
 class Tenant(Base):

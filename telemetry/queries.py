@@ -209,7 +209,7 @@ def acceptance_by_tenant(
             func.count(),
             func.sum(Request.proposed_tokens),
             func.sum(Request.accepted_tokens),
-        )  # fmt: skip
+        )
         .where(*_window(Request.finish_time, since, until, instance))
         .group_by(Request.tenant)
         .order_by(Request.tenant)

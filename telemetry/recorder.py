@@ -232,7 +232,7 @@ class Recorder:
     def _close_at_exit(self) -> None:
         self.close(timeout=AT_EXIT_TIMEOUT_S)
 
-    def __enter__(self) -> Recorder:
+    def __enter__(self) -> Recorder:  # noqa: PYI034
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -251,7 +251,7 @@ class Recorder:
             stopping = self._stop.is_set()
             try:
                 ok = self._flush_once()
-            except Exception as exc:  # noqa: BLE001 -- a bug or an odd driver error must not end the writer
+            except Exception as exc:  # a bug or an odd driver error must not end the writer
                 log.exception("telemetry flush failed; retrying with backoff")
                 self._writer.last_error = _describe(exc)
                 ok = False

@@ -22,7 +22,8 @@ no decode rows) counts as one unit: its technique and depth are the step's own.
     ...            {"tenant": "chat", "technique": "mtp", "depth": 2, "rows": 1, "proposed": 2,
     ...             "accepted": 1, "accepted_per_pos": [1, 0]},
     ...            {"tenant": "prose", "technique": "none", "depth": 0, "rows": 1}]
-    >>> [(d.technique, d.depth, d.proposed, d.accepted) for d in drafts("ngram", 4, 10, 4, [3, 1, 0, 0], classes)]
+    >>> [(d.technique, d.depth, d.proposed, d.accepted)
+    ...  for d in drafts("ngram", 4, 10, 4, [3, 1, 0, 0], classes)]
     [('ngram', 4, 8, 3), ('mtp', 2, 2, 1)]
     >>> step_technique("ngram", classes), step_technique("ngram", classes[:1]), step_technique("none", None)
     ('mixed', 'ngram', 'none')

@@ -38,8 +38,9 @@ def _json_list(value: Any) -> list[Any]:
     object of its fields, anything else a string.
 
     >>> from engine.types import RowClass
-    >>> _json_list((RowClass("a", "ngram", 2, 1, 2, 1, (1, 0)),))
-    [{'tenant': 'a', 'technique': 'ngram', 'depth': 2, 'rows': 1, 'proposed': 2, 'accepted': 1, 'accepted_per_pos': [1, 0]}]
+    >>> _json_list((RowClass("a", "ngram", 2, 1, 2, 1, (1, 0)),))  # doctest: +NORMALIZE_WHITESPACE
+    [{'tenant': 'a', 'technique': 'ngram', 'depth': 2, 'rows': 1, 'proposed': 2, 'accepted': 1,
+      'accepted_per_pos': [1, 0]}]
     """
     return [_json_item(v) for v in value or ()]
 
@@ -122,8 +123,9 @@ def class_rows(step: Row, step_pk: int) -> list[Row]:
 
     >>> step = {"instance": "a", "time": 2.0, "row_classes": [{"tenant": "acme", "technique": "ngram",
     ...         "depth": 2, "rows": 1, "proposed": 2, "accepted": 1, "accepted_per_pos": [1, 0]}]}
-    >>> class_rows(step, 7)
-    [{'step': 7, 'instance': 'a', 'time': 2.0, 'tenant': 'acme', 'technique': 'ngram', 'depth': 2, 'rows': 1, 'proposed': 2, 'accepted': 1, 'accepted_per_pos': [1, 0]}]
+    >>> class_rows(step, 7)  # doctest: +NORMALIZE_WHITESPACE
+    [{'step': 7, 'instance': 'a', 'time': 2.0, 'tenant': 'acme', 'technique': 'ngram', 'depth': 2, 'rows': 1,
+      'proposed': 2, 'accepted': 1, 'accepted_per_pos': [1, 0]}]
     >>> class_rows({"instance": "a", "time": 2.0, "row_classes": None}, 7)
     []
     """

@@ -203,7 +203,7 @@ def _connect_pg() -> tuple[PgServer | None, str]:
         try:
             with probe.connect():
                 pass
-        except Exception as exc:  # noqa: BLE001 - any failure means "not reachable"
+        except Exception as exc:  # any failure means "not reachable"
             shown = make_url(url).render_as_string(hide_password=True)
             errors.append(f"{shown}: {str(exc).splitlines()[0]}")
             continue

@@ -1,4 +1,5 @@
-"""Every worked example (`>>>`) in a docstring of the serving packages, the command line, bench/ and training/ runs.
+"""Every worked example (`>>>`) in a docstring of the serving packages, the command line, bench/ and training/
+runs.
 
 Modules are chosen by reading their source with `ast` (a docstring holding
 `>>>`), so a new example is picked up without being listed here; each chosen

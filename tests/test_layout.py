@@ -123,8 +123,8 @@ def collect_imports(files: dict[str, Path], root: Path = ROOT) -> list[Import]:
 
         def visit(node: ast.AST, lazy: bool, type_only: bool) -> None:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for target in sorted(_import_targets(node, module, is_package, modules) - {module}):
-                    found.append(Import(module, target, str(path.relative_to(root)), node.lineno,
+                for target in sorted(_import_targets(node, module, is_package, modules) - {module}):  # noqa: B023
+                    found.append(Import(module, target, str(path.relative_to(root)), node.lineno,  # noqa: B023
                                         lazy, type_only))
                 return
             for child in ast.iter_child_nodes(node):
@@ -269,7 +269,8 @@ def imports() -> list[Import]:
 
 def test_the_walk_sees_the_tree(imports):
     files = project_files()
-    want = {"engine.step.core", "engine.memory.kv", "cli.main", "store.models", "migrations.env", "bench", "training"}
+    want = {"engine.step.core", "engine.memory.kv", "cli.main", "store.models", "migrations.env", "bench",
+            "training"}
     assert want <= set(files)
     pairs = {(i.source, i.target) for i in imports}
     assert ("migrations.env", "store.models") in pairs
@@ -331,7 +332,8 @@ def test_checker_finds_a_cycle_between_engine_parts_but_not_inside_one(tmp_path)
     imports = _toy(tmp_path, {
         "engine/__init__.py": "",
         "engine/step/__init__.py": "",
-        "engine/step/core.py": "from engine.speculation.proposers import P\nfrom engine.step import chooser\n",
+        "engine/step/core.py": ("from engine.speculation.proposers import P\n"
+                                "from engine.step import chooser\n"),
         "engine/step/chooser.py": "",
         "engine/step/sequence.py": "",
         "engine/speculation/__init__.py": "",

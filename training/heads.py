@@ -86,8 +86,8 @@ class TrainConfig:
 
 def generate_corpus(engine, tc: TrainConfig, progress: Reporter = True) -> list[tuple[str, list[int], int]]:
     """(kind, prompt + continuation ids, prompt length) per prompt, greedy."""
-    from engine.types import Request, SamplingParams
     from bench.workloads import KINDS, prompts, to_request
+    from engine.types import Request, SamplingParams
 
     reqs = []
     for kind in KINDS:
@@ -116,7 +116,7 @@ def generate_corpus(engine, tc: TrainConfig, progress: Reporter = True) -> list[
 @partial(jax.jit, static_argnames=("cfg", "capture"))
 def _capture(cfg, params, tokens, pos, capture: tuple[int, ...]):
     """Dense forward over one padded sequence [1, T]: final states, exit states (final-normed)."""
-    B, T = tokens.shape
+    B, _ = tokens.shape
 
     def empty(kind, idx):
         z = jnp.zeros((B, 0, cfg.n_kv_heads, cfg.head_dim), params["embed"].dtype)
@@ -145,7 +145,8 @@ def capture(engine, corpus, exits: tuple[int, ...], progress: Reporter = True):
         pos = np.where(np.arange(Tp) < T, np.arange(Tp), -1).astype(np.int32)[None]
         h, xs = _capture(cfg, params, tok, pos, tuple(L - 1 for L in exits))
         pred = np.concatenate([np.asarray(_greedy(params, h[i : i + 256])) for i in range(0, Tp, 256)])[:T]
-        out.append((np.asarray(h[:T], np.float32), {L: np.asarray(x[:T], np.float32) for L, x in zip(exits, xs)},
+        out.append((np.asarray(h[:T], np.float32),
+                    {L: np.asarray(x[:T], np.float32) for L, x in zip(exits, xs)},
                     pred))
         bar.advance()
     bar.close()
@@ -163,7 +164,8 @@ def _cached_data(engine, tc: TrainConfig, progress: Reporter):
 
     from engine.model.gguf_file import cache_dir
 
-    key = json.dumps([engine.cfg.name, tc.prompts_per_kind, tc.gen_tokens, tc.max_prompt, list(tc.exits), tc.seed])
+    key = json.dumps([engine.cfg.name, tc.prompts_per_kind, tc.gen_tokens, tc.max_prompt, list(tc.exits),
+                      tc.seed])
     root = cache_dir()
     path = root / f"train-heads-{hashlib.sha256(key.encode()).hexdigest()[:12]}.npz"
     if path.is_file():
@@ -177,7 +179,8 @@ def _cached_data(engine, tc: TrainConfig, progress: Reporter):
     caps = capture(engine, corpus, tc.exits, progress)
     arrays = {"n": np.asarray(len(corpus))}
     for i, ((kind, ids, n_prompt), (h, xs, pred)) in enumerate(zip(corpus, caps)):
-        arrays |= {f"kind{i}": np.asarray(kind), f"ids{i}": np.asarray(ids, np.int32), f"np{i}": np.asarray(n_prompt),
+        arrays |= {f"kind{i}": np.asarray(kind), f"ids{i}": np.asarray(ids, np.int32),
+                   f"np{i}": np.asarray(n_prompt),
                    f"h{i}": h, f"pred{i}": pred, **{f"x{L}_{i}": x for L, x in xs.items()}}
     root.mkdir(parents=True, exist_ok=True)
     np.savez(path, **arrays)

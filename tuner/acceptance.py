@@ -342,8 +342,8 @@ def remembered(recent: Sequence[StepStats], older: Sequence[StepStats],
     holds what its policy ran: after a busy stretch served plainly it holds only the few
     n-gram steps exploration ran, so when the batch drains to a copy tenant's long requests
     the search would know no n-gram rates and keep decoding plainly where n-gram pays.
-    Only tenants measured before get remembered rates; the others keep the window's (a technique's pooled rate stays the
-    window's, so a tenant never measured is not credited with the copy tenant's).
+    Only tenants measured before get remembered rates; the others keep the window's (a technique's pooled rate
+    stays the window's, so a tenant never measured is not credited with the copy tenant's).
 
     >>> from engine.types import StepStats
     >>> def s(t, d, acc): return StepStats(batch_size=1, decode_tokens=1 + acc, technique=t,

@@ -29,9 +29,9 @@ telemetry of the traffic window (tuner.traffic.Traffic):
    cannot grow. With L lent pages left once speculation's resident bytes and verify slots
    are paid, it drafts for min(1, L / (ratio * F * B)) of a batch of B (`held_share`), F the
    0.9 quantile of the per-step footprint (`lender_footprint`: the mean would hold the
-   shorter sequences and lose the longer ones); the other rows decode plainly. That share replaces the technique's fitted draft share: a draft model
-   proposes for every sequence it holds, and the share measured under another split says
-   how much that split held, not what this one will.
+   shorter sequences and lose the longer ones); the other rows decode plainly. That share replaces the
+   technique's fitted draft share: a draft model proposes for every sequence it holds, and the share measured
+   under another split says how much that split held, not what this one will.
 
 5. Pools. An engine with sliding-window layers keeps two pools (Capacity.pools): global pages
    grow with the context, a local ring holds at most its window's pages per sequence. The
@@ -134,7 +134,8 @@ def pages_per_sequence(traffic: Traffic, capacity: Capacity) -> float:
     """Pages one running sequence holds (module doc, 1).
 
     >>> t = Traffic(1, {1: 1.0}, {}, 1.0, 1, mean_prompt_tokens=40, mean_output_tokens=9)
-    >>> pages_per_sequence(t, Capacity(64, 16)), pages_per_sequence(t, Capacity(64, 16, pools=((40, 0), (24, 2))))
+    >>> (pages_per_sequence(t, Capacity(64, 16)),
+    ...  pages_per_sequence(t, Capacity(64, 16, pools=((40, 0), (24, 2)))))
     (4.0, 6.0)
     """
     if traffic.pages_per_sequence > 0:
@@ -228,7 +229,8 @@ def under_split(traffic: Traffic, capacity: Capacity, split: float) -> Traffic:
     shares = traffic.token_shares()
     weights: dict[int, float] = {}
     tokens: dict[int, float] = {}
-    sums: dict[int, list[float]] = {}  # to -> [prefill per token, tokens per step, sampled rate, sampled steps]
+    sums: dict[int,
+               list[float]] = {}  # to -> [prefill per token, tokens per step, sampled rate, sampled steps]
     for b, to in served.items():
         u = shares.get(b, 0.0)
         seen = traffic.tokens_per_step.get(b) or float(b)

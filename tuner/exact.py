@@ -395,7 +395,8 @@ def _policy(space: SearchSpace, cells: list[tuple[str, int]], choice: np.ndarray
     """The rules of `choice`; the crossover at the end of the last range that speculates, no
     further than the engine verifies (the ranges above it are ties, their cells never run)."""
     rules = tuple(BatchRule(upper, *cells[c]) for upper, c in zip(space.ranges, choice))
-    crossover = min(max((r.max_batch for r in rules if r.technique != "none"), default=0), space.spec_max_batch)
+    crossover = min(max((r.max_batch for r in rules if r.technique != "none"), default=0),
+                    space.spec_max_batch)
     return TunedPolicy(rules, crossover, draft_vocab=vocab, source="tuner")
 
 

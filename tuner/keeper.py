@@ -104,7 +104,7 @@ class PolicyKeeper:
                 self._host.set_policy(self._served(policy))
                 self.current = policy
                 return policy
-            except Exception as exc:  # noqa: BLE001 -- a bad stored policy must not stop the start
+            except Exception as exc:  # a bad stored policy must not stop the start
                 log.warning("cannot restore policy v%s (%s: %s); serving the default, unrecorded",
                             row.version, type(exc).__name__, exc)
         self._host.set_policy(self._served(self.default))

@@ -376,9 +376,9 @@ class PerfModel:
         proposer on its own rows, each row class's tokens at its own
         choice and tenant."""
         ms = max(self._ran_ms(s), self.floor_ms)
-        for technique, (ran, rows, rows_depth) in propose_columns(s, lambda t: t).items():
+        for technique, (n_ran, rows, rows_depth) in propose_columns(s, lambda t: t).items():
             p0, p1, p2 = self.propose_terms(technique, vocab)
-            ms += max(0.0, p0 * ran + p1 * rows + p2 * rows_depth)
+            ms += max(0.0, p0 * n_ran + p1 * rows + p2 * rows_depth)
         tokens = sum(c.rows * self.expected_tokens_per_seq(c.technique, c.depth, c.tenant, vocab)
                      for c in s.row_classes)
         return ms, tokens

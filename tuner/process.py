@@ -230,7 +230,7 @@ def bounded(search: SearchRunner, job: SearchJob) -> SearchOutcome:
     def run() -> None:
         try:
             result["outcome"] = search(job)
-        except BaseException as exc:  # noqa: BLE001 -- handed to the waiting thread, raised there
+        except BaseException as exc:  # handed to the waiting thread, raised there
             result["error"] = exc
         finally:
             done.set()

@@ -170,7 +170,7 @@ def warm_up(db_url: str | None = None) -> int:
     import os
 
     import numpy as np
-    import optuna.storages._rdb.storage  # noqa: F401 -- its models and Alembic, read per search
+    import optuna.storages._rdb.storage  # its models and Alembic, read per search
     from scipy.optimize import nnls
 
     nnls(np.eye(2), np.ones(2))

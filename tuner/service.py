@@ -121,7 +121,7 @@ class Tuner:
     """See the module docstring."""
 
     def __init__(self, db: Engine, db_url: str, keeper: PolicyKeeper,
-                 capacity: Callable[[], Capacity], config: TunerConfig = TunerConfig(),
+                 capacity: Callable[[], Capacity], config: TunerConfig = TunerConfig(),  # noqa: B008
                  search: SearchRunner = run_search) -> None:
         self.db, self.db_url, self.keeper = db, db_url, keeper
         self.instance = keeper.instance

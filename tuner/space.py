@@ -76,7 +76,7 @@ class SearchSpace:
         return (0, *(r for r in self.ranges if r < cap), *((cap,) if cap <= self.ranges[-1] else ()))
 
     def pool_splits(self) -> list[float]:
-        n = int(round(self.max_pool_split / self.pool_split_step))
+        n = round(self.max_pool_split / self.pool_split_step)
         return [round(i * self.pool_split_step, 6) for i in range(n + 1)]
 
     def suggest(self, trial: optuna.Trial) -> TunedPolicy:

@@ -145,7 +145,8 @@ def enough_evidence(steps: Sequence[StepStats]) -> bool:
 
     >>> from engine.types import StepStats
     >>> at = lambda b, n: [StepStats(batch_size=b, decode_tokens=b, step_ms=9.0)] * n
-    >>> enough_evidence(at(32, 3)), enough_evidence(at(32, 2)), enough_evidence(at(4, 7)), enough_evidence(at(4, 8))
+    >>> (enough_evidence(at(32, 3)), enough_evidence(at(32, 2)), enough_evidence(at(4, 7)),
+    ...  enough_evidence(at(4, 8)))
     (True, False, False, True)
     """
     n, sequences = len(steps), sum(s.batch_size for s in steps)
@@ -162,9 +163,11 @@ def against_prediction(verdict: Verdict, own: Sequence[StepStats], measured: flo
     per sequence too: 8 steps of batch 32 are 256 sequences' drafts.
 
     >>> from engine.types import StepStats
-    >>> own = [StepStats(batch_size=4, decode_tokens=4, technique="ngram", depth=8, proposed=32, accepted_per_pos=(0,) * 8, propose_ms=1.0, step_ms=400.0, policy_version=1)] * 8
+    >>> own = [StepStats(batch_size=4, decode_tokens=4, technique="ngram", depth=8, proposed=32,
+    ...                  accepted_per_pos=(0,) * 8, propose_ms=1.0, step_ms=400.0, policy_version=1)] * 8
     >>> v = Verdict("inconclusive", "no matched steps")
-    >>> against_prediction(v, own, 23.0, 48.0, 0.3).decision, against_prediction(v, own, 40.0, 48.0, 0.3).decision
+    >>> (against_prediction(v, own, 23.0, 48.0, 0.3).decision,
+    ...  against_prediction(v, own, 40.0, 48.0, 0.3).decision)
     ('rollback', 'inconclusive')
     >>> against_prediction(v, own[:7], 23.0, 48.0, 0.3).decision
     'inconclusive'

@@ -5,9 +5,9 @@
    bad value otherwise.
 2. Read the raw steps and requests once (bench/report/data.py).
 3. Write the sections, each with its figures and the query behind every number, then the
-   answers that open the report (summary.py: a paragraph, a figure and a source per question): Q1 acceptance (measured.py), Q2 crossover measured (measured.py)
-   and predicted (planned.py), Q3 memory against goodput and the projection
-   for larger models (planned.py), Q4 early exit with compaction and the
+   answers that open the report (summary.py: a paragraph, a figure and a source per question): Q1 acceptance
+   (measured.py), Q2 crossover measured (measured.py) and predicted (planned.py), Q3 memory against goodput
+   and the projection for larger models (planned.py), Q4 early exit with compaction and the
    mixture-of-experts verdict (planned.py).
 4. Write DIR/README.md: date, machine, database URL (password hidden), the
    command that made the report and, when given, the one that made the data.
@@ -66,7 +66,8 @@ def prepare_out(out: Path) -> Path:
         with tempfile.NamedTemporaryFile(dir=out, prefix=".write-check-"):
             pass
     except OSError as exc:
-        raise ReportInputError(f"--out {str(out)!r} is not a writable folder ({exc.strerror or exc})") from None
+        raise ReportInputError(f"--out {str(out)!r} is not a writable folder "
+                               f"({exc.strerror or exc})") from None
     return out
 
 
@@ -147,8 +148,8 @@ def header(req: ReportRequest, t: Telemetry, revision: str | None) -> list[str]:
     return [
         "# crossover findings: the four open questions", "",
         ("Made from a telemetry database alone (plus the memory planner). Measured numbers come from the "
-        "database; anything from the planner or the roofline model is labelled PREDICTION or PROJECTION."), "",
-        f"- **Date**: {_utc(time.time())}",
+        "database; anything from the planner or the roofline model is labelled PREDICTION or PROJECTION."),
+        "", f"- **Date**: {_utc(time.time())}",
         f"- **Machine** (where this report was made): {machine()}",
         f"- **Packages**: {versions()}",
         f"- **Database**: `{shown_url(req.db)}` (schema revision {revision or '?'})"
@@ -162,8 +163,9 @@ def header(req: ReportRequest, t: Telemetry, revision: str | None) -> list[str]:
         f"requests; instances: {', '.join(repr(x) for x in sorted(t.instances)) or 'none'}; tenants: "
         f"{', '.join(sorted(t.tenants)) or 'none'}; techniques: {techs}. {t.rollup_minutes} per-minute "
         "rollups of older steps exist and are not used (they keep no tenants or per-step times)."
-        + (f" Counted apart: {sum(r.steps for r in t.pool_runs.values())} steps of {len(t.pool_runs)} pool-split "
-           f"runs (policy versions) of instance `{t.pool_instance}`, shown in Q3 only." if t.pool_instance else "")),
+        + (f" Counted apart: {sum(r.steps for r in t.pool_runs.values())} steps of {len(t.pool_runs)} "
+           f"pool-split runs (policy versions) of instance `{t.pool_instance}`, shown in Q3 only."
+           if t.pool_instance else "")),
         (f"- **Planner inputs**: model {p.model} (the database does not record the served model), "
         f"{p.weight_dtype} weights, {p.kv_dtype} KV, context {p.context} tokens, page {p.page_size}."), "",
     ]

@@ -56,7 +56,7 @@ def shown_url(url: str) -> str:
 
     try:
         return hidden(url)
-    except Exception:  # noqa: BLE001 - an unparsable URL is shown as given, minus nothing to hide
+    except Exception:  # an unparsable URL is shown as given, minus nothing to hide
         return url
 
 
@@ -86,7 +86,8 @@ def open_database(url: str) -> Engine:
         raise ReportInputError(f"--db {shown!r}: {exc}") from None
     except (SQLAlchemyError, ImportError, OSError) as exc:
         reason = getattr(exc, "orig", None) or exc
-        raise ReportInputError(f"--db {shown!r}: cannot connect ({type(reason).__name__}: {reason})") from None
+        raise ReportInputError(f"--db {shown!r}: cannot connect "
+                               f"({type(reason).__name__}: {reason})") from None
     return engine
 
 
@@ -174,7 +175,8 @@ class Telemetry:
     mixed_by_tenant: dict[tuple[str, str], PositionCounts] = field(default_factory=dict)
     """(technique, tenant) -> counts of the tenant's row classes in several-tenant batches (steps
     that record row classes only)."""
-    mixed_by_tenant_by_instance: dict[str, dict[tuple[str, str], PositionCounts]] = field(default_factory=dict)
+    mixed_by_tenant_by_instance: dict[str,
+                                      dict[tuple[str, str], PositionCounts]] = field(default_factory=dict)
     """Instance -> `mixed_by_tenant` of its steps alone."""
     pool_runs: dict[int, PoolRun] = field(default_factory=dict)
     """Policy version -> its run, for `pool_instance`."""
@@ -203,7 +205,8 @@ def read_telemetry(engine: Engine, instance: str | None = None, pool_instance: s
                     Request.proposed_tokens, Request.accepted_tokens)
         if instance is not None:
             rq = rq.where(Request.instance == instance)
-        for inst, tenant, start, end, proposed, accepted in session.execute(rq.execution_options(yield_per=5000)):
+        rows = session.execute(rq.execution_options(yield_per=5000))
+        for inst, tenant, start, end, proposed, accepted in rows:
             if pool_instance is not None and inst == pool_instance:
                 continue
             kind = _request_kind(presence.get((inst, tenant)), start, end)
@@ -233,7 +236,8 @@ def _add_pool_step(t: Telemetry, r: dict) -> None:
 
 
 def _pool_splits(session, t: Telemetry) -> None:
-    """Each pool run's split (and its rule's technique, for runs that never speculated) from its stored policy."""
+    """Each pool run's split (and its rule's technique, for runs that never speculated) from its stored
+    policy."""
     from store.history import policy_history
 
     for p in policy_history(session, limit=10_000, instance=t.pool_instance):

@@ -27,11 +27,12 @@ def load_runs(paths: tuple[Path, ...]) -> list[tuple[Path, dict[str, Any]]]:
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise EarlyExitFileError(f"--early-exit {str(path)!r} is not a readable JSON file ({exc})") from None
+            raise EarlyExitFileError(f"--early-exit {str(path)!r} is not a readable JSON file "
+                                     f"({exc})") from None
         missing = [k for k in REQUIRED if not isinstance(data, dict) or k not in data]
         if missing:
-            raise EarlyExitFileError(f"--early-exit {str(path)!r} is not a `crossover bench early-exit` result "
-                                     f"(missing {', '.join(missing)})")
+            raise EarlyExitFileError(f"--early-exit {str(path)!r} is not a `crossover bench early-exit` "
+                                     f"result (missing {', '.join(missing)})")
         runs.append((Path(path), data))
     return runs
 
@@ -46,11 +47,12 @@ def run_section(path: Path, data: dict[str, Any]) -> list[str]:
     batches = sorted({c["batch"] for c in data["cells"]})
     thresholds = list(dict.fromkeys(c["threshold"] for c in data["cells"]))  # in the run's order
     cell = {(c["threshold"], c["batch"]): c for c in data["cells"]}
-    lines = [f"#### `{path.name}`" + (" (LOSSY: output differs from the full model)" if data["lossy"] else ""), "",
+    lines = [f"#### `{path.name}`"
+             + (" (LOSSY: output differs from the full model)" if data["lossy"] else ""), "",
              (f"Exit after layer(s) {', '.join(map(str, grid.get('exits', [])))}, confidence "
               f"`{grid.get('confidence', '?')}`, {grid.get('new_tokens', '?')} new tokens per sequence, "
-              f"KV fill by {data.get('kv_fill', '?')}; model {data.get('model', '?')} {data.get('dtype', '')}; "
-              f"machine {json.dumps(data.get('machine', {}))}."), "",
+              f"KV fill by {data.get('kv_fill', '?')}; model {data.get('model', '?')} "
+              f"{data.get('dtype', '')}; machine {json.dumps(data.get('machine', {}))}."), "",
              "Tokens/s against never exiting (same code path, same run); exit fraction in parentheses:", "",
              "| threshold | " + " | ".join(f"batch {b}" for b in batches) + " |",
              "|---|" + "---:|" * len(batches)]
@@ -66,7 +68,8 @@ def run_section(path: Path, data: dict[str, Any]) -> list[str]:
               "|---|---:|---:|---:|---:|"]
     for q in data["quality"]:
         lines.append(f"| {_threshold(q['threshold'])} | {q['greedy_agreement']:.3f} | "
-                     f"{q['sequences_identical']:.0%} | {q['perplexity']:.1f} | {q['perplexity_ratio']:.2f} |")
+                     f"{q['sequences_identical']:.0%} | {q['perplexity']:.1f} | "
+                     f"{q['perplexity_ratio']:.2f} |")
     command = data.get("command")
     lines += ["", f"Source: `{path}`" + (f", made by `{command}`." if command else "."), ""]
     return lines
@@ -99,7 +102,8 @@ def early_exit_figure(runs: list[tuple[Path, dict[str, Any]]], out: Path) -> str
             pts = sorted((c["batch"], c["speedup_vs_never"]) for c in cells if c["threshold"] == th)
             agree = agreement.get(_threshold(th))
             ax.plot(*zip(*pts), marker="o", markersize=3, color=_rgb(GROUP_COLORS[i % len(GROUP_COLORS)]),
-                    label=f"threshold {_threshold(th)}" + (f" (greedy agreement {agree:.2f})" if agree else ""))
+                    label=f"threshold {_threshold(th)}"
+                    + (f" (greedy agreement {agree:.2f})" if agree else ""))
         ax.axhline(1.0, color="black", linewidth=0.8)
         _log2_batches(ax, batches)
         ax.set_ylim(bottom=0)

@@ -120,11 +120,13 @@ def tenant_figure(data: dict[str, dict[str, Interval]], out: Path) -> str | None
     return _save(fig, out, "q1_tenants.png")
 
 
-def goodput_figure(data: dict[str, dict[str, dict[int, Interval]]], crossovers: dict[str, dict[str, int | None]],
+def goodput_figure(data: dict[str, dict[str, dict[int, Interval]]],
+                   crossovers: dict[str, dict[str, int | None]],
                    out: Path) -> str | None:
     """Measured goodput vs batch size, a panel per tenant mix (all, alone, mixed; not each tenant's),
     a line per technique (plain: "none")."""
-    data = {mix: techs for mix, techs in data.items() if any(techs.values()) and not mix.startswith("alone: ")}
+    data = {mix: techs for mix, techs in data.items() if any(techs.values())
+            and not mix.startswith("alone: ")}
     if not data:
         return None
     fig, axes = _panels(len(data))

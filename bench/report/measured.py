@@ -56,19 +56,22 @@ def q1_section(t: Telemetry, out: Path) -> list[str]:
     lines = ["## Q1. Does acceptance hold on multi-tenant traffic?", ""]
     acc = q1_acceptance(t)
     if not acc:
-        return lines + [("**No data:** no step in `xo_steps` speculated (depth > 0 with proposed drafts > 0), "
-                        "so there is no acceptance to report. Serve traffic with a speculative policy "
-                        "(e.g. `crossover bench tuner`, or `crossover serve` under load) into this database."), ""]
-    lines += [("Acceptance = drafts accepted / drafts offered; a step of depth d with P proposed drafts offers "
-              "P/d drafts at each position; a step that records row classes (`row_classes`: its rows may "
-              "draft with several techniques and depths) counts each class at its own technique and depth. "
-              "*Alone*: steps whose batch held one tenant; *mixed*: several. Intervals: 95% Wilson."), "",
+        return lines + [("**No data:** no step in `xo_steps` speculated (depth > 0 with proposed drafts > "
+                        "0), so there is no acceptance to report. Serve traffic with a speculative policy "
+                        "(e.g. `crossover bench tuner`, or `crossover serve` under load) "
+                        "into this database."), ""]
+    lines += [("Acceptance = drafts accepted / drafts offered; a step of depth d with P proposed drafts "
+              "offers P/d drafts at each position; a step that records row classes (`row_classes`: its rows "
+              "may draft with several techniques and depths) counts each class at its own technique and "
+              "depth. *Alone*: steps whose batch held one tenant; *mixed*: several. Intervals: 95% Wilson."),
+              "",
               "| technique | batches | steps | drafts proposed | acceptance (all positions) | per position |",
               "|---|---|---:|---:|---|---|"]
     for (tech, group) in sorted(acc, key=lambda k: (k[0], k[1] == MIXED, k[1])):
         c = acc[(tech, group)]
         overall = wilson(sum(c.accepted), sum(c.offered))
-        per_pos = "; ".join(f"{i + 1}: {fmt_rate(wilson(a, o))}" for i, (a, o) in enumerate(zip(c.accepted, c.offered)))
+        per_pos = "; ".join(f"{i + 1}: {fmt_rate(wilson(a, o))}"
+                            for i, (a, o) in enumerate(zip(c.accepted, c.offered)))
         label = "mixed tenants" if group == MIXED else f"{group} alone"
         lines.append(f"| {tech} | {label} | {c.steps} | {c.proposed} | {fmt_rate(overall)} | {per_pos} |")
     only = (f" of instance `{t.tenant_instance}` only (the same prompts alone and mixed)"
@@ -96,11 +99,13 @@ def _mixed_by_tenant(t: Telemetry) -> list[str]:
              "| technique | tenant | steps | drafts proposed | acceptance (all positions) | per position |",
              "|---|---|---:|---:|---|---|"]
     for (tech, tenant), c in sorted(per.items()):
-        per_pos = "; ".join(f"{i + 1}: {fmt_rate(wilson(a, o))}" for i, (a, o) in enumerate(zip(c.accepted, c.offered)))
+        per_pos = "; ".join(f"{i + 1}: {fmt_rate(wilson(a, o))}"
+                            for i, (a, o) in enumerate(zip(c.accepted, c.offered)))
         lines.append(f"| {tech} | {tenant} | {c.steps} | {c.proposed} | "
                      f"{fmt_rate(wilson(sum(c.accepted), sum(c.offered)))} | {per_pos} |")
-    return lines + ["", ("Source: the same rows' `row_classes` (one JSON object per tenant, technique and depth: "
-                         "rows, proposed, accepted, accepted_per_pos), several-tenant steps only."), ""]
+    return lines + ["", ("Source: the same rows' `row_classes` (one JSON object per tenant, technique and "
+                         "depth: rows, proposed, accepted, accepted_per_pos), several-tenant steps only."),
+                         ""]
 
 
 def _verdicts(t: Telemetry) -> list[str]:
@@ -154,7 +159,8 @@ def _tenant_pays(t: Telemetry) -> list[str]:
     if not out:
         return []
     return [("Does speculation pay per tenant? Decode-only goodput against plain decoding in the same kind "
-             "of batch: *pays* / *loses* where the ratio's 95% interval lies above / below 1 (details in Q2)."),
+             "of batch: *pays* / *loses* where the ratio's 95% interval lies above / below 1 "
+             "(details in Q2)."),
             "", *out, ""]
 
 
@@ -162,19 +168,20 @@ def _tenant_requests(t: Telemetry, out: Path) -> list[str]:
     lines = ["### Per tenant, from requests", ""]
     if not t.by_tenant:
         return lines + ["**No data:** `xo_requests` holds no finished request.", ""]
-    lines += [("Each request's proposed/accepted totals, classed by the steps carrying its tenant between its "
-              "arrival and finish: *alone* (all single-tenant), *mixed* (all several-tenant) or *both*. "
+    lines += [("Each request's proposed/accepted totals, classed by the steps carrying its tenant between "
+              "its arrival and finish: *alone* (all single-tenant), *mixed* (all several-tenant) or *both*. "
               "Requests do not record their technique: these pool every technique the tenant ran."), "",
-              "| tenant | requests ran | requests | drafts proposed | acceptance |", "|---|---|---:|---:|---|"]
+              "| tenant | requests ran | requests | drafts proposed | acceptance |",
+              "|---|---|---:|---:|---|"]
     fig: dict[str, dict[str, Interval]] = {}
     for (tenant, kind), c in sorted(t.by_tenant.items()):
         ci = wilson(c.accepted, c.proposed)
         lines.append(f"| {tenant} | {kind} | {c.requests} | {c.proposed} | {fmt_rate(ci)} |")
         if ci is not None and kind != "no steps":
             fig.setdefault(tenant, {})[kind] = ci
-    lines += ["", ("Source: `SELECT instance, tenant, arrival_time, finish_time, proposed_tokens, accepted_tokens "
-              "FROM xo_requests`, joined in Python to the `xo_steps` rows of the same instance and tenant "
-              "(bench/report/data.py `_request_kind`)."), ""]
+    lines += ["", ("Source: `SELECT instance, tenant, arrival_time, finish_time, proposed_tokens, "
+              "accepted_tokens FROM xo_requests`, joined in Python to the `xo_steps` rows of the same "
+              "instance and tenant (bench/report/data.py `_request_kind`)."), ""]
     name = figures.tenant_figure(fig, out)
     if name:
         lines += [f"![acceptance per tenant]({name})", ""]
@@ -211,9 +218,9 @@ def q2_measured_section(t: Telemetry, out: Path) -> list[str]:
                         "the same batch sizes (`crossover bench crossover` or a served trace)."), ""]
     found = crossovers(cells)
     lines += [("Goodput = Σ decode_tokens / Σ step_ms over decode-only steps (prefill_tokens = 0) of one "
-              "(technique, batch size), every depth pooled (a step whose rows drafted with several techniques "
-              "counts once, as technique `mixed`); 95% interval by the delta method for a ratio of sums. "
-              "**Crossover**: the smallest batch size at which speculation's interval lies wholly "
+              "(technique, batch size), every depth pooled (a step whose rows drafted with several "
+              "techniques counts once, as technique `mixed`); 95% interval by the delta method for a ratio "
+              "of sums. **Crossover**: the smallest batch size at which speculation's interval lies wholly "
               "below plain decoding's (same tenant mix); the bracket starts at the largest smaller batch "
               "where it lies wholly above."), "",
               "| technique | steps in | crossover | batch sizes compared |", "|---|---|---|---|"]
@@ -223,7 +230,8 @@ def q2_measured_section(t: Telemetry, out: Path) -> list[str]:
             lines.append(f"| {tech} | {mix} | {c.describe()} | {compared} |")
     lines += ["", ("Goodput per cell (tokens/s, 95% CI) and speculation over plain (per-tenant cells: the "
               "figure below and the Q1 summary):"), "",
-              "| steps in | technique | batch | steps | goodput | plain | ratio |", "|---|---|---:|---:|---|---|---|"]
+              "| steps in | technique | batch | steps | goodput | plain | ratio |",
+              "|---|---|---:|---:|---|---|---|"]
     for mix, techs in cells.items():
         if mix not in (ALL, ALONE, MIXED):
             continue
@@ -236,8 +244,9 @@ def q2_measured_section(t: Telemetry, out: Path) -> list[str]:
                 ratio = quotient_ci(ci, p) if p else None
                 n = t.goodput[(tech, mix, b)].n
                 lines.append(f"| {mix} | {tech} | {b} | {n} | {fmt_ci(ci)} | {fmt_ci(p)} | {fmt_ci(ratio)} |")
-    lines += ["", (f"Source: {STEPS_SOURCE}, decode-only steps grouped by (technique, tenant mix, batch_size); "
-              f"{t.decode_steps} of {t.steps} steps are decode-only. Cells with fewer than 5 steps are left out."), ""]
+    lines += ["", (f"Source: {STEPS_SOURCE}, decode-only steps grouped by (technique, tenant mix, "
+              f"batch_size); {t.decode_steps} of {t.steps} steps are decode-only. Cells with fewer than 5 "
+              "steps are left out."), ""]
     marks = {mix: {tech: c.batch for tech, c in techs.items()} for mix, techs in found.items()}
     name = figures.goodput_figure(cells, marks, out)
     if name:

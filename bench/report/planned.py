@@ -86,8 +86,9 @@ def q2_predicted_section(t: Telemetry, p: PlanInputs, out: Path) -> list[str]:
               "bench/report/roofline.py on the planner's device profiles, fed with the acceptance "
               "measured above. Assumptions:"), ""]
     lines += [f"- {a}" for a in ASSUMPTIONS + _chip_assumptions()] + [""]
-    lines += [("| technique | depth | measured acceptance per position | chip | tenants that fit (B=64 reserve) | "
-              "predicted crossover | goodput over plain at B=1 / largest B |"), "|---|---:|---|---|---:|---|---|"]
+    lines += [("| technique | depth | measured acceptance per position | chip | tenants that fit (B=64 "
+              "reserve) | predicted crossover | goodput over plain at B=1 / largest B |"),
+              "|---|---:|---|---|---:|---|---|"]
     curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
     marks: dict[str, dict[str, int | None]] = {}
     cfg = p.cfg
@@ -97,24 +98,28 @@ def q2_predicted_section(t: Telemetry, p: PlanInputs, out: Path) -> list[str]:
         if not batches:
             lines.append(f"| all | - | - | {chip.name} | 0 | {plan.verdict} | - |")
             continue
-        curves[chip.name] = {PLAIN: [(b, roofline.goodput(PLAIN, cfg, chip, b, 0, [], p.context, p.weight_dtype))
+        curves[chip.name] = {PLAIN: [(b,
+                                      roofline.goodput(PLAIN, cfg, chip, b, 0, [], p.context, p.weight_dtype))
                                      for b in batches]}
         for tech in techs:
             depth, acc = usual_depth(t, tech) or 1, measured_acceptance(t, tech)
-            pts = [(b, roofline.goodput(tech, cfg, chip, b, depth, acc, p.context, p.weight_dtype)) for b in batches]
+            pts = [(b, roofline.goodput(tech, cfg, chip, b, depth, acc, p.context, p.weight_dtype))
+                   for b in batches]
             curves[chip.name][tech] = pts
-            b_x = roofline.predicted_crossover(tech, cfg, chip, depth, acc, p.context, batches, p.weight_dtype)
+            b_x = roofline.predicted_crossover(tech, cfg, chip, depth, acc, p.context, batches,
+                                               p.weight_dtype)
             marks.setdefault(chip.name, {})[tech] = b_x
             plain = dict(curves[chip.name][PLAIN])
-            ends = f"{pts[0][1] / plain[batches[0]]:.2f}x / {pts[-1][1] / plain[batches[-1]]:.2f}x (B={batches[-1]})"
+            ends = (f"{pts[0][1] / plain[batches[0]]:.2f}x / {pts[-1][1] / plain[batches[-1]]:.2f}x "
+                    f"(B={batches[-1]})")
             where = f"B={b_x}" if b_x else f"none up to B={batches[-1]}"
             accs = ", ".join(f"{a:.3f}" for a in acc[:depth])
             lines.append(f"| {tech} | {depth} | {accs} | {chip.name} | {plan.tenants} | {where} | {ends} |")
-    lines += ["", ("Source: acceptance from the Q1 table (`xo_steps.accepted_per_pos` pooled over every tenant "
-              "group); depth = the depth with most speculating steps in `xo_steps`; memory and tenants from "
-              f"`make_plan` (engine/memory/planner.py) for {p.model} in {p.weight_dtype}, KV {p.kv_dtype}, "
-              f"context {p.context}, page {p.page_size} (as `crossover plan --device DEVICE --model {p.model} "
-              f"--context {p.context}` prints)."), ""]
+    lines += ["", ("Source: acceptance from the Q1 table (`xo_steps.accepted_per_pos` pooled over every "
+              "tenant group); depth = the depth with most speculating steps in `xo_steps`; memory and "
+              f"tenants from `make_plan` (engine/memory/planner.py) for {p.model} in {p.weight_dtype}, KV "
+              f"{p.kv_dtype}, context {p.context}, page {p.page_size} (as `crossover plan --device DEVICE "
+              f"--model {p.model} --context {p.context}` prints)."), ""]
     name = figures.predicted_figure(curves, marks, f"{p.model}, context {p.context}", out)
     if name:
         lines += [f"![predicted goodput against batch size]({name})", ""]
@@ -144,19 +149,20 @@ def q3_section(t: Telemetry, p: PlanInputs, out: Path) -> list[str]:
     techs = [x for x in TECHNIQUES if x != PLAIN and x in t.techniques]
     measured: list[tuple[str, float, object]] = []
     if not techs:
-        lines += [("**No data:** no speculating step in `xo_steps`; the measured half of this section needs one. "
-                  "The planner's projection follows."), ""]
+        lines += [("**No data:** no speculating step in `xo_steps`; the measured half of this section needs "
+                  "one. The planner's projection follows."), ""]
     else:
         plain_pages = t.pool_pages.get(PLAIN)
-        lines += [(f"Tenants displaced: the planner's cost of each technique for {p.model} at {p.context} tokens "
-                  f"(engine/memory/spec_memory.py; resident bytes plus {costs['ngram'].speculating} speculating "
-                  "sequences' per-sequence bytes (verify slots for the planner's 8-deep verify, draft KV), in "
-                  "tenants of that context). Measured pool: the median "
+        lines += [(f"Tenants displaced: the planner's cost of each technique for {p.model} at {p.context} "
+                  f"tokens (engine/memory/spec_memory.py; resident bytes plus {costs['ngram'].speculating} "
+                  "speculating sequences' per-sequence bytes (verify slots for the planner's 8-deep verify, "
+                  "draft KV), in tenants of that context). Measured pool: the median "
                   "`kv_pages_used + kv_pages_free` of the technique's steps against plain decoding's, in "
                   "tenants of the same context. Gain: goodput over plain at the batch size the technique ran "
                   "most decode steps at (95% CI)."), "",
-                  ("| technique | resident | per sequence | tenants displaced (planner) | pool pages (median) | "
-                  "tenants displaced (measured pool) | batch | goodput gain |"), "|---|---|---|---:|---:|---:|---:|---|"]
+                  ("| technique | resident | per sequence | tenants displaced (planner) | pool pages "
+                  "(median) | tenants displaced (measured pool) | batch | goodput gain |"),
+                  "|---|---|---|---:|---:|---:|---:|---|"]
         for tech in techs:
             c = costs.get(tech)
             pages = statistics.median(t.pool_pages[tech])
@@ -214,8 +220,8 @@ def _projection(t: Telemetry, p: PlanInputs) -> tuple[list[str], dict[str, list[
               "fits a tenant (compute priced at the bf16 peak either way)."), ""]
     if not techs:
         lines += ["Without measured acceptance only the memory side is shown.", ""]
-    lines += ["| model | weights | tenants (plain) | technique | depth | tenants displaced | batch | predicted gain |",
-              "|---|---|---:|---|---:|---:|---:|---:|"]
+    lines += ["| model | weights | tenants (plain) | technique | depth | tenants displaced | batch | "
+              "predicted gain |", "|---|---|---:|---|---:|---:|---:|---:|"]
     projected: dict[str, list[tuple[str, int, float]]] = {}
     for name in PROJECTED_MODELS:
         cfg = PRESETS[name]
@@ -232,13 +238,14 @@ def _projection(t: Telemetry, p: PlanInputs) -> tuple[list[str], dict[str, list[
             b, displaced = _spec_batch(c, plan, b_plain)
             gain = (roofline.goodput(c.technique, cfg, chip, b, depth, measured_acceptance(t, c.technique),
                                      p.context, plan.weight_dtype) / base) if techs and b > 0 else None
-            lines.append(f"| {name} | {plan.weight_dtype} ({format_bytes(plan.weight_bytes)}) | {plan.tenants} | "
-                         f"{c.technique} | {depth or '-'} | {displaced} | {b} | "
+            lines.append(f"| {name} | {plan.weight_dtype} ({format_bytes(plan.weight_bytes)}) | "
+                         f"{plan.tenants} | {c.technique} | {depth or '-'} | {displaced} | {b} | "
                          f"{f'{gain:.2f}x' if gain is not None else '-'} |")
             if gain is not None:
                 projected.setdefault(name, []).append((c.technique, int(displaced), gain))
     lines += ["", (f"Source: `make_plan(model, tpu-v6e-1, dtype, {p.kv_dtype}, {p.context})` and its "
-              "`techniques` (engine/memory/planner.py, engine/memory/spec_memory.py); acceptance and depth from `xo_steps`."), ""]
+              "`techniques` (engine/memory/planner.py, engine/memory/spec_memory.py); acceptance and depth "
+              "from `xo_steps`."), ""]
     return lines, projected
 
 
@@ -247,20 +254,21 @@ def q4_section(t: Telemetry, out: Path, measured: list[str] | None = None) -> li
     lines = ["## Q4. Early exit with a compacting scheduler", "", *(measured or [])]
     other = sorted(x for x in t.techniques if x not in TECHNIQUES)
     if not other and measured:
-        lines += [("The telemetry database holds no compacting early-exit steps (the `early_exit` technique in "
-                  "`xo_steps` is the lossless self-drafting proposer); the tables above come from the "
+        lines += [("The telemetry database holds no compacting early-exit steps (the `early_exit` technique "
+                  "in `xo_steps` is the lossless self-drafting proposer); the tables above come from the "
                   "`--early-exit` files."), ""]
     elif not other:
-        lines += [("**No data.** This database holds no early-exit-with-compaction measurements: every step in "
-                  f"`xo_steps` has one of the techniques {', '.join(TECHNIQUES)}. The `early_exit` technique "
-                  "there is the self-drafting proposer (the first target layers draft tokens that the full "
-                  "model verifies, lossless), not a mid-network exit. What would fill this section: steps "
-                  "recorded by a scheduler that exits confident rows after layer k and compacts the rest into "
-                  "a smaller batch (issue 19, item 3), tagged with their own technique name, at batch sizes "
-                  "1, 4, 16 and 64 and several confidence thresholds, next to plain-decoding steps at the same "
-                  "batch sizes; plus their quality (greedy agreement, perplexity) against the full model. "
-                  "The compacting experiment of issue 19 (`crossover bench early-exit`) writes its results "
-                  "to a JSON file, not to a telemetry database: pass it with `--early-exit FILE`."), ""]
+        lines += [("**No data.** This database holds no early-exit-with-compaction measurements: every step "
+                  f"in `xo_steps` has one of the techniques {', '.join(TECHNIQUES)}. The `early_exit` "
+                  "technique there is the self-drafting proposer (the first target layers draft tokens that "
+                  "the full model verifies, lossless), not a mid-network exit. What would fill this section: "
+                  "steps recorded by a scheduler that exits confident rows after layer k and compacts the "
+                  "rest into a smaller batch (issue 19, item 3), tagged with their own technique name, at "
+                  "batch sizes 1, 4, 16 and 64 and several confidence thresholds, next to plain-decoding "
+                  "steps at the same batch sizes; plus their quality (greedy agreement, perplexity) against "
+                  "the full model. The compacting experiment of issue 19 (`crossover bench early-exit`) "
+                  "writes its results to a JSON file, not to a telemetry database: pass it with "
+                  "`--early-exit FILE`."), ""]
     else:
         from bench.report.measured import goodput_cells
 
@@ -271,7 +279,8 @@ def q4_section(t: Telemetry, out: Path, measured: list[str] | None = None) -> li
                   "| technique | steps | batch | goodput | plain |", "|---|---:|---:|---|---|"]
         for tech in other:
             for b, ci in sorted(cells.get(tech, {}).items()):
-                lines.append(f"| {tech} | {t.techniques[tech]} | {b} | {fmt_ci(ci)} | {fmt_ci(plain.get(b))} |")
+                lines.append(f"| {tech} | {t.techniques[tech]} | {b} | {fmt_ci(ci)} | {fmt_ci(plain.get(b))} "
+                             "|")
             if not cells.get(tech):
                 lines.append(f"| {tech} | {t.techniques[tech]} | - | too few decode-only steps | - |")
         lines += ["", "Source: `xo_steps` grouped by (technique, batch_size), decode-only steps.", ""]
@@ -288,13 +297,14 @@ def moe_section(out: Path) -> list[str]:
                     f"{format_bytes(device.usable_bytes)} | {plan.tenants} | {plan.verdict} |")
         bars.append((f"{device.name}\n{dtype}", {"weights": plan.weight_bytes / GiB,
                                                  "activation reserve": plan.activation_reserve_bytes / GiB,
-                                                 "KV pool": plan.pool_bytes / GiB}, device.usable_bytes / GiB))
+                                                 "KV pool": plan.pool_bytes / GiB},
+                                                 device.usable_bytes / GiB))
     lines += ["| device | weights | weight bytes | usable | tenants at 8192 | planner verdict |",
               "|---|---|---|---|---:|---|", *rows, "",
               ("int8 stands in for the essay's FP8 (8.5 bits a weight with block scales). Source: "
               f"`crossover plan --device tpu-v6e-1 --model {MOE_SPEC} --dtype DTYPE --context 8192` "
-              "(engine/memory/planner.py `make_plan`; attention shape borrowed from gemma3-12b). The planner counts "
-              "memory only: it says nothing about expert locality under mixed tenants."), ""]
+              "(engine/memory/planner.py `make_plan`; attention shape borrowed from gemma3-12b). The planner "
+              "counts memory only: it says nothing about expert locality under mixed tenants."), ""]
     name = figures.moe_figure(bars, out)
     if name:
         lines += [f"![MoE memory on the planner's devices]({name})", ""]

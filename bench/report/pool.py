@@ -15,9 +15,9 @@ from pathlib import Path
 from bench.report.data import PoolRun, Telemetry
 from bench.report.stats import Interval, quotient_ci, ratio_ci
 
-POOL_SOURCE = ("`xo_steps` rows of instance `{inst}` grouped by `policy_version` (`SELECT policy_version, technique, "
-               "depth, batch_size, decode_tokens, step_ms, kv_pages_used, kv_pages_free FROM xo_steps WHERE "
-               "instance = '{inst}'`) and each version's `pool_split` from `xo_policies.body` "
+POOL_SOURCE = ("`xo_steps` rows of instance `{inst}` grouped by `policy_version` (`SELECT policy_version, "
+               "technique, depth, batch_size, decode_tokens, step_ms, kv_pages_used, kv_pages_free FROM "
+               "xo_steps WHERE instance = '{inst}'`) and each version's `pool_split` from `xo_policies.body` "
                "(store.history.policy_history), bench/report/data.py")
 
 
@@ -37,7 +37,8 @@ def pool_rows(t: Telemetry) -> list[dict]:
         r = t.pool_runs[v]
         pages = statistics.median(r.tenant_pages)
         ci = ratio_ci(r.goodput)
-        rows.append({"run": r, "label": f"{r.technique}@{r.depth} split {r.pool_split if r.pool_split is not None else '?'}",
+        rows.append({"run": r, "label": f"{r.technique}@{r.depth} split "
+                                        f"{r.pool_split if r.pool_split is not None else '?'}",
                      "pages": pages, "lent": (base_pages - pages) if base_pages is not None else None,
                      "lent_share": ((base_pages - pages) / base_pages) if base_pages else None,
                      "throughput": ci,
@@ -53,7 +54,8 @@ def section(t: Telemetry, out: Path) -> list[str]:
     """Markdown for the pool runs (nothing when the report has no pool instance)."""
     if t.pool_instance is None:
         return []
-    lines = [f"### Measured end to end: one queue under each technique and pool split (instance `{t.pool_instance}`)",
+    lines = ["### Measured end to end: one queue under each technique and pool split (instance "
+             f"`{t.pool_instance}`)",
              ""]
     if not t.pool_runs:
         return lines + [f"**No data:** no step of instance `{t.pool_instance}` in `xo_steps`.", ""]
@@ -61,18 +63,20 @@ def section(t: Telemetry, out: Path) -> list[str]:
     lines += [("Every run serves the same requests, all queued at once; whether the pool or the engine's max "
               "batch capped how many ran together shows in *peak batch*. "
               "*Tenant pages*: median `kv_pages_used + kv_pages_free` of the run's steps, the pages tenants "
-              "could hold under its split; *lent*: plain decoding's tenant pages minus the run's. *Peak batch*: "
-              "the most sequences that ran in one step. *Throughput*: Σ decode_tokens / Σ step_ms over every "
-              "step of the run, prefill included (95% delta-method interval); *vs plain*: over the plain run's."), "",
-              ("| policy version | technique@depth | pool split | tenant pages | lent | peak batch | mean batch | "
-               "steps | throughput tok/s | vs plain |"), "|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+              "could hold under its split; *lent*: plain decoding's tenant pages minus the run's. *Peak "
+              "batch*: the most sequences that ran in one step. *Throughput*: Σ decode_tokens / Σ step_ms "
+              "over every step of the run, prefill included (95% delta-method interval); *vs plain*: over "
+              "the plain run's."), "",
+              ("| policy version | technique@depth | pool split | tenant pages | lent | peak batch | mean "
+               "batch | steps | throughput tok/s | vs plain |"),
+               "|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for row in rows:
         r: PoolRun = row["run"]
         lent = "-" if row["lent"] is None else f"{row['lent']:g} ({row['lent_share']:.0%})"
         split = "?" if r.pool_split is None else f"{r.pool_split:g}"
-        lines.append(f"| {r.version} | {r.technique}@{r.depth} | {split} | {row['pages']:g} | {lent} | {r.peak_batch} | "
-                     f"{r.batch_sum / r.steps:.1f} | {r.steps} | {_fmt(row['throughput'])} | "
-                     f"{_fmt(row['ratio'], 2) if row['ratio'] else '-'} |")
+        lines.append(f"| {r.version} | {r.technique}@{r.depth} | {split} | {row['pages']:g} | {lent} | "
+                     f"{r.peak_batch} | {r.batch_sum / r.steps:.1f} | {r.steps} | {_fmt(row['throughput'])} "
+                     f"| {_fmt(row['ratio'], 2) if row['ratio'] else '-'} |")
     lines += ["", "Source: " + POOL_SOURCE.format(inst=t.pool_instance) + ".", ""]
     name = pool_figure(rows, out)
     if name:
@@ -91,8 +95,10 @@ def pool_figure(rows: list[dict], out: Path) -> str | None:
     techs = list(dict.fromkeys(r["run"].technique for r in shown))
     for i, tech in enumerate(techs):
         mine = [r for r in shown if r["run"].technique == tech]
-        _errorbar(left, [r["lent"] for r in mine], [r["throughput"] for r in mine], color=_tech_color(tech, i),
-                  label="plain decoding" if tech == "none" else tech, linestyle="-" if len(mine) > 1 else "none")
+        _errorbar(left, [r["lent"] for r in mine], [r["throughput"] for r in mine],
+                  color=_tech_color(tech, i),
+                  label="plain decoding" if tech == "none" else tech,
+                  linestyle="-" if len(mine) > 1 else "none")
     left.set_xlabel("tenant pages lent to speculation (vs plain)")
     left.set_ylabel("throughput, tokens / s of step time (95% CI)")
     left.set_title("one queue of requests: throughput vs pages lent", fontsize=9)

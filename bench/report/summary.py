@@ -48,12 +48,14 @@ def _q1(t: Telemetry) -> list[str]:
         alone = {g: c for (x, g), c in acc.items() if x == tech and g != MIXED}
         mixed = acc.get((tech, MIXED))
         a, m = _pooled(list(alone.values())), _pooled([mixed] if mixed else [])
-        parts = [f"**{tech}** accepted {_rate(m)} in mixed batches and {_rate(a)} with each tenant alone (pooled)"]
+        parts = [f"**{tech}** accepted {_rate(m)} in mixed batches and {_rate(a)} with each tenant alone "
+                 "(pooled)"]
         if a is not None and m is not None:
             rel = ("lower than" if m.high < a.low else "higher than" if m.low > a.high else
                    "not distinguishable from")
             parts.append(f"mixed is {rel} alone")
-        ranked = sorted(((wilson(sum(c.accepted), sum(c.offered)), g) for g, c in alone.items() if sum(c.offered)),
+        ranked = sorted(((wilson(sum(c.accepted), sum(c.offered)), g) for g, c in alone.items()
+                         if sum(c.offered)),
                         key=lambda x: x[0].value)
         if len(ranked) > 1:
             (lo, lo_g), (hi, hi_g) = ranked[0], ranked[-1]
@@ -73,21 +75,26 @@ def _q2(t: Telemetry, p: PlanInputs) -> list[str]:
         parts = []
         for tech, c in sorted(found.items()):
             spec = cells[ALL].get(tech, {})
-            ends = [b for b in (min(c.compared, default=None), max(c.compared, default=None)) if b is not None]
-            ratios = ", ".join(f"{fmt_ci(quotient_ci(spec[b], plain[b]))}x at B={b}" for b in dict.fromkeys(ends)
+            ends = [b for b in (min(c.compared, default=None), max(c.compared, default=None))
+                    if b is not None]
+            ratios = ", ".join(f"{fmt_ci(quotient_ci(spec[b], plain[b]))}x at B={b}"
+                               for b in dict.fromkeys(ends)
                                if quotient_ci(spec[b], plain[b]))
-            parts.append(f"**{tech}**: {c.describe()}" + (f" (goodput over plain {ratios})" if ratios else ""))
-        out.append("Measured here (decode-only steps of every instance, 95% delta-method intervals; the crossover "
-                   "is the smallest batch whose interval lies wholly below plain decoding's): " + "; ".join(parts) + ".")
+            parts.append(f"**{tech}**: {c.describe()}"
+                         + (f" (goodput over plain {ratios})" if ratios else ""))
+        out.append("Measured here (decode-only steps of every instance, 95% delta-method intervals; the "
+                   "crossover is the smallest batch whose interval lies wholly below plain decoding's): "
+                   + "; ".join(parts) + ".")
     else:
-        out.append("The crossover could not be measured: no batch size has both plain decoding and speculation "
-                   "with five decode-only steps or more.")
+        out.append("The crossover could not be measured: no batch size has both plain decoding and "
+                   "speculation with five decode-only steps or more.")
     predicted = []
     for tech in (x for x in TECHNIQUES if x != PLAIN and any(k[0] == x for k in t.acceptance)):
         depth, accs = usual_depth(t, tech) or 1, measured_acceptance(t, tech)
         for chip in roofline.CHIPS.values():
             batches = predicted_batches(p, chip)
-            b = roofline.predicted_crossover(tech, p.cfg, chip, depth, accs, p.context, batches, p.weight_dtype)
+            b = roofline.predicted_crossover(tech, p.cfg, chip, depth, accs, p.context, batches,
+                                             p.weight_dtype)
             top = f"none up to B={batches[-1]}" if batches else "no batch fits"
             predicted.append(f"{tech} on {chip.name} {f'B={b}' if b else top}")
     if predicted:
@@ -119,13 +126,14 @@ def _q3(t: Telemetry, p: PlanInputs) -> list[str]:
     costs = {c.technique: c for c in p.plan(p.cfg).techniques}
     planner = [f"{tech} {costs[tech].tenants_displaced}" for tech in TECHNIQUES if tech in costs]
     if planner:
-        out.append(f"The planner prices each technique's memory for {p.model} on a v6e-1 at {p.context} tokens "
-                   f"as tenants displaced: {', '.join(planner)}.")
+        out.append(f"The planner prices each technique's memory for {p.model} on a v6e-1 at {p.context} "
+                   f"tokens as tenants displaced: {', '.join(planner)}.")
     if not rows:
-        gains = [(tech, operating_gain(t, tech)) for tech in TECHNIQUES if tech != PLAIN and tech in t.techniques]
+        gains = [(tech, operating_gain(t, tech)) for tech in TECHNIQUES if tech != PLAIN
+                 and tech in t.techniques]
         parts = [f"{tech} {fmt_ci(g[1])}x at B={g[0]}" for tech, g in gains if g]
-        out.append("No pool-split runs are in this database; goodput over plain at each technique's usual batch: "
-                   + ("; ".join(parts) if parts else "not measured") + ".")
+        out.append("No pool-split runs are in this database; goodput over plain at each technique's usual "
+                   "batch: " + ("; ".join(parts) if parts else "not measured") + ".")
     return [" ".join(out)]
 
 
@@ -142,7 +150,8 @@ def _q3_verdict(rows: list[dict], base: Any) -> str:
     said = [f"paid for its memory: {', '.join(paid)}" if paid else "no run paid for its memory beyond doubt",
             f"cost more than it saved: {', '.join(lost)}" if lost else "",
             f"not distinguishable from plain: {', '.join(unclear)}" if unclear else ""]
-    return "In short, on this machine (95% intervals of the throughput ratio): " + "; ".join(s for s in said if s) + "."
+    return ("In short, on this machine (95% intervals of the throughput ratio): "
+            + "; ".join(s for s in said if s) + ".")
 
 
 AGREEMENT, PAYS = 0.95, 1.05
@@ -156,12 +165,14 @@ def _q4(t: Telemetry, early: list[tuple[Path, dict[str, Any]]]) -> list[str]:
         quality = {str(q["threshold"]): q for q in data["quality"]}
         parts, pays = [], []
         for b in sorted({c["batch"] for c in cells}):
-            mine = [c for c in cells if c["batch"] == b and isinstance(c["threshold"], (int, float)) and c["threshold"] > 0]
+            mine = [c for c in cells if c["batch"] == b and isinstance(c["threshold"], (int, float))
+                    and c["threshold"] > 0]
             if not mine:
                 continue
             best = max(mine, key=lambda c: c["speedup_vs_never"])
             q = quality.get(str(best["threshold"]))
-            agree = f", greedy agreement {q['greedy_agreement']:.3f}, perplexity x{q['perplexity_ratio']:.2f}" if q else ""
+            agree = (f", greedy agreement {q['greedy_agreement']:.3f}, "
+                     f"perplexity x{q['perplexity_ratio']:.2f}" if q else "")
             safest = max(mine, key=lambda c: c["threshold"])
             qs = quality.get(str(safest["threshold"]))
             tail = (f"; at threshold {safest['threshold']:g} (agreement {qs['greedy_agreement']:.3f}) "
@@ -171,15 +182,16 @@ def _q4(t: Telemetry, early: list[tuple[Path, dict[str, Any]]]) -> list[str]:
             if qs and qs["greedy_agreement"] >= AGREEMENT and safest["speedup_vs_never"] >= PAYS:
                 pays.append(b)
         if parts:
-            out.append(f"`{path.name}` ({data.get('kv_fill', '?')}; LOSSY), best speedup over never exiting per "
-                       "batch size, among thresholds above 0: " + "; ".join(parts) + ". "
+            out.append(f"`{path.name}` ({data.get('kv_fill', '?')}; LOSSY), best speedup over never exiting "
+                       "per batch size, among thresholds above 0: " + "; ".join(parts) + ". "
                        f"With greedy agreement >= {AGREEMENT} it gains >= {PAYS}x at "
                        + (f"B = {', '.join(map(str, pays))} only." if pays else "no batch size measured."))
     if not out:
         other = sorted(x for x in t.techniques if x not in TECHNIQUES)
         out.append("No compacting early-exit results were given (`--early-exit FILE`)"
                    + (f"; steps of {', '.join(other)} are in the database." if other else "."))
-    bf16, int8 = (make_plan(parse_moe(MOE_SPEC), TPU_V6E_1, d, "bfloat16", 8192) for d in ("bfloat16", "int8"))
+    bf16, int8 = (make_plan(parse_moe(MOE_SPEC), TPU_V6E_1, d, "bfloat16", 8192)
+                  for d in ("bfloat16", "int8"))
     out.append(f"Mixture of experts, the essay's {MOE_SPEC} on a v6e-1 (planner, memory only): bfloat16 "
                f"{bf16.verdict}; int8: {int8.tenants} tenant(s) of 8192 tokens.")
     return [" ".join(out)]

@@ -53,6 +53,8 @@ from bench.workloads.trace import (
 )
 
 __all__ = [
-    "DEFAULT_MAX_TOKENS", "KINDS", "PHASE_NAMES", "Phase", "Prompt", "SHIFTING_TRACE", "TimedPrompt", "check_mix", "mixed",
-    "pool", "prompts", "shared_prefix", "shifting_trace", "system_prompts", "tenant_for", "to_request", "trace",
+    "DEFAULT_MAX_TOKENS", "KINDS", "PHASE_NAMES", "Phase", "Prompt", "SHIFTING_TRACE", "TimedPrompt",
+    "check_mix", "mixed",
+    "pool", "prompts", "shared_prefix", "shifting_trace", "system_prompts", "tenant_for", "to_request",
+    "trace",
 ]

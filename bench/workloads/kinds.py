@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Protocol
 
 from bench.workloads.sources import Definition, Module, load_modules
@@ -113,7 +113,8 @@ def _code_copies(mod: Module) -> list[Prompt]:
         if MIN_CHARS <= len(quote) <= MAX_CHARS:
             template = _CODE_EDITS[len(out) % len(_CODE_EDITS)]
             text = template.format(quote=quote, name=d.name)
-            out.append(Prompt("copy", text, _copy_max_tokens(quote), quote=quote, source=f"{mod.path}:{d.qualname}"))
+            out.append(Prompt("copy", text, _copy_max_tokens(quote), quote=quote,
+                              source=f"{mod.path}:{d.qualname}"))
     return out
 
 
@@ -138,7 +139,8 @@ def _text_copies(mod: Module) -> list[Prompt]:
     for first, last in _paragraph_blocks(mod):
         quote = mod.segment(first, last)
         text = _TEXT_EDITS[len(out) % len(_TEXT_EDITS)].format(quote=quote)
-        out.append(Prompt("copy", text, _copy_max_tokens(quote), quote=quote, source=f"{mod.path}:{first}-{last}"))
+        out.append(Prompt("copy", text, _copy_max_tokens(quote), quote=quote,
+                          source=f"{mod.path}:{first}-{last}"))
     return out
 
 
@@ -247,7 +249,7 @@ _BUILDERS = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def pool(kind: str) -> tuple[Prompt, ...]:
     """Every distinct prompt of `kind` this interpreter's stdlib yields, in source order."""
     _check_kind(kind)

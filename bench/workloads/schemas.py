@@ -3,8 +3,8 @@
 Twenty schemas of the shapes applications send: flat and nested objects, arrays of objects,
 enums, integers and numbers with bounds, optional fields, string patterns and lengths, and
 `$ref` to `$defs`. Every number is bounded in digits (a maximum, or `multipleOf` for
-fractions): an unbounded one lets a small model write zeros until max_tokens. Each has a chat prompt that asks for that kind of object; `PROMPTS` are five
-subjects each prompt is asked about.
+fractions): an unbounded one lets a small model write zeros until max_tokens. Each has a chat prompt that asks
+for that kind of object; `PROMPTS` are five subjects each prompt is asked about.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
         "Write a short to-do list for a project about {subject}."),
     "book": ({"type": "object", "properties": {"title": _STR, "author": _NAME,
                                                "year": {"type": "integer", "minimum": 1400, "maximum": 2030},
-                                               "genres": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                                               "genres": {"type": "array",
+                                                          "items": {"type": "string", "maxLength": 20},
                                                           "maxItems": 3}},
               "required": ["title", "author", "year"], "additionalProperties": False},
              "Recommend a book about {subject}."),
@@ -50,8 +51,10 @@ SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
              "required": ["r", "g", "b"], "additionalProperties": False},
             "Give an RGB color that reminds you of {subject}."),
     "event": ({"type": "object", "properties": {"title": _STR,
-                                                "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
-                                                "attendees": {"type": "integer", "minimum": 1, "maximum": 10000}},
+                                                "date": {"type": "string",
+                                                         "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+                                                "attendees": {"type": "integer", "minimum": 1,
+                                                              "maximum": 10000}},
                "required": ["title", "date", "attendees"], "additionalProperties": False},
               "Plan an event about {subject}: title, date (YYYY-MM-DD) and expected attendees."),
     "yes_no": ({"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "reason": _STR},
@@ -60,7 +63,8 @@ SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
     "recipe": ({"type": "object", "properties": {
         "dish": _STR, "servings": {"type": "integer", "minimum": 1, "maximum": 12},
         "ingredients": {"type": "array", "minItems": 1, "maxItems": 5, "items": {
-            "type": "object", "properties": {"name": _NAME, "grams": {"type": "integer", "minimum": 1, "maximum": 2000}},
+            "type": "object",
+            "properties": {"name": _NAME, "grams": {"type": "integer", "minimum": 1, "maximum": 2000}},
             "required": ["name", "grams"], "additionalProperties": False}}},
         "required": ["dish", "servings", "ingredients"], "additionalProperties": False},
         "Invent a recipe inspired by {subject}."),
@@ -82,7 +86,8 @@ SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
         "x": {"type": "number", "minimum": -100, "maximum": 100, "multipleOf": 0.1},
         "y": {"type": "number", "minimum": -100, "maximum": 100, "multipleOf": 0.1}},
         "required": ["x", "y"], "additionalProperties": False}},
-        "type": "object", "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
+        "type": "object",
+        "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
         "required": ["start", "end"], "additionalProperties": False},
         "Give the start and end coordinates of a short walk to see {subject}."),
     "product": ({"type": "object", "properties": {
@@ -104,7 +109,8 @@ SCHEMAS: dict[str, tuple[dict[str, Any], str]] = {
         "required": ["question", "options", "answer_index"], "additionalProperties": False},
         "Write a multiple-choice question about {subject}."),
     "tags": ({"type": "object", "properties": {"tags": {"type": "array", "minItems": 1, "maxItems": 5,
-                                                        "items": {"type": "string", "pattern": "^[a-z]{2,12}$"}}},
+                                                        "items": {"type": "string",
+                                                                  "pattern": "^[a-z]{2,12}$"}}},
               "required": ["tags"], "additionalProperties": False},
              "List lowercase tags for an article about {subject}."),
     "rating": ({"type": "object", "properties": {"stars": {"type": "integer", "minimum": 1, "maximum": 5},

@@ -28,7 +28,8 @@ class Phase:
     """Length of the phase in seconds."""
     rate_per_s: float
     """Mean Poisson arrival rate; 0 makes an idle phase."""
-    mix: Mapping[str, float] = field(default_factory=lambda: {"copy": 1.0, "code": 1.0, "chat": 1.0, "prose": 1.0})
+    mix: Mapping[str,
+                 float] = field(default_factory=lambda: {"copy": 1.0, "code": 1.0, "chat": 1.0, "prose": 1.0})
     """Kind -> relative weight."""
     max_concurrency: int | None = None
     """Most requests a load generator keeps in flight during the phase; None for no cap."""

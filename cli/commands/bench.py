@@ -1,5 +1,5 @@
-"""`crossover bench engine|telemetry|serve|crossover|tuner|tuner-compare|early-exit|findings|soak|structured|lm-eval`: measure,
-print progress, write JSON."""
+"""`crossover bench KIND`: measure, print progress, write JSON. KIND: engine|telemetry|serve|crossover|tuner|
+tuner-compare|early-exit|findings|soak|structured|lm-eval."""
 
 from __future__ import annotations
 
@@ -38,10 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--db", default=None, help="SQLAlchemy URL (default: a temporary SQLite file)")
     _add_serve(sub.add_parser("serve", help="HTTP load test: throughput, TTFT/TPOT percentiles, "
                                             "overhead over the bare engine"))
-    _add_crossover(sub.add_parser("crossover", help="goodput of each speculative technique and depth vs batch "
-                                                    "size, acceptance per position, crossover batch; JSON + PNG"))
+    _add_crossover(sub.add_parser("crossover", help="goodput of each speculative technique and depth vs "
+                                                    "batch size, acceptance per position, crossover batch; "
+                                                    "JSON + PNG"))
     add_tuner(sub.add_parser("tuner", help="the autotuned daemon vs static policies on a shifting "
-                                            "trace: goodput per phase, ratios, ITL during retunes; JSON + PNG"))
+                                            "trace: goodput per phase, ratios, ITL during retunes; "
+                                            "JSON + PNG"))
     _add_early_exit(sub.add_parser("early-exit", help="LOSSY opt-in experiment: early exit with a compacting "
                                                       "batch; tokens/s vs batch and threshold, agreement, "
                                                       "perplexity; JSON"))
@@ -50,14 +52,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_soak(sub.add_parser("soak", help="a `crossover serve` child under well-formed and hostile traffic "
                                           "(loopback), then an audit: health, KV pages, telemetry rows, "
                                           "RSS and descriptors, TTFT beside a baseline; JSON"))
-    _add_structured(sub.add_parser("structured", help="constrained decoding (20 JSON schemas x 5 prompts) against "
-                                                      "free decoding on one daemon: TPOT ratio, validity, "
-                                                      "grammar time per step; JSON"))
+    _add_structured(sub.add_parser("structured", help="constrained decoding (20 JSON schemas x 5 prompts) "
+                                                      "against free decoding on one daemon: TPOT ratio, "
+                                                      "validity, grammar time per step; JSON"))
     from bench.lm_eval_check import add_flags as add_lm_eval_flags
 
-    add_lm_eval_flags(sub.add_parser("lm-eval", help="lm-eval's local-completions scores a 60-item multiple-choice "
-                                     "task against the daemon; its accuracy against the engine's own "
-                                     "loglikelihoods; JSON"))
+    add_lm_eval_flags(sub.add_parser("lm-eval", help="lm-eval's local-completions scores a 60-item "
+                                     "multiple-choice task against the daemon; its accuracy against the "
+                                     "engine's own loglikelihoods; JSON"))
     c = sub.add_parser("tuner-compare", help="do two `bench tuner` JSONs (e.g. --quick against the full "
                                               "run) read the same ratios within their round-to-round noise")
     c.add_argument("a", help="a `bench tuner` result JSON (e.g. a --quick run)")
@@ -111,8 +113,9 @@ def _add_serve(s: argparse.ArgumentParser) -> None:
     add("--no-idle-ttft", action="store_true",
         help="skip sending each request again alone to compare its TTFT with an idle daemon's")
     add("--structured", action="store_true",
-        help="the structured-output workload instead: `crossover bench structured` with --url, --admin-token, "
-             "--concurrency, --rounds and --out (JSON schemas against free decoding, same daemon)")
+        help="the structured-output workload instead: `crossover bench structured` with --url, "
+             "--admin-token, --concurrency, --rounds and --out (JSON schemas against free decoding, same "
+             "daemon)")
 
 
 def _add_crossover(c: argparse.ArgumentParser) -> None:
@@ -146,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
         if args.tensor_parallel < 1:
             raise UserError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
         if any(b < 1 for b in batches) or args.new_tokens < 2:
-            raise UserError(f"batch sizes must be >= 1 and --new-tokens >= 2 (got {args.batches!r}, {args.new_tokens})")
+            raise UserError(f"batch sizes must be >= 1 and --new-tokens >= 2 (got {args.batches!r}, "
+                            f"{args.new_tokens})")
         try:
             contexts = tuple(int(c) for c in args.contexts.split(","))
         except ValueError:
@@ -168,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--seconds must be positive, got {args.seconds}")
         tel_bench(args.out, args.seconds, args.db)
     elif args.bench == "serve" and args.structured:
-        args.free_tokens, args.max_tokens, args.serve_arg = args.max_tokens, 160, []  # --max-tokens: free answers
+        # --max-tokens: free answers
+        args.free_tokens, args.max_tokens, args.serve_arg = args.max_tokens, 160, []
         _run_structured(args)
     elif args.bench == "serve":
         from bench.serve import run_bench as serve_bench
@@ -292,7 +297,8 @@ def _add_soak(s: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="seed of the prompts and the clients' choices")
     add("--tolerance", type=float, default=0.05, help="RSS and descriptors must end within this share "
                                                        "of their level after the baseline")
-    add("--ttft-ratio", type=float, default=3.0, help="the soak's well-formed TTFT p99 over the baseline's, at most")
+    add("--ttft-ratio", type=float, default=3.0,
+        help="the soak's well-formed TTFT p99 over the baseline's, at most")
     add("--serve-arg", action="append", default=[], metavar="ARG",
         help="one more argument for `crossover serve` (repeatable), e.g. --serve-arg=--max-batch=16")
     add("--fake", action="store_true", help="serve the fake engine (the soak's machinery in a minute)")
@@ -322,7 +328,8 @@ def _add_structured(s: argparse.ArgumentParser) -> None:
     add("--admin-token", default=None, help="the --url daemon's admin token: its prefix cache is emptied "
                                             "before each phase and its /metrics read")
     add("--concurrency", type=int, default=8, help="clients sending at once")
-    add("--rounds", type=int, default=2, help="constrained and free phases, alternating, this many times each")
+    add("--rounds", type=int, default=2,
+        help="constrained and free phases, alternating, this many times each")
     add("--max-tokens", type=int, default=160, help="most tokens of a constrained answer")
     add("--free-tokens", type=int, default=48, help="tokens of each free answer (EOS ignored)")
     add("--serve-arg", action="append", default=[], metavar="ARG",
@@ -337,7 +344,8 @@ def _run_structured(args: argparse.Namespace) -> None:
         if value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
     run_structured(StructuredConfig(url=args.url, admin_token=args.admin_token, concurrency=args.concurrency,
-                                    rounds=args.rounds, max_tokens=args.max_tokens, free_tokens=args.free_tokens,
+                                    rounds=args.rounds, max_tokens=args.max_tokens,
+                                    free_tokens=args.free_tokens,
                                     serve_args=tuple(args.serve_arg)), args.out)
 
 
@@ -345,8 +353,10 @@ def _add_findings(f: argparse.ArgumentParser) -> None:
     add = f.add_argument
     add("--db", required=True, help="telemetry database to record into (SQLAlchemy URL or SQLite path; "
                                     "migrated to head, rows appended)")
-    add("--out", default="docs/findings", help="report folder: README.md, PNGs, findings.json (default: %(default)s)")
-    add("--quick", action="store_true", help="the fake engine and a small grid: the whole pipeline in seconds")
+    add("--out", default="docs/findings",
+        help="report folder: README.md, PNGs, findings.json (default: %(default)s)")
+    add("--quick", action="store_true",
+        help="the fake engine and a small grid: the whole pipeline in seconds")
     add("--kv-budget", default=None, metavar="BYTES",
         help="KV pool of the engine, e.g. 256MiB (default: bench/findings.py's, sized so the Q3 queue binds)")
     add("--splits", default=None, help="comma-separated pool splits of the draft model's Q3 runs")
@@ -388,14 +398,16 @@ def _add_early_exit(x: argparse.ArgumentParser) -> None:
     add("--prompt-tokens", type=int, default=64, help="longest prompt (longer ones keep their last tokens)")
     add("--exit-vocab", type=int, default=8192, help="draft-vocabulary ids the exit adapters score (0: all)")
     add("--confidence", default="prob", choices=["prob", "margin"],
-        help="exit when the max softmax probability (prob) or top-1 minus top-2 (margin) reaches the threshold")
+        help="exit when the max softmax probability (prob) or top-1 minus top-2 (margin) reaches the "
+             "threshold")
     add("--quality-batch", type=int, default=16, help="prompts the greedy agreement is measured on")
     add("--ppl-tokens", type=int, default=96, help="held-out tokens scored per paragraph")
     add("--seed", type=int, default=0, help="seed of the prompt draw")
     add("--rounds", type=int, default=2, help="timed runs per configuration; each reports its fastest")
     add("--kv-fill", default="propagate",
-        help="comma-separated K/V fills of exited rows' skipped layers: propagate (CALM, now) and/or recompute "
-             "(later, with the row's next full step); several: one JSON each, --out with -FILL before .json")
+        help="comma-separated K/V fills of exited rows' skipped layers: propagate (CALM, now) and/or "
+             "recompute (later, with the row's next full step); several: one JSON each, --out with -FILL "
+             "before .json")
     add("--max-pending", type=int, default=4,
         help="recompute: positions a row may leave pending before a forced full step (a power of two)")
     add_engine(add, heads=True, sized=False)
@@ -412,8 +424,10 @@ def _run_early_exit(args: argparse.Namespace) -> None:
 
     try:
         grid = EarlyExitGrid(
-            batches=numbers("--batches", args.batches, int), thresholds=numbers("--thresholds", args.thresholds, float),
-            exits=numbers("--exits", args.exits, int), new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
+            batches=numbers("--batches", args.batches, int),
+            thresholds=numbers("--thresholds", args.thresholds, float),
+            exits=numbers("--exits", args.exits, int), new_tokens=args.new_tokens,
+            prompt_tokens=args.prompt_tokens,
             exit_vocab=args.exit_vocab, confidence=args.confidence, quality_batch=args.quality_batch,
             ppl_tokens=args.ppl_tokens, seed=args.seed, rounds=args.rounds,
             kv_fills=tuple(f.strip() for f in args.kv_fill.split(",")), max_pending=args.max_pending)

@@ -13,7 +13,8 @@ def add_tuner(t: argparse.ArgumentParser) -> None:
     add = t.add_argument
     add("--out", default="bench-out/tuner.json", help="JSON output file (the PNG plot goes next to it)")
     add("--quick", action="store_true",
-        help=f"a short run to check a tuner change: {', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, (_, v) in QUICK.items())} "
+        help="a short run to check a tuner change: "
+             f"{', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, (_, v) in QUICK.items())} "
              "unless given (the full run stays the reference)")
     add("--phase-seconds", type=float, default=60.0, help="length of each of the trace's three phases")
     add("--rate-scale", type=float, default=1.0, help="factor on the trace's arrival rates")
@@ -43,7 +44,8 @@ def add_tuner(t: argparse.ArgumentParser) -> None:
                  pool_split_help="pool split of static model-based policies")
     add("--fixed-techniques", default=None,
         help="techniques of the fixed policies (default: every loaded one; --quick: the table's)")
-    add("--table", default="4:4,8:2", help="batch-size table BATCH:DEPTH,... (larger batches do not speculate)")
+    add("--table", default="4:4,8:2",
+        help="batch-size table BATCH:DEPTH,... (larger batches do not speculate)")
     add("--table-technique", default="ngram", help="technique of the batch-size table")
     add("--tenant-policy", default="*=ngram@2,copy-tenant=ngram@4,code-tenant=ngram@4,prose-tenant=none",
         help="the 'tenants' run (--runs ...,tenants): TENANT=TECHNIQUE@DEPTH or TENANT=none, "
@@ -54,7 +56,8 @@ def add_tuner(t: argparse.ArgumentParser) -> None:
         help="recent traffic a retune optimizes for, in s (default: a third of a phase)")
     add("--validation-seconds", type=float, default=None,
         help="longest validation (default: half the retune interval)")
-    add("--trials", type=int, default=48, help="Optuna trials per TPE search (an exact solve tells at most two)")
+    add("--trials", type=int, default=48,
+        help="Optuna trials per TPE search (an exact solve tells at most two)")
     add("--min-new-steps", type=int, default=10,
         help="steps a scheduled retune needs (the daemon's 500 per 10 min, time-compressed)")
     add("--profile-steps", type=int, default=100, help="startup profile decisions")
@@ -65,16 +68,18 @@ def add_tuner(t: argparse.ArgumentParser) -> None:
         help="rounds of the trace, every policy once per round in a rotated order; each policy's "
              "figures are its median round's")
     add("--probe-concurrency", type=int, default=4, help="closed-loop clients during the probe")
-    add("--probe-quiet", type=float, default=None, help="quiet seconds between probe retunes (default: phase/4)")
+    add("--probe-quiet", type=float, default=None,
+        help="quiet seconds between probe retunes (default: phase/4)")
     add_engine(add, heads=True, sized=True)
     add("--keep-db", default=None, help="keep each run's telemetry database in this directory")
     add("--fake-time-scale", type=float, default=1.0, help="fake engine: real s per simulated s of step time")
     add("--trace", default="shifting",
-        help="shifting (the default three phases), or pool-split traces memory-bound,light (comma-separated): "
-             "fixed --splits against the tuner's split (bench/split_bench.py; arrivals/s: --high-rate "
-             "memory-bound, --low-rate light)")
+        help="shifting (the default three phases), or pool-split traces memory-bound,light "
+             "(comma-separated): fixed --splits against the tuner's split (bench/split_bench.py; arrivals/s: "
+             "--high-rate memory-bound, --low-rate light)")
     add("--splits", default="0,0.125,0.25,0.5", help="--trace memory-bound|light: the fixed pool splits")
-    add("--split-technique", default="draft", help="--trace memory-bound|light: technique of the fixed splits")
+    add("--split-technique", default="draft",
+        help="--trace memory-bound|light: technique of the fixed splits")
     add("--split-depth", type=int, default=2, help="--trace memory-bound|light: depth of the fixed splits")
     add("--split-repeats", type=int, default=1,
         help="--trace memory-bound|light: rounds of every fixed split and the tuned policy, in turn; "
@@ -108,9 +113,8 @@ def tuner_config(args: argparse.Namespace) -> Any:
     for name, (default, quick) in QUICK.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else default)
-    if args.quick:
-        if args.fixed_techniques is None:  # every technique stays loaded for the autotuned run
-            args.fixed_techniques = args.table_technique
+    if args.quick and args.fixed_techniques is None:  # every technique stays loaded for the autotuned run
+        args.fixed_techniques = args.table_technique
 
     def items(text: str | None) -> tuple[str, ...]:
         return tuple(x.strip() for x in (text or "").split(",") if x.strip())
@@ -145,9 +149,11 @@ def tuner_config(args: argparse.Namespace) -> Any:
             validation_min_steps=args.validation_min_steps, search_process=not args.search_in_thread,
             probe_retunes=args.probe_retunes, probe_concurrency=args.probe_concurrency,
             probe_quiet_s=args.probe_quiet, model=args.model, heads=args.heads, dtype=args.dtype,
-            max_batch=args.max_batch, max_context=1024 if args.max_context is None else args.max_context, keep_db=args.keep_db,
+            max_batch=args.max_batch, max_context=1024 if args.max_context is None else args.max_context,
+            keep_db=args.keep_db,
             fake=args.fake, fake_time_scale=args.fake_time_scale,
-            traces=() if args.trace == "shifting" else items(args.trace), splits=tuple(float(x) for x in items(args.splits)), split_technique=args.split_technique,
+            traces=() if args.trace == "shifting" else items(args.trace),
+            splits=tuple(float(x) for x in items(args.splits)), split_technique=args.split_technique,
             split_depth=args.split_depth, split_repeats=args.split_repeats, repeats=args.repeats,
             kv_budget=None if args.kv_budget is None else parse_size("--kv-budget", args.kv_budget))
     except ValueError as exc:

@@ -12,8 +12,10 @@ from engine.config import WEIGHT_FORMS
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
-    p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face Gemma 3 directory (default: Gemma 3 270M)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="compute dtype (default: per backend)")
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or a Hugging Face Gemma 3 directory (default: Gemma 3 270M)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="compute dtype (default: per backend)")
     p.add_argument("--weights", default=None, choices=WEIGHT_FORMS,
                    help="weights as served: gguf (the file's own quantized blocks), int8, bfloat16 or "
                         "float32 (default: --dtype's)")

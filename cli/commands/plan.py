@@ -187,13 +187,13 @@ def format_plan(plan: Plan) -> str:
         sp = plan.split
         rows.append(("pool split", f"{sp.share:g}: lends {f(sp.lent_bytes)} ({sp.lent_global_pages} global + "
                                    f"{sp.lent_local_pages} local pages) to speculation, tenants keep "
-                                   f"{f(sp.tenant_bytes)}: {sp.tenants} tenants instead of {sp.tenants_unsplit} "
-                                   f"(displaces {sp.tenants_displaced}); the lent pages hold the draft "
-                                   f"model's KV for {sp.draft_sequences} sequences"))
+                                   f"{f(sp.tenant_bytes)}: {sp.tenants} tenants instead of "
+                                   f"{sp.tenants_unsplit} (displaces {sp.tenants_displaced}); the lent pages "
+                                   f"hold the draft model's KV for {sp.draft_sequences} sequences"))
     for i, t in enumerate(plan.techniques):
-        rows.append(("per technique" if i == 0 else "", f"{t.technique:<10} resident {f(t.resident_bytes):>10} + "
-                     f"{f(t.per_sequence_bytes):>10}/sequence: displaces {t.tenants_displaced} tenants "
-                     f"with {t.speculating} speculating"))
+        rows.append(("per technique" if i == 0 else "", f"{t.technique:<10} resident "
+                     f"{f(t.resident_bytes):>10} + {f(t.per_sequence_bytes):>10}/sequence: displaces "
+                     f"{t.tenants_displaced} tenants with {t.speculating} speculating"))
     rows += [("notes" if i == 0 else "", note) for i, note in enumerate(plan.notes)]
     width = max(len(label) for label, _ in rows)
     head = f"memory plan: {plan.model} on {dev.name}, context {plan.context_len}"

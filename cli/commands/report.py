@@ -21,14 +21,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", required=True, help="telemetry database: a SQLAlchemy URL or a SQLite file path")
     p.add_argument("--out", required=True, help="folder for README.md and the figures (created if missing)")
     p.add_argument("--model", default="gemma3-270m",
-                   help=f"model the database was measured on, for the planner ({', '.join(planner.MODEL_NAMES)}; "
+                   help="model the database was measured on, for the planner "
+                        f"({', '.join(planner.MODEL_NAMES)}; "
                         "default: %(default)s)")
     p.add_argument("--context", type=int, default=8192,
                    help="tokens per tenant for tenants displaced and predictions (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", help="weight dtype for the planner (default: %(default)s)")
     p.add_argument("--kv-dtype", default="bfloat16", help="KV dtype for the planner (default: %(default)s)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default: %(default)s)")
-    p.add_argument("--instance", default=None, help="only this daemon instance's rows (default: every instance)")
+    p.add_argument("--instance", default=None,
+                   help="only this daemon instance's rows (default: every instance)")
     p.add_argument("--early-exit", action="append", default=[], metavar="FILE",
                    help="a `crossover bench early-exit` JSON for Q4 (repeatable)")
     p.add_argument("--source-command", default=None,
@@ -62,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from bench.report.data import ReportInputError
     from bench.report.planned import PlanInputs
 
-    req = ReportRequest(db=args.db, out=Path(args.out), instance=args.instance, source_command=args.source_command,
+    req = ReportRequest(db=args.db, out=Path(args.out), instance=args.instance,
+                        source_command=args.source_command,
                         pool_instance=args.pool_instance, note=args.note,
                         tenant_instance=args.tenant_instance,
                         early_exit=tuple(Path(f) for f in args.early_exit),

@@ -90,8 +90,9 @@ def tenant_line(t: dict[str, Any] | None) -> str:
     >>> tenant_line({"chosen": True, "gain": 0.087, "method": "tpe", "seconds": 0.06,
     ...              "margin": 0.03, "rules": [{"tenant": "copy", "technique": "ngram",
     ...              "depth": 4, "max_batch": 8}, {"tenant": "prose", "technique": "none",
-    ...              "depth": 0, "max_batch": 8}]})
-    'per-tenant rules, +8.7% predicted over the best single-rule policy (tpe, 0.06 s): copy ngram@4, prose none (up to batch 8)'
+    ...              "depth": 0, "max_batch": 8}]})  # doctest: +NORMALIZE_WHITESPACE
+    'per-tenant rules, +8.7% predicted over the best single-rule policy (tpe, 0.06 s): copy ngram@4,
+    prose none (up to batch 8)'
     >>> tenant_line({"chosen": False, "gain": 0.01, "method": "exact", "seconds": 0.01,
     ...              "margin": 0.03, "rules": []})
     'per-tenant rules not chosen: +1.0% predicted over the best single-rule policy, margin 3% (exact, 0.01 s)'

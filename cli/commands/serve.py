@@ -26,9 +26,8 @@ if TYPE_CHECKING:
     from daemon.lifecycle import FakeEngineOptions
 
 SETTING_FLAGS = (
-    "host", "port", "model", "served_model_name", "dtype", "weights", "kv_budget_bytes", "max_batch", "max_context",
-    "db_url",
-    "instance", "tensor_parallel", "prefix_cache",
+    "host", "port", "model", "served_model_name", "dtype", "weights", "kv_budget_bytes", "max_batch",
+    "max_context", "db_url", "instance", "tensor_parallel", "prefix_cache",
     "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
     "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
     "speculation", "heads", "stream_write_timeout_s", "stream_idle_timeout_s", "admin_token_file",
@@ -45,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="TOML file of settings (key = value, named like the fields; a [tuner] table)")
     add("--host", help="address to bind (default 127.0.0.1)")
     add("--port", type=int, help="TCP port (default 8000; 0 picks a free one)")
-    add("model_arg", nargs="?", metavar="MODEL", help="model id or path, as vLLM's positional (same as --model)")
+    add("model_arg", nargs="?", metavar="MODEL",
+        help="model id or path, as vLLM's positional (same as --model)")
     add("--model", help="model id or path (default: the engine's)")
     add("--served-model-name", nargs="+", metavar="NAME",
         help="names clients may send as `model`; answers carry the first (default: the model's own)")
@@ -117,10 +117,12 @@ def _show_defaults(p: argparse.ArgumentParser) -> None:
     """Append each setting's default to its flag's help, unless the help names one already."""
     from daemon.settings import Settings
 
-    defaults = {f.name: f.default for f in dataclasses.fields(Settings) if f.default is not dataclasses.MISSING}
+    defaults = {f.name: f.default for f in dataclasses.fields(Settings)
+                if f.default is not dataclasses.MISSING}
     for action in p._actions:
         value = defaults.get(action.dest, None)
-        if action.help and action.help != argparse.SUPPRESS and "default" not in action.help and value is not None:
+        if (action.help and action.help != argparse.SUPPRESS and "default" not in action.help
+                and value is not None):
             action.help += f" (default {value})"
 
 
@@ -133,7 +135,8 @@ def _vllm_spellings(args: argparse.Namespace) -> str | None:
     if args.served_model_name is not None:
         names = [n.strip() for n in args.served_model_name]
         if not all(names) or any("," in n for n in names) or len(set(names)) != len(names):
-            return f"--served-model-name {args.served_model_name!r}: names must be distinct, non-empty, without commas"
+            return (f"--served-model-name {args.served_model_name!r}: names must be distinct, non-empty, "
+                    "without commas")
         args.served_model_name = ",".join(names)
     return None
 

@@ -8,16 +8,19 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face Gemma 3 directory (default: Gemma 3 270M)")
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or a Hugging Face Gemma 3 directory (default: Gemma 3 270M)")
     p.add_argument("--out", default=None,
                    help="heads file to write (default: the user cache, $XDG_CACHE_HOME/crossover/heads/"
                         "<model>.safetensors, which serve and the benches then load first)")
-    p.add_argument("--prompts-per-kind", type=int, default=40, help="workload prompts continued per kind (default 40)")
+    p.add_argument("--prompts-per-kind", type=int, default=40,
+                   help="workload prompts continued per kind (default 40)")
     p.add_argument("--gen-tokens", type=int, default=96, help="tokens generated per prompt (default 96)")
     p.add_argument("--mtp-heads", type=int, default=4, help="MTP heads to train (default 4)")
     p.add_argument("--medusa", action="store_true",
                    help="unchained (Medusa) MTP heads, each reading the hidden state alone")
-    p.add_argument("--exits", default="4,8", help="layer counts after which exit adapters are trained (default 4,8)")
+    p.add_argument("--exits", default="4,8",
+                   help="layer counts after which exit adapters are trained (default 4,8)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
 
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     progress = reporter()
     try:
         tc = TrainConfig(prompts_per_kind=args.prompts_per_kind, gen_tokens=args.gen_tokens,
-                         n_mtp=args.mtp_heads, chained=not args.medusa, exits=exits, epochs=args.epochs, seed=args.seed)
+                         n_mtp=args.mtp_heads, chained=not args.medusa, exits=exits, epochs=args.epochs,
+                         seed=args.seed)
         engine = load_target(args.model, exits, progress)
     except ValueError as exc:
         raise UserError(str(exc)) from None

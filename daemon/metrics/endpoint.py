@@ -61,10 +61,10 @@ async def metrics(request: web.Request) -> web.Response:
         collector = app[COLLECTOR]
         try:
             collector.retunes = await asyncio.to_thread(retune_counts, db.engine, db.instance)
-        except Exception as exc:  # noqa: BLE001 -- down, locked, gone: the last counts stand
+        except Exception as exc:  # down, locked, gone: the last counts stand
             if collector.database_up is not False:
-                log.warning("/metrics cannot read the telemetry database (%s); serving the last retune counts",
-                            type(exc).__name__)
+                log.warning("/metrics cannot read the telemetry database (%s); serving the last retune "
+                            "counts", type(exc).__name__)
             collector.database_up = False
         else:
             collector.database_up = True
@@ -98,6 +98,7 @@ class _Pseudonymous:
                 yield family
                 continue
             renamed = Metric(family.name, family.documentation, family.type, family.unit)
-            renamed.samples = [sample._replace(labels={**sample.labels, "tenant": pseudonym(sample.labels["tenant"])})
+            renamed.samples = [sample._replace(labels={**sample.labels,
+                                                       "tenant": pseudonym(sample.labels["tenant"])})
                                if "tenant" in sample.labels else sample for sample in family.samples]
             yield renamed

@@ -90,7 +90,8 @@ class EngineMetrics:
         self.model_name = model_name
         reg = self.registry
         self.steps = Counter(P + "engine_steps", "Engine steps run.", registry=reg)
-        self.grammar_steps = Counter(P + "grammar_steps", "Engine steps with constrained rows (structured outputs).",
+        self.grammar_steps = Counter(P + "grammar_steps",
+                                     "Engine steps with constrained rows (structured outputs).",
                                      registry=reg)
         self.grammar_seconds = Counter(P + "grammar_seconds", "Host time steps spent on constrained rows' "
                                        "grammars: drafts checked, token masks computed.", registry=reg)
@@ -104,7 +105,8 @@ class EngineMetrics:
             registry=reg)
         self.accepted_per_pos = Counter(
             SPEC + "num_accepted_tokens_per_pos",
-            "Draft tokens accepted and delivered at each draft position (0-based).", ["position"], registry=reg)
+            "Draft tokens accepted and delivered at each draft position (0-based).", ["position"],
+            registry=reg)
         self._per_pos: list[Counter] = []  # children of accepted_per_pos, by position
         self.requests = Counter(P + "requests", "Finished requests by tenant and finish reason.",
                                 ["tenant", "finish_reason"], registry=reg)

@@ -77,7 +77,8 @@ class RunnerConfig:
             raise ValueError(f"max_chunk {self.max_chunk} exceeds the local ring capacity "
                              f"ring_pages*page_size={cap}")
         if self.max_context % self.page_size:
-            raise ValueError(f"max_context {self.max_context} is not a multiple of page_size={self.page_size}")
+            raise ValueError(f"max_context {self.max_context} is not a multiple of "
+                             f"page_size={self.page_size}")
 
 
 FAST_OUTPUT_MIN_ROWS = 2
@@ -163,7 +164,8 @@ class ModelRunner:
             from engine.model.sharding import make_mesh, shard_kv, shard_params
 
             self.mesh = make_mesh(rc.tensor_parallel)
-            self.params, self.kv = shard_params(cfg, self.params, self.mesh), shard_kv(cfg, self.kv, self.mesh)
+            self.params, self.kv = shard_params(cfg, self.params,
+                                                self.mesh), shard_kv(cfg, self.kv, self.mesh)
         self.warm_compiles: int | None = None
         self.last_hidden = None  # [B, Tl, d] final hidden states of the latest call
         self.last_top = None  # ([B, Tl, k] ids, [B, Tl, k] logprobs) of the latest call, if asked

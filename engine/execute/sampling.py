@@ -143,7 +143,7 @@ def _threshold_from_candidates(vals, tau_k, top_k, top_p, lse):
     return jnp.maximum(tau_k, tau_p), exact
 
 
-def _threshold_bisect(k: "Kept", tau_k, top_p, lse, iters: int = 40):
+def _threshold_bisect(k: Kept, tau_k, top_p, lse, iters: int = 40):
     """Top-p threshold by bisection over the full vocabulary (rare fallback).
 
     Reads k.scaled in fused passes (no [N, V] temporaries), 2 per iteration.
@@ -195,7 +195,8 @@ def kept(logits, s: SamplingArrays) -> Kept:
     temp = jnp.maximum(s.temperature, 1e-6)
     C = min(CANDIDATES, logits.shape[-1])
     # candidates from the logits themselves (same order): `scaled` stays unmaterialized
-    vals = -jnp.sort(-jnp.take_along_axis(logits, top_candidates(logits, C), axis=-1), axis=-1) / temp[:, None]
+    vals = -jnp.sort(-jnp.take_along_axis(logits, top_candidates(logits, C), axis=-1),
+                     axis=-1) / temp[:, None]
     tau_k = jnp.where(
         s.top_k > 0,
         jnp.take_along_axis(vals, jnp.clip(s.top_k - 1, 0, C - 1)[:, None], axis=1)[:, 0],
@@ -266,7 +267,8 @@ def _verify_rows(logits, cand, s: SamplingArrays, counter):
     return tok, (cand >= 0) & (tok == cand)
 
 
-def verify(logits: jax.Array, cand: jax.Array, s: SamplingArrays, counter: jax.Array, best: jax.Array | None = None,
+def verify(logits: jax.Array, cand: jax.Array, s: SamplingArrays, counter: jax.Array,
+           best: jax.Array | None = None,
            raw: jax.Array | None = None, mask: jax.Array | None = None):
     """Target tokens and draft acceptance at each verified position.
 
@@ -322,8 +324,8 @@ def sample(logits: jax.Array, s: SamplingArrays, counter: jax.Array, best: jax.A
     logits: [N, V] f32; counter: [N] int32 (position being sampled, folded into
     the row's key). Returns (tokens [N] int32, logprobs [N] f32; zeros unless
     requested). Greedy rows ignore the key and take `best` [N] when given
-    (the caller's greedy tokens); logprobs read `raw` when given (see verify). Example: with temperature 0 everywhere this
-    is `argmax` and no random numbers are drawn.
+    (the caller's greedy tokens); logprobs read `raw` when given (see verify). Example: with temperature 0
+    everywhere this is `argmax` and no random numbers are drawn.
     """
     tok = greedy(logits) if best is None else best
     any_sampled = jnp.any(s.temperature > 0)

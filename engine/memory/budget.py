@@ -33,7 +33,8 @@ def _tenants(pool, length: int, lent: tuple[int, int]) -> int:
     """Sequences of `length` tokens the tenant pages hold at once when `lent` (global, local)
     pages are withheld."""
     need = pool.needed(SeqPages([], []), length)
-    fits = [(a.num_pages - 1 - held) // n for a, held, n in zip((pool.global_alloc, pool.local_alloc), lent, need)
+    fits = [(a.num_pages - 1 - held) // n
+            for a, held, n in zip((pool.global_alloc, pool.local_alloc), lent, need)
             if n]
     return min(fits, default=0)
 

@@ -48,7 +48,7 @@ class KVState:
     local_v: jax.Array
 
     @staticmethod
-    def create(cfg: ModelConfig, global_pages: int, local_pages: int, page_size: int, dtype) -> "KVState":
+    def create(cfg: ModelConfig, global_pages: int, local_pages: int, page_size: int, dtype) -> KVState:
         def z(n_layers, pages):
             return jnp.zeros((n_layers, pages, page_size, cfg.n_kv_heads, cfg.head_dim), dtype)
 

@@ -1,5 +1,5 @@
 """Host-side page bookkeeping: the allocator of one pool's page ids and the pages one sequence
-holds. The device never sees these (STYLE 6); engine.memory.kv.KVPool owns one allocator per
+holds, on the host only (no device array); engine.memory.kv.KVPool owns one allocator per
 pool and engine.memory.prefix_cache indexes the pages they hand out.
 """
 
@@ -66,7 +66,8 @@ class PageAllocator:
     def alloc(self, n: int, lend: bool = False) -> list[int] | None:
         """n pages, or None (and nothing taken) when fewer are free; `lend`: from the reservation
         (the draft model's share of the pool split), never kept by the prefix cache."""
-        room = min(self.reserved - len(self.lent), len(self._free) + len(self._cached)) if lend else self.num_free
+        room = min(self.reserved - len(self.lent),
+                   len(self._free) + len(self._cached)) if lend else self.num_free
         if n > room:
             return None
         out = []

@@ -287,7 +287,8 @@ def _verdict(
     over = f"> usable {f(usable)} on {device.name}"
     if weights > usable:
         short = weights - usable
-        return False, short, f"does not fit: weights {f(weights)} ({weight_dtype}) {over}, short by {f(short)}"
+        return False, short, (f"does not fit: weights {f(weights)} ({weight_dtype}) {over}, "
+                              f"short by {f(short)}")
     if weights + reserve > usable:
         short = weights + reserve - usable
         return False, short, (f"does not fit: weights {f(weights)} + activation reserve "
@@ -351,9 +352,9 @@ def make_plan(
         weights = weight_bytes(int(dev_params), weight_dtype)
         kv_share = _share(cfg.n_kv_heads, tensor_parallel)
         seq, naive = int(seq * kv_share), int(naive * kv_share)
+        heads = "KV heads split" if kv_share < 1 else "KV heads replicated: each device holds the whole pool"
         notes.append(f"tensor parallel over {tensor_parallel} devices: weights and KV per device "
-                     f"({'KV heads split' if kv_share < 1 else 'KV heads replicated: each device holds the whole pool'}"
-                     f"{'; MoE weights assumed split evenly' if moe else ''}); reserve not divided")
+                     f"({heads}{'; MoE weights assumed split evenly' if moe else ''}); reserve not divided")
     elif tensor_parallel < 1:
         raise ValueError(f"tensor_parallel={tensor_parallel} must be >= 1")
 
@@ -371,7 +372,8 @@ def make_plan(
     tenants, naive_tenants = held // seq, held // naive
     displaced = max(pool + speculation_bytes, 0) // seq - tenants
     ratio = tenants / naive_tenants if naive_tenants else None
-    pools = size_pool(cfg, int(held / kv_share), page_size, kv_dtype, context_len, max_spec_depth) if tenants else None
+    pools = (size_pool(cfg, int(held / kv_share), page_size, kv_dtype, context_len, max_spec_depth)
+             if tenants else None)
     if fits:
         verdict = (f"fits: {tenants} tenants at {context_len} tokens paged + windowed vs "
                    f"{naive_tenants} with a naive cache"

@@ -67,7 +67,8 @@ def extend_keys(keys: list[bytes], root: bytes, tokens, page_size: int, n: int) 
     """Append to `keys` (the keys of the leading blocks of `tokens`) until it has `n`.
 
     >>> a, b = [], []
-    >>> extend_keys(a, root_key("t"), [5, 6, 7, 8, 9], 2, 2); extend_keys(b, root_key("t"), [5, 6, 7, 0], 2, 2)
+    >>> extend_keys(a, root_key("t"), [5, 6, 7, 8, 9], 2, 2)
+    >>> extend_keys(b, root_key("t"), [5, 6, 7, 0], 2, 2)
     >>> a[0] == b[0], a[1] == b[1]
     (True, False)
     """
@@ -184,7 +185,8 @@ class PrefixCache:
                 self._by_global[page] = pages.keys[i]
                 self.g.keep(page)
             j = i % R
-            if e.local_page is None and j < len(pages.ring) and pages.ring_block[j] == i and j not in pages.shared:
+            if (e.local_page is None and j < len(pages.ring) and pages.ring_block[j] == i
+                    and j not in pages.shared):
                 e.owner = (pages, j, pages.ring[j])
         pages.cached = n
 
@@ -307,4 +309,5 @@ class SeenPrefixes:
 
     def status(self) -> dict:
         q = self.total["query_tokens"]
-        return {"enabled": True, **self.total, "hit_rate": round(self.total["hit_tokens"] / q, 4) if q else 0.0}
+        return {"enabled": True, **self.total,
+                "hit_rate": round(self.total["hit_tokens"] / q, 4) if q else 0.0}

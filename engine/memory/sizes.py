@@ -174,7 +174,7 @@ def size_pool(
                          f"context_len={context_len} ({seq} bytes each)")
     g_tok, l_tok = kv_bytes_per_token(cfg, kv_dtype)
     g_page, l_page = g_tok * page_size, l_tok * page_size
-    g, l = pages_per_sequence(cfg, context_len, page_size, max_spec_depth)
+    _, l = pages_per_sequence(cfg, context_len, page_size, max_spec_depth)
     tenants = pool_bytes // seq
     num_local = tenants * l
     if g_page:
@@ -238,7 +238,7 @@ def split_pool(cfg: ModelConfig, sizes: PoolSizes, share: float, context_len: in
     need = pages_per_sequence(cfg, context_len, page_size, max_spec_depth)
     draft = pages_per_sequence(cfg.replace(n_layers=min(draft_layers, cfg.n_layers)), context_len, page_size,
                                max_spec_depth)
-    bytes_of = lambda g, l: g * sizes.global_page_bytes + l * sizes.local_page_bytes  # noqa: E731
+    bytes_of = lambda g, l: g * sizes.global_page_bytes + l * sizes.local_page_bytes
     return PoolSplit(share, *lent, bytes_of(*lent), bytes_of(*left), _fit(left, need),
                      _fit((sizes.num_global_pages, sizes.num_local_pages), need), _fit(lent, draft))
 

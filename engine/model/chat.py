@@ -28,13 +28,14 @@ def _content(message: Mapping[str, Any], where: str) -> str:
         if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
             raise ValueError(f"{where}: only text content parts are supported")
         return "".join(p["text"].strip() for p in content)
-    raise ValueError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+    raise ValueError(f"{where}: content must be a string or a list of text parts, got "
+                     f"{type(content).__name__}")
 
 
 def _role(message: Any, where: str) -> str:
     if not isinstance(message, Mapping):
         kind = type(message).__name__
-        raise ValueError(f"{where}: a message must be a dict with 'role' and 'content', got {kind}")
+        raise ValueError(f"{where}: a message must be a dict with 'role' and 'content', got {kind}")  # noqa: TRY004
     role = message.get("role")
     if role not in (*_SYSTEM, *_TURN_ROLE):
         raise ValueError(f"{where}: unknown role {role!r} (system, developer, user, assistant)")

@@ -325,7 +325,8 @@ def tied_logits(table, h: jax.Array) -> jax.Array:
     if x.shape[0] > FEW_ROWS:
         out = jnp.einsum("nd,vd->nv", x, table, preferred_element_type=jnp.float32)
     else:
-        out = jax.lax.optimization_barrier(jnp.einsum("vd,nd->vn", table, x, preferred_element_type=jnp.float32)).T
+        out = jax.lax.optimization_barrier(jnp.einsum("vd,nd->vn", table, x,
+                                                      preferred_element_type=jnp.float32)).T
     return out.reshape(*lead, table.shape[0])
 
 
@@ -373,7 +374,8 @@ def forward(cfg: ModelConfig, params: Params, tokens, pos, read_cache, capture=(
         vs.append(v)
         if i in capture:
             hidden[i] = x
-    new_kv = {kind: (_stack(ks, k_like=x, cfg=cfg), _stack(vs, k_like=x, cfg=cfg)) for kind, (ks, vs) in new.items()}
+    new_kv = {kind: (_stack(ks, k_like=x, cfg=cfg), _stack(vs, k_like=x, cfg=cfg))
+              for kind, (ks, vs) in new.items()}
     h = rms_norm(x, params["final_norm"], cfg.rms_eps)
     return h, new_kv, tuple(hidden[i] for i in capture)
 

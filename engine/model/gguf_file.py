@@ -225,7 +225,7 @@ class GGUFFile:
     tensors: dict[str, TensorInfo]
 
     @classmethod
-    def open(cls, path: str | Path) -> "GGUFFile":
+    def open(cls, path: str | Path) -> GGUFFile:
         """Parse the header; `WeightsError` if missing, foreign, corrupt or truncated."""
         path = Path(path)
         if not path.is_file():

@@ -39,8 +39,17 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.memory.kv import SCRATCH_PAGE, Batch, KVState, write_new
-from engine.model.gemma import (_NEG, ATTEND_BLOCK, PagedView, Params, _after_attention, attention_inputs,
-                                embed, paged_softmax, rms_norm)
+from engine.model.gemma import (
+    _NEG,
+    ATTEND_BLOCK,
+    PagedView,
+    Params,
+    _after_attention,
+    attention_inputs,
+    embed,
+    paged_softmax,
+    rms_norm,
+)
 
 GROUP = 8
 """Queries of one row that share a cache read (a verify row of depth 7 is one group)."""

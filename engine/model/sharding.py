@@ -37,7 +37,8 @@ def make_mesh(n: int) -> Mesh:
     devices = jax.devices()
     if n < 1 or n > len(devices):
         raise ValueError(f"tensor_parallel={n} needs {n} devices; {len(devices)} available "
-                         f"({jax.default_backend()}); on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+                         f"({jax.default_backend()}); on CPU set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={n}")
     return Mesh(np.array(devices[:n]), (AXIS,))
 
 
@@ -77,7 +78,8 @@ def shard_params(cfg: ModelConfig, params: dict, mesh: Mesh) -> dict:
         return jax.device_put(a, NamedSharding(mesh, spec))
 
     vocab = P(AXIS, None) if _split(params["embed"].shape[0], mesh) else P()
-    out = {k: put(v, vocab if k in ("embed", "embed_fast") else P()) for k, v in params.items() if k != "layers"}
+    out = {k: put(v, vocab if k in ("embed", "embed_fast") else P()) for k, v in params.items()
+           if k != "layers"}
     out["layers"] = [{k: put(v, specs.get(k, P())) for k, v in unfuse_layer(cfg, lp).items()}
                      for lp in params["layers"]]
     return out

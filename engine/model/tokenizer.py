@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 from gguf.constants import TokenType
-from tokenizers import AddedToken, Tokenizer as _Backend, decoders, models, normalizers
+from tokenizers import AddedToken, decoders, models, normalizers
+from tokenizers import Tokenizer as _Backend
 
 from engine.model.chat import apply_chat_template, chat_segments
 from engine.model.gguf_file import GGUFFile, WeightsError, cache_dir, default_gguf_path, file_sha256
@@ -69,7 +70,8 @@ def build_backend(pieces: Sequence[str], types: np.ndarray, unk: str = "<unk>") 
     model = models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True, fuse_unk=True)
     backend = _Backend(model)
     backend.normalizer = normalizers.Replace(" ", SPACE)
-    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
     backend.add_special_tokens(
         [AddedToken(p, special=True, normalized=False) for p, t in zip(pieces, kinds) if t in _SPECIAL_TYPES]
     )
@@ -109,7 +111,8 @@ class Tokenizer:
     [2, 9259, 1902]
     """
 
-    def __init__(self, backend: _Backend, pieces: list[str], types: np.ndarray, bos_id: int, eos_id: int) -> None:
+    def __init__(self, backend: _Backend, pieces: list[str], types: np.ndarray, bos_id: int,
+                 eos_id: int) -> None:
         self._backend = backend
         self._lock = threading.Lock()  # encode_plain flips the backend's special-token mode
         self.bos_id, self.eos_id = bos_id, eos_id
@@ -130,7 +133,7 @@ class Tokenizer:
         at least n / max_piece_chars tokens, a bound known before tokenizing it."""
 
     @classmethod
-    def from_gguf(cls, path: str | Path | None = None, progress: Reporter = True) -> "Tokenizer":
+    def from_gguf(cls, path: str | Path | None = None, progress: Reporter = True) -> Tokenizer:
         """The tokenizer of a GGUF file (default: the bundled Gemma 3 270M)."""
         gf = GGUFFile.open(default_gguf_path(progress) if path is None else path)
         meta = gf.metadata

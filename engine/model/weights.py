@@ -92,7 +92,8 @@ def _f32(value: Any) -> float:
 def _make_config(dims: dict[str, int], extra: dict[str, Any], name: str, where: Path) -> ModelConfig:
     """Name and attention scale from the matching preset (else the path's name and head_dim)."""
     preset = next(
-        (p for p in PRESETS.values() if all(getattr(p, k) == v for k, v in dims.items() if k != "vocab_size")),
+        (p for p in PRESETS.values()
+         if all(getattr(p, k) == v for k, v in dims.items() if k != "vocab_size")),
         None,
     )
     scalar = preset.query_pre_attn_scalar if preset else float(dims["head_dim"])
@@ -383,11 +384,13 @@ def _hf_names(root: Path, keys: dict[str, Path], n_layers: int) -> Callable[[str
     wanted += [prefix + _HF_NAMES[r].format(i=i) for i in range(n_layers) for r in layer_roles]
     missing = [k for k in wanted if k not in keys]
     if missing:
-        raise WeightsError(f"{root}: tensor {missing[0]} is missing ({len(missing)} of {len(wanted)} missing)")
+        raise WeightsError(f"{root}: tensor {missing[0]} is missing "
+                           f"({len(missing)} of {len(wanted)} missing)")
     return lambda role, layer: prefix + _HF_NAMES[role].format(i=layer)
 
 
-def load_hf_dir(path: str | Path, dtype: Any = "float32", progress: Reporter = True) -> tuple[ModelConfig, Params]:
+def load_hf_dir(path: str | Path, dtype: Any = "float32",
+                progress: Reporter = True) -> tuple[ModelConfig, Params]:
     """(config, params) from a Hugging Face Gemma 3 checkpoint directory (norms get +1)."""
     np_dtype = _dtype(dtype)
     root = Path(path)

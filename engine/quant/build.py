@@ -95,7 +95,8 @@ def _compile(cxx: str, include: Path, out: Path) -> list[str]:
         results = {name: _finish(proc) for name, proc in procs.items()}
         failed = {name: err for name, (rc, err) in results.items() if rc != 0}
         if "avx512" in failed and len(failed) == 1:  # an old compiler: AVX2 alone
-            rc, err = _finish(_start([*main[:-1], "-DQK_NO_AVX512", "-c", str(SOURCE), "-o", str(objs["main"])]))
+            rc, err = _finish(_start([*main[:-1], "-DQK_NO_AVX512", "-c", str(SOURCE), "-o",
+                                      str(objs["main"])]))
             failed = {"main": err} if rc else {}
             del objs["avx512"]
         if failed:

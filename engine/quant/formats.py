@@ -173,7 +173,8 @@ def from_gguf(raw: np.ndarray | bytes, qtype: str, shape: tuple[int, int]) -> Qu
         raise ValueError(f"{raw.size} bytes of {qtype} do not hold a {shape} tensor")
     q, scale, minimum = _UNPACK[qtype](blocks)
     groups = k // _GROUP[qtype]
-    return pack(q.reshape(n, k), scale.reshape(n, groups), None if minimum is None else minimum.reshape(n, groups))
+    return pack(q.reshape(n, k), scale.reshape(n, groups),
+                None if minimum is None else minimum.reshape(n, groups))
 
 
 # ------------------------------------------------------------ float weights ---

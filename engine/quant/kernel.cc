@@ -339,7 +339,7 @@ constexpr int64_t kMinWorkPerThread = 1 << 18;  // multiply-adds below which one
 
 ffi::Error Matmul(ffi::ThreadPool pool, const Args& a, bool int4) {
   const PanelFn fn = Pick(int4);
-  if (fn == nullptr) return ffi::Error::Internal("crossover qmatmul: this CPU lacks AVX2+FMA");
+  if (fn == nullptr) return ffi::Error::Internal("crossover qmatmul: the CPU lacks AVX2+FMA");
   const int64_t panels = a.N / 16;
   if (a.M == 0 || panels == 0) return ffi::Error::Success();
   int64_t threads = g_threads.load(std::memory_order_relaxed);
@@ -416,7 +416,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CrossoverQMatmulI4, qk::I4,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// ctypes controls: the ISA in use (0 none, 1 portable, 2 AVX2, 3 AVX-512), the best this CPU
+// ctypes controls: the ISA in use (0 none, 1 portable, 2 AVX2, 3 AVX-512), the best the CPU
 // has, forcing another it runs (tests compare paths), and a thread count (0: the pool's size).
 extern "C" QK_EXPORT int crossover_qk_isa() { return qk::g_isa.load(); }
 extern "C" QK_EXPORT int crossover_qk_best_isa() { return qk::kBest; }

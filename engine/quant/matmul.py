@@ -47,7 +47,7 @@ def _load() -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(str(build()))
                 isa = lib.crossover_qk_isa()
                 if isa == 0:
-                    lib, status = None, "jnp (this CPU lacks AVX2+FMA)"
+                    lib, status = None, "jnp (the CPU lacks AVX2+FMA)"
                 else:
                     for bits, target in _TARGETS.items():
                         capsule = jax.ffi.pycapsule(getattr(lib, _SYMBOLS[bits]))
@@ -78,14 +78,16 @@ def set_isa(name: str) -> str:
     if lib is None:
         raise RuntimeError(f"no kernel: {kernel_status()}")
     previous = ISA_NAMES[lib.crossover_qk_isa()]
-    code = lib.crossover_qk_best_isa() if name == "best" else {v: k for k, v in ISA_NAMES.items()}.get(name, -1)
+    code = lib.crossover_qk_best_isa() if name == "best" else {v: k
+                                                               for k, v in ISA_NAMES.items()}.get(name, -1)
     if lib.crossover_qk_set_isa(code) < 0:
-        raise ValueError(f"ISA {name!r} is not available on this CPU (best: {ISA_NAMES[lib.crossover_qk_best_isa()]})")
+        raise ValueError(f"ISA {name!r} is not available on the CPU (best: "
+                         f"{ISA_NAMES[lib.crossover_qk_best_isa()]})")
     return previous
 
 
 def supported_isas(portable: bool = False) -> list[str]:
-    """The kernel ISAs this CPU runs ([] without the kernel); with `portable`, the plain C++ copy
+    """The kernel ISAs the CPU runs ([] without the kernel); with `portable`, the plain C++ copy
     of the AVX-512 tiling too (slow: for tests)."""
     lib = _load()
     if lib is None:

@@ -191,7 +191,8 @@ def enable_persistent_cache(path: str | None = None) -> str:
     Defaults to $CROSSOVER_CACHE/jax (or ~/.cache/crossover/jax).
     """
     if path is None:
-        root = os.environ.get("CROSSOVER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "crossover")
+        root = os.environ.get("CROSSOVER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                 "crossover")
         path = os.path.join(root, "jax")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)

@@ -13,7 +13,7 @@ False / None is silent; True prints the informational lines but draws no bar.
 from __future__ import annotations
 
 import sys
-from typing import Protocol, Union
+from typing import Protocol
 
 
 class Progress(Protocol):
@@ -22,7 +22,7 @@ class Progress(Protocol):
     def __call__(self, label: str, done: int, total: int) -> None: ...
 
 
-Reporter = Union[Progress, bool, None]
+Reporter = Progress | bool | None
 """What long operations accept as their `progress` argument (module doc)."""
 
 
@@ -73,7 +73,7 @@ class Steps:
             self.done = self.total
             report(self.progress, self.label, self.done, self.total)
 
-    def __enter__(self) -> "Steps":
+    def __enter__(self) -> Steps:  # noqa: PYI034
         return self
 
     def __exit__(self, *exc: object) -> None:

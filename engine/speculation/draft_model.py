@@ -91,7 +91,8 @@ class DraftModelProposer(_LayerDrafter):
         dcfg = cfg.replace(name=f"{cfg.name}-first{layers}", n_layers=layers)
         params = {"embed": target_params["embed"], "final_norm": target_params["final_norm"],
                   "layers": target_params["layers"][:layers]}
-        return DraftModelProposer(dcfg, params, heads.vocab, heads.exits[layers], draft_vocab, shares_weights=True)
+        return DraftModelProposer(dcfg, params, heads.vocab, heads.exits[layers], draft_vocab,
+                                  shares_weights=True)
 
     def bind(self, core) -> None:
         trc = core.runner.rc
@@ -195,7 +196,8 @@ class DraftModelProposer(_LayerDrafter):
         """Give whole sequences' pages back, the largest first, until the draft holds no more
         than the reservation lends."""
         allocs = (self.pool.global_alloc, self.pool.local_alloc)
-        by_size = sorted(self._state, key=lambda r: -len(self._state[r].pages.global_pages + self._state[r].pages.ring))
+        by_size = sorted(self._state,
+                         key=lambda r: -len(self._state[r].pages.global_pages + self._state[r].pages.ring))
         for rid in by_size:
             if all(len(a.lent) <= a.reserved for a in allocs):
                 return

@@ -77,7 +77,8 @@ def _mtp_chain_draft(heads: Head, h, last, embed, embed_sub, ids, k):
 
     def one(j, carry):
         s, tok, out = carry
-        s = apply_chain_head({n: a[j] for n, a in heads.items()}, s, token_features(embed, tok)).astype(h.dtype)
+        s = apply_chain_head({n: a[j] for n, a in heads.items()}, s,
+                             token_features(embed, tok)).astype(h.dtype)
         lg = draft_logits(s, embed_sub)
         tok = ids[jnp.argmax(lg, axis=-1)].astype(jnp.int32)
         return s, tok, out.at[:, j].set(tok)
@@ -242,4 +243,5 @@ def add_model_proposers(core, heads: DraftHeads, techniques=("mtp", "early_exit"
     if "early_exit" in techniques and heads.exits:
         core.add_proposer(EarlyExitProposer(heads, exit_layers, restricted))
     if "draft" in techniques and heads.exits:
-        core.add_proposer(DraftModelProposer.truncated(core.runner.params, core.cfg, heads, draft_layers, restricted))
+        core.add_proposer(DraftModelProposer.truncated(core.runner.params, core.cfg, heads, draft_layers,
+                                                       restricted))

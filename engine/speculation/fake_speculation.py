@@ -62,7 +62,8 @@ class FakeCost:
     per_draft_ms: float = 0.05
     per_sampled_ms: float = 0.0
 
-    def times(self, batch: int, depth: int, sampled: int = 0, drafts: int | None = None) -> tuple[float, float]:
+    def times(self, batch: int, depth: int, sampled: int = 0,
+              drafts: int | None = None) -> tuple[float, float]:
         """(step_ms, propose_ms) for a decode batch of `batch` rows drafting `drafts` tokens
         together (default: each `depth`)."""
         drafts = batch * depth if drafts is None else drafts

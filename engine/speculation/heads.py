@@ -126,8 +126,8 @@ class DraftHeads:
     def head_bytes(self, head: Head) -> int:
         return int(sum(np.asarray(a).nbytes for a in head.values()))
 
-    def astype(self, dtype) -> "DraftHeads":
-        cast = lambda h: {k: jnp.asarray(v, dtype) for k, v in h.items()}  # noqa: E731
+    def astype(self, dtype) -> DraftHeads:
+        cast = lambda h: {k: jnp.asarray(v, dtype) for k, v in h.items()}
         return DraftHeads(self.vocab, [cast(h) for h in self.mtp],
                           {L: cast(h) for L, h in self.exits.items()}, dict(self.meta))
 
@@ -135,8 +135,8 @@ class DraftHeads:
         """Raise ValueError when these heads do not fit the model config."""
         if any(is_chained(h) != self.chained for h in self.mtp):
             raise ValueError("the MTP heads mix chained and unchained heads")
-        for name, h in [*(("mtp.%d" % k, h) for k, h in enumerate(self.mtp)),
-                        *(("exit.%d" % L, h) for L, h in self.exits.items())]:
+        for name, h in [*((f"mtp.{k}", h) for k, h in enumerate(self.mtp)),
+                        *((f"exit.{L}", h) for L, h in self.exits.items())]:
             d_in = 2 * cfg.d_model if name.startswith("mtp") and self.chained else cfg.d_model
             if h["w1"].shape[0] != d_in or h["w2"].shape[1] != cfg.d_model:
                 raise ValueError(f"head {name} has w1 {tuple(h['w1'].shape)} and w2 "
@@ -150,7 +150,7 @@ class DraftHeads:
 
     @staticmethod
     def random(cfg: ModelConfig, n_mtp: int, exits: tuple[int, ...], n_vocab: int, seed: int = 0,
-               scale: float = 1.0, chained: bool = True) -> "DraftHeads":
+               scale: float = 1.0, chained: bool = True) -> DraftHeads:
         """Random (not identity) heads for tests: w2 is random too, times `scale`."""
         key = jax.random.PRNGKey(seed)
         heads = []
@@ -177,13 +177,14 @@ class DraftHeads:
         save_file(tensors, str(path), metadata={"crossover": json.dumps(self.meta, sort_keys=True)})
 
     @staticmethod
-    def load(path: str | Path, dtype=jnp.float32) -> "DraftHeads":
+    def load(path: str | Path, dtype=jnp.float32) -> DraftHeads:
         """Read a heads file; a missing or foreign file raises ValueError naming it."""
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)
         if not path.is_file():
-            raise ValueError(f"draft heads file {path} does not exist (make one with `crossover train-heads`)")
+            raise ValueError(f"draft heads file {path} does not exist "
+                             "(make one with `crossover train-heads`)")
         try:
             with safe_open(str(path), framework="numpy") as f:
                 names = list(f.keys())

@@ -110,8 +110,8 @@ def _layer_jobs(drafter: _LayerDrafter) -> list:
     rc = runner.rc
     fixed = abstract((drafter.dparams, drafter.head, drafter.emb, drafter.ids))
     kv = abstract(runner.kv)
-    committed = runner.mesh is not None or any_committed(drafter.dparams, drafter.head, drafter.emb, drafter.ids,
-                                                         runner.kv)
+    committed = runner.mesh is not None or any_committed(drafter.dparams, drafter.head, drafter.emb,
+                                                         drafter.ids, runner.kv)
 
     def job(n: int) -> None:
         R = draft_rows(rc, n)
@@ -141,7 +141,8 @@ class _LayerDrafter(Proposer):
     most_tokens = 16
     """Most tokens of one of its calls (the largest token bucket it compiles)."""
 
-    def _setup(self, cfg: ModelConfig, params: Params, head: Head, slices: _VocabSlices, n_vocab: int) -> None:
+    def _setup(self, cfg: ModelConfig, params: Params, head: Head, slices: _VocabSlices,
+               n_vocab: int) -> None:
         self.dcfg, self.dparams, self.head = cfg, params, head
         self.emb, self.ids = slices.get(n_vocab)
         self.slices = slices
@@ -156,7 +157,8 @@ class _LayerDrafter(Proposer):
 
     def _run(self, rb: RaggedBatch, last: np.ndarray) -> jax.Array:
         runner = self.runner
-        tokens, new_kv = _layers_draft(self.dcfg, self.dparams, self.head, self.emb, self.ids, runner.kv, rb, last)
+        tokens, new_kv = _layers_draft(self.dcfg, self.dparams, self.head, self.emb, self.ids, runner.kv, rb,
+                                       last)
         runner.kv = _write(runner.kv, rb, new_kv)
         return tokens
 

@@ -91,8 +91,10 @@ class StepChooser:
     >>> sorted({chooser.choose(2) for _ in range(50)}), chooser.choose(8)
     ([('ngram', 1), ('ngram', 4)], ('ngram', 1))
     >>> chooser.start(TunedPolicy(rules, crossover=4, tenants=(TenantRule("copy", "ngram", 8),)))
-    >>> chooser.choose_rows(["copy", "chat", "copy"]), chooser.choose_rows(["copy"] * 5)
-    ([('ngram', 8), ('ngram', 2), ('ngram', 8)], [('none', 0), ('none', 0), ('none', 0), ('none', 0), ('none', 0)])
+    >>> chooser.choose_rows(["copy", "chat", "copy"])
+    [('ngram', 8), ('ngram', 2), ('ngram', 8)]
+    >>> chooser.choose_rows(["copy"] * 5)
+    [('none', 0), ('none', 0), ('none', 0), ('none', 0), ('none', 0)]
     """
 
     def __init__(self, rng: np.random.Generator, spec_max_batch: int = MAX_BATCH) -> None:
@@ -208,7 +210,8 @@ class StepChooser:
         ...                         profile=(("ngram", 8), ("early_exit", 8)), profile_steps=40)))
         >>> for _ in range(24):  # the policy's ngram@4 emits 4 tokens in 50 ms, early exit 2 in 140
         ...     t, d = chooser.choose(1)
-        ...     chooser.observe(t, d, {"ngram": 4, "early_exit": 2}[t], {"ngram": 50.0, "early_exit": 140.0}[t])
+        ...     chooser.observe(t, d, {"ngram": 4, "early_exit": 2}[t],
+        ...                     {"ngram": 50.0, "early_exit": 140.0}[t])
         >>> chooser.retired, chooser.choose(1), chooser.choose(1), chooser.choose(1), chooser.choose(1)
         ([('early_exit', 8)], ('ngram', 4), ('ngram', 8), ('ngram', 4), ('ngram', 8))
 

@@ -68,7 +68,7 @@ log = logging.getLogger("crossover.engine")
 class EngineConfig:
     """Serving knobs that are not the model's."""
 
-    runner: RunnerConfig = RunnerConfig()
+    runner: RunnerConfig = RunnerConfig()  # noqa: RUF009
     token_budget: int = 512
     """Most new tokens processed per step (decode + prefill)."""
     background_warmup: bool = False
@@ -209,7 +209,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.empty:
             if self.scheduler.running:  # nothing runnable yet pages held: start over from an empty pool
-                log.warning("scheduler stalled with %d running; preempting them", self.scheduler.preempt_all())
+                log.warning("scheduler stalled with %d running; preempting them",
+                            self.scheduler.preempt_all())
             return StepOutput(events, None, finished)
         for seq, _ in plan.prefill:  # the first step that runs a sequence ends its queue time
             seq.scheduled_time = seq.scheduled_time or wall
@@ -289,7 +290,8 @@ class EngineCore:
 
     def _failer(self, events, finished):
         """`fail(item, what)` for engine/step/faults.py: an item is a sequence or (sequence, drafts)."""
-        return lambda item, what: self._fail(item[0] if isinstance(item, tuple) else item, what, events, finished)
+        return lambda item, what: self._fail(item[0] if isinstance(item, tuple) else item, what, events,
+                                             finished)
 
     def recover(self) -> list[RequestResult]:
         """After `step()` raised a fault no sequence owns: end every request, queued or admitted,
@@ -334,7 +336,8 @@ class EngineCore:
             tops = None
             if sp.top_logprobs:
                 tops = top_in(self.runner, slots)
-            ev = append_tokens(seq, toks, lps if sp.logprobs else None, self._stops(sp), self.max_context, tops)
+            ev = append_tokens(seq, toks, lps if sp.logprobs else None, self._stops(sp), self.max_context,
+                               tops)
             if seq.prompt_lps is not None:  # a scored prompt, sent with its first token
                 ev, seq.prompt_lps = replace(ev, prompt_logprobs=tuple(seq.prompt_lps)), None
         except Exception:
@@ -348,7 +351,7 @@ class EngineCore:
         if ev.finished:
             finished.append(self._finish(seq, ev.finish_reason))
 
-    def _stats(self, plan: StepPlan, wall: float, step_ms: float, spec: "SpecResult") -> StepStats:
+    def _stats(self, plan: StepPlan, wall: float, step_ms: float, spec: SpecResult) -> StepStats:
         seqs = plan.decode + [s for s, _ in plan.prefill]
         return StepStats(
             step_id=self._step_id, time=wall, batch_size=len(seqs),

@@ -98,7 +98,8 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
             fail(item[0], "its sampling inputs")
     plan.decode = [item[0] for item, _, _ in rows if item[3] is None]
     spec = SpecResult()
-    depth = max((item[1][1] for item, _, _ in rows if item[2]), default=0)  # the deepest drafting row's choice
+    depth = max((item[1][1] for item, _, _ in rows if item[2]),
+                default=0)  # the deepest drafting row's choice
     if depth:
         spec = SpecResult(_most_rows([item for item, _, _ in rows if item[3] is None]), depth, propose_ms,
                           per_pos=[0] * depth)
@@ -125,7 +126,8 @@ layer once, so a one-token call costs about what 32 tokens add to a prefill call
 CPU. A cut that leaves its tokens to a step of their own pays it again."""
 
 
-def fit_step(decode_tokens: int, chunks: list[int], buckets: tuple[int, ...], later: bool = True) -> list[int]:
+def fit_step(decode_tokens: int, chunks: list[int], buckets: tuple[int, ...],
+             later: bool = True) -> list[int]:
     """Prefill chunk lengths cut so that a step of `decode_tokens` decode and verify tokens and
     these chunks ends on a token bucket, where it passes one by fewer tokens than padding up to
     the next would add (the cut tokens cost as much in a later step, padding costs for nothing).
@@ -136,9 +138,11 @@ def fit_step(decode_tokens: int, chunks: list[int], buckets: tuple[int, ...], la
 
     >>> fit_step(7, [126], (16, 32, 64, 128, 256)), fit_step(7, [200], (16, 32, 64, 128, 256))
     ([121], [200])
-    >>> fit_step(24, [30, 20], (16, 64, 128)), fit_step(60, [10, 2], (16, 64, 128)), fit_step(70, [1], (16, 64, 128))
+    >>> (fit_step(24, [30, 20], (16, 64, 128)), fit_step(60, [10, 2], (16, 64, 128)),
+    ...  fit_step(70, [1], (16, 64, 128)))
     ([30, 10], [3, 1], [1])
-    >>> fit_step(0, [81], (64, 128), later=False), fit_step(0, [133], (128, 256), later=False)  # a call of its own
+    >>> (fit_step(0, [81], (64, 128), later=False),  # a call of its own
+    ...  fit_step(0, [133], (128, 256), later=False))
     ([81], [128])
     >>> fit_step(0, [300], (128, 256))  # past the largest bucket: several calls
     [300]

@@ -143,7 +143,8 @@ class SpecWarmup:
         used, limit = memory_mappings(), map_limit()
         note(progress, f"warmup: speculation's shapes compiled in {self.seconds:.1f}s; "
                        f"{compile_count()} executables compiled or loaded"
-                       + (f"; {used} of this process's {limit} memory mappings in use" if used and limit else ""))
+                       + (f"; {used} of this process's {limit} memory mappings in use" if used and limit
+                          else ""))
 
     def _jobs(self, jobs: list[Job], techniques: list[str]) -> bool:
         """Run `jobs`; False (and `techniques` marked) when stopped or one fails."""

@@ -187,8 +187,10 @@ def class_rows(step: Any) -> list[dict[str, Any]]:
 
     >>> from types import SimpleNamespace as S
     >>> class_rows(S(id=7, instance="a", time=5.0, row_classes='[{"tenant": "t", "technique": '
-    ...            '"ngram", "depth": 2, "rows": 1, "proposed": 2, "accepted": 1, "accepted_per_pos": [1, 0]}]'))
-    [{'step': 7, 'instance': 'a', 'time': 5.0, 'tenant': 't', 'technique': 'ngram', 'depth': 2, 'rows': 1, 'proposed': 2, 'accepted': 1, 'accepted_per_pos': [1, 0]}]
+    ...            '"ngram", "depth": 2, "rows": 1, "proposed": 2, "accepted": 1, '
+    ...            '"accepted_per_pos": [1, 0]}]'))  # doctest: +NORMALIZE_WHITESPACE
+    [{'step': 7, 'instance': 'a', 'time': 5.0, 'tenant': 't', 'technique': 'ngram', 'depth': 2, 'rows': 1,
+      'proposed': 2, 'accepted': 1, 'accepted_per_pos': [1, 0]}]
     """
     classes = step.row_classes
     if isinstance(classes, (str, bytes)):  # a driver that hands JSON back as text

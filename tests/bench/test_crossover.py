@@ -131,7 +131,8 @@ def test_helpers_examples():
 
 @pytest.mark.parametrize("kw,word", [
     ({"depths": (0, 2)}, "depths"), ({"batches": ()}, "batches"), ({"kinds": ("poetry",)}, "poetry"),
-    ({"techniques": ("magic",)}, "magic"), ({"new_tokens": 1}, "new_tokens"), ({"pool_split": 0.9}, "pool_split"),
+    ({"techniques": ("magic",)}, "magic"), ({"new_tokens": 1}, "new_tokens"),
+    ({"pool_split": 0.9}, "pool_split"),
     ({"temperature": 2.5}, "temperature"),
 ])
 def test_bad_grid_values_are_named(kw, word):

@@ -91,7 +91,8 @@ def test_both_fills_come_from_one_run(results):
     p, r = results["propagate"], results["recompute"]
     assert p["plain_loop"] == r["plain_loop"] and p["engine"] == r["engine"]
     never = [{k: v for k, v in c.items() if k != "kv_fill"} for c in p["cells"] if c["threshold"] == "never"]
-    assert never == [{k: v for k, v in c.items() if k != "kv_fill"} for c in r["cells"] if c["threshold"] == "never"]
+    assert never == [{k: v for k, v in c.items() if k != "kv_fill"} for c in r["cells"]
+                     if c["threshold"] == "never"]
     assert p["same_run_as"] == r["same_run_as"] == list(FILLS) and r["max_pending"] == 4
     assert "propagated" in p["note"] and "run later" in r["note"]
 

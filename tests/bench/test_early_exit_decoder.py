@@ -37,7 +37,8 @@ def _empty(cfg, B):
     return KVView(z, z, jnp.zeros((B, 0), jnp.int32))
 
 
-def dense_reference(ee: EarlyExit, seq: list[int], layers_run: list[int], propagated: bool = True) -> list[int]:
+def dense_reference(ee: EarlyExit, seq: list[int], layers_run: list[int],
+                    propagated: bool = True) -> list[int]:
     """Greedy token at each position of one sequence, run densely with no cache: a position that
     exited after k layers predicts the adapter's argmax over the exit vocabulary; with `propagated`
     it keeps its layer-k residual as every upper layer's input (so those layers' K/V are propagated

@@ -34,7 +34,8 @@ def test_report_answers_every_question_with_a_figure(findings):
     for q in ("Q1", "Q2", "Q3", "Q4"):
         part = answers.split(f"### {q}.")[1].split("\n### ")[0]
         assert "Source:" in part and "](q" in part, q  # a paragraph, a figure and where its numbers come from
-    for heading in ("## Q1.", "## Q2.", "## Q3.", "## Q4.", "### Measured end to end", "### Mixture of experts",
+    for heading in ("## Q1.", "## Q2.", "## Q3.", "## Q4.", "### Measured end to end",
+                    "### Mixture of experts",
                     "### PREDICTED for TPU v6e-1 and H200"):
         assert heading in text, heading
     for name in FIGURES:
@@ -68,8 +69,10 @@ def test_every_phase_is_in_one_database_with_its_policies(findings):
     q1 = [r for r in runs if r["phase"] == "q1" and r["technique"] == "none"]
     alone, mixed = [r for r in q1 if len(r["tenants"]) == 1], [r for r in q1 if len(r["tenants"]) > 1]
     assert len(alone) == 4 and len(mixed) == 1  # each kind alone, then the same prompts mixed
-    assert sorted(prompt[f"v{mixed[0]['version']}"]) == sorted(n for r in alone for n in prompt[f"v{r['version']}"])
-    draft_q3 = sorted(splits[(POOL_INSTANCE, r["version"])] for r in runs if r["phase"] == "q3" and r["technique"] == "draft")
+    assert sorted(prompt[f"v{mixed[0]['version']}"]) == sorted(n for r in alone
+                                                               for n in prompt[f"v{r['version']}"])
+    draft_q3 = sorted(splits[(POOL_INSTANCE, r["version"])] for r in runs if r["phase"] == "q3"
+                      and r["technique"] == "draft")
     assert draft_q3 == [0.25, 0.5]
     table = text.split("### Measured end to end")[1].split("\n### ")[0]
     assert "| draft@4 | 0.25 |" in table and "| draft@4 | 0.5 |" in table and "| none@0 | 0 |" in table
@@ -96,7 +99,8 @@ def test_default_early_exit_takes_the_reference_and_newer_runs(tmp_path):
     assert default_early_exit(tmp_path) == [str(ref), str(new)]
 
 
-@pytest.mark.parametrize("flags, expect", [(["--splits", "0.9"], "splits"), (["--kv-budget", "lots"], "not a size"),
+@pytest.mark.parametrize("flags, expect",
+                         [(["--splits", "0.9"], "splits"), (["--kv-budget", "lots"], "not a size"),
                                            (["--early-exit", "no-such.json"], "no-such.json")])
 def test_bad_flags_exit_2_naming_them(flags, expect, tmp_path, capsys):
     db = tmp_path / "never.db"
@@ -112,8 +116,10 @@ def test_a_later_phases_run_appends_to_the_same_database(findings):
     assert main(["bench", "findings", "--db", url, "--out", str(out), "--quick", "--phases", "q3"]) == 0
     facts = json.loads((out / "findings.json").read_text())
     assert [r["phase"] for r in facts["runs"]] == ["q3"] * 6 and facts["earlier"][0]["runs"] == before
-    assert min(r["version"] for r in facts["runs"]) == max(r["version"] for r in before) + 1  # versions continue
+    assert min(r["version"] for r in facts["runs"]) == max(r["version"]
+                                                           for r in before) + 1  # versions continue
     text = (out / "README.md").read_text()
-    assert "--note 'shared machine, test run'; then crossover bench findings" in text and "--phases q3" in text
+    assert ("--note 'shared machine, test run'; then crossover bench findings" in text
+            and "--phases q3" in text)
     table = text.split("### Measured end to end")[1].split("\n### ")[0]
     assert table.count("| draft@4 | 0.25 |") == 2  # both commands' pool runs are in the report

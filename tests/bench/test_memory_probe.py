@@ -20,7 +20,8 @@ def test_serving_report_of_a_tiny_engine(tiny):
     cfg, params = tiny
     # A pool size no other test uses: its executables are compiled here, not found in this
     # process's cache from an earlier test's engine of the same shapes.
-    rc = RunnerConfig(**{**TINY_RC.__dict__, "verify_tokens": (2, 3), "spec_max_batch": 2, "global_pages": 203})
+    rc = RunnerConfig(**{**TINY_RC.__dict__, "verify_tokens": (2, 3), "spec_max_batch": 2,
+                         "global_pages": 203})
 
     def load():
         return EngineCore(cfg, params, ByteTokenizer(), EngineConfig(runner=rc, token_budget=32,

@@ -183,7 +183,8 @@ def test_report_crossover_is_the_designed_one(fixture_url, fixture_report):
     assert "| mtp | all | B=32 (crossover in (16, 32]) |" in text
     assert "- ngram, mixed batches: pays at B = 2, 4, 8; loses at B = 16, 32" in text
     short = text.split("## Answers in short")[1].split("\n## ")[0]
-    assert "**mtp**: B=32 (crossover in (16, 32])" in short and "**ngram**: B=16 (crossover in (8, 16])" in short
+    assert ("**mtp**: B=32 (crossover in (16, 32])" in short
+            and "**ngram**: B=16 (crossover in (8, 16])" in short)
     q1 = short.split("### Q1.")[1].split("### Q2.")[0]  # the paragraph carries the numbers and their CI
     ngram = q1.split("**ngram**")[1]  # alone (0.8, 0.6) and (0.5, 0.3) pool to the mixed (0.65, 0.45)
     assert "mixed is not distinguishable from alone" in ngram
@@ -313,7 +314,8 @@ def _early_exit_run(path: Path) -> Path:
                 "perplexity": 48.6, "perplexity_ratio": 1.33}]
     path.write_text(json.dumps({"lossy": True, "grid": {"exits": [8], "confidence": "prob", "new_tokens": 32},
                                 "kv_fill": "state propagation", "model": "gemma3-270m", "dtype": "float32",
-                                "cells": cells, "quality": quality, "command": "crossover bench early-exit --x 1"}))
+                                "cells": cells, "quality": quality,
+                                "command": "crossover bench early-exit --x 1"}))
     return path
 
 

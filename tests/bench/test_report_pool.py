@@ -24,12 +24,14 @@ def _steps() -> list[tuple[StepStats, str]]:
     rows = []
     for i in range(20):
         jitter = 1 + (0.01 if i % 2 else -0.01)
-        rows.append((StepStats(step_id=i, time=100.0 + i, batch_size=8, decode_tokens=10, step_ms=100.0 * jitter,
-                               kv_pages_used=400, kv_pages_free=600, policy_version=1, tenants=("acme",)), "pool"))
+        rows.append((StepStats(step_id=i, time=100.0 + i, batch_size=8, decode_tokens=10,
+                               step_ms=100.0 * jitter,
+                               kv_pages_used=400, kv_pages_free=600, policy_version=1, tenants=("acme",)),
+                               "pool"))
         rows.append((StepStats(step_id=100 + i, time=200.0 + i, batch_size=6, decode_tokens=12,
                                step_ms=100.0 * jitter, technique="draft", depth=2, proposed=12, accepted=4,
-                               accepted_per_pos=(3, 1), kv_pages_used=300, kv_pages_free=450, policy_version=2,
-                               tenants=("acme",)), "pool"))
+                               accepted_per_pos=(3, 1), kv_pages_used=300, kv_pages_free=450,
+                               policy_version=2, tenants=("acme",)), "pool"))
         rows.append((StepStats(step_id=200 + i, time=300.0 + i, batch_size=2, decode_tokens=3, step_ms=20.0,
                                technique="ngram", depth=2, proposed=4, accepted=1, accepted_per_pos=(1, 0),
                                tenants=("acme",)), "tenants"))
@@ -46,8 +48,10 @@ def pool_url(db_url: str) -> str:
         with engine.begin() as conn:
             write_rows(conn, [step_row(s, inst) for s, inst in _steps()], [])
         with session_scope(engine) as session:
-            save_policy(session, 1, TunedPolicy(version=1, source="admin").to_dict(), "admin", instance="pool")
-            draft = TunedPolicy((BatchRule(32, "draft", 2),), crossover=32, pool_split=0.25, version=2, source="admin")
+            save_policy(session, 1, TunedPolicy(version=1, source="admin").to_dict(), "admin",
+                        instance="pool")
+            draft = TunedPolicy((BatchRule(32, "draft", 2),), crossover=32, pool_split=0.25, version=2,
+                                source="admin")
             save_policy(session, 2, draft.to_dict(), "admin", instance="pool")
     finally:
         engine.dispose()
@@ -63,8 +67,10 @@ def test_pool_runs_are_read_per_version_and_kept_out_of_q1_q2(pool_url):
     assert set(t.pool_runs) == {1, 2} and t.techniques == {"ngram": 40}  # pool steps counted apart
     rows = pool_rows(t)
     plain, draft = rows
-    assert (plain["run"].technique, plain["run"].pool_split, plain["pages"], plain["lent"]) == ("none", 0.0, 1000, 0)
-    assert (draft["run"].technique, draft["run"].pool_split, draft["pages"], draft["lent"]) == ("draft", 0.25, 750, 250)
+    assert (plain["run"].technique, plain["run"].pool_split, plain["pages"],
+            plain["lent"]) == ("none", 0.0, 1000, 0)
+    assert (draft["run"].technique, draft["run"].pool_split, draft["pages"],
+            draft["lent"]) == ("draft", 0.25, 750, 250)
     assert draft["lent_share"] == pytest.approx(0.25) and draft["run"].peak_batch == 6
     assert plain["throughput"].contains(100.0) and draft["ratio"].contains(1.2)  # 12 vs 10 tokens per 100 ms
     assert draft["ratio"].high - draft["ratio"].low < 0.05
@@ -74,7 +80,8 @@ def test_report_shows_the_pool_table_and_q1_on_the_tenant_instance(pool_url, tmp
     text = build_report(ReportRequest(db=pool_url, out=tmp_path / "r", pool_instance="pool",
                                       tenant_instance="tenants", note="a designed fixture")).read_text()
     table = text.split("### Measured end to end")[1].split("\n### ")[0]
-    assert "| 2 | draft@2 | 0.25 | 750 | 250 (25%) | 6 |" in table and "| 1 | none@0 | 0 | 1000 | 0 (0%) | 8 |" in table
+    assert ("| 2 | draft@2 | 0.25 | 750 | 250 (25%) | 6 |" in table
+            and "| 1 | none@0 | 0 | 1000 | 0 (0%) | 8 |" in table)
     assert (tmp_path / "r" / "q3_pool.png").is_file() and "![Q3](q3_pool.png)" in text
     q1 = text.split("### Q1.")[1].split("\n### ")[0]
     # only instance "tenants" (acme alone, 1 of 4 drafts accepted) counts: no mixed batch there

@@ -73,14 +73,15 @@ def test_ttft_vs_idle_pairs_each_request_with_itself() -> None:
     idle = [Sample(1, ttft_s=0.2), Sample(0, ttft_s=0.1), Sample(2, ttft_s=0.1)]  # 3: never alone
     out = ttft_vs_idle(loaded, idle, True)
     assert out["requests"] == 2  # 2 failed loaded, 3 has no idle TTFT
-    assert out["per_request"]["p50"] == pytest.approx(3.5) and out["per_request"]["p99"] == pytest.approx(3.99)
+    assert (out["per_request"]["p50"] == pytest.approx(3.5)
+            and out["per_request"]["p99"] == pytest.approx(3.99))
     assert out["loaded_p99_over_idle_p99"] == pytest.approx(0.795 / 0.199, rel=1e-3)
     assert "reason" in ttft_vs_idle(loaded, [], False)
 
 
 def test_an_idle_phase_without_a_ttft_reports_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture) -> None:
-    import bench.serve as serve
+    from bench import serve
 
     async def failed(*_a: Any) -> tuple[list[Sample], bool]:
         return [Sample(0, error="HTTP 503")], True
@@ -228,10 +229,11 @@ def test_speculation_reaches_the_engine_started_here(monkeypatch: pytest.MonkeyP
     assert policies[1].choose(2) == ("none", 0)
 
 
-def test_each_phase_starts_with_the_prefix_cache_emptied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_phase_starts_with_the_prefix_cache_emptied(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every phase sends the same prompts: the engine's prefix cache is emptied before each, while
     the engine is idle, so no phase skips the prefill of prompts the one before it sent."""
-    import bench.serve as serve
+    from bench import serve
 
     resets: list[bool] = []
     monkeypatch.setattr(serve, "_load_engine", recording_resets(serve._load_engine, resets))

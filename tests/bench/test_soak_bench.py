@@ -20,7 +20,8 @@ SHORT = {"CROSSOVER_HEADER_TIMEOUT_S": "3", "CROSSOVER_BODY_TIMEOUT_S": "3",
          "CROSSOVER_TUNER_VALIDATION_S": "2"}
 
 
-def test_the_soak_on_the_fake_engine_passes_every_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_soak_on_the_fake_engine_passes_every_check(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     for name, value in SHORT.items():
         monkeypatch.setenv(name, value)
     out = tmp_path / "soak.json"

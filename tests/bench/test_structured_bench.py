@@ -37,8 +37,8 @@ def test_valid_names_what_is_wrong() -> None:
 
 
 def test_a_round_measures_both_phases_and_every_answer_validates(server: LiveServer) -> None:  # noqa: F811
-    runner = Runner(StructuredConfig(concurrency=4, rounds=1, max_tokens=400, free_tokens=8), server.url, None,
-                    note=lambda line: None)
+    runner = Runner(StructuredConfig(concurrency=4, rounds=1, max_tokens=400, free_tokens=8), server.url,
+                    None, note=lambda line: None)
     runner.work = [w for w in runner.work if w[0] in ("rgb", "yes_no", "ref_points", "tags")][::5]
     result = asyncio.run(runner.run())
     (one,) = result["rounds"]

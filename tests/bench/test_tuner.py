@@ -212,7 +212,8 @@ def _ratio_bar_areas(result: dict) -> list[float]:
     figure.canvas.draw()
     ratios = figure.axes[1]
     # Antialiased edges are blends, not the bar's colour: count the interior 2 px in from each side.
-    return [max(b.width - 4, 0) * max(b.height - 4, 0) for b in (p.get_window_extent() for p in ratios.patches)]
+    return [max(b.width - 4, 0) * max(b.height - 4, 0)
+            for b in (p.get_window_extent() for p in ratios.patches)]
 
 
 def test_png_axes_are_labelled_with_units_and_legends(run: tuple) -> None:
@@ -264,7 +265,7 @@ def test_the_model_verifies_every_batch_size_with_the_compared_techniques(
     asked: dict[str, Any] = {}
 
     class Loaded:
-        proposers: dict = {}
+        proposers: dict = {}  # noqa: RUF012
 
         def warmup(self, progress: bool) -> None:
             asked["warmed"] = True
@@ -357,7 +358,8 @@ def test_fixed_policies_stay_within_the_engine_s_verify_depth() -> None:
     cfg = TunerBenchConfig(fake=True, runs=("fixed",))
     engine = fake_engine(cfg)
     assert engine.capacity().proposers["mtp"].max_depth > engine.capacity().max_depth == 4
-    assert sorted(static_policies(cfg, engine)) == ["fixed:mtp@2", "fixed:mtp@4", "fixed:ngram@2", "fixed:ngram@4"]
+    assert sorted(static_policies(cfg, engine)) == ["fixed:mtp@2", "fixed:mtp@4", "fixed:ngram@2",
+                                                    "fixed:ngram@4"]
 
 
 def test_repeats_run_every_policy_each_round_and_report_medians(tmp_path: Path,

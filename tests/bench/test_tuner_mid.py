@@ -80,7 +80,8 @@ def test_the_fixed_per_tenant_policy_runs_beside_the_single_depth_ones(run: tupl
     policies = result["policies"]
     ruled = TunedPolicy.from_dict(policies["tenants"]["policy"])
     assert ruled.choose(8) == ("ngram", 2)
-    assert [ruled.choose_row(8, t) for t in ("copy-tenant", "code-tenant", "chat-tenant", "prose-tenant")] == [
+    assert [ruled.choose_row(8, t)
+            for t in ("copy-tenant", "code-tenant", "chat-tenant", "prose-tenant")] == [
         ("ngram", 4), ("ngram", 4), ("ngram", 2), ("none", 0)]
     mid = policies["tenants"]["phases"][3]
     assert mid["goodput"] > 0 and mid["errors"] == 0
@@ -91,7 +92,8 @@ def test_the_fixed_per_tenant_policy_runs_beside_the_single_depth_ones(run: tupl
     for i, r in enumerate(rows):
         best = max(single, key=lambda n: policies[n]["phases"][i]["goodput"])
         assert r["best_single_depth"] == best and r["target"] is None and r["met"] is None
-        assert r["ratio"] == pytest.approx(policies["tenants"]["phases"][i]["goodput"] / r["static"], abs=1e-4)
+        assert r["ratio"] == pytest.approx(policies["tenants"]["phases"][i]["goodput"] / r["static"],
+                                           abs=1e-4)
     assert all(r["best_static"] != "tenants" for r in result["ratios"]["per_phase"])
     assert "phase 4 fixed per-tenant policy vs best single depth" in err
 
@@ -126,7 +128,8 @@ def test_the_engine_loads_the_tenant_policy_s_techniques() -> None:
     from bench.tuner import TunerBenchConfig, named_techniques
 
     cfg = TunerBenchConfig(techniques=("ngram",), runs=("tenants", "table"),
-                           tenant_policy=(("*", "ngram", 2), ("copy-tenant", "mtp", 2), ("prose-tenant", "none", 0)))
+                           tenant_policy=(("*", "ngram", 2), ("copy-tenant", "mtp", 2),
+                                          ("prose-tenant", "none", 0)))
     assert named_techniques(cfg) == {"ngram", "mtp"}
     assert named_techniques(TunerBenchConfig(runs=("fixed",))) == set()
 

@@ -67,7 +67,8 @@ def test_the_tuner_lends_less_on_the_memory_bound_trace(run: tuple) -> None:
     assert bound["chosen_split"] < light["chosen_split"]
     assert light["decision"]["predicted"]["held_share"] == 1.0  # light: every row drafted
     # the decision saw the pool bind (requests waiting for pages) only on the memory-bound trace
-    assert bound["decision"]["traffic"]["queue_per_step"] and not light["decision"]["traffic"]["queue_per_step"]
+    assert (bound["decision"]["traffic"]["queue_per_step"]
+            and not light["decision"]["traffic"]["queue_per_step"])
     for t in (light, bound):  # each choice measures near the best fixed split of its trace
         assert t["ratio"] >= 0.9
 
@@ -91,8 +92,8 @@ def test_split_repeats_run_every_policy_each_round_and_report_medians(tmp_path: 
     err = io.StringIO()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "stderr", err)
-        assert cli(["bench", "tuner", "--fake", "--trace", "light", "--splits", "0,0.5", "--split-repeats", "3",
-                    "--phase-seconds", "1.5", "--rate-scale", "4", "--fake-time-scale", "0.5",
+        assert cli(["bench", "tuner", "--fake", "--trace", "light", "--splits", "0,0.5", "--split-repeats",
+                    "3", "--phase-seconds", "1.5", "--rate-scale", "4", "--fake-time-scale", "0.5",
                     "--kv-budget", "32MiB", "--search-in-thread", "--out", str(out)]) == 0
     t = json.loads(out.read_text())["traces"]["light"]
     assert len(t["rounds"]) == 3 and len(t["ratio_per_round"]) == 3

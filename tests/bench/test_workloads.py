@@ -118,7 +118,8 @@ def test_to_request_encodes_with_bos_and_names_the_tenant(tok):
     assert (r.request_id, r.tenant, r.sampling.max_tokens) == ("r1", "copy-tenant", copy.max_tokens)
     r = to_request(chat, tok, "r2", max_tokens=5, temperature=0.7, seed=11)
     assert r.prompt_ids[0] == tok.bos_id and tok.start_of_turn_id in r.prompt_ids
-    assert (r.tenant, r.sampling.max_tokens, r.sampling.temperature, r.sampling.seed) == ("chat-tenant", 5, 0.7, 11)
+    assert (r.tenant, r.sampling.max_tokens, r.sampling.temperature,
+            r.sampling.seed) == ("chat-tenant", 5, 0.7, 11)
 
 
 def test_mixed_follows_the_weights_and_is_seeded():
@@ -144,7 +145,8 @@ def test_bad_phases_are_refused(kwargs):
         Phase(**{"duration_s": 1.0, "rate_per_s": 1.0, **kwargs})
 
 
-PHASES = [Phase(100.0, 2.0, {"copy": 1.0}), Phase(20.0, 0.0), Phase(50.0, 8.0, {"chat": 1.0, "prose": 1.0}, 4)]
+PHASES = [Phase(100.0, 2.0, {"copy": 1.0}), Phase(20.0, 0.0),
+          Phase(50.0, 8.0, {"chat": 1.0, "prose": 1.0}, 4)]
 
 
 def test_trace_arrivals_are_sorted_within_their_phase_and_poisson_plausible():

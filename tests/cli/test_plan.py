@@ -115,11 +115,12 @@ def test_per_technique_memory_and_tenants_displaced(capsys):
 
 
 def test_the_split_in_bytes_and_tenants(capsys):
-    rc, out, _ = run_plan(capsys, "--device", "cpu", "--budget", "8GiB", "--context", "4096", "--technique", "mtp",
-                          "--draft-vocabs", "8192,32768", "--split", "0.25", "--json")
+    rc, out, _ = run_plan(capsys, "--device", "cpu", "--budget", "8GiB", "--context", "4096", "--technique",
+                          "mtp", "--draft-vocabs", "8192,32768", "--split", "0.25", "--json")
     plan = json.loads(out)
     assert rc == 0 and plan["technique"] == "mtp" and plan["split"]["share"] == 0.25
-    assert plan["speculation_bytes"] == next(t["resident_bytes"] for t in plan["techniques"] if t["technique"] == "mtp")
+    assert plan["speculation_bytes"] == next(t["resident_bytes"] for t in plan["techniques"]
+                                             if t["technique"] == "mtp")
     assert plan["split"]["tenants"] < plan["split"]["tenants_unsplit"] == plan["tenants"]
     rc, text, _ = run_plan(capsys, "--device", "cpu", "--budget", "8GiB", "--split", "0.25")
     assert "pool split" in text and "lends" in text and "draft model's KV" in text

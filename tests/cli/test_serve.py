@@ -51,7 +51,8 @@ def test_serve_flags_map_onto_settings_and_bad_values_exit_2(parser: argparse.Ar
                     "--no-tuner-search-process", "--stream-write-timeout", "7",
                     "--stream-idle-timeout", "8", "--tenant-max-concurrent-share", "0.25",
                     "--admin-token", "t", "--metrics-require-admin")
-    assert (s.kv_budget_bytes, s.tuner.enabled, s.drain_deadline_s, s.open_mode) == (2 << 30, False, 3.0, True)
+    assert (s.kv_budget_bytes, s.tuner.enabled, s.drain_deadline_s,
+            s.open_mode) == (2 << 30, False, 3.0, True)
     assert (s.tuner.interval_s, s.tuner.trials, s.tuner.ranges) == (5.0, 9, (4, 64))
     assert s.tuner.search_process is False and s.tuner.min_new_steps == TunerConfig().min_new_steps
     assert (s.stream_write_timeout_s, s.stream_idle_timeout_s, s.tenant_max_concurrent_share) == (7, 8, 0.25)
@@ -79,13 +80,16 @@ def test_vllm_spellings_of_serve_flags(parser: argparse.ArgumentParser,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     """`crossover serve MODEL`, --served-model-name, --max-model-len and --max-num-seqs as vLLM
     spells them; the old spellings keep working; defaults show in --help."""
-    s = settings_of(parser, "some/model.gguf", "--served-model-name", "gemma", "g3", "--max-model-len", "2048",
-                    "--max-num-seqs", "16")
-    assert (s.model, s.served_model_name, s.max_context, s.max_batch) == ("some/model.gguf", "gemma,g3", 2048, 16)
+    s = settings_of(parser, "some/model.gguf", "--served-model-name", "gemma", "g3", "--max-model-len",
+                    "2048", "--max-num-seqs", "16")
+    assert (s.model, s.served_model_name, s.max_context, s.max_batch) == ("some/model.gguf", "gemma,g3", 2048,
+                                                                          16)
     assert s.served_names("engine-name") == ("gemma", "g3")
     s = settings_of(parser, "--model", "m", "--max-context", "1024", "--max-batch", "8")
-    assert (s.model, s.max_context, s.max_batch, s.served_names("engine-name")) == ("m", 1024, 8, ("engine-name",))
-    for argv, says in ((["a", "--model", "b"], "given twice"), (["--served-model-name", "x,y"], "without commas"),
+    assert (s.model, s.max_context, s.max_batch,
+            s.served_names("engine-name")) == ("m", 1024, 8, ("engine-name",))
+    for argv, says in ((["a", "--model", "b"], "given twice"),
+                       (["--served-model-name", "x,y"], "without commas"),
                        (["--served-model-name", "x", "x"], "distinct")):
         assert serve.run(parser.parse_args(argv)) == 2
         assert says in capsys.readouterr().err

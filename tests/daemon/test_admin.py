@@ -133,7 +133,8 @@ def test_wrong_admin_tokens_are_throttled_per_address(live: Callable[..., LiveSe
     wrong = {"Authorization": "Bearer not-it"}
     for i in range(GUESSES - 2):
         assert server.get("/admin/status", wrong).status == 403
-    assert server.get("/metrics", wrong).status == 200  # a guess too: its answer would show in the tenant names
+    assert server.get("/metrics",
+                      wrong).status == 200  # a guess too: its answer would show in the tenant names
     assert server.get("/dashboard?token=not-it").status == 403  # the last guess, by the dashboard
     r = server.get("/admin/status", {"Authorization": "Bearer right-token"})
     assert r.status == 429 and r.json()["error"]["code"] == "too_many_attempts"

@@ -152,7 +152,8 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("tool-role-without-call-id", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400,
      "messages[0].tool_call_id"),
     ("message-tool-calls-empty", CHAT, chat(messages=[{"role": "user", "content": "x"},
-                                                      {"role": "assistant", "content": None, "tool_calls": []}]),
+                                                      {"role": "assistant", "content": None,
+                                                       "tool_calls": []}]),
      400, "messages[1].tool_calls"),
 ]
 
@@ -396,7 +397,8 @@ def test_top_logprobs_list_the_most_likely_tokens(server: LiveServer) -> None:
     for c in content:
         lps = [t["logprob"] for t in c["top_logprobs"]]
         assert len(lps) == 5 and lps == sorted(lps, reverse=True) and c["logprob"] <= lps[0] + 1e-6
-    lp = server.post(C, on(server, comp(logprobs=3, max_tokens=3, ignore_eos=True))).json()["choices"][0]["logprobs"]
+    lp = server.post(C, on(server,
+                           comp(logprobs=3, max_tokens=3, ignore_eos=True))).json()["choices"][0]["logprobs"]
     for text, top in zip(lp["tokens"], lp["top_logprobs"], strict=True):
         assert text in top and 1 <= len(top) <= 4
     wait_idle(server)

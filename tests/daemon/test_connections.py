@@ -94,7 +94,8 @@ def test_connections_past_the_cap_get_503_and_the_next_after_one_closes_is_serve
     assert server.runner.refused == 1
     held.pop().close()
     wait_for(lambda: len(server.runner.server.connections) == 3, what="one connection closed")
-    r = http_request(server.port, "POST", "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 2})
+    r = http_request(server.port, "POST", "/v1/completions",
+                     {"model": MODEL, "prompt": "abc", "max_tokens": 2})
     assert r.status == 200
     for sock in held:
         sock.close()
@@ -106,7 +107,8 @@ def test_idle_connections_are_closed_at_the_header_deadline_and_free_their_slots
     assert all(read_all(sock) == b"" for sock in held)
     for sock in held:
         sock.close()
-    r = http_request(server.port, "POST", "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 2})
+    r = http_request(server.port, "POST", "/v1/completions",
+                     {"model": MODEL, "prompt": "abc", "max_tokens": 2})
     assert r.status == 200 and server.runner.refused == 0
 
 
@@ -137,7 +139,8 @@ def test_a_loopback_daemon_serves_only_loopback_hosts_and_origins(
 def test_a_daemon_bound_elsewhere_checks_no_host() -> None:
     srv = LiveServer(host="0.0.0.0", open_mode=True, open_non_loopback=True).start()
     try:
-        r = http_request(srv.port, "POST", "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 2},
+        r = http_request(srv.port, "POST", "/v1/completions",
+                         {"model": MODEL, "prompt": "abc", "max_tokens": 2},
                          {"Host": "api.example.com", "Origin": "https://app.example.com"})
         assert r.status == 200
     finally:
@@ -147,7 +150,8 @@ def test_a_daemon_bound_elsewhere_checks_no_host() -> None:
 def test_check_origin_off_serves_any_host_on_loopback() -> None:
     srv = LiveServer(check_origin=False).start()
     try:
-        r = http_request(srv.port, "POST", "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 2},
+        r = http_request(srv.port, "POST", "/v1/completions",
+                         {"model": MODEL, "prompt": "abc", "max_tokens": 2},
                          {"Host": "gpu-box.example:8000"})
         assert r.status == 200
     finally:

@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from daemon.dashboard import COOKIE, PLOTLY_JS, SESSION_S, cookie_value
-from tests.daemon.helpers import LiveServer
 from tests.daemon.dashboard_fill import CROSSOVER, TENANTS, fill
+from tests.daemon.helpers import LiveServer
 
 TOKEN = "dash-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -111,7 +111,7 @@ def chromium(tmp_path: Path, url: str, *action: str) -> str:
            "--disable-quic", "--no-first-run", "--disable-background-networking",
            "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
            "--window-size=1280,1000", "--virtual-time-budget=5000", *action, url]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 

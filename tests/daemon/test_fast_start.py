@@ -39,7 +39,8 @@ def test_ready_while_speculation_still_compiles(live: Callable[..., LiveServer])
     assert server.post("/v1/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 2}).status == 200
     status = server.get("/dashboard/api/status").json()
     assert status["techniques"]["mtp"] == "compiling"
-    assert status["speculation"]["clamped"]["speculates_up_to"] == 64 and status["speculation"]["max_batch"] == 16
+    assert (status["speculation"]["clamped"]["speculates_up_to"] == 64
+            and status["speculation"]["max_batch"] == 16)
 
 
 def test_shutdown_stops_a_background_warmup() -> None:

@@ -90,7 +90,8 @@ class Replica:
                "--fake-warmup-s", str(warmup_s), "--port", str(self.port), "--open",
                "--db", f"sqlite:///{self.workdir / (self.name + '.db')}"]
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=daemon_env(), stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=daemon_env(), stdout=log,
+                                         stderr=subprocess.STDOUT)
 
     def listening(self) -> bool:
         assert self.proc is not None and self.proc.poll() is None, self.logs[-1].read_text()

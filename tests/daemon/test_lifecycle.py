@@ -106,7 +106,8 @@ def test_a_request_still_reading_its_body_does_not_hold_the_drain(live: Callable
     while b"\r\n\r\n" not in reply:
         reply += sock.recv(65536)
     head, _, body = reply.partition(b"\r\n\r\n")
-    length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+    length = int(next(h.split(b":")[1] for h in head.split(b"\r\n")
+                      if h.lower().startswith(b"content-length")))
     while len(body) < length:
         body += sock.recv(65536)
     sock.close()
@@ -221,7 +222,8 @@ def test_sigterm_lets_in_flight_streams_finish_and_exits_zero(tmp_path: Path) ->
 
 def test_serve_refuses_an_old_schema_and_names_the_upgrade(tmp_path: Path, rev1_url: str) -> None:
     cmd = [*SERVE, "--fake-engine", "--port", "0", "--db", rev1_url]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, env=daemon_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, check=False, cwd=REPO, env=daemon_env(), capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 2
     assert "0001" in proc.stderr and f"crossover db upgrade --db {rev1_url}" in proc.stderr
     assert "listening" not in proc.stderr

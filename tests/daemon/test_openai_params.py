@@ -105,7 +105,8 @@ def test_served_model_names_answer_to_each_and_report_the_first(live) -> None:
     assert server.get("/v1/models/other").status == 404
     r = server.post("/v1/completions", {"model": "g3", "prompt": "abc", "max_tokens": 2})
     assert r.status == 200 and r.json()["model"] == "gemma"
-    r = server.post("/v1/completions", {"model": "fake-reverse", "prompt": "abc", "max_tokens": 2})  # the engine's own
+    r = server.post("/v1/completions",
+                    {"model": "fake-reverse", "prompt": "abc", "max_tokens": 2})  # the engine's own
     assert r.status == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
@@ -126,7 +127,8 @@ def test_a_list_of_prompts_is_answered_prompt_by_prompt(live) -> None:
     ids = [FakeTokenizer().encode("xy"), FakeTokenizer().encode("z")]
     r = server.post("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 20})
     assert [c["text"] for c in r.json()["choices"]] == ["yx", "z"]
-    r = server.post("/v1/completions", {"model": MODEL, "prompt": ["ab", "cd"], "max_tokens": 20, "stream": True})
+    r = server.post("/v1/completions",
+                    {"model": MODEL, "prompt": ["ab", "cd"], "max_tokens": 20, "stream": True})
     from tests.daemon.helpers import parse_sse
 
     chunks = [e for e in parse_sse(r.data) if isinstance(e, dict)]

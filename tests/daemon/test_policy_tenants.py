@@ -33,7 +33,8 @@ def test_a_pin_with_tenant_rules_is_served(server: LiveServer) -> None:
     assert r.status == 200, r.json()
     assert r.json()["policy"]["tenants"][0] == {"tenant": "copy", "technique": "ngram", "depth": 4,
                                                 "max_batch": 1 << 30}
-    assert server.post("/v1/completions", {"model": MODEL, "prompt": "abc"}).status == 200  # a step applies it
+    assert server.post("/v1/completions",
+                       {"model": MODEL, "prompt": "abc"}).status == 200  # a step applies it
     wait_for(lambda: server.engine.policy.tenants != ())
     assert server.engine.policy.tenants == (TenantRule("copy", "ngram", 4), TenantRule("chat", max_batch=2))
     assert server.get("/admin/policy", ADMIN).json()["policy"]["tenants"][1]["tenant"] == "chat"
@@ -63,9 +64,11 @@ def test_metrics_count_drafts_per_row_class_in_a_step_of_several_depths() -> Non
     from engine.types import RowClass, StepStats
 
     metrics = EngineMetrics()
-    classes = (RowClass("copy", "ngram", 8, 1, 8, 5, (1,) * 5 + (0,) * 3), RowClass("code", "mtp", 2, 3, 6, 2, (2, 0)),
+    classes = (RowClass("copy", "ngram", 8, 1, 8, 5, (1,) * 5 + (0,) * 3),
+               RowClass("code", "mtp", 2, 3, 6, 2, (2, 0)),
                RowClass("chat", "none", 0, 2))
-    metrics.on_step(StepStats(batch_size=6, decode_tokens=13, technique="mtp", depth=8, proposed=14, accepted=7,
+    metrics.on_step(StepStats(batch_size=6, decode_tokens=13, technique="mtp", depth=8, proposed=14,
+                              accepted=7,
                               accepted_per_pos=(3, 1, 1, 1, 1, 0, 0, 0), step_ms=10.0, row_classes=classes))
     text = generate_latest(metrics.registry).decode()
     assert "crossover_spec_decode_num_drafts_total 4.0" in text  # 1 copy row + 3 code rows, not 14 // 8

@@ -77,7 +77,8 @@ def test_a_pinned_tenant_rule_drafts_for_its_tenant_only_and_stays_lossless(serv
     assert pinned == plain and plain["copy"] == plain["prose"]  # the same prompt, greedy: lossless
     server.database.recorder.flush()
     with server.database.engine.connect() as conn:
-        rows = conn.execute(text("SELECT batch_size, row_classes FROM xo_steps WHERE id > :i"), {"i": first}).all()
+        rows = conn.execute(text("SELECT batch_size, row_classes FROM xo_steps WHERE id > :i"),
+                            {"i": first}).all()
     classes = [(batch, c) for batch, raw in rows
                for c in (json.loads(raw) if isinstance(raw, str) else raw or [])]
     drafted = [c for _, c in classes if c["technique"] != "none"]

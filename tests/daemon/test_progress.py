@@ -42,7 +42,7 @@ def test_json_events_are_throttled_per_label_and_always_end(json_log) -> None:
     logger, stream = json_log
     now = [0.0]
     progress = JsonProgress(logger, interval_s=2.0, clock=lambda: now[0])
-    for done in range(0, 11):  # 0.5 s apart: one event per 2 s, plus the end
+    for done in range(11):  # 0.5 s apart: one event per 2 s, plus the end
         progress("warmup", done, 10)
         if done < 3:
             progress("convert", done, 10)

@@ -74,7 +74,8 @@ def test_a_prompt_the_context_cannot_hold_is_refused_before_tokenizing(server: L
     400 context_length_exceeded counted in characters, the text never tokenized."""
     limit = server.engine.max_context * server.engine.tokenizer.max_piece_chars
     for path, body in (("/v1/completions", {"prompt": "ab " * (limit // 3 + 1)}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (limit + 1)}]})):
+                       ("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "x" * (limit + 1)}]})):
         r = server.post(path, {"model": server.engine.model_name, "max_tokens": 4, **body})
         error = r.json()["error"]
         assert r.status == 400 and error["code"] == "context_length_exceeded", r.data

@@ -40,7 +40,8 @@ class Daemon:
                "--no-tuner", "--no-tuner-search-process", "--tuner-trials", "8",
                "--tuner-validation-s", "3", "--tuner-validation-min-steps", "30"]
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=daemon_env(), stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=daemon_env(), stdout=out,
+                                         stderr=subprocess.STDOUT)
 
     def get(self, path: str) -> Any:
         r = http_request(self.port, "GET", path, headers=ADMIN)
@@ -79,7 +80,8 @@ def test_two_real_model_daemons_share_one_postgresql_database(pg_url: str, tmp_p
             daemons[name] = Daemon(name, pg_url, tmp_path)
         for d in daemons.values():
             wait_for(d.ready, 600, f"{d.name} ready")
-            wait_for(d.warm, 600, f"{d.name} background warmup")  # staged start: the rest compiles after ready
+            wait_for(d.warm, 600,
+                     f"{d.name} background warmup")  # staged start: the rest compiles after ready
         warm = {n: d.get("/admin/status")["compiles"]["total"] for n, d in daemons.items()}
         ids: dict[str, list[str]] = {name: [] for name in NAMES}
         for i in range(3):

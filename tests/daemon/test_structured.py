@@ -23,7 +23,8 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", 
     ({}, None),
     ({"response_format": {"type": "text"}}, None),
     ({"response_format": {"type": "json_object"}}, Constraint("json", ANY_OBJECT, "response_format")),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}},
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}},
      Constraint("json", json.dumps(SCHEMA), "response_format.json_schema.schema")),
     ({"guided_json": json.dumps(SCHEMA)}, Constraint("json", json.dumps(SCHEMA), "guided_json")),
     ({"guided_regex": "[0-9]+"}, Constraint("regex", "[0-9]+", "guided_regex")),
@@ -89,7 +90,8 @@ def chat(server: LiveServer, **fields: Any) -> dict[str, Any]:
 def test_a_json_schema_answer_parses_and_follows_the_schema(server: LiveServer) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
     for temperature in (0.0, 1.0):
-        r = server.post("/v1/chat/completions", chat(server, response_format=fmt, temperature=temperature, seed=3))
+        r = server.post("/v1/chat/completions",
+                        chat(server, response_format=fmt, temperature=temperature, seed=3))
         assert r.status == 200, r.data
         choice = r.json()["choices"][0]
         answer = json.loads(choice["message"]["content"])
@@ -100,11 +102,13 @@ def test_a_json_schema_answer_parses_and_follows_the_schema(server: LiveServer) 
 
 
 def test_regex_and_choice_constrain_completions_and_streams(server: LiveServer) -> None:
-    body = {"model": server.engine.model_name, "prompt": "id:", "max_tokens": 30, "guided_regex": "[A-Z]{2}-[0-9]{3}"}
+    body = {"model": server.engine.model_name, "prompt": "id:", "max_tokens": 30,
+            "guided_regex": "[A-Z]{2}-[0-9]{3}"}
     r = server.post("/v1/completions", body)
     assert r.status == 200, r.data
     assert re.fullmatch("[A-Z]{2}-[0-9]{3}", r.json()["choices"][0]["text"])
-    r = server.post("/v1/chat/completions", chat(server, stream=True, guided_choice=["sunny", "rainy", "snow"]))
+    r = server.post("/v1/chat/completions",
+                    chat(server, stream=True, guided_choice=["sunny", "rainy", "snow"]))
     assert r.status == 200
     chunks = [e for e in parse_sse(r.data) if isinstance(e, dict)]
     text = "".join(c["delta"].get("content") or "" for e in chunks for c in e["choices"])
@@ -130,7 +134,8 @@ def test_the_openai_clients_parse_returns_the_pydantic_object(server: LiveServer
         level: int = Field(ge=0, le=9)
 
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
-        r = client.chat.completions.parse(model=server.engine.model_name, response_format=Forecast, max_tokens=60,
+        r = client.chat.completions.parse(model=server.engine.model_name, response_format=Forecast,
+                                          max_tokens=60,
                                           messages=[{"role": "user", "content": "weather?"}], temperature=0)
     parsed = r.choices[0].message.parsed
     assert isinstance(parsed, Forecast) and 0 <= parsed.level <= 9 and len(parsed.city) <= 8

@@ -30,7 +30,8 @@ def test_tool_choice_spellings() -> None:
     auto = parse_tools({"tools": TOOLS})
     assert auto is not None and auto.choice == "auto" and auto.constraint() is None
     assert list(auto.functions) == ["get_weather", "get_time"]
-    named = parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    named = parse_tools({"tools": TOOLS,
+                         "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
     assert named is not None and named.choice == "get_time"
     schema = json.loads(named.constraint().spec)
     jsonschema.validate({"name": "get_time", "parameters": {"zone": "UTC"}}, schema)
@@ -47,7 +48,8 @@ def test_tool_choice_spellings() -> None:
     ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+     "tools[0].function.parameters"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),

@@ -130,7 +130,8 @@ def test_the_scheduler_skips_thin_telemetry_with_a_reason(
         return [r for r in server.get("/admin/retunes", ADMIN).json()["data"] if r["skipped"]]
 
     wait_for(lambda: len(skips()) >= 2, 20, "two scheduled skips")
-    assert all(r["triggered_by"] == "schedule" and "new steps (per sequence) since the last retune" in r["error"]
+    assert all(r["triggered_by"] == "schedule"
+               and "new steps (per sequence) since the last retune" in r["error"]
                for r in skips())
 
 
@@ -169,10 +170,12 @@ def test_the_starter_policy_speculates_at_fewer_rows_on_a_cpu() -> None:
     from daemon.tuning import starter_policy
 
     capacity = FakeEngine(proposers={"ngram": FakeProposer("ngram")}, cost=FakeCost(), max_batch=8).capacity()
-    choices = {backend: [starter_policy(replace(capacity, backend=backend)).choose(b) for b in (1, 2, 3, 8, 9)]
+    choices = {backend: [starter_policy(replace(capacity, backend=backend)).choose(b)
+                         for b in (1, 2, 3, 8, 9)]
                for backend in ("cpu", "tpu", "")}
     assert choices["cpu"] == [("ngram", 4), ("ngram", 2), ("none", 0), ("none", 0), ("none", 0)]
-    assert choices["tpu"] == choices[""] == [("ngram", 4), ("ngram", 4), ("ngram", 4), ("ngram", 2), ("none", 0)]
+    assert choices["tpu"] == choices[""] == [("ngram", 4), ("ngram", 4), ("ngram", 4), ("ngram", 2),
+                                             ("none", 0)]
 
 
 @pytest.mark.parametrize(("rule", "top", "param"), [

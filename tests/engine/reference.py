@@ -19,7 +19,7 @@ def _rms(x, w, eps):
 
 
 def _rope(x, base, scale):
-    T, H, hd = x.shape
+    T, _, hd = x.shape
     half = hd // 2
     inv = 1.0 / base ** (np.arange(half) * 2.0 / hd)
     ang = (np.arange(T)[:, None] / scale) * inv[None, :]

@@ -24,7 +24,8 @@ SP = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
 def _policy(split: float, depth: int = 3, version: int = 1) -> TunedPolicy:
-    return TunedPolicy(rules=(BatchRule(64, "draft", depth),), crossover=64, pool_split=split, version=version)
+    return TunedPolicy(rules=(BatchRule(64, "draft", depth),), crossover=64, pool_split=split,
+                       version=version)
 
 
 def _engine(tiny, **kw):

@@ -189,7 +189,8 @@ def test_speculation_counts_only_the_tokens_a_request_keeps() -> None:
     events, outs = run(engine)
     stats = [o.stats for o in outs if o.stats is not None]
     assert [s.decode_tokens for s in stats] == [len(e.token_ids) for e in events] == [4, 2]
-    assert [(s.accepted, s.accepted_per_pos, s.cut_tokens) for s in stats] == [(3, (1, 1, 1), 0), (1, (1, 0, 0), 2)]
+    assert [(s.accepted, s.accepted_per_pos, s.cut_tokens) for s in stats] == [(3, (1, 1, 1), 0),
+                                                                               (1, (1, 0, 0), 2)]
     assert [c.accepted for s in stats for c in s.row_classes] == [3, 1]
     (result,) = [r for o in outs for r in o.finished]
     assert (result.output_tokens, result.proposed_tokens, result.accepted_tokens) == (6, 6, 4)

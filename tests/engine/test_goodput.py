@@ -36,7 +36,8 @@ class Oracle(Proposer):
 @pytest.fixture(scope="module")
 def plain(tiny) -> list[list[int]]:
     """Each prompt's first 30 greedy tokens, decoded plainly."""
-    return run_requests(make_engine(tiny, TOK, **SPEC_RC), PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    return run_requests(make_engine(tiny, TOK, **SPEC_RC), PROMPTS,
+                        SamplingParams(max_tokens=30, ignore_eos=True))[0]
 
 
 def _speculate(tiny, plain, sps: list[SamplingParams], drafts: bool = True):
@@ -76,11 +77,13 @@ def _check_delivered(steps, results) -> None:
 
 def test_max_tokens_inside_accepted_drafts_counts_only_the_kept_tokens(tiny, plain):
     lengths = (8, 13, 4)  # the last decode step keeps 2, 2 and 3 of its 5 tokens
-    out, steps, results = _speculate(tiny, plain, [SamplingParams(max_tokens=m, ignore_eos=True) for m in lengths])
+    out, steps, results = _speculate(tiny, plain,
+                                     [SamplingParams(max_tokens=m, ignore_eos=True) for m in lengths])
     assert out == [p[:m] for p, m in zip(plain, lengths)]
     _check_delivered(steps, results)
     decode_steps = [-(-(m - 1) // (DEPTH + 1)) for m in lengths]
-    assert [results[f"r{i}"].accepted_tokens for i in range(3)] == [m - 1 - n for m, n in zip(lengths, decode_steps)]
+    assert [results[f"r{i}"].accepted_tokens for i in range(3)] == [m - 1 - n
+                                                                    for m, n in zip(lengths, decode_steps)]
     assert [s.cut_tokens for s, _ in steps] == [2, 3, 3]  # r2 ends in the first decode step, r0 next
     assert [s.accepted_per_pos for s, _ in steps] == [(3, 3, 2, 2), (2, 1, 1, 1), (1, 0, 0, 0)]
     assert [s.decode_tokens for s, _ in steps] == [13, 7, 2]
@@ -99,7 +102,8 @@ def _first_repeat_free(out: list[int], width: int) -> int:
 
 def test_a_stop_id_inside_accepted_drafts_ends_the_output_and_its_count(tiny, plain):
     ends = [_first_repeat_free(out, 1) for out in plain]
-    sps = [SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=(out[e],)) for out, e in zip(plain, ends)]
+    sps = [SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=(out[e],))
+           for out, e in zip(plain, ends)]
     out, steps, results = _speculate(tiny, plain, sps)
     assert out == [p[: e + 1] for p, e in zip(plain, ends)]
     assert all(r.finish_reason == "stop" for r in results.values())

@@ -29,7 +29,8 @@ def _paged_logits(runner: ModelRunner, tokens: list[int], chunks: list[int], pag
         c.local_table[0, :] = ring[: c.local_table.shape[1]]
         idx = np.minimum(np.arange(T), n - 1)[None, :].astype(np.int32)
         batch = Batch(c.tokens, c.start, c.n_new, c.global_table, c.local_table)
-        runner.kv, sc, _ = forward_and_write(runner.cfg, runner.rc.ring_pages, runner.params, runner.kv, batch, idx)
+        runner.kv, sc, _ = forward_and_write(runner.cfg, runner.rc.ring_pages, runner.params, runner.kv,
+                                             batch, idx)
         out.append(np.asarray(sc.logits)[0, :n])
         pos += n
     return np.concatenate(out)
@@ -65,7 +66,8 @@ def _greedy(engine, prompts, max_tokens=12):
 
 def test_mixed_length_batch_equals_each_sequence_alone(tiny):
     tok = ByteTokenizer()
-    prompts = [tok.encode(s) for s in ("a", "hello there", "x" * 30, "the quick brown fox " * 3, "ok?", "z" * 9)]
+    prompts = [tok.encode(s)
+               for s in ("a", "hello there", "x" * 30, "the quick brown fox " * 3, "ok?", "z" * 9)]
     together = _greedy(make_engine(tiny), prompts)
     alone = [_greedy(make_engine(tiny), [p])[0] for p in prompts]
     assert together == alone
@@ -99,7 +101,8 @@ def test_fast_output_rescores_the_top_candidates_exactly():
     np.testing.assert_array_equal(np.asarray(sc.best), exact.argmax(-1))
     assert (fast.argmax(-1) == exact.argmax(-1)).all()
     top = np.argsort(-exact, axis=-1)[..., :4]
-    np.testing.assert_allclose(np.take_along_axis(fast, top, -1), np.take_along_axis(exact, top, -1), rtol=1e-5)
+    np.testing.assert_allclose(np.take_along_axis(fast, top, -1), np.take_along_axis(exact, top, -1),
+                               rtol=1e-5)
     assert 0 < np.abs(fast - exact).max() < 0.05 * np.abs(exact).max()  # the tail really is bfloat16
     few = hs[:1, :1]  # under FAST_OUTPUT_MIN_ROWS rows: plain float32
     plain = output_scores(params, few)

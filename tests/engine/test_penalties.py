@@ -103,7 +103,7 @@ def test_penalized_decode_and_verification_draw_from_the_adjusted_distribution()
     penalized, one banned) both give the adjusted softmax; a banned draft is never accepted;
     logprobs stay the model's."""
     logits = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005], np.float32))
-    n, V = 40000, logits.size
+    n = 40000
     a = Adjust.host((n, 1, 4))
     a["ids"][:, 0] = [0, 2, 3, 5]
     a["scale"][:, 0] = [1.0, 1.5, 1.0, 1.0]  # repetition penalty on a negative logit: times 1.5
@@ -184,7 +184,8 @@ def test_adjustments_that_do_not_fit_fail_their_request_alone(tiny, unpenalized)
 
     e = make_engine(tiny, **SPEC_RC)
     e.runner.adjust_width = 4  # the repetition penalty needs one entry per distinct prompt token
-    e.add_request(Request("bad", IDS[1], SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.5)))
+    e.add_request(Request("bad", IDS[1],
+                          SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.5)))
     for i, ids in enumerate(IDS):
         e.add_request(Request(f"r{i}", ids, SamplingParams(max_tokens=24, ignore_eos=True)))
     out, reasons = {}, {}

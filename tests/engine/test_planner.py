@@ -117,7 +117,8 @@ def test_the_page_tables_span_the_maximum_context_rounded_up_to_a_page():
 
     for max_context in (50, 64, 100, 600, 1024, 4096):
         rc = runner_config(GEMMA3_270M, "float32", 2 << 30, 32, max_context, verify_tokens=VERIFY_TOKENS)
-        assert rc.max_context >= max_context and rc.max_context - max_context < 16 and rc.max_context % 16 == 0
+        assert (rc.max_context >= max_context and rc.max_context - max_context < 16
+                and rc.max_context % 16 == 0)
         assert rc.max_chunk <= rc.ring_pages * rc.page_size and rc.spec_max_batch <= rc.max_batch
 
 
@@ -127,7 +128,8 @@ def test_a_split_lends_pages_and_a_technique_pays_from_the_same_budget():
     dev = device_profile("cpu", 8 * GiB)
     base = make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096)
     small = make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096, technique="mtp", mtp_vocabs=(8192,))
-    large = make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096, technique="mtp", mtp_vocabs=(8192, 32768))
+    large = make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096, technique="mtp",
+                      mtp_vocabs=(8192, 32768))
     extra = 32768 * (640 * 2 + 4)  # the 32768-id slice: bfloat16 rows and int32 ids
     assert large.speculation_bytes - small.speculation_bytes == extra
     assert base.pool_bytes - small.pool_bytes == small.speculation_bytes
@@ -140,7 +142,8 @@ def test_a_split_lends_pages_and_a_technique_pays_from_the_same_budget():
     assert sp.lent_bytes + sp.tenant_bytes == pools.total_bytes
     assert sp.tenants_unsplit == p.tenants and sp.tenants < p.tenants
     assert sp.tenants == (pools.num_local_pages - sp.lent_local_pages) // pools.ring_pages  # local pages bind
-    assert sp.draft_sequences == int(pools.num_local_pages * 0.25) // pools.ring_pages  # 4 local layers: rings only
+    # 4 local layers: rings only
+    assert sp.draft_sequences == int(pools.num_local_pages * 0.25) // pools.ring_pages
     with pytest.raises(ValueError, match="unknown technique"):
         make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096, technique="medusa")
 

@@ -288,7 +288,8 @@ def test_real_model_shared_prefix_same_output_with_cache_on_and_off():
         engine = load_engine(max_batch=4, max_context=2048, progress=False, speculation=False,
                              prefix_cache=on)
         tok = engine.tokenizer
-        system = "You are the bakery's assistant. " + " ".join(f"Rule {i}: be kind and exact." for i in range(100))
+        system = "You are the bakery's assistant. " + " ".join(f"Rule {i}: be kind and exact."
+                                                               for i in range(100))
         n_system = len(tok.encode(system))  # about 1,000 tokens: the ring (528) wraps twice over it
         prompts = [tok.encode(system + q) for q in (" What bread is best?", " When do you open?")]
         got, stats = _one_by_one(engine, prompts + prompts, SamplingParams(max_tokens=24, temperature=0.0))

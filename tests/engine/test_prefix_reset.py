@@ -74,7 +74,8 @@ def test_cached_local_pages_of_held_blocks_go_and_their_entries_stay():
         pool.prepare(a, start, start + 4)
         pool.cache_blocks(a, tokens, start + 4)
     assert pool.local_alloc.num_cached == 6  # blocks 0..5 left a's ring (a still reads block 6's)
-    assert pool.lookup(b := SeqPages([], []), tokens[:21] + [0] * 9, "t") == 20
+    b = SeqPages([], [])
+    assert pool.lookup(b, tokens[:21] + [0] * 9, "t") == 20
     pool.release(b, tokens[:21] + [0] * 9, 20)
     assert pool.drop_cached() == {"enabled": True, "dropped_blocks": 0, "freed_pages": 6}
     assert len(pool.prefix.entries) == 10  # a holds every global page

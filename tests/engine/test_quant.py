@@ -194,7 +194,8 @@ def test_kernel_threads_and_shapes():
         qm.set_threads(0)
     assert np.array_equal(pooled, single)
     hlo = jax.jit(qm.qmatmul).lower(x, w).as_text()
-    assert "crossover_qmatmul_i8" in hlo and "tensor<128x640x16xi8>" in hlo  # the int8 values go in as they are
+    # the int8 values go in as they are
+    assert "crossover_qmatmul_i8" in hlo and "tensor<128x640x16xi8>" in hlo
     with pytest.raises(ValueError, match="K = 640"):
         qm.qmatmul(x[..., :320], w)
 

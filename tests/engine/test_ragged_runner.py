@@ -100,7 +100,7 @@ def test_a_mixed_ragged_call_equals_each_row_alone_and_the_dense_model(tiny):
             np.testing.assert_allclose(hidden[sl], wh, rtol=1e-4, atol=1e-4)
             top = top_in(ragged_runner, sl)
             assert [[t for t, _ in pos] for pos in top] == [[t for t, _ in pos] for pos in wtop]
-            lps = lambda tops: [[x for _, x in pos] for pos in tops]  # noqa: E731
+            lps = lambda tops: [[x for _, x in pos] for pos in tops]
             np.testing.assert_allclose(lps(top), lps(wtop), rtol=1e-4, atol=1e-4)
             fed = seq[r][: row.start] + list(row.tokens)  # what the forward saw, drafts included
             ref = _log_softmax(dense_logits(cfg, params, fed)[len(fed) - k:])  # [k, V] at the outputs
@@ -109,7 +109,8 @@ def test_a_mixed_ragged_call_equals_each_row_alone_and_the_dense_model(tiny):
             if temps[r] == 0:  # greedy: the argmax, and a draft accepted where it is that
                 best = ref.argmax(axis=-1)
                 np.testing.assert_array_equal(tok[sl], best)
-                np.testing.assert_array_equal(acc[sl][: len(row.cand)], np.asarray(row.cand) == best[: len(row.cand)])
+                np.testing.assert_array_equal(acc[sl][: len(row.cand)],
+                                              np.asarray(row.cand) == best[: len(row.cand)])
             if row.cand:
                 n_ok = int(np.cumprod(acc[sl][: len(row.cand)]).sum())
                 accepted += n_ok

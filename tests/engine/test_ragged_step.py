@@ -109,7 +109,8 @@ def test_logprobs_in_a_batch_equal_those_decoded_alone_and_the_dense_models(tiny
     e.add_request(Request("q", TOK.encode(PROMPTS[0]), sp))
     got = []
     while e.has_work():
-        got += [(ev.token_ids, ev.logprobs, ev.top_logprobs) for ev in e.step().events if ev.request_id == "q"]
+        got += [(ev.token_ids, ev.logprobs, ev.top_logprobs) for ev in e.step().events
+                if ev.request_id == "q"]
     want = _run_alone(_engine(tiny, prefix_cache=False), PROMPTS[0], sp)
     assert [t for t, _, _ in got] == [t for t, _, _ in want]
     for (_, lp, top), (_, wlp, wtop) in zip(got, want):

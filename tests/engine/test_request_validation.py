@@ -17,14 +17,16 @@ from engine.types import (
 GOOD = [
     dict(max_tokens=1), dict(temperature=0), dict(temperature=2.0), dict(top_k=-1), dict(top_k=0),
     dict(top_k=256), dict(top_p=1e-6), dict(top_p=1), dict(seed=-(2**63)), dict(seed=2**64 - 1),
-    dict(stop=("s" * MAX_STOP_CHARS,) * MAX_STOP_STRINGS), dict(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS))),
+    dict(stop=("s" * MAX_STOP_CHARS,) * MAX_STOP_STRINGS),
+    dict(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS))),
     dict(top_logprobs=1), dict(logprobs=True, ignore_eos=True),
     dict(min_p=0.0), dict(min_p=1.0), dict(max_tokens=4, min_tokens=4), dict(min_tokens=0),
     dict(presence_penalty=-2.0, frequency_penalty=2.0), dict(presence_penalty=2, frequency_penalty=-2),
     dict(repetition_penalty=2.0), dict(repetition_penalty=1e-6),
 ]
 BAD = [
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=True), "max_tokens"), (dict(max_tokens=2.0), "max_tokens"),
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=True), "max_tokens"),
+    (dict(max_tokens=2.0), "max_tokens"),
     (dict(temperature=-1e-9), "temperature"), (dict(temperature=2.01), "temperature"),
     (dict(temperature=float("inf")), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(top_k=-2), "top_k"), (dict(top_k=257), "top_k"), (dict(top_k=1.0), "top_k"),
@@ -39,8 +41,10 @@ BAD = [
     (dict(min_p=-1e-9), "min_p"), (dict(min_p=1.01), "min_p"), (dict(min_p=float("nan")), "min_p"),
     (dict(max_tokens=4, min_tokens=5), "min_tokens"), (dict(min_tokens=-1), "min_tokens"),
     (dict(min_tokens=1.0), "min_tokens"), (dict(presence_penalty=2.01), "presence_penalty"),
-    (dict(presence_penalty=float("inf")), "presence_penalty"), (dict(frequency_penalty=-2.01), "frequency_penalty"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=2.01), "repetition_penalty"),
+    (dict(presence_penalty=float("inf")), "presence_penalty"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=2.01), "repetition_penalty"),
 ]
 
 

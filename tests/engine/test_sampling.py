@@ -164,7 +164,8 @@ def test_seeded_output_does_not_depend_on_batch_neighbours(tiny):
 
 def test_engine_logprobs_are_log_probabilities(tiny):
     e = make_engine(tiny)
-    e.add_request(Request("r", ByteTokenizer().encode("hi"), SamplingParams(max_tokens=5, logprobs=True, ignore_eos=True)))
+    e.add_request(Request("r", ByteTokenizer().encode("hi"),
+                          SamplingParams(max_tokens=5, logprobs=True, ignore_eos=True)))
     lps = []
     while e.has_work():
         for ev in e.step().events:
@@ -188,7 +189,8 @@ def test_blocked_draw_matches_the_distribution_across_blocks():
     s = SamplingArrays.host(n)
     s["temperature"][:] = 1.0
     s["key"][:] = np.random.SeedSequence(5).generate_state(2, np.uint32)
-    tok, _ = jax.jit(sample)(jnp.asarray(np.tile(lg, (n, 1))), SamplingArrays(**s), jnp.arange(n, dtype=jnp.int32))
+    tok, _ = jax.jit(sample)(jnp.asarray(np.tile(lg, (n, 1))), SamplingArrays(**s),
+                             jnp.arange(n, dtype=jnp.int32))
     freq = np.bincount(np.asarray(tok), minlength=lg.size) / n
     p = np.exp(lg) / np.exp(lg).sum()
     assert freq[np.setdiff1d(np.arange(lg.size), hot)].sum() < 0.002  # the -30 tail: ~2e-10 total

@@ -49,7 +49,7 @@ def test_thousands_of_random_requests_leak_no_page(tiny):
     events, results = _drive(engine, reqs, abort_p=0.05, rng=rng)
     assert len(results) == len(reqs)
     assert {r.finish_reason for r in results.values()} >= {"stop", "length", "abort"}
-    for rid, evs in events.items():
+    for evs in events.values():
         assert evs[-1].finished and not any(e.finished for e in evs[:-1])
     assert engine.pool.used == 0
     assert engine.pool.free == engine.pool.total
@@ -80,15 +80,18 @@ def test_a_request_larger_than_the_pool_is_refused(tiny):
 
 def test_stop_string_cuts_text_and_stop_id_ends(tiny):
     engine = make_engine(tiny, LetterTokenizer())
-    free_run, _ = _drive(engine, [Request("a", TOK.encode("abc"), SamplingParams(max_tokens=30, ignore_eos=True))])
+    free_run, _ = _drive(engine,
+                         [Request("a", TOK.encode("abc"), SamplingParams(max_tokens=30, ignore_eos=True))])
     text = "".join(e.text for e in free_run["a"])
     toks = [t for e in free_run["a"] for t in e.token_ids]
     assert len(text) == 30
     stop = text[len(text) // 2 : len(text) // 2 + 2]
-    ev, res = _drive(engine, [Request("b", TOK.encode("abc"), SamplingParams(max_tokens=30, stop=(stop,), ignore_eos=True))])
+    ev, res = _drive(engine, [Request("b", TOK.encode("abc"),
+                                      SamplingParams(max_tokens=30, stop=(stop,), ignore_eos=True))])
     got = "".join(e.text for e in ev["b"])
     assert got == text[: text.find(stop)] and res["b"].finish_reason == "stop"
-    ev, res = _drive(engine, [Request("c", TOK.encode("abc"), SamplingParams(max_tokens=30, stop_token_ids=(toks[3],)))])
+    ev, res = _drive(engine, [Request("c", TOK.encode("abc"),
+                                      SamplingParams(max_tokens=30, stop_token_ids=(toks[3],)))])
     assert [t for e in ev["c"] for t in e.token_ids] == toks[: toks.index(toks[3]) + 1]
     assert res["c"].finish_reason == "stop"
 

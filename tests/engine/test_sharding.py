@@ -69,15 +69,18 @@ while engine.has_work():
     for ev in engine.step().events:
         got[ev.request_id] += ev.token_ids
 print("RESULT " + json.dumps({"got": got, "golden": golden, "seconds": time.time() - t0,
-                              "kv_shards": len({str(s.index) for s in engine.runner.kv.global_k.addressable_shards}),
-                              "embed_shards": len({str(s.index) for s in engine.runner.params["embed"].addressable_shards})}))
+                              "kv_shards": len({str(s.index)
+                                                for s in engine.runner.kv.global_k.addressable_shards}),
+                              "embed_shards": len({str(s.index) for s in
+                                                   engine.runner.params["embed"].addressable_shards})}))
 """
 
 
 def _run(script: str, devices: int, timeout: int, *argv: str) -> dict:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    p = subprocess.run([sys.executable, "-c", script, *argv], check=False, cwd=ROOT, env=env, capture_output=True,
+    p = subprocess.run([sys.executable, "-c", script, *argv], check=False, cwd=ROOT, env=env,
+                       capture_output=True,
                        text=True, timeout=timeout)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, p.stderr[-3000:]

@@ -110,7 +110,7 @@ def test_pool_split_lends_pages_to_speculation_and_tenants_see_fewer(tiny):
     total = e.status()["kv_pages_total"]
     e.set_policy(TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=8, pool_split=0.25, version=3))
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
-    toks, stats = _run(e, PROMPTS[:2], sp)
+    _, stats = _run(e, PROMPTS[:2], sp)
     st = e.status()
     assert st["kv_pages_reserved"] == 2 * int(199 * 0.25)
     assert st["kv_pages_total"] == total - st["kv_pages_reserved"]

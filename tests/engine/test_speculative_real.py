@@ -98,7 +98,8 @@ def plain_sampled(engine, prompts):
 
 
 @pytest.mark.parametrize("technique", TECHNIQUES)
-def test_seeded_sampled_output_does_not_depend_on_speculation_on_the_real_model(engine, prompts, plain_sampled,
+def test_seeded_sampled_output_does_not_depend_on_speculation_on_the_real_model(engine, prompts,
+                                                                                plain_sampled,
                                                                              technique):
     """Sampled verification draws with the numbers plain decoding uses at each position."""
     for depth in (2, 6):
@@ -121,7 +122,8 @@ def test_plan_memory_formulas_match_the_loaded_proposers(engine):
 
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0},
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0},
                          "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}}}
 CONSTRAINED = SamplingParams(max_tokens=30, constraint=Constraint("json", json.dumps(PERSON)))  # + 97: in 128
 
@@ -133,7 +135,8 @@ def plain_constrained(engine, prompts):
 
 
 @pytest.mark.parametrize("technique", TECHNIQUES)
-def test_greedy_constrained_output_is_the_same_with_each_technique(engine, prompts, plain_constrained, technique):
+def test_greedy_constrained_output_is_the_same_with_each_technique(engine, prompts, plain_constrained,
+                                                                   technique):
     """Drafts cut at the first token the grammar refuses, each verified position masked by the
     grammar's state after the drafts before it: the same JSON as plain decoding."""
     for out in plain_constrained:

@@ -116,7 +116,8 @@ def _fake_step(engine: FakeEngine, tenants: list[str]):
 
 def test_fake_rows_draft_each_with_their_tenants_choice() -> None:
     cost = FakeCost()
-    engine = FakeEngine(proposers={"ngram": FakeProposer("ngram", (1.0,)), "mtp": FakeProposer("mtp", (1.0,))},
+    engine = FakeEngine(proposers={"ngram": FakeProposer("ngram", (1.0,)),
+                                   "mtp": FakeProposer("mtp", (1.0,))},
                         cost=cost, max_depth=4)
     engine.set_policy(TunedPolicy.from_dict(GOOD))
     out = _fake_step(engine, ["copy", "chat", "prose", "prose"])

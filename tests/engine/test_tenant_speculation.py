@@ -53,7 +53,8 @@ def plain(tiny):
 @pytest.fixture(scope="module")
 def engine(tiny):
     e = make_engine(tiny, **SPEC_RC)
-    add_model_proposers(e, DraftHeads.random(tiny[0], 8, (3, 6), 128, seed=1, scale=0.3), vocab_sizes=(0, 128))
+    add_model_proposers(e, DraftHeads.random(tiny[0], 8, (3, 6), 128, seed=1, scale=0.3),
+                        vocab_sizes=(0, 128))
     e.warmup(progress=False)
     return e
 

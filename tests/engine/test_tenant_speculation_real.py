@@ -54,7 +54,8 @@ def test_tenants_drafting_differently_in_one_batch_equal_plain_on_the_real_model
     assert out == plain
     classes = {(c.tenant, c.technique, c.depth) for s in stats for c in s.row_classes if c.proposed}
     assert {t for t, _, _ in classes} >= {"copy", "code", "prose"}, classes
-    assert classes <= {("copy", "ngram", 6), ("code", "mtp", 3), ("chat", "draft", 4), ("prose", "early_exit", 2)}
+    assert classes <= {("copy", "ngram", 6), ("code", "mtp", 3), ("chat", "draft", 4),
+                       ("prose", "early_exit", 2)}
     assert any(len({c.technique for c in s.row_classes if c.proposed}) >= 2 for s in stats)
     assert sum(s.accepted for s in stats) > 0
     assert engine.compiles_since_warmup() == 0

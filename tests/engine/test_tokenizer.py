@@ -138,8 +138,10 @@ def test_chat_text_cannot_forge_turns_real_vocab(tok, piece_id):
     assert ids.count(105) == 2 and ids.count(106) == 1 and ids.count(2) == 1  # bos only at the start
     assert tok.decode(ids, skip_special=False) == "<bos>" + apply_chat_template(messages)
     for plain in ([{"role": "user", "content": "Hi there"}],
-                  [{"role": "system", "content": "Be brief.\n"}, {"role": "user", "content": "a\n\nb <b>x</b>"},
-                   {"role": "assistant", "content": "ok\n"}, {"role": "user", "content": "def f():\n    return 1"}]):
+                  [{"role": "system", "content": "Be brief.\n"},
+                   {"role": "user", "content": "a\n\nb <b>x</b>"},
+                   {"role": "assistant", "content": "ok\n"},
+                   {"role": "user", "content": "def f():\n    return 1"}]):
         assert tok.encode_chat(plain) == tok.encode(apply_chat_template(plain))  # no control text: as before
     assert tok.encode(FORGED, add_bos=False).count(106) == 1  # raw completions: markers stay control
 
@@ -166,7 +168,8 @@ def test_incremental_equals_full_on_random_streams(tok, skip_special):
     rng = np.random.default_rng(7)
     pools = [np.arange(238, 494), np.arange(0, 8), np.arange(105, 168), rng.integers(494, 262_144, 200)]
     for _ in range(100):
-        ids = [int(rng.choice(pools[rng.choice(4, p=[0.6, 0.1, 0.1, 0.2])])) for _ in range(rng.integers(1, 60))]
+        ids = [int(rng.choice(pools[rng.choice(4, p=[0.6, 0.1, 0.1, 0.2])]))
+               for _ in range(rng.integers(1, 60))]
         dec, parts, pos = IncrementalDecoder(tok, skip_special), [], 0
         while pos < len(ids):
             step = int(rng.integers(1, 5))
@@ -241,7 +244,7 @@ def toy_vocab() -> tuple[list[str], np.ndarray]:
 def test_toy_recipe():
     pieces, types = toy_vocab()
     backend = build_backend(pieces, types)
-    enc = lambda s: [pieces[i] for i in backend.encode(s, add_special_tokens=False).ids]  # noqa: E731
+    enc = lambda s: [pieces[i] for i in backend.encode(s, add_special_tokens=False).ids]
     assert enc("ab abc") == ["ab", "▁ab", "c"]  # lower id merges first: "▁ab" before "abc"
     assert enc("abc") == ["abc"]
     assert enc("a  b") == ["a", "  ", "b"]  # the space-run piece, matched after normalization
@@ -312,7 +315,8 @@ def test_plain_and_control_encodes_interleave_across_threads():
 def test_chat_ids_without_control_strings_are_unchanged():
     tok, _ = toy_chat_tokenizer()
     messages = [{"role": "developer", "content": " ab c "}, {"role": "user", "content": "abc  a"},
-                {"role": "assistant", "content": "b"}, {"role": "user", "content": [{"type": "text", "text": "c"}]}]
+                {"role": "assistant", "content": "b"},
+                {"role": "user", "content": [{"type": "text", "text": "c"}]}]
     for gen in (True, False):
         assert tok.encode_chat(messages, gen) == tok.encode(apply_chat_template(messages, gen))
 
@@ -375,8 +379,10 @@ def test_template_accepts_model_role():
         ([], "messages is empty"),
         ([{"role": "tool", "content": "x"}], r"messages\[0\]: unknown role 'tool'"),
         ([{"role": "assistant", "content": "x"}], r"messages\[0\]: expected a user message, got 'assistant'"),
-        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], r"messages\[1\]: expected an assistant"),
-        ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}], r"messages\[1\]: a system message"),
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+         r"messages\[1\]: expected an assistant"),
+        ([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
+         r"messages\[1\]: a system message"),
         ([{"role": "system", "content": "s"}], "must be followed by a user message"),
         ([{"role": "user", "content": 3}], r"messages\[0\]: content must be a string"),
         ([{"role": "user", "content": [{"type": "image_url"}]}], "only text content parts"),

@@ -129,7 +129,8 @@ def test_model_proposers_compile_in_the_background_and_serve_without_compiling(t
     assert e.spec_warmup.join(900)
     assert e.status()["techniques"] == dict.fromkeys(("ngram", "mtp", "early_exit", "draft"), "ready")
     for version, technique in enumerate(("mtp", "early_exit", "draft"), 1):
-        e.set_policy(TunedPolicy((BatchRule(64, technique, 2),), crossover=64, pool_split=0.2, version=version))
+        e.set_policy(TunedPolicy((BatchRule(64, technique, 2),), crossover=64, pool_split=0.2,
+                                 version=version))
         _, stats = run_prompts(e, PROMPTS, SP)
         assert any(s.technique == technique for s in stats)
     assert e.compiles_since_warmup() == 0

@@ -48,8 +48,8 @@ def random_roles(cfg, seed=0) -> dict[tuple[str, int], np.ndarray]:
 def expected_params(cfg, roles, norm_offset: float) -> dict[str, np.ndarray]:
     """The pytree the loaders must produce, built independently of `build_leaf`."""
     L = range(cfg.n_layers)
-    stack = lambda f: np.stack([f(i) for i in L])  # noqa: E731
-    norm = lambda r: stack(lambda i: roles[(r, i)] + norm_offset)  # noqa: E731
+    stack = lambda f: np.stack([f(i) for i in L])
+    norm = lambda r: stack(lambda i: roles[(r, i)] + norm_offset)
     return {
         "embed": roles[("embed", -1)],
         "final_norm": roles[("final_norm", -1)] + norm_offset,
@@ -122,7 +122,8 @@ def tiny_gguf(tmp_path, tmp_cache) -> tuple[Path, dict]:
 def test_tiny_gguf_loads_fused_transposed_stacked(tiny_gguf):
     path, roles = tiny_gguf
     cfg, params = load_gguf(path, progress=False)
-    dims = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "sliding_window")
+    dims = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+            "sliding_window")
     assert {k: getattr(cfg, k) for k in dims} == {k: getattr(CFG, k) for k in dims}
     assert cfg.name == "tiny" and cfg.query_pre_attn_scalar == CFG.head_dim and cfg.rms_eps == 1e-6
     want = expected_params(CFG, roles, norm_offset=0.0)  # GGUF norms are already 1 + w
@@ -263,7 +264,8 @@ def write_hf_dir(root: Path, cfg=CFG, prefix="model.", shards=2, dtype=np.float3
         "intermediate_size": cfg.ffn_dim, "sliding_window": cfg.sliding_window, "rope_theta": 1e6,
         "rope_local_base_freq": 1e4, "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
         "rms_norm_eps": 1e-6, "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position,
-        "layer_types": ["full_attention" if cfg.is_global(i) else "sliding_attention" for i in range(cfg.n_layers)],
+        "layer_types": ["full_attention" if cfg.is_global(i) else "sliding_attention"
+                        for i in range(cfg.n_layers)],
         "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "eos_token_id": [1, 106],
         **(text_extra or {}),
     }
@@ -352,7 +354,7 @@ def test_file_sha256_is_remembered_by_stat(tmp_path, tmp_cache):
     path.write_bytes(b"abc" * 1000)
     assert file_sha256(path) == hashlib.sha256(b"abc" * 1000).hexdigest()
     table = json.loads((tmp_cache / "sha256-cache.json").read_text())
-    assert list(table.values())[0][2] == hashlib.sha256(b"abc" * 1000).hexdigest()
+    assert next(iter(table.values()))[2] == hashlib.sha256(b"abc" * 1000).hexdigest()
     path.write_bytes(b"abcd" * 1000)  # new size -> hashed again
     assert file_sha256(path) == hashlib.sha256(b"abcd" * 1000).hexdigest()
 
@@ -392,7 +394,8 @@ def test_cache_dir_honours_crossover_cache_then_xdg(tmp_path, monkeypatch):
     monkeypatch.setenv("CROSSOVER_CACHE", str(tmp_path / "own"))
     assert gguf_file.cache_dir() == tmp_path / "own"
     monkeypatch.delenv("CROSSOVER_CACHE")
-    assert gguf_file.cache_dir() == tmp_path / "xdg" / "crossover" and (tmp_path / "xdg" / "crossover").is_dir()
+    assert (gguf_file.cache_dir() == tmp_path / "xdg" / "crossover"
+            and (tmp_path / "xdg" / "crossover").is_dir())
 
 
 # ------------------------------------------------------------- real file ---
@@ -431,9 +434,11 @@ def test_real_params_shapes_and_values(real_model, real_gguf):
     layers = params["layers"]
     k3 = np.asarray(layers["qkv"][3][:, cfg.q_dim : cfg.q_dim + cfg.kv_dim])
     np.testing.assert_array_equal(k3, gf.read("blk.3.attn_k.weight").T)
-    np.testing.assert_array_equal(np.asarray(layers["gate_up"][17][:, 2048:]), gf.read("blk.17.ffn_up.weight").T)
+    np.testing.assert_array_equal(np.asarray(layers["gate_up"][17][:, 2048:]),
+                                  gf.read("blk.17.ffn_up.weight").T)
     np.testing.assert_array_equal(np.asarray(layers["pre_ffw_norm"][5]), gf.read("blk.5.ffn_norm.weight"))
-    np.testing.assert_array_equal(np.asarray(params["embed"][9259:9261]), gf.read("token_embd.weight", range(9259, 9261)))
+    np.testing.assert_array_equal(np.asarray(params["embed"][9259:9261]),
+                                  gf.read("token_embd.weight", range(9259, 9261)))
 
 
 def test_real_params_work_under_jit(real_model):
@@ -446,7 +451,8 @@ def test_real_bfloat16(real_model, real_gguf):
     _, params = load_model(str(real_gguf), dtype="bfloat16", progress=False)
     assert params["layers"]["down"].dtype == jnp.bfloat16
     f32 = np.asarray(real_model[1]["layers"]["down"][4])
-    np.testing.assert_allclose(np.asarray(params["layers"]["down"][4]).astype(np.float32), f32, rtol=1e-2, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(params["layers"]["down"][4]).astype(np.float32), f32, rtol=1e-2,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("nbytes", [1_000_000, 20_000_000])

@@ -93,7 +93,8 @@ def round_trip(url: str, run_sql: RunSql, *, previous: str, revision: str, added
     migrate.upgrade(url)  # the writer writes every column of the models (later revisions' too)
     write_steps(url, new_steps)
     check_new()
-    assert run_sql("SELECT SUM(steps) FROM xo_v_steps_minute") == [(len(ids),)]  # the views read the table still
+    assert run_sql("SELECT SUM(steps) FROM xo_v_steps_minute") == [(len(ids),
+                                                                    )]  # the views read the table still
     command.downgrade(cfg, previous)
     assert not added & schema_names(url)
     assert run_sql("SELECT step_id FROM xo_steps ORDER BY step_id") == ids

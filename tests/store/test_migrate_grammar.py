@@ -11,7 +11,8 @@ from tests.store.migration_helpers import read_all_steps, record_without, round_
 from tests.store.test_migrate_plain_rows import OLD_STEP
 
 
-def test_0012_adds_grammar_time_and_rows_old_rows_read_zero(db_url: str, run_sql: Callable[..., list]) -> None:
+def test_0012_adds_grammar_time_and_rows_old_rows_read_zero(db_url: str,
+                                                            run_sql: Callable[..., list]) -> None:
     stats = StepStats(step_id=2, time=1_700_000_010.0, batch_size=5, decode_tokens=8, step_ms=3.0,
                       tenants=("acme",), grammar_ms=0.75, constrained_rows=2)
 

@@ -44,7 +44,8 @@ OLD_STEPS = [
     _old_step(4, "ngram", 2, 4, 1, "[1, 0]", "'null'", instance="b"),  # JSON null: no classes
 ]
 ADDED = {"xo_step_row_classes", "xo_step_row_classes.tenant", "xo_v_tenant_acceptance"}
-ACCEPTANCE = "SELECT technique, depth, steps, proposed, accepted FROM xo_v_acceptance ORDER BY technique, depth"
+ACCEPTANCE = ("SELECT technique, depth, steps, proposed, accepted FROM xo_v_acceptance "
+              "ORDER BY technique, depth")
 
 
 def test_0010_fills_the_table_and_splits_acceptance_per_class(

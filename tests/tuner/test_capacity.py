@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-import tuner.exact as exact
 from engine.policy import BatchRule, TunedPolicy
 from engine.types import EngineCapacity, ProposerCapacity, StepStats
+from tuner import exact
 from tuner.capacity import Capacity, held_share, served_batches, under_split
 from tuner.config import TunerConfig
 from tuner.model import PerfModel
@@ -66,7 +66,8 @@ def test_the_lender_holds_the_longer_sequences_too() -> None:
     assert mixed.pages_per_sequence == 25 and mixed.pages_per_sequence_high == 40
     policy = dataclasses.replace(draft(0.0), pool_split=0.1)  # 40 lent pages, one for verify slots
     assert evaluate(policy, MODEL, mixed, CAP).held_share == pytest.approx(39 / 40)
-    assert evaluate(policy, MODEL, dataclasses.replace(mixed, pages_per_sequence_high=0.0), CAP).held_share == 1.0
+    assert evaluate(policy, MODEL, dataclasses.replace(mixed, pages_per_sequence_high=0.0),
+                    CAP).held_share == 1.0
 
 
 def test_the_pool_admits_fewer_as_the_split_grows_and_the_traffic_is_remapped() -> None:

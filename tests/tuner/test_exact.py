@@ -105,7 +105,8 @@ def test_nothing_fits_gives_none() -> None:
     crowded = dataclasses.replace(TIGHT, total_pages=100)
     best = solve_splits(SearchSpace.build(SMALL, crowded), model, traffic, crowded)
     ev = evaluate(best, model, traffic, crowded)
-    assert ev.feasible and ev.tenant_pages_needed == 17 and ev.admitted == (100 - int(100 * best.pool_split)) // 17
+    assert (ev.feasible and ev.tenant_pages_needed == 17
+            and ev.admitted == (100 - int(100 * best.pool_split)) // 17)
 
 
 def solve_at_batch_1(ranges: tuple[int, ...], rate: float = 0.5, max_batch: int = 1 << 30,

@@ -148,7 +148,8 @@ def _profiled(profile_steps: int = 60, depth: int = 8) -> TunedPolicy:
 
 
 @pytest.mark.parametrize("rate, after", [(1 / 140, 2), (3 / 140, 4), (3.2 / 50, None)])
-def test_the_profile_retires_a_cell_that_cannot_pay_next_to_the_policy(rate: float, after: int | None) -> None:
+def test_the_profile_retires_a_cell_that_cannot_pay_next_to_the_policy(rate: float,
+                                                                       after: int | None) -> None:
     """A profile cell whose steps emit tokens at under a quarter of the rate of the policy's own
     steps (interleaved with them) is retired after PROFILE_FIRST_STEPS steps each, one under
     half after PROFILE_MIN_STEPS, and the profile's turns go to the other cells; one at 0.8x
@@ -261,7 +262,8 @@ def test_the_engine_applies_exploration_with_its_own_seeded_stream() -> None:
 
 def test_validation_leaves_exploration_steps_out() -> None:
     def row(technique: str, depth: int) -> StepStats:
-        return StepStats(batch_size=2, decode_tokens=2, technique=technique, depth=depth, proposed=2 * depth, accepted_per_pos=(0,) * depth, step_ms=10.0, policy_version=3)
+        return StepStats(batch_size=2, decode_tokens=2, technique=technique, depth=depth, proposed=2 * depth,
+                         accepted_per_pos=(0,) * depth, step_ms=10.0, policy_version=3)
 
     rows = [row("ngram", 2), row("ngram", 4), row("none", 0), row("mtp", 2)]
     assert [(r.technique, r.depth) for r in own_steps(rows, POLICY)] == [("ngram", 2), ("none", 0)]

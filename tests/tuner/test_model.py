@@ -56,8 +56,10 @@ def test_acceptance_is_conditional_per_position_and_mixes_depths() -> None:
 def test_position_counts_by_hand() -> None:
     # depth 2: 4 sequences, 3 accept position 0, 1 of those accepts position 1;
     # depth 1: 4 sequences, 2 accept. Position 0: 5/8; position 1: 1/3 (reached by 3 only).
-    rows = [StepStats(batch_size=4, decode_tokens=8, technique="ngram", depth=2, proposed=8, accepted_per_pos=(3, 1), propose_ms=0.1, step_ms=10.0),
-            StepStats(batch_size=4, decode_tokens=6, technique="ngram", depth=1, proposed=4, accepted_per_pos=(2,), propose_ms=0.1, step_ms=9.0)]
+    rows = [StepStats(batch_size=4, decode_tokens=8, technique="ngram", depth=2, proposed=8,
+                      accepted_per_pos=(3, 1), propose_ms=0.1, step_ms=10.0),
+            StepStats(batch_size=4, decode_tokens=6, technique="ngram", depth=1, proposed=4,
+                      accepted_per_pos=(2,), propose_ms=0.1, step_ms=9.0)]
     rows += [StepStats(batch_size=b, decode_tokens=b, step_ms=5.0 + b) for b in range(1, 9)]
     rows[0:2] = [r for r in rows[0:2] for _ in range(5)]  # 5 copies each: 25 of 40, 5 of 15
     model = PerfModel.fit(rows)
@@ -89,7 +91,8 @@ def test_tenant_factors_come_from_requests() -> None:
 def test_a_tenant_not_yet_measured_earns_nothing_once_others_are() -> None:
     # the busy phase's first retune: the fit window's drafts and finished requests are all
     # the copy tenant's; chat and prose arrive unmeasured and must not inherit copy's rates
-    rows = [StepStats(batch_size=2, decode_tokens=2 + 7, technique="ngram", depth=4, proposed=8, accepted_per_pos=(2, 2, 2, 1), propose_ms=0.1, step_ms=20.0, tenants=("copy",))] * 200
+    rows = [StepStats(batch_size=2, decode_tokens=2 + 7, technique="ngram", depth=4, proposed=8,
+                      accepted_per_pos=(2, 2, 2, 1), propose_ms=0.1, step_ms=20.0, tenants=("copy",))] * 200
     rows += [StepStats(batch_size=b, decode_tokens=b, step_ms=5.0 + b) for b in range(1, 9)]
     copy = [RequestRow("copy", 40, 60, 0.0, 1.0, 40, 35)]
     model = PerfModel.fit(rows, copy)
@@ -108,7 +111,8 @@ def test_single_tenant_steps_give_that_tenant_its_own_rates() -> None:
     # n-gram accepts 9 of 10 first drafts on "copy", 1 of 10 on "prose"; steps mixing both
     # tenants count only in the pooled rates, which every other tenant falls back to.
     def spec(tenants: tuple[str, ...], accepted: int) -> StepStats:
-        return StepStats(batch_size=10, decode_tokens=10 + accepted, technique="ngram", depth=1, proposed=10, accepted_per_pos=(accepted,), propose_ms=0.1, step_ms=20.0, tenants=tenants)
+        return StepStats(batch_size=10, decode_tokens=10 + accepted, technique="ngram", depth=1, proposed=10,
+                         accepted_per_pos=(accepted,), propose_ms=0.1, step_ms=20.0, tenants=tenants)
     rows = [spec(("copy",), 9), spec(("prose",), 1), spec(("copy", "prose"), 5)] * 3
     rows += [StepStats(batch_size=b, decode_tokens=b, step_ms=5.0 + b) for b in range(1, 9)]
     model = PerfModel.fit(rows)
@@ -122,7 +126,8 @@ def test_single_tenant_steps_give_that_tenant_its_own_rates() -> None:
     # fewer offers than MIN_REACHED are not
     thin = PerfModel.fit(rows[:3] * 3 + [spec(("rare",), 5)] + rows[9:])
     assert "ngram|rare" in thin.acceptance
-    sparse = [StepStats(batch_size=4, decode_tokens=4, technique="ngram", depth=1, proposed=4, accepted_per_pos=(4,), propose_ms=0.1, step_ms=9.0, tenants=("few",))]
+    sparse = [StepStats(batch_size=4, decode_tokens=4, technique="ngram", depth=1, proposed=4,
+                        accepted_per_pos=(4,), propose_ms=0.1, step_ms=9.0, tenants=("few",))]
     assert "ngram|few" not in PerfModel.fit(rows + sparse).acceptance
 
 
@@ -132,7 +137,9 @@ def test_rows_that_find_no_draft_emit_one_token() -> None:
     # agree and only the share of drafting rows tells the tenants apart.
     def spec(tenants: tuple[str, ...], drafting: int) -> StepStats:
         first, second = 8 * drafting // 10, 4 * drafting // 10
-        return StepStats(batch_size=10, decode_tokens=10 + first + second, technique="ngram", depth=2, proposed=2 * drafting, accepted_per_pos=(first, second), propose_ms=0.1, step_ms=20.0, tenants=tenants)
+        return StepStats(batch_size=10, decode_tokens=10 + first + second, technique="ngram", depth=2,
+                         proposed=2 * drafting, accepted_per_pos=(first, second), propose_ms=0.1,
+                         step_ms=20.0, tenants=tenants)
     copy, prose = spec(("copy",), 10), spec(("prose",), 5)
     rows = [copy, prose] * 10
     rows += [StepStats(batch_size=b, decode_tokens=b, step_ms=5.0 + b) for b in range(1, 9)]
@@ -145,10 +152,13 @@ def test_rows_that_find_no_draft_emit_one_token() -> None:
     assert model.share("ngram", "chat") == pytest.approx(0.75)  # unmeasured tenant: pooled
     assert model.share("mtp") == 1.0  # never measured: drafting rows are not discounted
     # the tokens each step emitted, predicted per tenant (to the shrinkage's 1e-4)
-    assert 10 * model.expected_tokens_per_seq("ngram", 2, "copy") == pytest.approx(copy.decode_tokens, rel=1e-4)
-    assert 10 * model.expected_tokens_per_seq("ngram", 2, "prose") == pytest.approx(prose.decode_tokens, rel=1e-4)
+    assert 10 * model.expected_tokens_per_seq("ngram", 2,
+                                              "copy") == pytest.approx(copy.decode_tokens, rel=1e-4)
+    assert 10 * model.expected_tokens_per_seq("ngram", 2,
+                                              "prose") == pytest.approx(prose.decode_tokens, rel=1e-4)
     # a step that is prefilling counts its prefill rows in batch_size: left out of the share
-    prefilling = StepStats(batch_size=10, prefill_tokens=64, decode_tokens=10, technique="ngram", depth=2, accepted_per_pos=(0, 0), propose_ms=0.1, step_ms=30.0, tenants=("copy",))
+    prefilling = StepStats(batch_size=10, prefill_tokens=64, decode_tokens=10, technique="ngram", depth=2,
+                           accepted_per_pos=(0, 0), propose_ms=0.1, step_ms=30.0, tenants=("copy",))
     assert PerfModel.fit(rows + [prefilling] * 5).share("ngram", "copy") == 1.0
 
 
@@ -158,8 +168,10 @@ def test_each_measured_depth_is_predicted_as_measured_not_from_pooled_rates() ->
     # 5 rows of 10 draft and 3 of those accept position 0 (and the rest). Pooled per
     # position, the depth-2 steps lift position 0 and the draft share, and the depth-8
     # prediction with them (~1.45x what it measured), and the depth-8 steps lower depth 2.
-    shallow = StepStats(batch_size=10, decode_tokens=10 + 8 + 7, technique="ngram", depth=2, proposed=20, accepted_per_pos=(8, 7), propose_ms=0.1, step_ms=20.0)
-    deep = StepStats(batch_size=10, decode_tokens=10 + 3 * 8, technique="ngram", depth=8, proposed=40, accepted_per_pos=(3,) * 8, propose_ms=0.1, step_ms=40.0)
+    shallow = StepStats(batch_size=10, decode_tokens=10 + 8 + 7, technique="ngram", depth=2, proposed=20,
+                        accepted_per_pos=(8, 7), propose_ms=0.1, step_ms=20.0)
+    deep = StepStats(batch_size=10, decode_tokens=10 + 3 * 8, technique="ngram", depth=8, proposed=40,
+                     accepted_per_pos=(3,) * 8, propose_ms=0.1, step_ms=40.0)
     rows = [shallow, deep] * 200  # a factor is shrunk toward 1 until its depth is well measured
     rows += [StepStats(batch_size=b, decode_tokens=b, step_ms=5.0 + b) for b in range(1, 9)]
     model = PerfModel.fit(rows)
@@ -241,9 +253,12 @@ def test_a_few_slow_collinear_steps_cannot_fit_negative_costs() -> None:
     rng = np.random.default_rng(0)
 
     def row(b: int, d: int, ms: float) -> StepStats:
-        return StepStats(batch_size=b, decode_tokens=b, technique="ngram" if d else "none", depth=d, proposed=b * d, accepted_per_pos=(0,) * d, propose_ms=0.3 + 0.05 * b * d, step_ms=ms * rng.uniform(0.9, 1.1))
+        return StepStats(batch_size=b, decode_tokens=b, technique="ngram" if d else "none", depth=d,
+                         proposed=b * d, accepted_per_pos=(0,) * d, propose_ms=0.3 + 0.05 * b * d,
+                         step_ms=ms * rng.uniform(0.9, 1.1))
 
-    rows = [row(32, 8, 2350.0)] * 12 + [row(32, 0, 405.0)] * 10 + [row(b, 0, 60.0 + 11 * b) for b in (5, 9, 22)]
+    rows = [row(32, 8, 2350.0)] * 12 + [row(32, 0, 405.0)] * 10 + [row(b, 0, 60.0 + 11 * b)
+                                                                   for b in (5, 9, 22)]
     model = PerfModel.fit(rows)
     assert min(model.target) >= 0.0 and min(model.propose["ngram"]) >= 0.0
     for depth in (0, 1, 4, 8):
@@ -263,7 +278,9 @@ def test_older_steps_fill_the_shapes_a_busy_window_lacks() -> None:
         return 30 + 5.3 * b + 6.5 * b * q
 
     def row(t: float, b: int, d: int) -> StepStats:
-        return StepStats(time=t, batch_size=b, decode_tokens=b, technique="ngram" if d else "none", depth=d, proposed=b * d, accepted_per_pos=(0,) * d, step_ms=ms(b, 1 + d) * (1 + (int(t) % 5 - 2) / 100))
+        return StepStats(time=t, batch_size=b, decode_tokens=b, technique="ngram" if d else "none", depth=d,
+                         proposed=b * d, accepted_per_pos=(0,) * d,
+                         step_ms=ms(b, 1 + d) * (1 + (int(t) % 5 - 2) / 100))
 
     busy = [row(100.0 + i, 32, 2) for i in range(40)]
     copy_phase = [row(float(i), b, d) for i, (b, d) in

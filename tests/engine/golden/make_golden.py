@@ -224,7 +224,7 @@ def main() -> int:
         dtype=torch.float32, attn_implementation="eager").eval()
     sp = SentencePieceCrossCheck(str(gguf))
 
-    count = lambda text: len(tok(text).input_ids)  # noqa: E731
+    count = lambda text: len(tok(text).input_ids)
     prompts = build_prompts(count)
     if args.only:
         prompts = [p for p in prompts if p.name in args.only]

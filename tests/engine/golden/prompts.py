@@ -17,8 +17,8 @@ import bisect
 import inspect
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,8 @@ def test_fixture_covers_what_the_issue_asks(golden):
 
 def test_tokenizer_matches_the_reference_prompt_ids(engine, golden):
     for case in golden["cases"]:
-        assert engine.tokenizer.encode(case["text"], add_bos=case["add_bos"]) == case["prompt_ids"], case["name"]
+        assert engine.tokenizer.encode(case["text"],
+                                       add_bos=case["add_bos"]) == case["prompt_ids"], case["name"]
 
 
 def test_greedy_continuations_equal_transformers(engine, golden):
