@@ -3,7 +3,7 @@ the daemon, and its accuracy is compared with the one the engine's own loglikeli
 
 1. The task (bench/workloads/mc_task.py: 60 questions, four choices) is copied to a work folder.
 2. The daemon: `--url`, or a `crossover serve` child at its defaults (a fresh SQLite file),
-   waited for until /ready answers 200.
+   waited for until /ready says every technique is compiled.
 3. lm-eval (any environment holding `lm-eval[api]`; `--lm-eval` names its executable) scores each
    choice through /v1/completions with `echo` and `logprobs` (its remote tokenizer reads the
    daemon's /tokenize), `--log_samples` keeping each choice's loglikelihood.
@@ -20,13 +20,10 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -74,21 +71,50 @@ def run_flags(args: argparse.Namespace) -> int:
 
 
 def run(work: Path, url: str | None, lm_eval: str, batch_size: int, api_key: str | None) -> dict[str, Any]:
+    import asyncio
+
+    from bench.serve import served_model  # aiohttp and the load generator: not at the CLI's start
+
     task = work / "task"
     mc_task.write(task)
-    child = None if url else _start_daemon(work)
+    daemon = None if url else _started_daemon(work)
     try:
-        base = url.rstrip("/") if url else f"http://127.0.0.1:{child[1]}"
-        _wait_ready(base, child[0] if child else None)
-        model = _served_model(base, api_key)
+        base = url.rstrip("/") if url else daemon.base
+        model = asyncio.run(served_model(base, api_key))
         started = time.monotonic()
         samples, summary = _lm_eval(lm_eval, base, model, task, work / "out", batch_size, api_key)
         lm_eval_s = time.monotonic() - started
     finally:
-        if child is not None:
-            _stop(child[0])
+        if daemon is not None:
+            daemon.stop()
     direct = direct_loglikelihoods(mc_task.items())
     return compare(samples, summary, direct, lm_eval_s, model)
+
+
+def _started_daemon(work: Path) -> Any:
+    """`crossover serve` at its defaults as a child (keys not required), once /ready says every
+    technique is compiled (as `crossover bench structured` starts one)."""
+    import asyncio
+
+    from bench.soak_daemon import Daemon, SoakConfig
+    from bench.soak_run import Soak
+
+    daemon = Daemon(work, SoakConfig(serve_args=("--open",)))
+
+    async def ready() -> None:
+        import aiohttp
+
+        soak = Soak(SoakConfig(), daemon, lambda line: print(line, file=sys.stderr, flush=True))
+        async with aiohttp.ClientSession() as session:
+            soak.session = session
+            await soak.wait_ready()
+
+    try:
+        asyncio.run(ready())
+    except BaseException:
+        daemon.stop()
+        raise
+    return daemon
 
 
 def compare(samples: list[dict[str, Any]], summary: dict[str, Any], direct: list[list[float]],
@@ -195,49 +221,6 @@ def _lm_eval(exe: str, base: str, model: str, task: Path, out: Path, batch_size:
     samples = [json.loads(line) for f in out.rglob(f"samples_{mc_task.TASK}_*.jsonl") for line in f.open()]
     (results,) = list(out.rglob("results_*.json"))
     return samples, json.loads(results.read_text())["results"][mc_task.TASK]
-
-
-def _start_daemon(work: Path) -> tuple[subprocess.Popen, int]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = (work / "daemon.log").open("wb")
-    argv = [sys.executable, "-m", "cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--db", f"sqlite:///{work / 'crossover.db'}"]
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), port
-
-
-def _wait_ready(base: str, proc: subprocess.Popen | None, timeout_s: float = 1800.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"crossover serve exited {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(base + "/ready", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"{base}/ready did not answer 200 within {timeout_s:.0f} s")
-
-
-def _served_model(base: str, api_key: str | None) -> str:
-    req = urllib.request.Request(base + "/v1/models",
-                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return str(json.loads(r.read())["data"][0]["id"])
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ async def _http_phase(cfg: ServeBenchConfig, engine: Any, jobs: list[Job],
     seconds = cfg.seconds if deadline else None
     if cfg.url:
         any_key = cfg.api_key or next(iter(remote_keys.values()), None)
-        model = await _served_model(cfg.url, any_key)
+        model = await served_model(cfg.url, any_key)
         return await _measure_http(cfg, cfg.url, model, jobs, seconds, remote_keys)
     from aiohttp import web
 
@@ -340,7 +340,9 @@ def _open_database(url: str) -> Any:
     return open_database(url)
 
 
-async def _served_model(url: str, api_key: str | None) -> str:
+async def served_model(url: str, api_key: str | None) -> str:
+    """The first model name the daemon at `url` serves (GET /v1/models); UserError when it cannot
+    be reached or refuses."""
     import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -77,7 +77,7 @@ def parse_completion(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> Ge
     logprobs, top = _completion_logprobs(body)
     longest = max(prompts, key=len)  # max_tokens' default and bound: the room the longest leaves
     spec = _spec(body, limits, longest, logprobs, top, names, default_max_tokens=16)
-    if _opt(body, "echo", bool, "a boolean"):  # the prompt's text, and with logprobs its tokens' too
+    if optional(body, "echo", bool, "a boolean"):  # the prompt's text, and with logprobs its tokens' too
         echo = tuple(p if isinstance(p, str) else tok.decode(p) for p in batch)
         scored = replace(spec.sampling, prompt_logprobs=top if logprobs else None)
         spec = replace(spec, echo=echo, sampling=scored)
@@ -116,7 +116,7 @@ def parse_chat(body: dict[str, Any], limits: Limits, tok: Tokenizer) -> Generati
         raise bad_request("a forced tool call and a response format both constrain the output; send one",
                           "tool_choice", "invalid_value")
     prompt_ids = chat_ids(messages, tok)
-    logprobs = _opt(body, "logprobs", bool, "a boolean") or False
+    logprobs = optional(body, "logprobs", bool, "a boolean") or False
     top = _opt_int(body, "top_logprobs") or 0
     if top and not logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs", "invalid_value")
@@ -162,7 +162,7 @@ def _spec(body: dict[str, Any], limits: Limits, prompt_ids: list[int], logprobs:
     elif cap is not None and max_tokens > cap:
         raise bad_request(f"{key}={max_tokens} is more than this API key's max_tokens "
                           f"limit of {cap} tokens per request", key, "max_tokens_exceeded")
-    stream = _opt(body, "stream", bool, "a boolean") or False
+    stream = optional(body, "stream", bool, "a boolean") or False
     top_k = _opt_int(body, "top_k")
     sampling = SamplingParams(
         max_tokens=max_tokens,
@@ -174,7 +174,7 @@ def _spec(body: dict[str, Any], limits: Limits, prompt_ids: list[int], logprobs:
         stop=_stop_strings(body),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
-        ignore_eos=_opt(body, "ignore_eos", bool, "a boolean") or False,  # vLLM's extension
+        ignore_eos=optional(body, "ignore_eos", bool, "a boolean") or False,  # vLLM's extension
         min_p=_opt_number(body, "min_p", 0.0),
         min_tokens=_opt_int(body, "min_tokens") or 0,
         presence_penalty=_opt_number(body, "presence_penalty", 0.0),
@@ -184,9 +184,9 @@ def _spec(body: dict[str, Any], limits: Limits, prompt_ids: list[int], logprobs:
     )
     with _naming(names):
         Request("parse", prompt_ids, sampling).validate(limits.vocab_size, limits.max_context)
+    as_ids = optional(body, "return_tokens_as_token_ids", bool, "a boolean") or False
     return GenerationSpec(prompt_ids, sampling, stream, _include_usage(body, stream),
-                          top_logprobs, names, _labels(body), _choices(body, limits),
-                          tokens_as_ids=_opt(body, "return_tokens_as_token_ids", bool, "a boolean") or False)
+                          top_logprobs, names, _labels(body), _choices(body, limits), tokens_as_ids=as_ids)
 
 
 @contextmanager
@@ -238,10 +238,10 @@ def _choices(body: dict[str, Any], limits: Limits) -> int:
 
 def _labels(body: dict[str, Any]) -> str | None:
     """Check `user` (a short string) and `metadata` (an object of strings): labels only."""
-    user = _opt(body, "user", str, "a string")
+    user = optional(body, "user", str, "a string")
     if user is not None and len(user) > MAX_USER_CHARS:
         raise _value_error("user", f"must be at most {MAX_USER_CHARS} characters", len(user))
-    metadata = _opt(body, "metadata", dict, "an object")
+    metadata = optional(body, "metadata", dict, "an object")
     if metadata is not None and not all(isinstance(v, str) for v in metadata.values()):
         raise _type_error("metadata", "an object of string values")
     return user
@@ -383,7 +383,8 @@ def _is_number(value: Any) -> bool:
     return is_finite_number(value)
 
 
-def _opt(body: dict[str, Any], key: str, kind: type, what: str) -> Any:
+def optional(body: dict[str, Any], key: str, kind: type, what: str) -> Any:
+    """`body[key]` when it is a `kind`; None when absent or null; else a 400 naming the key."""
     value = body.get(key)
     if value is not None and not isinstance(value, kind):
         raise _type_error(key, what)

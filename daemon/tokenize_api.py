@@ -16,9 +16,9 @@ from typing import Any
 from aiohttp import web
 
 from daemon import state as st
-from daemon.errors import ApiError, bad_request
+from daemon.errors import bad_request
 from daemon.generation import Limits
-from daemon.openai_params import chat_ids, chat_messages, check_fields, check_model
+from daemon.openai_params import chat_ids, chat_messages, check_fields, check_model, optional
 from daemon.request_body import decode_json_object, read_body
 from daemon.tenants.auth import authenticate
 
@@ -96,10 +96,9 @@ async def _body(request: web.Request, fields: frozenset[str]) -> tuple[dict[str,
 
 
 def _flag(body: dict[str, Any], key: str) -> bool:
-    value = body.get(key, True)
-    if not isinstance(value, bool):
-        raise ApiError(400, f"{key} must be a boolean", param=key, code="invalid_type")
-    return value
+    """A boolean field, true when absent (or null)."""
+    value = optional(body, key, bool, "a boolean")
+    return True if value is None else value
 
 
 def _is_id(value: Any, high: int | None) -> bool:

@@ -32,6 +32,8 @@ OPPOSITES = [
 ]
 ARITHMETIC = 20
 """Sums of two numbers under 20."""
+CONTEXT = "<bos>Question: {question}\nAnswer:"
+"""What each choice is conditioned on (lm-eval's doc_to_text, in Jinja there)."""
 
 
 def items(seed: int = 0) -> list[dict[str, Any]]:
@@ -66,7 +68,7 @@ def task_yaml() -> str:
         f"    test: {TASK}.jsonl",
         "test_split: test",
         "output_type: multiple_choice",
-        'doc_to_text: "<bos>Question: {{question}}\\nAnswer:"',
+        "doc_to_text: " + json.dumps(CONTEXT.replace("{question}", "{{question}}")),
         "doc_to_choice: choices",
         "doc_to_target: answer",
         "metric_list:",
@@ -81,7 +83,7 @@ def task_yaml() -> str:
 
 def context(item: dict[str, Any]) -> str:
     """The text lm-eval conditions each choice on (the YAML's doc_to_text)."""
-    return f"<bos>Question: {item['question']}\nAnswer:"
+    return CONTEXT.format(question=item["question"])
 
 
 def files() -> dict[str, str]:

@@ -167,8 +167,9 @@ def scored_lengths(chunks: list[tuple[Sequence, int]], lengths: list[int], outpu
     slot at every token) cut so that the step's output slots stay within `outputs`, the most
     its heads compile for (every chunk keeps one token and its one slot).
 
-    >>> class R: sampling = type("S", (), {"prompt_logprobs": 1})
-    >>> scored, plain = type("Q", (), {"req": R})(), type("Q", (), {"req": None})()
+    >>> from engine.types import Request, SamplingParams
+    >>> def seq(k): return type("Seq", (), {"req": Request("r", [1], SamplingParams(prompt_logprobs=k))})
+    >>> plain, scored = seq(None), seq(1)
     >>> scored_lengths([(plain, 0), (scored, 0), (scored, 0)], [50, 40, 30], 60)
     [50, 40, 19]
     """
@@ -183,7 +184,7 @@ def scored_lengths(chunks: list[tuple[Sequence, int]], lengths: list[int], outpu
 
 def _scored(seq: Sequence) -> bool:
     """Whether `seq`'s prompt is scored: its chunks give an output slot at every token."""
-    return seq.req is not None and seq.req.sampling.prompt_logprobs is not None
+    return seq.req.sampling.prompt_logprobs is not None
 
 
 def _drafted(core, seqs: list[Sequence], fail, prefill: bool = False) -> tuple[list, float]:
