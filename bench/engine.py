@@ -169,7 +169,7 @@ def run_bench(out_path: str | None, model: str | None = None, dtype: str | None 
     roof_tps = bw["roofline_bytes_per_s"] / wbytes
     result = {
         "model": engine.model_name, "dtype": engine.runner.rc.dtype,
-        "weights": weights or engine.runner.rc.dtype, "backend": jax.default_backend(),
+        "weights": engine.weights_form, "backend": jax.default_backend(),
         "decode": decode, "decode_by_context": by_context, "max_context": max_context, "prefill": prefill,
         "weight_bytes_per_decode_step": wbytes, "memory": bw,
         "roofline_tokens_per_s_batch1": roof_tps,

@@ -149,7 +149,8 @@ def load_engine(settings: Any, fake: FakeEngineOptions | None = None) -> Any:
     start = time.monotonic()
     log_event(log, "loading model", model=settings.model, dtype=settings.dtype, weights=settings.weights)
     engine = load_engine(model=settings.model, dtype=settings.dtype, weights=settings.weights,
-                         kv_budget_bytes=settings.kv_budget_bytes, max_batch=settings.max_batch,
+                         kv_budget_bytes=settings.kv_budget_bytes,
+                         memory_budget_bytes=settings.memory_budget_bytes, max_batch=settings.max_batch,
                          max_context=settings.max_context, progress=reporter(json_events=True),
                          speculation=settings.speculation, heads=settings.heads,
                          prefix_cache=settings.prefix_cache,

@@ -28,6 +28,8 @@ _SIZE_UNITS = {
     "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
 }
+GGUF_MODEL = "gemma3-270m"
+"""The model whose GGUF file the engine ships with: the only one --weights gguf or int8 can count."""
 _SIZE_HELP = "bytes with an optional unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 8GiB, 512MiB, 2e9)"
 
 
@@ -121,16 +123,17 @@ def build_plan(args: argparse.Namespace) -> Plan:
 
 def _weights(args: argparse.Namespace) -> tuple[str, tuple[str, int] | None]:
     """(the dtype the planner prices, (form, bytes) of quantized served weights or None)."""
-    if args.weights is None or args.weights not in QUANTIZED_FORMS:
-        return args.weights or args.dtype, None
-    if args.model != "gemma3-270m":
-        raise UserError(f"--weights {args.weights} counts the default model's GGUF (gemma3-270m); for "
+    weights = args.weights
+    if weights is None or weights not in QUANTIZED_FORMS:
+        return weights or args.dtype, None
+    if args.model != GGUF_MODEL:
+        raise UserError(f"--weights {weights} counts the default model's GGUF ({GGUF_MODEL}); for "
                         f"--model {args.model} estimate with --dtype int8 or int4")
     from engine.model.gguf_file import GGUFFile, default_gguf_path
 
     gf = GGUFFile.open(default_gguf_path())
     tensors = [(t.shape, t.qtype.name) for t in gf.tensors.values()]
-    return "float32", (args.weights, sizes.served_bytes(tensors, args.weights))
+    return "float32", (weights, sizes.served_bytes(tensors, weights))
 
 
 def _split(text: str) -> float:
@@ -181,8 +184,12 @@ def format_plan(plan: Plan) -> str:
         ("per sequence", f"{plan.context_len} tokens: {f(plan.sequence_bytes)} paged + windowed,"
                          f" {f(plan.naive_sequence_bytes)} naive"),
         ("tenants", f"{plan.tenants} paged + windowed vs {plan.naive_tenants} naive{ratio}"),
-        ("verdict", plan.verdict),
     ]
+    if plan.weight_dtype != "float32":
+        gained, f32 = plan.tenants - plan.float32_tenants, f(plan.weight_bytes_by_dtype["float32"])
+        rows.append(("  vs float32", f"{gained:+d} tenants at {plan.context_len} tokens: float32 weights "
+                                     f"({f32}) leave room for {plan.float32_tenants}"))
+    rows.append(("verdict", plan.verdict))
     if plan.split is not None:
         sp = plan.split
         rows.append(("pool split", f"{sp.share:g}: lends {f(sp.lent_bytes)} ({sp.lent_global_pages} global + "

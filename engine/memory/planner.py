@@ -258,6 +258,9 @@ class Plan:
     """The technique whose resident bytes speculation_bytes includes ("" when none)."""
     split: PoolSplit | None = None
     """The pool split: pages lent to speculation (the draft model's KV) and tenants left."""
+    float32_tenants: int = 0
+    """Sequences of context_len that fit with float32 weights in the same budget: the served form
+    gains tenants - float32_tenants."""
 
 
 def _share(units: int, n: int) -> float:
@@ -347,9 +350,11 @@ def make_plan(
     kv_share = 1.0
     if tensor_parallel > 1 and served is not None:
         raise ValueError(f"{label} weights serve on one device (tensor_parallel={tensor_parallel})")
+    float32_weights = weight_bytes(total, "float32")
     if tensor_parallel > 1:
         dev_params = total / tensor_parallel if moe else per_device_params(cfg, tensor_parallel)
         weights = weight_bytes(int(dev_params), weight_dtype)
+        float32_weights = weight_bytes(int(dev_params), "float32")
         kv_share = _share(cfg.n_kv_heads, tensor_parallel)
         seq, naive = int(seq * kv_share), int(naive * kv_share)
         heads = "KV heads split" if kv_share < 1 else "KV heads replicated: each device holds the whole pool"
@@ -371,6 +376,7 @@ def make_plan(
     held = max(pool, 0)
     tenants, naive_tenants = held // seq, held // naive
     displaced = max(pool + speculation_bytes, 0) // seq - tenants
+    float32_tenants = max(pool + weights - float32_weights, 0) // seq
     ratio = tenants / naive_tenants if naive_tenants else None
     pools = (size_pool(cfg, int(held / kv_share), page_size, kv_dtype, context_len, max_spec_depth)
              if tenants else None)
@@ -397,4 +403,5 @@ def make_plan(
         techniques=tuple(costs), tensor_parallel=tensor_parallel, technique=technique,
         split=split_pool(cfg, pools, pool_split, context_len, page_size, max_spec_depth, DRAFT_LAYERS)
         if pools else None,
+        float32_tenants=float32_tenants,
     )

@@ -7,7 +7,7 @@ Forms (`WEIGHT_FORMS`, the `--weights` flag):
   else stay apart; ffn_down is Q4_K in some layers and Q6_K in others, so the layers come as
   per-layer dicts (the runner's form anyway: engine.model.gemma.unstack_layers).
 - "int8": symmetric int8, one scale per output column, of the float32 weights (`quantize_params`).
-- "float32", "bfloat16": float matrices (engine/model/weights.py), as before.
+- "float32", "bfloat16": float matrices (engine/model/weights.py).
 
 The tied embedding [vocab, d] is held as the output layer's W = embed.T [d, vocab]: logits are
 qmatmul(h, W), token lookups its columns (engine.model.gemma.embedding_rows). Norms stay float32.

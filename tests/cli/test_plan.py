@@ -135,3 +135,16 @@ def test_weights_gguf_counts_the_served_blocks(capsys):
     assert plan["pool_bytes"] == f32.pool_bytes + f32.weight_bytes - 294_398_464
     rc, _, err = run_plan(capsys, "--model", "gemma3-27b", "--weights", "gguf")
     assert rc == 2 and "--weights gguf" in err
+
+
+def test_the_tenants_gained_over_float32_show(capsys):
+    """A plan of gguf weights says how many more tenants fit at the context than float32 weights."""
+    rc, out, _ = run_plan(capsys, "--device", "cpu", "--context", "4096", "--weights", "gguf", "--json")
+    plan = json.loads(out)
+    f32 = make_plan(GEMMA3_270M, device_profile("cpu"), "float32", "bfloat16", 4096)
+    assert rc == 0 and plan["float32_tenants"] == f32.tenants < plan["tenants"]
+    _, text, _ = run_plan(capsys, "--device", "cpu", "--context", "4096", "--weights", "gguf")
+    gained = f"+{plan['tenants'] - f32.tenants} tenants at 4096 tokens: float32 weights (1022.71 MiB) "
+    assert gained + f"leave room for {f32.tenants}" in text
+    _, text, _ = run_plan(capsys, "--device", "cpu", "--context", "4096", "--weights", "float32")
+    assert "chosen       float32" in text and "vs float32" not in text
