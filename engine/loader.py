@@ -21,6 +21,7 @@ from engine.memory import sizes
 from engine.memory.budget import heads_resident_bytes
 from engine.memory.sizes import KV_DTYPE_BYTES, size_pool
 from engine.model.gemma import table_dtype
+from engine.model.quant_weights import is_gguf
 from engine.runtime.compiles import enable_persistent_cache
 from engine.runtime.progress import Reporter, note
 from engine.speculation.layer_draft import DRAFT_VOCABS
@@ -35,6 +36,14 @@ is given (elsewhere 4 GiB): `default_memory_budget` adds those weights' bytes.""
 
 def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def default_weights(model: str | Path | None) -> str:
+    """The weights form served when neither --weights nor --dtype is given: a GGUF model's own
+    blocks ("gguf") on the CPU, where the quantized-matmul kernel runs; elsewhere, or for a
+    checkpoint directory, the backend's default dtype (the kernel is CPU-only, and qmatmul's jnp
+    path would rebuild every float matrix on every call)."""
+    return "gguf" if jax.default_backend() == "cpu" and is_gguf(model) else default_dtype()
 
 
 def default_memory_budget(cfg: ModelConfig) -> int:
@@ -94,15 +103,21 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     )
 
 
-def weights_and_dtype(weights: str | None, dtype: str | None) -> tuple[str, str]:
+def weights_and_dtype(weights: str | None, dtype: str | None,
+                      model: str | Path | None = None) -> tuple[str, str]:
     """(compute dtype, weights form) from the two flags: a float form is the dtype; a quantized
-    form computes in float32; None follows the dtype (default: per backend).
+    form computes in float32; a dtype alone is the form; neither: `default_weights(model)`.
 
-    >>> weights_and_dtype(None, None), weights_and_dtype("gguf", None), weights_and_dtype("bfloat16", None)
-    (('float32', 'float32'), ('float32', 'gguf'), ('bfloat16', 'bfloat16'))
+    >>> weights_and_dtype(None, None), weights_and_dtype(None, None, "/models/gemma-3-270m")  # CPU
+    (('float32', 'gguf'), ('float32', 'float32'))
+    >>> (weights_and_dtype(None, "float32"), weights_and_dtype("int8", None),
+    ...  weights_and_dtype("bfloat16", None))
+    (('float32', 'float32'), ('float32', 'int8'), ('bfloat16', 'bfloat16'))
     """
     if weights is not None and weights not in WEIGHT_FORMS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMS)}, got {weights!r}")
+    if weights is None and dtype is None:
+        weights = default_weights(model)
     want = "float32" if weights in QUANTIZED_FORMS else weights
     if dtype is not None and want is not None and dtype != want:
         raise ValueError(f"dtype {dtype} contradicts weights {weights} (which computes in {want})")
@@ -162,7 +177,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     `weights` (engine/model/quant_weights.py): "gguf" serves the file's own quantized blocks,
     "int8" an int8 copy of the float weights, both through the quantized-matmul kernel (built
     here; without it, their numbers as float32), computing in float32; "float32" or "bfloat16"
-    is `dtype`; None: `dtype` alone decides (`weights_and_dtype`).
+    is `dtype`; None: `weights_and_dtype` (a GGUF on the CPU: "gguf").
     """
     from engine.model.gguf_file import default_gguf_path
     from engine.model.quant_weights import is_quantized, load_weights, weight_bytes
@@ -176,7 +191,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
         from engine.model.sharding import make_mesh
 
         make_mesh(tensor_parallel)  # fail before loading weights when the devices are not there
-    dtype, weights = weights_and_dtype(weights, dtype)
+    dtype, weights = weights_and_dtype(weights, dtype, model)
     if weights in QUANTIZED_FORMS and tensor_parallel != 1:
         raise ValueError(f"weights {weights} serve on one device; tensor parallel needs float32 or bfloat16")
     cfg, params = load_weights(model, weights, progress=progress)

@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--model", default=None, help="a .gguf file or a HF Gemma 3 directory")
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     e.add_argument("--weights", default=None, choices=WEIGHT_FORMS,
-                   help="weights as served (gguf: the file's own quantized blocks; default: --dtype's)")
+                   help="weights as served (gguf: the file's own quantized blocks; default: --dtype's; "
+                        "without --dtype, gguf for a GGUF model on the CPU)")
     e.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
     e.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per request")
     e.add_argument("--contexts", default="32,2048",

@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: per backend)")
     p.add_argument("--weights", default=None, choices=WEIGHT_FORMS,
                    help="weights as served: gguf (the file's own quantized blocks), int8, bfloat16 or "
-                        "float32 (default: --dtype's)")
+                        "float32 (default: --dtype's; without --dtype, gguf for a GGUF model on the CPU)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in Gemma's chat template")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)

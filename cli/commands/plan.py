@@ -64,12 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gemma3-270m",
                         help=f"{models}, or TOTAL/ACTIVE parameters of a mixture of experts "
                         "(e.g. 26B/4B) (default: %(default)s)")
-    parser.add_argument("--dtype", default="bfloat16",
-                        help=f"weight dtype: {', '.join(sizes.WEIGHT_BITS)} (default: %(default)s)")
+    parser.add_argument("--dtype", help=f"weight dtype: {', '.join(sizes.WEIGHT_BITS)} (default: "
+                        "bfloat16; float32 under --weights gguf or int8)")
     parser.add_argument("--weights", choices=WEIGHT_FORMS,
                         help="weights as the engine serves them: gguf (the model file's own quantized "
                         "blocks) or int8 count the exact bytes of the default model's GGUF; bfloat16 or "
-                        "float32 are --dtype (default: --dtype)")
+                        "float32 are --dtype (default: --dtype; with neither, what the daemon serves: "
+                        f"gguf for {GGUF_MODEL} on cpu, else bfloat16)")
     parser.add_argument("--kv-dtype", default="bfloat16",
                         help=f"KV dtype: {', '.join(sizes.KV_DTYPE_BYTES)} (default: %(default)s)")
     parser.add_argument("--context", default="8192", help="tokens per tenant (default: %(default)s)")
@@ -121,17 +122,33 @@ def build_plan(args: argparse.Namespace) -> Plan:
         raise UserError(str(exc)) from None
 
 
+def default_weights(device: str, model: str) -> str:
+    """The weights form the daemon serves when neither --weights nor --dtype is given: the default
+    model's own GGUF blocks on the CPU, where its quantized-matmul kernel runs
+    (engine.loader.default_weights), else bfloat16.
+
+    >>> default_weights("cpu", "gemma3-270m"), default_weights("tpu-v6e-1", "gemma3-270m")
+    ('gguf', 'bfloat16')
+    """
+    return "gguf" if device == "cpu" and model == GGUF_MODEL else "bfloat16"
+
+
 def _weights(args: argparse.Namespace) -> tuple[str, tuple[str, int] | None]:
     """(the dtype the planner prices, (form, bytes) of quantized served weights or None)."""
-    weights = args.weights
+    weights = args.weights or (None if args.dtype else default_weights(args.device, args.model))
     if weights is None or weights not in QUANTIZED_FORMS:
         return weights or args.dtype, None
+    if args.dtype not in (None, "float32"):
+        raise UserError(f"--dtype {args.dtype} contradicts --weights {weights} (which computes in float32)")
     if args.model != GGUF_MODEL:
         raise UserError(f"--weights {weights} counts the default model's GGUF ({GGUF_MODEL}); for "
                         f"--model {args.model} estimate with --dtype int8 or int4")
-    from engine.model.gguf_file import GGUFFile, default_gguf_path
+    from engine.model.gguf_file import GGUFFile, WeightsError, default_gguf_path
 
-    gf = GGUFFile.open(default_gguf_path())
+    try:
+        gf = GGUFFile.open(default_gguf_path())
+    except WeightsError as exc:  # the model package missing or damaged: say so, and how to plan without it
+        raise UserError(f"--weights {weights}: {exc} (or plan another form with --dtype)") from None
     tensors = [(t.shape, t.qtype.name) for t in gf.tensors.values()]
     return "float32", (weights, sizes.served_bytes(tensors, weights))
 

@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="names clients may send as `model`; answers carry the first (default: the model's own)")
     add("--dtype", help="weight/activation dtype (default: the engine's)")
     add("--weights", choices=WEIGHT_FORMS, help="weights as served: gguf (the file's own quantized blocks "
-        "through the quantized-matmul kernel), int8, bfloat16 or float32 (default: --dtype's)")
+        "through the quantized-matmul kernel), int8, bfloat16 or float32 (default: --dtype's; without "
+        "--dtype, gguf for a GGUF model on the CPU)")
     add("--kv-budget", dest="kv_budget_bytes", metavar="BYTES",
         help="KV pool and speculation size, e.g. 4GiB, whatever the weights take")
     add("--memory-budget", dest="memory_budget_bytes", metavar="BYTES",

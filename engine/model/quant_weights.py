@@ -58,6 +58,11 @@ def is_quantized(params: Params) -> bool:
     return isinstance(params["embed"], QuantWeight)
 
 
+def is_gguf(spec: str | Path | None) -> bool:
+    """Whether a model spec names a GGUF file (None: the default model, a GGUF)."""
+    return spec is None or str(spec).lower().endswith(".gguf")
+
+
 def weight_bytes(params: Params) -> int:
     """Bytes the params hold (a QuantWeight's values, scales and mins; float arrays' own)."""
     return int(sum(np.dtype(a.dtype).itemsize * int(np.prod(a.shape)) for a in jax.tree.leaves(params)))
@@ -227,8 +232,7 @@ def load_weights(spec: str | Path | None, weights: str,
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMS)}, got {weights!r}")
     if weights not in QUANTIZED_FORMS:
         return load_model(spec, weights, progress)
-    gguf = spec is None or str(spec).lower().endswith(".gguf")
-    if weights == "gguf" and not gguf:
+    if weights == "gguf" and not is_gguf(spec):
         raise WeightsError(f"{spec}: --weights gguf needs a GGUF file (this checkpoint: int8, bfloat16 "
                            "or float32)")
     status = kernel_status()
