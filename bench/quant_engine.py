@@ -1,6 +1,6 @@
 """The quantized engine against the float32 one, in one process: greedy agreement and decode speed.
 
-    python -m bench.quant_engine [--weights gguf] [--reps 5] [--out FILE]
+    python -m bench.quant_engine [--weights gguf] [--reps 5] [--memory] [--out FILE]
 
 1. Two engines on the default model: float32, and `--weights` (gguf: the file's own blocks
    through the quantized-matmul kernel, engine/model/quant_weights.py).
@@ -14,6 +14,10 @@
    did no prefill), the two engines interleaved (order alternating) for `reps` rounds after an
    untimed round that compiles each shape; median, min and max per engine and the per-round
    ratio.
+4. With `--memory`: /ready's memory block (engine.memory.budget.memory_status) of an engine
+   loaded at `crossover serve`'s defaults (the default memory budget, every proposer, max batch
+   32, context 4096) in float32 and in `--weights`, one engine at a time: the pool each form's
+   weights leave and the tenants it holds at max context.
 """
 
 from __future__ import annotations
@@ -144,6 +148,24 @@ def speed(engines: dict, batches: tuple[int, ...], reps: int, context: int, new_
     return out
 
 
+def serving_memory(forms: tuple[str, ...]) -> dict:
+    """memory_status of an engine at load_engine's defaults per weights form, each dropped before
+    the next loads (their pools are gigabytes)."""
+    import gc
+
+    from engine.loader import load_engine
+    from engine.memory.budget import memory_status
+
+    out = {}
+    for form in forms:
+        engine = load_engine(weights=form, progress=False)
+        out[form] = memory_status(engine)
+        print(f"memory: {form}: {json.dumps(out[form])}", flush=True)
+        del engine
+        gc.collect()
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     from engine.loader import load_engine
     from engine.model.quant_weights import weight_bytes
@@ -157,9 +179,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--skip-agreement", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--memory", action="store_true", help="also /ready's memory block at serve's defaults")
     p.add_argument("--out", default="bench-out/quant-engine.json")
     args = p.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
+    memory = serving_memory(("float32", args.weights)) if args.memory else None
     load = partial(load_engine, max_batch=max(batches), max_context=1024, kv_budget_bytes=512 << 20,
                    speculation=False, progress=False)
     t = time.perf_counter()
@@ -175,6 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
         result["decode_settings"] = {"context": args.context, "new_tokens": args.new_tokens,
                                      "reps": args.reps}
         print(json.dumps(result["decode"], indent=1), flush=True)
+    if memory is not None:
+        result["serving_memory"] = memory
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     return result
