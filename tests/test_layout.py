@@ -277,28 +277,12 @@ def test_the_walk_sees_the_tree(imports):
     assert any(top(s) == "daemon" and top(t) == "engine" for s, t in pairs)
 
 
-def test_no_import_cycle_between_modules(imports):
-    problems = module_cycle_violations(imports)
-    assert not problems, "\n".join(problems)
-
-
-def test_no_import_cycle_between_packages(imports):
-    problems = package_cycle_violations(imports)
-    assert not problems, "\n".join(problems)
-
-
-def test_no_import_cycle_between_engine_parts(imports):
-    problems = engine_part_cycle_violations(imports)
-    assert not problems, "\n".join(problems)
-
-
-def test_imports_follow_the_design_directions(imports):
-    problems = direction_violations(imports)
-    assert not problems, "\n".join(problems)
-
-
-def test_the_command_line_loads_tools_only_when_a_command_runs(imports):
-    problems = eager_tool_imports(imports)
+@pytest.mark.parametrize("check", [module_cycle_violations, package_cycle_violations,
+                                   engine_part_cycle_violations, direction_violations, eager_tool_imports],
+                         ids=["no module cycle", "no package cycle", "no cycle between engine parts",
+                              "the design's import directions", "the command line loads tools lazily"])
+def test_the_tree_passes_the_import_check(imports, check):
+    problems = check(imports)
     assert not problems, "\n".join(problems)
 
 
@@ -311,6 +295,11 @@ def test_files_stay_short():
 
 
 def _toy(tmp_path: Path, sources: dict[str, str]) -> list[Import]:
+    """The imports of a tree of `sources` (path -> text); each folder gets an empty __init__.py
+    unless `sources` gives one."""
+    for rel in list(sources):
+        for folder in Path(rel).parents[:-1]:
+            sources.setdefault(f"{folder}/__init__.py", "")
     for rel, text in sources.items():
         path = tmp_path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -318,25 +307,31 @@ def _toy(tmp_path: Path, sources: dict[str, str]) -> list[Import]:
     return collect_imports(project_files(tmp_path), tmp_path)
 
 
-def test_checker_finds_a_module_cycle_through_a_lazy_import(tmp_path):
-    imports = _toy(tmp_path, {
-        "engine/__init__.py": "",
-        "engine/a.py": "from engine.b import X\n",
-        "engine/b.py": "def f():\n    from engine import a\n",
-    })
-    (problem,) = module_cycle_violations(imports)
-    assert "engine.a, engine.b" in problem and "engine/b.py:2" in problem and "inside a function" in problem
+@pytest.mark.parametrize(("sources", "expected"), [
+    pytest.param({"engine/a.py": "from engine.b import X\n",
+                  "engine/b.py": "def f():\n    from engine import a\n"},
+                 ["engine.a, engine.b", "engine/b.py:2", "inside a function"], id="lazy import"),
+    pytest.param({"tuner/a.py": "from tuner.b import f\n",
+                  "tuner/b.py": ("from typing import TYPE_CHECKING\n"
+                                 "if TYPE_CHECKING:\n    from tuner.a import A\n")},
+                 ["tuner.a, tuner.b", "tuner/b.py:3", "type-checking only"], id="type-only import"),
+    # __init__ re-exports from a submodule that reads a sibling off the package
+    pytest.param({"bench/report/__init__.py": "from bench.report.build import build\n",
+                  "bench/report/build.py": "from bench.report import figures\n",
+                  "bench/report/figures.py": ""},
+                 ["bench.report, bench.report.build:"], id="package init"),
+])
+def test_checker_finds_a_module_cycle(tmp_path, sources, expected):
+    (problem,) = module_cycle_violations(_toy(tmp_path, sources))
+    assert all(part in problem for part in expected), problem
 
 
 def test_checker_finds_a_cycle_between_engine_parts_but_not_inside_one(tmp_path):
     imports = _toy(tmp_path, {
-        "engine/__init__.py": "",
-        "engine/step/__init__.py": "",
         "engine/step/core.py": ("from engine.speculation.proposers import P\n"
                                 "from engine.step import chooser\n"),
         "engine/step/chooser.py": "",
         "engine/step/sequence.py": "",
-        "engine/speculation/__init__.py": "",
         "engine/speculation/proposers.py": "def f():\n    from engine.step.sequence import S\n",
     })
     assert not module_cycle_violations(imports)
@@ -347,10 +342,8 @@ def test_checker_finds_a_cycle_between_engine_parts_but_not_inside_one(tmp_path)
 
 def test_checker_resolves_relative_and_submodule_imports(tmp_path):
     imports = _toy(tmp_path, {
-        "store/__init__.py": "",
         "store/models.py": "",
         "store/db.py": "from . import models\nfrom .models import Base\n",
-        "daemon/__init__.py": "",
         "daemon/x.py": "import store.db\nfrom store import db, models\n",
     })
     got = sorted((i.source, i.target, i.line) for i in imports)
@@ -359,42 +352,14 @@ def test_checker_resolves_relative_and_submodule_imports(tmp_path):
                    ("store.db", "store.models", 2)]
 
 
-def test_checker_finds_a_cycle_a_type_only_import_closes(tmp_path):
-    imports = _toy(tmp_path, {
-        "tuner/__init__.py": "",
-        "tuner/a.py": "from tuner.b import f\n",
-        "tuner/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tuner.a import A\n",
-    })
-    (problem,) = module_cycle_violations(imports)
-    assert "tuner.a, tuner.b" in problem and "tuner/b.py:3" in problem and "type-checking only" in problem
-
-
-def test_checker_finds_a_cycle_through_a_package_init(tmp_path):
-    # __init__ re-exports from a submodule that reads a sibling off the package
-    imports = _toy(tmp_path, {
-        "bench/__init__.py": "",
-        "bench/report/__init__.py": "from bench.report.build import build\n",
-        "bench/report/build.py": "from bench.report import figures\n",
-        "bench/report/figures.py": "",
-    })
-    (problem,) = module_cycle_violations(imports)
-    assert "bench.report, bench.report.build:" in problem
-
-
 def test_checker_flags_wrong_directions(tmp_path):
     imports = _toy(tmp_path, {
-        "engine/__init__.py": "",
         "engine/step/core.py": "from store import db\n",
-        "store/__init__.py": "",
         "store/db.py": "",
-        "tuner/__init__.py": "",
         "tuner/x.py": "from engine.policy import P\nfrom engine.step.core import C\n",
         "engine/policy.py": "",
-        "bench/__init__.py": "",
         "bench/x.py": "import cli.main\n",
-        "cli/__init__.py": "",
         "cli/main.py": "import daemon.other\n",
-        "daemon/__init__.py": "",
         "daemon/other.py": "def f():\n    import bench\n",
     })
     problems = direction_violations(imports)
@@ -411,8 +376,6 @@ def test_checker_flags_the_command_lines_eager_tool_imports(tmp_path):
     imports = _toy(tmp_path, {
         "bench/__init__.py": "",
         "training/__init__.py": "",
-        "cli/__init__.py": "",
-        "cli/commands/__init__.py": "",
         "cli/commands/bench.py": "import bench\n\ndef run():\n    import bench\n    import training\n",
     })
     assert not direction_violations(imports)

@@ -26,16 +26,16 @@ moves anything (no technique of the space keeps its KV in lent pages and the
 pool holds every demand at every split), one solve is all of them, and
 tuner.exact's smallest feasible split is the answer.
 
-    >>> from tuner.config import TunerConfig
-    >>> from tuner.model import PerfModel
-    >>> from tuner.objective import Capacity
-    >>> from tuner.space import SearchSpace
-    >>> from tuner.traffic import Traffic
-    >>> model = PerfModel(target=(10.0, 1.0, 0.0, 0.0, 0.0), acceptance={"draft": (0.9, 0.9)})
-    >>> light = Traffic(steps=100, batch_weights={2: 1.0}, prefill_per_step={}, concurrency=2.0,
-    ...                 concurrency_max=2, mean_prompt_tokens=100, mean_output_tokens=60)
+    >>> from tuner.objective import Capacity  # 210 pages of 16 tokens; the draft's KV in lent pages
     >>> cap = Capacity(total_pages=210, page_size=16, max_depth=2, proposers={"draft": (0, 0)},
     ...                lent_kv={"draft": 1.0})
+    >>> from tuner.traffic import Traffic  # two sequences of 160 tokens at a time
+    >>> light = Traffic(steps=100, batch_weights={2: 1.0}, prefill_per_step={}, concurrency=2.0,
+    ...                 concurrency_max=2, mean_prompt_tokens=100, mean_output_tokens=60)
+    >>> from tuner.model import PerfModel  # drafts accepted 90% of the time at each position
+    >>> model = PerfModel(target=(10.0, 1.0, 0.0, 0.0, 0.0), acceptance={"draft": (0.9, 0.9)})
+    >>> from tuner.config import TunerConfig
+    >>> from tuner.space import SearchSpace
     >>> space = SearchSpace.build(TunerConfig(ranges=(4, 64), max_pool_split=0.5), cap)
     >>> best = solve_splits(space, model, light, cap)
     >>> best.choose(2), best.pool_split  # 2 sequences of 10 pages, a page of verify slots: 21 of 210

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shlex
@@ -58,6 +59,16 @@ class ReportRequest:
     facts: str | None = None
     """A file next to the README with what the measuring command ran, named in the header."""
 
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace) -> ReportRequest:
+        """The report `crossover report`'s parsed flags ask for."""
+        return cls(db=args.db, out=Path(args.out), instance=args.instance,
+                   source_command=args.source_command, pool_instance=args.pool_instance, note=args.note,
+                   facts=args.facts, tenant_instance=args.tenant_instance,
+                   early_exit=tuple(Path(f) for f in args.early_exit),
+                   plan=PlanInputs(model=args.model, context=args.context, weight_dtype=args.dtype,
+                                   kv_dtype=args.kv_dtype, page_size=args.page_size))
+
 
 def prepare_out(out: Path) -> Path:
     """Create `out` if needed and prove it writable; ReportInputError naming it otherwise."""
@@ -89,6 +100,10 @@ def report_command(req: ReportRequest) -> str:
         parts += ["--tenant-instance", req.tenant_instance]
     for path in req.early_exit:
         parts += ["--early-exit", str(path)]
+    for flag, text in (("--source-command", req.source_command), ("--note", req.note),
+                       ("--facts", req.facts)):
+        if text is not None:
+            parts += [flag, text]
     return shlex.join(parts)
 
 

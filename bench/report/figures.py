@@ -21,6 +21,11 @@ GROUP_COLORS = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (148, 103, 189), 
 MIXED_COLOR = (214, 39, 40)
 
 
+def embed(name: str | None, alt: str) -> list[str]:
+    """The markdown lines that show figure file `name` (none when no figure was drawn)."""
+    return [f"![{alt}]({name})", ""] if name else []
+
+
 def _rgb(c: tuple[int, int, int]) -> tuple[float, float, float]:
     return (c[0] / 255, c[1] / 255, c[2] / 255)
 

@@ -80,9 +80,7 @@ def q1_section(t: Telemetry, out: Path) -> list[str]:
               "(technique, tenant alone | mixed); per-position sums of `accepted_per_pos` (of each row "
               "class's where recorded)."), ""]
     lines += _mixed_by_tenant(t)
-    name = figures.acceptance_figure(acceptance_rows(t), out)
-    if name:
-        lines += [f"![acceptance by draft position]({name})", ""]
+    lines += figures.embed(figures.acceptance_figure(acceptance_rows(t), out), "acceptance by draft position")
     lines += _verdicts(t)
     lines += _tenant_pays(t)
     lines += _tenant_requests(t, out)
@@ -182,9 +180,7 @@ def _tenant_requests(t: Telemetry, out: Path) -> list[str]:
     lines += ["", ("Source: `SELECT instance, tenant, arrival_time, finish_time, proposed_tokens, "
               "accepted_tokens FROM xo_requests`, joined in Python to the `xo_steps` rows of the same "
               "instance and tenant (bench/report/data.py `_request_kind`)."), ""]
-    name = figures.tenant_figure(fig, out)
-    if name:
-        lines += [f"![acceptance per tenant]({name})", ""]
+    lines += figures.embed(figures.tenant_figure(fig, out), "acceptance per tenant")
     return lines
 
 
@@ -248,9 +244,7 @@ def q2_measured_section(t: Telemetry, out: Path) -> list[str]:
               f"batch_size); {t.decode_steps} of {t.steps} steps are decode-only. Cells with fewer than 5 "
               "steps are left out."), ""]
     marks = {mix: {tech: c.batch for tech, c in techs.items()} for mix, techs in found.items()}
-    name = figures.goodput_figure(cells, marks, out)
-    if name:
-        lines += [f"![measured goodput against batch size]({name})", ""]
+    lines += figures.embed(figures.goodput_figure(cells, marks, out), "measured goodput against batch size")
     return lines
 
 

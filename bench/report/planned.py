@@ -121,8 +121,7 @@ def q2_predicted_section(t: Telemetry, p: PlanInputs, out: Path) -> list[str]:
               f"{p.kv_dtype}, context {p.context}, page {p.page_size} (as `crossover plan --device DEVICE "
               f"--model {p.model} --context {p.context}` prints)."), ""]
     name = figures.predicted_figure(curves, marks, f"{p.model}, context {p.context}", out)
-    if name:
-        lines += [f"![predicted goodput against batch size]({name})", ""]
+    lines += figures.embed(name, "predicted goodput against batch size")
     return lines
 
 
@@ -183,9 +182,8 @@ def q3_section(t: Telemetry, p: PlanInputs, out: Path) -> list[str]:
     lines += pool.section(t, out)
     proj_lines, projected = _projection(t, p)
     lines += proj_lines
-    name = figures.displacement_figure(measured, projected, out)
-    if name:
-        lines += [f"![tenants displaced against goodput gained]({name})", ""]
+    lines += figures.embed(figures.displacement_figure(measured, projected, out),
+                           "tenants displaced against goodput gained")
     return lines
 
 
@@ -305,7 +303,5 @@ def moe_section(out: Path) -> list[str]:
               f"`crossover plan --device tpu-v6e-1 --model {MOE_SPEC} --dtype DTYPE --context 8192` "
               "(engine/memory/planner.py `make_plan`; attention shape borrowed from gemma3-12b). The planner "
               "counts memory only: it says nothing about expert locality under mixed tenants."), ""]
-    name = figures.moe_figure(bars, out)
-    if name:
-        lines += [f"![MoE memory on the planner's devices]({name})", ""]
+    lines += figures.embed(figures.moe_figure(bars, out), "MoE memory on the planner's devices")
     return lines

@@ -37,30 +37,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--out", default="bench-out/telemetry.json", help="JSON output file")
     t.add_argument("--seconds", type=float, default=5.0, help="duration of each phase")
     t.add_argument("--db", default=None, help="SQLAlchemy URL (default: a temporary SQLite file)")
-    _add_serve(sub.add_parser("serve", help="HTTP load test: throughput, TTFT/TPOT percentiles, "
-                                            "overhead over the bare engine"))
-    _add_crossover(sub.add_parser("crossover", help="goodput of each speculative technique and depth vs "
-                                                    "batch size, acceptance per position, crossover batch; "
-                                                    "JSON + PNG"))
-    add_tuner(sub.add_parser("tuner", help="the autotuned daemon vs static policies on a shifting "
-                                            "trace: goodput per phase, ratios, ITL during retunes; "
-                                            "JSON + PNG"))
-    _add_early_exit(sub.add_parser("early-exit", help="LOSSY opt-in experiment: early exit with a compacting "
-                                                      "batch; tokens/s vs batch and threshold, agreement, "
-                                                      "perplexity; JSON"))
-    _add_findings(sub.add_parser("findings", help="measure the four open questions into one telemetry "
-                                                  "database, then write the findings report (README + PNGs)"))
-    _add_soak(sub.add_parser("soak", help="a `crossover serve` child under well-formed and hostile traffic "
-                                          "(loopback), then an audit: health, KV pages, telemetry rows, "
-                                          "RSS and descriptors, TTFT beside a baseline; JSON"))
-    _add_structured(sub.add_parser("structured", help="constrained decoding (20 JSON schemas x 5 prompts) "
-                                                      "against free decoding on one daemon: TPOT ratio, "
-                                                      "validity, grammar time per step; JSON"))
     from bench.lm_eval_check import add_flags as add_lm_eval_flags
 
-    add_lm_eval_flags(sub.add_parser("lm-eval", help="lm-eval's local-completions scores a 60-item "
-                                     "multiple-choice task against the daemon; its accuracy against the "
-                                     "engine's own loglikelihoods; JSON"))
+    for name, add_flags, what in (
+        ("serve", _add_serve, "HTTP load test: throughput, TTFT/TPOT percentiles, overhead over the "
+                              "bare engine"),
+        ("crossover", _add_crossover, "goodput of each speculative technique and depth vs batch size, "
+                                      "acceptance per position, crossover batch; JSON + PNG"),
+        ("tuner", add_tuner, "the autotuned daemon vs static policies on a shifting trace: goodput per "
+                             "phase, ratios, ITL during retunes; JSON + PNG"),
+        ("early-exit", _add_early_exit, "LOSSY opt-in experiment: early exit with a compacting batch; "
+                                        "tokens/s vs batch and threshold, agreement, perplexity; JSON"),
+        ("findings", _add_findings, "measure the four open questions into one telemetry database, then "
+                                    "write the findings report (README + PNGs)"),
+        ("soak", _add_soak, "a `crossover serve` child under well-formed and hostile traffic (loopback), "
+                            "then an audit: health, KV pages, telemetry rows, RSS and descriptors, TTFT "
+                            "beside a baseline; JSON"),
+        ("structured", _add_structured, "constrained decoding (20 JSON schemas x 5 prompts) against free "
+                                        "decoding on one daemon: TPOT ratio, validity, grammar time per "
+                                        "step; JSON"),
+        ("lm-eval", add_lm_eval_flags, "lm-eval's local-completions scores a 60-item multiple-choice task "
+                                       "against the daemon; its accuracy against the engine's own "
+                                       "loglikelihoods; JSON"),
+    ):
+        add_flags(sub.add_parser(name, help=what))
     c = sub.add_parser("tuner-compare", help="do two `bench tuner` JSONs (e.g. --quick against the full "
                                               "run) read the same ratios within their round-to-round noise")
     c.add_argument("a", help="a `bench tuner` result JSON (e.g. a --quick run)")

@@ -11,7 +11,6 @@ unmigrated database, an unwritable --out, an unknown model or dtype).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from daemon.user_error import UserError
 from engine.memory import planner, sizes
@@ -42,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the instance whose steps Q1 compares tenants alone and mixed on (`crossover bench "
                         "findings` writes 'findings-tenants'; default: every instance)")
     p.add_argument("--note", default=None, help="a sentence for the report header")
+    p.add_argument("--facts", default=None, metavar="FILE",
+                   help="a file next to the README with what the measuring command ran (`crossover bench "
+                        "findings` writes findings.json), named in the header")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,18 +64,12 @@ def run(args: argparse.Namespace) -> int:
 
     from bench.report.build import ReportRequest, build_report
     from bench.report.data import ReportInputError
-    from bench.report.planned import PlanInputs
 
-    req = ReportRequest(db=args.db, out=Path(args.out), instance=args.instance,
-                        source_command=args.source_command,
-                        pool_instance=args.pool_instance, note=args.note,
-                        tenant_instance=args.tenant_instance,
-                        early_exit=tuple(Path(f) for f in args.early_exit),
-                        plan=PlanInputs(model=args.model, context=args.context, weight_dtype=args.dtype,
-                                        kv_dtype=args.kv_dtype, page_size=args.page_size))
+    req = ReportRequest.from_flags(args)
     try:
         path = build_report(req)
     except ReportInputError as exc:
         raise UserError(str(exc)) from None
     print(f"wrote {path}")
     return 0
+

@@ -202,12 +202,16 @@ def _drafted(core, seqs: list[Sequence], fail, prefill: bool = False) -> tuple[l
 
 def _row_choices(core, seqs: list[Sequence], prefill: bool = False) -> list[tuple[str, int]]:
     """Each row's (technique, depth): the chooser's (`prefill`: the step also prefills, see
-    StepChooser.choose), cut to what its proposer drafts and to what the context holds
-    (drafting and verifying write positions up to num_cached + depth)."""
-    room = core.max_context - 1 - max(s.num_cached for s in seqs)
+    StepChooser.choose), cut to what its proposer drafts, to what its request may still keep
+    (a verify row yields its accepted drafts and one token more, so max_tokens - num_output - 1
+    drafts at most) and to what the context holds (drafting and verifying write positions up to
+    num_cached + depth)."""
     out = []
-    for technique, depth in core._chooser.choose_rows([s.req.tenant for s in seqs], prefill):
+    chosen = core._chooser.choose_rows([s.req.tenant for s in seqs], prefill)
+    for seq, (technique, depth) in zip(seqs, chosen, strict=True):
         if technique != "none":
+            keeps = seq.req.sampling.max_tokens - seq.num_output - 1
+            room = min(core.max_context - 1 - seq.num_cached, keeps)
             depth = min(depth, room, core.proposers[technique].max_depth)  # e.g. 4 MTP heads
         out.append((technique, depth) if depth > 0 else PLAIN)
     return out

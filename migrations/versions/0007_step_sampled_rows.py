@@ -20,7 +20,8 @@ from __future__ import annotations
 import importlib
 
 import sqlalchemy as sa
-from alembic import op
+
+from migrations import step_columns
 
 revision = "0007"
 down_revision = "0006"
@@ -31,14 +32,11 @@ _views = importlib.import_module("migrations.versions.0002_rollups_and_views")
 
 
 def upgrade() -> None:
-    _views.drop_views()
-    with op.batch_alter_table("xo_steps") as batch:
-        batch.add_column(sa.Column("sampled_rows", sa.Integer(), nullable=False, server_default="0"))
-    _views.create_views()
+    step_columns.add_columns(
+        _views,
+        sa.Column("sampled_rows", sa.Integer(), nullable=False, server_default="0"),
+    )
 
 
 def downgrade() -> None:
-    _views.drop_views()
-    with op.batch_alter_table("xo_steps") as batch:
-        batch.drop_column("sampled_rows")
-    _views.create_views()
+    step_columns.drop_columns(_views, "sampled_rows")

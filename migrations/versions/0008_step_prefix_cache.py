@@ -20,7 +20,8 @@ from __future__ import annotations
 import importlib
 
 import sqlalchemy as sa
-from alembic import op
+
+from migrations import step_columns
 
 revision = "0008"
 down_revision = "0007"
@@ -32,16 +33,11 @@ COLUMNS = ("prefix_hit_tokens", "prefix_query_tokens")
 
 
 def upgrade() -> None:
-    _views.drop_views()
-    with op.batch_alter_table("xo_steps") as batch:
-        for name in COLUMNS:
-            batch.add_column(sa.Column(name, sa.Integer(), nullable=False, server_default="0"))
-    _views.create_views()
+    step_columns.add_columns(
+        _views,
+        *(sa.Column(name, sa.Integer(), nullable=False, server_default="0") for name in COLUMNS),
+    )
 
 
 def downgrade() -> None:
-    _views.drop_views()
-    with op.batch_alter_table("xo_steps") as batch:
-        for name in reversed(COLUMNS):
-            batch.drop_column(name)
-    _views.create_views()
+    step_columns.drop_columns(_views, *reversed(COLUMNS))

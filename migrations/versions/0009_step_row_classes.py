@@ -22,7 +22,8 @@ from __future__ import annotations
 import importlib
 
 import sqlalchemy as sa
-from alembic import op
+
+from migrations import step_columns
 
 revision = "0009"
 down_revision = "0008"
@@ -33,14 +34,11 @@ _views = importlib.import_module("migrations.versions.0002_rollups_and_views")
 
 
 def upgrade() -> None:
-    _views.drop_views()
-    with op.batch_alter_table("xo_steps") as batch:
-        batch.add_column(sa.Column("row_classes", sa.JSON(), nullable=True))
-    _views.create_views()
+    step_columns.add_columns(
+        _views,
+        sa.Column("row_classes", sa.JSON(), nullable=True),
+    )
 
 
 def downgrade() -> None:
-    _views.drop_views()
-    with op.batch_alter_table("xo_steps") as batch:
-        batch.drop_column("row_classes")
-    _views.create_views()
+    step_columns.drop_columns(_views, "row_classes")

@@ -20,7 +20,8 @@ from __future__ import annotations
 import importlib
 
 import sqlalchemy as sa
-from alembic import op
+
+from migrations import step_columns
 
 revision = "0012"
 down_revision = "0011"
@@ -31,16 +32,12 @@ _views = importlib.import_module("migrations.versions.0010_step_row_classes_tabl
 
 
 def upgrade() -> None:
-    _views.drop_views()
-    with op.batch_alter_table("xo_steps") as batch:
-        batch.add_column(sa.Column("grammar_ms", sa.Double(), nullable=False, server_default="0"))
-        batch.add_column(sa.Column("constrained_rows", sa.Integer(), nullable=False, server_default="0"))
-    _views.create_views()
+    step_columns.add_columns(
+        _views,
+        sa.Column("grammar_ms", sa.Double(), nullable=False, server_default="0"),
+        sa.Column("constrained_rows", sa.Integer(), nullable=False, server_default="0"),
+    )
 
 
 def downgrade() -> None:
-    _views.drop_views()
-    with op.batch_alter_table("xo_steps") as batch:
-        batch.drop_column("constrained_rows")
-        batch.drop_column("grammar_ms")
-    _views.create_views()
+    step_columns.drop_columns(_views, "constrained_rows", "grammar_ms")

@@ -22,7 +22,8 @@ from __future__ import annotations
 import importlib
 
 import sqlalchemy as sa
-from alembic import op
+
+from migrations import step_columns
 
 revision = "0013"
 down_revision = "0012"
@@ -33,14 +34,11 @@ _views = importlib.import_module("migrations.versions.0010_step_row_classes_tabl
 
 
 def upgrade() -> None:
-    _views.drop_views()
-    with op.batch_alter_table("xo_steps") as batch:
-        batch.add_column(sa.Column("cut_tokens", sa.Integer(), nullable=False, server_default="0"))
-    _views.create_views()
+    step_columns.add_columns(
+        _views,
+        sa.Column("cut_tokens", sa.Integer(), nullable=False, server_default="0"),
+    )
 
 
 def downgrade() -> None:
-    _views.drop_views()
-    with op.batch_alter_table("xo_steps") as batch:
-        batch.drop_column("cut_tokens")
-    _views.create_views()
+    step_columns.drop_columns(_views, "cut_tokens")

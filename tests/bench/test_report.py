@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from sqlalchemy import Engine
 
 from bench.report.build import ReportRequest, build_report
 from bench.report.data import MIXED, open_database, read_telemetry
@@ -121,13 +122,9 @@ def _requests() -> list[SimpleNamespace]:
 
 
 @pytest.fixture
-def fixture_url(db_url: str) -> str:
-    engine = make_engine(db_url)
-    try:
-        with engine.begin() as conn:
-            write_rows(conn, [step_row(s) for s in _steps()], [request_row(r) for r in _requests()])
-    finally:
-        engine.dispose()
+def fixture_url(db_url: str, db: Engine) -> str:
+    with db.begin() as conn:
+        write_rows(conn, [step_row(s) for s in _steps()], [request_row(r) for r in _requests()])
     return db_url
 
 

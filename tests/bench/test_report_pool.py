@@ -9,13 +9,14 @@ instance "sweep" holds ngram steps with acme and globex mixed.
 from __future__ import annotations
 
 import pytest
+from sqlalchemy import Engine
 
 from bench.report.build import ReportRequest, build_report
 from bench.report.data import open_database, read_telemetry
 from bench.report.pool import pool_rows
 from engine.policy import BatchRule, TunedPolicy
 from engine.types import StepStats
-from store.db import make_engine, session_scope
+from store.db import session_scope
 from store.history import save_policy
 from telemetry.writer import step_row, write_rows
 
@@ -42,19 +43,14 @@ def _steps() -> list[tuple[StepStats, str]]:
 
 
 @pytest.fixture
-def pool_url(db_url: str) -> str:
-    engine = make_engine(db_url)
-    try:
-        with engine.begin() as conn:
-            write_rows(conn, [step_row(s, inst) for s, inst in _steps()], [])
-        with session_scope(engine) as session:
-            save_policy(session, 1, TunedPolicy(version=1, source="admin").to_dict(), "admin",
-                        instance="pool")
-            draft = TunedPolicy((BatchRule(32, "draft", 2),), crossover=32, pool_split=0.25, version=2,
-                                source="admin")
-            save_policy(session, 2, draft.to_dict(), "admin", instance="pool")
-    finally:
-        engine.dispose()
+def pool_url(db_url: str, db: Engine) -> str:
+    with db.begin() as conn:
+        write_rows(conn, [step_row(s, inst) for s, inst in _steps()], [])
+    with session_scope(db) as session:
+        save_policy(session, 1, TunedPolicy(version=1, source="admin").to_dict(), "admin", instance="pool")
+        draft = TunedPolicy((BatchRule(32, "draft", 2),), crossover=32, pool_split=0.25, version=2,
+                            source="admin")
+        save_policy(session, 2, draft.to_dict(), "admin", instance="pool")
     return db_url
 
 

@@ -34,6 +34,10 @@ MODEL = "fake-reverse"
 REPO = Path(__file__).resolve().parents[2]
 SERVE = [sys.executable, "-m", "cli.main", "serve"]
 """`crossover serve` as a subprocess command (run with cwd=REPO)."""
+REAL_ENGINE = {"max_batch": 2, "max_context": 1024, "kv_budget_bytes": 64 << 20}
+"""The real model's engine in test_real_model.py and in each daemon of test_replicas_real.py
+(float32, no speculation): one set of shapes, so the daemons load from the persistent
+compilation cache what the earlier test compiled instead of compiling it again."""
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
@@ -148,6 +152,19 @@ def http_request(port: int, method: str, path: str, body: Any = None,
         return Response(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
     finally:
         conn.close()
+
+
+def read_response(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One response's head and body (by its Content-Length)."""
+    out = b""
+    while b"\r\n\r\n" not in out:
+        out += sock.recv(65536)
+    head, _, body = out.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head, body
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:

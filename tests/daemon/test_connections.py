@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.daemon.helpers import MODEL, LiveServer, http_request, wait_for
+from tests.daemon.helpers import MODEL, LiveServer, http_request, read_response, wait_for
 
 
 @pytest.fixture
@@ -32,19 +32,6 @@ def read_all(sock: socket.socket) -> bytes:
     while chunk := sock.recv(65536):
         out += chunk
     return out
-
-
-def read_response(sock: socket.socket) -> tuple[bytes, bytes]:
-    """One response's head and body (by its Content-Length)."""
-    out = b""
-    while b"\r\n\r\n" not in out:
-        out += sock.recv(65536)
-    head, _, body = out.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:")))
-    while len(body) < length:
-        body += sock.recv(65536)
-    return head, body
 
 
 def test_a_client_trickling_its_headers_is_closed_at_the_deadline(server: LiveServer) -> None:

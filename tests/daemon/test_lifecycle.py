@@ -27,6 +27,7 @@ from tests.daemon.helpers import (
     daemon_env,
     http_request,
     parse_sse,
+    read_response,
     stop_process,
     wait_for,
 )
@@ -102,14 +103,7 @@ def test_a_request_still_reading_its_body_does_not_hold_the_drain(live: Callable
     start = time.monotonic()
     assert asyncio.run_coroutine_threadsafe(drain(server.app, 20.0), server.loop).result(25) is True
     assert time.monotonic() - start < 5
-    reply = b""
-    while b"\r\n\r\n" not in reply:
-        reply += sock.recv(65536)
-    head, _, body = reply.partition(b"\r\n\r\n")
-    length = int(next(h.split(b":")[1] for h in head.split(b"\r\n")
-                      if h.lower().startswith(b"content-length")))
-    while len(body) < length:
-        body += sock.recv(65536)
+    head, body = read_response(sock)
     sock.close()
     assert head.startswith(b"HTTP/1.1 503") and json.loads(body)["error"]["code"] == "shutting_down"
 

@@ -83,7 +83,8 @@ def test_a_pinned_tenant_rule_drafts_for_its_tenant_only_and_stays_lossless(serv
                for c in (json.loads(raw) if isinstance(raw, str) else raw or [])]
     drafted = [c for _, c in classes if c["technique"] != "none"]
     assert drafted and {c["tenant"] for c in drafted} == {"copy"}
-    assert {(c["technique"], c["depth"]) for c in drafted} == {("ngram", 4)}
+    assert {c["technique"] for c in drafted} == {"ngram"} and max(c["depth"] for c in drafted) == 4
+    assert all(c["depth"] <= 4 for c in drafted)  # less deep only where max_tokens leaves less room
     assert sum(c["accepted"] for c in drafted) > 0  # the repeated prompt's drafts are accepted
     # steps where both rows decoded together: copy drafted beside a plain prose row
     together = [c for batch, c in classes if batch == 2]

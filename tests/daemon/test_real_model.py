@@ -9,7 +9,7 @@ import openai
 import pytest
 from sqlalchemy import text
 
-from tests.daemon.helpers import LiveServer
+from tests.daemon.helpers import REAL_ENGINE, LiveServer
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def server(tmp_path_factory) -> Iterator[LiveServer]:
     from engine.loader import load_engine
 
-    engine = load_engine(max_batch=2, max_context=1024, progress=False, speculation=False)
+    engine = load_engine(**REAL_ENGINE, progress=False, speculation=False)
     engine.warmup(progress=False)
     db = f"sqlite:///{tmp_path_factory.mktemp('db') / 'telemetry.db'}"
     srv = LiveServer(engine, db_url=db).start()

@@ -20,14 +20,24 @@ from sqlalchemy import select
 from store.db import make_engine, session_scope
 from store.history import active_policy, policy_history, retune_history
 from store.models import Request
-from tests.daemon.helpers import REPO, SERVE, daemon_env, free_port, http_request, stop_process, wait_for
+from tests.daemon.helpers import (
+    REAL_ENGINE,
+    REPO,
+    SERVE,
+    daemon_env,
+    free_port,
+    http_request,
+    stop_process,
+    wait_for,
+)
 from tests.daemon.test_tuning import ADMIN, TOKEN
 
 NAMES = ("g1", "g2")
 
 
 class Daemon:
-    """One `crossover serve` process with the real model at small shapes (short warmup)."""
+    """One `crossover serve` process with the real model at small shapes: those of
+    test_real_model.py, whose compiled executables it loads from the persistent cache."""
 
     def __init__(self, name: str, db_url: str, workdir: Path) -> None:
         self.name, self.port = name, free_port()
@@ -36,9 +46,11 @@ class Daemon:
         token.write_text(TOKEN)
         cmd = [*SERVE, "--port", str(self.port), "--db", db_url,
                "--instance", name, "--admin-token-file", str(token), "--dtype", "float32",
-               "--max-batch", "4", "--max-context", "512", "--kv-budget", "64MiB", "--no-speculation",
+               "--max-batch", str(REAL_ENGINE["max_batch"]), "--max-context", str(REAL_ENGINE["max_context"]),
+               "--kv-budget", f"{REAL_ENGINE['kv_budget_bytes'] >> 20}MiB", "--no-speculation",
                "--no-tuner", "--no-tuner-search-process", "--tuner-trials", "8",
-               "--tuner-validation-s", "3", "--tuner-validation-min-steps", "30"]
+               # The retune's validation window sees no traffic, so it runs its longest: 4x this.
+               "--tuner-validation-s", "0.5", "--tuner-validation-min-steps", "30"]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=daemon_env(), stdout=out,
                                          stderr=subprocess.STDOUT)

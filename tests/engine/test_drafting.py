@@ -76,7 +76,7 @@ def test_greedy_drafts_equal_plain_decoding(spec_engine, plain, technique, depth
     out, stats = _run(e, PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
     assert out == plain
     steps = [s for s in stats if s.technique == technique]
-    assert steps and all(s.depth == depth for s in steps)
+    assert steps and max(s.depth for s in steps) == depth and all(s.depth <= depth for s in steps)
     assert sum(s.proposed for s in steps) > 0
     assert e.compiles_since_warmup() == 0
     assert e.pool.used == 0 and e.pool.free == e.pool.total  # lent pages returned too
@@ -91,8 +91,9 @@ def test_a_policy_deeper_than_the_heads_verifies_only_what_they_draft(tiny, plai
     out, stats = _run(e, PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
     assert out == plain
     steps = [s for s in stats if s.technique == "mtp"]
-    assert steps and all(s.depth == 2 and len(s.accepted_per_pos) == 2 for s in steps)
-    assert all(s.proposed % 2 == 0 and s.proposed > 0 for s in steps)  # 2 per drafting sequence
+    # 2 drafts per drafting sequence, fewer only where max_tokens leaves room for 1
+    assert steps and max(s.depth for s in steps) == 2
+    assert all(len(s.accepted_per_pos) == s.depth <= 2 and 0 < s.proposed <= 2 * s.batch_size for s in steps)
 
 
 def test_chained_mtp_drafts_of_each_depth_equal_the_heads_applied_in_turn(tiny):

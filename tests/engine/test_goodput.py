@@ -75,8 +75,8 @@ def _check_delivered(steps, results) -> None:
     assert sum(s.decode_tokens for s, _ in steps) == sum(r.output_tokens - 1 for r in results.values())
 
 
-def test_max_tokens_inside_accepted_drafts_counts_only_the_kept_tokens(tiny, plain):
-    lengths = (8, 13, 4)  # the last decode step keeps 2, 2 and 3 of its 5 tokens
+def test_rows_draft_no_further_than_max_tokens(tiny, plain):
+    lengths = (8, 13, 4)  # the last decode step of each has room for 1, 1 and 2 drafts, not DEPTH
     out, steps, results = _speculate(tiny, plain,
                                      [SamplingParams(max_tokens=m, ignore_eos=True) for m in lengths])
     assert out == [p[:m] for p, m in zip(plain, lengths)]
@@ -84,8 +84,10 @@ def test_max_tokens_inside_accepted_drafts_counts_only_the_kept_tokens(tiny, pla
     decode_steps = [-(-(m - 1) // (DEPTH + 1)) for m in lengths]
     assert [results[f"r{i}"].accepted_tokens for i in range(3)] == [m - 1 - n
                                                                     for m, n in zip(lengths, decode_steps)]
-    assert [s.cut_tokens for s, _ in steps] == [2, 3, 3]  # r2 ends in the first decode step, r0 next
-    assert [s.accepted_per_pos for s, _ in steps] == [(3, 3, 2, 2), (2, 1, 1, 1), (1, 0, 0, 0)]
+    assert [s.cut_tokens for s, _ in steps] == [0, 0, 0]  # nothing drafted past max_tokens to cut
+    # r2 ends in the first decode step, r0 in the next; a step's positions run to its deepest row
+    assert [s.proposed for s, _ in steps] == [4 + 4 + 2, 1 + 4, 1]
+    assert [s.accepted_per_pos for s, _ in steps] == [(3, 3, 2, 2), (2, 1, 1, 1), (1,)]
     assert [s.decode_tokens for s, _ in steps] == [13, 7, 2]
 
 

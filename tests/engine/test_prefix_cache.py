@@ -35,15 +35,23 @@ def test_keys_chain_over_blocks_and_tenants():
     assert d == a
 
 
-def test_allocator_counts_holders_and_evicts_least_recently_freed():
-    evicted = []
-    a = PageAllocator(5)  # pages 1..4
+def freed_with_cache(pages: int, cached: int) -> tuple[PageAllocator, list[int], list[int]]:
+    """An allocator of `pages` pages (plus scratch), all taken, then freed: the first kept and shared
+    (still held once), the next `cached` kept (cached, least recently freed first), the rest free.
+    Returns the allocator, the pages in order and the list its evictions are appended to."""
+    evicted: list[int] = []
+    a = PageAllocator(pages + 1)
     a.on_evict = evicted.append
-    p = a.alloc(4)
-    for page in p[:3]:
+    p = a.alloc(pages)
+    for page in p[:cached + 1]:
         a.keep(page)
     a.share(p[0])
-    a.free(p)  # p[0] still held once; p[1], p[2] cached; p[3] free
+    a.free(p)
+    return a, p, evicted
+
+
+def test_allocator_counts_holders_and_evicts_least_recently_freed():
+    a, p, evicted = freed_with_cache(4, cached=2)  # p[0] still held once; p[1], p[2] cached; p[3] free
     assert (a.num_used, a.num_cached, a.num_free) == (1, 2, 3)
     a.free([p[0]])  # now cached too, most recently
     assert a.alloc(1) == [p[3]] and not evicted  # truly free pages first
@@ -86,15 +94,21 @@ def test_pool_hit_shares_pages_and_keeps_the_last_ring():
     assert pool.lookup(SeqPages([], []), tokens + [1], "other") == 0
 
 
+def _block_by_block(pool: KVPool, tokens: list[int]) -> SeqPages:
+    """A sequence admitted and computed a block (4 tokens) at a time, caching each block: still running."""
+    seq = SeqPages([], [])
+    pool.lookup(seq, tokens, "t")
+    assert pool.grow(seq, len(tokens) + 1)
+    for start in range(0, len(tokens), 4):  # each wrap keeps the old block's page
+        pool.prepare(seq, start, start + 4)
+        pool.cache_blocks(seq, tokens, start + 4)
+    return seq
+
+
 def test_pool_hit_length_needs_the_local_pages_before_it():
     pool = KVPool(64, 64, 4, 3, prefix_window=8)
     tokens = list(range(10, 50))
-    seq = SeqPages([], [])
-    pool.lookup(seq, tokens, "t")
-    assert pool.grow(seq, 41)
-    for start in range(0, 40, 4):  # computed a block at a time: each wrap keeps the old block's page
-        pool.prepare(seq, start, start + 4)
-        pool.cache_blocks(seq, tokens, start + 4)
+    seq = _block_by_block(pool, tokens)
     pool.release(seq, tokens, 40)
     assert pool.local_alloc.num_cached == 10 and pool.used == 0
     other = SeqPages([], [])
@@ -112,12 +126,7 @@ def test_pool_hit_length_needs_the_local_pages_before_it():
 def test_a_hit_adopts_the_ring_pages_of_the_running_sequence_that_computed_them():
     pool = KVPool(64, 64, 4, 3, prefix_window=8)
     tokens = list(range(10, 50))
-    a = SeqPages([], [])
-    pool.lookup(a, tokens, "t")
-    assert pool.grow(a, 41)
-    for start in range(0, 40, 4):
-        pool.prepare(a, start, start + 4)
-        pool.cache_blocks(a, tokens, start + 4)
+    a = _block_by_block(pool, tokens)
     pool.cache_blocks(a, tokens, 40)  # a still runs: blocks 7..9 are its own ring's pages
     used = pool.used
     b = SeqPages([], [])

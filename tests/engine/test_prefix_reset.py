@@ -9,7 +9,7 @@ from engine.memory.kv import KVPool
 from engine.memory.pages import PageAllocator, SeqPages
 from engine.types import Request, SamplingParams
 from tests.engine.conftest import run_requests
-from tests.engine.test_prefix_cache import GREEDY, PROMPTS, _computed, _engine
+from tests.engine.test_prefix_cache import GREEDY, PROMPTS, _computed, _engine, freed_with_cache
 
 
 def each_page_once(a: PageAllocator, held: set[int] = frozenset()) -> bool:
@@ -18,14 +18,7 @@ def each_page_once(a: PageAllocator, held: set[int] = frozenset()) -> bool:
 
 
 def test_allocator_evicts_every_cached_page_and_keeps_held_ones():
-    evicted = []
-    a = PageAllocator(7)  # pages 1..6
-    a.on_evict = evicted.append
-    p = a.alloc(5)
-    for page in p[:4]:
-        a.keep(page)
-    a.share(p[0])
-    a.free(p)  # p[0] held once more (kept); p[1..3] cached, least recently freed first; p[4] free
+    a, p, evicted = freed_with_cache(5, cached=3)  # p[0] held; p[1..3] cached; p[4] free
     free_before = a.num_free
     assert (a.num_used, a.num_cached) == (1, 3)
     assert a.evict_cached() == 3

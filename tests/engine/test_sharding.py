@@ -1,10 +1,11 @@
 """Tensor parallelism (engine/model/sharding.py): output over a mesh of N devices equals one device.
 
 XLA_FLAGS=--xla_force_host_platform_device_count must be set before jax is
-imported, so each check runs in a fresh Python process with the flag set and
-prints its findings as JSON. The real 270M runs its golden prompts over 2
+imported, so the multi-device checks run in a fresh Python process with the flag set and
+print their findings as JSON. The real 270M runs its golden prompts over 2
 devices (its 4 query heads split, its one KV head replicated); 4 devices are
-checked on the tiny model, whose KV heads replicate there too.
+checked on the tiny model, whose KV heads replicate there too. The tiny model's
+one-device reference runs in the test's own process.
 """
 
 from __future__ import annotations
@@ -15,41 +16,66 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+TINY_ENGINE = dict(verify_tokens=(3,), spec_max_batch=8, max_batch=8, max_chunk=16, max_context=128)
+"""The tiny engine of the check at every N: one batch for all prompts, n-gram drafts of depth 2."""
+
+
+def _layout(engine) -> dict:
+    """Where the engine's first layer, embedding and KV pool live."""
+    lp = engine.runner.params["layers"][0]
+    spec = lambda a: str(getattr(a.sharding, "spec", "single device"))
+    return {"q": spec(lp.get("q", lp.get("qkv"))), "k": spec(lp.get("k", lp.get("qkv"))),
+            "embed_shards": len({str(s.index) for s in engine.runner.params["embed"].addressable_shards}),
+            "kv_shards": len({str(s.index) for s in engine.runner.kv.global_k.addressable_shards})}
+
+
+def run_tiny(tiny, n: int) -> dict:
+    """The tiny engine at tensor_parallel=n, warmed up: SPEC_PROMPTS decoded plainly, then with
+    n-gram speculation; the outputs, what compiled after warmup, and the layout."""
+    from engine.policy import BatchRule, TunedPolicy
+    from engine.runtime.compiles import compile_count
+    from engine.types import SamplingParams
+    from tests.engine.conftest import SPEC_PROMPTS, make_engine, run_prompts
+
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    e = make_engine(tiny, tensor_parallel=n, **TINY_ENGINE)
+    e.warmup(progress=False)
+    before = compile_count()
+    plain = run_prompts(e, SPEC_PROMPTS, sp)[0]
+    e.set_policy(TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=64, version=1))
+    spec, stats = run_prompts(e, SPEC_PROMPTS, sp)
+    e.close()
+    return {"plain": plain, "spec": spec, "compiles": compile_count() - before,
+            "ngram_steps": sum(s.technique == "ngram" for s in stats), **_layout(e)}
+
+
 _TINY = """
-import json, sys, jax
-from engine.policy import BatchRule, TunedPolicy
-from engine.runtime.compiles import compile_count
-from engine.types import SamplingParams
-from tests.engine.conftest import SPEC_PROMPTS, make_engine, run_prompts
+import gc, json, jax
+from engine.runtime.compiles import enable_persistent_cache, trim_heap
+from tests.engine.conftest import make_engine
+from tests.engine.test_sharding import TINY_ENGINE, _layout, run_tiny
 from tests.engine.tiny import init_random_params, tiny_config
 
+enable_persistent_cache()  # as load_engine does: a rerun loads the shapes instead of compiling them
 cfg = tiny_config()  # 4 query heads, 2 KV heads: split at N=2, replicated at N=4
 tiny = (cfg, init_random_params(cfg, jax.random.PRNGKey(0)))
-sp = SamplingParams(max_tokens=12, ignore_eos=True)
-out = {"devices": len(jax.devices())}
-n = int(sys.argv[1])
-layout = lambda a: str(getattr(a.sharding, "spec", "single device"))
-# One N per process: every compiled shape holds memory mappings on XLA:CPU. Batch 1 and
-# one batch for all prompts, one chunk, one context: what the check needs, compiled for N = 1, 2, 4.
-e = make_engine(tiny, verify_tokens=(3,), spec_max_batch=8, tensor_parallel=n, max_batch=8,
-                max_chunk=16, max_context=128)
-e.warmup(progress=False)
-before = compile_count()
-plain = run_prompts(e, SPEC_PROMPTS, sp)[0]
-e.set_policy(TunedPolicy(rules=(BatchRule(64, "ngram", 2),), crossover=64, version=1))
-spec, stats = run_prompts(e, SPEC_PROMPTS, sp)
-lp = e.runner.params["layers"][0]
-out[str(n)] = {"plain": plain, "spec": spec, "compiles": compile_count() - before,
-               "ngram_steps": sum(s.technique == "ngram" for s in stats),
-               "q": layout(lp.get("q", lp.get("qkv"))), "k": layout(lp.get("k", lp.get("qkv"))),
-               "embed_shards": len({str(s.index) for s in e.runner.params["embed"].addressable_shards}),
-               "kv_shards": len({str(s.index) for s in e.runner.kv.global_k.addressable_shards})}
+# N=1 here only places the weights (no shape compiles): the test runs N=1 in its own process.
+out = {"devices": len(jax.devices()), "1": _layout(make_engine(tiny, tensor_parallel=1, **TINY_ENGINE))}
+for n in (2, 4):
+    out[str(n)] = run_tiny(tiny, n)
+    # N=4's warmup starts from empty caches (a shape it misses compiles, and is counted), and
+    # N=2's executables give back their memory mappings (XLA:CPU maps each compiled shape).
+    jax.clear_caches()
+    gc.collect()
+    trim_heap()
 print("RESULT " + json.dumps(out))
 """
+
 
 _GOLDEN = """
 import json, sys, time
@@ -87,15 +113,20 @@ def _run(script: str, devices: int, timeout: int, *argv: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def test_tiny_model_output_over_2_and_4_devices_equals_one_device():
-    r = {}
-    for n in ("1", "2", "4"):
-        got = _run(_TINY, 4, 600, n)
-        assert got["devices"] == 4
-        r[n] = got[n]
-    one = r["1"]
+def test_tiny_model_output_over_2_and_4_devices_equals_one_device(tiny):
+    r = _run(_TINY, 4, 900)
+    assert r["devices"] == 4
+    assert r["1"]["q"] == "single device" and r["1"]["embed_shards"] == 1  # N=1: the fused, unsplit layout
+    # The one-device reference in this process: most of its shapes are those of the other tiny-engine
+    # tests, which the persistent compilation cache holds for a one-device process only (a process
+    # with 4 host devices compiles them again).
+    # The in-memory caches go first, so that a shape the warmup misses compiles here (and is
+    # counted) even if an earlier test in this process compiled it.
+    jax.clear_caches()
+    one = run_tiny(tiny, 1)
     assert len({tuple(t) for t in one["plain"]}) > 1 and all(len(t) == 12 for t in one["plain"])
-    assert one["q"] == "single device" and one["embed_shards"] == 1  # N=1: the fused, unsplit layout
+    assert one["q"] == "single device" and one["embed_shards"] == 1
+    assert one["compiles"] == 0
     for n in ("2", "4"):
         assert r[n]["plain"] == one["plain"], n
         assert r[n]["spec"] == one["plain"], n  # n-gram verification stays lossless over the mesh
@@ -105,7 +136,6 @@ def test_tiny_model_output_over_2_and_4_devices_equals_one_device():
         assert r[n]["embed_shards"] == int(n)  # vocabulary split
     assert r["2"]["k"] == "P(None, 'tp')" and r["2"]["kv_shards"] == 2  # 2 KV heads over 2
     assert r["4"]["k"] == "P()" and r["4"]["kv_shards"] == 1  # 2 KV heads: replicated over 4
-    assert r["1"]["compiles"] == 0
 
 
 def test_more_devices_than_present_is_refused():

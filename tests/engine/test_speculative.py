@@ -47,9 +47,10 @@ def test_greedy_speculation_equals_plain_decoding(tiny, plain_greedy, depth):
     spec, stats = _run(e, PROMPTS, sp)
     assert spec == plain
     spec_steps = [s for s in stats if s.technique == "ngram"]
-    assert spec_steps and all(s.depth == depth and s.policy_version == depth for s in spec_steps)
+    # the policy's depth, less where a request's max_tokens leaves room for fewer drafts
+    assert spec_steps and max(s.depth for s in spec_steps) == depth
+    assert all(s.policy_version == depth and len(s.accepted_per_pos) == s.depth <= depth for s in spec_steps)
     assert sum(s.proposed for s in spec_steps) > 0
-    assert all(len(s.accepted_per_pos) == depth for s in spec_steps)
     assert e.pool.used == 0
 
 

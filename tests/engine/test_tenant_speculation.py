@@ -77,7 +77,9 @@ def test_rows_of_different_techniques_and_depths_in_one_step_equal_plain(engine,
         for c in classes:
             assert len(c.accepted_per_pos) == c.depth and c.proposed <= c.rows * c.depth
             want = {"copy": ("ngram", 8), "code": ("mtp", 3), "chat": ("none", 0), "prose": ("ngram", 2)}
-            assert (c.technique, c.depth) in (want[c.tenant], ("none", 0))
+            technique, depth = want[c.tenant]  # less deep only where max_tokens leaves less room
+            assert (c.technique, c.depth) == ("none", 0) or (c.technique, min(c.depth, 1)) == (technique, 1)
+            assert c.depth <= depth
     step = mixed[0]
     assert step.technique in ("ngram", "mtp") and step.policy_version == 7
     # chat rows (r2) rode in verify calls without drafts: exactly one token each step
