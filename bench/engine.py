@@ -132,13 +132,15 @@ def weight_bytes(params) -> int:
 def run_bench(out_path: str | None, model: str | None = None, dtype: str | None = None,
               batches=(1, 2, 4, 8, 16, 32, 64), contexts=(32, 2048), new_tokens: int = 32,
               prefill_len: int = 512, hf_baseline: str | None = None, tensor_parallel: int = 1,
-              max_context: int = 4096, kv_budget_bytes: int | None = None) -> dict:
+              max_context: int = 4096, kv_budget_bytes: int | None = None,
+              weights: str | None = None) -> dict:
     from daemon.progress import reporter, say
     from engine.loader import load_engine
 
     log = lambda msg: say(f"bench engine: {msg}")
     progress = reporter()
-    engine = load_engine(model=model, dtype=dtype, max_batch=max(batches), max_context=max_context,
+    engine = load_engine(model=model, dtype=dtype, weights=weights, max_batch=max(batches),
+                         max_context=max_context,
                          kv_budget_bytes=kv_budget_bytes,
                          speculation=False, progress=progress,
                          **({"tensor_parallel": tensor_parallel} if tensor_parallel > 1 else {}))
@@ -166,7 +168,8 @@ def run_bench(out_path: str | None, model: str | None = None, dtype: str | None 
     by_b = {r["batch"]: r["tokens_per_s"] or float("nan") for r in decode}
     roof_tps = bw["roofline_bytes_per_s"] / wbytes
     result = {
-        "model": engine.model_name, "dtype": engine.runner.rc.dtype, "backend": jax.default_backend(),
+        "model": engine.model_name, "dtype": engine.runner.rc.dtype,
+        "weights": engine.weights_form, "backend": jax.default_backend(),
         "decode": decode, "decode_by_context": by_context, "max_context": max_context, "prefill": prefill,
         "weight_bytes_per_decode_step": wbytes, "memory": bw,
         "roofline_tokens_per_s_batch1": roof_tps,

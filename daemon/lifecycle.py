@@ -147,9 +147,10 @@ def load_engine(settings: Any, fake: FakeEngineOptions | None = None) -> Any:
     from engine.loader import load_engine  # heavy (jax): only here
 
     start = time.monotonic()
-    log_event(log, "loading model", model=settings.model, dtype=settings.dtype)
-    engine = load_engine(model=settings.model, dtype=settings.dtype,
-                         kv_budget_bytes=settings.kv_budget_bytes, max_batch=settings.max_batch,
+    log_event(log, "loading model", model=settings.model, dtype=settings.dtype, weights=settings.weights)
+    engine = load_engine(model=settings.model, dtype=settings.dtype, weights=settings.weights,
+                         kv_budget_bytes=settings.kv_budget_bytes,
+                         memory_budget_bytes=settings.memory_budget_bytes, max_batch=settings.max_batch,
                          max_context=settings.max_context, progress=reporter(json_events=True),
                          speculation=settings.speculation, heads=settings.heads,
                          prefix_cache=settings.prefix_cache,

@@ -1,7 +1,8 @@
-"""Setting values written as text: sizes ("2GiB") and lists of integers ("2,4,8")."""
+"""Setting values written as text: sizes ("2GiB"), lists of integers ("2,4,8"), loopback hosts."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9,
@@ -24,6 +25,15 @@ def int_tuple(parts: list[str]) -> tuple[int, ...]:
     """Integers from "2,4,8" split (or a TOML array's items), each a whole number; ValueError
     otherwise."""
     return tuple(int(p.strip()) for p in parts if p.strip())
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def as_text(value: object) -> str:

@@ -27,7 +27,6 @@ import argparse
 import ast
 import dataclasses
 import inspect
-import ipaddress
 import os
 import textwrap
 import tomllib
@@ -37,7 +36,8 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from daemon.setting_values import as_text, int_tuple, parse_size
+from daemon.setting_values import as_text, int_tuple, is_loopback, parse_size
+from engine.config import WEIGHT_FORMS
 from tuner.config import TunerConfig
 
 ENV_PREFIX = "CROSSOVER_"
@@ -63,8 +63,12 @@ class Settings:
     """Names clients may send as `model`, comma-separated (answers carry the first); None: the engine's."""
     dtype: str | None = None
     """Weight/activation dtype for the engine; None is the engine's default."""
+    weights: str | None = None
+    """Weights as served: gguf (a GGUF's own blocks), int8, bfloat16, float32; None: engine.loader's."""
     kv_budget_bytes: int | None = field(default=None, metadata=_SIZE)
-    """Bytes of accelerator memory for the KV pool; None lets the planner decide."""
+    """Bytes for the KV pool and speculation, whatever the weights take; None: memory_budget_bytes's."""
+    memory_budget_bytes: int | None = field(default=None, metadata=_SIZE)
+    """Bytes for weights, speculation and KV pool (the pool gets what the served weights leave)."""
     max_batch: int = 32
     """Most sequences decoded together."""
     max_context: int = 4096
@@ -164,8 +168,13 @@ class Settings:
             _check_range("tenant_max_concurrent_share", self.tenant_max_concurrent_share, 0.001, 1.0)
         if self.max_tokens is not None:
             _check_range("max_tokens", self.max_tokens, 1, 1 << 24)
-        if self.kv_budget_bytes is not None:
-            _check_range("kv_budget_bytes", self.kv_budget_bytes, 1, 1 << 50)
+        for key in ("kv_budget_bytes", "memory_budget_bytes"):
+            if getattr(self, key) is not None:
+                _check_range(key, getattr(self, key), 1, 1 << 50)
+        if None not in (self.kv_budget_bytes, self.memory_budget_bytes):
+            raise SettingsError("give kv_budget_bytes or memory_budget_bytes, not both")
+        if self.weights is not None and self.weights not in WEIGHT_FORMS:
+            raise SettingsError(f"weights must be one of {WEIGHT_FORMS}, got {self.weights!r}")
         if self.log_level not in LOG_LEVELS:
             raise SettingsError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not self.host:
@@ -201,15 +210,6 @@ class Settings:
     def max_in_flight(self) -> int:
         """Running plus waiting requests the daemon admits before answering 429."""
         return self.max_batch + self.max_waiting
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _check_range(key: str, value: float, lo: float, hi: float) -> None:

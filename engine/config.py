@@ -10,6 +10,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+WEIGHT_FORMS = ("gguf", "int8", "bfloat16", "float32")
+"""How the weights are served (`--weights`): a GGUF's own quantized blocks, int8 with a scale per
+output column, or float matrices (engine/model/quant_weights.py)."""
+QUANTIZED_FORMS = ("gguf", "int8")
+"""The forms whose matrices run through the quantized matmul (engine/quant/)."""
 
 @dataclass(frozen=True)
 class ModelConfig:

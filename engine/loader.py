@@ -15,10 +15,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from engine.config import ModelConfig
+from engine.config import QUANTIZED_FORMS, WEIGHT_FORMS, ModelConfig
 from engine.execute.runner import RunnerConfig
+from engine.memory import sizes
 from engine.memory.budget import heads_resident_bytes
 from engine.memory.sizes import KV_DTYPE_BYTES, size_pool
+from engine.model.gemma import table_dtype
+from engine.model.quant_weights import is_gguf
 from engine.runtime.compiles import enable_persistent_cache
 from engine.runtime.progress import Reporter, note
 from engine.speculation.layer_draft import DRAFT_VOCABS
@@ -26,11 +29,34 @@ from engine.step.core import EngineConfig, EngineCore
 
 PAGE_SIZE = 16
 MAX_SPEC_DEPTH = 8
-DEFAULT_KV_BUDGET = {"cpu": 2 << 30}  # elsewhere: what the planner leaves (see `crossover plan`)
+DEFAULT_KV_BUDGET = {"cpu": 2 << 30}
+"""Bytes of KV pool and speculation beside weights in the backend's default dtype, when no budget
+is given (elsewhere 4 GiB): `default_memory_budget` adds those weights' bytes."""
 
 
 def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def default_weights(model: str | Path | None) -> str:
+    """The weights form served when neither --weights nor --dtype is given: a GGUF model's own
+    blocks ("gguf") on the CPU, where the quantized-matmul kernel runs; elsewhere, or for a
+    checkpoint directory, the backend's default dtype (the kernel is CPU-only, and qmatmul's jnp
+    path would rebuild every float matrix on every call)."""
+    return "gguf" if jax.default_backend() == "cpu" and is_gguf(model) else default_dtype()
+
+
+def default_memory_budget(cfg: ModelConfig) -> int:
+    """The memory budget (weights + speculation + KV pool) when none is given: DEFAULT_KV_BUDGET
+    beside the model's weights in the backend's default dtype. Weights held in that dtype keep
+    the default pool; weights held in fewer bytes (gguf, int8) leave the difference to the pool.
+
+    >>> from engine.config import GEMMA3_270M
+    >>> default_memory_budget(GEMMA3_270M) == (2 << 30) + 4 * GEMMA3_270M.param_count()  # CPU
+    True
+    """
+    return DEFAULT_KV_BUDGET.get(jax.default_backend(), 4 << 30) + sizes.weight_bytes(cfg.param_count(),
+                                                                                     default_dtype())
 
 
 MAX_CHUNK = 512
@@ -77,6 +103,42 @@ def runner_config(cfg: ModelConfig, dtype: str, kv_budget_bytes: int, max_batch:
     )
 
 
+def weights_and_dtype(weights: str | None, dtype: str | None,
+                      model: str | Path | None = None) -> tuple[str, str]:
+    """(compute dtype, weights form) from the two flags: a float form is the dtype; a quantized
+    form computes in float32; a dtype alone is the form; neither: `default_weights(model)`.
+
+    >>> weights_and_dtype(None, None), weights_and_dtype(None, None, "/models/gemma-3-270m")  # CPU
+    (('float32', 'gguf'), ('float32', 'float32'))
+    >>> (weights_and_dtype(None, "float32"), weights_and_dtype("int8", None),
+    ...  weights_and_dtype("bfloat16", None))
+    (('float32', 'float32'), ('float32', 'int8'), ('bfloat16', 'bfloat16'))
+    """
+    if weights is not None and weights not in WEIGHT_FORMS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMS)}, got {weights!r}")
+    if weights is None and dtype is None:
+        weights = default_weights(model)
+    want = "float32" if weights in QUANTIZED_FORMS else weights
+    if dtype is not None and want is not None and dtype != want:
+        raise ValueError(f"dtype {dtype} contradicts weights {weights} (which computes in {want})")
+    dtype = dtype or want or default_dtype()
+    return dtype, weights or dtype
+
+
+def pool_budget(memory_budget_bytes: int, weight_bytes: int, weights: str) -> int:
+    """Bytes of a memory budget left for speculation and the KV pool beside weights that hold
+    `weight_bytes`; ValueError when none are.
+
+    >>> pool_budget(3 << 30, 1 << 30, "float32") == 2 << 30
+    True
+    """
+    left = memory_budget_bytes - weight_bytes
+    if left <= 0:
+        raise ValueError(f"a memory budget of {memory_budget_bytes} bytes leaves nothing for the KV "
+                         f"pool beside {weight_bytes} bytes of {weights} weights")
+    return left
+
+
 def cpu_has_bf16() -> bool:
     """Whether the host CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX BF16 in /proc/cpuinfo):
     only there may a float32 engine keep a bfloat16 copy of its output table
@@ -94,7 +156,8 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
                 token_budget: int = 512, speculation: bool = True, heads: str | None = None,
                 verify_tokens: tuple[int, ...] = VERIFY_TOKENS, spec_max_batch: int = SPEC_MAX_BATCH,
                 model_proposers: tuple[str, ...] = MODEL_PROPOSERS, tensor_parallel: int = 1,
-                prefix_cache: bool = True, background_warmup: bool = False) -> EngineCore:
+                prefix_cache: bool = True, background_warmup: bool = False,
+                weights: str | None = None, memory_budget_bytes: int | None = None) -> EngineCore:
     """Load weights and tokenizer, plan the pool, and return an (unwarmed) engine.
 
     With `speculation`, the verify buckets are compiled and the proposers load:
@@ -104,43 +167,60 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     `progress` (engine/runtime/progress.py): False is silent; True prints what was loaded;
     a callback also sees assembling, hashing and converting the model file.
     `tensor_parallel` > 1 splits the model and KV pools over that many devices
-    (engine/model/sharding.py); `kv_budget_bytes` stays the budget of the whole pool.
+    (engine/model/sharding.py); a budget stays that of the whole pool.
+    Memory (engine/memory/budget.py): `memory_budget_bytes` is weights + speculation + KV pool,
+    so the pool gets what the served weights (their real bytes) and the proposers leave;
+    `kv_budget_bytes` instead fixes speculation + KV pool alone; neither: `default_memory_budget`.
     `prefix_cache`: share the KV pages of common prompt prefixes (engine/memory/prefix_cache.py).
     `background_warmup`: `warmup()` returns once the ragged calls are compiled and the
     proposers' shapes compile on a thread (engine/warmup/warm.py; `crossover serve` does so).
+    `weights` (engine/model/quant_weights.py): "gguf" serves the file's own quantized blocks,
+    "int8" an int8 copy of the float weights, both through the quantized-matmul kernel (built
+    here; without it, their numbers as float32), computing in float32; "float32" or "bfloat16"
+    is `dtype`; None: `weights_and_dtype` (a GGUF on the CPU: "gguf").
     """
     from engine.model.gguf_file import default_gguf_path
+    from engine.model.quant_weights import is_quantized, load_weights, weight_bytes
     from engine.model.tokenizer import Tokenizer
-    from engine.model.weights import load_model
 
+    if kv_budget_bytes is not None and memory_budget_bytes is not None:
+        raise ValueError(f"give kv_budget_bytes ({kv_budget_bytes}) or memory_budget_bytes "
+                         f"({memory_budget_bytes}), not both")
     enable_persistent_cache()
     if tensor_parallel != 1:
         from engine.model.sharding import make_mesh
 
         make_mesh(tensor_parallel)  # fail before loading weights when the devices are not there
-    dtype = dtype or default_dtype()
-    cfg, params = load_model(model, dtype, progress=progress)
+    dtype, weights = weights_and_dtype(weights, dtype, model)
+    if weights in QUANTIZED_FORMS and tensor_parallel != 1:
+        raise ValueError(f"weights {weights} serve on one device; tensor parallel needs float32 or bfloat16")
+    cfg, params = load_weights(model, weights, progress=progress)
     if max_context > cfg.max_position:
         raise ValueError(f"max_context={max_context} exceeds the model's max_position={cfg.max_position}")
     gguf = model if model and model.endswith(".gguf") else None
     # Every Gemma 3 size shares one 262k vocabulary: a HF directory uses the default file's.
     tokenizer = Tokenizer.from_gguf(gguf or default_gguf_path(progress), progress=progress)
-    budget = kv_budget_bytes or DEFAULT_KV_BUDGET.get(jax.default_backend(), 4 << 30)
+    if weights in QUANTIZED_FORMS and not is_quantized(params):  # no kernel: load_weights noted why
+        weights = "float32"
+    held = weight_bytes(params)
+    budget = kv_budget_bytes or pool_budget(memory_budget_bytes or default_memory_budget(cfg), held, weights)
     loaded = _read_heads(heads, cfg, dtype, progress) if speculation and model_proposers else None
     resident = 0 if loaded is None else heads_resident_bytes(  # one budget (engine/memory/budget.py)
-        loaded[0], cfg, model_proposers, DRAFT_VOCABS, params["embed"].dtype.itemsize)
+        loaded[0], cfg, model_proposers, DRAFT_VOCABS, table_dtype(params["embed"]).itemsize)
     rc = runner_config(cfg, dtype, budget - resident, max_batch, max_context,
                        verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
                        tensor_parallel=tensor_parallel)
-    note(progress, f"engine: {cfg.name} {dtype}, KV pool {rc.global_pages - 1} global + "
-                   f"{rc.local_pages - 1} local pages of {PAGE_SIZE} tokens, max batch {max_batch}, "
-                   f"context {rc.max_context}"
+    note(progress, f"engine: {cfg.name} {dtype}, weights {weights} ({held / 2**20:.0f} MiB), KV pool "
+                   f"{rc.global_pages - 1} global + {rc.local_pages - 1} local pages of {PAGE_SIZE} tokens "
+                   f"({(budget - resident) / 2**20:.0f} MiB of a {(held + budget) / 2**20:.0f} MiB memory "
+                   f"budget, speculation {resident / 2**20:.0f} MiB), max batch {max_batch}, context "
+                   f"{rc.max_context}"
                    + (f", tensor parallel over {tensor_parallel} devices" if tensor_parallel > 1 else ""))
     engine = EngineCore(cfg, params, tokenizer, EngineConfig(runner=rc, token_budget=token_budget,
                                                              prefix_cache=prefix_cache,
                                                              background_warmup=background_warmup),
                         model_name=cfg.name)
-    engine.budget_bytes = budget
+    engine.budget_bytes, engine.weights_form = budget, weights
     if loaded is not None:
         _add_heads(engine, *loaded, progress, model_proposers)
     return engine

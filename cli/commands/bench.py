@@ -9,6 +9,7 @@ from typing import Any
 from cli.commands.bench_flags import add_engine, add_policies
 from cli.commands.bench_tuner import add_tuner, tuner_config
 from daemon.user_error import UserError
+from engine.config import WEIGHT_FORMS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--out", default="bench-out/engine.json", help="JSON output file")
     e.add_argument("--model", default=None, help="a .gguf file or a HF Gemma 3 directory")
     e.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    e.add_argument("--weights", default=None, choices=WEIGHT_FORMS,
+                   help="weights as served (gguf: the file's own quantized blocks; default: --dtype's; "
+                        "without --dtype, gguf for a GGUF model on the CPU)")
     e.add_argument("--batches", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
     e.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per request")
     e.add_argument("--contexts", default="32,2048",
@@ -157,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
         if any(c < 2 or c + args.new_tokens > args.max_context for c in contexts):
             raise UserError(f"--contexts must each be >= 2 and leave --new-tokens {args.new_tokens} within "
                             f"--max-context {args.max_context}, got {args.contexts!r}")
-        run_bench(args.out, model=args.model, dtype=args.dtype, batches=batches, contexts=contexts,
+        run_bench(args.out, model=args.model, dtype=args.dtype, weights=args.weights, batches=batches,
+                  contexts=contexts,
                   new_tokens=args.new_tokens, hf_baseline=args.hf_baseline,
                   tensor_parallel=args.tensor_parallel, max_context=args.max_context,
                   kv_budget_bytes=None if args.kv_gib is None else int(args.kv_gib * 2**30))

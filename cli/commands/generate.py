@@ -7,6 +7,8 @@ import sys
 import time
 import uuid
 
+from engine.config import WEIGHT_FORMS
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
@@ -14,6 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a .gguf file or a Hugging Face Gemma 3 directory (default: Gemma 3 270M)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="compute dtype (default: per backend)")
+    p.add_argument("--weights", default=None, choices=WEIGHT_FORMS,
+                   help="weights as served: gguf (the file's own quantized blocks), int8, bfloat16 or "
+                        "float32 (default: --dtype's; without --dtype, gguf for a GGUF model on the CPU)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in Gemma's chat template")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -66,7 +71,8 @@ def _load(args):
     from engine.loader import load_engine
 
     try:
-        return load_engine(model=args.model, dtype=args.dtype, max_batch=1, max_context=args.max_context,
+        return load_engine(model=args.model, dtype=args.dtype, weights=args.weights,
+                           max_batch=1, max_context=args.max_context,
                            speculation=False, progress=reporter(),
                            **({"tensor_parallel": args.tensor_parallel} if args.tensor_parallel != 1 else {}))
     except (ValueError, FileNotFoundError) as exc:

@@ -17,6 +17,7 @@ import re
 from decimal import Decimal
 
 from daemon.user_error import UserError
+from engine.config import QUANTIZED_FORMS, WEIGHT_FORMS
 from engine.memory import planner, sizes
 from engine.memory.planner import Plan
 from engine.memory.sizes import format_bytes
@@ -27,6 +28,8 @@ _SIZE_UNITS = {
     "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
 }
+GGUF_MODEL = "gemma3-270m"
+"""The model whose GGUF file the engine ships with: the only one --weights gguf or int8 can count."""
 _SIZE_HELP = "bytes with an optional unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 8GiB, 512MiB, 2e9)"
 
 
@@ -61,8 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gemma3-270m",
                         help=f"{models}, or TOTAL/ACTIVE parameters of a mixture of experts "
                         "(e.g. 26B/4B) (default: %(default)s)")
-    parser.add_argument("--dtype", default="bfloat16",
-                        help=f"weight dtype: {', '.join(sizes.WEIGHT_BITS)} (default: %(default)s)")
+    parser.add_argument("--dtype", help=f"weight dtype: {', '.join(sizes.WEIGHT_BITS)} (default: "
+                        "bfloat16; float32 under --weights gguf or int8)")
+    parser.add_argument("--weights", choices=WEIGHT_FORMS,
+                        help="weights as the engine serves them: gguf (the model file's own quantized "
+                        "blocks) or int8 count the exact bytes of the default model's GGUF; bfloat16 or "
+                        "float32 are --dtype (default: --dtype; with neither, what the daemon serves: "
+                        f"gguf for {GGUF_MODEL} on cpu, else bfloat16)")
     parser.add_argument("--kv-dtype", default="bfloat16",
                         help=f"KV dtype: {', '.join(sizes.KV_DTYPE_BYTES)} (default: %(default)s)")
     parser.add_argument("--context", default="8192", help="tokens per tenant (default: %(default)s)")
@@ -94,12 +102,13 @@ def build_plan(args: argparse.Namespace) -> Plan:
                  for key in ("layers", "kv_heads", "head_dim")}
     budget = None if args.budget is None else parse_size("--budget", args.budget)
     reserve = None if args.reserve is None else parse_size("--reserve", args.reserve)
+    dtype, served = _weights(args)
     try:
         device = planner.device_profile(args.device, budget)
         model = planner.model_by_name(args.model, moe_shape["layers"], moe_shape["kv_heads"],
                                       moe_shape["head_dim"])
         return planner.make_plan(
-            model, device, args.dtype, args.kv_dtype,
+            model, device, dtype, args.kv_dtype, served=served,
             context_len=_int("--context", args.context, 1),
             page_size=_int("--page-size", args.page_size, 1),
             max_spec_depth=_int("--spec-depth", args.spec_depth, 0),
@@ -111,6 +120,37 @@ def build_plan(args: argparse.Namespace) -> Plan:
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
+
+
+def default_weights(device: str, model: str) -> str:
+    """The weights form the daemon serves when neither --weights nor --dtype is given: the default
+    model's own GGUF blocks on the CPU, where its quantized-matmul kernel runs
+    (engine.loader.default_weights), else bfloat16.
+
+    >>> default_weights("cpu", "gemma3-270m"), default_weights("tpu-v6e-1", "gemma3-270m")
+    ('gguf', 'bfloat16')
+    """
+    return "gguf" if device == "cpu" and model == GGUF_MODEL else "bfloat16"
+
+
+def _weights(args: argparse.Namespace) -> tuple[str, tuple[str, int] | None]:
+    """(the dtype the planner prices, (form, bytes) of quantized served weights or None)."""
+    weights = args.weights or (None if args.dtype else default_weights(args.device, args.model))
+    if weights is None or weights not in QUANTIZED_FORMS:
+        return weights or args.dtype, None
+    if args.dtype not in (None, "float32"):
+        raise UserError(f"--dtype {args.dtype} contradicts --weights {weights} (which computes in float32)")
+    if args.model != GGUF_MODEL:
+        raise UserError(f"--weights {weights} counts the default model's GGUF ({GGUF_MODEL}); for "
+                        f"--model {args.model} estimate with --dtype int8 or int4")
+    from engine.model.gguf_file import GGUFFile, WeightsError, default_gguf_path
+
+    try:
+        gf = GGUFFile.open(default_gguf_path())
+    except WeightsError as exc:  # the model package missing or damaged: say so, and how to plan without it
+        raise UserError(f"--weights {weights}: {exc} (or plan another form with --dtype)") from None
+    tensors = [(t.shape, t.qtype.name) for t in gf.tensors.values()]
+    return "float32", (weights, sizes.served_bytes(tensors, weights))
 
 
 def _split(text: str) -> float:
@@ -161,8 +201,12 @@ def format_plan(plan: Plan) -> str:
         ("per sequence", f"{plan.context_len} tokens: {f(plan.sequence_bytes)} paged + windowed,"
                          f" {f(plan.naive_sequence_bytes)} naive"),
         ("tenants", f"{plan.tenants} paged + windowed vs {plan.naive_tenants} naive{ratio}"),
-        ("verdict", plan.verdict),
     ]
+    if plan.weight_dtype != "float32":
+        gained, f32 = plan.tenants - plan.float32_tenants, f(plan.weight_bytes_by_dtype["float32"])
+        rows.append(("  vs float32", f"{gained:+d} tenants at {plan.context_len} tokens: float32 weights "
+                                     f"({f32}) leave room for {plan.float32_tenants}"))
+    rows.append(("verdict", plan.verdict))
     if plan.split is not None:
         sp = plan.split
         rows.append(("pool split", f"{sp.share:g}: lends {f(sp.lent_bytes)} ({sp.lent_global_pages} global + "

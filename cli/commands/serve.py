@@ -20,13 +20,15 @@ import sys
 from typing import TYPE_CHECKING
 
 from daemon.settings import SECTION_KEYS, add_section_flags
+from engine.config import WEIGHT_FORMS
 
 if TYPE_CHECKING:
     from daemon.lifecycle import FakeEngineOptions
 
 SETTING_FLAGS = (
-    "host", "port", "model", "served_model_name", "dtype", "kv_budget_bytes", "max_batch", "max_context",
-    "db_url", "instance", "tensor_parallel", "prefix_cache",
+    "host", "port", "model", "served_model_name", "dtype", "weights", "kv_budget_bytes",
+    "memory_budget_bytes", "max_batch", "max_context", "db_url", "instance", "tensor_parallel",
+    "prefix_cache",
     "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
     "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
     "speculation", "heads", "stream_write_timeout_s", "stream_idle_timeout_s", "admin_token_file",
@@ -49,7 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--served-model-name", nargs="+", metavar="NAME",
         help="names clients may send as `model`; answers carry the first (default: the model's own)")
     add("--dtype", help="weight/activation dtype (default: the engine's)")
-    add("--kv-budget", dest="kv_budget_bytes", metavar="BYTES", help="KV pool size, e.g. 4GiB")
+    add("--weights", choices=WEIGHT_FORMS, help="weights as served: gguf (the file's own quantized blocks "
+        "through the quantized-matmul kernel), int8, bfloat16 or float32 (default: --dtype's; without "
+        "--dtype, gguf for a GGUF model on the CPU)")
+    add("--kv-budget", dest="kv_budget_bytes", metavar="BYTES",
+        help="KV pool and speculation size, e.g. 4GiB, whatever the weights take")
+    add("--memory-budget", dest="memory_budget_bytes", metavar="BYTES",
+        help="weights + speculation + KV pool, e.g. 6GiB: the pool gets what the served weights leave "
+             "(default: a 2GiB pool on the CPU beside float32 weights, 4GiB elsewhere beside bfloat16)")
     add("--max-batch", "--max-num-seqs", dest="max_batch", type=int, help="most sequences decoded together")
     add("--max-context", "--max-model-len", dest="max_context", type=int,
         help="longest prompt + completion in tokens")

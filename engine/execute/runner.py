@@ -28,6 +28,7 @@ from engine.execute.sampling import (
 )
 from engine.memory.kv import KVState
 from engine.model.gemma import Params, logits, tied_logits, unstack_layers
+from engine.quant.formats import QuantWeight
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -151,11 +152,15 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Params, rc: RunnerConfig):
         self.cfg, self.params, self.rc = cfg, unstack_layers(params), rc
         rows = max(rc.max_batch, max(rc.verify_tokens, default=1))  # most outputs of one call
-        if rc.fast_output and self.params["embed"].dtype == jnp.float32 and rows >= 2:
-            self.params = {**self.params, "embed_fast": self.params["embed"].astype(jnp.bfloat16)}
+        embed = self.params["embed"]
+        quantized = isinstance(embed, QuantWeight)
+        if rc.fast_output and not quantized and embed.dtype == jnp.float32 and rows >= 2:
+            self.params = {**self.params, "embed_fast": embed.astype(jnp.bfloat16)}
         self.kv = KVState.create(cfg, rc.global_pages, rc.local_pages, rc.page_size, jnp.dtype(rc.kv_dtype))
         self.mesh = None
         if rc.tensor_parallel > 1:  # XLA's SPMD partitioner splits every call over the mesh
+            if quantized:
+                raise ValueError("quantized weights serve on one device: load float ones to split them")
             from engine.model.sharding import make_mesh, shard_kv, shard_params
 
             self.mesh = make_mesh(rc.tensor_parallel)

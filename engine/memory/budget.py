@@ -1,21 +1,27 @@
-"""One memory budget: how the engine's KV byte budget divides between tenants and speculation.
+"""One memory budget: how the engine's memory divides between weights, tenants and speculation.
 
-    budget = speculation's resident bytes (MTP heads, draft-vocabulary slices, exit
-             adapters; a draft model's own weights and arrays when it has them)
-           + the KV pool: tenant pages + the pages the pool split lends
+    memory budget = the target's weights as served (their real bytes: quantized
+                    blocks' values, scales and mins, or float arrays)
+                  + budget: speculation's resident bytes (MTP heads, draft-vocabulary
+                    slices, exit adapters; a draft model's own weights and arrays)
+                  + the KV pool: tenant pages + the pages the pool split lends
 
-1. The loader sizes the KV pool from the budget minus the resident bytes of
-   the proposers it is about to load (`heads_resident_bytes`), so each resident
-   byte is taken from the tenants' pages.
+1. The loader (engine/loader.py) takes the served weights' bytes from the memory
+   budget, then the resident bytes of the proposers it is about to load
+   (`heads_resident_bytes`), and sizes the KV pool from what is left: each byte
+   the weights do not take (quantized ones) goes to the tenants' pages, each
+   resident byte of speculation is taken from them.
 2. The policy's pool split withholds `pool_split` of each pool's pages from
    the tenants (engine/memory/kv.KVPool.set_split); the truncated-layer draft model
    keeps its KV in exactly those pages (engine/speculation/draft_model.py).
 3. `status` reports both in bytes and in pages, and how many max-context
    tenants the tenant pages hold with and without the split: /ready shows it
-   under `engine.memory.sizes`.
+   under `engine.memory`.
 """
 
 from __future__ import annotations
+
+import jax
 
 from engine.memory.kv import SeqPages
 
@@ -38,8 +44,10 @@ def _tenants(pool, length: int, lent: tuple[int, int]) -> int:
 
 
 def memory_status(core) -> dict:
-    """The budget of an EngineCore in bytes and pages (module docstring); `budget_bytes` is the
-    configured budget when the loader set one, else pool + resident bytes."""
+    """The budget of an EngineCore in bytes and pages (module docstring); `budget_bytes` is
+    speculation + KV pool as the loader planned them, else pool + resident bytes. `weights`: the
+    form served (engine/loader.py: "gguf", "int8", "float32", "bfloat16"; None when not loaded
+    there); `weight_bytes`: the target's params as held; `memory_budget_bytes` = both."""
     pool, kv = core.pool, core.runner.kv
     gb, lb = page_bytes(kv)
     ga, la = pool.global_alloc, pool.local_alloc
@@ -48,8 +56,13 @@ def memory_status(core) -> dict:
     lent = (ga.reserved, la.reserved)
     held = (len(ga.lent), len(la.lent))
     length = core.max_context
+    budget = int(core.budget_bytes or kv_bytes + resident)
+    weights = int(sum(a.nbytes for a in jax.tree.leaves(core.runner.params)))
     return {
-        "budget_bytes": int(getattr(core, "budget_bytes", 0) or kv_bytes + resident),
+        "memory_budget_bytes": weights + budget,
+        "weights": core.weights_form,
+        "weight_bytes": weights,
+        "budget_bytes": budget,
         "kv_pool_bytes": kv_bytes,
         "resident_bytes": resident,
         "pool_split": pool.split,

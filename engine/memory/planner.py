@@ -207,7 +207,7 @@ class Plan:
     active_params: int
     """Parameters read per token (== total_params for a dense model)."""
     weight_bytes_by_dtype: dict[str, int]
-    """Weight bytes in each of float32, bfloat16, int8, int4 (scales included)."""
+    """Weight bytes in each of float32, bfloat16, int8, int4 (scales included), and the served form's."""
     weight_bytes: int
     """Weight bytes in weight_dtype."""
     decode_weight_read_s: float
@@ -258,6 +258,9 @@ class Plan:
     """The technique whose resident bytes speculation_bytes includes ("" when none)."""
     split: PoolSplit | None = None
     """The pool split: pages lent to speculation (the draft model's KV) and tenants left."""
+    float32_tenants: int = 0
+    """Sequences of context_len that fit with float32 weights in the same budget: the served form
+    gains tenants - float32_tenants."""
 
 
 def _share(units: int, n: int) -> float:
@@ -307,6 +310,7 @@ def make_plan(
     context_len: int, page_size: int = 16, max_spec_depth: int = 8,
     activation_reserve_bytes: int | None = None, speculation_bytes: int = 0, tensor_parallel: int = 1,
     technique: str = "", pool_split: float = 0.0, mtp_vocabs: tuple[int, ...] = MTP_VOCABS,
+    served: tuple[str, int] | None = None,
 ) -> Plan:
     """Plan `model` on `device`; activation_reserve_bytes=None uses `activation_reserve`.
 
@@ -315,12 +319,17 @@ def make_plan(
     `pool_split` of the pool's pages is lent to speculation (`Plan.split`).
 
     `tensor_parallel` > 1: the model is split over that many such devices (engine/model/sharding.py);
-    weights, the KV pool and each sequence's KV are then counted per device."""
+    weights, the KV pool and each sequence's KV are then counted per device.
+
+    `served`: (form, bytes) of weights the engine serves quantized (engine/memory/sizes.served_bytes
+    of the model file: gguf or int8); those bytes replace weight_dtype's estimate, and weight_dtype
+    (the compute dtype) prices speculation's float heads and slices."""
     moe = model if isinstance(model, MoEConfig) else None
     cfg = moe.attention if moe else model
     total = moe.total_params if moe else cfg.param_count()
     active = moe.active_params if moe else total
-    weights = weight_bytes(total, weight_dtype)
+    weights = weight_bytes(total, weight_dtype) if served is None else served[1]
+    label, read = (served[0], served[1]) if served else (weight_dtype, weight_bytes(active, weight_dtype))
     g_tok, l_tok = kv_bytes_per_token(cfg, kv_dtype)
     seq = sequence_bytes(cfg, context_len, page_size, kv_dtype, max_spec_depth)
     naive = naive_sequence_bytes(cfg, context_len, kv_dtype)
@@ -339,9 +348,13 @@ def make_plan(
     if device.note:
         notes.append(f"{device.name}: {device.note}")
     kv_share = 1.0
+    if tensor_parallel > 1 and served is not None:
+        raise ValueError(f"{label} weights serve on one device (tensor_parallel={tensor_parallel})")
+    float32_weights = weight_bytes(total, "float32")
     if tensor_parallel > 1:
         dev_params = total / tensor_parallel if moe else per_device_params(cfg, tensor_parallel)
         weights = weight_bytes(int(dev_params), weight_dtype)
+        float32_weights = weight_bytes(int(dev_params), "float32")
         kv_share = _share(cfg.n_kv_heads, tensor_parallel)
         seq, naive = int(seq * kv_share), int(naive * kv_share)
         heads = "KV heads split" if kv_share < 1 else "KV heads replicated: each device holds the whole pool"
@@ -359,10 +372,11 @@ def make_plan(
         speculation_bytes += by_name[technique].resident_bytes
     pool = device.usable_bytes - weights - reserve - speculation_bytes
     fits, shortfall, verdict = _verdict(
-        weights, reserve, speculation_bytes, pool, seq, device, weight_dtype, context_len)
+        weights, reserve, speculation_bytes, pool, seq, device, label, context_len)
     held = max(pool, 0)
     tenants, naive_tenants = held // seq, held // naive
     displaced = max(pool + speculation_bytes, 0) // seq - tenants
+    float32_tenants = max(pool + weights - float32_weights, 0) // seq
     ratio = tenants / naive_tenants if naive_tenants else None
     pools = (size_pool(cfg, int(held / kv_share), page_size, kv_dtype, context_len, max_spec_depth)
              if tenants else None)
@@ -370,13 +384,13 @@ def make_plan(
         verdict = (f"fits: {tenants} tenants at {context_len} tokens paged + windowed vs "
                    f"{naive_tenants} with a naive cache"
                    + (f" ({ratio:.2f}x)" if ratio is not None else ""))
+    by_dtype = {d: weight_bytes(total, d) for d in WEIGHT_BITS} | ({label: weights} if served else {})
     return Plan(
-        model=moe.name if moe else cfg.name, device=device, weight_dtype=weight_dtype,
+        model=moe.name if moe else cfg.name, device=device, weight_dtype=label,
         kv_dtype=kv_dtype, context_len=context_len, page_size=page_size,
         max_spec_depth=max_spec_depth, total_params=total, active_params=active,
-        weight_bytes_by_dtype={d: weight_bytes(total, d) for d in WEIGHT_BITS},
-        weight_bytes=weights,
-        decode_weight_read_s=weight_bytes(active, weight_dtype) / device.bandwidth_bytes_per_s,
+        weight_bytes_by_dtype=by_dtype,
+        weight_bytes=weights, decode_weight_read_s=read / device.bandwidth_bytes_per_s,
         global_layers=len(cfg.global_layers), local_layers=len(cfg.local_layers),
         sliding_window=cfg.sliding_window,
         kv_global_bytes_per_token=g_tok, kv_local_bytes_per_token=l_tok,
@@ -389,4 +403,5 @@ def make_plan(
         techniques=tuple(costs), tensor_parallel=tensor_parallel, technique=technique,
         split=split_pool(cfg, pools, pool_split, context_len, page_size, max_spec_depth, DRAFT_LAYERS)
         if pools else None,
+        float32_tenants=float32_tenants,
     )

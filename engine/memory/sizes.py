@@ -37,6 +37,37 @@ WEIGHT_BITS: dict[str, Fraction] = {
 """Bits per weight, block scales included (int8 = 8.5, int4 = 4.5)."""
 KV_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 """Bytes per K or V element in a page (the engine's page layout has no scales)."""
+SERVED_BLOCKS: dict[str, tuple[int, int]] = {"Q8_0": (8, 32), "Q5_0": (8, 32), "Q6_K": (8, 16),
+                                              "Q4_K": (4, 32)}
+"""(bits, group) engine/quant/formats.py holds each GGUF block type in: its values, and per group
+a float32 scale (4-bit: and a float32 min)."""
+
+
+def served_bytes(tensors, form: str) -> int:
+    """Bytes of a GGUF's tensors, (numpy shape, ggml type name) each, as the engine holds them
+    served as `form` (engine/model/quant_weights.py): "gguf" keeps the block types above and
+    widens the rest to float32, "int8" stores each matrix as int8 with a float32 scale per
+    output row of the file (norms float32), "float32"/"bfloat16" every tensor in that dtype.
+
+    >>> served_bytes([((16, 64), "Q4_K"), ((64,), "F32")], "gguf"), served_bytes([((16, 64), "Q8_0")], "int8")
+    (1024, 1088)
+    """
+    total = 0
+    for shape, qtype in tensors:
+        n = math.prod(shape)
+        if form in ("float32", "bfloat16"):
+            total += n * (4 if form == "float32" else 2)
+        elif len(shape) == 1:
+            total += 4 * n
+        elif form == "int8":
+            total += n + 4 * shape[0]
+        elif qtype in SERVED_BLOCKS:
+            bits, group = SERVED_BLOCKS[qtype]
+            total += n * bits // 8 + (n // group) * 4 * (2 if bits == 4 else 1)
+        else:
+            total += 4 * n
+    return total
+
 
 def weight_bytes(params: int, dtype: str) -> int:
     """Bytes of `params` weights in `dtype`, block scales included (int4: 4.5 bits each).

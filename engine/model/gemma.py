@@ -11,6 +11,11 @@ Layout of `params` (matrices are (in, out): the model computes ``x @ W``)::
     layers/gate_up  [L, d, 2 ffn]         columns: gate | up
     layers/down     [L, ffn, d]
 
+Served quantized (engine/model/quant_weights.py), every matrix is a `QuantWeight` of the same
+W [in, out] (engine/quant/formats.py), layers come per layer, and `embed` holds the tied table
+as the output layer's W = embed.T [d, vocab]: lookups take its columns, logits run through
+`qmatmul`. `matmul`, `embedding_rows` and `tied_logits` take either form.
+
 Tensor parallelism (engine/model/sharding.py) splits qkv into q, k, v and gate_up
 into gate, up; `block` takes either form.
 
@@ -39,9 +44,16 @@ import jax
 import jax.numpy as jnp
 
 from engine.config import ModelConfig
+from engine.quant.formats import QuantWeight, take_columns
+from engine.quant.matmul import qmatmul
 
 Params = dict[str, Any]
 _NEG = -1e30  # finite "minus infinity": fully masked rows stay NaN-free
+
+
+def matmul(x: jax.Array, w) -> jax.Array:
+    """x [..., in] @ W [in, out]: a float matrix, or a `QuantWeight` through `qmatmul` (float32)."""
+    return qmatmul(x, w) if isinstance(w, QuantWeight) else x @ w
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -223,9 +235,9 @@ def attention_inputs(cfg: ModelConfig, lp: Params, x, pos, is_global: bool):
     B, T, _ = x.shape
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
     if "qkv" in lp:
-        q, k, v = jnp.split(h @ lp["qkv"], [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=-1)
-    else:  # unfused (engine/model/sharding.py): each device holds whole heads of q, k, v
-        q, k, v = h @ lp["q"], h @ lp["k"], h @ lp["v"]
+        q, k, v = jnp.split(matmul(h, lp["qkv"]), [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=-1)
+    else:  # unfused (sharding.py: each device holds whole heads; or quantized types that differ)
+        q, k, v = matmul(h, lp["q"]), matmul(h, lp["k"]), matmul(h, lp["v"])
     q = rms_norm(q.reshape(B, T, cfg.n_heads, cfg.head_dim), lp["q_norm"], cfg.rms_eps)
     k = rms_norm(k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim), lp["k_norm"], cfg.rms_eps)
     v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
@@ -255,20 +267,37 @@ def _paged_block(cfg: ModelConfig, is_global: bool, ring: int, lp: Params, x, po
 def _after_attention(cfg: ModelConfig, lp, x, a):
     """The rest of a layer from the attention output `a`: the output projection's residual, then
     the gated MLP's (shared by `layer` and engine/model/ragged.py's forward)."""
-    x = x + rms_norm(a @ lp["o"], lp["post_attn_norm"], cfg.rms_eps)
+    x = x + rms_norm(matmul(a, lp["o"]), lp["post_attn_norm"], cfg.rms_eps)
     h = rms_norm(x, lp["pre_ffw_norm"], cfg.rms_eps)
     if "gate_up" in lp:
-        gate, up = jnp.split(h @ lp["gate_up"], 2, axis=-1)
+        gate, up = jnp.split(matmul(h, lp["gate_up"]), 2, axis=-1)
     else:
-        gate, up = h @ lp["gate"], h @ lp["up"]
-    m = (jax.nn.gelu(gate, approximate=True) * up) @ lp["down"]
+        gate, up = matmul(h, lp["gate"]), matmul(h, lp["up"])
+    m = matmul(jax.nn.gelu(gate, approximate=True) * up, lp["down"])
     return x + rms_norm(m, lp["post_ffw_norm"], cfg.rms_eps)
 
 
 def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
     """Token embedding scaled by sqrt(d_model) (in the compute dtype, as Gemma does)."""
-    e = params["embed"]
-    return jnp.take(e, tokens, axis=0) * jnp.asarray(math.sqrt(cfg.d_model), e.dtype)
+    e = embedding_rows(params["embed"], tokens)
+    return e * jnp.asarray(math.sqrt(cfg.d_model), e.dtype)
+
+
+def embedding_rows(table, ids: jax.Array) -> jax.Array:
+    """Rows `ids` [...] of the tied table [vocab, d] (a QuantWeight: its columns, float32): [..., d]."""
+    if isinstance(table, QuantWeight):
+        return take_columns(table, ids.reshape(-1)).reshape(*ids.shape, table.shape[0])
+    return jnp.take(table, ids, axis=0)
+
+
+def table_vocab(table) -> int:
+    """Entries of the tied table, either form."""
+    return table.shape[1] if isinstance(table, QuantWeight) else table.shape[0]
+
+
+def table_dtype(table) -> jnp.dtype:
+    """The dtype the model computes in with this table (float32 for a QuantWeight)."""
+    return jnp.dtype(jnp.float32) if isinstance(table, QuantWeight) else table.dtype
 
 
 def logits(params: Params, h: jax.Array) -> jax.Array:
@@ -280,14 +309,17 @@ FEW_ROWS = 64
 """Rows up to which `tied_logits` takes the table as the product's left operand."""
 
 
-def tied_logits(table: jax.Array, h: jax.Array) -> jax.Array:
-    """h [..., d] times table [V, d] transposed: [..., V] float32, in h cast to the table's dtype.
+def tied_logits(table, h: jax.Array) -> jax.Array:
+    """h [..., d] times table [V, d] transposed: [..., V] float32, in h cast to the table's dtype
+    (a QuantWeight table is W = table.T already: `qmatmul`).
 
     For up to FEW_ROWS rows the product runs as table @ rows.T, [V, n], then transposed behind
     an optimization barrier (so the transpose is not folded back into the product): XLA:CPU runs
     a [262k, 640] x [640, n] product 2-4x faster than [n, 640] x [640, 262k] for n from 2 to 32
     (1 row: the same), float32 then beating a bfloat16 table on a CPU without bfloat16 units.
     """
+    if isinstance(table, QuantWeight):
+        return qmatmul(h, table)
     lead, d = h.shape[:-1], h.shape[-1]
     x = h.reshape(-1, d).astype(table.dtype)
     if x.shape[0] > FEW_ROWS:

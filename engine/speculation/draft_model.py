@@ -32,7 +32,7 @@ from engine.config import ModelConfig
 from engine.execute.runner import ModelRunner, RunnerConfig
 from engine.execute.sequence import Sequence
 from engine.memory.kv import KVPool, SeqPages
-from engine.model.gemma import Params
+from engine.model.gemma import Params, table_dtype
 from engine.policy import MAX_POOL_SPLIT, TunedPolicy
 from engine.speculation.heads import DraftHeads, Head
 from engine.speculation.layer_draft import (
@@ -75,7 +75,7 @@ class DraftModelProposer(_LayerDrafter):
     def __init__(self, cfg: ModelConfig, params: Params, vocab: np.ndarray, head: Head | None = None,
                  draft_vocab: int = DRAFT_VOCABS[-1], shares_weights: bool = False):
         self._cfg, self._params, self._vocab, self._n_vocab = cfg, params, vocab, draft_vocab
-        self._head = head if head is not None else _identity_head(cfg.d_model, params["embed"].dtype)
+        self._head = head if head is not None else _identity_head(cfg.d_model, table_dtype(params["embed"]))
         self.shares_weights = shares_weights
         self.lends = False
         """Whether its KV lives in the target's pools (set by `bind`)."""

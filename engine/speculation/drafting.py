@@ -40,10 +40,18 @@ import numpy as np
 
 from engine.execute.runner import bucket
 from engine.execute.sequence import Sequence
+from engine.model.gemma import table_dtype
 from engine.policy import TunedPolicy
 from engine.runtime.compiles import abstract, compile_ahead
 from engine.speculation.draft_model import DraftModelProposer
-from engine.speculation.heads import DraftHeads, Head, apply_chain_head, apply_head, token_features
+from engine.speculation.heads import (
+    DraftHeads,
+    Head,
+    apply_chain_head,
+    apply_head,
+    draft_logits,
+    token_features,
+)
 from engine.speculation.layer_draft import DRAFT_VOCABS, _LayerDrafter, _VocabSlices, spec_batches
 from engine.speculation.proposers import Proposer
 
@@ -56,7 +64,7 @@ def _mtp_draft(heads: tuple[Head, ...], h, embed_sub, ids):
     table is read once per step whatever the depth.
     """
     z = jnp.stack([apply_head(hd, h) for hd in heads], axis=1)  # [B, K, d]
-    lg = jnp.einsum("bkd,vd->bkv", z, embed_sub, preferred_element_type=jnp.float32)
+    lg = draft_logits(z, embed_sub)
     return ids[jnp.argmax(lg, axis=-1)].astype(jnp.int32)
 
 
@@ -71,7 +79,7 @@ def _mtp_chain_draft(heads: Head, h, last, embed, embed_sub, ids, k):
         s, tok, out = carry
         s = apply_chain_head({n: a[j] for n, a in heads.items()}, s,
                              token_features(embed, tok)).astype(h.dtype)
-        lg = jnp.einsum("bd,vd->bv", s, embed_sub, preferred_element_type=jnp.float32)
+        lg = draft_logits(s, embed_sub)
         tok = ids[jnp.argmax(lg, axis=-1)].astype(jnp.int32)
         return s, tok, out.at[:, j].set(tok)
 
@@ -109,7 +117,7 @@ class MtpProposer(Proposer):
     def bind(self, core) -> None:
         self._buckets = spec_batches(core.runner.rc)
         self._d = core.cfg.d_model
-        self._dtype = core.runner.params["embed"].dtype
+        self._dtype = table_dtype(core.runner.params["embed"])
 
     def configure(self, policy: TunedPolicy) -> None:
         self.draft_vocab = self._vocab(policy.draft_vocab)

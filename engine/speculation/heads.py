@@ -41,6 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import ModelConfig
+from engine.model.gemma import embedding_rows, table_dtype
+from engine.quant.formats import QuantWeight
+from engine.quant.matmul import qmatmul
 
 Head = dict[str, jax.Array]  # {"w1": [d, r], "b1": [r], "w2": [r, d]}
 
@@ -58,9 +61,9 @@ def apply_head(head: Head, h: jax.Array) -> jax.Array:
 
 def token_features(embed: jax.Array, tokens: jax.Array) -> jax.Array:
     """Embedding rows of `tokens` scaled to unit RMS, in embed's dtype: [...] -> [..., d]."""
-    e = jnp.take(embed, tokens, axis=0).astype(jnp.float32)
+    e = embedding_rows(embed, tokens).astype(jnp.float32)
     e = e * jax.lax.rsqrt(jnp.mean(e * e, axis=-1, keepdims=True) + 1e-6)
-    return e.astype(embed.dtype)
+    return e.astype(table_dtype(embed))
 
 
 def apply_chain_head(head: Head, s: jax.Array, e: jax.Array) -> jax.Array:
@@ -76,7 +79,14 @@ def is_chained(head: Head) -> bool:
 
 def head_logits(head: Head, h: jax.Array, embed_sub: jax.Array) -> jax.Array:
     """Draft logits over a draft vocabulary: [..., d] -> [..., n] float32."""
-    z = apply_head(head, h)
+    return draft_logits(apply_head(head, h), embed_sub)
+
+
+def draft_logits(z: jax.Array, embed_sub) -> jax.Array:
+    """z [..., d] against a draft vocabulary's embedding rows [n, d] (or the whole tied table as
+    a QuantWeight, W [d, vocab]): [..., n] float32."""
+    if isinstance(embed_sub, QuantWeight):
+        return qmatmul(z, embed_sub)
     return jnp.einsum("...d,vd->...v", z, embed_sub, preferred_element_type=jnp.float32)
 
 

@@ -31,7 +31,7 @@ from engine.execute.runner import ModelRunner, bucket
 from engine.execute.sequence import Sequence
 from engine.memory.kv import KVPool, SeqPages
 from engine.model import ragged
-from engine.model.gemma import ATTEND_BLOCK, Params
+from engine.model.gemma import ATTEND_BLOCK, Params, embedding_rows, table_vocab
 from engine.model.ragged import RaggedBatch
 from engine.runtime.compiles import abstract, any_committed, compile_ahead, outputs
 from engine.speculation.heads import Head, head_logits
@@ -47,15 +47,15 @@ prompt in calls of this many (a call's cost is about linear in its tokens from 3
 class _VocabSlices:
     """The tied embedding restricted to the first n draft-vocabulary ids, per n."""
 
-    def __init__(self, embed: jax.Array, vocab: np.ndarray, sizes: tuple[int, ...]):
-        self.full = embed.shape[0]
+    def __init__(self, embed, vocab: np.ndarray, sizes: tuple[int, ...]):
+        self.full = table_vocab(embed)
         self.by_size: dict[int, tuple[jax.Array, jax.Array]] = {}
         for n in sizes:
             if n == 0 or n >= self.full or n > vocab.size:
                 self.by_size[0] = (embed, jnp.arange(self.full, dtype=jnp.int32))
             else:
                 ids = jnp.asarray(vocab[:n], jnp.int32)
-                self.by_size[n] = (jnp.take(embed, ids, axis=0), ids)
+                self.by_size[n] = (embedding_rows(embed, ids), ids)
 
     def get(self, n: int) -> tuple[jax.Array, jax.Array]:
         return self.by_size[n if n in self.by_size else 0]

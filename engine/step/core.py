@@ -115,6 +115,8 @@ class EngineCore:
         self._step_id = 0
         self._lost: list[RequestResult] = []  # results of the step that raised (see recover)
         self.warmed_up = False
+        self.budget_bytes = 0  # speculation + KV pool as engine/loader.py planned them (0: not planned there)
+        self.weights_form: str | None = None  # the weights as served, set by engine/loader.py ("gguf", ...)
 
     def add_proposer(self, proposer: Proposer) -> None:
         """Load a proposer under its technique name (before warmup and serving)."""

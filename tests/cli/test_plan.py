@@ -125,3 +125,33 @@ def test_the_split_in_bytes_and_tenants(capsys):
     rc, text, _ = run_plan(capsys, "--device", "cpu", "--budget", "8GiB", "--split", "0.25")
     assert "pool split" in text and "lends" in text and "draft model's KV" in text
     assert main(["plan", "--split", "1.5"]) == 2 and "--split" in capsys.readouterr().err
+
+
+def test_weights_gguf_counts_the_served_blocks(capsys):
+    rc, out, _ = run_plan(capsys, "--device", "cpu", "--weights", "gguf", "--context", "4096", "--json")
+    plan = json.loads(out)
+    f32 = make_plan(GEMMA3_270M, device_profile("cpu"), "float32", "bfloat16", 4096)
+    assert rc == 0 and plan["weight_dtype"] == "gguf" and plan["weight_bytes"] == 294_398_464
+    assert plan["pool_bytes"] == f32.pool_bytes + f32.weight_bytes - 294_398_464
+    rc, _, err = run_plan(capsys, "--model", "gemma3-27b", "--weights", "gguf")
+    assert rc == 2 and "--weights gguf" in err
+    rc, _, err = run_plan(capsys, "--weights", "gguf", "--dtype", "bfloat16")
+    assert rc == 2 and "--dtype bfloat16 contradicts --weights gguf" in err
+
+
+def test_the_default_is_what_the_daemon_serves_and_the_gain_over_float32_shows(capsys):
+    """On cpu the default model plans its GGUF's blocks, with the tenants they gain over float32 at
+    the context; elsewhere (and with a --dtype) the dtype, as the daemon serves there."""
+    rc, out, _ = run_plan(capsys, "--device", "cpu", "--context", "4096", "--json")
+    plan = json.loads(out)
+    f32 = make_plan(GEMMA3_270M, device_profile("cpu"), "float32", "bfloat16", 4096)
+    assert rc == 0 and plan["weight_dtype"] == "gguf" and plan["float32_tenants"] == f32.tenants
+    assert plan["tenants"] > f32.tenants
+    _, text, _ = run_plan(capsys, "--device", "cpu", "--context", "4096")
+    gained = f"+{plan['tenants'] - f32.tenants} tenants at 4096 tokens: float32 weights (1022.71 MiB) "
+    assert gained + f"leave room for {f32.tenants}" in text
+    _, text, _ = run_plan(capsys, "--device", "cpu", "--context", "4096", "--weights", "float32")
+    assert "chosen       float32" in text and "vs float32" not in text
+    for argv in (("--device", "tpu-v6e-1"), ("--device", "cpu", "--dtype", "bfloat16")):
+        _, out, _ = run_plan(capsys, *argv, "--json")
+        assert json.loads(out)["weight_dtype"] == "bfloat16"

@@ -34,6 +34,9 @@ def settings_of(parser: argparse.ArgumentParser, *argv: str) -> Settings:
     (["--no-prefix-cache"], {"CROSSOVER_PREFIX_CACHE": "off"}, "prefix_cache", False, False, True),
     (["--instance", "gpu-3"], {"CROSSOVER_INSTANCE": "east"}, "instance", "gpu-3", "east", None),
     (["--tensor-parallel", "2"], {"CROSSOVER_TENSOR_PARALLEL": "4"}, "tensor_parallel", 2, 4, 1),
+    (["--weights", "gguf"], {"CROSSOVER_WEIGHTS": "int8"}, "weights", "gguf", "int8", None),
+    (["--memory-budget", "6GiB"], {"CROSSOVER_MEMORY_BUDGET_BYTES": "3GiB"}, "memory_budget_bytes",
+     6 << 30, 3 << 30, None),
 ])
 def test_a_serve_flag_and_its_variable_reach_the_setting(parser: argparse.ArgumentParser, argv: list[str],
                                                          env: dict[str, str], field: str, from_flag: Any,

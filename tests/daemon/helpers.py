@@ -36,7 +36,7 @@ SERVE = [sys.executable, "-m", "cli.main", "serve"]
 """`crossover serve` as a subprocess command (run with cwd=REPO)."""
 REAL_ENGINE = {"max_batch": 2, "max_context": 1024, "kv_budget_bytes": 64 << 20}
 """The real model's engine in test_real_model.py and in each daemon of test_replicas_real.py
-(float32, no speculation): one set of shapes, so the daemons load from the persistent
+(the default weights, no speculation): one set of shapes, so the daemons load from the persistent
 compilation cache what the earlier test compiled instead of compiling it again."""
 
 

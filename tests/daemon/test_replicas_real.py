@@ -45,7 +45,7 @@ class Daemon:
         token = workdir / "admin-token"
         token.write_text(TOKEN)
         cmd = [*SERVE, "--port", str(self.port), "--db", db_url,
-               "--instance", name, "--admin-token-file", str(token), "--dtype", "float32",
+               "--instance", name, "--admin-token-file", str(token),
                "--max-batch", str(REAL_ENGINE["max_batch"]), "--max-context", str(REAL_ENGINE["max_context"]),
                "--kv-budget", f"{REAL_ENGINE['kv_budget_bytes'] >> 20}MiB", "--no-speculation",
                "--no-tuner", "--no-tuner-search-process", "--tuner-trials", "8",

@@ -146,3 +146,18 @@ def test_a_split_lends_pages_and_a_technique_pays_from_the_same_budget():
     assert sp.draft_sequences == int(pools.num_local_pages * 0.25) // pools.ring_pages
     with pytest.raises(ValueError, match="unknown technique"):
         make_plan(GEMMA3_270M, dev, "bfloat16", "bfloat16", 4096, technique="medusa")
+
+
+def test_served_quantized_weights_give_their_bytes_to_the_pool():
+    cpu = device_profile("cpu")
+    f32 = make_plan(GEMMA3_270M, cpu, "float32", "bfloat16", 4096)
+    gguf = make_plan(GEMMA3_270M, cpu, "float32", "bfloat16", 4096, served=("gguf", 294_398_464))
+    assert gguf.weight_dtype == "gguf" and gguf.weight_bytes == gguf.weight_bytes_by_dtype["gguf"]
+    assert gguf.pool_bytes - f32.pool_bytes == f32.weight_bytes - 294_398_464
+    assert gguf.tenants > f32.tenants
+    assert gguf.float32_tenants == f32.tenants == f32.float32_tenants  # the gain: tenants - float32_tenants
+    bf16 = make_plan(GEMMA3_270M, TPU, "bfloat16", "bfloat16", 8192)
+    f32_tpu = make_plan(GEMMA3_270M, TPU, "float32", "bfloat16", 8192)
+    assert bf16.float32_tenants == f32_tpu.tenants < bf16.tenants
+    with pytest.raises(ValueError, match="one device"):
+        make_plan(GEMMA3_270M, TPU, "float32", "bfloat16", 4096, tensor_parallel=2, served=("gguf", 1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -232,3 +233,37 @@ def test_missing_compiler_falls_back_to_jnp(fresh_kernel_state, caplog):
     assert status.startswith("jnp (the kernel did not build") and "/nonexistent/g++" in status
     assert len(caplog.records) == 1
     assert not qm.kernel_available()
+
+
+FAKE_CXX = """#!/bin/sh
+# A stand-in compiler: --version prints a line; any other call writes its -o file after a pause
+# (long enough for the builds to overlap), and each link appends a line to $LINKS.
+[ "$1" = --version ] && { echo fake-cxx 1; exit 0; }
+prev=""; for a in "$@"; do [ "$prev" = -o ] && out="$a"; prev="$a"; done
+sleep 0.5
+case " $* " in *" -shared "*) echo "$$" >> "$LINKS";; esac
+echo "object of $$" > "$out"
+"""
+
+
+def test_processes_building_at_once_link_once_and_share_the_library(tmp_path):
+    """pytest-xdist's workers (and daemons) may build the kernel at the same moment into one cache:
+    the lock lets one compile, the others wait and find its library, renamed into place whole."""
+    import os
+    import subprocess
+    import sys
+
+    cxx = tmp_path / "fake-cxx"
+    cxx.write_text(FAKE_CXX)
+    cxx.chmod(0o755)
+    env = {**os.environ, "CXX": str(cxx), "CROSSOVER_CACHE": str(tmp_path / "cache"),
+           "LINKS": str(tmp_path / "links")}
+    code = "from engine.quant.build import build; print(build())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    paths = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs) and len(paths) == 1
+    assert len((tmp_path / "links").read_text().split()) == 1
+    library = Path(paths.pop())
+    assert library.read_text().startswith("object of ")
+    assert sorted(p.name for p in library.parent.iterdir()) == sorted([library.name, f".{library.name}.lock"])

@@ -55,6 +55,24 @@ def test_tokenizer_matches_the_reference_prompt_ids(engine, golden):
 
 
 def test_greedy_continuations_equal_transformers(engine, golden):
+    _greedy_equals_golden(engine, golden)
+
+
+def test_quantized_greedy_continuations_equal_transformers(golden):
+    """--weights gguf (the file's own blocks through the quantized matmul) decodes the same tokens
+    up to each case's first near-tie."""
+    from engine.loader import load_engine
+    from engine.quant.matmul import kernel_available, kernel_status
+
+    if not kernel_available():
+        pytest.skip(f"no quantized-matmul kernel: {kernel_status()}")
+    engine = load_engine(weights="gguf", max_batch=16, max_context=1024, progress=False,
+                         speculation=False)
+    _greedy_equals_golden(engine, golden)
+
+
+def _greedy_equals_golden(engine, golden) -> None:
+    """Every case in one batch, greedy; equal to transformers' tokens up to the first near-tie."""
     near_tie = golden["settings"]["near_tie_margin"]
     cases = golden["cases"]
     for c in cases:

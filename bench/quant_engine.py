@@ -1,0 +1,210 @@
+"""The quantized engine against the float32 one, in one process: greedy agreement and decode speed.
+
+    python -m bench.quant_engine [--weights gguf] [--reps 5] [--memory] [--out FILE]
+
+1. Two engines on the default model: float32, and `--weights` (gguf: the file's own blocks
+   through the quantized-matmul kernel, engine/model/quant_weights.py).
+2. Agreement: every case of the golden fixture (tests/fixtures/golden_270m.json) decodes
+   greedily on both in one batch each; per case the first step where the two differ, the
+   float32 top-1 margin there, and whether the golden (transformers) tokens agree up to their
+   first near-tie. The largest logit difference: both params' logits over each case's prompt
+   and float32 continuation (one ragged forward from an empty cache, the positions that
+   predict the continuation), all vocabulary entries.
+3. Speed: decode tokens/s at each batch size (bench.engine.decode_throughput: only steps that
+   did no prefill), the two engines interleaved (order alternating) for `reps` rounds after an
+   untimed round that compiles each shape; median, min and max per engine and the per-round
+   ratio.
+4. With `--memory`: /ready's memory block (engine.memory.budget.memory_status) of an engine
+   loaded at `crossover serve`'s defaults (the default memory budget, every proposer, max batch
+   32, context 4096) in float32 and in `--weights`, one engine at a time: the pool each form's
+   weights leave and the tenants it holds at max context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.engine import decode_throughput
+from engine.types import Request, SamplingParams
+
+FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "golden_270m.json"
+TOP = 5
+"""Top logprobs compared per decoded token."""
+LOGIT_TOKENS = 1024
+"""Token slots of the logit forward (every golden case's prompt and continuation fit)."""
+
+
+def _greedy(engine, cases: list[dict]) -> tuple[dict[str, list[int]], dict[str, list[dict]]]:
+    """Greedy tokens per case, all cases in one batch, and per token its top logprobs {id: logprob}."""
+    for c in cases:
+        sp = SamplingParams(max_tokens=len(c["generated_ids"]), ignore_eos=True, stop_token_ids=(1,),
+                            logprobs=True, top_logprobs=TOP)
+        engine.add_request(Request(c["name"], c["prompt_ids"], sp))
+    got: dict[str, list[int]] = {c["name"]: [] for c in cases}
+    tops: dict[str, list[dict]] = {c["name"]: [] for c in cases}
+    while engine.has_work():
+        for ev in engine.step().events:
+            got[ev.request_id] += ev.token_ids
+            tops[ev.request_id] += [dict(t) for t in ev.top_logprobs or ()]
+    return got, tops
+
+
+def _logprob_difference(a: list[dict], b: list[dict]) -> float:
+    """Largest |logprob difference| over the top tokens both runs list at the same step."""
+    return max((abs(x[i] - y[i]) for x, y in zip(a, b) for i in x.keys() & y.keys()), default=0.0)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _hidden(cfg, params, kv, rb):
+    from engine.model import ragged
+
+    return ragged.forward(cfg, params, kv, rb)[0]
+
+
+@jax.jit
+def _logits(params, h):
+    from engine.model.gemma import tied_logits
+
+    return tied_logits(params["embed"], h)
+
+
+def _case_logits(engine, ids: list[int], at: np.ndarray) -> np.ndarray:
+    """Logits [len(at), vocab] at flat positions `at` of `ids`, one forward from an empty cache."""
+    from engine.execute.ragged_calls import table_width
+    from engine.model.ragged import RaggedBatch
+
+    rc, params = engine.runner.rc, engine.runner.params
+    rb = RaggedBatch.build([(ids, 0, [0], [0])], LOGIT_TOKENS, 1, table_width(rc), rc.ring_pages)
+    h = _hidden(engine.cfg, params, engine.runner.kv, jax.tree.map(np.asarray, rb))
+    rows = np.zeros(64, np.int32)  # one shape for every case (each continuation is <= 64 tokens)
+    rows[: len(at)] = at
+    return np.asarray(_logits(params, h[jnp.asarray(rows)]))[: len(at)]
+
+
+def agreement(ref, quant, golden: dict) -> dict:
+    cases = golden["cases"]
+    near_tie = golden["settings"]["near_tie_margin"]
+    a, tops_a = _greedy(ref, cases)
+    print("agreement: float32 decoded", flush=True)
+    b, tops_b = _greedy(quant, cases)
+    print("agreement: quantized decoded", flush=True)
+    rows, worst, worst_lp = [], 0.0, 0.0
+    for c in cases:
+        name, n = c["name"], len(c["generated_ids"])
+        ids = c["prompt_ids"] + a[name]
+        at = np.arange(len(c["prompt_ids"]) - 1, len(ids) - 1, dtype=np.int32)
+        la, lb = _case_logits(ref, ids, at), _case_logits(quant, ids, at)
+        diff = float(np.max(np.abs(la - lb)))
+        lp = _logprob_difference(tops_a[name], tops_b[name])
+        worst, worst_lp = max(worst, diff), max(worst_lp, lp)
+        top2 = np.sort(la, axis=1)[:, -2:]
+        margins = (top2[:, 1] - top2[:, 0]).tolist()
+        first = next((i for i in range(n) if a[name][i] != b[name][i]), None)
+        ties = [i for i, m in enumerate(c["margins"]) if m < near_tie]
+        upto = ties[0] if ties else n
+        print(f"agreement: {name}: first difference {first}, max |logit difference| {diff:.2e}, "
+              f"decoding's top-{TOP} logprobs {lp:.2e}", flush=True)
+        rows.append({
+            "case": name, "tokens": n, "first_difference": first,
+            "float32_margin_there": None if first is None else margins[first],
+            "smallest_float32_margin": min(margins), "max_abs_logit_difference": diff,
+            "max_abs_decode_logprob_difference": lp,
+            "golden_steps_compared": upto,
+            "float32_equals_golden": a[name][:upto] == c["generated_ids"][:upto],
+            "quantized_equals_golden": b[name][:upto] == c["generated_ids"][:upto],
+        })
+    return {"cases": rows, "identical_cases": sum(r["first_difference"] is None for r in rows),
+            "max_abs_logit_difference": worst, "max_abs_decode_logprob_difference": worst_lp}
+
+
+def speed(engines: dict, batches: tuple[int, ...], reps: int, context: int, new_tokens: int) -> dict:
+    names = list(engines)
+    for name in names:  # untimed: compiles each shape
+        for b in batches:
+            decode_throughput(engines[name], b, context, new_tokens)
+    runs: dict[str, dict[int, list[float]]] = {n: {b: [] for b in batches} for n in names}
+    for r in range(reps):
+        for name in names if r % 2 == 0 else names[::-1]:
+            for b in batches:
+                runs[name][b].append(decode_throughput(engines[name], b, context, new_tokens)["tokens_per_s"])
+    out = {}
+    ref, other = names
+    for b in batches:
+        ratio = [q / f for q, f in zip(runs[other][b], runs[ref][b])]
+        out[str(b)] = {
+            **{n: {"median": statistics.median(runs[n][b]), "min": min(runs[n][b]), "max": max(runs[n][b]),
+                   "runs": runs[n][b]} for n in names},
+            "ratio_median": statistics.median(ratio), "ratio_min": min(ratio), "ratio_max": max(ratio),
+        }
+    return out
+
+
+def serving_memory(forms: tuple[str, ...]) -> dict:
+    """memory_status of an engine at load_engine's defaults per weights form, each dropped before
+    the next loads (their pools are gigabytes)."""
+    import gc
+
+    from engine.loader import load_engine
+    from engine.memory.budget import memory_status
+
+    out = {}
+    for form in forms:
+        engine = load_engine(weights=form, progress=False)
+        out[form] = memory_status(engine)
+        print(f"memory: {form}: {json.dumps(out[form])}", flush=True)
+        del engine
+        gc.collect()
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from engine.loader import load_engine
+    from engine.model.quant_weights import weight_bytes
+    from engine.quant.matmul import kernel_status
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--weights", default="gguf", choices=["gguf", "int8", "bfloat16"])
+    p.add_argument("--batches", default="1,32")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--context", type=int, default=32, help="prompt tokens of the speed runs")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--skip-agreement", action="store_true")
+    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--memory", action="store_true", help="also /ready's memory block at serve's defaults")
+    p.add_argument("--out", default="bench-out/quant-engine.json")
+    args = p.parse_args(argv)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    memory = serving_memory(("float32", args.weights)) if args.memory else None
+    load = partial(load_engine, max_batch=max(batches), max_context=1024, kv_budget_bytes=512 << 20,
+                   speculation=False, progress=False)
+    t = time.perf_counter()
+    engines = {"float32": load(weights="float32"), args.weights: load(weights=args.weights)}
+    result = {"weights": args.weights, "kernel": kernel_status(), "load_s": time.perf_counter() - t,
+              "weight_bytes": {n: weight_bytes(e.runner.params) for n, e in engines.items()}}
+    print(json.dumps(result), flush=True)
+    if not args.skip_agreement:
+        result["agreement"] = agreement(*engines.values(), json.loads(FIXTURE.read_text()))
+        print(json.dumps(result["agreement"], indent=1), flush=True)
+    if not args.skip_speed:
+        result["decode"] = speed(engines, batches, args.reps, args.context, args.new_tokens)
+        result["decode_settings"] = {"context": args.context, "new_tokens": args.new_tokens,
+                                     "reps": args.reps}
+        print(json.dumps(result["decode"], indent=1), flush=True)
+    if memory is not None:
+        result["serving_memory"] = memory
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
