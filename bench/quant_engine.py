@@ -14,7 +14,11 @@
    did no prefill), the two engines interleaved (order alternating) for `reps` rounds after an
    untimed round that compiles each shape; median, min and max per engine and the per-round
    ratio.
-4. With `--memory`: /ready's memory block (engine.memory.budget.memory_status) of an engine
+4. With `--llamacpp PYTHON` (a Python with llama_cpp, bench/README.md): each round also runs
+   bench/llamacpp_baseline.py in a child process on the same GGUF, the batch-1 prompt ids and
+   token count (the child exits between rounds, so its threads never share the CPU with the
+   engines'); per-round ratios of each engine to it; then 512-token prefill on all three.
+5. With `--memory`: /ready's memory block (engine.memory.budget.memory_status) of an engine
    loaded at `crossover serve`'s defaults (the default memory budget, every proposer, max batch
    32, context 4096) in float32 and in `--weights`, one engine at a time: the pool each form's
    weights leave and the tenants it holds at max context.
@@ -126,25 +130,117 @@ def agreement(ref, quant, golden: dict) -> dict:
             "max_abs_logit_difference": worst, "max_abs_decode_logprob_difference": worst_lp}
 
 
-def speed(engines: dict, batches: tuple[int, ...], reps: int, context: int, new_tokens: int) -> dict:
+def llamacpp(python: str, argv: list[str]) -> dict:
+    """bench/llamacpp_baseline.py's JSON from a child process of `python` (RuntimeError with its
+    stderr when it fails)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([python, "-m", "bench.llamacpp_baseline", *argv], cwd=root, capture_output=True,
+                          text=True, timeout=600, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench.llamacpp_baseline failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    print(proc.stderr.strip(), file=sys.stderr, flush=True)
+    return json.loads(proc.stdout)
+
+
+def _ratios(name: str, xs: list[float]) -> dict:
+    return {f"{name}_median": statistics.median(xs), f"{name}_min": min(xs), f"{name}_max": max(xs)}
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
+
+
+def _greedy_ids(engine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(Request(f"sweep-{i}", ids, sp))
+    got: dict[str, list[int]] = {f"sweep-{i}": [] for i in range(len(prompts))}
+    while engine.has_work():
+        for ev in engine.step().events:
+            got[ev.request_id] += ev.token_ids
+    return [got[f"sweep-{i}"] for i in range(len(prompts))]
+
+
+def agreement_sweep(ref, quant, per_kind: int, tokens: int, near_tie: float) -> dict:
+    """Greedy agreement over `per_kind` prompts of each workload kind (bench/crossover.py's draw,
+    at most 512 prompt tokens) x `tokens` tokens: per prompt the first step where the two differ
+    and float32's top-1 margin there (a near-tie below `near_tie`); the largest logit difference
+    over every position that predicts a float32 token."""
+    from bench.crossover import prompt_ids
+    from bench.workloads import KINDS
+
+    prompts = [ids for kind in KINDS for ids in prompt_ids(ref.tokenizer, kind, per_kind, 512, 0)[0]]
+    a, b = _greedy_ids(ref, prompts, tokens), _greedy_ids(quant, prompts, tokens)
+    worst, rows = 0.0, []
+    for ids, x, y in zip(prompts, a, b):
+        at = np.arange(len(ids) - 1, len(ids) + tokens - 1, dtype=np.int32)
+        la, lb = _case_logits(ref, ids + x, at), _case_logits(quant, ids + x, at)
+        worst = max(worst, float(np.max(np.abs(la - lb))))
+        first = next((i for i in range(tokens) if x[i] != y[i]), None)
+        top2 = np.sort(la[first], axis=-1)[-2:] if first is not None else None
+        rows.append(None if first is None else {"first_difference": first,
+                                                "float32_margin": float(top2[1] - top2[0])})
+    differ = [r for r in rows if r is not None]
+    print(f"agreement sweep: {len(rows) - len(differ)}/{len(rows)} identical, worst logit difference "
+          f"{worst:.2e}", flush=True)
+    return {"prompts": len(rows), "tokens": tokens, "identical": len(rows) - len(differ),
+            "tokens_equal": sum(r["first_difference"] if r else tokens for r in rows),
+            "differences": differ, "near_tie_margin": near_tie,
+            "all_differences_near_ties": all(r["float32_margin"] < near_tie for r in differ),
+            "max_abs_logit_difference": worst}
+
+
+def speed(engines: dict, batches: tuple[int, ...], reps: int, context: int, new_tokens: int,
+          llama: str | None = None) -> dict:
+    """Decode tok/s per engine and batch, interleaved over `reps` rounds; with `llama` (a Python
+    with llama_cpp), llama.cpp's batch-1 decode on the same prompt in each round too."""
+    import tempfile
+
+    from bench.engine import _decode_prompt
+
     names = list(engines)
     for name in names:  # untimed: compiles each shape
         for b in batches:
             decode_throughput(engines[name], b, context, new_tokens)
     runs: dict[str, dict[int, list[float]]] = {n: {b: [] for b in batches} for n in names}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as ids:
+        json.dump(_decode_prompt(engines[names[0]].tokenizer, context, 0), ids)
+    llama_argv = ["--repeats", "1", "--new-tokens", str(new_tokens - 1), "--prompt-ids", ids.name,
+                  "--skip-prefill"]
+    if llama:
+        runs["llama.cpp"] = {1: []}
     for r in range(reps):
         for name in names if r % 2 == 0 else names[::-1]:
             for b in batches:
                 runs[name][b].append(decode_throughput(engines[name], b, context, new_tokens)["tokens_per_s"])
+        if llama:
+            runs["llama.cpp"][1].append(llamacpp(llama, llama_argv)["decode"]["tokens_per_s"])
+    Path(ids.name).unlink()
     out = {}
     ref, other = names
     for b in batches:
         ratio = [q / f for q, f in zip(runs[other][b], runs[ref][b])]
-        out[str(b)] = {
-            **{n: {"median": statistics.median(runs[n][b]), "min": min(runs[n][b]), "max": max(runs[n][b]),
-                   "runs": runs[n][b]} for n in names},
-            "ratio_median": statistics.median(ratio), "ratio_min": min(ratio), "ratio_max": max(ratio),
-        }
+        out[str(b)] = {**{n: _spread(runs[n][b]) for n in runs if b in runs[n]},
+                       **_ratios("ratio", ratio)}
+        if llama and b == 1:
+            for n in names:
+                vs = [x / y for x, y in zip(runs[n][1], runs["llama.cpp"][1])]
+                out["1"].update(_ratios(f"{n}_vs_llama.cpp", vs))
+    return out
+
+
+def prefill(engines: dict, tokens: int, llama: str | None) -> dict:
+    """`tokens`-token prefill tok/s of each engine (bench.engine.prefill_throughput) and llama.cpp's."""
+    from bench.engine import prefill_throughput
+
+    out = {n: prefill_throughput(e, tokens)["tokens_per_s"] for n, e in engines.items()}
+    if llama:
+        got = llamacpp(llama, ["--new-tokens", "1", "--repeats", "3", "--prefill-tokens", str(tokens)])
+        out["llama.cpp"] = got["prefill"]["tokens_per_s"]
+        out["llama.cpp_info"] = {k: got[k] for k in ("llama_cpp_python", "system_info", "threads")}
     return out
 
 
@@ -178,7 +274,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--context", type=int, default=32, help="prompt tokens of the speed runs")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--skip-agreement", action="store_true")
+    p.add_argument("--sweep-prompts", type=int, default=16,
+                   help="prompts per workload kind of the greedy agreement sweep (0: none)")
+    p.add_argument("--sweep-tokens", type=int, default=64)
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--llamacpp", metavar="PYTHON", help="a Python with llama_cpp: llama.cpp's batch-1 decode "
+                   "in every round and its prefill (bench/llamacpp_baseline.py)")
+    p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--memory", action="store_true", help="also /ready's memory block at serve's defaults")
     p.add_argument("--out", default="bench-out/quant-engine.json")
     args = p.parse_args(argv)
@@ -192,13 +294,20 @@ def main(argv: list[str] | None = None) -> dict:
               "weight_bytes": {n: weight_bytes(e.runner.params) for n, e in engines.items()}}
     print(json.dumps(result), flush=True)
     if not args.skip_agreement:
-        result["agreement"] = agreement(*engines.values(), json.loads(FIXTURE.read_text()))
+        golden = json.loads(FIXTURE.read_text())
+        result["agreement"] = agreement(*engines.values(), golden)
+        if args.sweep_prompts:
+            near_tie = golden["settings"]["near_tie_margin"]
+            result["agreement_sweep"] = agreement_sweep(*engines.values(), args.sweep_prompts,
+                                                        args.sweep_tokens, near_tie)
         print(json.dumps(result["agreement"], indent=1), flush=True)
     if not args.skip_speed:
-        result["decode"] = speed(engines, batches, args.reps, args.context, args.new_tokens)
+        result["decode"] = speed(engines, batches, args.reps, args.context, args.new_tokens, args.llamacpp)
         result["decode_settings"] = {"context": args.context, "new_tokens": args.new_tokens,
                                      "reps": args.reps}
         print(json.dumps(result["decode"], indent=1), flush=True)
+        result["prefill_tokens_per_s"] = prefill(engines, args.prefill_tokens, args.llamacpp)
+        print(json.dumps(result["prefill_tokens_per_s"], indent=1), flush=True)
     if memory is not None:
         result["serving_memory"] = memory
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -17,40 +17,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.cpu import cpu_flags, cpu_model
 from engine.model.gguf_file import GGUFFile, default_gguf_path
 from engine.quant import matmul as qm
 from engine.quant.formats import QuantWeight, concat_columns, dequantize, from_gguf
 
 LAYER_LEAVES = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
                 "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
-
-
-def cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    keep = ("avx", "fma", "f16c", "amx")
-    return sorted(f for f in line.split(":", 1)[-1].split() if f.startswith(keep))
-
-
-def cpu_model() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def _read(gf: GGUFFile, name: str) -> QuantWeight:
