@@ -344,10 +344,11 @@ def run_bench(out_path: str | None, grid: EarlyExitGrid, model: str | None = Non
     import jax.numpy as jnp
 
     from daemon.progress import reporter, say
-    from engine.loader import find_heads, load_engine
+    from engine.loader import default_dtype, find_heads, load_engine
     from engine.speculation.heads import DraftHeads
 
     log = lambda msg: say(f"bench early-exit: {msg}")
+    dtype = dtype or default_dtype()  # the compacting decoder reads float weights, not quantized ones
     progress = reporter()
     max_context = -(-(grid.prompt_tokens + max(grid.new_tokens, grid.ppl_tokens) + 1) // 64) * 64
     engine = load_engine(model=model, dtype=dtype, max_batch=max(grid.batches),

@@ -85,12 +85,11 @@ def test_a_prompt_the_context_cannot_hold_is_refused_before_tokenizing(server: L
 
 def test_ready_names_the_weights_served_and_the_memory_they_leave_the_pool(server: LiveServer) -> None:
     """By default the model serves its GGUF's own blocks (without the quantized-matmul kernel, their
-    numbers as float32); /ready's memory block names the form and its bytes, and the pool holds
-    the default memory budget less them."""
-    from engine.loader import default_memory_budget
+    numbers as float32); /ready's memory block names the form and its bytes, and, the pool's bytes
+    being fixed here (REAL_ENGINE's kv_budget_bytes), the memory budget is them plus the pool's."""
     from engine.quant.matmul import kernel_available
 
     m = server.get("/ready").json()["engine"]["memory"]
     served = ("gguf", 294_398_464) if kernel_available() else ("float32", 4 * server.engine.cfg.param_count())
     assert (m["weights"], m["weight_bytes"]) == served
-    assert m["memory_budget_bytes"] == default_memory_budget(server.engine.cfg)
+    assert m["memory_budget_bytes"] == m["weight_bytes"] + REAL_ENGINE["kv_budget_bytes"]
