@@ -91,7 +91,8 @@ class EarlyExitGrid:
     seed: int = 0
     """Seed of the prompt draw."""
     rounds: int = 2
-    """Timed runs per configuration; each reports its fastest (for a machine other processes share)."""
+    """Timed runs per configuration; each reports its fastest (for a machine other processes share) and
+    every round's speedup (`crossover bench early-exit` runs 3, for intervals over rounds)."""
     kv_fills: tuple[str, ...] = ("propagate",)
     """How exited rows' skipped layers get K/V: "propagate" (CALM, now) and/or "recompute" (later)."""
     max_pending: int = 4
@@ -160,7 +161,8 @@ def _fastest(rates: list[dict]) -> dict:
 
 def measure_speed(ee: EarlyExit, engine, grid: EarlyExitGrid, prompts: list[list[int]], log) -> dict:
     """Tokens/s per (batch, K/V fill, threshold), the plain loop and the serving engine per batch:
-    each the fastest of `grid.rounds` rounds, the configurations taking turns within a round.
+    each the fastest of `grid.rounds` rounds, the configurations taking turns within a round; each cell
+    also keeps every round's speedup over that round's "never" (`speedup_by_round`), for intervals.
     "never" runs once per batch (with the first fill) and is every fill's reference."""
     from bench.engine import decode_throughput
 
@@ -195,8 +197,9 @@ def measure_speed(ee: EarlyExit, engine, grid: EarlyExitGrid, prompts: list[list
         for c in configs[1:]:
             r = _fastest(rates[c])
             run = runs[(b, "never", NEVER) if c[0] == "never" else (b, c[1], c[2])]
+            by_round = [x["tokens_per_s"] / n["tokens_per_s"] for x, n in zip(rates[c], rates[configs[1]])]
             cell = {"batch": b, "threshold": _label(c[2]), **r, **_exit_stats(ee, run),
-                    "speedup_vs_never": r["tokens_per_s"] / never,
+                    "speedup_vs_never": r["tokens_per_s"] / never, "speedup_by_round": by_round,
                     "speedup_vs_plain_loop": r["tokens_per_s"] / pr["tokens_per_s"]}
             for f in (grid.kv_fills if c[0] == "never" else (c[1],)):
                 cells[f].append({**cell, "kv_fill": f})

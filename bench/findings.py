@@ -1,47 +1,45 @@
 """`crossover bench findings`: measure what `crossover report` needs into one database, then report.
 
-1. Migrate the telemetry database `--db` to head (it may be new) and load one engine: Gemma 3
-   270M with every proposer and the KV budget `--kv-budget` (or, with `fake`, engine/fake.py's
-   FakeEngine with simulated step times, for tests). Warm it up.
-2. Every run drives `EngineCore.step()` on this thread and hands each StepStats and finished
+1. Migrate the telemetry database `--db` to head (it may be new). The runs are data
+   (bench/findings_plan.py `plan`); with `--dry-run` print them and their estimated time, and stop.
+2. Engines (`Engines`), loaded when a run first needs one: "main" (Q1, Q2) is Gemma 3 270M with every
+   proposer and the budget `kv_budget`; each Q3 engine loads one proposer alone ("q3-none": none at all)
+   with the budget `q3_kv_budget`, so plain decoding holds speculation's resident bytes as KV pages. With
+   `--quick` each is engine/fake.py's FakeEngine, its pool smaller by the proposers' resident bytes.
+3. Every run drives `EngineCore.step()` on this thread and hands each StepStats and finished
    RequestResult to a `telemetry.recorder.Recorder` (the daemon's path into `xo_steps` and
-   `xo_requests`). Each run's policy gets its own version and is saved to `xo_policies`
-   (store.history.save_policy, source "admin"), so every step names the policy behind it.
-3. Q1, tenants alone and mixed (instance TENANT_INSTANCE): per workload kind, its first `q1_prompts`
-   prompts alone as one batch; then all kinds' same prompts in one mixed batch; each under
-   plain decoding and every technique at `depth`.
-4. Q2, the crossover (instance INSTANCE): batches of 1..max, tenants mixed round-robin over the
-   kinds (below one request per kind, one batch per group of kinds, so every batch size sees every
-   kind), the prompts of bench/crossover.py's draw; at each batch size plain decoding, every
-   technique, plain again (interleaved, so drift on a shared machine hits both sides).
-5. Q3, the pool split (instance POOL_INSTANCE): a queue of `q3_requests` long requests (the
-   kinds with the longest prompts), more than the pool holds at once, under plain decoding and each technique
-   with no split, then the draft model at each of `splits`. Whatever the engine does with a split (pages
-   withheld from tenants, the draft model's KV) shows in the steps' `kv_pages_used + kv_pages_free`.
-6. Flush, write a JSON of what ran (runs, wall times, machine) next to the report, and build the
-   report (bench.report) with the command, the machine and `note` in its header.
+   `xo_requests`) under the run's instance (bench/report/runs.py names them by phase, context and
+   round). Each run's policy gets its own version, saved to `xo_policies` (source "admin"), and its
+   request ids start `v{version}-`, so every step and request names the run behind it. A Q3 run first
+   empties the prefix cache, so no run reuses another's prompts.
+4. Prompts: Q1, each kind's first `q1_prompts` of bench/crossover.py's draw (greedy, then sampled with a
+   seed per request); Q2 and Q3, prompts that fill their context (`context_prompts`: a kind's prompts
+   concatenated), kinds round-robin, a batch of b taking the first b.
+5. Flush, write a JSON of what ran (runs, wall times, engines, machine, the estimate) next to the report,
+   and build the report (bench.report) with the command, the machine and `note` in its header.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.crossover import prompt_ids, verify_tokens_for
-from bench.findings_config import FindingsConfig
+from bench.findings_config import RESIDENT_TECHNIQUES, FindingsConfig
+from bench.findings_plan import MAIN, PlannedRun, estimate_s, plan
+from bench.report.runs import POOL_BASE, Q2_BASE, TENANT_BASE
 from bench.workloads import tenant_for
 from engine.policy import BatchRule, TunedPolicy
 from engine.types import Request, SamplingParams
 
-TENANT_INSTANCE = "findings-tenants"
-"""Instance name of the Q1 rows (tenants alone and mixed, the same prompts)."""
-INSTANCE = "findings"
-"""Instance name of the Q2 rows."""
-POOL_INSTANCE = "findings-pool"
-"""Instance name of the Q3 rows (the report keeps them out of Q1 and Q2)."""
+TENANT_INSTANCE, INSTANCE, POOL_INSTANCE = TENANT_BASE, Q2_BASE, POOL_BASE
+"""Base instance names of Q1, Q2 and Q3 (bench/report/runs.py adds sampling, context and round)."""
+FAKE_PAGE_BYTES = 64 << 10
+"""Bytes of one fake KV page: a fake engine's pool loses its proposers' resident bytes in these."""
 
 
 @dataclass
@@ -50,26 +48,56 @@ class Run:
 
     phase: str
     instance: str
+    engine: str
     version: int
     technique: str
     depth: int
     pool_split: float
     requests: int
     tenants: list[str]
+    round: int = 0
+    context: int = 0
+    sampling: str = "greedy"
+    prefix_reset: bool = False
     wall_s: float = 0.0
     steps: int = 0
     tokens: int = 0
     step_ms: float = 0.0
     peak_batch: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
     tenant_pages: list[int] = field(default_factory=list)
     """Smallest and largest kv_pages_used + kv_pages_free seen."""
 
 
-class Driver:
-    """Runs batches on one engine, recording every step into the database under an instance."""
+class Engines:
+    """The engines of a findings run by name, each loaded when first asked for."""
 
-    def __init__(self, engine: Any, db: str, log: Any) -> None:
-        self.engine, self.db, self.log = engine, db, log
+    def __init__(self, cfg: FindingsConfig, log: Any) -> None:
+        self.cfg, self.log = cfg, log
+        self.loaded: dict[str, Any] = {}
+        self.facts: dict[str, dict[str, Any]] = {}
+
+    def get(self, name: str) -> Any:
+        if name not in self.loaded:
+            for other in [n for n in self.loaded if n == MAIN and name != MAIN]:
+                self.drop(other)  # Q3 follows Q1 and Q2: the main engine's memory goes first
+            self.loaded[name] = load(self.cfg, self.log, name)
+            self.facts[name] = _engine_facts(self.loaded[name])
+        return self.loaded[name]
+
+    def drop(self, name: str) -> None:
+        import gc
+
+        self.loaded.pop(name, None)
+        gc.collect()
+
+
+class Driver:
+    """Runs batches on the engines, recording every step into the database under an instance."""
+
+    def __init__(self, engines: Engines, db: str, log: Any) -> None:
+        self.engines, self.db, self.log = engines, db, log
         self.runs: list[Run] = []
         self.version = _last_version(db)
         """Policy versions continue after the database's highest, so a later run appends."""
@@ -82,13 +110,13 @@ class Driver:
             self._recorders[instance] = Recorder(self.db, instance=instance, max_buffer=1_000_000).start()
         return self._recorders[instance]
 
-    def policy(self, instance: str, technique: str, depth: int, split: float) -> TunedPolicy:
+    def policy(self, engine: Any, instance: str, technique: str, depth: int, split: float) -> TunedPolicy:
         """A new version speculating at every batch size (technique "none": never), saved."""
         from store.db import make_engine, session_scope
         from store.history import save_policy
 
         self.version += 1
-        top = self.engine.max_batch
+        top = engine.max_batch
         policy = (TunedPolicy(pool_split=split, version=self.version, source="admin")
                   if technique == "none" else
                   TunedPolicy(rules=(BatchRule(top, technique, depth),), crossover=top, pool_split=split,
@@ -101,22 +129,31 @@ class Driver:
             db.dispose()
         return policy
 
-    def run(self, phase: str, instance: str, technique: str, depth: int, split: float,
-            prompts: list[tuple[str, list[int]]], max_tokens: int) -> Run:
-        """Submit every (tenant, ids) at once under a fresh policy; step until all finish."""
-        depth = 0 if technique == "none" else min(depth, self.engine.proposers[technique].max_depth)
-        policy = self.policy(instance, technique, depth, split)
-        rec = self.recorder(instance)
-        self.engine.set_policy(policy)
-        run = Run(phase, instance, policy.version, technique, depth, split, len(prompts),
-                  sorted({t for t, _ in prompts}))
+    def run(self, p: PlannedRun, prompts: list[tuple[str, list[int]]],
+            temperature: float = 0.0) -> Run | None:
+        """Submit every (tenant, ids) at once under a fresh policy; step until all finish. None when
+        the run's engine did not load its technique."""
+        engine = self.engines.get(p.engine)
+        if p.technique != "none" and p.technique not in engine.proposers:
+            return None
+        depth = 0 if p.technique == "none" else min(p.depth, engine.proposers[p.technique].max_depth)
+        if p.reset_prefix:
+            _empty_prefix_cache(engine)
+        policy = self.policy(engine, p.instance, p.technique, depth, p.split)
+        rec = self.recorder(p.instance)
+        engine.set_policy(policy)
+        run = Run(p.phase, p.instance, p.engine, policy.version, p.technique, depth, p.split, len(prompts),
+                  sorted({t for t, _ in prompts}), p.round, p.context, p.sampling, p.reset_prefix)
         started = time.perf_counter()
         for i, (tenant, ids) in enumerate(prompts):
-            sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            self.engine.add_request(Request(f"v{policy.version}-{i}", list(ids), sp, tenant=tenant))
+            rid = f"v{policy.version}-{i}"
+            sp = (SamplingParams(max_tokens=p.new_tokens, ignore_eos=True) if p.sampling == "greedy" else
+                  SamplingParams(max_tokens=p.new_tokens, ignore_eos=True, temperature=temperature,
+                                 seed=zlib.crc32(f"{tenant}-{i}".encode())))
+            engine.add_request(Request(rid, list(ids), sp, tenant=tenant))
         pages: list[int] = []
-        while self.engine.has_work():
-            out = self.engine.step()
+        while engine.has_work():
+            out = engine.step()
             for result in out.finished:
                 rec.record_request(result)
             st = out.stats
@@ -127,14 +164,16 @@ class Driver:
             run.tokens += st.decode_tokens
             run.step_ms += st.step_ms
             run.peak_batch = max(run.peak_batch, st.batch_size)
+            run.prefix_hit_tokens += st.prefix_hit_tokens
+            run.prefix_query_tokens += st.prefix_query_tokens
             pages.append(st.kv_pages_used + st.kv_pages_free)
         run.wall_s = time.perf_counter() - started
         run.tenant_pages = [min(pages), max(pages)] if pages else []
         self.runs.append(run)
         rate = run.tokens / (run.step_ms / 1e3) if run.step_ms else 0.0
-        self.log(f"  {phase} v{run.version} {technique}@{depth} split {split:g}: {len(prompts)} requests, "
-                 f"{run.steps} steps, {rate:.1f} tok/s of step time, peak batch {run.peak_batch}, "
-                 f"{run.wall_s:.1f} s")
+        self.log(f"  {p.phase} {p.instance} v{run.version} {p.technique}@{depth} split {p.split:g}: "
+                 f"{len(prompts)} requests, {run.steps} steps, {rate:.1f} tok/s of step time, peak batch "
+                 f"{run.peak_batch}, {run.wall_s:.1f} s")
         return run
 
     def close(self) -> None:
@@ -143,42 +182,61 @@ class Driver:
         self._recorders.clear()
 
 
+def _empty_prefix_cache(engine: Any) -> None:
+    """Empty the prefix cache of an idle engine (its reset runs at the next step)."""
+    done = engine.reset_prefix_cache()
+    while not done.done():
+        engine.step()
+
+
 def _last_version(db: str) -> int:
-    """The highest policy version any findings instance of `db` holds (0: none)."""
+    """The highest policy version any instance of `db` holds (0: none)."""
+    from sqlalchemy import func, select
+
     from store.db import make_engine, session_scope
-    from store.history import max_policy_version
+    from store.models import Policy
 
     engine = make_engine(db)
     try:
         with session_scope(engine) as session:
-            return max((max_policy_version(session, instance=i) or 0)
-                       for i in (TENANT_INSTANCE, INSTANCE, POOL_INSTANCE))
+            return int(session.scalar(select(func.max(Policy.version))) or 0)
     finally:
         engine.dispose()
 
 
-def load(cfg: FindingsConfig, log: Any) -> Any:
-    """The engine of the run: the real model with every proposer, or the fake."""
+def _proposers_of(cfg: FindingsConfig, name: str) -> tuple[str, ...]:
+    """Model proposers engine `name` loads: main, every one asked for; q3-T, T alone (none for q3-none)."""
+    if name == MAIN:
+        return tuple(cfg.techniques)
+    tech = name.removeprefix("q3-")
+    return (tech,) if tech in RESIDENT_TECHNIQUES and tech in cfg.techniques else ()
+
+
+def load(cfg: FindingsConfig, log: Any, name: str = MAIN) -> Any:
+    """Engine `name` (see `Engines`): the real model, or the fake with `quick`."""
     if cfg.quick:
-        return fake_engine(cfg)
+        return fake_engine(cfg, name)
     from daemon.progress import reporter
-    from engine.loader import load_engine
+    from engine.loader import MODEL_PROPOSERS, load_engine
 
     progress = reporter()
-    longest = max(cfg.prompt_tokens + cfg.new_tokens, cfg.q3_prompt_tokens + cfg.q3_new_tokens)
-    verify = verify_tokens_for((cfg.depth,))
+    wanted = tuple(t for t in MODEL_PROPOSERS if t in _proposers_of(cfg, name))
+    if name == MAIN:
+        depths, longest, budget = (*cfg.depths, cfg.depth), max(cfg.prompt_tokens + cfg.q1_new_tokens,
+                                                                 *cfg.contexts), cfg.kv_budget
+    else:
+        depths, longest, budget = (cfg.depth,), cfg.q3_context, cfg.q3_kv_budget
+    verify = verify_tokens_for(depths)
     context = 1 << (longest + verify[-1] + 2 - 1).bit_length()
-    log(f"loading {cfg.model or 'Gemma 3 270M'}: KV budget {cfg.kv_budget / 2**20:.0f} MiB, context "
-        f"{context}, max batch {cfg.max_batch}")
-    from engine.loader import MODEL_PROPOSERS
-
-    wanted = tuple(t for t in MODEL_PROPOSERS if t in cfg.techniques)  # only these load (and cost memory)
-    engine = load_engine(model=cfg.model, dtype=cfg.dtype, kv_budget_bytes=cfg.kv_budget,
-                         max_batch=cfg.max_batch,
-                         max_context=context, token_budget=2048, speculation=True, heads=cfg.heads,
+    speculation = name == MAIN or bool(wanted)  # the plain Q3 engine compiles no verify shapes
+    log(f"loading engine {name} ({cfg.model or 'Gemma 3 270M'}, proposers: {', '.join(wanted) or 'none'}): "
+        f"budget {budget / 2**20:.0f} MiB, context {context}, max batch {cfg.max_batch}")
+    engine = load_engine(model=cfg.model, dtype=cfg.dtype, kv_budget_bytes=budget, max_batch=cfg.max_batch,
+                         max_context=context, token_budget=2048, speculation=speculation, heads=cfg.heads,
                          verify_tokens=verify, spec_max_batch=cfg.max_batch, model_proposers=wanted,
                          progress=progress)
-    log(f"proposers: {', '.join(sorted(engine.proposers))}; warming up (compiles are cached on disk)")
+    log(f"engine {name}: proposers {', '.join(sorted(engine.proposers)) or 'none'}; warming up (compiles "
+        "are cached on disk)")
     engine.warmup(progress=progress)
     from bench.engine import run_each_shape_once
 
@@ -186,17 +244,23 @@ def load(cfg: FindingsConfig, log: Any) -> Any:
     return engine
 
 
-def fake_engine(cfg: FindingsConfig) -> Any:
-    """engine/fake.py's engine with every technique, acceptance scaled per tenant, simulated step times."""
+def fake_engine(cfg: FindingsConfig, name: str = MAIN) -> Any:
+    """engine/fake.py's engine with the proposers of `name`, acceptance scaled per tenant, simulated step
+    times; its pool is smaller by the proposers' resident bytes (FAKE_PAGE_BYTES a page)."""
     from engine.fake import FakeCost, FakeEngine, FakeProposer
 
-    proposers = {"ngram": FakeProposer("ngram", (0.8, 0.7, 0.6, 0.5)),
-                 "mtp": FakeProposer("mtp", (0.6, 0.4, 0.3)),
-                 "early_exit": FakeProposer("early_exit", (0.5, 0.4, 0.3)),
-                 "draft": FakeProposer("draft", (0.55, 0.45, 0.35), resident=1 << 20)}
+    every = {"ngram": FakeProposer("ngram", (0.8, 0.7, 0.6, 0.5)),
+             "mtp": FakeProposer("mtp", (0.6, 0.4, 0.3), resident=8 * FAKE_PAGE_BYTES),
+             "early_exit": FakeProposer("early_exit", (0.5, 0.4, 0.3)),
+             "draft": FakeProposer("draft", (0.55, 0.45, 0.35), resident=4 * FAKE_PAGE_BYTES)}
+    wanted = _proposers_of(cfg, name)
+    proposers = {n: p for n, p in every.items() if n in wanted or (n == "ngram" and name != "q3-none")}
+    resident = sum(p.resident for p in proposers.values()) // FAKE_PAGE_BYTES
+    pages = (4096 if name == MAIN else 40) - resident  # a Q3 pool holds fewer requests than max_batch
     scale = {"copy-tenant": 1.0, "code-tenant": 0.7, "chat-tenant": 0.5, "prose-tenant": 0.4}
-    engine = FakeEngine(max_batch=cfg.max_batch, max_context=1024, num_pages=256, proposers=proposers,
-                        max_depth=4, tenant_acceptance=scale, cost=FakeCost(base_ms=5.0, per_token_ms=0.4))
+    engine = FakeEngine(max_batch=cfg.max_batch, max_context=8192, num_pages=pages, proposers=proposers,
+                        max_depth=4, tenant_acceptance=scale, cost=FakeCost(base_ms=5.0, per_token_ms=0.4),
+                        model_name="fake-reverse")
     engine.warmup(progress=False)
     return engine
 
@@ -205,6 +269,26 @@ def kind_prompts(engine: Any, kinds: tuple[str, ...], n: int, limit: int,
                  seed: int) -> dict[str, list[list[int]]]:
     """Each kind's first n prompts of bench/crossover.py's seeded draw (at most `limit` tokens)."""
     return {k: prompt_ids(engine.tokenizer, k, n, limit, seed)[0] for k in kinds}
+
+
+def context_prompts(engine: Any, kinds: tuple[str, ...], n: int, tokens: int,
+                    seed: int) -> list[tuple[str, list[int]]]:
+    """n (tenant, ids) of exactly `tokens` tokens, kinds round-robin: request j of a kind is that kind's
+    prompts from the (7 j)-th on, concatenated (BOS only first) and cut to BOS + its last tokens - 1, so
+    no two requests share a prefix."""
+    per_kind = -(-n // len(kinds))
+    by_kind = kind_prompts(engine, kinds, 64, tokens, seed)
+    long = {}
+    for k, pool in by_kind.items():
+        rows = []
+        for j in range(per_kind):
+            ids, i = list(pool[(7 * j) % len(pool)]), 1
+            while len(ids) < tokens:
+                ids += pool[(7 * j + i) % len(pool)][1:]
+                i += 1
+            rows.append(ids[:1] + ids[len(ids) - tokens + 1:])
+        long[k] = rows
+    return interleave(long, n)
 
 
 def interleave(by_kind: dict[str, list[list[int]]], n: int) -> list[tuple[str, list[int]]]:
@@ -218,8 +302,8 @@ def interleave(by_kind: dict[str, list[list[int]]], n: int) -> list[tuple[str, l
             for i in range(n)]
 
 
-def run_findings(cfg: FindingsConfig) -> Path:
-    """Every phase, then the report; returns the report's README path."""
+def run_findings(cfg: FindingsConfig) -> Path | None:
+    """Every phase, then the report; returns the report's README path (None for a dry run)."""
     from daemon.progress import say
     from store.migrate import ensure_schema
 
@@ -227,81 +311,58 @@ def run_findings(cfg: FindingsConfig) -> Path:
         say(f"bench findings: {msg}")
 
     t0 = time.time()
+    runs = plan(cfg, tuple(cfg.techniques))
+    estimate = estimate_s(runs, cfg)
+    log(f"{len(runs)} runs ({', '.join(f'{k} {sum(r.phase == k for r in runs)}' for k in cfg.phases)}); "
+        f"estimated {sum(estimate.values()) / 60:.0f} min on the 2-core CPU without loading and compiling ("
+        + ", ".join(f"{k} {v / 60:.1f} min" for k, v in estimate.items()) + ")")
+    if cfg.dry_run:
+        return None
     ensure_schema(cfg.db)
-    engine = load(cfg, log)
-    techs = tuple(t for t in cfg.techniques if t in engine.proposers)
-    missing = [t for t in cfg.techniques if t not in techs]
-    if missing:
-        log(f"not loaded, left out: {', '.join(missing)} (the model-based proposers need a heads file)")
-    drv = Driver(engine, cfg.db, log)
+    engines = Engines(cfg, log)
+    drv = Driver(engines, cfg.db, log)
     appended = drv.version > 0  # the database already holds runs (of an earlier `--phases` command)
-    phases: dict[str, float] = {"load": time.time() - t0}
+    phases: dict[str, float] = {}
+    prompts = Prompts(cfg, engines)
     try:
-        for name in cfg.phases:
-            fn = PHASES[name]
+        for i, p in enumerate(runs):
             t = time.time()
-            fn(cfg, engine, drv, techs, log)
-            phases[name] = time.time() - t
+            if i == 0 or runs[i - 1].phase != p.phase:
+                log(f"{p.phase}: {sum(r.phase == p.phase for r in runs)} runs")
+            if drv.run(p, prompts.of(p), cfg.q1_temperature) is None:
+                log(f"  {p.phase} {p.technique}: not loaded on engine {p.engine}, left out")
+            phases[p.phase] = phases.get(p.phase, 0.0) + time.time() - t
     finally:
         drv.close()
     t = time.time()
-    readme = _report(cfg, engine, drv, phases, t0, appended)
+    readme = _report(cfg, engines, drv, phases, t0, appended, estimate)
     phases["report"] = time.time() - t
     log(f"wrote {readme} in {time.time() - t0:.0f} s "
         f"({', '.join(f'{k} {v:.0f} s' for k, v in phases.items())})")
     return readme
 
 
-PHASES = {"q1": lambda *a: _q1(*a), "q2": lambda *a: _q2(*a), "q3": lambda *a: _q3(*a)}
-"""Phase name -> its function (looked up when called)."""
+class Prompts:
+    """The prompts of each planned run, drawn once per (phase, context) and shared by its runs."""
 
+    def __init__(self, cfg: FindingsConfig, engines: Engines) -> None:
+        self.cfg, self.engines = cfg, engines
+        self._drawn: dict[tuple, list[tuple[str, list[int]]]] = {}
 
-def _split_for(cfg: FindingsConfig, technique: str) -> float:
-    return cfg.draft_split if technique == "draft" else 0.0
-
-
-def _q1(cfg: FindingsConfig, engine: Any, drv: Driver, techs: tuple[str, ...], log: Any) -> None:
-    by_kind = kind_prompts(engine, cfg.kinds, cfg.q1_prompts, cfg.prompt_tokens, cfg.seed)
-    groups = [(f"{k} alone", [(tenant_for(k), ids) for ids in by_kind[k]]) for k in cfg.kinds]
-    groups.append(("mixed", interleave(by_kind, cfg.q1_prompts * len(cfg.kinds))))
-    log(f"Q1: {len(groups)} batches (each kind alone, then all mixed) x {1 + len(techs)} policies")
-    for i, (label, prompts) in enumerate(groups):
-        log(f"Q1 [{i + 1}/{len(groups)}] {label}, batch {len(prompts)}")
-        for tech in ("none", *techs):
-            drv.run("q1", TENANT_INSTANCE, tech, cfg.depth, _split_for(cfg, tech), prompts, cfg.new_tokens)
-
-
-def _q2(cfg: FindingsConfig, engine: Any, drv: Driver, techs: tuple[str, ...], log: Any) -> None:
-    top = max(cfg.batches)
-    per_kind = -(-top // len(cfg.kinds))
-    by_kind = kind_prompts(engine, cfg.kinds, per_kind, cfg.prompt_tokens, cfg.seed + 1)
-    log(f"Q2: batch sizes {list(cfg.batches)}, tenants mixed round-robin, plain / each technique / plain")
-    kinds = list(by_kind)
-    for i, b in enumerate(sorted(cfg.batches)):
-        # below one request per kind, several batches rotate the kinds so each batch size sees every kind
-        sets = [interleave({k: by_kind[k] for k in kinds[j:] + kinds[:j]}, b)
-                for j in range(0, len(kinds), b)] if b < len(kinds) else [interleave(by_kind, b)]
-        log(f"Q2 [{i + 1}/{len(cfg.batches)}] batch {b}"
-            + (f", {len(sets)} batches" if len(sets) > 1 else ""))
-        for tech in ("none", *techs, "none"):
-            for prompts in sets:
-                drv.run("q2", INSTANCE, tech, cfg.depth, _split_for(cfg, tech), prompts, cfg.new_tokens)
-
-
-def _q3(cfg: FindingsConfig, engine: Any, drv: Driver, techs: tuple[str, ...], log: Any) -> None:
-    per_kind = -(-cfg.q3_requests // len(cfg.q3_kinds))
-    by_kind = kind_prompts(engine, cfg.q3_kinds, per_kind, cfg.q3_prompt_tokens, cfg.seed + 2)
-    prompts = interleave(by_kind, cfg.q3_requests)
-    plan = [("none", 0.0)] + [(t, 0.0) for t in techs if t != "draft"]
-    # the draft model keeps its KV in the lent pages; without it the splits still withhold pages
-    # from tenants, under the first technique loaded, which leaves them idle
-    lender = "draft" if "draft" in techs else techs[0] if techs else "none"
-    plan += [(lender, s) for s in cfg.splits]
-    log(f"Q3: {cfg.q3_requests} requests of up to {cfg.q3_prompt_tokens} + {cfg.q3_new_tokens} tokens queued "
-        f"at once, {len(plan)} runs ({lender} at splits {list(cfg.splits)})")
-    for i, (tech, split) in enumerate(plan):
-        log(f"Q3 [{i + 1}/{len(plan)}] {tech} split {split:g}")
-        drv.run("q3", POOL_INSTANCE, tech, cfg.depth, split, prompts, cfg.q3_new_tokens)
+    def of(self, p: PlannedRun) -> list[tuple[str, list[int]]]:
+        cfg, tok = self.cfg, self.engines.get(p.engine)
+        key = (p.phase, p.context, p.kinds if p.phase == "q1" and len(p.kinds) == 1 else ())
+        if key not in self._drawn:
+            if p.phase == "q1":
+                by_kind = kind_prompts(tok, cfg.kinds, cfg.q1_prompts, cfg.prompt_tokens, cfg.seed)
+                self._drawn[key] = interleave({k: by_kind[k] for k in p.kinds}, cfg.q1_prompts * len(p.kinds))
+            else:
+                room = p.new_tokens + (max(cfg.depths) if p.phase == "q2" else cfg.depth) + 2
+                top = max(r.batch for r in plan(cfg, tuple(cfg.techniques)) if r.phase == p.phase
+                          and r.context == p.context)
+                seed = cfg.seed + (1 if p.phase == "q2" else 2)
+                self._drawn[key] = context_prompts(tok, p.kinds, top, p.context - room, seed)
+        return self._drawn[key][:p.batch]
 
 
 def _engine_facts(engine: Any) -> dict[str, Any]:
@@ -313,16 +374,15 @@ def _engine_facts(engine: Any) -> dict[str, Any]:
             "dtype": getattr(getattr(getattr(engine, "runner", None), "rc", None), "dtype", "fake")}
 
 
-def engine_line(e: dict[str, Any], budget: int) -> str:
-    """The engine every run shared, in a sentence (from `_engine_facts`)."""
+def engine_line(name: str, e: dict[str, Any], budget: int) -> str:
+    """One engine of the run in a sentence (from `_engine_facts`)."""
     resident = sum(p["resident_bytes"] for p in e["proposers"].values())
     heads = ", ".join(f"{n} {p['resident_bytes'] / 2**20:.1f} MiB" for n, p in sorted(e["proposers"].items())
                       if p["resident_bytes"])
-    return (f"{e['model']} ({e['dtype']}), max batch {e['max_batch']}, context {e['max_context']}; one "
-            f"memory budget of {budget / 2**20:.0f} MiB, of which speculation's resident bytes "
-            f"({resident / 2**20:.1f} MiB: {heads or 'none'}) stay loaded for every run, plain decoding's "
-            f"included, and the KV pool has {e['total_pages']} pages of {e['page_size']} tokens; a pool "
-            "split withholds its share of those pages from tenants for the run.")
+    return (f"{name}: {e['model']} ({e['dtype']}), max batch {e['max_batch']}, context {e['max_context']}, "
+            f"memory budget {budget / 2**20:.0f} MiB of which speculation's resident bytes "
+            f"{resident / 2**20:.1f} MiB ({heads or 'none'}), KV pool {e['total_pages']} pages of "
+            f"{e['page_size']} tokens")
 
 
 def _earlier(path: Path, db: str, appended: bool) -> list[dict[str, Any]]:
@@ -339,31 +399,33 @@ def _earlier(path: Path, db: str, appended: bool) -> list[dict[str, Any]]:
     return [*old.get("earlier", []), {k: old.get(k) for k in ("command", "started", "seconds", "runs")}]
 
 
-def _report(cfg: FindingsConfig, engine: Any, drv: Driver, phases: dict[str, float], t0: float,
-            appended: bool = False) -> Path:
+def _report(cfg: FindingsConfig, engines: Engines, drv: Driver, phases: dict[str, float], t0: float,
+            appended: bool, estimate: dict[str, float]) -> Path:
     from bench.report.build import ReportRequest, build_report, machine_facts
     from bench.report.planned import PlanInputs
+    from engine.config import PRESETS
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     facts = {"db": cfg.db, "command": cfg.command, "note": cfg.note,
-             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
-                                                                                  time.gmtime(t0)),
-             "seconds": {k: round(v, 1) for k, v in phases.items()}, "machine": machine_facts(),
-             "engine": _engine_facts(engine), "config": {k: v for k, v in asdict(cfg).items() if k != "db"},
+             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),
+             "seconds": {k: round(v, 1) for k, v in phases.items()},
+             "estimated_seconds": {k: round(v, 1) for k, v in estimate.items()}, "machine": machine_facts(),
+             "engines": engines.facts, "config": {k: v for k, v in asdict(cfg).items() if k != "db"},
              "runs": [asdict(r) for r in drv.runs]}
     path = out / "findings.json"
     earlier = _earlier(path, cfg.db, appended)
     if earlier:
         facts["earlier"] = earlier
     path.write_text(json.dumps(facts, indent=1) + "\n", encoding="utf-8")
-    model = "gemma3-270m" if cfg.model is None else engine.model_name
-    from engine.config import PRESETS
-
-    plan = PlanInputs(model=model if model in PRESETS else "gemma3-270m")
+    model = next((e["model"] for e in engines.facts.values()), "gemma3-270m")
+    plan = PlanInputs(model=model if cfg.model is not None and model in PRESETS else "gemma3-270m")
     minutes = (time.time() - t0) / 60
+    lines = "; ".join(engine_line(n, e, cfg.kv_budget if n == MAIN else cfg.q3_kv_budget)
+                      for n, e in engines.facts.items())
     note = ((cfg.note + " " if cfg.note else "") + f"The measurement took {minutes:.1f} minutes "
-            f"(findings.json: per phase). Engine: {engine_line(facts['engine'], cfg.kv_budget)}")
+            f"(findings.json: per phase). Engines: {lines}. A pool split withholds its share of a pool's "
+            "pages from tenants for the run.")
     source = "; then ".join([e["command"] for e in earlier if e.get("command")] + [cfg.command or "?"])
     req = ReportRequest(db=cfg.db, out=out, plan=plan, source_command=source, pool_instance=POOL_INSTANCE,
                         tenant_instance=TENANT_INSTANCE,

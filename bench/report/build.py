@@ -4,12 +4,14 @@
    database (reachable, at the schema head) — `ReportInputError` naming the
    bad value otherwise.
 2. Read the raw steps and requests once (bench/report/data.py).
-3. Write the sections, each with its figures and the query behind every number, then the
-   answers that open the report (summary.py: a paragraph, a figure and a source per question): Q1 acceptance
-   (measured.py), Q2 crossover measured (measured.py) and predicted (planned.py), Q3 memory against goodput
-   and the projection for larger models (planned.py), Q4 early exit with compaction and the
-   mixture-of-experts verdict (planned.py).
-4. Write DIR/README.md: date, machine, database URL (password hidden), the
+3. Read back `crossover bench findings`' runs (verdicts.read_rounds: Q1 by sequence, Q2 and Q3 in rounds).
+4. Write the sections, each with its figures and the query behind every number, then the verdict table
+   and the answers that open the report (verdicts.py; summary.py: a paragraph, a figure and a source per
+   question): Q1 acceptance (measured.py, q1_sequences.py), Q2 crossover measured (q2_rounds.py,
+   measured.py) and predicted (planned.py), Q3 memory against goodput (q3_rounds.py, pool.py) and the
+   projection for larger models (planned.py), Q4 early exit with compaction and the mixture-of-experts
+   verdict (planned.py).
+5. Write DIR/README.md: date, machine, database URL (password hidden), the
    command that made the report and, when given, the one that made the data.
 """
 
@@ -24,12 +26,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.report import q1_sequences, q2_rounds, q3_rounds
 from bench.report.data import ReportInputError, Telemetry, open_database, read_telemetry, shown_url
 from bench.report.early import EarlyExitFileError, load_runs
 from bench.report.early import section as early_section
 from bench.report.measured import q1_section, q2_measured_section
 from bench.report.planned import PlanInputs, q2_predicted_section, q3_section, q4_section
 from bench.report.summary import summary
+from bench.report.verdicts import read_rounds, table
 
 README = "README.md"
 
@@ -198,16 +202,20 @@ def build_report(req: ReportRequest) -> Path:
     engine = open_database(req.db)
     try:
         telemetry = read_telemetry(engine, req.instance, req.pool_instance, req.tenant_instance)
+        rounds = read_rounds(engine)
     finally:
         engine.dispose()
     revision = current_revision(req.db)
-    body = q1_section(telemetry, out)
-    body += q2_measured_section(telemetry, out)
+    body = q1_section(telemetry, out) + q1_sequences.section(rounds.q1, out)
+    q2 = q2_measured_section(telemetry, out)
+    body += q2[:2] + q2_rounds.section(rounds.q2, out) + q2[2:]
     body += q2_predicted_section(telemetry, req.plan, out)
-    body += q3_section(telemetry, req.plan, out)
+    q3 = q3_section(telemetry, req.plan, out)
+    body += q3[:2] + q3_rounds.section(rounds.q3, out) + q3[2:]
     body += q4_section(telemetry, out, early_section(early, out))
     # the answers come first but are written last: they show the figures the sections drew
-    lines = header(req, telemetry, revision) + summary(telemetry, req.plan, early, out) + body
+    lines = (header(req, telemetry, revision) + table(rounds, telemetry, req.plan, early)
+             + summary(telemetry, req.plan, early, out, rounds) + body)
     path = out / README
     path.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     return path

@@ -197,7 +197,7 @@ def read_telemetry(engine: Engine, instance: str | None = None, pool_instance: s
         query = select(*cols).where(*where).order_by(Step.instance, Step.time)
         for row in session.execute(query.execution_options(yield_per=5000)):
             r = dict(zip(STEP_COLUMNS, row))
-            if pool_instance is not None and r["instance"] == pool_instance:
+            if _is_pool(r["instance"], pool_instance):
                 _add_pool_step(t, r)
             else:
                 _add_step(t, r, presence)
@@ -207,7 +207,7 @@ def read_telemetry(engine: Engine, instance: str | None = None, pool_instance: s
             rq = rq.where(Request.instance == instance)
         rows = session.execute(rq.execution_options(yield_per=5000))
         for inst, tenant, start, end, proposed, accepted in rows:
-            if pool_instance is not None and inst == pool_instance:
+            if _is_pool(inst, pool_instance):
                 continue
             kind = _request_kind(presence.get((inst, tenant)), start, end)
             c = t.by_tenant.setdefault((tenant, kind), RequestCounts())
@@ -220,6 +220,14 @@ def read_telemetry(engine: Engine, instance: str | None = None, pool_instance: s
         if t.pool_runs:
             _pool_splits(session, t)
     return t
+
+
+def _is_pool(instance: str, pool_instance: str | None) -> bool:
+    """`pool_instance` itself or one of its rounds (`{pool_instance}-r{round}`, bench/report/runs.py)."""
+    if pool_instance is None:
+        return False
+    rest = instance.removeprefix(pool_instance)
+    return rest == "" or (rest != instance and rest.startswith("-r") and rest[2:].isdigit())
 
 
 def _add_pool_step(t: Telemetry, r: dict) -> None:
@@ -240,10 +248,10 @@ def _pool_splits(session, t: Telemetry) -> None:
     policy."""
     from store.history import policy_history
 
-    for p in policy_history(session, limit=10_000, instance=t.pool_instance):
+    for p in policy_history(session, limit=100_000, instance=None):
         run = t.pool_runs.get(int(p.version))
         body = p.body if isinstance(p.body, dict) else {}
-        if run is None:
+        if run is None or not _is_pool(str(p.instance), t.pool_instance):
             continue
         run.pool_split = float(body.get("pool_split", 0.0))
         rules = body.get("rules") or []

@@ -3,7 +3,8 @@
 The compacting early exit is an experiment outside the serving path (bench/early_exit_decoder.py):
 it writes a JSON file, not telemetry rows, so `crossover report --early-exit FILE` reads it
 here. Each file gives a table of speedups (against never exiting, same code path, same run)
-per batch size and threshold, and one of quality against the full model.
+per batch size and threshold, and one of quality against the full model. A file that keeps every
+round's speedup (`speedup_by_round`) gets a 95% interval per cell that resamples rounds.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from bench.report.stats import Interval, bootstrap, geomean
 
 REQUIRED = ("lossy", "grid", "cells", "quality")
 """Keys every `bench early-exit` JSON has; a file without them is refused."""
@@ -37,6 +40,17 @@ def load_runs(paths: tuple[Path, ...]) -> list[tuple[Path, dict[str, Any]]]:
     return runs
 
 
+def speedup_ci(cell: dict[str, Any]) -> Interval | None:
+    """The cell's speedup over never exiting with a 95% interval over rounds (geometric mean of each
+    round's ratio); None for a file that kept only the fastest round."""
+    rounds = cell.get("speedup_by_round") or []
+    return bootstrap(rounds, geomean) if len(rounds) > 1 else None
+
+
+def has_rounds(data: dict[str, Any]) -> bool:
+    return any(len(c.get("speedup_by_round") or []) > 1 for c in data["cells"])
+
+
 def _threshold(value: Any) -> str:
     return value if isinstance(value, str) else f"{float(value):g}"
 
@@ -53,14 +67,20 @@ def run_section(path: Path, data: dict[str, Any]) -> list[str]:
               f"`{grid.get('confidence', '?')}`, {grid.get('new_tokens', '?')} new tokens per sequence, "
               f"KV fill by {data.get('kv_fill', '?')}; model {data.get('model', '?')} "
               f"{data.get('dtype', '')}; machine {json.dumps(data.get('machine', {}))}."), "",
-             "Tokens/s against never exiting (same code path, same run); exit fraction in parentheses:", "",
+             ("Tokens/s against never exiting (same code path, same run); exit fraction in parentheses; "
+              + (f"geometric mean of {grid.get('rounds', '?')} rounds' ratios with a 95% interval over "
+                 "rounds:" if has_rounds(data) else f"the fastest of {grid.get('rounds', '?')} rounds each, "
+                 "**no interval** (this file predates per-round results):")), "",
              "| threshold | " + " | ".join(f"batch {b}" for b in batches) + " |",
              "|---|" + "---:|" * len(batches)]
     for t in thresholds:
         row = []
         for b in batches:
             c = cell.get((t, b))
-            row.append("-" if c is None else f"{c['speedup_vs_never']:.2f}x ({c['exit_fraction']:.0%})")
+            ci = None if c is None else speedup_ci(c)
+            shown = "-" if c is None else (f"{ci.value:.2f}x [{ci.low:.2f}, {ci.high:.2f}]" if ci else
+                                           f"{c['speedup_vs_never']:.2f}x")
+            row.append(shown if c is None else f"{shown} ({c['exit_fraction']:.0%})")
         lines.append(f"| {_threshold(t)} | " + " | ".join(row) + " |")
     lines += ["", ("Quality against the full model (greedy agreement: share of positions whose token equals "
                    "the full model's given the same prefix):"), "",
@@ -99,11 +119,16 @@ def early_exit_figure(runs: list[tuple[Path, dict[str, Any]]], out: Path) -> str
         batches = sorted({c["batch"] for c in cells})
         agreement = {_threshold(q["threshold"]): q["greedy_agreement"] for q in data["quality"]}
         for i, th in enumerate(dict.fromkeys(c["threshold"] for c in cells)):
-            pts = sorted((c["batch"], c["speedup_vs_never"]) for c in cells if c["threshold"] == th)
+            mine = sorted((c for c in cells if c["threshold"] == th), key=lambda c: c["batch"])
+            cis = [speedup_ci(c) for c in mine]
+            ys = [ci.value if ci else c["speedup_vs_never"] for c, ci in zip(mine, cis)]
+            err = ([[y - ci.low for y, ci in zip(ys, cis)], [ci.high - y for y, ci in zip(ys, cis)]]
+                   if all(cis) else None)
             agree = agreement.get(_threshold(th))
-            ax.plot(*zip(*pts), marker="o", markersize=3, color=_rgb(GROUP_COLORS[i % len(GROUP_COLORS)]),
-                    label=f"threshold {_threshold(th)}"
-                    + (f" (greedy agreement {agree:.2f})" if agree else ""))
+            shift = 2 ** ((i - 2) * 0.05)  # apart sideways, so error bars of thresholds do not overlap
+            ax.errorbar([c["batch"] * shift for c in mine], ys, yerr=err, capsize=3, marker="o", markersize=3,
+                        color=_rgb(GROUP_COLORS[i % len(GROUP_COLORS)]), label=f"threshold {_threshold(th)}"
+                        + (f" (greedy agreement {agree:.2f})" if agree else ""))
         ax.axhline(1.0, color="black", linewidth=0.8)
         _log2_batches(ax, batches)
         ax.set_ylim(bottom=0)

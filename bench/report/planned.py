@@ -136,6 +136,21 @@ def predicted_batches(p: PlanInputs, chip: roofline.Chip) -> list[int]:
     return [b for b in PRED_BATCHES if b <= tenants_at(b)]
 
 
+def predicted_crossovers(t: Telemetry, p: PlanInputs) -> list[str]:
+    """'TECH on CHIP B=b' per measured technique and chip: where the roofline predicts speculation, at its
+    usual depth with the acceptance measured, first falls below plain decoding."""
+    out = []
+    for tech in _spec_techniques(t):
+        depth, acc = usual_depth(t, tech) or 1, measured_acceptance(t, tech)
+        for chip in roofline.CHIPS.values():
+            batches = predicted_batches(p, chip)
+            b = roofline.predicted_crossover(tech, p.cfg, chip, depth, acc, p.context, batches,
+                                             p.weight_dtype)
+            top = f"none up to B={batches[-1]}" if batches else "no batch fits"
+            out.append(f"{tech} on {chip.name} {f'B={b}' if b else top}")
+    return out
+
+
 def _pages_per_tenant(p: PlanInputs, depth: int) -> int:
     g, loc = pages_per_sequence(p.cfg, p.context, p.page_size, depth)
     return g + loc
@@ -192,7 +207,7 @@ def _fitting_plan(p: PlanInputs, cfg: ModelConfig) -> Plan:
     return next((x for x in plans if x.fits), plans[-1])
 
 
-def _spec_batch(cost, plan: Plan, batch: int) -> tuple[int, int]:
+def spec_batch(cost, plan: Plan, batch: int) -> tuple[int, int]:
     """(largest batch <= `batch` that fits beside the technique's memory, tenants that memory costs).
 
     A technique at batch b needs ceil((resident + b x per-sequence bytes) / sequence bytes) tenants'
@@ -233,7 +248,7 @@ def _projection(t: Telemetry, p: PlanInputs) -> tuple[list[str], dict[str, list[
             if techs and c.technique not in techs:
                 continue
             depth = (usual_depth(t, c.technique) or 1) if techs else 0
-            b, displaced = _spec_batch(c, plan, b_plain)
+            b, displaced = spec_batch(c, plan, b_plain)
             gain = (roofline.goodput(c.technique, cfg, chip, b, depth, measured_acceptance(t, c.technique),
                                      p.context, plan.weight_dtype) / base) if techs and b > 0 else None
             lines.append(f"| {name} | {plan.weight_dtype} ({format_bytes(plan.weight_bytes)}) | "

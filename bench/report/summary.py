@@ -12,18 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.report import pool, roofline
+from bench.report import pool
 from bench.report.data import (
     ALL,
     MIXED,
     PositionCounts,
     Telemetry,
-    measured_acceptance,
     q1_acceptance,
-    usual_depth,
 )
 from bench.report.measured import PLAIN, crossovers, fmt_ci, goodput_cells, operating_gain
-from bench.report.planned import MOE_SPEC, PlanInputs, predicted_batches
+from bench.report.planned import MOE_SPEC, PlanInputs, predicted_crossovers
 from bench.report.stats import Interval, quotient_ci, wilson
 from engine.memory.planner import TPU_V6E_1, make_plan, parse_moe
 from engine.policy import TECHNIQUES
@@ -41,8 +39,8 @@ def _q1(t: Telemetry) -> list[str]:
     acc = q1_acceptance(t)
     if not acc:
         return ["No speculating step was recorded, so there is no acceptance to compare."]
-    where = (f"instance `{t.tenant_instance}`, where every kind's prompts ran alone and then together in one "
-             "batch" if acc is not t.acceptance else "every instance")
+    where = (f"instance `{t.tenant_instance}`, where every kind's prompts ran together in one batch (and "
+             "alone, where the run asked for it)" if acc is not t.acceptance else "every instance")
     out = [f"Acceptance is drafts accepted / drafts offered (95% Wilson intervals), from {where}."]
     for tech in sorted({k[0] for k in acc}):
         alone = {g: c for (x, g), c in acc.items() if x == tech and g != MIXED}
@@ -88,15 +86,7 @@ def _q2(t: Telemetry, p: PlanInputs) -> list[str]:
     else:
         out.append("The crossover could not be measured: no batch size has both plain decoding and "
                    "speculation with five decode-only steps or more.")
-    predicted = []
-    for tech in (x for x in TECHNIQUES if x != PLAIN and any(k[0] == x for k in t.acceptance)):
-        depth, accs = usual_depth(t, tech) or 1, measured_acceptance(t, tech)
-        for chip in roofline.CHIPS.values():
-            batches = predicted_batches(p, chip)
-            b = roofline.predicted_crossover(tech, p.cfg, chip, depth, accs, p.context, batches,
-                                             p.weight_dtype)
-            top = f"none up to B={batches[-1]}" if batches else "no batch fits"
-            predicted.append(f"{tech} on {chip.name} {f'B={b}' if b else top}")
+    predicted = predicted_crossovers(t, p)
     if predicted:
         out.append(f"PREDICTED by the roofline step-time model for {p.model} at {p.context} tokens with the "
                    "acceptance measured here (assumptions in Q2): " + "; ".join(predicted) + ".")
@@ -211,13 +201,41 @@ QUESTIONS = (
 )
 
 
+ROUND_FIGURES = {"Q1": "q1_sequences.png", "Q2": "q2_rounds.png", "Q3": "q3_rounds.png"}
+"""Figures of the runs in rounds, shown instead of a question's default where drawn."""
+
+
+def _rounds(r: Any) -> dict[str, str]:
+    """Sentences from `crossover bench findings`' rounds (verdicts.Rounds), per question."""
+    from bench.report import q1_sequences, q2_rounds, q3_rounds
+
+    if r is None:
+        return {}
+    out = {}
+    if r.q1.groups:
+        out["Q1"] = "By sequence (95% intervals resampling sequences): " + "; ".join(
+            f"**{x}** {q1_sequences.verdict(r.q1, x)}" for x in sorted({k[1] for k in r.q1.groups})) + "."
+    if r.q2.cells:
+        out["Q2"] = (f"In {r.q2.rounds} rounds, ratios formed within each round, each technique at its best "
+                     "depth (95% intervals over rounds): "
+                     + "; ".join(f"**{x}** {q2_rounds.verdict(r.q2, x)}" for x in r.q2.techniques) + ".")
+    if r.q3.rows:
+        out["Q3"] = (f"In {r.q3.rounds} rounds, plain decoding without speculation's memory: "
+                     + "; ".join(q3_rounds.verdict(row) for row in r.q3.rows.values()) + ".")
+    return out
+
+
 def summary(t: Telemetry, p: PlanInputs, early: list[tuple[Path, dict[str, Any]]] | None = None,
-            out: Path | None = None) -> list[str]:
+            out: Path | None = None, rounds: Any = None) -> list[str]:
     """The "answers in short": a paragraph per question, its figure (when drawn), its source."""
     paragraphs = {"Q1": _q1(t), "Q2": _q2(t, p), "Q3": _q3(t, p), "Q4": _q4(t, early or [])}
+    for key, text in _rounds(rounds).items():
+        paragraphs[key] = [text, "", *paragraphs[key]]
     lines = ["## Answers in short", ""]
     for key, question, figure, source in QUESTIONS:
         lines += [f"### {key}. {question}", "", *paragraphs[key], ""]
+        if out is not None and (out / ROUND_FIGURES.get(key, figure)).exists():
+            figure = ROUND_FIGURES.get(key, figure)
         if key == "Q3" and out is not None and not (out / figure).exists():
             figure = "q3_displacement.png"
         if out is None or (out / figure).exists():

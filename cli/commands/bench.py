@@ -358,10 +358,17 @@ def _add_findings(f: argparse.ArgumentParser) -> None:
         help="report folder: README.md, PNGs, findings.json (default: %(default)s)")
     add("--quick", action="store_true",
         help="the fake engine and a small grid: the whole pipeline in seconds")
+    add("--dry-run", action="store_true", help="print the runs and their estimated time; measure nothing")
     add("--kv-budget", default=None, metavar="BYTES",
-        help="KV pool of the engine, e.g. 256MiB (default: bench/findings.py's, sized so the Q3 queue binds)")
+        help="memory budget of the Q1/Q2 engine, e.g. 896MiB (default: bench/findings_config.py's)")
+    add("--q3-kv-budget", default=None, metavar="BYTES",
+        help="memory budget of each Q3 engine (default: bench/findings_config.py's, sized so the Q3 queue "
+             "binds)")
     add("--splits", default=None, help="comma-separated pool splits of the draft model's Q3 runs")
     add("--batches", default=None, help="comma-separated Q2 batch sizes")
+    add("--contexts", default=None, help="comma-separated Q2 contexts (tokens per request)")
+    add("--depths", default=None, help="comma-separated Q2 draft depths (the report takes each best one)")
+    add("--rounds", type=int, default=None, help="Q2 and Q3 rounds (default: 3)")
     add("--techniques", default=None, help="comma-separated proposers (default: every one loaded)")
     add("--phases", default=None, help="comma-separated phases to run, in order (default: q1,q2,q3; a run of "
                                        "some appends to a database holding the others)")
@@ -404,7 +411,8 @@ def _add_early_exit(x: argparse.ArgumentParser) -> None:
     add("--quality-batch", type=int, default=16, help="prompts the greedy agreement is measured on")
     add("--ppl-tokens", type=int, default=96, help="held-out tokens scored per paragraph")
     add("--seed", type=int, default=0, help="seed of the prompt draw")
-    add("--rounds", type=int, default=2, help="timed runs per configuration; each reports its fastest")
+    add("--rounds", type=int, default=3,
+        help="timed runs per configuration; each reports its fastest and every round's speedup")
     add("--kv-fill", default="propagate",
         help="comma-separated K/V fills of exited rows' skipped layers: propagate (CALM, now) and/or "
              "recompute (later, with the row's next full step); several: one JSON each, --out with -FILL "

@@ -14,7 +14,7 @@ from bench.findings import INSTANCE, POOL_INSTANCE, TENANT_INSTANCE
 from bench.findings_config import FindingsConfig, default_early_exit, parse_size
 from cli.main import main
 from store.db import make_engine, session_scope
-from store.models import Policy, Request, Step
+from store.models import Policy, Step
 
 FIGURES = ("q1_acceptance.png", "q2_goodput_measured.png", "q3_pool.png", "q4_early_exit.png", "q4_moe.png")
 
@@ -44,7 +44,7 @@ def test_report_answers_every_question_with_a_figure(findings):
         assert 1000 < size < 200_000, (name, size)
     assert "crossover bench findings --db" in text and "--quick" in text  # the command that made the database
     assert "shared machine, test run" in text and "**Packages**" in text and "cores" in text
-    assert "Engine: fake-reverse (fake), max batch 8" in text and "a pool split withholds" in text
+    assert "Engines: main: fake-reverse (fake), max batch 8" in text and "A pool split withholds" in text
     facts = json.loads((out / "findings.json").read_text())
     assert facts["machine"]["cores"] and facts["runs"] and set(facts["seconds"]) >= {"q1", "q2", "q3"}
 
@@ -58,24 +58,20 @@ def test_every_phase_is_in_one_database_with_its_policies(findings):
             per_instance = dict(s.execute(select(Step.instance, func.count()).group_by(Step.instance)).all())
             versions = {(i, v) for i, v in s.execute(select(Policy.instance, Policy.version))}
             stepped = set(s.execute(select(Step.instance, Step.policy_version).distinct()).all())
-            prompt = {}
-            for rid, n in s.execute(select(Request.request_id, Request.prompt_tokens)):
-                prompt.setdefault(rid.split("-")[0], []).append(n)
             splits = {(p.instance, p.version): p.body["pool_split"] for p in s.scalars(select(Policy))}
     finally:
         db.dispose()
-    assert set(per_instance) == {TENANT_INSTANCE, INSTANCE, POOL_INSTANCE} and min(per_instance.values()) > 0
+    cfg = FindingsConfig.quick_config("x", "y")
+    rounds = range(1, cfg.rounds + 1)
+    expected = {TENANT_INSTANCE, f"{TENANT_INSTANCE}-sampled", *(f"{POOL_INSTANCE}-r{r}" for r in rounds),
+                *(f"{INSTANCE}-c{c}-r{r}" for c in cfg.contexts for r in rounds)}
+    assert set(per_instance) == expected and min(per_instance.values()) > 0
     assert len(versions) == len(runs) and stepped <= versions  # every step names a stored policy
-    q1 = [r for r in runs if r["phase"] == "q1" and r["technique"] == "none"]
-    alone, mixed = [r for r in q1 if len(r["tenants"]) == 1], [r for r in q1 if len(r["tenants"]) > 1]
-    assert len(alone) == 4 and len(mixed) == 1  # each kind alone, then the same prompts mixed
-    assert sorted(prompt[f"v{mixed[0]['version']}"]) == sorted(n for r in alone
-                                                               for n in prompt[f"v{r['version']}"])
-    draft_q3 = sorted(splits[(POOL_INSTANCE, r["version"])] for r in runs if r["phase"] == "q3"
+    draft_q3 = sorted(splits[(r["instance"], r["version"])] for r in runs if r["phase"] == "q3"
                       and r["technique"] == "draft")
-    assert draft_q3 == [0.25, 0.5]
+    assert draft_q3 == [0.25] * cfg.rounds + [0.5] * cfg.rounds
     table = text.split("### Measured end to end")[1].split("\n### ")[0]
-    assert "| draft@4 | 0.25 |" in table and "| draft@4 | 0.5 |" in table and "| none@0 | 0 |" in table
+    assert "| draft@2 | 0.25 |" in table and "| draft@2 | 0.5 |" in table and "| none@0 | 0 |" in table
 
 
 def test_quick_config_and_sizes():
@@ -115,11 +111,11 @@ def test_a_later_phases_run_appends_to_the_same_database(findings):
     before = json.loads((out / "findings.json").read_text())["runs"]
     assert main(["bench", "findings", "--db", url, "--out", str(out), "--quick", "--phases", "q3"]) == 0
     facts = json.loads((out / "findings.json").read_text())
-    assert [r["phase"] for r in facts["runs"]] == ["q3"] * 6 and facts["earlier"][0]["runs"] == before
+    assert [r["phase"] for r in facts["runs"]] == ["q3"] * 12 and facts["earlier"][0]["runs"] == before
     assert min(r["version"] for r in facts["runs"]) == max(r["version"]
                                                            for r in before) + 1  # versions continue
     text = (out / "README.md").read_text()
     assert ("--note 'shared machine, test run'; then crossover bench findings" in text
             and "--phases q3" in text)
     table = text.split("### Measured end to end")[1].split("\n### ")[0]
-    assert table.count("| draft@4 | 0.25 |") == 2  # both commands' pool runs are in the report
+    assert table.count("| draft@2 | 0.25 |") == 6  # both commands' pool runs (3 rounds each) are there

@@ -51,3 +51,10 @@ def test_the_report_command_in_the_header_renders_the_committed_body(tmp_path: P
     assert body(out.read_text()) == body(REPORT.read_text())
     figures = sorted(p.name for p in out.parent.glob("*.png"))
     assert figures == sorted(p.name for p in REPORT.parent.glob("*.png"))
+
+
+def test_the_committed_report_opens_with_verdicts_and_names_what_its_run_did_not_measure() -> None:
+    text = REPORT.read_text()
+    assert text.index("## Verdicts") < text.index("## Answers in short")
+    assert "no `findings-c{context}-r{round}` instances" in text  # Q2 in rounds: not in this database
+    assert "no `findings-pool-r{round}` instances" in text  # Q3 in rounds: likewise
