@@ -40,7 +40,12 @@ def _gguf(path: str | None) -> str:
 
 
 def _greedy(llm) -> int:
-    return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    """The argmax of the last evaluated token's logits, read from the context (`Llama.scores`
+    holds them only with logits_all, which would copy every prompt position's)."""
+    import llama_cpp
+
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+    return int(np.argmax(logits))
 
 
 def decode_run(llm, prompt: list[int], new_tokens: int) -> dict:

@@ -16,20 +16,22 @@ VOCAB = 50
 
 
 class _Llama:
-    """Scores that make the argmax after token t be t + 1 (mod VOCAB); counts evaluated tokens."""
+    """Last logits that make the argmax after token t be t + 1 (mod VOCAB)."""
 
     def __init__(self, **kw) -> None:
-        self.kw, self.n_tokens, self.evaluated = kw, 0, 0
-        self.scores = np.zeros((kw["n_ctx"], VOCAB), np.float32)
+        self.kw, self.n_tokens = kw, 0
+        self.ctx = np.zeros(VOCAB, np.float32)
+
+    def n_vocab(self) -> int:
+        return VOCAB
 
     def reset(self) -> None:
         self.n_tokens = 0
 
     def eval(self, ids: list[int]) -> None:
-        self.evaluated += len(ids)
         self.n_tokens += len(ids)
-        self.scores[self.n_tokens - 1] = 0
-        self.scores[self.n_tokens - 1, (ids[-1] + 1) % VOCAB] = 1
+        self.ctx[:] = 0
+        self.ctx[(ids[-1] + 1) % VOCAB] = 1
 
     def tokenize(self, text: bytes, add_bos: bool = True) -> list[int]:
         return [2, 7, 9]
@@ -41,7 +43,8 @@ class _Llama:
 @pytest.fixture
 def fake_llama(monkeypatch):
     mod = types.SimpleNamespace(Llama=_Llama, __version__="test",
-                                llama_print_system_info=lambda: b"AVX2 = 1 | ")
+                                llama_print_system_info=lambda: b"AVX2 = 1 | ",
+                                llama_get_logits_ith=lambda ctx, i: np.ctypeslib.as_ctypes(ctx))
     monkeypatch.setitem(sys.modules, "llama_cpp", mod)
     return mod
 
