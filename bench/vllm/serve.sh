@@ -21,7 +21,9 @@ die() { printf '[vllm-serve] %s\n' "$*" >&2; exit 1; }
 
 [[ -x "$VENV/bin/python" ]] || die "no venv at $VENV: run bench/vllm/setup.sh"
 [[ -f "$MODEL/config.json" ]] || die "no model folder at $MODEL: run bench/vllm/convert.py with $VENV/bin/python"
-TCMALLOC="$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')"
+# awk reads every line: stopping at the first match would end ldconfig by SIGPIPE, which
+# pipefail and set -e turn into a silent exit of this script.
+TCMALLOC="$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 /{lib = $NF} END {print lib}')"
 [[ -n "$TCMALLOC" ]] || die "libtcmalloc_minimal.so.4 missing: apt-get install libtcmalloc-minimal4"
 IOMP="$(find "$VENV" -name libiomp5.so -print -quit)"
 [[ -n "$IOMP" ]] || die "libiomp5.so not found in $VENV: rerun bench/vllm/setup.sh"
