@@ -47,19 +47,25 @@ LOGIT_TOKENS = 1024
 """Token slots of the logit forward (every golden case's prompt and continuation fit)."""
 
 
-def _greedy(engine, cases: list[dict]) -> tuple[dict[str, list[int]], dict[str, list[dict]]]:
-    """Greedy tokens per case, all cases in one batch, and per token its top logprobs {id: logprob}."""
-    for c in cases:
-        sp = SamplingParams(max_tokens=len(c["generated_ids"]), ignore_eos=True, stop_token_ids=(1,),
-                            logprobs=True, top_logprobs=TOP)
-        engine.add_request(Request(c["name"], c["prompt_ids"], sp))
-    got: dict[str, list[int]] = {c["name"]: [] for c in cases}
-    tops: dict[str, list[dict]] = {c["name"]: [] for c in cases}
+def _decode(engine, requests: list[Request]) -> tuple[dict[str, list[int]], dict[str, list[dict]]]:
+    """Every request in one batch until all finish: tokens per request id, and per token its top
+    logprobs {id: logprob} (empty where a request asked none)."""
+    for r in requests:
+        engine.add_request(r)
+    got: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    tops: dict[str, list[dict]] = {r.request_id: [] for r in requests}
     while engine.has_work():
         for ev in engine.step().events:
             got[ev.request_id] += ev.token_ids
             tops[ev.request_id] += [dict(t) for t in ev.top_logprobs or ()]
     return got, tops
+
+
+def _greedy(engine, cases: list[dict]) -> tuple[dict[str, list[int]], dict[str, list[dict]]]:
+    """Greedy tokens per case, all cases in one batch, and per token its top logprobs {id: logprob}."""
+    return _decode(engine, [Request(c["name"], c["prompt_ids"], SamplingParams(
+        max_tokens=len(c["generated_ids"]), ignore_eos=True, stop_token_ids=(1,), logprobs=True,
+        top_logprobs=TOP)) for c in cases])
 
 
 def _logprob_difference(a: list[dict], b: list[dict]) -> float:
@@ -145,22 +151,18 @@ def llamacpp(python: str, argv: list[str]) -> dict:
     return json.loads(proc.stdout)
 
 
-def _ratios(name: str, xs: list[float]) -> dict:
-    return {f"{name}_median": statistics.median(xs), f"{name}_min": min(xs), f"{name}_max": max(xs)}
-
-
 def _spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
 
+def _ratios(name: str, xs: list[float]) -> dict:
+    """_spread's median, min and max as `name`_median, ..._min, ..._max."""
+    return {f"{name}_{k}": v for k, v in _spread(xs).items() if k != "runs"}
+
+
 def _greedy_ids(engine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     sp = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(Request(f"sweep-{i}", ids, sp))
-    got: dict[str, list[int]] = {f"sweep-{i}": [] for i in range(len(prompts))}
-    while engine.has_work():
-        for ev in engine.step().events:
-            got[ev.request_id] += ev.token_ids
+    got, _ = _decode(engine, [Request(f"sweep-{i}", ids, sp) for i, ids in enumerate(prompts)])
     return [got[f"sweep-{i}"] for i in range(len(prompts))]
 
 
@@ -206,11 +208,11 @@ def speed(engines: dict, batches: tuple[int, ...], reps: int, context: int, new_
         for b in batches:
             decode_throughput(engines[name], b, context, new_tokens)
     runs: dict[str, dict[int, list[float]]] = {n: {b: [] for b in batches} for n in names}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as ids:
-        json.dump(_decode_prompt(engines[names[0]].tokenizer, context, 0), ids)
-    llama_argv = ["--repeats", "1", "--new-tokens", str(new_tokens - 1), "--prompt-ids", ids.name,
-                  "--skip-prefill"]
-    if llama:
+    if llama:  # the child decodes the batch-1 prompt the engines decode
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as ids:
+            json.dump(_decode_prompt(engines[names[0]].tokenizer, context, 0), ids)
+        llama_argv = ["--repeats", "1", "--new-tokens", str(new_tokens - 1), "--prompt-ids", ids.name,
+                      "--skip-prefill"]
         runs["llama.cpp"] = {1: []}
     for r in range(reps):
         for name in names if r % 2 == 0 else names[::-1]:
@@ -218,7 +220,8 @@ def speed(engines: dict, batches: tuple[int, ...], reps: int, context: int, new_
                 runs[name][b].append(decode_throughput(engines[name], b, context, new_tokens)["tokens_per_s"])
         if llama:
             runs["llama.cpp"][1].append(llamacpp(llama, llama_argv)["decode"]["tokens_per_s"])
-    Path(ids.name).unlink()
+    if llama:
+        Path(ids.name).unlink()
     out = {}
     ref, other = names
     for b in batches:
