@@ -9,6 +9,8 @@ contract modules at the top):
   XLA's caches, progress callbacks.
 - memory/: bytes and pages: the paged KV pool, the prefix cache, the byte arithmetic and
   the planner that sizes the pool, the budget shared with speculation.
+- kernels/: C++ kernels through `jax.ffi` on CPU and the builder they share (a source built
+  once per instruction set and compiler into the user cache): ragged paged attention.
 - quant/: weights served as the model file stores them (group-quantized int8 / 4-bit
   matrices) and their matmul: a C++ kernel through `jax.ffi`, built on first use, or jnp.
 - model/: the Gemma 3 model and its files: the decoder, the flat-token forward, sharding,

@@ -2,4 +2,6 @@
 
 - build.py: a `Library` (a source compiled once per instruction set, plus the FFI handlers) built
   once per source and compiler into the user cache, under a lock (engine/quant builds through it).
+- attention.cc, attention.py: one layer's attention over a ragged call's tokens, reading the
+  paged pools in place (engine/model/ragged.py dispatches to it on CPU).
 """

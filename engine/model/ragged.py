@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import ModelConfig
+from engine.kernels import attention as attention_kernel
 from engine.memory.kv import SCRATCH_PAGE, Batch, KVState, write_new
 from engine.model.gemma import (
     _NEG,
@@ -229,17 +230,22 @@ def _cached(cfg: ModelConfig, q, pos, groups: Groups, table, cached, pool_k, poo
 
 
 def attend(cfg: ModelConfig, q, k, v, rb: RaggedBatch, kv: KVState, kind: str, layer: int, block: int,
-           window, chunk: int = CHUNK):
+           window, chunk: int = CHUNK, kernel: bool = True):
     """Attention of the step's queries q [N, H, hd] over their rows' caches and the step's own
-    keys k, v [N, KV, hd]. Returns [N, H, hd]."""
+    keys k, v [N, KV, hd]. Returns [N, H, hd]. Where engine.kernels.attention serves the call (and
+    `kernel`), one custom call computes it; else the jnp parts the module docstring describes."""
     N, H, hd = q.shape
     KV = k.shape[1]
-    q = q.reshape(N, KV, H // KV, hd)
-    parts = [_own_keys(cfg, q, k, v, rb.row, rb.pos, window)]
     if kind == "global":
         pools, table, ring = (kv.global_k, kv.global_v), rb.global_table, 0
     else:
         pools, table, ring = (kv.local_k, kv.local_v), rb.local_table, rb.local_table.shape[1] * kv.page_size
+    if kernel and attention_kernel.serves(q, k, v, *pools):  # CPU: one custom call instead of the loops below
+        return attention_kernel.ragged_attention(
+            q, k, v, rb.row, rb.pos, rb.cached, table, *pools, layer,
+            scale=cfg.query_pre_attn_scalar ** -0.5, window=window, ring=ring).astype(q.dtype)
+    q = q.reshape(N, KV, H // KV, hd)
+    parts = [_own_keys(cfg, q, k, v, rb.row, rb.pos, window)]
     for groups in (rb.single, rb.multi):
         if groups.tokens.shape[0]:
             parts.append(_cached(cfg, q, rb.pos, groups, table, rb.cached, *pools, layer, ring, window,
