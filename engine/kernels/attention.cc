@@ -28,15 +28,17 @@ struct Args {
   const int32_t* table;    // [S, W] page ids in slot order
   const float* pool_k;     // [P, ps, KV, hd] this layer's pages
   const float* pool_v;     // [P, ps, KV, hd]
-  const int32_t* members;  // [N] tokens with pos >= 0, grouped by row
+  const int32_t* members;  // [N] tokens with pos >= 0 by row, ascending position within a row
   const int32_t* first;    // [S + 1] row r's tokens: members[first[r] .. first[r + 1])
+  const int32_t* segs;     // [n_segs, 2] work segments: first member, tokens (<= kSegment, one row)
   float* out;              // [N, H, hd]
   int64_t N, H, KV, hd, W, ps;
   int64_t ring;    // ring slots of a sliding-window table; 0: global
   int64_t window;  // 0: none
   float scale;
 };
-using ItemFn = void (*)(const Args&, int64_t i0, int64_t i1);  // items [i0, i1): t * KV + kv head
+using ItemFn = void (*)(const Args&, int64_t i0, int64_t i1);  // items [i0, i1): segment * KV + kv head
+constexpr int kSegment = 8;  // tokens of one row that read each block of their keys together
 }  // namespace at
 
 #if AT_PART == 1 || AT_PART == 2
@@ -115,20 +117,25 @@ constexpr int kMaxQ = 4;    // query heads attended together (sharing each key's
 
 #define AT_UNROLL _Pragma("GCC unroll 8")
 
+struct Key {
+  int64_t pos;
+  const float* k;  // hd floats
+  const float* v;
+};
+
 // Scores s[g][j] = q[g] . key[j] * scale of NQ queries against keys j in [0, nb), two keys at
 // a time (2 * NQ independent accumulator chains).
 template <int NQ>
-inline void scores(const float* const* q, const float* const* key, int nb, int64_t hd, float scale,
-                   float (*s)[kBlock]) {
+inline void scores(const float* q, const Key* key, int nb, int64_t hd, float scale, float (*s)[kBlock]) {
   int j = 0;
   for (; j + 2 <= nb; j += 2) {
     F a0[NQ], a1[NQ];
     AT_UNROLL for (int g = 0; g < NQ; ++g) a0[g] = a1[g] = V::zero();
-    const float *k0 = key[j], *k1 = key[j + 1];
+    const float *k0 = key[j].k, *k1 = key[j + 1].k;
     for (int64_t d = 0; d < hd; d += kLanes) {
       const F x0 = V::load(k0 + d), x1 = V::load(k1 + d);
       AT_UNROLL for (int g = 0; g < NQ; ++g) {
-        const F qg = V::load(q[g] + d);
+        const F qg = V::load(q + g * hd + d);
         a0[g] = V::fma(qg, x0, a0[g]);
         a1[g] = V::fma(qg, x1, a1[g]);
       }
@@ -142,8 +149,8 @@ inline void scores(const float* const* q, const float* const* key, int nb, int64
     F a[NQ];
     AT_UNROLL for (int g = 0; g < NQ; ++g) a[g] = V::zero();
     for (int64_t d = 0; d < hd; d += kLanes) {
-      const F x = V::load(key[j] + d);
-      AT_UNROLL for (int g = 0; g < NQ; ++g) a[g] = V::fma(V::load(q[g] + d), x, a[g]);
+      const F x = V::load(key[j].k + d);
+      AT_UNROLL for (int g = 0; g < NQ; ++g) a[g] = V::fma(V::load(q + g * hd + d), x, a[g]);
     }
     AT_UNROLL for (int g = 0; g < NQ; ++g) s[g][j] = V::sum(a[g]) * scale;
   }
@@ -151,14 +158,14 @@ inline void scores(const float* const* q, const float* const* key, int nb, int64
 
 // acc[g][d .. d + D * kLanes) = acc * fix[g] + sum_j p[g][j] value[j] for D vectors of lanes.
 template <int NQ, int D>
-inline void weigh(const float* const* value, int nb, const float (*p)[kBlock], const float* fix, float* acc,
-                  int64_t hd, int64_t d) {
+inline void weigh(const Key* key, int nb, const float (*p)[kBlock], const float* fix, float* acc, int64_t hd,
+                  int64_t d) {
   F o[NQ][D];
   AT_UNROLL for (int g = 0; g < NQ; ++g)
     AT_UNROLL for (int i = 0; i < D; ++i) o[g][i] = V::mul(V::load(acc + g * hd + d + i * kLanes), V::set1(fix[g]));
   for (int j = 0; j < nb; ++j) {
     F x[D];
-    AT_UNROLL for (int i = 0; i < D; ++i) x[i] = V::load(value[j] + d + i * kLanes);
+    AT_UNROLL for (int i = 0; i < D; ++i) x[i] = V::load(key[j].v + d + i * kLanes);
     AT_UNROLL for (int g = 0; g < NQ; ++g) {
       const F pg = V::set1(p[g][j]);
       AT_UNROLL for (int i = 0; i < D; ++i) o[g][i] = V::fma(pg, x[i], o[g][i]);
@@ -168,95 +175,130 @@ inline void weigh(const float* const* value, int nb, const float (*p)[kBlock], c
     AT_UNROLL for (int i = 0; i < D; ++i) V::store(acc + g * hd + d + i * kLanes, o[g][i]);
 }
 
-// out[g] = softmax over the n keys of q[g] . key * scale, weighting the values (n = 0: zeros).
-// acc: [NQ, hd] scratch.
+// One running-softmax step of NQ queries q [NQ, hd] over keys [0, nb): their max m, sum l [NQ]
+// and weighted values acc [NQ, hd] rescaled to the new max and added to.
 template <int NQ>
-void attend(const float* const* q, float* const* out, const float* const* key, const float* const* value,
-            int64_t n, int64_t hd, float scale, float* acc) {
-  float m[NQ], l[NQ], fix[NQ];
+void add(const float* q, float* m, float* l, float* acc, const Key* key, int nb, int64_t hd, float scale) {
   alignas(32) float s[NQ][kBlock];
-  for (int g = 0; g < NQ; ++g) m[g] = -INFINITY, l[g] = 0.0f;
-  std::fill(acc, acc + NQ * hd, 0.0f);
-  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
-    const int nb = static_cast<int>(std::min<int64_t>(kBlock, n - j0));
-    scores<NQ>(q, key + j0, nb, hd, scale, s);
-    for (int g = 0; g < NQ; ++g) {
-      float mx = m[g];
-      for (int j = 0; j < nb; ++j) mx = std::max(mx, s[g][j]);
-      fix[g] = std::exp(m[g] - mx);  // 0 on the first block (m = -inf)
-      m[g] = mx;
-      for (int j = nb; j < (nb + kLanes - 1) / kLanes * kLanes; ++j) s[g][j] = mx;  // unused lanes
-      for (int j = 0; j < nb; j += kLanes) V::store(s[g] + j, V::exp(V::sub(V::load(s[g] + j), V::set1(mx))));
-      float sum = 0.0f;
-      for (int j = 0; j < nb; ++j) sum += s[g][j];
-      l[g] = l[g] * fix[g] + sum;
-    }
-    int64_t d = 0;
-    for (; d + 2 * kLanes <= hd; d += 2 * kLanes) weigh<NQ, 2>(value + j0, nb, s, fix, acc, hd, d);
-    for (; d < hd; d += kLanes) weigh<NQ, 1>(value + j0, nb, s, fix, acc, hd, d);
-  }
+  float fix[NQ];
+  scores<NQ>(q, key, nb, hd, scale, s);
   for (int g = 0; g < NQ; ++g) {
-    const F div = V::set1(l[g] > 0.0f ? l[g] : 1.0f);
-    for (int64_t d = 0; d < hd; d += kLanes) V::store(out[g] + d, V::div(V::load(acc + g * hd + d), div));
+    float mx = m[g];
+    for (int j = 0; j < nb; ++j) mx = std::max(mx, s[g][j]);
+    fix[g] = std::exp(m[g] - mx);  // 0 on the first step (m = -inf)
+    m[g] = mx;
+    for (int j = nb; j < (nb + kLanes - 1) / kLanes * kLanes; ++j) s[g][j] = mx;  // lanes past nb: unused
+    for (int j = 0; j < nb; j += kLanes) V::store(s[g] + j, V::exp(V::sub(V::load(s[g] + j), V::set1(mx))));
+    float sum = 0.0f;
+    for (int j = 0; j < nb; ++j) sum += s[g][j];
+    l[g] = l[g] * fix[g] + sum;
+  }
+  int64_t d = 0;
+  for (; d + 2 * kLanes <= hd; d += 2 * kLanes) weigh<NQ, 2>(key, nb, s, fix, acc, hd, d);
+  for (; d < hd; d += kLanes) weigh<NQ, 1>(key, nb, s, fix, acc, hd, d);
+}
+
+// All G query heads of one token over keys [0, nb): `add` up to kMaxQ heads at a time.
+void add_heads(const float* q, float* m, float* l, float* acc, const Key* key, int nb, int64_t G, int64_t hd,
+               float scale) {
+  for (int64_t g = 0; g < G;) {
+    const int64_t nq = G - g >= 4 ? 4 : G - g >= 2 ? 2 : 1;
+    const int64_t o = g * hd;
+    if (nq == 4) add<4>(q + o, m + g, l + g, acc + o, key, nb, hd, scale);
+    else if (nq == 2) add<2>(q + o, m + g, l + g, acc + o, key, nb, hd, scale);
+    else add<1>(q + o, m + g, l + g, acc + o, key, nb, hd, scale);
+    g += nq;
   }
 }
 
-// Work item i: token t = i / KV, kv head h = i % KV, all its H / KV query heads.
-void item(const Args& a, int64_t i, std::vector<const float*>& key, std::vector<const float*>& value,
-          std::vector<float>& acc) {
-  const int64_t t = i / a.KV, h = i % a.KV, G = a.H / a.KV, hd = a.hd;
-  const float* q = a.q + (t * a.H + h * G) * hd;
-  float* out = a.out + (t * a.H + h * G) * hd;
-  const int64_t p = a.pos[t];
-  if (p < 0) {
-    std::fill(out, out + G * hd, 0.0f);
-    return;
-  }
-  const auto visible = [&](int64_t kp) { return kp >= 0 && kp <= p && (a.window <= 0 || p - kp < a.window); };
-  const int64_t r = a.row[t], c = a.cached[r], last = c - 1;
+struct Scratch {
+  std::vector<Key> keys;
+  std::vector<float> m, l, acc;
+};
+
+// The keys a segment of row r's tokens may see, ascending by position: the cached slots holding
+// positions in [lo, hi], then the row's own keys there (members in ascending position), merged
+// where they interleave (never for the engine's rows, whose new tokens follow their cache).
+void gather(const Args& a, int64_t r, int64_t h, int64_t lo, int64_t hi, std::vector<Key>& keys) {
+  keys.clear();
+  const int64_t c = a.cached[r], last = c - 1, hd = a.hd;
   const int64_t reach = a.ring ? std::min(a.ring, a.W * a.ps) : a.W * a.ps;
-  const int64_t n_read = std::min(c, reach);
-  key.clear();
-  value.clear();
   const int32_t* pages = a.table + r * a.W;
-  for (int64_t s = 0; s < n_read; ++s) {  // s <= last, so (last - s) mod ring is last - s mod ring
-    const int64_t kp = a.ring ? last - (last - s) % a.ring : s;
-    if (!visible(kp)) continue;
+  const auto slot = [&](int64_t s, int64_t kp) {
+    if (kp < lo || kp > hi) return;
     const int64_t at = ((static_cast<int64_t>(pages[s / a.ps]) * a.ps + s % a.ps) * a.KV + h) * hd;
-    key.push_back(a.pool_k + at);
-    value.push_back(a.pool_v + at);
+    keys.push_back({kp, a.pool_k + at, a.pool_v + at});
+  };
+  if (a.ring && c > a.ring) {  // wrapped: the oldest position's slot first
+    for (int64_t i = 0, s0 = c % a.ring; i < a.ring; ++i) {
+      const int64_t s = (s0 + i) % a.ring;
+      if (s < reach) slot(s, last - (last - s) % a.ring);
+    }
+  } else {  // slot s holds position s
+    for (int64_t s = 0; s < std::min(c, reach); ++s) slot(s, s);
   }
-  for (int32_t m = a.first[r]; m < a.first[r + 1]; ++m) {
-    const int64_t u = a.members[m];
-    if (!visible(a.pos[u])) continue;
-    key.push_back(a.k + (u * a.KV + h) * hd);
-    value.push_back(a.v + (u * a.KV + h) * hd);
+  const size_t n_cached = keys.size();
+  for (int32_t i = a.first[r]; i < a.first[r + 1]; ++i) {
+    const int64_t u = a.members[i], kp = a.pos[u];
+    if (kp >= lo && kp <= hi) keys.push_back({kp, a.k + (u * a.KV + h) * hd, a.v + (u * a.KV + h) * hd});
   }
-  if (acc.size() < static_cast<size_t>(kMaxQ * hd)) acc.resize(kMaxQ * hd);
-  const int64_t n = static_cast<int64_t>(key.size());
-  for (int64_t g = 0; g < G;) {  // the group's heads, up to kMaxQ at a time
-    const float* qs[kMaxQ];
-    float* os[kMaxQ];
-    const int64_t nq = G - g >= 4 ? 4 : G - g >= 2 ? 2 : 1;
-    for (int64_t j = 0; j < nq; ++j) qs[j] = q + (g + j) * hd, os[j] = out + (g + j) * hd;
-    if (nq == 4) attend<4>(qs, os, key.data(), value.data(), n, hd, a.scale, acc.data());
-    else if (nq == 2) attend<2>(qs, os, key.data(), value.data(), n, hd, a.scale, acc.data());
-    else attend<1>(qs, os, key.data(), value.data(), n, hd, a.scale, acc.data());
-    g += nq;
+  if (n_cached > 0 && keys.size() > n_cached && keys[n_cached].pos < keys[n_cached - 1].pos)
+    std::inplace_merge(keys.begin(), keys.begin() + n_cached, keys.end(),
+                       [](const Key& x, const Key& y) { return x.pos < y.pos; });
+}
+
+// Work item i: segment i / KV (consecutive tokens of one row, ascending position), kv head
+// i % KV, all its H / KV query heads. Each token sees the keys at positions [p - window + 1, p]
+// (from 0 without a window), a range of the segment's sorted keys; the segment reads those keys
+// kBlock at a time, each block once for all its tokens.
+void item(const Args& a, int64_t i, Scratch& sc) {
+  const int64_t seg = i / a.KV, h = i % a.KV, G = a.H / a.KV, hd = a.hd;
+  const int32_t* toks = a.members + a.segs[2 * seg];
+  const int64_t T = a.segs[2 * seg + 1], r = a.row[toks[0]];
+  const auto low = [&](int64_t p) { return a.window > 0 ? std::max<int64_t>(p - a.window + 1, 0) : 0; };
+  gather(a, r, h, low(a.pos[toks[0]]), a.pos[toks[T - 1]], sc.keys);
+  const Key* keys = sc.keys.data();
+  const int64_t n = static_cast<int64_t>(sc.keys.size());
+  sc.m.assign(T * G, -INFINITY);
+  sc.l.assign(T * G, 0.0f);
+  sc.acc.assign(T * G * hd, 0.0f);
+  int64_t from[kSegment], to[kSegment];
+  const auto before = [](const Key& k, int64_t p) { return k.pos < p; };
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t p = a.pos[toks[t]];
+    from[t] = std::lower_bound(keys, keys + n, low(p), before) - keys;
+    to[t] = std::lower_bound(keys, keys + n, p + 1, before) - keys;
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t j1 = std::min<int64_t>(n, j0 + kBlock);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t s0 = std::max(from[t], j0), s1 = std::min(to[t], j1);
+      if (s0 >= s1) continue;
+      add_heads(a.q + (toks[t] * a.H + h * G) * hd, &sc.m[t * G], &sc.l[t * G], &sc.acc[t * G * hd],
+                keys + s0, static_cast<int>(s1 - s0), G, hd, a.scale);
+    }
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    float* out = a.out + (toks[t] * a.H + h * G) * hd;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* acc = &sc.acc[(t * G + g) * hd];
+      const F div = V::set1(sc.l[t * G + g] > 0.0f ? sc.l[t * G + g] : 1.0f);
+      for (int64_t d = 0; d < hd; d += kLanes) V::store(out + g * hd + d, V::div(V::load(acc + d), div));
+    }
   }
 }
 
 }  // namespace
 
 void AT_NAME(items)(const Args& a, int64_t i0, int64_t i1) {
-  thread_local std::vector<const float*> key, value;
-  thread_local std::vector<float> acc;
-  for (int64_t i = i0; i < i1; ++i) item(a, i, key, value, acc);
+  thread_local Scratch sc;
+  for (int64_t i = i0; i < i1; ++i) item(a, i, sc);
 }
 }  // namespace at
 
 #else  // AT_PART == 0: the FFI handler
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <thread>
@@ -347,17 +389,30 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   for (int64_t r = 0; r < S; ++r) first[r + 1] += first[r];
   std::vector<int32_t> at(first.begin(), first.end() - 1);
   int64_t work = 0;
+  float* y = out->typed_data();
   for (int64_t t = 0; t < N; ++t) {
-    if (ps_[t] < 0) continue;
+    if (ps_[t] < 0) {  // padding: zeros
+      std::fill(y + t * H * hd, y + (t + 1) * H * hd, 0.0f);
+      continue;
+    }
     members[at[rows[t]]++] = static_cast<int32_t>(t);
     const int64_t r = rows[t];
     work += ((cs[r] < reach ? cs[r] : reach) + first[r + 1] - first[r]) * H * hd * 2;
   }
+  std::vector<int32_t> segs;  // (first member, tokens) pairs, kSegment tokens of a row at most
+  for (int64_t r = 0; r < S; ++r) {
+    std::stable_sort(members.begin() + first[r], members.begin() + first[r + 1],
+                     [&](int32_t x, int32_t u) { return ps_[x] < ps_[u]; });
+    for (int32_t m = first[r]; m < first[r + 1]; m += kSegment) {
+      segs.push_back(m);
+      segs.push_back(first[r + 1] - m < kSegment ? first[r + 1] - m : kSegment);
+    }
+  }
   Args a{q.typed_data(), k.typed_data(), v.typed_data(), rows, ps_, cs, tab,
          pool_k.typed_data() + li * P * ps * KV * hd, pool_v.typed_data() + li * P * ps * KV * hd,
-         members.data(), first.data(), out->typed_data(), N, H, KV, hd, W, ps, ring, window, scale};
+         members.data(), first.data(), segs.data(), y, N, H, KV, hd, W, ps, ring, window, scale};
   const ItemFn fn = g_isa.load(std::memory_order_relaxed) == 2 ? items_avx2 : items_portable;
-  const int64_t items = N * KV;
+  const int64_t items = static_cast<int64_t>(segs.size() / 2) * KV;
   if (items == 0) return ffi::Error::Success();
   int64_t threads = g_threads.load(std::memory_order_relaxed);
   if (threads <= 0) threads = pool.num_threads() > 0 ? pool.num_threads() : 1;
