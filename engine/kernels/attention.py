@@ -3,14 +3,15 @@
 engine/model/ragged.py's `attend` reads the cache block by block in XLA loops; on CPU each
 block, layer and query group runs as its own small thunks. `ragged_attention` computes the
 same attention (the step's own keys of each token's row and its row's cached keys, read from
-the paged pool in place, one softmax) in one custom call per layer, over (token, kv head) work
-items spread over XLA's intra-op thread pool.
+the paged pool in place, one softmax) in one custom call per layer, over work items of (up to
+8 tokens of a row, kv head) spread over XLA's intra-op thread pool.
 
 `serves(...)` says whether a call goes here: CPU, one device (a custom call has no SPMD rule,
 so a pool sharded over a mesh stays with jnp), float32 throughout, a head size that is a
-multiple of 8, at most MAX_TOKENS tokens, and the kernel built and on (it is off with
-`CROSSOVER_ATTENTION_KERNEL=off`). `kernel_status()` says which path serves and why; the
-first check logs it once.
+multiple of 8, and the kernel built and on (it is off with `CROSSOVER_ATTENTION_KERNEL=off`).
+Any token count: a prefill chunk's causal pass costs the kernel the visible pairs alone, where
+the jnp path scores the dense [N, N] square. `kernel_status()` says which path serves and why;
+the first check logs it once.
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ LIBRARY = Library(
 )
 TARGET = "crossover_ragged_attention"
 ISA_NAMES = {1: "portable", 2: "avx2"}
-MAX_TOKENS = 512
-"""Most tokens a call sends to the kernel; more go to the jnp path."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": ctypes.CDLL | None, "status": str
@@ -107,9 +106,8 @@ def set_threads(n: int) -> None:
 
 def serves(q, k, v, pool_k, pool_v) -> bool:
     """Whether `ragged_attention` takes these operands (see the module docstring)."""
-    n, _, hd = q.shape
     f32 = all(a.dtype == jnp.float32 for a in (q, k, v, pool_k, pool_v))
-    return (f32 and hd % 8 == 0 and n <= MAX_TOKENS and jax.default_backend() == "cpu"
+    return (f32 and q.shape[-1] % 8 == 0 and jax.default_backend() == "cpu"
             and jax.device_count() == 1 and kernel_available())
 
 

@@ -23,6 +23,10 @@ short decode row beside a long prompt's chunk reads its own few blocks). A decod
 in a group of one wastes no score compute; a prompt chunk reads each block once per GROUP
 queries. The local table's width is the ring (ring_pages entries).
 
+On CPU, engine/kernels/attention.py computes the same attention as one custom call per layer
+where it serves (`attend` dispatches to it): it reads the pool in place, so none of the loops
+above run. The jnp parts are its reference and every other backend's path.
+
 The cache is read in its state before the call; the new keys and values come back per layer for
 `write`, which scatters them into their pages afterwards (a separate call: see
 engine/execute/runner.py `_write` for why XLA:CPU wants it apart).
