@@ -2,7 +2,7 @@
 // reading the paged pool in place. For token t of row r = row[t] at position p = pos[t] (-1:
 // padding, output zeros), each query head attends, with one softmax, over
 //
-//   - the row's cached keys: slots 0 .. min(cached[r], W * ps) - 1 of its page table (slot s at
+//   - the row's cached keys: slots 0 .. min(cached[r], W * ps) - 1 of its table, below `ring` too (s at
 //     page table[r, s / ps], offset s % ps); slot s holds position s in a global table (ring 0),
 //     in a ring of `ring` slots the newest position <= cached[r] - 1 congruent to s mod ring;
 //   - the step's own keys k, v of tokens u of the same row, at pos[u] >= 0;
@@ -10,10 +10,11 @@
 // each visible when its position kp <= p and, with a window, p - kp < window. Scores are
 // q . k * scale in float32; a running max over blocks of kBlock keys keeps exp in range.
 //
-// One source, compiled twice plus once (engine/kernels/attention.py's Library): AT_PART=1 the
+// One source, compiled three times (engine/kernels/attention.py's Library): AT_PART=1 the
 // AVX2+FMA code, AT_PART=2 a portable copy in plain C++ (the same loops, one 8-float struct a
 // vector: CPUs without AVX2, and tests), AT_PART=0 the XLA FFI handler, which picks one by
-// CPUID once and spreads (token, kv head) work items over XLA's intra-op thread pool.
+// CPUID once and spreads (segment of a row's tokens, kv head) work items over XLA's intra-op
+// thread pool.
 #include <cstddef>
 #include <cstdint>
 
