@@ -301,14 +301,9 @@ void AT_NAME(items)(const Args& a, int64_t i0, int64_t i1) {
 
 #include <algorithm>
 #include <atomic>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
-#define AT_EXPORT __attribute__((visibility("default")))
+#include "parallel.h"  // XLA's FFI as `ffi`, crossover::ParallelFor
 
 namespace at {
 void items_avx2(const Args&, int64_t, int64_t);
@@ -316,31 +311,9 @@ void items_portable(const Args&, int64_t, int64_t);
 
 namespace {
 // 1: portable, 2: AVX2+FMA.
-int Detect() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 2 : 1;
-}
-const int kBest = Detect();
+const int kBest = crossover::HasAvx2Fma() ? 2 : 1;
 std::atomic<int> g_isa{kBest};
 std::atomic<int> g_threads{0};  // 0: the pool's size
-
-// Items go out in chunks from one counter. The caller works too and only waits for chunks a
-// pool thread has claimed, so a pool that never runs the tasks costs speed, never a deadlock.
-struct Work {
-  Args a;
-  ItemFn fn;
-  int64_t chunk, n_chunks, items;
-  std::atomic<int64_t> next{0}, done{0};
-  void Run() {
-    for (int64_t c; (c = next.fetch_add(1)) < n_chunks;) {
-      const int64_t i0 = c * chunk, i1 = i0 + chunk < items ? i0 + chunk : items;
-      fn(a, i0, i1);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-constexpr int64_t kMinWorkPerThread = 1 << 18;  // multiply-adds below which one thread does it
 
 template <typename A, typename B>
 bool Same(const A& a, const B& b) {
@@ -415,24 +388,9 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   const ItemFn fn = g_isa.load(std::memory_order_relaxed) == 2 ? items_avx2 : items_portable;
   const int64_t items = static_cast<int64_t>(segs.size() / 2) * KV;
   if (items == 0) return ffi::Error::Success();
-  int64_t threads = g_threads.load(std::memory_order_relaxed);
-  if (threads <= 0) threads = pool.num_threads() > 0 ? pool.num_threads() : 1;
-  if (threads > work / kMinWorkPerThread) threads = work / kMinWorkPerThread > 1 ? work / kMinWorkPerThread : 1;
-  if (threads > items) threads = items;
-  if (threads <= 1) {
-    fn(a, 0, items);
-    return ffi::Error::Success();
-  }
-  auto w = std::make_shared<Work>();  // the arrays `a` points to outlive the wait below
-  w->a = a;
-  w->fn = fn;
-  w->items = items;
-  w->n_chunks = threads * 8 < items ? threads * 8 : items;
-  w->chunk = (items + w->n_chunks - 1) / w->n_chunks;
-  w->n_chunks = (items + w->chunk - 1) / w->chunk;
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([w] { w->Run(); });
-  w->Run();
-  while (w->done.load(std::memory_order_acquire) < w->n_chunks) std::this_thread::yield();
+  // `a` points into this call's vectors: ParallelFor returns only once every item has run.
+  crossover::ParallelFor(pool, g_threads.load(std::memory_order_relaxed), work, items, 8,
+                         [a, fn](int64_t i0, int64_t i1) { fn(a, i0, i1); });
   return ffi::Error::Success();
 }
 }  // namespace
@@ -458,13 +416,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CrossoverRaggedAttention, at::Attend,
 
 // ctypes controls: the ISA in use (1 portable, 2 AVX2), the best the CPU has, forcing another it
 // runs (tests compare them), and a thread count (0: the pool's size).
-extern "C" AT_EXPORT int crossover_at_isa() { return at::g_isa.load(); }
-extern "C" AT_EXPORT int crossover_at_best_isa() { return at::kBest; }
-extern "C" AT_EXPORT int crossover_at_set_isa(int isa) {
+CROSSOVER_EXPORT int crossover_at_isa() { return at::g_isa.load(); }
+CROSSOVER_EXPORT int crossover_at_best_isa() { return at::kBest; }
+CROSSOVER_EXPORT int crossover_at_set_isa(int isa) {
   if (isa < 1 || isa > at::kBest) return -1;
   at::g_isa.store(isa);
   return isa;
 }
-extern "C" AT_EXPORT void crossover_at_set_threads(int n) { at::g_threads.store(n); }
+CROSSOVER_EXPORT void crossover_at_set_threads(int n) { at::g_threads.store(n); }
 
 #endif

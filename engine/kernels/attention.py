@@ -16,19 +16,14 @@ the first check logs it once.
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import os
-import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.kernels.build import COMMON, BuildError, Library, build
-
-log = logging.getLogger("crossover.engine")
+from engine.kernels.build import COMMON, Library
+from engine.kernels.ffi import Kernel
 
 LIBRARY = Library(
     source=Path(__file__).with_name("attention.cc"),
@@ -41,67 +36,13 @@ LIBRARY = Library(
 TARGET = "crossover_ragged_attention"
 ISA_NAMES = {1: "portable", 2: "avx2"}
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib": ctypes.CDLL | None, "status": str
-
-
-def _load() -> ctypes.CDLL | None:
-    """Build (or find) and register the kernel once per process; None when the jnp path serves."""
-    with _lock:
-        if "status" in _state:
-            return _state["lib"]  # type: ignore[return-value]
-        lib, status = None, ""
-        if os.environ.get("CROSSOVER_ATTENTION_KERNEL", "").lower() in ("off", "0", "false", "no"):
-            status = "jnp (CROSSOVER_ATTENTION_KERNEL=off)"
-        else:
-            try:
-                lib = ctypes.CDLL(str(build(LIBRARY)))
-                capsule = jax.ffi.pycapsule(lib.CrossoverRaggedAttention)
-                jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
-                status = f"ffi ({ISA_NAMES[lib.crossover_at_isa()]})"
-            except (BuildError, OSError, AttributeError) as exc:
-                lib, status = None, f"jnp (the kernel did not build or load: {exc})"
-        (log.info if lib is not None else log.warning)("ragged attention: %s", status)
-        _state.update(lib=lib, status=status)
-        return lib
-
-
-def kernel_status() -> str:
-    """"ffi (avx2)", "ffi (portable)" or "jnp (<why>)": the path attention takes on CPU."""
-    _load()
-    return str(_state["status"])
-
-
-def kernel_available() -> bool:
-    return _load() is not None
-
-
-def set_isa(name: str) -> str:
-    """Force the kernel's ISA ("avx2" where the CPU has it, "portable", or "best"); returns the
-    previous one. For tests and benchmarks: it is process-wide."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"no kernel: {kernel_status()}")
-    previous = ISA_NAMES[lib.crossover_at_isa()]
-    codes = {n: c for c, n in ISA_NAMES.items()}
-    code = lib.crossover_at_best_isa() if name == "best" else codes.get(name, -1)
-    if lib.crossover_at_set_isa(code) < 0:
-        raise ValueError(f"ISA {name!r} is not available on the CPU (best: "
-                         f"{ISA_NAMES[lib.crossover_at_best_isa()]})")
-    return previous
-
-
-def supported_isas() -> list[str]:
-    """The kernel ISAs the CPU runs ([] without the kernel)."""
-    lib = _load()
-    return [] if lib is None else [n for c, n in ISA_NAMES.items() if c <= lib.crossover_at_best_isa()]
-
-
-def set_threads(n: int) -> None:
-    """Threads per kernel call (0: XLA's intra-op pool size). Process-wide; for benchmarks."""
-    lib = _load()
-    if lib is not None:
-        lib.crossover_at_set_threads(int(n))
+KERNEL = Kernel(label="ragged attention", env="CROSSOVER_ATTENTION_KERNEL", library=LIBRARY,
+                targets={TARGET: "CrossoverRaggedAttention"}, prefix="crossover_at_", isa_names=ISA_NAMES)
+kernel_status = KERNEL.kernel_status  # "ffi (avx2)", "ffi (portable)" or "jnp (<why>)"
+kernel_available = KERNEL.kernel_available
+set_isa = KERNEL.set_isa  # "avx2" where the CPU has it, "portable" or "best"
+supported_isas = KERNEL.supported_isas
+set_threads = KERNEL.set_threads
 
 
 def serves(q, k, v, pool_k, pool_v) -> bool:

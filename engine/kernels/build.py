@@ -4,6 +4,7 @@ A `Library` names its source, the parts it is compiled into side by side (one pe
 set, each with its flags, plus the XLA FFI handlers, which choose a part by CPUID at load) and
 where it lands: ``<cache>/<folder>/<stem>-<key>.so`` (`<cache>`: `$CROSSOVER_CACHE`, else
 `$XDG_CACHE_HOME/crossover`, else `~/.cache/crossover`), `<key>` hashing the source, the
+headers of this folder it may include (`HEADERS`, on every part's include path: parallel.h), the
 compiler's version, the flags and jaxlib's FFI headers. An flock on a sibling lock file keeps
 two processes from building the same key at once; the second finds the first's library. A part
 the compiler cannot build (an old compiler without AVX-512) may be optional: the handlers are
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 COMMON = ("-O3", "-fPIC", "-std=c++17", "-fno-math-errno")
+HEADERS = Path(__file__).parent  # the kernels' shared headers (`#include "parallel.h"`)
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,9 @@ def _key(lib: Library, cxx: str, include: Path) -> str:
     version = _run([cxx, "--version"]).stdout
     header = (include / "xla" / "ffi" / "api" / "ffi.h").read_bytes()
     flags = (lib.flags, lib.handlers, sorted(lib.parts.items()), sorted(lib.optional.items()))
+    shared = b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in sorted(HEADERS.glob("*.h")))
     h = hashlib.sha256()
-    for part in (lib.source.read_bytes(), version.encode(), repr(flags).encode(), header):
+    for part in (lib.source.read_bytes(), shared, version.encode(), repr(flags).encode(), header):
         h.update(hashlib.sha256(part).digest())
     return h.hexdigest()[:16]
 
@@ -99,7 +102,8 @@ def _compile(lib: Library, cxx: str, include: Path, out: Path) -> list[str]:
     """Compile the parts side by side and link them into `out`; returns the parts built."""
     with tempfile.TemporaryDirectory(prefix=f"{lib.stem}-") as tmp:
         objs = {name: Path(tmp) / f"{name}.o" for name in (*lib.parts, "main")}
-        compile_ = lambda flags, obj: _start([cxx, *lib.flags, *flags, "-c", str(lib.source), "-o", str(obj)])
+        compile_ = lambda flags, obj: _start([cxx, *lib.flags, *flags, f"-I{HEADERS}", "-c", str(lib.source),
+                                              "-o", str(obj)])
         procs = {name: compile_(flags, objs[name]) for name, flags in lib.parts.items()}
         main = [*lib.handlers, f"-I{include}"]
         procs["main"] = compile_(main, objs["main"])

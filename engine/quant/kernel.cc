@@ -273,14 +273,8 @@ void QK_NAME(panels_i4)(const Args& a, int64_t p0, int64_t p1) { panels<true>(a,
 #else  // QK_PART == 0: the FFI handlers
 
 #include <atomic>
-#include <cstdlib>
-#include <memory>
-#include <thread>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
-#define QK_EXPORT __attribute__((visibility("default")))
+#include "parallel.h"  // XLA's FFI as `ffi`, crossover::ParallelFor
 
 namespace qk {
 void panels_i8_portable(const Args&, int64_t, int64_t);
@@ -295,14 +289,10 @@ void panels_i4_avx512(const Args&, int64_t, int64_t);
 namespace {
 // 0: none usable, 2: AVX2+FMA, 3: AVX-512 (F, BW, VL); 1: portable (only when asked for).
 int Detect() {
-  __builtin_cpu_init();
 #ifndef QK_NO_AVX512
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl"))
-    return 3;
+  if (crossover::HasAvx512()) return 3;
 #endif
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 2;
-  return 0;
+  return crossover::HasAvx2Fma() ? 2 : 0;
 }
 const int kBest = Detect();
 std::atomic<int> g_isa{kBest};
@@ -319,48 +309,14 @@ PanelFn Pick(bool int4) {
   }
 }
 
-// Panels go out in chunks from one counter. The caller works too and only waits for chunks a
-// pool thread has claimed, so a pool that never runs the tasks costs speed, never a deadlock.
-struct Work {
-  Args a;
-  PanelFn fn;
-  int64_t chunk, n_chunks, panels;
-  std::atomic<int64_t> next{0}, done{0};
-  void Run() {
-    for (int64_t c; (c = next.fetch_add(1)) < n_chunks;) {
-      const int64_t p0 = c * chunk, p1 = p0 + chunk < panels ? p0 + chunk : panels;
-      fn(a, p0, p1);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-constexpr int64_t kMinWorkPerThread = 1 << 18;  // multiply-adds below which one thread does it
-
-ffi::Error Matmul(ffi::ThreadPool pool, const Args& a, bool int4) {
+// The panels, split over XLA's intra-op pool (4 chunks a thread).
+ffi::Error Matmul(ffi::ThreadPool& pool, const Args& a, bool int4) {
   const PanelFn fn = Pick(int4);
   if (fn == nullptr) return ffi::Error::Internal("crossover qmatmul: the CPU lacks AVX2+FMA");
   const int64_t panels = a.N / 16;
   if (a.M == 0 || panels == 0) return ffi::Error::Success();
-  int64_t threads = g_threads.load(std::memory_order_relaxed);
-  if (threads <= 0) threads = pool.num_threads() > 0 ? pool.num_threads() : 1;
-  const int64_t work = a.M * a.K * a.N;
-  if (threads > work / kMinWorkPerThread) threads = work / kMinWorkPerThread > 1 ? work / kMinWorkPerThread : 1;
-  if (threads > panels) threads = panels;
-  if (threads <= 1) {
-    fn(a, 0, panels);
-    return ffi::Error::Success();
-  }
-  auto w = std::make_shared<Work>();
-  w->a = a;
-  w->fn = fn;
-  w->panels = panels;
-  w->n_chunks = threads * 4 < panels ? threads * 4 : panels;
-  w->chunk = (panels + w->n_chunks - 1) / w->n_chunks;
-  w->n_chunks = (panels + w->chunk - 1) / w->chunk;
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([w] { w->Run(); });
-  w->Run();
-  while (w->done.load(std::memory_order_acquire) < w->n_chunks) std::this_thread::yield();
+  crossover::ParallelFor(pool, g_threads.load(std::memory_order_relaxed), a.M * a.K * a.N, panels, 4,
+                         [a, fn](int64_t p0, int64_t p1) { fn(a, p0, p1); });
   return ffi::Error::Success();
 }
 
@@ -418,13 +374,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CrossoverQMatmulI4, qk::I4,
 
 // ctypes controls: the ISA in use (0 none, 1 portable, 2 AVX2, 3 AVX-512), the best the CPU
 // has, forcing another it runs (tests compare paths), and a thread count (0: the pool's size).
-extern "C" QK_EXPORT int crossover_qk_isa() { return qk::g_isa.load(); }
-extern "C" QK_EXPORT int crossover_qk_best_isa() { return qk::kBest; }
-extern "C" QK_EXPORT int crossover_qk_set_isa(int isa) {
+CROSSOVER_EXPORT int crossover_qk_isa() { return qk::g_isa.load(); }
+CROSSOVER_EXPORT int crossover_qk_best_isa() { return qk::kBest; }
+CROSSOVER_EXPORT int crossover_qk_set_isa(int isa) {
   if (isa != 1 && (isa > qk::kBest || (isa != 2 && isa != 3))) return -1;
   qk::g_isa.store(isa);
   return isa;
 }
-extern "C" QK_EXPORT void crossover_qk_set_threads(int n) { qk::g_threads.store(n); }
+CROSSOVER_EXPORT void crossover_qk_set_threads(int n) { qk::g_threads.store(n); }
 
 #endif

@@ -13,94 +13,31 @@ Paths (`qmatmul(..., path=...)`):
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import os
-import threading
-
 import jax
 import jax.numpy as jnp
 
-from engine.quant.build import BuildError, build
+from engine.kernels.ffi import Kernel
+from engine.quant.build import LIBRARY
 from engine.quant.formats import QuantWeight, dequantize
 
-log = logging.getLogger("crossover.engine")
-
 _TARGETS = {8: "crossover_qmatmul_i8", 4: "crossover_qmatmul_i4"}
-_SYMBOLS = {8: "CrossoverQMatmulI8", 4: "CrossoverQMatmulI4"}
 ISA_NAMES = {0: "none", 1: "portable", 2: "avx2", 3: "avx512"}
+"""ISA codes: "portable" is plain C++ with the AVX-512 kernels' tiling, for tests on CPUs without
+AVX-512; it is never chosen by default, and `set_isa("best")` restores the CPU's best."""
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib": ctypes.CDLL | None, "status": str
-
-
-def _load() -> ctypes.CDLL | None:
-    """Build (or find) and register the kernel once per process; None when the jnp path serves."""
-    with _lock:
-        if "status" in _state:
-            return _state["lib"]  # type: ignore[return-value]
-        lib, status = None, ""
-        if os.environ.get("CROSSOVER_QUANT_KERNEL", "").lower() in ("off", "0", "false", "no"):
-            status = "jnp (CROSSOVER_QUANT_KERNEL=off)"
-        else:
-            try:
-                lib = ctypes.CDLL(str(build()))
-                isa = lib.crossover_qk_isa()
-                if isa == 0:
-                    lib, status = None, "jnp (the CPU lacks AVX2+FMA)"
-                else:
-                    for bits, target in _TARGETS.items():
-                        capsule = jax.ffi.pycapsule(getattr(lib, _SYMBOLS[bits]))
-                        jax.ffi.register_ffi_target(target, capsule, platform="cpu")
-                    status = f"ffi ({ISA_NAMES[isa]})"
-            except (BuildError, OSError, AttributeError) as exc:
-                lib, status = None, f"jnp (the kernel did not build or load: {exc})"
-        (log.info if lib is not None else log.warning)("quantized matmul: %s", status)
-        _state.update(lib=lib, status=status)
-        return lib
-
-
-def kernel_status() -> str:
-    """"ffi (avx512)", "ffi (avx2)" or "jnp (<why>)": the path `qmatmul` takes by default."""
-    _load()
-    return str(_state["status"])
-
-
-def kernel_available() -> bool:
-    return _load() is not None
-
-
-def set_isa(name: str) -> str:
-    """Force the kernel's ISA ("avx2", "avx512" where the CPU has it, or "portable": plain C++
-    with the AVX-512 kernels' tiling; "best" restores); returns the previous one. For tests and
-    benchmarks: it is process-wide."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"no kernel: {kernel_status()}")
-    previous = ISA_NAMES[lib.crossover_qk_isa()]
-    code = lib.crossover_qk_best_isa() if name == "best" else {v: k
-                                                               for k, v in ISA_NAMES.items()}.get(name, -1)
-    if lib.crossover_qk_set_isa(code) < 0:
-        raise ValueError(f"ISA {name!r} is not available on the CPU (best: "
-                         f"{ISA_NAMES[lib.crossover_qk_best_isa()]})")
-    return previous
+KERNEL = Kernel(label="quantized matmul", env="CROSSOVER_QUANT_KERNEL", library=LIBRARY,
+                targets={_TARGETS[8]: "CrossoverQMatmulI8", _TARGETS[4]: "CrossoverQMatmulI4"},
+                prefix="crossover_qk_", isa_names=ISA_NAMES, no_isa="the CPU lacks AVX2+FMA")
+kernel_status = KERNEL.kernel_status  # "ffi (avx512)", "ffi (avx2)" or "jnp (<why>)"
+kernel_available = KERNEL.kernel_available
+set_isa = KERNEL.set_isa
+set_threads = KERNEL.set_threads
 
 
 def supported_isas(portable: bool = False) -> list[str]:
     """The kernel ISAs the CPU runs ([] without the kernel); with `portable`, the plain C++ copy
     of the AVX-512 tiling too (slow: for tests)."""
-    lib = _load()
-    if lib is None:
-        return []
-    low = 1 if portable else 2
-    return [n for c, n in ISA_NAMES.items() if low <= c <= lib.crossover_qk_best_isa()]
-
-
-def set_threads(n: int) -> None:
-    """Threads per kernel call (0: XLA's intra-op pool size). Process-wide; for benchmarks."""
-    lib = _load()
-    if lib is not None:
-        lib.crossover_qk_set_threads(int(n))
+    return KERNEL.supported_isas(lowest=1 if portable else 2)
 
 
 def _ffi(x: jax.Array, w: QuantWeight) -> jax.Array:

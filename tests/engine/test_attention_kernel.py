@@ -6,7 +6,6 @@ it off; the tiny model's greedy tokens with it on and off."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 from functools import partial
 
 import jax
@@ -18,6 +17,7 @@ from engine.kernels import attention as ak
 from engine.memory.kv import KVState
 from engine.model import ragged
 from engine.model.gemma import logits, unstack_layers
+from tests.engine.kernel_checks import check_missing_compiler, check_switched_off
 from tests.engine.tiny import tiny_config
 
 needs_kernel = pytest.mark.skipif(not ak.kernel_available(), reason=f"no kernel: {ak.kernel_status()}")
@@ -170,21 +170,8 @@ def test_threads_agree_and_bad_operands_are_refused():
         np.asarray(_attend(cfg, q, k, v, bad, kv, jnp.int32(0), "global", None, True))
 
 
-@pytest.fixture
-def fresh_kernel_state(monkeypatch):
-    """The kernel's once-per-process state, emptied for the test and restored after."""
-    saved = dict(ak._state)
-    ak._state.clear()
-    yield monkeypatch
-    ak._state.clear()
-    ak._state.update(saved)
-
-
-def test_kernel_off_falls_back_to_jnp(fresh_kernel_state, caplog):
-    fresh_kernel_state.setenv("CROSSOVER_ATTENTION_KERNEL", "off")
-    with caplog.at_level(logging.WARNING, logger="crossover.engine"):
-        assert ak.kernel_status() == "jnp (CROSSOVER_ATTENTION_KERNEL=off)"
-    assert [r.getMessage() for r in caplog.records] == [f"ragged attention: {ak.kernel_status()}"]
+def test_kernel_off_falls_back_to_jnp(monkeypatch, caplog):
+    check_switched_off(ak.KERNEL, monkeypatch, caplog)
     cfg = tiny_config()
     q, k, v, rb, kv = _setup(cfg)
     assert not ak.serves(q, k, v, kv.local_k, kv.local_v)
@@ -196,15 +183,8 @@ def test_kernel_off_falls_back_to_jnp(fresh_kernel_state, caplog):
                             scale=0.25, window=8, ring=RING * PAGE)
 
 
-def test_missing_compiler_falls_back_to_jnp(fresh_kernel_state, caplog, tmp_path):
-    fresh_kernel_state.setenv("CXX", "/nonexistent/g++")
-    fresh_kernel_state.setenv("CROSSOVER_CACHE", str(tmp_path))  # no library built before
-    fresh_kernel_state.delenv("CROSSOVER_ATTENTION_KERNEL", raising=False)
-    with caplog.at_level(logging.WARNING, logger="crossover.engine"):
-        status = ak.kernel_status()
-    assert status.startswith("jnp (the kernel did not build") and "/nonexistent/g++" in status
-    assert len(caplog.records) == 1
-    assert not ak.kernel_available()
+def test_missing_compiler_falls_back_to_jnp(monkeypatch, caplog, tmp_path):
+    check_missing_compiler(ak.KERNEL, monkeypatch, caplog, tmp_path)
 
 
 @needs_kernel

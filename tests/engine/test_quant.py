@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import jax
@@ -23,6 +22,7 @@ from engine.quant.formats import (
     quantize_int8,
     take_columns,
 )
+from tests.engine.kernel_checks import check_missing_compiler, check_switched_off
 
 ROWS = (1, 3, 16, 64)
 
@@ -201,21 +201,8 @@ def test_kernel_threads_and_shapes():
         qm.qmatmul(x[..., :320], w)
 
 
-@pytest.fixture
-def fresh_kernel_state(monkeypatch):
-    """qmatmul's once-per-process kernel state, emptied for the test and restored after."""
-    saved = dict(qm._state)
-    qm._state.clear()
-    yield monkeypatch
-    qm._state.clear()
-    qm._state.update(saved)
-
-
-def test_kernel_off_falls_back_to_jnp(fresh_kernel_state, caplog):
-    fresh_kernel_state.setenv("CROSSOVER_QUANT_KERNEL", "off")
-    with caplog.at_level(logging.WARNING, logger="crossover.engine"):
-        assert qm.kernel_status() == "jnp (CROSSOVER_QUANT_KERNEL=off)"
-    assert [r.getMessage() for r in caplog.records] == ["quantized matmul: jnp (CROSSOVER_QUANT_KERNEL=off)"]
+def test_kernel_off_falls_back_to_jnp(monkeypatch, caplog):
+    check_switched_off(qm.KERNEL, monkeypatch, caplog)
     rng = np.random.default_rng(4)
     w, x = random_int4(rng, 64, 32), rng.standard_normal((3, 64)).astype(np.float32)
     hlo = jax.jit(qm.qmatmul).lower(x, on_device(w)).as_text()
@@ -225,14 +212,8 @@ def test_kernel_off_falls_back_to_jnp(fresh_kernel_state, caplog):
         qm.qmatmul(x, on_device(w), path="ffi")
 
 
-def test_missing_compiler_falls_back_to_jnp(fresh_kernel_state, caplog):
-    fresh_kernel_state.setenv("CXX", "/nonexistent/g++")
-    fresh_kernel_state.delenv("CROSSOVER_QUANT_KERNEL", raising=False)
-    with caplog.at_level(logging.WARNING, logger="crossover.engine"):
-        status = qm.kernel_status()
-    assert status.startswith("jnp (the kernel did not build") and "/nonexistent/g++" in status
-    assert len(caplog.records) == 1
-    assert not qm.kernel_available()
+def test_missing_compiler_falls_back_to_jnp(monkeypatch, caplog, tmp_path):
+    check_missing_compiler(qm.KERNEL, monkeypatch, caplog, tmp_path)
 
 
 FAKE_CXX = """#!/bin/sh
