@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import func, select
 
 from bench.findings import INSTANCE, POOL_INSTANCE, TENANT_INSTANCE
-from bench.findings_config import FindingsConfig, default_early_exit, parse_size
+from bench.findings_config import REFERENCE_EXIT, FindingsConfig, default_early_exit, parse_size
 from cli.main import main
 from store.db import make_engine, session_scope
 from store.models import Policy, Step
@@ -86,7 +86,7 @@ def test_quick_config_and_sizes():
 
 def test_default_early_exit_takes_the_reference_and_newer_runs(tmp_path):
     assert default_early_exit(tmp_path) == []
-    ref, old, new = (tmp_path / n for n in ("exit8-b1-64.json", "older.json", "newer.json"))
+    ref, old, new = (tmp_path / n for n in (REFERENCE_EXIT, "older.json", "newer.json"))
     for p in (ref, old, new):
         p.write_text("{}")
     now = time.time()
