@@ -218,6 +218,7 @@ def load(cfg: FindingsConfig, log: Any, name: str = MAIN) -> Any:
         return fake_engine(cfg, name)
     from daemon.progress import reporter
     from engine.loader import MODEL_PROPOSERS, load_engine
+    from engine.model.gemma import ATTEND_BLOCK
 
     progress = reporter()
     wanted = tuple(t for t in MODEL_PROPOSERS if t in _proposers_of(cfg, name))
@@ -227,7 +228,9 @@ def load(cfg: FindingsConfig, log: Any, name: str = MAIN) -> Any:
     else:
         depths, longest, budget = (cfg.depth,), cfg.q3_context, cfg.q3_kv_budget
     verify = verify_tokens_for(depths)
-    context = 1 << (longest + verify[-1] + 2 - 1).bit_length()
+    # A multiple of the attention block, not a power of two: the pool is sized for the rows that fit at
+    # max context, so 8192 for a 4096-token grid would halve the rows (and the ring pages) it holds.
+    context = -(-(longest + verify[-1] + 2) // ATTEND_BLOCK) * ATTEND_BLOCK
     speculation = name == MAIN or bool(wanted)  # the plain Q3 engine compiles no verify shapes
     log(f"loading engine {name} ({cfg.model or 'Gemma 3 270M'}, proposers: {', '.join(wanted) or 'none'}): "
         f"budget {budget / 2**20:.0f} MiB, context {context}, max batch {cfg.max_batch}")

@@ -65,9 +65,11 @@ class FindingsConfig:
     q3_new_tokens: int = 32
     splits: tuple[float, ...] = (0.25,)
     """Pool splits of the draft model's Q3 runs."""
-    kv_budget: int = 896 << 20
+    kv_budget: int = 1536 << 20
     """Memory budget (engine/memory/budget.py) of the Q1/Q2 engine: speculation's resident bytes (~165 MiB
-    of Gemma 3 270M's heads in float32) come out of it first; the rest holds `q2_tokens`."""
+    of Gemma 3 270M's heads in float32) come out of it first. The pool is sized for the rows that fit at
+    the engine's max context, sliding-window ring pages included, so the rest must hold `max_batch` rows at
+    the longest Q2 context (Gemma 3 270M at 4224 tokens: ~42 MiB a row), or batches above that never run."""
     q3_kv_budget: int = 256 << 20
     """Memory budget of each Q3 engine (plain, MTP heads, draft model: each loads only its own
     proposer), so plain decoding gets speculation's resident bytes back as KV pages."""
