@@ -373,8 +373,8 @@ def _add_findings(f: argparse.ArgumentParser) -> None:
     add("--phases", default=None, help="comma-separated phases to run, in order (default: q1,q2,q3; a run of "
                                        "some appends to a database holding the others)")
     add("--early-exit", action="append", default=None, metavar="FILE",
-        help="a `crossover bench early-exit` JSON for Q4 (repeatable; default: the newest "
-             "bench/results/early-exit/*.json)")
+        help="a `crossover bench early-exit` JSON for Q4 (repeatable; default: "
+             "bench/results/early-exit/exit8-b1-64-rounds3.json)")
     add("--note", default=None, help="a sentence for the report header, e.g. that the machine was shared")
     add("--seed", type=int, default=0, help="seed of the prompt draws")
     add_engine(add, heads=True, sized=False)
