@@ -22,14 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.kernels.build import COMMON, Library
+from engine.kernels.build import Library
 from engine.kernels.ffi import Kernel
 
 LIBRARY = Library(
     source=Path(__file__).with_name("attention.cc"),
     folder="kernels",
     stem="attention",
-    flags=COMMON,
     handlers=("-DAT_PART=0",),
     parts={"avx2": ("-DAT_PART=1", "-mavx2", "-mfma"), "portable": ("-DAT_PART=2",)},
 )
