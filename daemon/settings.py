@@ -73,6 +73,9 @@ class Settings:
     """Most sequences decoded together."""
     max_context: int = 4096
     """Longest prompt + completion, in tokens."""
+    token_budget: int = 512
+    """Most new tokens one engine step computes: its decode rows plus prefill chunks (verify rows' drafts
+    come on top)."""
     tensor_parallel: int = 1
     """Devices the model and KV pool are split over (engine/model/sharding.py); 1: one device."""
     speculation: bool = True
@@ -149,6 +152,7 @@ class Settings:
         _check_range("port", self.port, 0, 65535)
         _check_range("max_batch", self.max_batch, 1, 1 << 16)
         _check_range("max_context", self.max_context, 2, 1 << 24)
+        _check_range("token_budget", self.token_budget, 1, 1 << 20)
         _check_range("tensor_parallel", self.tensor_parallel, 1, 4096)
         _check_range("max_body_bytes", self.max_body_bytes, 1024, 1 << 34)
         _check_range("max_connections", self.max_connections, 1, 1 << 20)

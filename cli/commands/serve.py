@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
 SETTING_FLAGS = (
     "host", "port", "model", "served_model_name", "dtype", "weights", "kv_budget_bytes",
-    "memory_budget_bytes", "max_batch", "max_context", "db_url", "instance", "tensor_parallel",
-    "prefix_cache",
+    "memory_budget_bytes", "max_batch", "max_context", "token_budget", "db_url", "instance",
+    "tensor_parallel", "prefix_cache",
     "max_body_bytes", "max_prompt_chars", "max_waiting", "drain_deadline_s",
     "log_level", "admin_token", "open_mode", "max_tokens", "tenant_max_queued", "tenant_cache_s",
     "speculation", "heads", "stream_write_timeout_s", "stream_idle_timeout_s", "admin_token_file",
@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--max-batch", "--max-num-seqs", dest="max_batch", type=int, help="most sequences decoded together")
     add("--max-context", "--max-model-len", dest="max_context", type=int,
         help="longest prompt + completion in tokens")
+    add("--token-budget", "--max-num-batched-tokens", dest="token_budget", type=int, metavar="N",
+        help="most new tokens (decode + prefill) one engine step computes")
     add("--tensor-parallel", type=int, metavar="N",
         help="split the model and KV pool over N devices (default 1)")
     add("--db", "--db-url", dest="db_url", metavar="URL",

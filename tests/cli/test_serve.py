@@ -87,6 +87,10 @@ def test_vllm_spellings_of_serve_flags(parser: argparse.ArgumentParser,
     assert (s.model, s.served_model_name, s.max_context, s.max_batch) == ("some/model.gguf", "gemma,g3", 2048,
                                                                           16)
     assert s.served_names("engine-name") == ("gemma", "g3")
+    assert settings_of(parser, "--max-num-batched-tokens", "2048").token_budget == 2048
+    assert settings_of(parser, "--token-budget", "1024").token_budget == 1024
+    assert serve.run(parser.parse_args(["--token-budget", "0"])) == 2
+    assert "token_budget" in capsys.readouterr().err
     s = settings_of(parser, "--model", "m", "--max-context", "1024", "--max-batch", "8")
     assert (s.model, s.max_context, s.max_batch,
             s.served_names("engine-name")) == ("m", 1024, 8, ("engine-name",))
