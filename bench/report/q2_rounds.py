@@ -173,12 +173,13 @@ def verdict(q: Q2Rounds, tech: str) -> str:
         loses = [b for b, c in sorted(cells.items()) if c.ci and c.ci.high < 1]
         where = (f"crossover {fmt_batch(ci)}" if ci and not math.isinf(ci.value)
                  else f"no crossover up to B={top}" + (f" ({fmt_batch(ci)})" if ci else ""))
-        parts.append(f"context {ctx}: {where}; pays at B={_list(pays)}, loses at B={_list(loses)}")
+        parts.append(f"context {ctx}: {where}; pays at {_batches(pays)}, loses at {_batches(loses)}")
     return "; ".join(parts) or "not measured"
 
 
-def _list(xs: list[int]) -> str:
-    return ",".join(map(str, xs)) if xs else "none"
+def _batches(xs: list[int]) -> str:
+    """'B=1,2', or 'no batch' for none."""
+    return "B=" + ",".join(map(str, xs)) if xs else "no batch"
 
 
 def section(q: Q2Rounds, out: Path) -> list[str]:
