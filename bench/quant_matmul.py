@@ -3,8 +3,9 @@
     python -m bench.quant_matmul [--rows 1,4,8,16,32,64] [--reps 7] [--what layers,head]
 
 Two workloads, each one jitted call:
-- layers: the 18 layers' projections as the engine fuses them (qkv [640, 1536], o [1024, 640],
-  gate_up [640, 4096], down [2048, 640]) applied to M rows each;
+- layers: the 18 layers' projections as the engine fuses them (qkv [640, 1536] where q, k and v
+  share a block type, else the three apart; o [1024, 640], gate_up [640, 4096], down [2048, 640])
+  applied to M rows each;
 - head: the tied 262144 x 640 output layer (Q8_0 embedding), x [M, 640] -> [M, 262144].
 
 Paths: f32 (today's float32 weights, `x @ W`), ffi (the kernel, every ISA this CPU runs, plus
@@ -40,12 +41,21 @@ def _read(gf: GGUFFile, name: str) -> QuantWeight:
     return from_gguf(raw, t.qtype.name, t.shape)
 
 
+def _fused(ws: list[QuantWeight]) -> list[QuantWeight]:
+    """One leaf where the parts agree on group, bits and scale dtype (as the engine fuses), else
+    the parts apart."""
+    try:
+        return [concat_columns(ws)]
+    except ValueError:
+        return ws
+
+
 def load_weights(gf: GGUFFile, what: list[str]) -> dict[str, list[QuantWeight]]:
     out: dict[str, list[QuantWeight]] = {}
     if "layers" in what:
         n_layers = int(gf.metadata["gemma3.block_count"])
-        out["layers"] = [concat_columns([_read(gf, f"blk.{i}.{r}.weight") for r in roles])
-                         for i in range(n_layers) for roles in LAYER_LEAVES.values()]
+        out["layers"] = [w for i in range(n_layers) for roles in LAYER_LEAVES.values()
+                         for w in _fused([_read(gf, f"blk.{i}.{r}.weight") for r in roles])]
     if "head" in what:
         out["head"] = [_read(gf, "token_embd.weight")]
     return out

@@ -26,6 +26,11 @@ inline bool HasAvx2Fma() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
+inline bool HasF16c() {  // float16 <-> float32 conversions of 128/256-bit vectors
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("f16c");
+}
+
 inline bool HasAvx512() {  // F, BW and VL
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

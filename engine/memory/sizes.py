@@ -37,10 +37,11 @@ WEIGHT_BITS: dict[str, Fraction] = {
 """Bits per weight, block scales included (int8 = 8.5, int4 = 4.5)."""
 KV_DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 """Bytes per K or V element in a page (the engine's page layout has no scales)."""
-SERVED_BLOCKS: dict[str, tuple[int, int]] = {"Q8_0": (8, 32), "Q5_0": (8, 32), "Q6_K": (8, 16),
-                                              "Q4_K": (4, 32)}
-"""(bits, group) engine/quant/formats.py holds each GGUF block type in: its values, and per group
-a float32 scale (4-bit: and a float32 min)."""
+SERVED_BLOCKS: dict[str, tuple[int, int, int]] = {"Q8_0": (8, 32, 2), "Q5_0": (5, 32, 2), "Q6_K": (8, 16, 4),
+                                                   "Q4_K": (4, 32, 8)}
+"""(bits, group, scale bytes) engine/quant/formats.py holds each GGUF block type in: bits a value,
+and per group of values a scale (float16 for Q8_0 and Q5_0, the file's own; float32 for Q6_K)
+or a float32 scale and min (Q4_K)."""
 
 
 def served_bytes(tensors, form: str) -> int:
@@ -49,8 +50,10 @@ def served_bytes(tensors, form: str) -> int:
     widens the rest to float32, "int8" stores each matrix as int8 with a float32 scale per
     output row of the file (norms float32), "float32"/"bfloat16" every tensor in that dtype.
 
-    >>> served_bytes([((16, 64), "Q4_K"), ((64,), "F32")], "gguf"), served_bytes([((16, 64), "Q8_0")], "int8")
-    (1024, 1088)
+    >>> served_bytes([((16, 64), "Q4_K"), ((64,), "F32")], "gguf"), served_bytes([((16, 64), "Q5_0")], "gguf")
+    (1024, 704)
+    >>> served_bytes([((16, 64), "Q8_0")], "gguf"), served_bytes([((16, 64), "Q8_0")], "int8")
+    (1088, 1088)
     """
     total = 0
     for shape, qtype in tensors:
@@ -62,8 +65,8 @@ def served_bytes(tensors, form: str) -> int:
         elif form == "int8":
             total += n + 4 * shape[0]
         elif qtype in SERVED_BLOCKS:
-            bits, group = SERVED_BLOCKS[qtype]
-            total += n * bits // 8 + (n // group) * 4 * (2 if bits == 4 else 1)
+            bits, group, scale_bytes = SERVED_BLOCKS[qtype]
+            total += n * bits // 8 + (n // group) * scale_bytes
         else:
             total += 4 * n
     return total

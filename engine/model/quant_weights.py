@@ -3,9 +3,10 @@
 Forms (`WEIGHT_FORMS`, the `--weights` flag):
 - "gguf": the GGUF's own blocks, unpacked losslessly (`from_gguf`), so the numbers equal the
   float32 path's weights bit for bit. q|k|v and gate|up fuse (`concat_columns`) where their
-  block types agree on group and bits (the default file: Q5_0 and Q8_0, int8 in groups of 32),
-  else stay apart; ffn_down is Q4_K in some layers and Q6_K in others, so the layers come as
-  per-layer dicts (the runner's form anyway: engine.model.gemma.unstack_layers).
+  block types agree on group, bits and scale dtype (the default file: gate|up are Q5_0 in every
+  layer, 5-bit; attn_v is Q8_0 in half the layers, where q, k and v then stay apart), else stay
+  apart; ffn_down is Q4_K in some layers and Q6_K in others, so the layers come as per-layer
+  dicts (the runner's form anyway: engine.model.gemma.unstack_layers).
 - "int8": symmetric int8, one scale per output column, of the float32 weights (`quantize_params`).
 - "float32", "bfloat16": float matrices (engine/model/weights.py).
 
@@ -16,8 +17,9 @@ qmatmul(h, W), token lookups its columns (engine.model.gemma.embedding_rows). No
 fallback where the kernel is not available (qmatmul's jnp path would rebuild every float
 matrix on every call), and the tests' reference.
 
-Loading "gguf" unpacks the file once (a few seconds) into the weights cache's "gguf" folder, one
-.npy per array and a meta.json of each weight's (K, N, group, bits); later loads memory-map it.
+Loading "gguf" unpacks the file once (a few seconds) into the weights cache's `GGUF_CACHE` folder,
+one .npy per array and a meta.json of each weight's (K, N, group, bits); later loads memory-map
+it. The folder's name carries the layout's version, so a folder of an older layout is never read.
 """
 
 from __future__ import annotations
@@ -51,7 +53,11 @@ _GGUF = {
     "pre_ffw_norm": "ffn_norm", "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
     "post_ffw_norm": "post_ffw_norm",
 }
-_PARTS = ("values", "scales", "mins")
+_PARTS = ("values", "scales", "mins", "high")  # a QuantWeight's arrays, as cached
+_BIT_PARTS = {8: ("values", "scales"), 5: ("values", "scales", "high"), 4: ("values", "scales", "mins")}
+GGUF_CACHE = "gguf-v2"
+"""The weights cache's folder of unpacked GGUF blocks ("gguf" held float32 Q8_0/Q5_0 scales and
+Q5_0 as int8; v2: float16 scales where the file's are, Q5_0 as 5-bit values)."""
 
 
 def is_quantized(params: Params) -> bool:
@@ -64,7 +70,7 @@ def is_gguf(spec: str | Path | None) -> bool:
 
 
 def weight_bytes(params: Params) -> int:
-    """Bytes the params hold (a QuantWeight's values, scales and mins; float arrays' own)."""
+    """Bytes the params hold (a QuantWeight's values, scales, mins and high bits; float arrays' own)."""
     return int(sum(np.dtype(a.dtype).itemsize * int(np.prod(a.shape)) for a in jax.tree.leaves(params)))
 
 
@@ -107,12 +113,13 @@ def dequantize_params(params: Params) -> Params:
 
 
 def _fuse(parts: dict[str, Any]) -> dict[str, Any]:
-    """q, k, v -> qkv and gate, up -> gate_up where the parts are all QuantWeights of one group and
-    bits (or all float matrices), else apart."""
+    """q, k, v -> qkv and gate, up -> gate_up where the parts are all QuantWeights of one group,
+    bits and scale dtype (or all float matrices), else apart."""
     out = dict(parts)
+    key = lambda w: (w.group, w.bits, np.dtype(w.scales.dtype))
     for fused, names in _FUSED.items():
         ws = [parts[n] for n in names]
-        if all(isinstance(w, QuantWeight) for w in ws) and len({(w.group, w.bits) for w in ws}) == 1:
+        if all(isinstance(w, QuantWeight) for w in ws) and len({key(w) for w in ws}) == 1:
             out[fused] = concat_columns(ws)
         elif not any(isinstance(w, QuantWeight) for w in ws):
             out[fused] = np.concatenate(ws, axis=1)
@@ -159,14 +166,13 @@ def gguf_leaves(gf: GGUFFile, cfg: ModelConfig, progress: Reporter = None) -> It
 
 
 def _arrays(leaves: Iterator[tuple[str, Any]], meta: dict) -> Iterator[tuple[str, np.ndarray]]:
-    """Leaves as named arrays for the cache (a QuantWeight as <name>.values/.scales/.mins),
-    recording each leaf in `meta` as it goes."""
+    """Leaves as named arrays for the cache (a QuantWeight as <name>.<part> of each part its bits
+    hold: values, scales, mins, high), recording each leaf in `meta` as it goes."""
     for name, leaf in leaves:
         if isinstance(leaf, QuantWeight):
             meta[name] = [*leaf.shape, leaf.group, leaf.bits]
-            for part in _PARTS:
-                if getattr(leaf, part) is not None:
-                    yield f"{name}.{part}", getattr(leaf, part)
+            for part in _BIT_PARTS[leaf.bits]:
+                yield f"{name}.{part}", getattr(leaf, part)
         else:
             meta[name] = None
             yield name, leaf
@@ -181,10 +187,11 @@ def _from_arrays(folder: Path) -> Params:
             flat[name] = jax.device_put(next(read_cache(folder, [name], None))[1])
             continue
         k, n, group, bits = spec
-        parts = dict(read_cache(folder, [f"{name}.{p}" for p in _PARTS[: 3 if bits == 4 else 2]], None))
-        arrays = [jax.device_put(parts[f"{name}.{p}"]) for p in _PARTS[:2]]
-        mins = jax.device_put(parts[f"{name}.mins"]) if bits == 4 else None
-        flat[name] = QuantWeight(*arrays, mins, (k, n), group, bits)
+        held = _BIT_PARTS[bits]
+        arrays = dict(read_cache(folder, [f"{name}.{p}" for p in held], None))
+        parts = {p: jax.device_put(arrays[f"{name}.{p}"]) if p in held else None for p in _PARTS}
+        flat[name] = QuantWeight(parts["values"], parts["scales"], parts["mins"], (k, n), group, bits,
+                                 parts["high"])
     return _unflatten(flat)
 
 
@@ -203,7 +210,7 @@ def load_gguf_quantized(path: str | Path, progress: Reporter = True) -> tuple[Mo
     """(config, params) with the GGUF's own blocks; unpacked once, then memory-mapped from the cache."""
     gf = GGUFFile.open(path)
     cfg = gguf_config(gf)
-    folder = cache_folder(file_sha256(gf.path, progress=progress), "gguf")
+    folder = cache_folder(file_sha256(gf.path, progress=progress), GGUF_CACHE)
     for attempt in range(2):
         try:
             if not folder.is_dir():

@@ -6,8 +6,8 @@ the cache makes every later load a memory map. A folder per dtype lives under
 temporary sibling, then renamed), so a process that dies mid-write leaves no
 half folder, and two processes racing to write it both end with a whole one.
 bfloat16 leaves are stored as their uint16 bits (numpy has no bfloat16 .npy). The
-quantized format ("gguf": engine/model/quant_weights.py) keeps each array's own dtype
-(dtype None) and a meta.json beside the arrays.
+quantized format (engine/model/quant_weights.py's GGUF_CACHE folder, its layout's version in
+its name) keeps each array's own dtype (dtype None) and a meta.json beside the arrays.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 def cache_folder(sha: str, dtype: np.dtype | str) -> Path:
     """Where the leaves of the file with this sha256 live in `dtype`, or in a named format such
-    as "gguf" (its parent holds every one)."""
+    as "gguf-v2" (its parent holds every one)."""
     name = dtype if isinstance(dtype, str) else dtype.name
     return cache_dir() / f"params-{sha[:24]}-{CACHE_FORMAT}" / name
 

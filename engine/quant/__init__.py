@@ -1,4 +1,4 @@
-"""Quantized weights served as stored: group-quantized int8 / 4-bit matrices and their matmul.
+"""Quantized weights served as stored: group-quantized int8 / 5-bit / 4-bit matrices and their matmul.
 
 - formats.py: `QuantWeight` (a pytree), lossless from GGUF blocks, int8 from float, dequantize.
 - matmul.py: `qmatmul(x, w)`: the C++ kernel through `jax.ffi` where it builds, else jnp.

@@ -1,24 +1,34 @@
-"""Group-quantized weight matrices kept as stored: int8 or packed 4-bit values, float32 scales.
+"""Group-quantized weight matrices kept as stored: int8, packed 5-bit or 4-bit values, float scales.
 
 A `QuantWeight` stands for a float32 matrix W [K (in), N (out)] that the model uses as
 ``x @ W``; groups of `group` consecutive inputs (rows of W, the reduction axis) share one
 scale per output column:
 
     int8 (bits 8):  W[k, n] = scales[g, n] * q[k, n]                  q int8
+    5-bit (bits 5): W[k, n] = scales[g, n] * (q[k, n] - 16)           q in 0..31
     int4 (bits 4):  W[k, n] = scales[g, n] * q[k, n] - mins[g, n]    q in 0..15
     with g = k // group.
 
-Each product (and the subtraction) is one float32 rounding, the same operations in the same
-order as `gguf.quants.dequantize`, so `dequantize()` equals that package's float32 weights
-bit for bit: the kernels compute with exactly the numbers the float32 path uses.
+Each product (and the subtraction of a min) is one float32 rounding, the same operations in the
+same order as `gguf.quants.dequantize` (q - 16 is an exact small integer), so `dequantize()`
+equals that package's float32 weights bit for bit: the kernels compute with exactly the numbers
+the float32 path uses. Scales are float32, or float16 (bits 8 and 5) where every scale is a
+float16 number: GGUF's Q8_0 and Q5_0 store their block scale as one, so holding it as float16
+is exact and halves the scale bytes; a float16 scale is widened to float32 before the multiply.
 
 Storage is in panels of PANEL output columns, so a matmul kernel streams each panel's bytes
 in order (engine/quant/kernel.cc reads exactly this layout):
 
     values  int8  [N / PANEL, K, PANEL]        (bits 8)
-            uint8 [N / PANEL, K / 2, PANEL]    (bits 4: row 2i in the low nibble, 2i+1 high)
-    scales  float32 [N / PANEL, K / group, PANEL]
+            uint8 [N / PANEL, K / 2, PANEL]    (bits 4, and bits 5's low four bits: row 2i in
+                                                the low nibble, 2i+1 in the high one)
+    scales  float32 or float16 [N / PANEL, K / group, PANEL]
     mins    float32 [N / PANEL, K / group, PANEL] (bits 4), else None
+    high    uint8 [N / PANEL, K / 8, PANEL]    (bits 5: bit j of byte i is bit 4 of q at row
+                                                8i + j), else None
+
+Bits per weight: 8 + 16 / 32 for Q8_0 (groups of 32, float16 scales), 5 + 16 / 32 for Q5_0,
+8 + 32 / 16 for Q6_K (groups of 16, float32 scales), 4 + 64 / 32 for Q4_K.
 
 Constructors: `from_gguf` (Q8_0, Q5_0, Q6_K, Q4_K blocks, lossless), `quantize_int8`
 (float weights, one scale per output column by default), `concat_columns` (fused leaves).
@@ -45,26 +55,32 @@ class QuantWeight:
     """A group-quantized W [K, N] (see the module docstring for the layout)."""
 
     values: jax.Array  # int8 [N/PANEL, K, PANEL] or uint8 [N/PANEL, K/2, PANEL] (two 4-bit rows a byte)
-    scales: jax.Array  # float32 [N/PANEL, K/group, PANEL]
+    scales: jax.Array  # float32 or float16 [N/PANEL, K/group, PANEL]
     mins: jax.Array | None  # float32 [N/PANEL, K/group, PANEL] (bits 4), else None
     shape: tuple[int, int] = field(metadata={"static": True})  # (K, N) of the float matrix
     group: int = field(metadata={"static": True})  # inputs sharing one scale
-    bits: int = field(metadata={"static": True})  # 8 or 4
+    bits: int = field(metadata={"static": True})  # 8, 5 or 4
+    high: jax.Array | None = None  # uint8 [N/PANEL, K/8, PANEL] (bits 5: bit 4 of each q), else None
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (values, scales, mins)."""
-        leaves = [self.values, self.scales] + ([self.mins] if self.mins is not None else [])
+        """Bytes held (values, scales, mins, high)."""
+        leaves = [a for a in (self.values, self.scales, self.mins, self.high) if a is not None]
         return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in leaves)
 
 
 def _check(k: int, n: int, group: int, bits: int) -> None:
+    if bits not in (4, 5, 8):
+        raise ValueError(f"bits must be 8, 5 or 4, got {bits}")
     if n % PANEL:
         raise ValueError(f"N = {n} output columns is not a multiple of the panel width {PANEL}")
     if group <= 0 or k % group:
         raise ValueError(f"K = {k} inputs is not a multiple of the group size {group}")
     if group % 2:
         raise ValueError(f"the kernel reads rows in pairs: group size {group} must be even")
+    if bits == 5 and group % 8:
+        raise ValueError(f"5-bit weights keep 8 rows' high bits in a byte: group size {group} must be a "
+                         "multiple of 8")
 
 
 def _panels(a: np.ndarray) -> np.ndarray:
@@ -73,33 +89,55 @@ def _panels(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(n // PANEL, PANEL, r).transpose(0, 2, 1))
 
 
-def pack(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None = None) -> QuantWeight:
-    """Values q [N, K] (int8, or 0..15 with `mins`) and scales/mins [N, K/group] float32, in GGUF's
-    output-major order, as a QuantWeight of W [K, N] (host numpy leaves)."""
+def _scales(a: np.ndarray, bits: int) -> np.ndarray:
+    """float16 scales stay float16 (bits 8 and 5, where the kernel widens them); others float32."""
+    if a.dtype == np.float16 and bits != 4:
+        return a
+    return a.astype(np.float32, copy=False)
+
+
+def pack(q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None = None,
+         bits: int | None = None) -> QuantWeight:
+    """Values q [N, K] and scales/mins [N, K/group], in GGUF's output-major order, as a QuantWeight of
+    W [K, N] (host numpy leaves). `bits`: 8 (q int8), 5 (q in 0..31, W = s * (q - 16)) or 4 (q in
+    0..15, with `mins`); None: 4 with mins, else 8. Scales float16 stay float16 (bits 8 and 5),
+    any other dtype becomes float32; mins are float32."""
     n, k = q.shape
     group = k // scales.shape[1]
-    bits = 4 if mins is not None else 8
+    bits = bits if bits is not None else 4 if mins is not None else 8
     _check(k, n, group, bits)
+    if (mins is not None) != (bits == 4):
+        raise ValueError(f"{bits}-bit weights {'need' if bits == 4 else 'take no'} mins")
     if scales.shape != (n, k // group) or (mins is not None and mins.shape != scales.shape):
         raise ValueError(f"scales {scales.shape} do not match values {q.shape} in groups of {group}")
+    high = None
     if bits == 8:
         values = _panels(q.astype(np.int8, copy=False))
     else:
-        if q.min() < 0 or q.max() > 15:
-            raise ValueError("4-bit values must lie in 0..15")
+        top = 15 if bits == 4 else 31
+        if q.min() < 0 or q.max() > top:
+            raise ValueError(f"{bits}-bit values must lie in 0..{top}")
         p = _panels(q.astype(np.uint8, copy=False))
-        values = p[:, 0::2, :] | (p[:, 1::2, :] << 4)
-    f32 = np.float32
-    return QuantWeight(values, _panels(scales.astype(f32, copy=False)),
-                       None if mins is None else _panels(mins.astype(f32, copy=False)), (k, n), group, bits)
+        values = (p[:, 0::2, :] & 0x0F) | ((p[:, 1::2, :] & 0x0F) << 4)
+        if bits == 5:  # bit 4 of rows 8i..8i+7 -> bits 0..7 of byte i
+            bit4 = ((p >> 4) & 1).reshape(p.shape[0], k // 8, 8, PANEL)
+            high = np.ascontiguousarray(np.packbits(bit4, axis=2, bitorder="little")[:, :, 0, :])
+    return QuantWeight(values, _panels(_scales(scales, bits)),
+                       None if mins is None else _panels(mins.astype(np.float32, copy=False)),
+                       (k, n), group, bits, high)
 
 
 # ------------------------------------------------------------- GGUF blocks ---
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
-    """Little-endian float16 from the last axis's 2 bytes, as float32."""
-    return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float32)
+    """Little-endian float16 from the last axis's 2 bytes (native-order float16)."""
+    return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float16)
+
+
+def _f32(b: np.ndarray) -> np.ndarray:
+    """Little-endian float16 from the last axis's 2 bytes, widened to float32 (exact)."""
+    return _f16(b).astype(np.float32)
 
 
 def _q8_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
@@ -108,11 +146,12 @@ def _q8_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
 
 
 def _q5_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
-    # block: d f16 | high bits u32 (bit j -> value j) | 16 bytes: value j low nibble, value j+16 high
+    # block: d f16 | high bits u32 (bit j -> value j) | 16 bytes: value j low nibble, value j+16 high.
+    # Returns q in 0..31 (the weight is d * (q - 16)).
     high = np.ascontiguousarray(b[:, 2:6]).view("<u4")  # [B, 1]
     bit = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [B, 32]
     low = np.concatenate([b[:, 6:] & 0x0F, b[:, 6:] >> 4], axis=1)
-    return (low | (bit << 4)).astype(np.int8) - 16, _f16(b[:, :2]), None
+    return low | (bit << 4), _f16(b[:, :2]), None
 
 
 def _q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
@@ -127,7 +166,7 @@ def _q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
     nib = nib.reshape(nb, 2, 4, 32)  # c = 2 (c // 2) + c % 2
     two = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3
     q = (nib | (two << 4)).astype(np.int8) - 32
-    scale = _f16(b[:, 208:210])[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)
+    scale = _f32(b[:, 208:210])[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)
     return q.reshape(nb, 256), scale, None
 
 
@@ -145,11 +184,12 @@ def _q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     mn = np.concatenate([lo_mn, hi_mn], axis=1).astype(np.float32)
     qs = b[:, 16:].reshape(nb, 4, 1, 32)
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(nb, 256)
-    return q, _f16(b[:, 0:2])[:, None] * sc, _f16(b[:, 2:4])[:, None] * mn
+    return q, _f32(b[:, 0:2])[:, None] * sc, _f32(b[:, 2:4])[:, None] * mn
 
 
 _UNPACK = {"Q8_0": _q8_0, "Q5_0": _q5_0, "Q6_K": _q6_k, "Q4_K": _q4_k}
 _GROUP = {"Q8_0": 32, "Q5_0": 32, "Q6_K": 16, "Q4_K": 32}
+_BITS = {"Q8_0": 8, "Q5_0": 5, "Q6_K": 8, "Q4_K": 4}
 
 
 def from_gguf(raw: np.ndarray | bytes, qtype: str, shape: tuple[int, int]) -> QuantWeight:
@@ -174,7 +214,7 @@ def from_gguf(raw: np.ndarray | bytes, qtype: str, shape: tuple[int, int]) -> Qu
     q, scale, minimum = _UNPACK[qtype](blocks)
     groups = k // _GROUP[qtype]
     return pack(q.reshape(n, k), scale.reshape(n, groups),
-                None if minimum is None else minimum.reshape(n, groups))
+                None if minimum is None else minimum.reshape(n, groups), _BITS[qtype])
 
 
 # ------------------------------------------------------------ float weights ---
@@ -200,15 +240,18 @@ def quantize_int8(w: np.ndarray, group: int | None = None) -> QuantWeight:
 
 
 def concat_columns(ws: list[QuantWeight]) -> QuantWeight:
-    """[W1 | W2 | ...] along the output axis (a fused qkv or gate_up leaf); same K, group, bits."""
+    """[W1 | W2 | ...] along the output axis (a fused qkv or gate_up leaf); same K, group, bits and
+    scale dtype."""
     first = ws[0]
-    if any((w.shape[0], w.group, w.bits) != (first.shape[0], first.group, first.bits) for w in ws):
-        raise ValueError("concatenated weights need the same K, group size and bits: "
-                         + ", ".join(f"{w.shape} g{w.group} {w.bits}-bit" for w in ws))
+    key = lambda w: (w.shape[0], w.group, w.bits, np.dtype(w.scales.dtype))
+    if any(key(w) != key(first) for w in ws):
+        raise ValueError("concatenated weights need the same K, group size, bits and scale dtype: "
+                         + ", ".join(f"{w.shape} g{w.group} {w.bits}-bit {np.dtype(w.scales.dtype)} scales"
+                                     for w in ws))
     xp = jnp if isinstance(first.values, jax.Array) else np
-    mins = None if first.mins is None else xp.concatenate([w.mins for w in ws])
-    return QuantWeight(xp.concatenate([w.values for w in ws]), xp.concatenate([w.scales for w in ws]),
-                       mins, (first.shape[0], sum(w.shape[1] for w in ws)), first.group, first.bits)
+    cat = lambda f: None if getattr(first, f) is None else xp.concatenate([getattr(w, f) for w in ws])
+    shape = (first.shape[0], sum(w.shape[1] for w in ws))
+    return QuantWeight(cat("values"), cat("scales"), cat("mins"), shape, first.group, first.bits, cat("high"))
 
 
 # ------------------------------------------------------------- dequantize ---
@@ -220,20 +263,27 @@ def _unpanel(a, xp):
     return xp.transpose(a, (1, 0, 2)).reshape(r, p * PANEL)
 
 
+def _levels(values, high, bits: int, xp):
+    """The integer factor of each weight as float32, [A, K, B], from values [A, K or K/2, B] (and
+    bits 5's high-bit plane [A, K/8, B]): q (bits 8, 4) or q - 16 (bits 5), all exact."""
+    if bits == 8:
+        return values.astype(xp.float32)
+    a, r, b = values.shape
+    q = xp.stack([values & 0x0F, values >> 4], axis=2).reshape(a, 2 * r, b)
+    if bits == 4:
+        return q.astype(xp.float32)
+    shifts = xp.arange(8, dtype=xp.uint8).reshape(1, 1, 8, 1)
+    bit4 = ((high[:, :, None, :] >> shifts) & 1).reshape(a, 2 * r, b)
+    return ((q | (bit4 << 4)).astype(xp.int32) - 16).astype(xp.float32)
+
+
 def dequantize(w: QuantWeight):
     """The float32 W [K, N] (numpy for numpy leaves, else a jax array; also inside jit).
 
     Equals `gguf.quants.dequantize(...).T` bit for bit for a `from_gguf` weight.
     """
     xp = np if isinstance(w.values, np.ndarray) else jnp
-    k, n = w.shape
-    if w.bits == 8:
-        q = w.values.astype(xp.float32)
-    else:
-        v = w.values
-        q = xp.stack([v & 0x0F, v >> 4], axis=2).reshape(n // PANEL, k, PANEL).astype(xp.float32)
-    scales = xp.repeat(w.scales, w.group, axis=1)
-    out = q * scales
+    out = _levels(w.values, w.high, w.bits, xp) * xp.repeat(w.scales.astype(xp.float32), w.group, axis=1)
     if w.mins is not None:
         out = out - xp.repeat(w.mins, w.group, axis=1)
     return _unpanel(out, xp)
@@ -242,12 +292,10 @@ def dequantize(w: QuantWeight):
 def take_columns(w: QuantWeight, ids: jax.Array) -> jax.Array:
     """Columns `ids` of W as rows, float32 [len(ids), K]: an embedding lookup in a tied table
     (W = embedding.T), without dequantizing the rest."""
-    k, _ = w.shape
     p, lane = ids // PANEL, ids % PANEL
-    v = w.values[p, :, lane]  # [T, K] or [T, K/2]
-    if w.bits == 4:
-        v = jnp.stack([v & 0x0F, v >> 4], axis=-1).reshape(ids.shape[0], k)
-    out = v.astype(jnp.float32) * jnp.repeat(w.scales[p, :, lane], w.group, axis=1)
+    high = None if w.high is None else w.high[p, :, lane][..., None]  # [T, K/8, 1]
+    q = _levels(w.values[p, :, lane][..., None], high, w.bits, jnp)[..., 0]  # [T, K]
+    out = q * jnp.repeat(w.scales[p, :, lane].astype(jnp.float32), w.group, axis=1)
     if w.mins is not None:
         out = out - jnp.repeat(w.mins[p, :, lane], w.group, axis=1)
     return out

@@ -1,14 +1,19 @@
 // y [M, N] = x [M, K] @ W [K, N] for a group-quantized W (engine/quant/formats.py has the layout),
 // converting each weight to float32 in registers: no float copy of W is ever written.
 //
-//   int8: W[k, n] = s[g, n] * q[k, n]            values int8  [P, K, 16]
-//   int4: W[k, n] = s[g, n] * q[k, n] - m[g, n]   values uint8 [P, K/2, 16] (row 2i low nibble)
-//   scales, mins float32 [P, K/G, 16]; P = N / 16 panels; g = k / G.
+//   int8:  W[k, n] = s[g, n] * q[k, n]            values int8  [P, K, 16]
+//   5-bit: W[k, n] = s[g, n] * (q[k, n] - 16)     values uint8 [P, K/2, 16] (q's low four bits,
+//                                                 row 2i low nibble), high uint8 [P, K/8, 16]
+//                                                 (bit j of byte i: bit 4 of q at row 8i + j)
+//   int4:  W[k, n] = s[g, n] * q[k, n] - m[g, n]   values uint8 [P, K/2, 16] (row 2i low nibble)
+//   scales float32, or float16 (int8 and 5-bit); mins float32; both [P, K/G, 16]; P = N / 16
+//   panels; g = k / G.
 //
-// Each weight is formed exactly as gguf's dequantize forms it (one rounding per multiply and
-// per subtraction; built with -ffp-contract=off), then multiplied into float32 accumulators.
+// Each weight is formed exactly as gguf's dequantize forms it (q - 16 an exact small integer, a
+// float16 scale widened exactly to float32, then one rounding per multiply and per subtraction;
+// built with -ffp-contract=off), then multiplied into float32 accumulators.
 //
-// One source, compiled four times (engine/quant/build.py): QK_PART=1 the AVX2+FMA kernels,
+// One source, compiled four times (engine/quant/build.py): QK_PART=1 the AVX2+FMA+F16C kernels,
 // QK_PART=2 the AVX-512 kernels, QK_PART=3 a portable scalar copy of the AVX-512 kernels (the
 // same tiling, one 16-lane vector a panel: tests check that tiling on CPUs without AVX-512; never
 // chosen by default), QK_PART=0 the XLA FFI handlers, which pick a kernel by CPUID once and
@@ -18,18 +23,23 @@
 
 namespace qk {
 struct Args {
-  const float* x;   // [M, K]
-  const void* w;    // values
-  const float* s;   // scales
-  const float* mn;  // mins (int4) or null
-  float* y;         // [M, N]
+  const float* x;       // [M, K]
+  const void* w;        // values
+  const void* s;        // scales: float32, or float16 bits (the kernel's instantiation says which)
+  const float* mn;      // mins (int4) or null
+  const uint8_t* high;  // bit 4 of each value (5-bit) or null
+  float* y;             // [M, N]
   int64_t M, K, N, G;
 };
 using PanelFn = void (*)(const Args&, int64_t p0, int64_t p1);  // panels [p0, p1)
+
+// How the values of a weight are stored.
+enum Form { kI8 = 0, kI5 = 1, kI4 = 2 };
 }  // namespace qk
 
 #if QK_PART == 1 || QK_PART == 2 || QK_PART == 3
 #include <cmath>
+#include <cstring>
 #include <immintrin.h>
 
 #include <vector>
@@ -37,22 +47,42 @@ using PanelFn = void (*)(const Args&, int64_t p0, int64_t p1);  // panels [p0, p
 namespace qk {
 namespace {
 
+#if QK_PART == 1 || QK_PART == 2
+// Rows 2t and 2t + 1 (t < 4) of an 8-row block of 5-bit values, 16 columns, as q - 16 in int8
+// (-16..15): p holds the row pair's low nibbles, h the block's high-bit bytes. The 16-bit shifts
+// move bits within a byte for the bits read: after >> 2t a byte's bits 0 and 1 are its own bits
+// 2t and 2t + 1, and << 4 (<< 3) puts bit 0 (bit 1) of each byte at its bit 4.
+inline void q5_bytes(const uint8_t* p, const uint8_t* h, int t, __m128i* lo, __m128i* hi) {
+  const __m128i nib = _mm_set1_epi8(0x0F), bit4 = _mm_set1_epi8(0x10), off = _mm_set1_epi8(16);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i hb = _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)), 2 * t);
+  const __m128i l = _mm_or_si128(_mm_and_si128(b, nib), _mm_and_si128(_mm_slli_epi16(hb, 4), bit4));
+  const __m128i u = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), nib), _mm_and_si128(_mm_slli_epi16(hb, 3), bit4));
+  *lo = _mm_sub_epi8(l, off);
+  *hi = _mm_sub_epi8(u, off);
+}
+#endif
+
 #if QK_PART == 1
 struct V {  // AVX2: a panel of 16 columns is two 8-float vectors
   using F = __m256;
   static constexpr int kPer = 2;
   static F zero() { return _mm256_setzero_ps(); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F scale(const float* p) { return _mm256_loadu_ps(p); }
+  static F scale(const uint16_t* p) {  // 8 float16 -> 8 floats (F16C, exact)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static F bcast(const float* p) { return _mm256_broadcast_ss(p); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static void i8(const int8_t* p, F* out) {  // 16 int8 -> 2 x 8 floats
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  static void i8(__m128i b, F* out) {  // 16 int8 -> 2 x 8 floats
     out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
     out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
   }
+  static void i8(const int8_t* p, F* out) { i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), out); }
   static void u4(const uint8_t* p, F* lo, F* hi) {  // 16 bytes -> rows 2i and 2i+1, 16 floats each
     __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     __m128i mask = _mm_set1_epi8(0x0F);
@@ -61,6 +91,12 @@ struct V {  // AVX2: a panel of 16 columns is two 8-float vectors
     lo[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(l, 8)));
     hi[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h));
     hi[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(h, 8)));
+  }
+  static void u5(const uint8_t* p, const uint8_t* h, int t, F* lo, F* hi) {  // q - 16 of rows 2t, 2t+1
+    __m128i l, u;
+    q5_bytes(p, h, t, &l, &u);
+    i8(l, lo);
+    i8(u, hi);
   }
 };
 #define QK_NAME(x) x##_avx2
@@ -73,6 +109,10 @@ struct V {  // AVX-512: a panel is one 16-float vector
   static constexpr int kPer = 1;
   static F zero() { return _mm512_setzero_ps(); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F scale(const float* p) { return _mm512_loadu_ps(p); }
+  static F scale(const uint16_t* p) {  // 16 float16 -> 16 floats (exact)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static F bcast(const float* p) { return _mm512_set1_ps(*p); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -87,12 +127,36 @@ struct V {  // AVX-512: a panel is one 16-float vector
     lo[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
     hi[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
   }
+  static void u5(const uint8_t* p, const uint8_t* h, int t, F* lo, F* hi) {
+    __m128i l, u;
+    q5_bytes(p, h, t, &l, &u);
+    lo[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(l));
+    hi[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(u));
+  }
 };
 #define QK_NAME(x) x##_avx512
 constexpr int kRows = 12;
 constexpr int kDirectRows = 8;
 constexpr int kWide = 4;
 #else
+// IEEE float16 bits -> float32, exactly (every float16 is a float32).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {  // infinity, NaN
+    bits = sign | 0x7F800000u | (mant << 13);
+  } else if (exp != 0) {  // normal: rebias 15 -> 127
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else {  // zero, subnormal: mant * 2^-24 (exact in float32)
+    const float f = static_cast<float>(mant) * 0x1p-24f;
+    return sign ? -f : f;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 struct V {  // portable: the AVX-512 layout in plain C++, with the same single-rounding fma
   struct F {
     float v[16];
@@ -100,6 +164,8 @@ struct V {  // portable: the AVX-512 layout in plain C++, with the same single-r
   static constexpr int kPer = 1;
   static F zero() { return F{}; }
   static F load(const float* p) { F r; for (int i = 0; i < 16; ++i) r.v[i] = p[i]; return r; }
+  static F scale(const float* p) { return load(p); }
+  static F scale(const uint16_t* p) { F r; for (int i = 0; i < 16; ++i) r.v[i] = half_to_float(p[i]); return r; }
   static F bcast(const float* p) { F r; for (int i = 0; i < 16; ++i) r.v[i] = *p; return r; }
   static F fma(F a, F b, F c) { for (int i = 0; i < 16; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return c; }
   static F mul(F a, F b) { for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i]; return a; }
@@ -108,6 +174,12 @@ struct V {  // portable: the AVX-512 layout in plain C++, with the same single-r
   static void i8(const int8_t* p, F* out) { for (int i = 0; i < 16; ++i) out[0].v[i] = p[i]; }
   static void u4(const uint8_t* p, F* lo, F* hi) {
     for (int i = 0; i < 16; ++i) lo[0].v[i] = p[i] & 15, hi[0].v[i] = p[i] >> 4;
+  }
+  static void u5(const uint8_t* p, const uint8_t* h, int t, F* lo, F* hi) {
+    for (int i = 0; i < 16; ++i) {
+      lo[0].v[i] = static_cast<float>(((p[i] & 15) | (((h[i] >> (2 * t)) & 1) << 4)) - 16);
+      hi[0].v[i] = static_cast<float>(((p[i] >> 4) | (((h[i] >> (2 * t + 1)) & 1) << 4)) - 16);
+    }
   }
 };
 #define QK_NAME(x) x##_portable
@@ -124,8 +196,8 @@ using F = V::F;
 constexpr int kPer = V::kPer;
 
 // One tile: rows [m0, m0 + R) of y, panels [p, p + W). Weights of one k are converted once and
-// used by all R rows.
-template <int R, int W, bool kInt4>
+// used by all R rows. S: the scales' element type (float, or uint16_t for float16 bits).
+template <int R, int W, Form kForm, typename S>
 inline void tile(const Args& a, int64_t m0, int64_t p) {
   constexpr int NV = W * kPer;
   F acc[R][NV];
@@ -138,11 +210,11 @@ inline void tile(const Args& a, int64_t m0, int64_t p) {
     QK_UNROLL for (int j = 0; j < W; ++j)
       QK_UNROLL for (int v = 0; v < kPer; ++v) {
         const int64_t off = ((p + j) * ng + g) * 16 + v * (16 / kPer);
-        sc[j * kPer + v] = V::load(a.s + off);
-        if (kInt4) mn[j * kPer + v] = V::load(a.mn + off);
+        sc[j * kPer + v] = V::scale(static_cast<const S*>(a.s) + off);
+        if constexpr (kForm == kI4) mn[j * kPer + v] = V::load(a.mn + off);
       }
     const int64_t k0 = g * G;
-    if (!kInt4) {
+    if constexpr (kForm == kI8) {
       for (int64_t k = k0; k < k0 + G; ++k) {
         F w[NV];
         QK_UNROLL for (int j = 0; j < W; ++j) V::i8(static_cast<const int8_t*>(a.w) + ((p + j) * K + k) * 16, w + j * kPer);
@@ -152,7 +224,7 @@ inline void tile(const Args& a, int64_t m0, int64_t p) {
           QK_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(xb, w[v], acc[r][v]);
         }
       }
-    } else {
+    } else if constexpr (kForm == kI4) {
       for (int64_t k = k0; k < k0 + G; k += 2) {
         F lo[NV], hi[NV];
         QK_UNROLL for (int j = 0; j < W; ++j)
@@ -166,6 +238,23 @@ inline void tile(const Args& a, int64_t m0, int64_t p) {
           QK_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(x1, hi[v], V::fma(x0, lo[v], acc[r][v]));
         }
       }
+    } else {  // 5-bit: 8 rows share a byte of high bits per column; a row pair a byte of nibbles
+      for (int64_t k = k0; k < k0 + G; k += 8) {
+        QK_UNROLL for (int t = 0; t < 4; ++t) {
+          F lo[NV], hi[NV];
+          QK_UNROLL for (int j = 0; j < W; ++j)
+            V::u5(static_cast<const uint8_t*>(a.w) + ((p + j) * (K / 2) + k / 2 + t) * 16,
+                  a.high + ((p + j) * (K / 8) + k / 8) * 16, t, lo + j * kPer, hi + j * kPer);
+          QK_UNROLL for (int v = 0; v < NV; ++v) {
+            lo[v] = V::mul(lo[v], sc[v]);
+            hi[v] = V::mul(hi[v], sc[v]);
+          }
+          QK_UNROLL for (int r = 0; r < R; ++r) {
+            F x0 = V::bcast(x + r * K + k + 2 * t), x1 = V::bcast(x + r * K + k + 2 * t + 1);
+            QK_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(x1, hi[v], V::fma(x0, lo[v], acc[r][v]));
+          }
+        }
+      }
     }
   }
   QK_UNROLL for (int r = 0; r < R; ++r)
@@ -173,32 +262,47 @@ inline void tile(const Args& a, int64_t m0, int64_t p) {
 }
 
 // Panel p's weights as float32, buf [K][16]: the same values `tile` forms in registers.
-template <bool kInt4>
+template <Form kForm, typename S>
 inline void unpack(const Args& a, int64_t p, float* buf) {
   const int64_t K = a.K, G = a.G, ng = K / G;
+  // Rows k and k + 1 of the panel, scaled (and less the mins), into buf.
+  auto put = [buf](int64_t k, F* w0, F* w1, const F* sc, const F* mn) {
+    QK_UNROLL for (int v = 0; v < kPer; ++v) {
+      w0[v] = V::mul(w0[v], sc[v]);
+      w1[v] = V::mul(w1[v], sc[v]);
+      if constexpr (kForm == kI4) {
+        w0[v] = V::sub(w0[v], mn[v]);
+        w1[v] = V::sub(w1[v], mn[v]);
+      }
+      V::store(buf + k * 16 + v * (16 / kPer), w0[v]);
+      V::store(buf + (k + 1) * 16 + v * (16 / kPer), w1[v]);
+    }
+  };
   for (int64_t g = 0; g < ng; ++g) {
     F sc[kPer], mn[kPer];
     QK_UNROLL for (int v = 0; v < kPer; ++v) {
-      sc[v] = V::load(a.s + (p * ng + g) * 16 + v * (16 / kPer));
-      if (kInt4) mn[v] = V::load(a.mn + (p * ng + g) * 16 + v * (16 / kPer));
+      sc[v] = V::scale(static_cast<const S*>(a.s) + (p * ng + g) * 16 + v * (16 / kPer));
+      if constexpr (kForm == kI4) mn[v] = V::load(a.mn + (p * ng + g) * 16 + v * (16 / kPer));
     }
-    for (int64_t k = g * G; k < g * G + G; k += 2) {
-      F w0[kPer], w1[kPer];
-      if (kInt4) {
-        V::u4(static_cast<const uint8_t*>(a.w) + (p * (K / 2) + k / 2) * 16, w0, w1);
-      } else {
-        V::i8(static_cast<const int8_t*>(a.w) + (p * K + k) * 16, w0);
-        V::i8(static_cast<const int8_t*>(a.w) + (p * K + k + 1) * 16, w1);
-      }
-      QK_UNROLL for (int v = 0; v < kPer; ++v) {
-        w0[v] = V::mul(w0[v], sc[v]);
-        w1[v] = V::mul(w1[v], sc[v]);
-        if (kInt4) {
-          w0[v] = V::sub(w0[v], mn[v]);
-          w1[v] = V::sub(w1[v], mn[v]);
+    if constexpr (kForm == kI5) {
+      for (int64_t k = g * G; k < g * G + G; k += 8) {
+        QK_UNROLL for (int t = 0; t < 4; ++t) {
+          F w0[kPer], w1[kPer];
+          V::u5(static_cast<const uint8_t*>(a.w) + (p * (K / 2) + k / 2 + t) * 16, a.high + (p * (K / 8) + k / 8) * 16,
+                t, w0, w1);
+          put(k + 2 * t, w0, w1, sc, mn);
         }
-        V::store(buf + k * 16 + v * (16 / kPer), w0[v]);
-        V::store(buf + (k + 1) * 16 + v * (16 / kPer), w1[v]);
+      }
+    } else {
+      for (int64_t k = g * G; k < g * G + G; k += 2) {
+        F w0[kPer], w1[kPer];
+        if constexpr (kForm == kI4) {
+          V::u4(static_cast<const uint8_t*>(a.w) + (p * (K / 2) + k / 2) * 16, w0, w1);
+        } else {
+          V::i8(static_cast<const int8_t*>(a.w) + (p * K + k) * 16, w0);
+          V::i8(static_cast<const int8_t*>(a.w) + (p * K + k + 1) * 16, w1);
+        }
+        put(k, w0, w1, sc, mn);
       }
     }
   }
@@ -232,24 +336,24 @@ void rest_f32(const Args& a, int64_t m, int64_t p, const float* buf) {
   }
 }
 
-template <int R, bool kInt4>
+template <int R, Form kForm, typename S>
 inline void rest_direct(const Args& a, int64_t p) {
   if constexpr (R > 0) {
-    if (a.M == R) return tile<R, 1, kInt4>(a, 0, p);
-    rest_direct<R - 1, kInt4>(a, p);
+    if (a.M == R) return tile<R, 1, kForm, S>(a, 0, p);
+    rest_direct<R - 1, kForm, S>(a, p);
   }
 }
 
-template <bool kInt4>
+template <Form kForm, typename S>
 void panels(const Args& a, int64_t p0, int64_t p1) {
   if (a.M == 1) {  // decode: several panels at once for independent accumulator chains
     int64_t p = p0;
-    for (; p + kWide <= p1; p += kWide) tile<1, kWide, kInt4>(a, 0, p);
-    for (; p < p1; ++p) tile<1, 1, kInt4>(a, 0, p);
+    for (; p + kWide <= p1; p += kWide) tile<1, kWide, kForm, S>(a, 0, p);
+    for (; p < p1; ++p) tile<1, 1, kForm, S>(a, 0, p);
     return;
   }
   if (a.M <= kDirectRows) {  // few rows: convert in registers, once per row tile
-    for (int64_t p = p0; p < p1; ++p) rest_direct<kDirectRows, kInt4>(a, p);
+    for (int64_t p = p0; p < p1; ++p) rest_direct<kDirectRows, kForm, S>(a, p);
     return;
   }
   // More rows: unpack each panel once into a float buffer that stays in cache, then a plain
@@ -257,7 +361,7 @@ void panels(const Args& a, int64_t p0, int64_t p1) {
   thread_local std::vector<float> buf;
   if (buf.size() < static_cast<size_t>(a.K) * 16) buf.resize(a.K * 16);
   for (int64_t p = p0; p < p1; ++p) {
-    unpack<kInt4>(a, p, buf.data());
+    unpack<kForm, S>(a, p, buf.data());
     int64_t m = 0;
     for (; m + kRows <= a.M; m += kRows) tile_f32<kRows>(a, m, p, buf.data());
     if (m < a.M) rest_f32<kRows - 1>(a, m, p, buf.data());
@@ -266,53 +370,70 @@ void panels(const Args& a, int64_t p0, int64_t p1) {
 
 }  // namespace
 
-void QK_NAME(panels_i8)(const Args& a, int64_t p0, int64_t p1) { panels<false>(a, p0, p1); }
-void QK_NAME(panels_i4)(const Args& a, int64_t p0, int64_t p1) { panels<true>(a, p0, p1); }
+// Suffix h: float16 scales.
+void QK_NAME(panels_i8)(const Args& a, int64_t p0, int64_t p1) { panels<kI8, float>(a, p0, p1); }
+void QK_NAME(panels_i8h)(const Args& a, int64_t p0, int64_t p1) { panels<kI8, uint16_t>(a, p0, p1); }
+void QK_NAME(panels_i5)(const Args& a, int64_t p0, int64_t p1) { panels<kI5, float>(a, p0, p1); }
+void QK_NAME(panels_i5h)(const Args& a, int64_t p0, int64_t p1) { panels<kI5, uint16_t>(a, p0, p1); }
+void QK_NAME(panels_i4)(const Args& a, int64_t p0, int64_t p1) { panels<kI4, float>(a, p0, p1); }
 }  // namespace qk
 
 #else  // QK_PART == 0: the FFI handlers
 
 #include <atomic>
+#include <string>
 
 #include "parallel.h"  // XLA's FFI as `ffi`, crossover::ParallelFor
 
 namespace qk {
-void panels_i8_portable(const Args&, int64_t, int64_t);
-void panels_i4_portable(const Args&, int64_t, int64_t);
-void panels_i8_avx2(const Args&, int64_t, int64_t);
-void panels_i4_avx2(const Args&, int64_t, int64_t);
+#define QK_DECLARE(isa)                                   \
+  void panels_i8_##isa(const Args&, int64_t, int64_t);  \
+  void panels_i8h_##isa(const Args&, int64_t, int64_t); \
+  void panels_i5_##isa(const Args&, int64_t, int64_t);  \
+  void panels_i5h_##isa(const Args&, int64_t, int64_t); \
+  void panels_i4_##isa(const Args&, int64_t, int64_t);
+QK_DECLARE(portable)
+QK_DECLARE(avx2)
 #ifndef QK_NO_AVX512
-void panels_i8_avx512(const Args&, int64_t, int64_t);
-void panels_i4_avx512(const Args&, int64_t, int64_t);
+QK_DECLARE(avx512)
 #endif
 
 namespace {
-// 0: none usable, 2: AVX2+FMA, 3: AVX-512 (F, BW, VL); 1: portable (only when asked for).
+// An ISA's kernels by [form][scales float16]; int4 takes float32 scales only.
+using Table = PanelFn[3][2];
+#define QK_TABLE(isa) \
+  {{panels_i8_##isa, panels_i8h_##isa}, {panels_i5_##isa, panels_i5h_##isa}, {panels_i4_##isa, nullptr}}
+const Table kPortable = QK_TABLE(portable), kAvx2 = QK_TABLE(avx2);
+#ifndef QK_NO_AVX512
+const Table kAvx512 = QK_TABLE(avx512);
+#endif
+
+// 0: none usable, 2: AVX2+FMA+F16C, 3: AVX-512 (F, BW, VL); 1: portable (only when asked for).
 int Detect() {
 #ifndef QK_NO_AVX512
   if (crossover::HasAvx512()) return 3;
 #endif
-  return crossover::HasAvx2Fma() ? 2 : 0;
+  return crossover::HasAvx2Fma() && crossover::HasF16c() ? 2 : 0;
 }
 const int kBest = Detect();
 std::atomic<int> g_isa{kBest};
 std::atomic<int> g_threads{0};  // 0: the pool's size
 
-PanelFn Pick(bool int4) {
+PanelFn Pick(Form form, bool half) {
   switch (g_isa.load(std::memory_order_relaxed)) {
 #ifndef QK_NO_AVX512
-    case 3: return int4 ? panels_i4_avx512 : panels_i8_avx512;
+    case 3: return kAvx512[form][half];
 #endif
-    case 2: return int4 ? panels_i4_avx2 : panels_i8_avx2;
-    case 1: return int4 ? panels_i4_portable : panels_i8_portable;
+    case 2: return kAvx2[form][half];
+    case 1: return kPortable[form][half];
     default: return nullptr;
   }
 }
 
 // The panels, split over XLA's intra-op pool (4 chunks a thread).
-ffi::Error Matmul(ffi::ThreadPool& pool, const Args& a, bool int4) {
-  const PanelFn fn = Pick(int4);
-  if (fn == nullptr) return ffi::Error::Internal("crossover qmatmul: the CPU lacks AVX2+FMA");
+ffi::Error Matmul(ffi::ThreadPool& pool, const Args& a, Form form, bool half) {
+  const PanelFn fn = Pick(form, half);
+  if (fn == nullptr) return ffi::Error::Internal("crossover qmatmul: the CPU lacks AVX2+FMA+F16C");
   const int64_t panels = a.N / 16;
   if (a.M == 0 || panels == 0) return ffi::Error::Success();
   crossover::ParallelFor(pool, g_threads.load(std::memory_order_relaxed), a.M * a.K * a.N, panels, 4,
@@ -320,37 +441,51 @@ ffi::Error Matmul(ffi::ThreadPool& pool, const Args& a, bool int4) {
   return ffi::Error::Success();
 }
 
-ffi::Error Check(int64_t M, int64_t K, int64_t N, int64_t rows, int64_t P, int64_t vk, int64_t ng,
-                 int64_t sp, int64_t sl, int64_t wl, bool int4) {
-  if (N % 16 || P != N / 16 || sp != P || sl != 16 || wl != 16 || ng <= 0 || K % ng ||
-      vk != (int4 ? K / 2 : K) || rows != M || (K / ng) % 2)
-    return ffi::Error::InvalidArgument("crossover qmatmul: operand shapes do not match");
-  return ffi::Error::Success();
+using Dims = ffi::Span<const int64_t>;
+
+bool Is(Dims d, int64_t d0, int64_t d1, int64_t d2) { return d.size() == 3 && d[0] == d0 && d[1] == d1 && d[2] == d2; }
+
+ffi::Error Bad(const char* what) {
+  return ffi::Error::InvalidArgument(std::string("crossover qmatmul: ") + what);
 }
 
-template <bool kInt4, typename WBuf>
-ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, WBuf w, ffi::Buffer<ffi::F32> s,
-                const float* mins, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("crossover qmatmul: x [M, K], values and scales [P, *, 16]");
-  const int64_t M = xd[0], K = xd[1], N = yd[1];
-  if (ffi::Error e = Check(M, K, N, yd[0], wd[0], wd[1], sd[1], sd[0], sd[2], wd[2], kInt4); e.failure())
-    return e;
-  Args a{x.typed_data(), w.untyped_data(), s.typed_data(), mins, y->typed_data(), M, K, N, K / sd[1]};
-  return Matmul(pool, a, kInt4);
+// x [M, K], y [M, N], values [P, K (int8) or K/2, 16], scales [P, K/G, 16] float32 (or float16
+// for int8 and 5-bit), mins as scales (int4), high [P, K/8, 16] (5-bit); G even (5-bit: a
+// multiple of 8).
+ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::Buffer<ffi::F32> x, Dims wd, const void* w,
+               ffi::AnyBuffer s, const ffi::Buffer<ffi::F32>* mn, const ffi::Buffer<ffi::U8>* high,
+               ffi::ResultBuffer<ffi::F32> y) {
+  const Dims xd = x.dimensions(), sd = s.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || wd.size() != 3 || sd.size() != 3)
+    return Bad("x [M, K], values and scales [P, *, 16]");
+  const int64_t M = xd[0], K = xd[1], N = yd[1], P = N / 16, ng = sd[1];
+  if (yd[0] != M || N % 16 || ng <= 0 || K % ng || (K / ng) % 2 || !Is(sd, P, ng, 16) ||
+      !Is(wd, P, form == kI8 ? K : K / 2, 16))
+    return Bad("operand shapes do not match");
+  const bool half = s.element_type() == ffi::DataType::F16;
+  if (!half && s.element_type() != ffi::DataType::F32) return Bad("scales must be float32 or float16");
+  if (half && form == kI4) return Bad("4-bit weights take float32 scales");
+  if (form == kI4 && !Is(mn->dimensions(), P, ng, 16)) return Bad("mins must match scales");
+  if (form == kI5 && ((K / ng) % 8 || !Is(high->dimensions(), P, K / 8, 16)))
+    return Bad("the high bits must be [P, K/8, 16], groups a multiple of 8");
+  Args a{x.typed_data(), w, s.untyped_data(), form == kI4 ? mn->typed_data() : nullptr,
+         form == kI5 ? high->typed_data() : nullptr, y->typed_data(), M, K, N, K / ng};
+  return Matmul(pool, a, form, half);
 }
 
-ffi::Error I8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> s,
+ffi::Error I8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::AnyBuffer s,
               ffi::ResultBuffer<ffi::F32> y) {
-  return Impl<false>(pool, x, w, s, nullptr, y);
+  return Run(pool, kI8, x, w.dimensions(), w.untyped_data(), s, nullptr, nullptr, y);
 }
 
-ffi::Error I4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> s,
+ffi::Error I5(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::AnyBuffer s,
+              ffi::Buffer<ffi::U8> high, ffi::ResultBuffer<ffi::F32> y) {
+  return Run(pool, kI5, x, w.dimensions(), w.untyped_data(), s, nullptr, &high, y);
+}
+
+ffi::Error I4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::AnyBuffer s,
               ffi::Buffer<ffi::F32> mn, ffi::ResultBuffer<ffi::F32> y) {
-  if (mn.dimensions().size() != 3 || mn.element_count() != s.element_count())
-    return ffi::Error::InvalidArgument("crossover qmatmul: mins must match scales");
-  return Impl<true>(pool, x, w, s, mn.typed_data(), y);
+  return Run(pool, kI4, x, w.dimensions(), w.untyped_data(), s, &mn, nullptr, y);
 }
 }  // namespace
 }  // namespace qk
@@ -360,7 +495,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CrossoverQMatmulI8, qk::I8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CrossoverQMatmulI5, qk::I5,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CrossoverQMatmulI4, qk::I4,
@@ -368,7 +512,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CrossoverQMatmulI4, qk::I4,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 

@@ -2,9 +2,10 @@
 
 Paths (`qmatmul(..., path=...)`):
 - "ffi": engine/quant/kernel.cc through `jax.ffi` (built on first use by build.py, AVX-512 or
-  AVX2 chosen by CPUID); each weight is converted to float32 in registers.
+  AVX2 chosen by CPUID); each weight is converted to float32 in registers. One target per value
+  form (int8, 5-bit, int4); the handler reads the scales' dtype (float32 or float16).
 - "jnp": dequantize to float32 and dot: the reference, and the fallback when the kernel is
-  switched off (`CROSSOVER_QUANT_KERNEL=off`), cannot be built, or the CPU lacks AVX2+FMA.
+  switched off (`CROSSOVER_QUANT_KERNEL=off`), cannot be built, or the CPU lacks AVX2+FMA+F16C.
   XLA:CPU materializes the float32 matrix here on every call.
 - None (default): "ffi" when the kernel is available on CPU, else "jnp".
 
@@ -20,14 +21,15 @@ from engine.kernels.ffi import Kernel
 from engine.quant.build import LIBRARY
 from engine.quant.formats import QuantWeight, dequantize
 
-_TARGETS = {8: "crossover_qmatmul_i8", 4: "crossover_qmatmul_i4"}
+_TARGETS = {8: "crossover_qmatmul_i8", 5: "crossover_qmatmul_i5", 4: "crossover_qmatmul_i4"}
 ISA_NAMES = {0: "none", 1: "portable", 2: "avx2", 3: "avx512"}
 """ISA codes: "portable" is plain C++ with the AVX-512 kernels' tiling, for tests on CPUs without
 AVX-512; it is never chosen by default, and `set_isa("best")` restores the CPU's best."""
 
 KERNEL = Kernel(label="quantized matmul", env="CROSSOVER_QUANT_KERNEL", library=LIBRARY,
-                targets={_TARGETS[8]: "CrossoverQMatmulI8", _TARGETS[4]: "CrossoverQMatmulI4"},
-                prefix="crossover_qk_", isa_names=ISA_NAMES, no_isa="the CPU lacks AVX2+FMA")
+                targets={_TARGETS[8]: "CrossoverQMatmulI8", _TARGETS[5]: "CrossoverQMatmulI5",
+                         _TARGETS[4]: "CrossoverQMatmulI4"},
+                prefix="crossover_qk_", isa_names=ISA_NAMES, no_isa="the CPU lacks AVX2+FMA+F16C")
 kernel_status = KERNEL.kernel_status  # "ffi (avx512)", "ffi (avx2)" or "jnp (<why>)"
 kernel_available = KERNEL.kernel_available
 set_isa = KERNEL.set_isa
@@ -45,6 +47,8 @@ def _ffi(x: jax.Array, w: QuantWeight) -> jax.Array:
     call = jax.ffi.ffi_call(_TARGETS[w.bits], out)
     if w.bits == 4:
         return call(x, w.values, w.scales, w.mins)
+    if w.bits == 5:
+        return call(x, w.values, w.scales, w.high)
     return call(x, w.values, w.scales)
 
 

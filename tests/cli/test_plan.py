@@ -131,8 +131,8 @@ def test_weights_gguf_counts_the_served_blocks(capsys):
     rc, out, _ = run_plan(capsys, "--device", "cpu", "--weights", "gguf", "--context", "4096", "--json")
     plan = json.loads(out)
     f32 = make_plan(GEMMA3_270M, device_profile("cpu"), "float32", "bfloat16", 4096)
-    assert rc == 0 and plan["weight_dtype"] == "gguf" and plan["weight_bytes"] == 294_398_464
-    assert plan["pool_bytes"] == f32.pool_bytes + f32.weight_bytes - 294_398_464
+    assert rc == 0 and plan["weight_dtype"] == "gguf" and plan["weight_bytes"] == 256_080_384
+    assert plan["pool_bytes"] == f32.pool_bytes + f32.weight_bytes - 256_080_384
     rc, _, err = run_plan(capsys, "--model", "gemma3-27b", "--weights", "gguf")
     assert rc == 2 and "--weights gguf" in err
     rc, _, err = run_plan(capsys, "--weights", "gguf", "--dtype", "bfloat16")

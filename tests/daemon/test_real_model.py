@@ -90,6 +90,6 @@ def test_ready_names_the_weights_served_and_the_memory_they_leave_the_pool(serve
     from engine.quant.matmul import kernel_available
 
     m = server.get("/ready").json()["engine"]["memory"]
-    served = ("gguf", 294_398_464) if kernel_available() else ("float32", 4 * server.engine.cfg.param_count())
+    served = ("gguf", 256_080_384) if kernel_available() else ("float32", 4 * server.engine.cfg.param_count())
     assert (m["weights"], m["weight_bytes"]) == served
     assert m["memory_budget_bytes"] == m["weight_bytes"] + REAL_ENGINE["kv_budget_bytes"]

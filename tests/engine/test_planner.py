@@ -151,9 +151,9 @@ def test_a_split_lends_pages_and_a_technique_pays_from_the_same_budget():
 def test_served_quantized_weights_give_their_bytes_to_the_pool():
     cpu = device_profile("cpu")
     f32 = make_plan(GEMMA3_270M, cpu, "float32", "bfloat16", 4096)
-    gguf = make_plan(GEMMA3_270M, cpu, "float32", "bfloat16", 4096, served=("gguf", 294_398_464))
+    gguf = make_plan(GEMMA3_270M, cpu, "float32", "bfloat16", 4096, served=("gguf", 256_080_384))
     assert gguf.weight_dtype == "gguf" and gguf.weight_bytes == gguf.weight_bytes_by_dtype["gguf"]
-    assert gguf.pool_bytes - f32.pool_bytes == f32.weight_bytes - 294_398_464
+    assert gguf.pool_bytes - f32.pool_bytes == f32.weight_bytes - 256_080_384
     assert gguf.tenants > f32.tenants
     assert gguf.float32_tenants == f32.tenants == f32.float32_tenants  # the gain: tenants - float32_tenants
     bf16 = make_plan(GEMMA3_270M, TPU, "bfloat16", "bfloat16", 8192)

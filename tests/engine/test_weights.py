@@ -67,8 +67,9 @@ def flat(params) -> dict[str, np.ndarray]:
     return {"embed": params["embed"], "final_norm": params["final_norm"], **params["layers"]}
 
 
-def write_tiny_gguf(path: Path, cfg=CFG, arch="gemma3", drop=(), seed=0, meta_cfg=None) -> dict:
-    """A small GGUF in llama.cpp's Gemma 3 layout; some matrices Q8_0 or F16.
+def write_tiny_gguf(path: Path, cfg=CFG, arch="gemma3", drop=(), seed=0, meta_cfg=None, q5=()) -> dict:
+    """A small GGUF in llama.cpp's Gemma 3 layout; some matrices Q8_0 or F16 (the roles in `q5`:
+    Q5_0).
 
     Returns the tensors as the loader must see them (after quantization)."""
     roles = random_roles(cfg, seed)
@@ -87,10 +88,11 @@ def write_tiny_gguf(path: Path, cfg=CFG, arch="gemma3", drop=(), seed=0, meta_cf
         name = ROLES_GGUF[role].format(i=i)
         if name in drop:
             continue
-        if role in ("q", "gate", "embed"):
-            raw = gguf.quants.quantize(arr, QT.Q8_0)
-            roles[(role, i)] = gguf.quants.dequantize(raw, QT.Q8_0)
-            w.add_tensor(name, raw, raw_dtype=QT.Q8_0)
+        if role in q5 or role in ("q", "gate", "embed"):
+            qtype = QT.Q5_0 if role in q5 else QT.Q8_0
+            raw = gguf.quants.quantize(arr, qtype)
+            roles[(role, i)] = gguf.quants.dequantize(raw, qtype)
+            w.add_tensor(name, raw, raw_dtype=qtype)
         elif role == "down":
             roles[(role, i)] = arr.astype(np.float16).astype(np.float32)
             w.add_tensor(name, arr.astype(np.float16))
