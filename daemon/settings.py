@@ -74,13 +74,11 @@ class Settings:
     max_context: int = 4096
     """Longest prompt + completion, in tokens."""
     token_budget: int = 512
-    """Most new tokens one engine step computes: its decode rows plus prefill chunks (verify rows' drafts
-    come on top)."""
+    """Most new tokens one engine step computes: decode rows plus prefill chunks (verify drafts on top)."""
     tensor_parallel: int = 1
     """Devices the model and KV pool are split over (engine/model/sharding.py); 1: one device."""
     speculation: bool = True
-    """Compile verification and load the proposers (n-gram; MTP, early exit, draft model from the heads
-    file)."""
+    """Compile verification and load the proposers (n-gram; MTP, early exit, draft model: heads file)."""
     prefix_cache: bool = True
     """Share the KV pages of common prompt prefixes between requests (engine/memory/prefix_cache.py)."""
     heads: str | None = None
@@ -88,15 +86,13 @@ class Settings:
     db_url: str | None = None
     """SQLAlchemy URL or SQLite path of the telemetry database; None: $CROSSOVER_DB, ./crossover.db."""
     instance: str | None = None
-    """This daemon's name among those sharing the database (its rows, policies, retunes); None: host
-    name:port."""
+    """This daemon's name among those sharing the database (rows, policies, retunes); None: host name:port."""
     tuner: TunerConfig = field(default_factory=TunerConfig)
     """The tuner and its periodic job: the `[tuner]` section (tuner.config.TunerConfig)."""
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata=_SIZE)
     """Largest accepted request body; bigger ones get 413."""
     check_origin: bool = True
-    """On a loopback address, refuse (403) requests naming another Host or from a web page of another
-    Origin."""
+    """On a loopback address, refuse (403) requests naming another Host or from another Origin's page."""
     max_connections: int = 512
     """Most client connections open at once; one more is answered 503 and closed (daemon/connections.py)."""
     header_timeout_s: float = 30.0
