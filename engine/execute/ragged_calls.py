@@ -125,13 +125,16 @@ def new_call(runner: ModelRunner, rows: list[RaggedRow]) -> RaggedCall:
             raise ValueError(f"a row of {len(r.tokens)} tokens asks {k} outputs checking "
                              f"{len(r.cand)} drafts")
         first = at + len(r.tokens) - k
-        out_idx[o: o + k] = np.arange(first, first + k)
-        cand[o: o + len(r.cand)] = r.cand
-        counter[o: o + k] = r.start + len(r.tokens) - k + 1 + np.arange(k)
+        if k == 1:  # a decode row or a chunk: scalar stores
+            out_idx[o], counter[o] = first, r.start + len(r.tokens)
+        else:
+            out_idx[o: o + k] = np.arange(first, first + k)
+            counter[o: o + k] = r.start + len(r.tokens) - k + 1 + np.arange(k)
+        if len(r.cand):
+            cand[o: o + len(r.cand)] = r.cand
         out_rows.append(slice(o, o + k))
         at, o = at + len(r.tokens), o + k
-    return RaggedCall(jax.tree.map(np.asarray, rb), out_idx, cand, counter, out_rows,
-                      SamplingArrays.host(O))
+    return RaggedCall(rb, out_idx, cand, counter, out_rows, SamplingArrays.host(O))  # rb: numpy already
 
 
 def mask_words(vocab_size: int) -> int:
@@ -147,7 +150,8 @@ def table_width(rc) -> int:
 def token_buckets(max_tokens: int) -> list[int]:
     """The TOKEN_BUCKETS a runner compiles: up to the one holding `max_tokens` (a step's most
     tokens; a step with more runs as several calls, engine/step/ragged_step.py)."""
-    return [b for b in TOKEN_BUCKETS if b <= bucket(min(max_tokens, TOKEN_BUCKETS[-1]), TOKEN_BUCKETS)]
+    top = bucket(min(max_tokens, TOKEN_BUCKETS[-1]), TOKEN_BUCKETS)
+    return [b for b in TOKEN_BUCKETS if b <= top]
 
 
 def output_buckets(max_outputs: int) -> list[int]:
