@@ -59,13 +59,14 @@ def _write(kv: KVState, rb: RaggedBatch, new_kv):
 
 @jax.jit
 def _heads(params: Params, h, out_idx, cand, samp: SamplingArrays, counter, mask, adj: Adjust | None = None):
-    """The output layer at the call's output tokens h[out_idx] [O, d] (h is always `_forward`'s
-    padded [TOKEN_BUCKETS[-1], d], so the heads compile per output count O alone), then at each a
-    token drawn (greedy or sampled) and the draft `cand` [O] (-1: none) accepted when it is that
-    token, as engine.execute.sampling.verify; `adj` [O, 1, H] changes the logits first, and a
-    grammar's `mask` [O, W] (-1 words: every id) keeps its tokens alone. Returns (tokens,
-    accepted, logprobs [O], top ids and logprobs [O, k], the model's logprob of `cand` [O] (a
-    scored prompt's next token), the hidden states [O, d])."""
+    """The output layer (`params`: engine.execute.runner.output_params, the table alone) at the
+    call's output tokens h[out_idx] [O, d] (h is always `_forward`'s padded [TOKEN_BUCKETS[-1], d],
+    so the heads compile per output count O alone), then at each a token drawn (greedy or sampled)
+    and the draft `cand` [O] (-1: none) accepted when it is that token, as
+    engine.execute.sampling.verify; `adj` [O, 1, H] changes the logits first, and a grammar's
+    `mask` [O, W] (-1 words: every id) keeps its tokens alone. Returns (tokens, accepted, logprobs
+    [O], top ids and logprobs [O, k], the model's logprob of `cand` [O] (a scored prompt's next
+    token), the hidden states [O, d])."""
     hs = h[out_idx]
     sc = output_scores(params, hs[:, None])
     tok, acc, lp, ti, tl = verify_scores(sc, cand[:, None], samp, counter[:, None], adj, mask[:, None])
@@ -124,13 +125,16 @@ def new_call(runner: ModelRunner, rows: list[RaggedRow]) -> RaggedCall:
             raise ValueError(f"a row of {len(r.tokens)} tokens asks {k} outputs checking "
                              f"{len(r.cand)} drafts")
         first = at + len(r.tokens) - k
-        out_idx[o: o + k] = np.arange(first, first + k)
-        cand[o: o + len(r.cand)] = r.cand
-        counter[o: o + k] = r.start + len(r.tokens) - k + 1 + np.arange(k)
+        if k == 1:  # a decode row or a chunk: scalar stores
+            out_idx[o], counter[o] = first, r.start + len(r.tokens)
+        else:
+            out_idx[o: o + k] = np.arange(first, first + k)
+            counter[o: o + k] = r.start + len(r.tokens) - k + 1 + np.arange(k)
+        if len(r.cand):
+            cand[o: o + len(r.cand)] = r.cand
         out_rows.append(slice(o, o + k))
         at, o = at + len(r.tokens), o + k
-    return RaggedCall(jax.tree.map(np.asarray, rb), out_idx, cand, counter, out_rows,
-                      SamplingArrays.host(O))
+    return RaggedCall(rb, out_idx, cand, counter, out_rows, SamplingArrays.host(O))  # rb: numpy already
 
 
 def mask_words(vocab_size: int) -> int:
@@ -146,7 +150,8 @@ def table_width(rc) -> int:
 def token_buckets(max_tokens: int) -> list[int]:
     """The TOKEN_BUCKETS a runner compiles: up to the one holding `max_tokens` (a step's most
     tokens; a step with more runs as several calls, engine/step/ragged_step.py)."""
-    return [b for b in TOKEN_BUCKETS if b <= bucket(min(max_tokens, TOKEN_BUCKETS[-1]), TOKEN_BUCKETS)]
+    top = bucket(min(max_tokens, TOKEN_BUCKETS[-1]), TOKEN_BUCKETS)
+    return [b for b in TOKEN_BUCKETS if b <= top]
 
 
 def output_buckets(max_outputs: int) -> list[int]:
@@ -169,7 +174,7 @@ def run(runner: ModelRunner, c: RaggedCall) -> tuple[np.ndarray, np.ndarray, np.
     h, new_kv = _forward(runner.cfg, runner.params, runner.kv, c.batch)
     runner.kv = _write(runner.kv, c.batch, new_kv)
     mask = c.mask if c.mask is not None else open_mask(runner, len(c.out_idx))
-    *out, runner.last_hidden = _heads(runner.params, h, c.out_idx, c.cand, SamplingArrays(**c.samp),
+    *out, runner.last_hidden = _heads(runner.out_params, h, c.out_idx, c.cand, SamplingArrays(**c.samp),
                                       c.counter, mask)
     if c.adjust is not None:
         out = _adjusted_heads(runner, h, c, out)
@@ -204,7 +209,7 @@ def _adjusted_heads(runner: ModelRunner, h, c: RaggedCall, out: list) -> list[np
         n, O = len(part), bucket(len(part), OUTPUT_BUCKETS)
         spare_samp, spare_adj = SamplingArrays.host(O - n), Adjust.host((O - n, *c.adjust["ids"].shape[1:]))
         idle = np.zeros(O - n, np.int32)
-        got = _heads(runner.params, h, _take(c.out_idx, part, idle), _take(c.cand, part, idle - 1),
+        got = _heads(runner.out_params, h, _take(c.out_idx, part, idle), _take(c.cand, part, idle - 1),
                      SamplingArrays(**{k: _take(v, part, spare_samp[k]) for k, v in c.samp.items()}),
                      _take(c.counter, part, idle), _take(mask, part, np.full((O - n, words), -1, np.int32)),
                      Adjust(**{k: _take(v, part, spare_adj[k]) for k, v in c.adjust.items()}))
@@ -235,7 +240,7 @@ def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tupl
     and up to ADJUST_OUTPUTS those with logit adjustments too). The second list reads the first's output
     layouts: run it after. Make them on the runner's thread."""
     rc, cfg = runner.rc, runner.cfg
-    params, kv = abstract(runner.params), abstract(runner.kv)
+    params, kv, out_params = abstract(runner.params), abstract(runner.kv), abstract(runner.out_params)
     committed = runner.mesh is not None or any_committed(runner.params, runner.kv)
     width = table_width(rc)
     hidden: dict[int, jax.ShapeDtypeStruct] = {}
@@ -250,10 +255,10 @@ def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tupl
         h = hidden[max(hidden)]  # every forward's output has one shape (`_forward`)
         samp, idx = SamplingArrays(**SamplingArrays.host(o)), np.zeros(o, np.int32)
         mask = np.zeros((o, mask_words(cfg.vocab_size)), np.int32)
-        compile_ahead(_heads.lower(params, h, idx, idx, samp, idx, mask))
+        compile_ahead(_heads.lower(out_params, h, idx, idx, samp, idx, mask))
         if o <= ADJUST_OUTPUTS:
             adj = Adjust(**Adjust.host((o, 1, runner.adjust_width)))
-            compile_ahead(_heads.lower(params, h, idx, idx, samp, idx, mask, adj))
+            compile_ahead(_heads.lower(out_params, h, idx, idx, samp, idx, mask, adj))
 
     tokens = token_buckets(max_tokens)
     return ([partial(forward, n) for n in tokens],

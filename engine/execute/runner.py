@@ -94,6 +94,17 @@ class Scores:
     best: jax.Array  # [B, Tl] int32: the greedy token (lowest id on ties)
 
 
+OUTPUT_PARAMS = ("embed", "embed_fast")
+"""The params `output_scores` reads: the tied table and its bfloat16 copy, where kept."""
+
+
+def output_params(params: Params) -> Params:
+    """`params` cut to OUTPUT_PARAMS. A jitted call flattens and checks every leaf of its
+    arguments on each call, unused ones too (the model's ~300 leaves cost about as much as the
+    call's own work at one output row), so calls that only score hidden states take these."""
+    return {k: params[k] for k in OUTPUT_PARAMS if k in params}
+
+
 def output_scores(params: Params, hs: jax.Array) -> Scores:
     """Tied output layer on [B, Tl, d]: logits [B, Tl, V] float32 and the greedy token.
 
@@ -166,6 +177,8 @@ class ModelRunner:
             self.mesh = make_mesh(rc.tensor_parallel)
             self.params, self.kv = shard_params(cfg, self.params,
                                                 self.mesh), shard_kv(cfg, self.kv, self.mesh)
+        self.out_params = output_params(self.params)
+        """The params the ragged heads call reads (`output_params`)."""
         self.warm_compiles: int | None = None
         self.last_hidden = None  # [B, Tl, d] final hidden states of the latest call
         self.last_top = None  # ([B, Tl, k] ids, [B, Tl, k] logprobs) of the latest call, if asked

@@ -105,6 +105,9 @@ class Sequence:
     prompt_lps: list | None = None
     """A scored prompt's (SamplingParams.prompt_logprobs) PromptLogprob per prompt token, filled
     as its chunks run (engine/step/ragged_step.py); sent on its first event."""
+    samp_rows: dict = field(default_factory=dict, repr=False)
+    """SamplingArrays host buffers of this request's settings by output slot count, filled once
+    and only read after (engine/step/ragged_step.py `_sampling`): settings and key never change."""
 
     @property
     def request_id(self) -> str:

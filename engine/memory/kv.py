@@ -144,6 +144,8 @@ class KVPool:
     def grow(self, pages: SeqPages, length: int) -> bool:
         """Allocate so that positions [0, length) have pages; False (no change) if full."""
         g, r, s = self._needs(pages, length)
+        if not (g or r or s):  # a decode within its pages: nothing to take
+            return True
         if g > self.global_alloc.num_free or r + s > self.local_alloc.num_free:
             return False
         pages.global_pages += self.global_alloc.alloc(g) or []
@@ -206,7 +208,8 @@ class KVPool:
         >>> pool.yield_to(0); pool.global_alloc.capacity
         20
         """
-        self._keep = self.needed(SeqPages([], []), length) if length > 0 else (0, 0)
+        want = -(-length // self.page_size)  # `needed` of an empty sequence: no shared entries
+        self._keep = (want, min(want, self.ring_pages)) if length > 0 else (0, 0)
         self._apply_split()
 
     def _apply_split(self) -> None:
@@ -281,6 +284,15 @@ class KVPool:
         if cached is not None:
             old = {j: p for j, p in old.items() if cached <= pages.ring_block[j] * self.page_size}
         l_row[:k] = [old.get(j, p) for j, p in enumerate(pages.ring[:k])]
+
+    def table_rows(self, pages: SeqPages, g_width: int, l_width: int) -> tuple[list, list, list]:
+        """One sequence's (global pages, ring pages read, ring pages written) as lists, cut to
+        the widths: what `fill_tables` writes into zeroed rows with `w_row` (without `cached`),
+        for a caller that copies the page ids into its tables itself (ragged steps)."""
+        ring = pages.ring[:l_width]
+        old = pages.reading
+        return (pages.global_pages[:g_width],
+                [old.get(j, p) for j, p in enumerate(ring)] if old else ring, ring)
 
     def prefix_status(self) -> dict:
         """Prefix-cache counters for status(): hits, lookups, hit rate, cached pages."""

@@ -120,9 +120,12 @@ class RaggedBatch:
                 raise ValueError(f"row {r} has no new token")
             if len(gpages) > global_width or len(ring) > local_width:
                 raise ValueError(f"row {r} holds more pages than the tables' widths")
-            tokens[at: at + n] = new
-            row[at: at + n] = r
-            pos[at: at + n] = np.arange(start, start + n)
+            if n == 1:  # a decode row: scalar stores, no arange
+                tokens[at], row[at], pos[at] = new[0], r, start
+            else:
+                tokens[at: at + n] = new
+                row[at: at + n] = r
+                pos[at: at + n] = np.arange(start, start + n)
             cached[r] = start
             gt[r, : len(gpages)] = gpages
             lt[r, : len(ring)] = ring
@@ -131,10 +134,10 @@ class RaggedBatch:
                 raise ValueError(f"row {r} writes {len(write_ring)} ring pages but reads {len(ring)}")
             lw[r, : len(ring)] = write_ring
             if start:
-                idx = list(range(at, at + n))
                 if n == 1:
-                    single.append((idx, r, start))
+                    single.append(([at], r, start))
                 else:
+                    idx = list(range(at, at + n))
                     multi += [(idx[i: i + GROUP], r, start) for i in range(0, n, GROUP)]
             at += n
 
@@ -146,9 +149,12 @@ class RaggedBatch:
             src = np.full(n_tokens, -1, np.int32)
             found = sorted(found, key=lambda f: -f[2])  # longest cache first: see _cached
             for g, (idx, r, _) in enumerate(found):
-                toks[g, : len(idx)] = idx
+                # idx is a run of consecutive token slots: slices, not an index array (numpy's
+                # fancy indexing allocates iterator buffers on every call)
+                a, k = idx[0], len(idx)
+                toks[g, :k] = np.arange(a, a + k) if k > 1 else a
                 grow[g] = r
-                src[idx] = g * width + np.arange(len(idx))
+                src[a: a + k] = np.arange(g * width, g * width + k) if k > 1 else g * width
             return Groups(toks, grow, src)
 
         m_single, m_multi = call_groups(n_tokens, n_rows)

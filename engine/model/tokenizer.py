@@ -187,6 +187,11 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         """Text of `ids`; invalid UTF-8 from byte pieces becomes U+FFFD."""
+        ids = [self._checked(t) for t in ids]
+        byte = self._byte
+        if all(byte[i] < 0 for i in ids):  # no byte pieces: each id's text, as IncrementalDecoder joins it
+            text, special = self._text, self._special
+            return "".join([text[i] for i in ids if not (skip_special and special[i])])
         decoder = IncrementalDecoder(self, skip_special)
         return decoder.push(ids) + decoder.flush()
 

@@ -233,6 +233,8 @@ class EngineCore:
                 return
 
     def _drain_inbox(self, events: list[TokenEvent], finished: list[RequestResult]) -> None:
+        if self._inbox.empty():  # most steps: no generator, no queue.Empty raised
+            return
         for kind, arg in self._pending():
             if kind == "add":
                 self._admit(arg, events, finished)
@@ -327,7 +329,8 @@ class EngineCore:
 
     def _stops(self, sp) -> frozenset[int]:
         """Token ids that end this request's output."""
-        return (frozenset() if sp.ignore_eos else self.stop_ids) | frozenset(sp.stop_token_ids)
+        base = frozenset() if sp.ignore_eos else self.stop_ids
+        return base | frozenset(sp.stop_token_ids) if sp.stop_token_ids else base
 
     def _emit(self, seq: Sequence, toks, lps, events, finished, slots: slice, kept=None) -> None:
         """Append `seq`'s new tokens (its output slots `slots` of the latest ragged call) and

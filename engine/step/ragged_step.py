@@ -82,8 +82,8 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
     items = [(s, choice, d, None) for s, choice, d in decode]
     chunks = [(s, n) for s, n in plan.prefill if s.status is Status.RUNNING]
     later = bool(decode) or any(n < s.remaining for s, n in chunks)  # a next step runs anyway
-    lengths = fit_step(sum(1 + len(d) for _, _, d in decode), [n for _, n in chunks],
-                       tuple(token_buckets(max_tokens(core))), later)
+    buckets = tuple(token_buckets(max_tokens(core)))
+    lengths = fit_step(sum(1 + len(d) for _, _, d in decode), [n for _, n in chunks], buckets, later)
     lengths = scored_lengths(chunks, lengths, max_outputs(core) - sum(1 + len(d) for _, _, d in decode))
     fitted = {id(s): n for (s, _), n in zip(chunks, lengths, strict=True)}
     items += [(s, None, (), fitted[id(s)]) for s, _ in chunks]
@@ -107,11 +107,11 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
     spec.grammar_ms = grammar_s * 1e3
     spec.constrained_rows = sum(1 for item, _, _ in rows if item[0].matcher is not None)
     t0 = time.perf_counter()
-    for call_rows in _pack(rows, token_buckets(max_tokens(core))[-1]):
+    for call_rows in _pack(rows, buckets[-1]):
         call = ragged_calls.new_call(core.runner, [r for _, r, _ in call_rows])
         for (_, _, samp), slots in zip(call_rows, call.out_rows):
             _put_sampling(core, call, slots, samp)
-        tok, acc, lp = ragged_calls.run(core.runner, call)
+        tok, acc, lp = (out.tolist() for out in ragged_calls.run(core.runner, call))  # rows index lists
         hidden = np.asarray(core.runner.last_hidden, np.float32) if core._keep_hidden else None
         for (item, _, _), slots in zip(call_rows, call.out_rows):
             _update(core, spec, item, slots, tok, acc, lp, hidden, events, finished)
@@ -294,9 +294,7 @@ def _row(core, item) -> RaggedRow:
     scored prompt's chunk has an output at every token, checking the token that follows it."""
     seq, _, drafts, n = item
     rc = core.runner.rc
-    g = np.zeros(table_width(rc), np.int32)
-    ring, write = np.zeros(rc.ring_pages, np.int32), np.zeros(rc.ring_pages, np.int32)
-    core.pool.fill_tables(seq.pages, g, ring, write)
+    g, ring, write = core.pool.table_rows(seq.pages, table_width(rc), rc.ring_pages)
     if n is not None and _scored(seq):
         at = seq.num_cached
         nxt = tuple(seq.tokens[at + 1: at + n + 1])
@@ -326,10 +324,14 @@ def _sampling(core, item) -> tuple[dict, dict | None, np.ndarray | None]:
     matters only at the prompt's end."""
     seq, _, drafts, n = item
     sp, k = seq.req.sampling, (n if n is not None and _scored(seq) else 1 + len(drafts))
-    samp = SamplingArrays.host(k)
-    SamplingArrays.fill(samp, slice(0, k), sp, seq.key)
-    if k > 1 + len(drafts):
+    if k > 1 + len(drafts):  # a scored chunk: logprobs at every slot
+        samp = SamplingArrays.host(k)
+        SamplingArrays.fill(samp, slice(0, k), sp, seq.key)
         samp["want_logprobs"][:] = True
+    elif (samp := seq.samp_rows.get(k)) is None:
+        samp = SamplingArrays.host(k)
+        SamplingArrays.fill(samp, slice(0, k), sp, seq.key)
+        seq.samp_rows[k] = samp
     masks = seq.matcher.masks(drafts) if seq.matcher is not None and (item[3] is None or
                                                                       item[3] == seq.remaining) else None
     if not wants_adjust(sp, seq.num_output):
@@ -370,7 +372,7 @@ def _update(core, spec: SpecResult, item, slots: slice, tok, acc, lp, hidden, ev
             seq.hidden = None if hidden is None else hidden[at]
             core._emit(seq, [int(tok[at])], [float(lp[at])], events, finished, slice(at, at + 1))
         return
-    a = accepted_prefix(acc[at:], len(drafts))
+    a = accepted_prefix(acc[at: at + len(drafts)], len(drafts)) if drafts else 0
     seq.num_cached += 1 + a  # the fed token and the accepted drafts are now valid cache
     if hidden is not None:
         seq.hidden = hidden[at + a]

@@ -144,6 +144,17 @@ def test_a_batch_one_runner_that_verifies_keeps_the_fast_output_table(tiny):
     assert ModelRunner(cfg, params, verifying).params["embed_fast"].dtype == jnp.bfloat16
 
 
+def test_the_heads_call_takes_the_output_tables_alone(tiny):
+    """ModelRunner.out_params (what the ragged heads call gets) holds every table output_scores
+    reads, the bfloat16 copy too where kept, and none of the layers' weights."""
+    cfg, params = tiny
+    for fast in (False, True):
+        runner = ModelRunner(cfg, params, RunnerConfig(**dict(TINY_RC.__dict__, fast_output=fast)))
+        assert set(runner.out_params) == {"embed"} | ({"embed_fast"} if fast else set())
+        for name, table in runner.out_params.items():
+            assert table is runner.params[name]
+
+
 @pytest.mark.parametrize("ring", [0, 48])
 def test_block_attention_over_real_pages_equals_one_softmax_over_the_gathered_cache(ring, monkeypatch):
     """Rows of very different cached lengths (0, 5, 70 slots of a 96-slot table) in one call:

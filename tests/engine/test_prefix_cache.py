@@ -123,6 +123,29 @@ def test_pool_hit_length_needs_the_local_pages_before_it():
     assert pool.used == 0
 
 
+def test_table_rows_are_the_page_ids_fill_tables_writes():
+    """The ragged step's page-table rows (KVPool.table_rows) read and write what fill_tables's do,
+    also right after a wrap gave shared ring entries fresh pages to write."""
+    pool = KVPool(64, 64, 4, 3, prefix_window=8)
+    tokens = list(range(10, 50))
+    pool.release(_block_by_block(pool, tokens), tokens, 40)
+    hit = SeqPages([], [])
+    pool.lookup(hit, tokens[:21] + [0] * 9, "t")
+    assert pool.grow(hit, 31)
+    pool.prepare(hit, 20, 31)  # wraps onto shared entries: fresh pages written, cached ones read
+    plain = SeqPages([], [])
+    assert pool.grow(plain, 7)
+    for pages in (hit, plain):
+        for width in (8, 2):
+            g, l_read, l_write = (np.zeros(width, np.int32) for _ in range(3))
+            pool.fill_tables(pages, g, l_read, l_write)
+            rows = pool.table_rows(pages, width, width)
+            for filled, row in zip((g, l_read, l_write), rows, strict=True):
+                assert list(filled) == list(row) + [0] * (width - len(row))
+    _, read, write = pool.table_rows(hit, 8, 8)
+    assert read != write
+
+
 def test_a_hit_adopts_the_ring_pages_of_the_running_sequence_that_computed_them():
     pool = KVPool(64, 64, 4, 3, prefix_window=8)
     tokens = list(range(10, 50))

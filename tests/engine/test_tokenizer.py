@@ -178,6 +178,18 @@ def test_incremental_equals_full_on_random_streams(tok, skip_special):
         assert "".join(parts) + dec.flush() == tok.decode(ids, skip_special)
 
 
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_decode_without_byte_pieces_equals_the_incremental_decoder(tok, skip_special):
+    """Tokenizer.decode's path for ids without byte pieces joins the texts IncrementalDecoder would."""
+    ids = [2, 106] + tok.encode("Hello world, 日本語 and <b>tags</b>", add_bos=False) + [1, 0, 107]
+    assert all(tok._byte[i] < 0 for i in ids)
+    dec = IncrementalDecoder(tok, skip_special)
+    assert tok.decode(ids, skip_special) == dec.push(ids) + dec.flush()
+    assert ("<bos>" in tok.decode(ids, skip_special)) is not skip_special
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode([5, -1])
+
+
 def test_incremental_on_real_text(tok):
     text = "emoji 😀 ⨌ 日本語 \U0001F9EC end"
     ids = tok.encode(text, add_bos=False)
