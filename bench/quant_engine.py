@@ -22,6 +22,9 @@
    loaded at `crossover serve`'s defaults (the default memory budget, every proposer, max batch
    32, context 4096) in float32 and in `--weights`, one engine at a time: the pool each form's
    weights leave and the tenants it holds at max context.
+6. With `--screen-ab`: a third engine of `--weights` whose heads take greedy tokens from full
+   logits, not the output table's screen (engine.quant.matmul.qgreedy), timed in the same
+   rounds; the per-round ratio of `--weights` to it.
 """
 
 from __future__ import annotations
@@ -223,11 +226,14 @@ def speed(engines: dict, batches: tuple[int, ...], reps: int, context: int, new_
     if llama:
         Path(ids.name).unlink()
     out = {}
-    ref, other = names
+    ref, other = names[:2]
     for b in batches:
         ratio = [q / f for q, f in zip(runs[other][b], runs[ref][b])]
         out[str(b)] = {**{n: _spread(runs[n][b]) for n in runs if b in runs[n]},
                        **_ratios("ratio", ratio)}
+        for n in names[2:]:
+            vs = [q / f for q, f in zip(runs[other][b], runs[n][b])]
+            out[str(b)].update(_ratios(f"{other}_vs_{n}", vs))
         if llama and b == 1:
             for n in names:
                 vs = [x / y for x, y in zip(runs[n][1], runs["llama.cpp"][1])]
@@ -285,6 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "in every round and its prefill (bench/llamacpp_baseline.py)")
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--memory", action="store_true", help="also /ready's memory block at serve's defaults")
+    p.add_argument("--screen-ab", action="store_true", help="also time the quantized engine taking greedy "
+                   "tokens from full logits, not the output table's screen (engine.quant.matmul.qgreedy)")
     p.add_argument("--out", default="bench-out/quant-engine.json")
     args = p.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -293,15 +301,19 @@ def main(argv: list[str] | None = None) -> dict:
                    speculation=False, progress=False)
     t = time.perf_counter()
     engines = {"float32": load(weights="float32"), args.weights: load(weights=args.weights)}
+    if args.screen_ab:
+        full = engines[f"{args.weights}-full-logits"] = load(weights=args.weights)
+        full.runner.screen = False
     result = {"weights": args.weights, "kernel": kernel_status(), "load_s": time.perf_counter() - t,
               "weight_bytes": {n: weight_bytes(e.runner.params) for n, e in engines.items()}}
     print(json.dumps(result), flush=True)
     if not args.skip_agreement:
         golden = json.loads(FIXTURE.read_text())
-        result["agreement"] = agreement(*engines.values(), golden)
+        pair = list(engines.values())[:2]
+        result["agreement"] = agreement(*pair, golden)
         if args.sweep_prompts:
             near_tie = golden["settings"]["near_tie_margin"]
-            result["agreement_sweep"] = agreement_sweep(*engines.values(), args.sweep_prompts,
+            result["agreement_sweep"] = agreement_sweep(*pair, args.sweep_prompts,
                                                         args.sweep_tokens, near_tie)
         print(json.dumps(result["agreement"], indent=1), flush=True)
     if not args.skip_speed:

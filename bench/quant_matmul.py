@@ -1,12 +1,14 @@
 """The quantized matmul (engine/quant) against float32 on the default model's own matrices.
 
-    python -m bench.quant_matmul [--rows 1,4,8,16,32,64] [--reps 7] [--what layers,head]
+    python -m bench.quant_matmul [--rows 1,4,8,16,32,64] [--reps 7] [--what layers,head,greedy]
 
 Two workloads, each one jitted call:
 - layers: the 18 layers' projections as the engine fuses them (qkv [640, 1536] where q, k and v
   share a block type, else the three apart; o [1024, 640], gate_up [640, 4096], down [2048, 640])
   applied to M rows each;
-- head: the tied 262144 x 640 output layer (Q8_0 embedding), x [M, 640] -> [M, 262144].
+- head: the tied 262144 x 640 output layer (Q8_0 embedding), x [M, 640] -> [M, 262144];
+- greedy: each row's greedy token from that layer, the kernel's logits and their argmax against
+  the screen (`qgreedy`: exact logits at the few candidate columns alone).
 
 Paths: f32 (today's float32 weights, `x @ W`), ffi (the kernel, every ISA this CPU runs, plus
 one thread where the pool has more), jnp (dequantize then dot inside the jit). Each repetition
@@ -118,6 +120,37 @@ def bench(weights: list[QuantWeight], rows: list[int], reps: int, seed: int = 0)
     return result
 
 
+def bench_greedy(table: QuantWeight, rows: list[int], reps: int, seed: int = 0) -> dict:
+    """The greedy token of each row from the head: the kernel's logits then their argmax, against
+    the screen that computes only candidate columns exactly (`qgreedy`); tokens must agree."""
+    from engine.execute.sampling import greedy
+
+    w = jax.tree.map(jax.device_put, table)
+    fns = {"ffi+argmax": jax.jit(lambda x, w: greedy(qm.qmatmul(x, w))),
+           "screen": jax.jit(lambda x, w: qm.qgreedy(x, w))}
+    rng = np.random.default_rng(seed)
+    result = {}
+    for m in rows:
+        x = jnp.asarray(rng.standard_normal((m, table.shape[0])) * 4, jnp.float32)
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        toks = {}
+        for rep in range(reps + 1):
+            for label, fn in fns.items():
+                t0 = time.perf_counter()
+                toks[label] = np.asarray(jax.block_until_ready(fn(x, w)))
+                if rep:
+                    times[label].append((time.perf_counter() - t0) * 1e3)
+        if not np.array_equal(toks["screen"], toks["ffi+argmax"]):
+            raise AssertionError(f"rows {m}: the screen's tokens differ from the argmax of the logits")
+        row = {k: {"median_ms": round(statistics.median(ts), 3), "min_ms": round(min(ts), 3),
+                   "max_ms": round(max(ts), 3)} for k, ts in times.items()}
+        row["screen"]["x_argmax"] = round(row["ffi+argmax"]["median_ms"] / row["screen"]["median_ms"], 2)
+        result[str(m)] = row
+        print(json.dumps({"rows": m, **{k: v["median_ms"] for k, v in row.items()}}), flush=True,
+              file=sys.stderr)
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,8,16,32,64")
@@ -127,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [int(r) for r in args.rows.split(",")]
     what = args.what.split(",")
     gf = GGUFFile.open(default_gguf_path())
-    weights = load_weights(gf, what)
+    weights = load_weights(gf, [w for w in what if w != "greedy"])
     report = {
         "cpu": cpu_model(), "cpu_flags": cpu_flags(), "kernel": qm.kernel_status(),
         "isas": qm.supported_isas(), "jax": jax.__version__, "reps": args.reps,
@@ -138,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
             "matrices": len(ws), "f32_bytes": sum(4 * w.shape[0] * w.shape[1] for w in ws),
             "quant_bytes": sum(w.nbytes for w in ws), "by_rows": bench(ws, rows, args.reps),
         }
+    if "greedy" in what:
+        report["greedy"] = {"by_rows": bench_greedy(_read(gf, "token_embd.weight"), rows, args.reps)}
     print(json.dumps(report, indent=1))
 
 

@@ -18,16 +18,18 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from engine.config import ModelConfig
 from engine.execute.runner import ModelRunner, bucket, output_scores
 from engine.execute.runner import _verify as verify_scores
-from engine.execute.sampling import Adjust, SamplingArrays, given_logprobs
+from engine.execute.sampling import TOP_LOGPROBS, Adjust, SamplingArrays, given_logprobs
 from engine.memory.kv import KVState
 from engine.model import ragged
-from engine.model.gemma import ATTEND_BLOCK, Params
+from engine.model.gemma import ATTEND_BLOCK, Params, table_vocab
 from engine.model.ragged import RaggedBatch
+from engine.quant.matmul import qgreedy
 from engine.runtime.compiles import abstract, any_committed, compile_ahead, outputs
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -36,6 +38,10 @@ OUTPUT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 51
 """Output slots the heads compile for: finer than the token buckets, since each slot costs a row
 of the output layer (262k rows for Gemma 3), where a token slot costs far less of the forward;
 every token bucket is one of them, so a call's outputs never pad past its tokens."""
+SCREEN_OUTPUTS = 2
+"""Most output slots whose greedy tokens `_heads` takes from the quantized table's screen
+(engine.quant.matmul.qgreedy) when no slot samples, asks for logprobs or has a grammar: past
+two rows a float product of the table costs less than screening each row."""
 ADJUST_OUTPUTS = 16
 """Most output slots of one heads call with logit adjustments (penalties, banned ids): the
 adjusted variant compiles for the output buckets up to this only (`_adjusted_heads`)."""
@@ -57,8 +63,9 @@ def _write(kv: KVState, rb: RaggedBatch, new_kv):
     return ragged.write(kv, rb, new_kv)
 
 
-@jax.jit
-def _heads(params: Params, h, out_idx, cand, samp: SamplingArrays, counter, mask, adj: Adjust | None = None):
+@partial(jax.jit, static_argnames=("screen",))
+def _heads(params: Params, h, out_idx, cand, samp: SamplingArrays, counter, mask, adj: Adjust | None = None,
+           screen: bool = False):
     """The output layer (`params`: engine.execute.runner.output_params, the table alone) at the
     call's output tokens h[out_idx] [O, d] (h is always `_forward`'s padded [TOKEN_BUCKETS[-1], d],
     so the heads compile per output count O alone), then at each a token drawn (greedy or sampled)
@@ -66,12 +73,28 @@ def _heads(params: Params, h, out_idx, cand, samp: SamplingArrays, counter, mask
     engine.execute.sampling.verify; `adj` [O, 1, H] changes the logits first, and a grammar's
     `mask` [O, W] (-1 words: every id) keeps its tokens alone. Returns (tokens, accepted, logprobs
     [O], top ids and logprobs [O, k], the model's logprob of `cand` [O] (a scored prompt's next
-    token), the hidden states [O, d])."""
+    token), the hidden states [O, d]). With `screen` (the runner's `screen`: a table `qgreedy`
+    serves) and up to SCREEN_OUTPUTS slots, a call that only wants greedy tokens takes them from
+    `qgreedy` (the same tokens) instead."""
     hs = h[out_idx]
-    sc = output_scores(params, hs[:, None])
-    tok, acc, lp, ti, tl = verify_scores(sc, cand[:, None], samp, counter[:, None], adj, mask[:, None])
-    given = given_logprobs(sc.logits[:, 0], cand, samp)
-    return tok[:, 0], acc[:, 0], lp[:, 0], ti[:, 0], tl[:, 0], given, hs
+
+    def scored():
+        sc = output_scores(params, hs[:, None])
+        tok, acc, lp, ti, tl = verify_scores(sc, cand[:, None], samp, counter[:, None], adj, mask[:, None])
+        return tok[:, 0], acc[:, 0], lp[:, 0], ti[:, 0], tl[:, 0], given_logprobs(sc.logits[:, 0], cand, samp)
+
+    if not screen or adj is not None or hs.shape[0] > SCREEN_OUTPUTS:
+        return *scored(), hs
+
+    def screened():  # greedy tokens without the logits; nothing else is asked for
+        tok = qgreedy(hs, params["embed"])
+        O, k = hs.shape[0], min(TOP_LOGPROBS, table_vocab(params["embed"]))
+        return (tok, cand == tok, jnp.zeros(O, jnp.float32), jnp.zeros((O, k), jnp.int32),
+                jnp.zeros((O, k), jnp.float32), jnp.zeros(O, jnp.float32))
+
+    plain = (~(samp.temperature > 0).any() & ~samp.want_logprobs.any() & (mask == -1).all()
+             & jnp.isfinite(hs).all())
+    return *jax.lax.cond(plain, screened, scored), hs
 
 
 @dataclass(frozen=True)
@@ -175,7 +198,7 @@ def run(runner: ModelRunner, c: RaggedCall) -> tuple[np.ndarray, np.ndarray, np.
     runner.kv = _write(runner.kv, c.batch, new_kv)
     mask = c.mask if c.mask is not None else open_mask(runner, len(c.out_idx))
     *out, runner.last_hidden = _heads(runner.out_params, h, c.out_idx, c.cand, SamplingArrays(**c.samp),
-                                      c.counter, mask)
+                                      c.counter, mask, screen=runner.screen)
     if c.adjust is not None:
         out = _adjusted_heads(runner, h, c, out)
     wanted = c.samp["want_logprobs"].any()
@@ -255,7 +278,7 @@ def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tupl
         h = hidden[max(hidden)]  # every forward's output has one shape (`_forward`)
         samp, idx = SamplingArrays(**SamplingArrays.host(o)), np.zeros(o, np.int32)
         mask = np.zeros((o, mask_words(cfg.vocab_size)), np.int32)
-        compile_ahead(_heads.lower(out_params, h, idx, idx, samp, idx, mask))
+        compile_ahead(_heads.lower(out_params, h, idx, idx, samp, idx, mask, screen=runner.screen))
         if o <= ADJUST_OUTPUTS:
             adj = Adjust(**Adjust.host((o, 1, runner.adjust_width)))
             compile_ahead(_heads.lower(out_params, h, idx, idx, samp, idx, mask, adj))

@@ -29,6 +29,7 @@ from engine.execute.sampling import (
 from engine.memory.kv import KVState
 from engine.model.gemma import Params, logits, tied_logits, unstack_layers
 from engine.quant.formats import QuantWeight
+from engine.quant.matmul import greedy_screenable
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -179,6 +180,8 @@ class ModelRunner:
                                                 self.mesh), shard_kv(cfg, self.kv, self.mesh)
         self.out_params = output_params(self.params)
         """The params the ragged heads call reads (`output_params`)."""
+        self.screen = self.mesh is None and greedy_screenable(self.params["embed"])
+        """Whether the ragged heads take greedy tokens from the table's screen (quant.matmul.qgreedy)."""
         self.warm_compiles: int | None = None
         self.last_hidden = None  # [B, Tl, d] final hidden states of the latest call
         self.last_top = None  # ([B, Tl, k] ids, [B, Tl, k] logprobs) of the latest call, if asked

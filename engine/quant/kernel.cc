@@ -35,6 +35,44 @@ using PanelFn = void (*)(const Args&, int64_t p0, int64_t p1);  // panels [p0, p
 
 // How the values of a weight are stored.
 enum Form { kI8 = 0, kI5 = 1, kI4 = 2 };
+
+// The greedy screen (int8 weights, float16 scales): each row's x held as int16 steps of one
+// size per group, xq[k] * dq[g] = x[k] + err[k], then per column n the approximate logit
+// app[n] = sum_g s[g, n] dq[g] sum_k xq[k] q[k, n] (integer sums, exact) and a bound
+// bnd[n] = sum_g |s[g, n]| eb[g] with eb[g] >= 128 G max |err| plus slack for the float roundings
+// (|q| <= 128; see Steps), so that the exact logit lies within app[n] +- bnd[n].
+// pmax_lo / pmax_up [M, P]: per panel, the largest app - bnd and app + bnd of its 16 columns.
+struct ScreenArgs {
+  const int16_t* xq;      // [M, K]
+  const float* dq;        // [M, K/G]
+  const float* eb;        // [M, K/G]
+  const int8_t* w;        // [P, K, 16]
+  const uint16_t* s;      // [P, K/G, 16] float16 bits
+  float* app;             // [M, N]
+  float* bnd;             // [M, N]
+  float* pmax_lo;         // [M, P]
+  float* pmax_up;         // [M, P]
+  int64_t M, K, N, G;
+};
+using ScreenFn = void (*)(const ScreenArgs&, int64_t p0, int64_t p1);  // panels [p0, p1)
+
+// IEEE float16 bits -> float32, exactly (every float16 is a float32).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {  // infinity, NaN
+    bits = sign | 0x7F800000u | (mant << 13);
+  } else if (exp != 0) {  // normal: rebias 15 -> 127
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else {  // zero, subnormal: mant * 2^-24 (exact in float32)
+    const float f = static_cast<float>(mant) * 0x1p-24f;
+    return sign ? -f : f;
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
 }  // namespace qk
 
 #if QK_PART == 1 || QK_PART == 2 || QK_PART == 3
@@ -139,24 +177,6 @@ constexpr int kRows = 12;
 constexpr int kDirectRows = 8;
 constexpr int kWide = 4;
 #else
-// IEEE float16 bits -> float32, exactly (every float16 is a float32).
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  const uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
-  uint32_t bits;
-  if (exp == 0x1F) {  // infinity, NaN
-    bits = sign | 0x7F800000u | (mant << 13);
-  } else if (exp != 0) {  // normal: rebias 15 -> 127
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  } else {  // zero, subnormal: mant * 2^-24 (exact in float32)
-    const float f = static_cast<float>(mant) * 0x1p-24f;
-    return sign ? -f : f;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 struct V {  // portable: the AVX-512 layout in plain C++, with the same single-rounding fma
   struct F {
     float v[16];
@@ -368,6 +388,100 @@ void panels(const Args& a, int64_t p0, int64_t p1) {
   }
 }
 
+#if QK_PART == 1
+// Screen rows [m0, m0 + R) over panel p (see ScreenArgs). Rows k and k + 1 are interleaved
+// column by column and widened to int16, so that one madd multiplies a column's two weights by
+// the row's two int16 steps and adds them: integer sums, exact, at about half the instructions
+// a float32 product of the panel takes.
+template <int R>
+inline void screen_tile(const ScreenArgs& a, int64_t m0, int64_t p) {
+  const int64_t K = a.K, G = a.G, ng = K / G;
+  __m256 ap[R][2], bd[R][2];
+  QK_UNROLL for (int r = 0; r < R; ++r)
+    QK_UNROLL for (int v = 0; v < 2; ++v) ap[r][v] = bd[r][v] = _mm256_setzero_ps();
+  const int8_t* w = a.w + p * K * 16;
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256i acc[R][2];
+    QK_UNROLL for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int64_t k = g * G; k < g * G + G; k += 2) {
+      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 16));
+      const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k + 1) * 16));
+      const __m256i lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(r0, r1));  // columns 0..7
+      const __m256i hi = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(r0, r1));  // columns 8..15
+      QK_UNROLL for (int r = 0; r < R; ++r) {
+        int32_t pair;  // xq[k] in the low half, xq[k + 1] in the high one
+        std::memcpy(&pair, a.xq + (m0 + r) * K + k, sizeof pair);
+        const __m256i xp = _mm256_set1_epi32(pair);
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(lo, xp));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(hi, xp));
+      }
+    }
+    const int64_t off = (p * ng + g) * 16;
+    __m256 sc[2];
+    QK_UNROLL for (int v = 0; v < 2; ++v)
+      sc[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.s + off + 8 * v)));
+    QK_UNROLL for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_set1_ps(a.dq[(m0 + r) * ng + g]), e = _mm256_set1_ps(a.eb[(m0 + r) * ng + g]);
+      QK_UNROLL for (int v = 0; v < 2; ++v) {
+        ap[r][v] = _mm256_fmadd_ps(_mm256_mul_ps(sc[v], d), _mm256_cvtepi32_ps(acc[r][v]), ap[r][v]);
+        bd[r][v] = _mm256_fmadd_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), sc[v]), e, bd[r][v]);  // |s| e
+      }
+    }
+  }
+  const int64_t P = a.N / 16;
+  QK_UNROLL for (int r = 0; r < R; ++r) {
+    float* app = a.app + (m0 + r) * a.N + p * 16;
+    float* bnd = a.bnd + (m0 + r) * a.N + p * 16;
+    QK_UNROLL for (int v = 0; v < 2; ++v) {
+      _mm256_storeu_ps(app + 8 * v, ap[r][v]);
+      _mm256_storeu_ps(bnd + 8 * v, bd[r][v]);
+    }
+    const __m256 lo = _mm256_max_ps(_mm256_sub_ps(ap[r][0], bd[r][0]), _mm256_sub_ps(ap[r][1], bd[r][1]));
+    const __m256 up = _mm256_max_ps(_mm256_add_ps(ap[r][0], bd[r][0]), _mm256_add_ps(ap[r][1], bd[r][1]));
+    alignas(32) float l[8], u[8];
+    _mm256_store_ps(l, lo);
+    _mm256_store_ps(u, up);
+    float ml = l[0], mu = u[0];
+    for (int i = 1; i < 8; ++i) ml = l[i] > ml ? l[i] : ml, mu = u[i] > mu ? u[i] : mu;
+    a.pmax_lo[(m0 + r) * P + p] = ml;
+    a.pmax_up[(m0 + r) * P + p] = mu;
+  }
+}
+
+void screen(const ScreenArgs& a, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    int64_t m = 0;
+    for (; m + 2 <= a.M; m += 2) screen_tile<2>(a, m, p);
+    if (m < a.M) screen_tile<1>(a, m, p);
+  }
+}
+#elif QK_PART == 3
+// The screen in plain C++ (the same sums and bounds, one column at a time).
+void screen(const ScreenArgs& a, int64_t p0, int64_t p1) {
+  const int64_t K = a.K, G = a.G, ng = K / G, P = a.N / 16;
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t p = p0; p < p1; ++p) {
+      float ml = 0, mu = 0;
+      for (int c = 0; c < 16; ++c) {
+        float ap = 0, bd = 0;
+        for (int64_t g = 0; g < ng; ++g) {
+          int32_t acc = 0;
+          for (int64_t k = g * G; k < g * G + G; ++k) acc += int32_t{a.xq[m * K + k]} * a.w[(p * K + k) * 16 + c];
+          const float sc = half_to_float(a.s[(p * ng + g) * 16 + c]);
+          ap = std::fma(sc * a.dq[m * ng + g], static_cast<float>(acc), ap);
+          bd = std::fma(std::fabs(sc), a.eb[m * ng + g], bd);
+        }
+        a.app[m * a.N + p * 16 + c] = ap;
+        a.bnd[m * a.N + p * 16 + c] = bd;
+        ml = c == 0 || ap - bd > ml ? ap - bd : ml;
+        mu = c == 0 || ap + bd > mu ? ap + bd : mu;
+      }
+      a.pmax_lo[m * P + p] = ml;
+      a.pmax_up[m * P + p] = mu;
+    }
+}
+#endif
+
 }  // namespace
 
 // Suffix h: float16 scales.
@@ -376,12 +490,17 @@ void QK_NAME(panels_i8h)(const Args& a, int64_t p0, int64_t p1) { panels<kI8, ui
 void QK_NAME(panels_i5)(const Args& a, int64_t p0, int64_t p1) { panels<kI5, float>(a, p0, p1); }
 void QK_NAME(panels_i5h)(const Args& a, int64_t p0, int64_t p1) { panels<kI5, uint16_t>(a, p0, p1); }
 void QK_NAME(panels_i4)(const Args& a, int64_t p0, int64_t p1) { panels<kI4, float>(a, p0, p1); }
+#if QK_PART != 2  // AVX-512 CPUs run the AVX2 screen
+void QK_NAME(screen_i8h)(const ScreenArgs& a, int64_t p0, int64_t p1) { screen(a, p0, p1); }
+#endif
 }  // namespace qk
 
 #else  // QK_PART == 0: the FFI handlers
 
 #include <atomic>
+#include <cmath>
 #include <string>
+#include <vector>
 
 #include "parallel.h"  // XLA's FFI as `ffi`, crossover::ParallelFor
 
@@ -394,6 +513,8 @@ namespace qk {
   void panels_i4_##isa(const Args&, int64_t, int64_t);
 QK_DECLARE(portable)
 QK_DECLARE(avx2)
+void screen_i8h_portable(const ScreenArgs&, int64_t, int64_t);
+void screen_i8h_avx2(const ScreenArgs&, int64_t, int64_t);
 #ifndef QK_NO_AVX512
 QK_DECLARE(avx512)
 #endif
@@ -418,6 +539,7 @@ int Detect() {
 const int kBest = Detect();
 std::atomic<int> g_isa{kBest};
 std::atomic<int> g_threads{0};  // 0: the pool's size
+std::atomic<int64_t> g_screened{0};  // rows the greedy screen has served
 
 PanelFn Pick(Form form, bool half) {
   switch (g_isa.load(std::memory_order_relaxed)) {
@@ -487,8 +609,119 @@ ffi::Error I4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8
               ffi::Buffer<ffi::F32> mn, ffi::ResultBuffer<ffi::F32> y) {
   return Run(pool, kI4, x, w.dimensions(), w.untyped_data(), s, &mn, nullptr, y);
 }
+
+// Column n's logit exactly as every kernel path computes it: each weight formed as s * q, then
+// one fma a k into an accumulator that starts at zero, k in order.
+float Exact(const float* x, const int8_t* w, const uint16_t* s, int64_t K, int64_t G, int64_t n) {
+  const int64_t p = n / 16, c = n % 16, ng = K / G;
+  float acc = 0.0f;
+  for (int64_t g = 0; g < ng; ++g) {
+    const float sc = half_to_float(s[(p * ng + g) * 16 + c]);
+    for (int64_t k = g * G; k < g * G + G; ++k)
+      acc = std::fma(x[k], sc * static_cast<float>(w[(p * K + k) * 16 + c]), acc);
+  }
+  return acc;
+}
+
+constexpr float kSlack = 2e-4f;  // of max |x| of a group: covers the float roundings (see below)
+
+// Row x's int16 steps per group: dq = max |x| / 32767, xq = round(x / dq), and the bound
+// coefficient eb = 128 G (max |x - xq dq| + kSlack max |x|) * 1.001, so that s eb bounds the
+// group's share of a column's error (|q| <= 128). The exact logit sums K fma roundings, within
+// K * 2^-24 * sum |x W| <= 3.9e-5 sum_g max|x_g| sum_k |W| for K = 640, and the screen's float
+// sums are closer still; kSlack covers both, and the factor the bound's own roundings. False
+// when x holds a value that is not finite.
+bool Steps(const float* x, int64_t K, int64_t G, int16_t* xq, float* dq, float* eb) {
+  for (int64_t g = 0; g < K / G; ++g) {
+    float mx = 0.0f;
+    for (int64_t k = g * G; k < g * G + G; ++k) {
+      if (!std::isfinite(x[k])) return false;
+      mx = std::fabs(x[k]) > mx ? std::fabs(x[k]) : mx;
+    }
+    const float d = mx / 32767.0f;
+    double err = 0.0;
+    for (int64_t k = g * G; k < g * G + G; ++k) {
+      double q = d > 0.0f ? std::nearbyint(x[k] / d) : 0.0;
+      q = q > 32767.0 ? 32767.0 : (q < -32767.0 ? -32767.0 : q);
+      xq[k] = static_cast<int16_t>(q);
+      err = std::fmax(err, std::fabs(static_cast<double>(x[k]) - q * static_cast<double>(d)));
+    }
+    dq[g] = d;
+    eb[g] = static_cast<float>((err + kSlack * static_cast<double>(mx)) * 1.001 * 128.0 * static_cast<double>(G));
+  }
+  return true;
+}
+
+// tok [M]: each row's greedy token of x @ W, W int8 with float16 scales (the tied output table),
+// lowest id on ties: the token a full product and an argmax give, bit for bit. The screen bounds
+// every logit (ScreenArgs); only the columns whose upper bound reaches the largest lower bound
+// can be the argmax, and those alone are computed exactly (a few dozen of 262k). A row with a
+// value that is not finite is computed exactly in full.
+ffi::Error Greedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::AnyBuffer s,
+                  ffi::ResultBuffer<ffi::S32> tok) {
+  const Dims xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3) return Bad("x [M, K], values and scales [P, *, 16]");
+  const int64_t M = xd[0], K = xd[1], P = wd[0], N = P * 16, ng = sd[1];
+  if (ng <= 0 || K % ng || (K / ng) % 2 || !Is(wd, P, K, 16) || !Is(sd, P, ng, 16) ||
+      tok->dimensions().size() != 1 || tok->dimensions()[0] != M)
+    return Bad("operand shapes do not match");
+  if (s.element_type() != ffi::DataType::F16) return Bad("the greedy screen takes float16 scales");
+  const int isa = g_isa.load(std::memory_order_relaxed);
+  const ScreenFn fn = isa >= 2 ? screen_i8h_avx2 : (isa == 1 ? screen_i8h_portable : nullptr);
+  if (fn == nullptr) return ffi::Error::Internal("crossover qgreedy: the CPU lacks AVX2+FMA+F16C");
+  const int64_t G = K / ng;
+  thread_local std::vector<int16_t> xq;
+  thread_local std::vector<float> dq, eb, app, bnd, lo, up;
+  xq.resize(M * K), dq.resize(M * ng), eb.resize(M * ng), app.resize(M * N), bnd.resize(M * N);
+  lo.resize(M * P), up.resize(M * P);
+  const float* xs = x.typed_data();
+  const auto* wv = static_cast<const int8_t*>(w.untyped_data());
+  const auto* sv = static_cast<const uint16_t*>(s.untyped_data());
+  std::vector<bool> finite(M);
+  for (int64_t m = 0; m < M; ++m)
+    finite[m] = Steps(xs + m * K, K, G, xq.data() + m * K, dq.data() + m * ng, eb.data() + m * ng);
+  const ScreenArgs a{xq.data(), dq.data(), eb.data(), wv, sv, app.data(), bnd.data(),
+                     lo.data(), up.data(), M, K, N, G};
+  if (M > 0)
+    crossover::ParallelFor(pool, g_threads.load(std::memory_order_relaxed), M * K * N, P, 4,
+                           [a, fn](int64_t p0, int64_t p1) { fn(a, p0, p1); });
+  int32_t* out = tok->typed_data();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = xs + m * K;
+    float best = 0.0f;
+    int64_t at = -1;
+    auto consider = [&](int64_t n) {
+      const float v = Exact(xm, wv, sv, K, G, n);
+      if (at < 0 || v > best || (std::isnan(v) && !std::isnan(best))) best = v, at = n;
+    };
+    if (finite[m]) {
+      float thr = lo[m * P];
+      for (int64_t p = 1; p < P; ++p) thr = lo[m * P + p] > thr ? lo[m * P + p] : thr;
+      for (int64_t p = 0; p < P && std::isfinite(thr); ++p) {
+        if (up[m * P + p] < thr) continue;
+        for (int64_t n = p * 16; n < p * 16 + 16; ++n)
+          if (app[m * N + n] + bnd[m * N + n] >= thr) consider(n);
+      }
+      g_screened.fetch_add(1, std::memory_order_relaxed);
+    }
+    if (at < 0 || !std::isfinite(best)) {  // x or the scales not finite: every column exactly
+      at = -1;
+      for (int64_t n = 0; n < N; ++n) consider(n);
+    }
+    out[m] = static_cast<int32_t>(at);
+  }
+  return ffi::Error::Success();
+}
 }  // namespace
 }  // namespace qk
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CrossoverQGreedyI8, qk::Greedy,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CrossoverQMatmulI8, qk::I8,
                               ffi::Ffi::Bind()
@@ -526,5 +759,6 @@ CROSSOVER_EXPORT int crossover_qk_set_isa(int isa) {
   return isa;
 }
 CROSSOVER_EXPORT void crossover_qk_set_threads(int n) { qk::g_threads.store(n); }
+CROSSOVER_EXPORT int64_t crossover_qk_screened_rows() { return qk::g_screened.load(); }
 
 #endif

@@ -9,10 +9,17 @@ Paths (`qmatmul(..., path=...)`):
   XLA:CPU materializes the float32 matrix here on every call.
 - None (default): "ffi" when the kernel is available on CPU, else "jnp".
 
+`qgreedy(x, w)` gives each row's greedy token of an int8 table with float16 scales (GGUF's Q8_0
+output layer) without its logits: integer sums over int16 steps of x bound every logit, and only
+the columns whose bound reaches the best are computed exactly, as `qmatmul` computes them.
+
 `kernel_status()` says which path serves and why; the first call logs it once.
 """
 
 from __future__ import annotations
+
+import ctypes
+import os
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +29,14 @@ from engine.quant.build import LIBRARY
 from engine.quant.formats import QuantWeight, dequantize
 
 _TARGETS = {8: "crossover_qmatmul_i8", 5: "crossover_qmatmul_i5", 4: "crossover_qmatmul_i4"}
+_GREEDY = "crossover_qgreedy_i8"
 ISA_NAMES = {0: "none", 1: "portable", 2: "avx2", 3: "avx512"}
 """ISA codes: "portable" is plain C++ with the AVX-512 kernels' tiling, for tests on CPUs without
 AVX-512; it is never chosen by default, and `set_isa("best")` restores the CPU's best."""
 
 KERNEL = Kernel(label="quantized matmul", env="CROSSOVER_QUANT_KERNEL", library=LIBRARY,
                 targets={_TARGETS[8]: "CrossoverQMatmulI8", _TARGETS[5]: "CrossoverQMatmulI5",
-                         _TARGETS[4]: "CrossoverQMatmulI4"},
+                         _TARGETS[4]: "CrossoverQMatmulI4", _GREEDY: "CrossoverQGreedyI8"},
                 prefix="crossover_qk_", isa_names=ISA_NAMES, no_isa="the CPU lacks AVX2+FMA+F16C")
 kernel_status = KERNEL.kernel_status  # "ffi (avx512)", "ffi (avx2)" or "jnp (<why>)"
 kernel_available = KERNEL.kernel_available
@@ -70,3 +78,36 @@ def qmatmul(x: jax.Array, w: QuantWeight, path: str | None = None) -> jax.Array:
     else:
         raise ValueError(f"path must be None, 'ffi' or 'jnp', got {path!r}")
     return y.reshape(*lead, n)
+
+
+SCREEN_ENV = "CROSSOVER_GREEDY_SCREEN"
+"""Set to off (0, false, no) to take greedy tokens from full logits always (for comparisons)."""
+
+
+def greedy_screenable(w) -> bool:
+    """Whether `qgreedy` serves `w`: int8 values with float16 scales (GGUF's Q8_0), the kernel on,
+    SCREEN_ENV not off."""
+    return (isinstance(w, QuantWeight) and w.bits == 8 and w.scales.dtype == jnp.float16
+            and os.environ.get(SCREEN_ENV, "").lower() not in ("off", "0", "false", "no")
+            and jax.default_backend() == "cpu" and kernel_available())
+
+
+def qgreedy(x: jax.Array, w: QuantWeight) -> jax.Array:
+    """argmax over n of (x @ W)[m, n], lowest n on ties, for x [M, K] and an int8 W with float16
+    scales (`greedy_screenable`): int32 [M], the token `greedy(qmatmul(x, w))` gives, from a
+    screen that bounds every logit with integer sums and computes only the few columns whose
+    bound reaches the best one exactly (kernel.cc's Greedy)."""
+    out = jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)
+    return jax.ffi.ffi_call(_GREEDY, out)(jnp.asarray(x, jnp.float32), w.values, w.scales)
+
+
+def screened_rows() -> int:
+    """Rows `qgreedy` has screened in this process (rows computed in full not counted); 0 without the
+    kernel."""
+    lib = KERNEL.load()
+    if lib is None:
+        return 0
+    fn = lib.crossover_qk_screened_rows
+    fn.restype = ctypes.c_int64
+    return int(fn())
+

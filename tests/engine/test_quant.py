@@ -366,3 +366,76 @@ def test_processes_building_at_once_link_once_and_share_the_library(tmp_path):
     library = Path(paths.pop())
     assert library.read_text().startswith("object of ")
     assert sorted(p.name for p in library.parent.iterdir()) == sorted([library.name, f".{library.name}.lock"])
+
+
+# ------------------------------------------------------------ greedy screen ---
+
+
+def _greedy_reference(x, w: QuantWeight) -> np.ndarray:
+    from engine.execute.sampling import greedy
+
+    return np.asarray(greedy(qm.qmatmul(jnp.asarray(x), w, path="ffi")))
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", (1, 2, 3, 5))
+def test_greedy_screen_gives_the_argmax_of_the_logits(m):
+    """qgreedy's tokens are those of the kernel's own logits and an argmax, lowest id on ties, on
+    every ISA: over random tables with float16's edge scales (negative, zero, the largest), with
+    duplicated best columns (ties) and near-ties one float apart."""
+    rng = np.random.default_rng(40 + m)
+    k, n = 128, 4096
+    q = rng.integers(-128, 128, (n, k)).astype(np.int8)
+    q[2049], q[3001] = q[77], q[77]  # three equal columns: the lowest id wins a tie
+    q[1500] = q[1400]
+    s = random_scales(rng, n, k // 32, np.float16)
+    s[1500] = s[1400]
+    s[1500, -1] = np.nextafter(s[1400, -1], np.float16(1))  # column 1500 a hair above 1400
+    w = on_device(pack(q, s))
+    assert qm.greedy_screenable(w)
+    dense = np.asarray(dequantize(w))  # [k, n]
+    xs = [rng.standard_normal((m, k)).astype(np.float32) * 3 for _ in range(4)]
+    for col in (77, 1400):  # rows aligned with those columns make them the best
+        x = np.repeat(dense[:, col][None] * 50, m, axis=0).astype(np.float32)
+        xs.append(x + rng.standard_normal(x.shape).astype(np.float32) * 1e-3)
+    bad = rng.standard_normal((m, k)).astype(np.float32)
+    bad[0, 5] = np.nan
+    bad[-1, 9] = np.inf
+    for isa in qm.supported_isas(portable=True):
+        previous = qm.set_isa(isa)
+        try:
+            for x in xs:
+                got = np.asarray(jax.jit(qm.qgreedy)(x, w))
+                assert np.array_equal(got, _greedy_reference(x, w)), (isa, got)
+            # rows that are not finite (the engine sends them to the full product): computed in
+            # full, a valid id, never a crash
+            got = np.asarray(qm.qgreedy(bad, w))
+            assert ((got >= 0) & (got < n)).all()
+            assert np.array_equal(got[1:-1], _greedy_reference(bad, w)[1:-1])
+        finally:
+            qm.set_isa(previous)
+
+
+@needs_kernel
+def test_greedy_screen_refuses_what_it_does_not_serve():
+    rng = np.random.default_rng(8)
+    assert not qm.greedy_screenable(on_device(random_int8(rng, 64, 32, 32)))  # float32 scales
+    assert not qm.greedy_screenable(on_device(random_int5(rng, 64, 32)))
+    w = on_device(random_int8(rng, 64, 32, 32, np.float32))
+    with pytest.raises(Exception, match="float16 scales"):
+        jax.block_until_ready(qm.qgreedy(np.ones((1, 64), np.float32), w))
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_greedy_screen_on_the_real_table(real_file):
+    """The default model's 262144-row Q8_0 table: the screen's tokens are the logits' argmax for
+    rows of hidden-state scale, and it counts the rows it served."""
+    _, w = read(real_file, "token_embd.weight")
+    w = on_device(w)
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((2, 640)) * 5).astype(np.float32)
+    x[:, [3, 76, 393, 585]] *= 20  # a few large features, as the model's hidden states have
+    before = qm.screened_rows()
+    assert np.array_equal(np.asarray(qm.qgreedy(x, w)), _greedy_reference(x, w))
+    assert qm.screened_rows() == before + 2
