@@ -38,10 +38,6 @@ OUTPUT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 51
 """Output slots the heads compile for: finer than the token buckets, since each slot costs a row
 of the output layer (262k rows for Gemma 3), where a token slot costs far less of the forward;
 every token bucket is one of them, so a call's outputs never pad past its tokens."""
-SCREEN_OUTPUTS = 2
-"""Most output slots whose greedy tokens `_heads` takes from the quantized table's screen
-(engine.quant.matmul.qgreedy) when no slot samples, asks for logprobs or has a grammar: past
-two rows a float product of the table costs less than screening each row."""
 ADJUST_OUTPUTS = 16
 """Most output slots of one heads call with logit adjustments (penalties, banned ids): the
 adjusted variant compiles for the output buckets up to this only (`_adjusted_heads`)."""
@@ -74,8 +70,8 @@ def _heads(params: Params, h, out_idx, cand, samp: SamplingArrays, counter, mask
     `mask` [O, W] (-1 words: every id) keeps its tokens alone. Returns (tokens, accepted, logprobs
     [O], top ids and logprobs [O, k], the model's logprob of `cand` [O] (a scored prompt's next
     token), the hidden states [O, d]). With `screen` (the runner's `screen`: a table `qgreedy`
-    serves) and up to SCREEN_OUTPUTS slots, a call that only wants greedy tokens takes them from
-    `qgreedy` (the same tokens) instead."""
+    serves), a call that only wants greedy tokens takes them from `qgreedy` (the same tokens,
+    without the [O, vocab] logits) instead."""
     hs = h[out_idx]
 
     def scored():
@@ -83,7 +79,7 @@ def _heads(params: Params, h, out_idx, cand, samp: SamplingArrays, counter, mask
         tok, acc, lp, ti, tl = verify_scores(sc, cand[:, None], samp, counter[:, None], adj, mask[:, None])
         return tok[:, 0], acc[:, 0], lp[:, 0], ti[:, 0], tl[:, 0], given_logprobs(sc.logits[:, 0], cand, samp)
 
-    if not screen or adj is not None or hs.shape[0] > SCREEN_OUTPUTS:
+    if not screen or adj is not None:
         return *scored(), hs
 
     def screened():  # greedy tokens without the logits; nothing else is asked for

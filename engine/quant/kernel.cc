@@ -482,6 +482,46 @@ void screen(const ScreenArgs& a, int64_t p0, int64_t p1) {
 }
 #endif
 
+#if QK_PART == 1
+// The largest of each row of y [M, nb] (row stride nb) into best[m] and its column col0 + j
+// into at[m] where it beats best[m]: strictly larger only (the lowest column keeps a tie), NaN
+// never.
+void argmax_rows(const float* y, int64_t M, int64_t nb, int64_t col0, float* best, int32_t* at) {
+  const __m256i step = _mm256_set1_epi32(8);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = y + m * nb;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    __m256i ix = _mm256_set1_epi32(-1), j = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t c = 0;
+    for (; c + 8 <= nb; c += 8, j = _mm256_add_epi32(j, step)) {
+      const __m256 v = _mm256_loadu_ps(row + c);
+      const __m256 gt = _mm256_cmp_ps(v, mx, _CMP_GT_OQ);
+      mx = _mm256_blendv_ps(mx, v, gt);
+      ix = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(ix), _mm256_castsi256_ps(j), gt));
+    }
+    alignas(32) float v[8];
+    alignas(32) int32_t i[8];
+    _mm256_store_ps(v, mx);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(i), ix);
+    float b = -INFINITY;
+    int32_t k = -1;
+    for (int l = 0; l < 8; ++l)  // each lane holds its first maximum: the lowest column of equals
+      if (i[l] >= 0 && (v[l] > b || (v[l] == b && i[l] < k))) b = v[l], k = i[l];
+    for (; c < nb; ++c)
+      if (row[c] > b) b = row[c], k = static_cast<int32_t>(c);
+    if (k >= 0 && (at[m] < 0 || b > best[m])) best[m] = b, at[m] = static_cast<int32_t>(col0 + k);
+  }
+}
+#elif QK_PART == 3
+void argmax_rows(const float* y, int64_t M, int64_t nb, int64_t col0, float* best, int32_t* at) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < nb; ++c) {
+      const float v = y[m * nb + c];
+      if (!std::isnan(v) && (at[m] < 0 || v > best[m])) best[m] = v, at[m] = static_cast<int32_t>(col0 + c);
+    }
+}
+#endif
+
 }  // namespace
 
 // Suffix h: float16 scales.
@@ -490,8 +530,11 @@ void QK_NAME(panels_i8h)(const Args& a, int64_t p0, int64_t p1) { panels<kI8, ui
 void QK_NAME(panels_i5)(const Args& a, int64_t p0, int64_t p1) { panels<kI5, float>(a, p0, p1); }
 void QK_NAME(panels_i5h)(const Args& a, int64_t p0, int64_t p1) { panels<kI5, uint16_t>(a, p0, p1); }
 void QK_NAME(panels_i4)(const Args& a, int64_t p0, int64_t p1) { panels<kI4, float>(a, p0, p1); }
-#if QK_PART != 2  // AVX-512 CPUs run the AVX2 screen
+#if QK_PART != 2  // AVX-512 CPUs run the AVX2 screen and argmax
 void QK_NAME(screen_i8h)(const ScreenArgs& a, int64_t p0, int64_t p1) { screen(a, p0, p1); }
+void QK_NAME(argmax_rows)(const float* y, int64_t M, int64_t nb, int64_t col0, float* best, int32_t* at) {
+  argmax_rows(y, M, nb, col0, best, at);
+}
 #endif
 }  // namespace qk
 
@@ -515,6 +558,9 @@ QK_DECLARE(portable)
 QK_DECLARE(avx2)
 void screen_i8h_portable(const ScreenArgs&, int64_t, int64_t);
 void screen_i8h_avx2(const ScreenArgs&, int64_t, int64_t);
+using ArgmaxFn = void (*)(const float*, int64_t, int64_t, int64_t, float*, int32_t*);
+void argmax_rows_portable(const float*, int64_t, int64_t, int64_t, float*, int32_t*);
+void argmax_rows_avx2(const float*, int64_t, int64_t, int64_t, float*, int32_t*);
 #ifndef QK_NO_AVX512
 QK_DECLARE(avx512)
 #endif
@@ -652,11 +698,48 @@ bool Steps(const float* x, int64_t K, int64_t G, int16_t* xq, float* dq, float* 
   return true;
 }
 
+constexpr int64_t kScreenRows = 2;  // rows up to which Greedy screens (past them a panel's float
+                                     // product, converted once, serves the rows for less)
+constexpr int64_t kBlockPanels = 64;  // panels a block product computes at once: [M, 1024] floats
+
+// Greedy for more than kScreenRows rows: the kernel's own product of kBlockPanels panels at a time
+// into a scratch block that stays in cache, each block's row maxima kept, never the [M, N] logits.
+void BlockArgmax(ffi::ThreadPool& pool, const Args& a, PanelFn fn, ArgmaxFn am, int32_t* out) {
+  const int64_t M = a.M, K = a.K, ng = K / a.G, P = a.N / 16, blocks = (P + kBlockPanels - 1) / kBlockPanels;
+  thread_local std::vector<float> best;
+  thread_local std::vector<int32_t> at;
+  best.assign(blocks * M, 0.0f), at.assign(blocks * M, -1);
+  float* bv = best.data();
+  int32_t* bi = at.data();
+  crossover::ParallelFor(pool, g_threads.load(std::memory_order_relaxed), M * K * a.N, blocks, 4,
+                         [a, fn, am, bv, bi, M, K, ng, P](int64_t b0, int64_t b1) {
+    thread_local std::vector<float> y;
+    y.resize(M * kBlockPanels * 16);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t p0 = b * kBlockPanels, np = p0 + kBlockPanels <= P ? kBlockPanels : P - p0;
+      Args sub = a;  // panels [p0, p0 + np) as a matrix of their own
+      sub.w = static_cast<const int8_t*>(a.w) + p0 * K * 16;
+      sub.s = static_cast<const uint16_t*>(a.s) + p0 * ng * 16;
+      sub.y = y.data(), sub.N = np * 16;
+      fn(sub, 0, np);
+      am(y.data(), M, np * 16, p0 * 16, bv + b * M, bi + b * M);
+    }
+  });
+  for (int64_t m = 0; m < M; ++m) {  // blocks in column order: the lowest id keeps a tie
+    float v = 0.0f;
+    int32_t t = -1;
+    for (int64_t b = 0; b < blocks; ++b)
+      if (bi[b * M + m] >= 0 && (t < 0 || bv[b * M + m] > v)) v = bv[b * M + m], t = bi[b * M + m];
+    out[m] = t < 0 ? 0 : t;
+  }
+}
+
 // tok [M]: each row's greedy token of x @ W, W int8 with float16 scales (the tied output table),
-// lowest id on ties: the token a full product and an argmax give, bit for bit. The screen bounds
-// every logit (ScreenArgs); only the columns whose upper bound reaches the largest lower bound
-// can be the argmax, and those alone are computed exactly (a few dozen of 262k). A row with a
-// value that is not finite is computed exactly in full.
+// lowest id on ties: the token a full product and an argmax give, bit for bit. Up to kScreenRows
+// rows, the screen bounds every logit (ScreenArgs); only the columns whose upper bound reaches
+// the largest lower bound can be the argmax, and those alone are computed exactly (a few of
+// 262k); a row with a value that is not finite is computed exactly in full. More rows:
+// BlockArgmax.
 ffi::Error Greedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::AnyBuffer s,
                   ffi::ResultBuffer<ffi::S32> tok) {
   const Dims xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
@@ -670,6 +753,11 @@ ffi::Error Greedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const ScreenFn fn = isa >= 2 ? screen_i8h_avx2 : (isa == 1 ? screen_i8h_portable : nullptr);
   if (fn == nullptr) return ffi::Error::Internal("crossover qgreedy: the CPU lacks AVX2+FMA+F16C");
   const int64_t G = K / ng;
+  if (M > kScreenRows) {
+    const Args a{x.typed_data(), w.untyped_data(), s.untyped_data(), nullptr, nullptr, nullptr, M, K, N, G};
+    BlockArgmax(pool, a, Pick(kI8, true), isa >= 2 ? argmax_rows_avx2 : argmax_rows_portable, tok->typed_data());
+    return ffi::Error::Success();
+  }
   thread_local std::vector<int16_t> xq;
   thread_local std::vector<float> dq, eb, app, bnd, lo, up;
   xq.resize(M * K), dq.resize(M * ng), eb.resize(M * ng), app.resize(M * N), bnd.resize(M * N);

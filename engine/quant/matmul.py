@@ -10,8 +10,10 @@ Paths (`qmatmul(..., path=...)`):
 - None (default): "ffi" when the kernel is available on CPU, else "jnp".
 
 `qgreedy(x, w)` gives each row's greedy token of an int8 table with float16 scales (GGUF's Q8_0
-output layer) without its logits: integer sums over int16 steps of x bound every logit, and only
-the columns whose bound reaches the best are computed exactly, as `qmatmul` computes them.
+output layer) without its logits: for one or two rows integer sums over int16 steps of x bound
+every logit, and only the columns whose bound reaches the best are computed exactly, as
+`qmatmul` computes them; for more, `qmatmul`'s own product a block of columns at a time, each
+block's maxima kept.
 
 `kernel_status()` says which path serves and why; the first call logs it once.
 """
@@ -94,9 +96,8 @@ def greedy_screenable(w) -> bool:
 
 def qgreedy(x: jax.Array, w: QuantWeight) -> jax.Array:
     """argmax over n of (x @ W)[m, n], lowest n on ties, for x [M, K] and an int8 W with float16
-    scales (`greedy_screenable`): int32 [M], the token `greedy(qmatmul(x, w))` gives, from a
-    screen that bounds every logit with integer sums and computes only the few columns whose
-    bound reaches the best one exactly (kernel.cc's Greedy)."""
+    scales (`greedy_screenable`): int32 [M], the token `greedy(qmatmul(x, w))` gives, without
+    the [M, N] logits (kernel.cc's Greedy: a screen up to two rows, block products past them)."""
     out = jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)
     return jax.ffi.ffi_call(_GREEDY, out)(jnp.asarray(x, jnp.float32), w.values, w.scales)
 

@@ -378,7 +378,7 @@ def _greedy_reference(x, w: QuantWeight) -> np.ndarray:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", (1, 2, 3, 5))
+@pytest.mark.parametrize("m", (1, 2, 3, 5, 33))
 def test_greedy_screen_gives_the_argmax_of_the_logits(m):
     """qgreedy's tokens are those of the kernel's own logits and an argmax, lowest id on ties, on
     every ISA: over random tables with float16's edge scales (negative, zero, the largest), with
