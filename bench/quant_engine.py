@@ -331,4 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":  # pragma: no cover
+    from engine.runtime.allocator import restart_with_allocator_settings
+
+    restart_with_allocator_settings()  # as the daemon runs (engine/runtime/allocator.py)
     main()

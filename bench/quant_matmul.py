@@ -32,6 +32,7 @@ from bench.cpu import cpu_flags, cpu_model
 from engine.model.gguf_file import GGUFFile, default_gguf_path
 from engine.quant import matmul as qm
 from engine.quant.formats import QuantWeight, concat_columns, dequantize, from_gguf
+from engine.runtime.allocator import allocator_settings
 
 LAYER_LEAVES = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
                 "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     weights = load_weights(gf, [w for w in what if w != "greedy"])
     report = {
         "cpu": cpu_model(), "cpu_flags": cpu_flags(), "kernel": qm.kernel_status(),
+        "allocator": allocator_settings(),
         "isas": qm.supported_isas(), "jax": jax.__version__, "reps": args.reps,
         "command": "python -m bench.quant_matmul " + " ".join(argv or sys.argv[1:]),
     }
@@ -177,4 +179,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from engine.runtime.allocator import restart_with_allocator_settings
+
+    restart_with_allocator_settings()  # as the daemon runs: each call's output not page-faulted anew
     main()

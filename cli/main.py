@@ -60,22 +60,12 @@ ENGINE_COMMANDS = frozenset({"serve", "generate", "bench"})
 """Commands that run the engine in this process: they start with its allocator settings."""
 
 
-def _restart_with_allocator_settings() -> None:
-    """Re-execute this process once with the engine's glibc tunables
-    (engine.runtime.allocator.allocator_env): glibc reads them only at start."""
-    import os
-
-    from engine.runtime.allocator import allocator_env
-
-    env = allocator_env(dict(os.environ))
-    if env is not None and getattr(sys, "orig_argv", None):
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if argv is None and args.command in ENGINE_COMMANDS:
-        _restart_with_allocator_settings()
+        from engine.runtime.allocator import restart_with_allocator_settings
+
+        restart_with_allocator_settings()
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

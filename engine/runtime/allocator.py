@@ -1,7 +1,9 @@
 """The process's allocator settings for the engine (glibc), read before anything heavy loads.
 
 `crossover serve`, `generate` and `bench` restart themselves once with HUGE_PAGE_TUNABLE
-(cli/main.py); `bench engine` reports the settings beside its page faults per step.
+(cli/main.py: `restart_with_allocator_settings`), as do the kernel benchmarks run as modules
+(`python -m bench.quant_matmul`, `bench.quant_engine`); `bench engine` reports the settings beside
+its page faults per step.
 """
 
 from __future__ import annotations
@@ -40,3 +42,13 @@ def allocator_settings() -> dict:
     except (OSError, IndexError):
         thp = None
     return {"glibc_tunables": os.environ.get("GLIBC_TUNABLES"), "transparent_hugepage": thp}
+
+
+def restart_with_allocator_settings() -> None:
+    """Re-execute this process once with `allocator_env`'s settings (glibc reads them only at
+    start); returns where nothing changes."""
+    import sys
+
+    env = allocator_env(dict(os.environ))
+    if env is not None and getattr(sys, "orig_argv", None):
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
