@@ -128,7 +128,7 @@ def bench_greedy(table: QuantWeight, rows: list[int], reps: int, seed: int = 0) 
 
     w = jax.tree.map(jax.device_put, table)
     fns = {"ffi+argmax": jax.jit(lambda x, w: greedy(qm.qmatmul(x, w))),
-           "screen": jax.jit(lambda x, w: qm.qgreedy(x, w))}
+           "screen": jax.jit(qm.qgreedy)}
     rng = np.random.default_rng(seed)
     result = {}
     for m in rows:

@@ -738,8 +738,8 @@ void BlockArgmax(ffi::ThreadPool& pool, const Args& a, PanelFn fn, ArgmaxFn am, 
 // lowest id on ties: the token a full product and an argmax give, bit for bit. Up to kScreenRows
 // rows, the screen bounds every logit (ScreenArgs); only the columns whose upper bound reaches
 // the largest lower bound can be the argmax, and those alone are computed exactly (a few of
-// 262k); a row with a value that is not finite is computed exactly in full. More rows:
-// BlockArgmax.
+// 262k). More rows, and a row the screen cannot bound (a value of x, or its best logit, not
+// finite): BlockArgmax.
 ffi::Error Greedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::AnyBuffer s,
                   ffi::ResultBuffer<ffi::S32> tok) {
   const Dims xd = x.dimensions(), wd = w.dimensions(), sd = s.dimensions();
@@ -753,9 +753,13 @@ ffi::Error Greedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const ScreenFn fn = isa >= 2 ? screen_i8h_avx2 : (isa == 1 ? screen_i8h_portable : nullptr);
   if (fn == nullptr) return ffi::Error::Internal("crossover qgreedy: the CPU lacks AVX2+FMA+F16C");
   const int64_t G = K / ng;
+  const ArgmaxFn am = isa >= 2 ? argmax_rows_avx2 : argmax_rows_portable;
+  auto in_blocks = [&](const float* rows, int64_t n, int32_t* out) {
+    const Args a{rows, w.untyped_data(), s.untyped_data(), nullptr, nullptr, nullptr, n, K, N, G};
+    BlockArgmax(pool, a, Pick(kI8, true), am, out);
+  };
   if (M > kScreenRows) {
-    const Args a{x.typed_data(), w.untyped_data(), s.untyped_data(), nullptr, nullptr, nullptr, M, K, N, G};
-    BlockArgmax(pool, a, Pick(kI8, true), isa >= 2 ? argmax_rows_avx2 : argmax_rows_portable, tok->typed_data());
+    in_blocks(x.typed_data(), M, tok->typed_data());
     return ffi::Error::Success();
   }
   thread_local std::vector<int16_t> xq;
@@ -780,7 +784,7 @@ ffi::Error Greedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     int64_t at = -1;
     auto consider = [&](int64_t n) {
       const float v = Exact(xm, wv, sv, K, G, n);
-      if (at < 0 || v > best || (std::isnan(v) && !std::isnan(best))) best = v, at = n;
+      if (at < 0 || v > best) best = v, at = n;  // a NaN first leaves best NaN: BlockArgmax below
     };
     if (finite[m]) {
       float thr = lo[m * P];
@@ -790,12 +794,12 @@ ffi::Error Greedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
         for (int64_t n = p * 16; n < p * 16 + 16; ++n)
           if (app[m * N + n] + bnd[m * N + n] >= thr) consider(n);
       }
-      g_screened.fetch_add(1, std::memory_order_relaxed);
     }
-    if (at < 0 || !std::isfinite(best)) {  // x or the scales not finite: every column exactly
-      at = -1;
-      for (int64_t n = 0; n < N; ++n) consider(n);
+    if (at < 0 || !std::isfinite(best)) {
+      in_blocks(xm, 1, out + m);
+      continue;
     }
+    g_screened.fetch_add(1, std::memory_order_relaxed);
     out[m] = static_cast<int32_t>(at);
   }
   return ffi::Error::Success();

@@ -103,8 +103,8 @@ def qgreedy(x: jax.Array, w: QuantWeight) -> jax.Array:
 
 
 def screened_rows() -> int:
-    """Rows `qgreedy` has screened in this process (rows computed in full not counted); 0 without the
-    kernel."""
+    """Rows whose token `qgreedy` took from its screen in this process (rows of block products not
+    counted); 0 without the kernel."""
     lib = KERNEL.load()
     if lib is None:
         return 0
