@@ -25,6 +25,8 @@
 6. With `--screen-ab`: a third engine of `--weights` whose heads take greedy tokens from full
    logits, not the output table's screen (engine.quant.matmul.qgreedy), timed in the same
    rounds; the per-round ratio of `--weights` to it.
+7. With `--ahead-ab`: likewise an engine of `--weights` that reads each plain decode step's tokens
+   before it dispatches the next call (EngineConfig.decode_ahead off, engine/step/ahead.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -293,6 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--memory", action="store_true", help="also /ready's memory block at serve's defaults")
     p.add_argument("--screen-ab", action="store_true", help="also time the quantized engine taking greedy "
                    "tokens from full logits, not the output table's screen (engine.quant.matmul.qgreedy)")
+    p.add_argument("--ahead-ab", action="store_true", help="also time the quantized engine reading each "
+                   "plain decode step's tokens before dispatching the next (EngineConfig.decode_ahead off)")
     p.add_argument("--out", default="bench-out/quant-engine.json")
     args = p.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -304,6 +309,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.screen_ab:
         full = engines[f"{args.weights}-full-logits"] = load(weights=args.weights)
         full.runner.screen = False
+    if args.ahead_ab:
+        waits = engines[f"{args.weights}-no-ahead"] = load(weights=args.weights)
+        waits.ecfg = replace(waits.ecfg, decode_ahead=False)
     result = {"weights": args.weights, "kernel": kernel_status(), "load_s": time.perf_counter() - t,
               "weight_bytes": {n: weight_bytes(e.runner.params) for n, e in engines.items()}}
     print(json.dumps(result), flush=True)

@@ -7,14 +7,16 @@ token), writes the new K/V into the pools in a call of its own, then `_heads` sc
 tokens alone and draws, or verifies drafts, there. The output slots are padded to an
 OUTPUT_BUCKETS size, so a call compiles one forward per token count and one head per output
 count, whatever the mix of rows; the slots of rows with penalties or banned ids are drawn
-again by heads calls with those logit adjustments, up to ADJUST_OUTPUTS slots each. The
+again by heads calls with those logit adjustments, up to ADJUST_OUTPUTS slots each. `run` is
+`launch` (dispatch, no wait) then `fetch` (read); `follow` dispatches a call whose token slots take
+a launched call's draws on the device, before the host reads them (engine/step/ahead.py). The
 engine's steps run as such calls (engine/step/ragged_step.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import jax
@@ -126,14 +128,15 @@ class RaggedCall:
     elsewhere. None: `open_mask`, kept on the device."""
 
 
-def new_call(runner: ModelRunner, rows: list[RaggedRow]) -> RaggedCall:
+def new_call(runner: ModelRunner, rows: list[RaggedRow], outputs_as_tokens: bool = False) -> RaggedCall:
     """The host arrays of one ragged call over `rows`, padded to the smallest token bucket that
-    holds their tokens, output slots to the smallest that holds their outputs; sampling
-    greedy until the caller fills `samp`."""
+    holds their tokens, output slots to the smallest that holds their outputs (with
+    `outputs_as_tokens`, as many as the token slots: a call of one-token rows whose tokens feed
+    the next call, `follow`); sampling greedy until the caller fills `samp`."""
     n = sum(len(r.tokens) for r in rows)
     N = bucket(n, TOKEN_BUCKETS)
     n_out = sum(r.outputs for r in rows)
-    O = bucket(max(n_out, 1), OUTPUT_BUCKETS)  # <= N: every output is a token
+    O = N if outputs_as_tokens else bucket(max(n_out, 1), OUTPUT_BUCKETS)  # <= N: every output is a token
     rb = RaggedBatch.build([(r.tokens, r.start, r.global_pages, r.ring, r.ring_write) for r in rows],
                            N, row_slots(runner, N), table_width(runner.rc), runner.rc.ring_pages)
     out_idx, cand = np.zeros(O, np.int32), np.full(O, -1, np.int32)
@@ -184,19 +187,55 @@ def row_slots(runner: ModelRunner, n_tokens: int) -> int:
     return min(n_tokens, runner.rc.max_batch)
 
 
+@dataclass
+class Launched:
+    """A ragged call dispatched to the device and not yet read: its outputs as device arrays."""
+
+    call: RaggedCall
+    h: jax.Array  # the forward's hidden states (for heads with logit adjustments)
+    out: list  # _heads' (tokens, accepted, logprobs, top ids, top logprobs, given logprobs)
+    hidden: jax.Array  # [O, d] the output slots' hidden states
+
+
 def run(runner: ModelRunner, c: RaggedCall) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Execute one ragged call: (tokens, accepted, logprobs) [O] as numpy; the output slots'
     hidden states stay in `last_hidden` [O, d], top logprobs in `last_top` ([O, k] ids,
     [O, k] logprobs; `top_in` reads them) and the drafts' (`cand`) logprobs in `last_given` [O]
     (both only when some row wants logprobs). Slots with logit adjustments are drawn again in
-    heads calls of their own (`_adjusted_heads`)."""
+    heads calls of their own (`_adjusted_heads`). `launch` then `fetch`."""
+    return fetch(runner, launch(runner, c))
+
+
+def launch(runner: ModelRunner, c: RaggedCall) -> Launched:
+    """Dispatch call `c` (forward, KV write, heads) without waiting for it; `c.batch.tokens` may
+    be a device array (`follow`)."""
     h, new_kv = _forward(runner.cfg, runner.params, runner.kv, c.batch)
     runner.kv = _write(runner.kv, c.batch, new_kv)
     mask = c.mask if c.mask is not None else open_mask(runner, len(c.out_idx))
-    *out, runner.last_hidden = _heads(runner.out_params, h, c.out_idx, c.cand, SamplingArrays(**c.samp),
-                                      c.counter, mask, screen=runner.screen)
+    *out, hidden = _heads(runner.out_params, h, c.out_idx, c.cand, SamplingArrays(**c.samp), c.counter, mask,
+                          screen=runner.screen)
+    return Launched(c, h, out, hidden)
+
+
+def follow(runner: ModelRunner, c: RaggedCall, prev: Launched) -> Launched:
+    """Dispatch call `c`, whose token slot j takes the token `prev` draws at its output slot j,
+    before `prev` is read: the device runs it right after `prev`, while the host reads `prev`'s
+    results. `prev.call` has as many output slots as `c` has token slots (`new_call`'s
+    `outputs_as_tokens`), and `c`'s padding slots take `prev`'s padding draws, which no
+    position reads."""
+    if len(prev.call.out_idx) != len(c.batch.tokens):
+        raise ValueError(f"{len(prev.call.out_idx)} output slots cannot feed "
+                         f"{len(c.batch.tokens)} token slots")
+    return launch(runner, replace(c, batch=replace(c.batch, tokens=prev.out[0])))
+
+
+def fetch(runner: ModelRunner, launched: Launched) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Wait for a launched call: (tokens, accepted, logprobs) [O] as numpy, with `last_hidden`,
+    `last_top` and `last_given` as `run` sets them."""
+    c, out = launched.call, launched.out
+    runner.last_hidden = launched.hidden
     if c.adjust is not None:
-        out = _adjusted_heads(runner, h, c, out)
+        out = _adjusted_heads(runner, launched.h, c, out)
     wanted = c.samp["want_logprobs"].any()
     runner.last_top = (np.asarray(out[3]), np.asarray(out[4])) if wanted else None
     runner.last_given = np.asarray(out[5]) if wanted else None

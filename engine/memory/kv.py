@@ -182,6 +182,20 @@ class KVPool:
         if self.prefix is not None:
             self.prefix.wrap(pages, num_cached, end)
 
+    def settled(self, pages: SeqPages, num_cached: int, end: int) -> bool:
+        """Whether a call writing positions [num_cached, end) after `num_cached` cached ones needs
+        nothing of the pool: no block for `cache_blocks` to register, no page for `grow` to take,
+        no ring entry for `prepare` to free or give another page. Its page tables are then those
+        of the sequence's last call."""
+        ps = self.page_size
+        if self.prefix is not None and pages.cached < min(num_cached // ps, len(pages.global_pages)):
+            return False
+        if any(self._needs(pages, end)) or any(num_cached > pages.ring_block[j] * ps for j in pages.reading):
+            return False
+        return self.prefix is None or all(
+            (j := b % self.ring_pages) >= len(pages.ring) or pages.ring_block[j] >= b
+            for b in range(num_cached // ps, -(-end // ps)))
+
     def set_split(self, share: float) -> None:
         """Lend `share` of each pool to speculation (the policy's pool split).
 

@@ -6,6 +6,8 @@
   preemption; each step's plan.
 - ragged_step.py: one plan as ragged calls: the decode rows draft by their (technique,
   depth), then one forward verifies and prefills everything.
+- ahead.py: a plain decode step dispatches the next step's call before reading its own
+  tokens (fed on the device); the next step takes it when its own plan is that call.
 - chooser.py: `StepChooser`, the serving policy applied per row each step (a tenant
   rule's choice, else the batch's).
 - faults.py: fault containment: a sequence's own fault ends that sequence alone.

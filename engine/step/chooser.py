@@ -135,6 +135,11 @@ class StepChooser:
             log.warning("policy v%d speculates up to batch %d; this engine verifies batches up to %d "
                         "only: larger batches decode plainly", policy.version, top, self.spec_max_batch)
 
+    def plain_only(self, batch_size: int) -> bool:
+        """Whether every choice for a batch of `batch_size` rows is plain decoding, whatever the
+        exploration's turn: the batch is above spec_max_batch or the policy runs no technique."""
+        return batch_size > self.spec_max_batch or not self.policy.techniques()
+
     def cap_status(self) -> dict:
         """{"max_batch": spec_max_batch, "clamped": `clamped`} for the engine's status."""
         return {"max_batch": self.spec_max_batch, "clamped": self.clamped}

@@ -76,6 +76,8 @@ class EngineConfig:
     (engine/warmup/warm.py)."""
     prefix_cache: bool = True
     """Share the KV pages of prompt prefixes between requests (engine/memory/prefix_cache.py)."""
+    decode_ahead: bool = True
+    """Dispatch a plain decode step's next call before reading its tokens (engine/step/ahead.py)."""
 
 
 class EngineCore:
@@ -114,6 +116,7 @@ class EngineCore:
         self._seqs: dict[str, Sequence] = {}
         self._step_id = 0
         self._lost: list[RequestResult] = []  # results of the step that raised (see recover)
+        self._ahead = None  # the next step's call, dispatched already (engine/step/ahead.py)
         self.warmed_up = False
         self.budget_bytes = 0  # speculation + KV pool as engine/loader.py planned them (0: not planned there)
         self.weights_form: str | None = None  # the weights as served, set by engine/loader.py ("gguf", ...)
@@ -202,6 +205,7 @@ class EngineCore:
             return self._step(events, finished)
         except BaseException:
             self._lost = finished  # requests this failed step ended: recover() reports them
+            self._ahead = None
             raise
 
     def _step(self, events: list[TokenEvent], finished: list[RequestResult]) -> StepOutput:

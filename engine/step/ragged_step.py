@@ -29,6 +29,7 @@ from engine.execute.penalties import fill_adjust, wants_adjust
 from engine.execute.ragged_calls import RaggedRow, table_width, token_buckets, top_in
 from engine.execute.sampling import Adjust, SamplingArrays
 from engine.execute.sequence import Sequence, Status
+from engine.step import ahead
 from engine.step.chooser import PLAIN
 from engine.step.faults import propose_alone
 from engine.types import RowClass
@@ -107,11 +108,20 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
     spec.grammar_ms = grammar_s * 1e3
     spec.constrained_rows = sum(1 for item, _, _ in rows if item[0].matcher is not None)
     t0 = time.perf_counter()
-    for call_rows in _pack(rows, buckets[-1]):
-        call = ragged_calls.new_call(core.runner, [r for _, r, _ in call_rows])
+    calls = _pack(rows, buckets[-1])
+    steady = len(calls) == 1 and ahead.steady(core, [item for item, _, _ in rows])
+    if not steady:
+        core._ahead = None
+    for call_rows in calls:
+        call = ragged_calls.new_call(core.runner, [r for _, r, _ in call_rows], outputs_as_tokens=steady)
         for (_, _, samp), slots in zip(call_rows, call.out_rows):
             _put_sampling(core, call, slots, samp)
-        tok, acc, lp = (out.tolist() for out in ragged_calls.run(core.runner, call))  # rows index lists
+        items = [item for item, _, _ in call_rows]
+        launched = ahead.take(core, call, items) if steady else None
+        launched = launched or ragged_calls.launch(core.runner, call)
+        if steady:  # the next step's call goes to the device before this one's tokens are read
+            ahead.follow_step(core, items, launched)
+        tok, acc, lp = (out.tolist() for out in ragged_calls.fetch(core.runner, launched))  # index lists
         hidden = np.asarray(core.runner.last_hidden, np.float32) if core._keep_hidden else None
         for (item, _, _), slots in zip(call_rows, call.out_rows):
             _update(core, spec, item, slots, tok, acc, lp, hidden, events, finished)

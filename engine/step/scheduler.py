@@ -146,6 +146,11 @@ class Scheduler:
         self._plan_prefill(plan, budget)
         return plan
 
+    def settled_decode(self, seq: Sequence, num_cached: int) -> bool:
+        """Whether `seq`'s decode once `num_cached` positions are cached needs nothing of the pool
+        (KVPool.settled): `schedule` would then plan it on the pages and tables it has now."""
+        return self.pool.settled(seq.pages, num_cached, num_cached + 1 + self.cfg.lookahead)
+
     def _plan_decode(self, plan: StepPlan) -> int:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.remaining != 1:

@@ -48,11 +48,11 @@ def clean(tiny):
 
 
 def _patch_forward(engine, monkeypatch, flaky_of):
-    """Run every forward call of `engine`'s steps through `flaky_of(real)`, real(call) being the
-    ragged call each step makes."""
-    real = ragged_calls.run
+    """Run every forward call of `engine`'s steps through `flaky_of(real)`, real(call) dispatching
+    the ragged call a step makes (its own, or the next step's, engine/step/ahead.py)."""
+    real = ragged_calls.launch
     flaky = flaky_of(lambda c: real(engine.runner, c))
-    monkeypatch.setattr(ragged_calls, "run", lambda runner, c: flaky(c))
+    monkeypatch.setattr(ragged_calls, "launch", lambda runner, c: flaky(c))
 
 
 def _only_bad_failed(engine, tokens, reasons, clean):
