@@ -33,7 +33,8 @@ import numpy as np
 
 from engine.execute import ragged_calls
 from engine.execute.penalties import wants_adjust
-from engine.execute.ragged_calls import Launched, RaggedCall
+from engine.execute.ragged_calls import OUTPUT_BUCKETS, TOKEN_BUCKETS, Launched, RaggedCall
+from engine.execute.runner import bucket
 from engine.execute.sequence import Sequence, Status
 
 
@@ -48,14 +49,18 @@ class Ahead:
 
 def steady(core, items) -> bool:
     """Whether a step of `items` ((sequence, choice, drafts, chunk)) is one call of plain decode rows
-    whose call shape `follow_step` can feed (the call keeps as many outputs as token slots)."""
-    if not items or not core.ecfg.decode_ahead or core.runner.mesh is not None:
+    whose draws `follow_step` can feed to the next call: its output bucket is its token bucket
+    (1, 2, 4, 8, 16, 32, 64 ... rows), so the call's shape is what it would be anyway."""
+    n = len(items)
+    if not n or not core.ecfg.decode_ahead or core.runner.mesh is not None:
         return False
-    if not core._chooser.plain_only(len(items)):  # the next step may draft
+    if bucket(n, OUTPUT_BUCKETS) != bucket(n, TOKEN_BUCKETS):
         return False
-    for seq, _, drafts, n in items:
+    if not core._chooser.plain_only(n):  # the next step may draft
+        return False
+    for seq, _, drafts, chunk in items:
         sp = seq.req.sampling
-        if (n is not None or drafts or seq.matcher is not None or sp.logprobs or sp.top_logprobs
+        if (chunk is not None or drafts or seq.matcher is not None or sp.logprobs or sp.top_logprobs
                 or sp.prompt_logprobs is not None or _adjusts(sp, seq)):
             return False
     return True
