@@ -128,15 +128,14 @@ class RaggedCall:
     elsewhere. None: `open_mask`, kept on the device."""
 
 
-def new_call(runner: ModelRunner, rows: list[RaggedRow], outputs_as_tokens: bool = False) -> RaggedCall:
+def new_call(runner: ModelRunner, rows: list[RaggedRow]) -> RaggedCall:
     """The host arrays of one ragged call over `rows`, padded to the smallest token bucket that
-    holds their tokens, output slots to the smallest that holds their outputs (with
-    `outputs_as_tokens`, as many as the token slots: a call of one-token rows whose tokens feed
-    the next call, `follow`); sampling greedy until the caller fills `samp`."""
+    holds their tokens, output slots to the smallest that holds their outputs; sampling
+    greedy until the caller fills `samp`."""
     n = sum(len(r.tokens) for r in rows)
     N = bucket(n, TOKEN_BUCKETS)
     n_out = sum(r.outputs for r in rows)
-    O = N if outputs_as_tokens else bucket(max(n_out, 1), OUTPUT_BUCKETS)  # <= N: every output is a token
+    O = bucket(max(n_out, 1), OUTPUT_BUCKETS)  # <= N: every output is a token
     rb = RaggedBatch.build([(r.tokens, r.start, r.global_pages, r.ring, r.ring_write) for r in rows],
                            N, row_slots(runner, N), table_width(runner.rc), runner.rc.ring_pages)
     out_idx, cand = np.zeros(O, np.int32), np.full(O, -1, np.int32)
@@ -220,9 +219,9 @@ def launch(runner: ModelRunner, c: RaggedCall) -> Launched:
 def follow(runner: ModelRunner, c: RaggedCall, prev: Launched) -> Launched:
     """Dispatch call `c`, whose token slot j takes the token `prev` draws at its output slot j,
     before `prev` is read: the device runs it right after `prev`, while the host reads `prev`'s
-    results. `prev.call` has as many output slots as `c` has token slots (`new_call`'s
-    `outputs_as_tokens`), and `c`'s padding slots take `prev`'s padding draws, which no
-    position reads."""
+    results. `prev.call` has as many output slots as `c` has token slots (one-token rows whose
+    output bucket is their token bucket), and `c`'s padding slots take `prev`'s padding draws,
+    which no position reads."""
     if len(prev.call.out_idx) != len(c.batch.tokens):
         raise ValueError(f"{len(prev.call.out_idx)} output slots cannot feed "
                          f"{len(c.batch.tokens)} token slots")

@@ -177,24 +177,25 @@ class KVPool:
         keep, the entry gets another page; the old one stays the entry's read page
         until the new block has a cached token (engine/memory/prefix_cache.py).
         """
-        for j in [j for j in pages.reading if num_cached > pages.ring_block[j] * self.page_size]:
+        for j in self._read_done(pages, num_cached):
             self.local_alloc.free([pages.reading.pop(j)])
         if self.prefix is not None:
             self.prefix.wrap(pages, num_cached, end)
+
+    def _read_done(self, pages: SeqPages, num_cached: int) -> list[int]:
+        """Ring entries whose old read page `prepare` frees: their new block has a cached token."""
+        return [j for j in pages.reading if num_cached > pages.ring_block[j] * self.page_size]
 
     def settled(self, pages: SeqPages, num_cached: int, end: int) -> bool:
         """Whether a call writing positions [num_cached, end) after `num_cached` cached ones needs
         nothing of the pool: no block for `cache_blocks` to register, no page for `grow` to take,
         no ring entry for `prepare` to free or give another page. Its page tables are then those
         of the sequence's last call."""
-        ps = self.page_size
-        if self.prefix is not None and pages.cached < min(num_cached // ps, len(pages.global_pages)):
+        if any(self._needs(pages, end)) or self._read_done(pages, num_cached):
             return False
-        if any(self._needs(pages, end)) or any(num_cached > pages.ring_block[j] * ps for j in pages.reading):
-            return False
-        return self.prefix is None or all(
-            (j := b % self.ring_pages) >= len(pages.ring) or pages.ring_block[j] >= b
-            for b in range(num_cached // ps, -(-end // ps)))
+        px = self.prefix
+        return px is None or (pages.cached >= px.computed_blocks(pages, num_cached)
+                              and next(px.wrapping(pages, num_cached, end), None) is None)
 
     def set_split(self, share: float) -> None:
         """Lend `share` of each pool to speculation (the policy's pool split).

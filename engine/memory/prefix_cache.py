@@ -174,7 +174,7 @@ class PrefixCache:
         `num_cached` tokens); a block another sequence registered first keeps that one's. A
         block whose local page is still in this ring is noted (`Entry.owner`) for adoption."""
         ps, R = self.page_size, self.ring_pages
-        n = min(num_cached // ps, len(pages.global_pages))
+        n = self.computed_blocks(pages, num_cached)
         if pages.cached >= n:
             return
         extend_keys(pages.keys, pages.root, tokens, ps, n)
@@ -190,14 +190,24 @@ class PrefixCache:
                 e.owner = (pages, j, pages.ring[j])
         pages.cached = n
 
+    def computed_blocks(self, pages: SeqPages, num_cached: int) -> int:
+        """Blocks of `pages` whose tokens are all among the first `num_cached`: `register` indexes
+        those past `pages.cached`."""
+        return min(num_cached // self.page_size, len(pages.global_pages))
+
+    def wrapping(self, pages: SeqPages, num_cached: int, end: int):
+        """(block, ring entry) for each block that writing [num_cached, end) starts in an entry
+        still holding an older block: `wrap` readies those entries."""
+        ps = self.page_size
+        for b in range(num_cached // ps, -(-end // ps)):
+            j = b % self.ring_pages
+            if j < len(pages.ring) and pages.ring_block[j] < b:
+                yield b, j
+
     def wrap(self, pages: SeqPages, num_cached: int, end: int) -> None:
         """The ring part of engine.memory.kv.KVPool.prepare: where writing [num_cached, end) wraps onto
         a shared entry, or onto one holding a block to keep, the entry gets another page."""
-        ps, R = self.page_size, self.ring_pages
-        for b in range(num_cached // ps, -(-end // ps)):
-            j = b % R
-            if j >= len(pages.ring) or pages.ring_block[j] >= b:
-                continue
+        for b, j in self.wrapping(pages, num_cached, end):  # each entry's block set before the next
             if j in pages.shared:
                 pages.shared.discard(j)
                 new = pages.spare.pop()

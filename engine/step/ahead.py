@@ -35,15 +35,14 @@ from engine.execute import ragged_calls
 from engine.execute.penalties import wants_adjust
 from engine.execute.ragged_calls import OUTPUT_BUCKETS, TOKEN_BUCKETS, Launched, RaggedCall
 from engine.execute.runner import bucket
-from engine.execute.sequence import Sequence, Status
+from engine.execute.sequence import Sequence
 
 
 @dataclass
 class Ahead:
-    """A call dispatched for the next step: its rows' sequences and the positions they cache first."""
+    """A call dispatched for the next step, and its rows' sequences."""
 
     seqs: list[Sequence]
-    starts: list[int]
     launched: Launched
 
 
@@ -70,12 +69,10 @@ def take(core, call: RaggedCall, items) -> Launched | None:
     """The call dispatched ahead for this step, when it is `call` (module docstring); None
     otherwise. Either way nothing stays ahead."""
     ahead, core._ahead = core._ahead, None
-    if ahead is None or len(ahead.seqs) != len(items):
+    if ahead is None or len(ahead.seqs) != len(items) or any(
+            item[0] is not seq for seq, item in zip(ahead.seqs, items)):
         return None
-    for seq, start, item in zip(ahead.seqs, ahead.starts, items, strict=True):
-        if item[0] is not seq or seq.num_cached != start or seq.status is not Status.RUNNING:
-            return None
-    mine = ahead.launched.call
+    mine = ahead.launched.call  # its batch holds each row's position and pages
     same = (_same_batch(mine.batch, call.batch) and np.array_equal(mine.out_idx, call.out_idx)
             and np.array_equal(mine.cand, call.cand) and np.array_equal(mine.counter, call.counter)
             and mine.samp.keys() == call.samp.keys()
@@ -98,11 +95,9 @@ def follow_step(core, items, launched: Launched) -> None:
     if not all(core.scheduler.settled_decode(seq, start) for seq, start in zip(seqs, starts)):
         return  # the next plan takes or frees pages: after the step's messages, as always
     rows = [_next_row(core, seq, start) for seq, start in zip(seqs, starts)]
-    call = ragged_calls.new_call(core.runner, rows, outputs_as_tokens=True)
-    for seq, slots in zip(seqs, call.out_rows):
-        for name, buf in seq.samp_rows[1].items():
-            call.samp[name][slots] = buf
-    core._ahead = Ahead(seqs, starts, ragged_calls.follow(core.runner, call, launched))
+    call = ragged_calls.new_call(core.runner, rows)
+    call.samp = launched.call.samp  # the same rows, each with the settings it had (read-only now)
+    core._ahead = Ahead(seqs, ragged_calls.follow(core.runner, call, launched))
 
 
 def _next_row(core, seq: Sequence, start: int) -> ragged_calls.RaggedRow:

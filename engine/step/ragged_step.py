@@ -113,7 +113,7 @@ def run_ragged_step(core, plan, events, finished) -> SpecResult:
     if not steady:
         core._ahead = None
     for call_rows in calls:
-        call = ragged_calls.new_call(core.runner, [r for _, r, _ in call_rows], outputs_as_tokens=steady)
+        call = ragged_calls.new_call(core.runner, [r for _, r, _ in call_rows])
         for (_, _, samp), slots in zip(call_rows, call.out_rows):
             _put_sampling(core, call, slots, samp)
         items = [item for item, _, _ in call_rows]
