@@ -85,19 +85,43 @@ inline float half_to_float(uint16_t h) {
 namespace qk {
 namespace {
 
+// Fully unrolled register loops: without it GCC keeps the accumulator arrays in memory too
+// and stores them on every k (half the FMA rate).
+#define QK_UNROLL _Pragma("GCC unroll 32")
+
 #if QK_PART == 1 || QK_PART == 2
-// Rows 2t and 2t + 1 (t < 4) of an 8-row block of 5-bit values, 16 columns, as q - 16 in int8
-// (-16..15): p holds the row pair's low nibbles, h the block's high-bit bytes. The 16-bit shifts
-// move bits within a byte for the bits read: after >> 2t a byte's bits 0 and 1 are its own bits
-// 2t and 2t + 1, and << 4 (<< 3) puts bit 0 (bit 1) of each byte at its bit 4.
-inline void q5_bytes(const uint8_t* p, const uint8_t* h, int t, __m128i* lo, __m128i* hi) {
-  const __m128i nib = _mm_set1_epi8(0x0F), bit4 = _mm_set1_epi8(0x10), off = _mm_set1_epi8(16);
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i hb = _mm_srli_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)), 2 * t);
-  const __m128i l = _mm_or_si128(_mm_and_si128(b, nib), _mm_and_si128(_mm_slli_epi16(hb, 4), bit4));
-  const __m128i u = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), nib), _mm_and_si128(_mm_slli_epi16(hb, 3), bit4));
-  *lo = _mm_sub_epi8(l, off);
-  *hi = _mm_sub_epi8(u, off);
+// A vpshufb table per lane: entry i is 0xF0 where bit b0 (lane 0) or b1 (lane 1) of i is clear, else 0.
+inline __m256i top_if_clear(int b0, int b1) {
+  alignas(32) int8_t t[32];
+  for (int i = 0; i < 16; ++i) {
+    t[i] = (i >> b0) & 1 ? 0 : static_cast<int8_t>(0xF0);
+    t[16 + i] = (i >> b1) & 1 ? 0 : static_cast<int8_t>(0xF0);
+  }
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
+}
+
+// An 8-row block of 5-bit values (p: 4 row pairs of low nibbles, 64 bytes; h: the block's
+// high-bit bytes) as q - 16 in int8, out [2][4][16]: row 2t + i at out[i][t]. A clear high bit
+// sets the top four bits (low nibble | 0xF0 is q - 16 in int8 when q < 16, the low nibble is
+// when q >= 16). Two row pairs a 256-bit vector; the 0xF0-or-0 byte of row r comes from a
+// table lookup (vpshufb) indexed by the nibble of the high-bit byte that holds bit r. The
+// AVX-512 part decodes with it too: the decode is a small share of the work, and both parts
+// then form the same int8 rows with the same code.
+inline void q5_block_256(const uint8_t* p, const uint8_t* h, int8_t* out) {
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h));
+  // rows 0..3 read bits 0..3 (the low nibble), rows 4..7 bits 4..7 (the high one)
+  const __m256i idx[2] = {_mm256_broadcastsi128_si256(_mm_and_si128(hb, _mm_set1_epi8(0x0F))),
+                          _mm256_broadcastsi128_si256(_mm_and_si128(_mm_srli_epi16(hb, 4), _mm_set1_epi8(0x0F)))};
+  QK_UNROLL for (int half = 0; half < 2; ++half) {  // row pairs 2 half and 2 half + 1 (lanes 0, 1)
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * half));
+    // lane 0 holds rows 4 half (+1), lane 1 rows 4 half + 2 (+1): bits 0 (1) and 2 (3) of idx[half]
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(b, nib), _mm256_shuffle_epi8(top_if_clear(0, 2), idx[half]));
+    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nib),
+                                       _mm256_shuffle_epi8(top_if_clear(1, 3), idx[half]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * half), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 + 32 * half), hi);
+  }
 }
 #endif
 
@@ -116,11 +140,10 @@ struct V {  // AVX2: a panel of 16 columns is two 8-float vectors
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static void i8(__m128i b, F* out) {  // 16 int8 -> 2 x 8 floats
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  static void i8(const int8_t* p, F* out) {  // 16 int8 -> 2 x 8 floats (8-byte loads widened)
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
   }
-  static void i8(const int8_t* p, F* out) { i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), out); }
   static void u4(const uint8_t* p, F* lo, F* hi) {  // 16 bytes -> rows 2i and 2i+1, 16 floats each
     __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     __m128i mask = _mm_set1_epi8(0x0F);
@@ -130,12 +153,7 @@ struct V {  // AVX2: a panel of 16 columns is two 8-float vectors
     hi[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h));
     hi[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(h, 8)));
   }
-  static void u5(const uint8_t* p, const uint8_t* h, int t, F* lo, F* hi) {  // q - 16 of rows 2t, 2t+1
-    __m128i l, u;
-    q5_bytes(p, h, t, &l, &u);
-    i8(l, lo);
-    i8(u, hi);
-  }
+  static void q5_block(const uint8_t* p, const uint8_t* h, int8_t* out) { q5_block_256(p, h, out); }
 };
 #define QK_NAME(x) x##_avx2
 constexpr int kRows = 6;        // rows a float tile keeps in registers (6 x 2 accumulators)
@@ -165,12 +183,7 @@ struct V {  // AVX-512: a panel is one 16-float vector
     lo[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
     hi[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
   }
-  static void u5(const uint8_t* p, const uint8_t* h, int t, F* lo, F* hi) {
-    __m128i l, u;
-    q5_bytes(p, h, t, &l, &u);
-    lo[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(l));
-    hi[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(u));
-  }
+  static void q5_block(const uint8_t* p, const uint8_t* h, int8_t* out) { q5_block_256(p, h, out); }
 };
 #define QK_NAME(x) x##_avx512
 constexpr int kRows = 12;
@@ -195,11 +208,13 @@ struct V {  // portable: the AVX-512 layout in plain C++, with the same single-r
   static void u4(const uint8_t* p, F* lo, F* hi) {
     for (int i = 0; i < 16; ++i) lo[0].v[i] = p[i] & 15, hi[0].v[i] = p[i] >> 4;
   }
-  static void u5(const uint8_t* p, const uint8_t* h, int t, F* lo, F* hi) {
-    for (int i = 0; i < 16; ++i) {
-      lo[0].v[i] = static_cast<float>(((p[i] & 15) | (((h[i] >> (2 * t)) & 1) << 4)) - 16);
-      hi[0].v[i] = static_cast<float>(((p[i] >> 4) | (((h[i] >> (2 * t + 1)) & 1) << 4)) - 16);
-    }
+  static void q5_block(const uint8_t* p, const uint8_t* h, int8_t* out) {  // as the AVX2 one
+    for (int t = 0; t < 4; ++t)
+      for (int i = 0; i < 16; ++i) {
+        const int b = p[16 * t + i];
+        out[16 * t + i] = static_cast<int8_t>(((b & 15) | (((h[i] >> (2 * t)) & 1) << 4)) - 16);
+        out[64 + 16 * t + i] = static_cast<int8_t>(((b >> 4) | (((h[i] >> (2 * t + 1)) & 1) << 4)) - 16);
+      }
   }
 };
 #define QK_NAME(x) x##_portable
@@ -208,12 +223,16 @@ constexpr int kDirectRows = 8;
 constexpr int kWide = 4;
 #endif
 
-// Fully unrolled register loops: without it GCC keeps the accumulator arrays in memory too
-// and stores them on every k (half the FMA rate).
-#define QK_UNROLL _Pragma("GCC unroll 32")
-
 using F = V::F;
 constexpr int kPer = V::kPer;
+
+// The int8 rows V::q5_block stored are read back from memory by V::i8 (a widening load per 8
+// values): without this barrier GCC forwards the stores in registers and widens them with
+// extra shuffles, which cost more than the L1 round trip.
+#define QK_KEEP_IN_MEMORY(buf) asm volatile("" : : "r"(buf) : "memory")
+
+// Offset of row i (0..7) of a block V::q5_block decoded: row 2t + h at [h][t][16].
+constexpr int q5_row(int i) { return ((i & 1) * 4 + i / 2) * 16; }
 
 // One tile: rows [m0, m0 + R) of y, panels [p, p + W). Weights of one k are converted once and
 // used by all R rows. S: the scales' element type (float, or uint16_t for float16 bits).
@@ -258,20 +277,20 @@ inline void tile(const Args& a, int64_t m0, int64_t p) {
           QK_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(x1, hi[v], V::fma(x0, lo[v], acc[r][v]));
         }
       }
-    } else {  // 5-bit: 8 rows share a byte of high bits per column; a row pair a byte of nibbles
+    } else {  // 5-bit: each 8-row block to int8 q - 16 (in L1), then as int8 values
       for (int64_t k = k0; k < k0 + G; k += 8) {
-        QK_UNROLL for (int t = 0; t < 4; ++t) {
-          F lo[NV], hi[NV];
-          QK_UNROLL for (int j = 0; j < W; ++j)
-            V::u5(static_cast<const uint8_t*>(a.w) + ((p + j) * (K / 2) + k / 2 + t) * 16,
-                  a.high + ((p + j) * (K / 8) + k / 8) * 16, t, lo + j * kPer, hi + j * kPer);
-          QK_UNROLL for (int v = 0; v < NV; ++v) {
-            lo[v] = V::mul(lo[v], sc[v]);
-            hi[v] = V::mul(hi[v], sc[v]);
-          }
+        alignas(64) int8_t q[W][128];
+        QK_UNROLL for (int j = 0; j < W; ++j)
+          V::q5_block(static_cast<const uint8_t*>(a.w) + ((p + j) * (K / 2) + k / 2) * 16,
+                      a.high + ((p + j) * (K / 8) + k / 8) * 16, q[j]);
+        QK_KEEP_IN_MEMORY(q);
+        QK_UNROLL for (int i = 0; i < 8; ++i) {
+          F w[NV];
+          QK_UNROLL for (int j = 0; j < W; ++j) V::i8(q[j] + q5_row(i), w + j * kPer);
+          QK_UNROLL for (int v = 0; v < NV; ++v) w[v] = V::mul(w[v], sc[v]);
           QK_UNROLL for (int r = 0; r < R; ++r) {
-            F x0 = V::bcast(x + r * K + k + 2 * t), x1 = V::bcast(x + r * K + k + 2 * t + 1);
-            QK_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(x1, hi[v], V::fma(x0, lo[v], acc[r][v]));
+            F xb = V::bcast(x + r * K + k + i);
+            QK_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(xb, w[v], acc[r][v]);
           }
         }
       }
@@ -306,11 +325,14 @@ inline void unpack(const Args& a, int64_t p, float* buf) {
     }
     if constexpr (kForm == kI5) {
       for (int64_t k = g * G; k < g * G + G; k += 8) {
-        QK_UNROLL for (int t = 0; t < 4; ++t) {
+        alignas(64) int8_t q[128];
+        V::q5_block(static_cast<const uint8_t*>(a.w) + (p * (K / 2) + k / 2) * 16, a.high + (p * (K / 8) + k / 8) * 16, q);
+        QK_KEEP_IN_MEMORY(q);
+        QK_UNROLL for (int i = 0; i < 8; i += 2) {
           F w0[kPer], w1[kPer];
-          V::u5(static_cast<const uint8_t*>(a.w) + (p * (K / 2) + k / 2 + t) * 16, a.high + (p * (K / 8) + k / 8) * 16,
-                t, w0, w1);
-          put(k + 2 * t, w0, w1, sc, mn);
+          V::i8(q + q5_row(i), w0);
+          V::i8(q + q5_row(i + 1), w1);
+          put(k + i, w0, w1, sc, mn);
         }
       }
     } else {
