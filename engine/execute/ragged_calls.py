@@ -45,12 +45,14 @@ ADJUST_OUTPUTS = 16
 adjusted variant compiles for the output buckets up to this only (`_adjusted_heads`)."""
 
 
-@partial(jax.jit, static_argnames=("cfg", "block"))
-def _forward(cfg: ModelConfig, params: Params, kv: KVState, rb: RaggedBatch, block: int = ATTEND_BLOCK):
+@partial(jax.jit, static_argnames=("cfg", "tree", "block"))
+def _forward(cfg: ModelConfig, tree, leaves: tuple, kv: KVState, rb: RaggedBatch, block: int = ATTEND_BLOCK):
     """Final hidden states of every token of the call, zero-padded to [TOKEN_BUCKETS[-1], d] (so
     that `_heads` compiles per output count alone, whatever the call's token count), and its new
-    K/V for `_write`."""
-    h, new_kv, _ = ragged.forward(cfg, params, kv, rb, block=block)
+    K/V for `_write`. The params come as their leaves and treedef (`ModelRunner.param_leaves`):
+    a call then flattens a tuple, not the nested dicts and weight dataclasses, which made up a
+    good part of a one-token step's dispatch."""
+    h, new_kv, _ = ragged.forward(cfg, jax.tree.unflatten(tree, leaves), kv, rb, block=block)
     return jax.numpy.pad(h, ((0, TOKEN_BUCKETS[-1] - h.shape[0]), (0, 0))), new_kv
 
 
@@ -208,7 +210,7 @@ def run(runner: ModelRunner, c: RaggedCall) -> tuple[np.ndarray, np.ndarray, np.
 def launch(runner: ModelRunner, c: RaggedCall) -> Launched:
     """Dispatch call `c` (forward, KV write, heads) without waiting for it; `c.batch.tokens` may
     be a device array (`follow`)."""
-    h, new_kv = _forward(runner.cfg, runner.params, runner.kv, c.batch)
+    h, new_kv = _forward(runner.cfg, *runner.param_leaves(), runner.kv, c.batch)
     runner.kv = _write(runner.kv, c.batch, new_kv)
     mask = c.mask if c.mask is not None else open_mask(runner, len(c.out_idx))
     *out, hidden = _heads(runner.out_params, h, c.out_idx, c.cand, SamplingArrays(**c.samp), c.counter, mask,
@@ -297,14 +299,15 @@ def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tupl
     and up to ADJUST_OUTPUTS those with logit adjustments too). The second list reads the first's output
     layouts: run it after. Make them on the runner's thread."""
     rc, cfg = runner.rc, runner.cfg
-    params, kv, out_params = abstract(runner.params), abstract(runner.kv), abstract(runner.out_params)
+    tree, leaves = runner.param_leaves()
+    params, kv, out_params = abstract(leaves), abstract(runner.kv), abstract(runner.out_params)
     committed = runner.mesh is not None or any_committed(runner.params, runner.kv)
     width = table_width(rc)
     hidden: dict[int, jax.ShapeDtypeStruct] = {}
 
     def forward(n: int) -> None:
         rb = jax.tree.map(np.asarray, RaggedBatch.build([], n, row_slots(runner, n), width, rc.ring_pages))
-        h, new_kv = outputs(compile_ahead(_forward.lower(cfg, params, kv, rb)), committed)
+        h, new_kv = outputs(compile_ahead(_forward.lower(cfg, tree, params, kv, rb)), committed)
         hidden[n] = h
         compile_ahead(_write.lower(kv, rb, new_kv))
 

@@ -178,6 +178,7 @@ class ModelRunner:
             self.mesh = make_mesh(rc.tensor_parallel)
             self.params, self.kv = shard_params(cfg, self.params,
                                                 self.mesh), shard_kv(cfg, self.kv, self.mesh)
+        self._leaves: tuple = (None, None, ())  # (params it flattens, treedef, leaves): param_leaves
         self.out_params = output_params(self.params)
         """The params the ragged heads call reads (`output_params`)."""
         self.screen = self.mesh is None and greedy_screenable(self.params["embed"])
@@ -189,3 +190,10 @@ class ModelRunner:
         self.open_masks: dict[int, object] = {}  # output count -> its all-ids mask (ragged_calls.open_mask)
         self.adjust_width = rc.max_context + SPARE_ENTRIES
         """Logit entries per position: a context's distinct tokens plus banned stop ids."""
+
+    def param_leaves(self) -> tuple:
+        """(treedef, leaves) of `params`, flattened again only when `params` is another object."""
+        if self._leaves[0] is not self.params:
+            leaves, tree = jax.tree.flatten(self.params)
+            self._leaves = (self.params, tree, tuple(leaves))
+        return self._leaves[1:]
