@@ -20,7 +20,6 @@ from engine.execute.runner import RunnerConfig
 from engine.memory import sizes
 from engine.memory.budget import heads_resident_bytes
 from engine.memory.sizes import KV_DTYPE_BYTES, size_pool
-from engine.model.gemma import table_dtype
 from engine.model.quant_weights import is_gguf
 from engine.runtime.compiles import enable_persistent_cache
 from engine.runtime.progress import Reporter, note
@@ -206,7 +205,7 @@ def load_engine(model: str | None = None, dtype: str | None = None, kv_budget_by
     budget = kv_budget_bytes or pool_budget(memory_budget_bytes or default_memory_budget(cfg), held, weights)
     loaded = _read_heads(heads, cfg, dtype, progress) if speculation and model_proposers else None
     resident = 0 if loaded is None else heads_resident_bytes(  # one budget (engine/memory/budget.py)
-        loaded[0], cfg, model_proposers, DRAFT_VOCABS, table_dtype(params["embed"]).itemsize)
+        loaded[0], cfg, model_proposers, DRAFT_VOCABS, params["embed"])
     rc = runner_config(cfg, dtype, budget - resident, max_batch, max_context,
                        verify_tokens=verify_tokens if speculation else (), spec_max_batch=spec_max_batch,
                        tensor_parallel=tensor_parallel)

@@ -133,8 +133,9 @@ def default_weights(device: str, model: str) -> str:
     return "gguf" if device == "cpu" and model == GGUF_MODEL else "bfloat16"
 
 
-def _weights(args: argparse.Namespace) -> tuple[str, tuple[str, int] | None]:
-    """(the dtype the planner prices, (form, bytes) of quantized served weights or None)."""
+def _weights(args: argparse.Namespace) -> tuple[str, tuple[str, int, int] | None]:
+    """(the dtype the planner prices, (form, bytes, bytes of one tied-table entry) of quantized
+    served weights, or None)."""
     weights = args.weights or (None if args.dtype else default_weights(args.device, args.model))
     if weights is None or weights not in QUANTIZED_FORMS:
         return weights or args.dtype, None
@@ -150,7 +151,9 @@ def _weights(args: argparse.Namespace) -> tuple[str, tuple[str, int] | None]:
     except WeightsError as exc:  # the model package missing or damaged: say so, and how to plan without it
         raise UserError(f"--weights {weights}: {exc} (or plan another form with --dtype)") from None
     tensors = [(t.shape, t.qtype.name) for t in gf.tensors.values()]
-    return "float32", (weights, sizes.served_bytes(tensors, weights))
+    table = gf.tensors["token_embd.weight"]
+    entry = sizes.served_bytes([((1, table.shape[-1]), table.qtype.name)], weights)  # one table entry
+    return "float32", (weights, sizes.served_bytes(tensors, weights), entry)
 
 
 def _split(text: str) -> float:

@@ -24,6 +24,8 @@ from __future__ import annotations
 import jax
 
 from engine.memory.kv import SeqPages
+from engine.model.gemma import table_dtype
+from engine.quant.formats import PANEL, QuantWeight
 
 
 def page_bytes(kv) -> tuple[int, int]:
@@ -79,15 +81,20 @@ def memory_status(core) -> dict:
     }
 
 
-def heads_resident_bytes(heads, cfg, techniques, vocab_sizes: tuple[int, ...], item: int,
+def heads_resident_bytes(heads, cfg, techniques, vocab_sizes: tuple[int, ...], table,
                          exit_layers: int | None = None, draft_layers: int | None = None) -> int:
     """Bytes the proposers engine.speculation.drafting.add_model_proposers makes from `heads` will hold
-    (`item`: bytes per embedding entry): MTP heads and a slice of the tied embedding per
-    compiled draft vocabulary; early exit and the draft model an adapter and one slice each
-    (the smallest restricted vocabulary). Each slice is n x (d_model x item + 4 id bytes)."""
+    over the tied `table`: MTP heads and a slice of the table per compiled draft vocabulary; early
+    exit and the draft model an adapter and one slice each (the smallest restricted vocabulary).
+    A slice holds n entries as the table holds them (a quantized table's own columns where n is a
+    multiple of its panel, else float rows) and n int32 ids."""
     def slice_bytes(n: int) -> int:
         whole = n == 0 or n >= cfg.vocab_size or n > heads.vocab.size  # the target's own table
-        return 0 if whole else n * (cfg.d_model * item + 4)
+        if whole:
+            return 0
+        own = isinstance(table, QuantWeight) and n % PANEL == 0
+        entry = table.nbytes // table.shape[1] if own else cfg.d_model * table_dtype(table).itemsize
+        return n * (entry + 4)
 
     restricted = min((v for v in vocab_sizes if v), default=0)
     total = 0

@@ -310,7 +310,7 @@ def make_plan(
     context_len: int, page_size: int = 16, max_spec_depth: int = 8,
     activation_reserve_bytes: int | None = None, speculation_bytes: int = 0, tensor_parallel: int = 1,
     technique: str = "", pool_split: float = 0.0, mtp_vocabs: tuple[int, ...] = MTP_VOCABS,
-    served: tuple[str, int] | None = None,
+    served: tuple[str, int] | tuple[str, int, int] | None = None,
 ) -> Plan:
     """Plan `model` on `device`; activation_reserve_bytes=None uses `activation_reserve`.
 
@@ -321,9 +321,11 @@ def make_plan(
     `tensor_parallel` > 1: the model is split over that many such devices (engine/model/sharding.py);
     weights, the KV pool and each sequence's KV are then counted per device.
 
-    `served`: (form, bytes) of weights the engine serves quantized (engine/memory/sizes.served_bytes
-    of the model file: gguf or int8); those bytes replace weight_dtype's estimate, and weight_dtype
-    (the compute dtype) prices speculation's float heads and slices."""
+    `served`: (form, bytes[, entry bytes]) of weights the engine serves quantized
+    (engine/memory/sizes.served_bytes of the model file: gguf or int8); those bytes replace
+    weight_dtype's estimate, weight_dtype (the compute dtype) prices speculation's float heads, and
+    the bytes of one tied-table entry, where given, its draft-vocabulary slices (which keep the
+    table's form)."""
     moe = model if isinstance(model, MoEConfig) else None
     cfg = moe.attention if moe else model
     total = moe.total_params if moe else cfg.param_count()
@@ -364,7 +366,8 @@ def make_plan(
         raise ValueError(f"tensor_parallel={tensor_parallel} must be >= 1")
 
     costs = technique_costs(cfg, weight_dtype, kv_dtype, context_len, page_size, max_spec_depth, seq,
-                            mtp_vocabs=mtp_vocabs)
+                            mtp_vocabs=mtp_vocabs,
+                            entry_bytes=served[2] if served and len(served) > 2 else None)
     if technique:
         by_name = {c.technique: c for c in costs}
         if technique not in by_name:

@@ -63,13 +63,17 @@ def _item(dtype: str) -> float:
 
 def technique_costs(cfg: ModelConfig, weight_dtype: str, kv_dtype: str, context_len: int, page_size: int,
                     depth: int, sequence_bytes: int, speculating: int = 16,
-                    mtp_vocabs: tuple[int, ...] = MTP_VOCABS) -> list[TechniqueCost]:
+                    mtp_vocabs: tuple[int, ...] = MTP_VOCABS,
+                    entry_bytes: int | None = None) -> list[TechniqueCost]:
     """Costs of ngram, mtp, early_exit and draft for `cfg` (see the module docstring).
+    `entry_bytes`: bytes of one draft-vocabulary entry where the tied table is served quantized
+    (the slices keep its form); None: d_model values of weight_dtype.
 
     Example: for gemma3-270m in float32, MTP holds 4 x (3 x 640^2 + 640) x 4 bytes of
     heads plus (8192 + 32768) x 640 x 4 bytes of slices, about 117 MiB.
     """
     d, item = cfg.d_model, _item(weight_dtype)
+    entry = entry_bytes if entry_bytes is not None else d * item
     kv_item = KV_DTYPE_BYTES[kv_dtype]
     head = (2 * d * d + d) * item
     chained_head = (3 * d * d + d) * item
@@ -81,9 +85,9 @@ def technique_costs(cfg: ModelConfig, weight_dtype: str, kv_dtype: str, context_
     draft_kv = per_layer_page * (g * len(cfg.global_layers) + l * len(cfg.local_layers))  # target pages
     rows = [
         ("ngram", 0, verify),
-        ("mtp", MTP_HEADS * chained_head + sum(n * (d * item + ids) for n in set(mtp_vocabs) if n), verify),
-        ("early_exit", head + LAYER_VOCAB * (d * item + ids), verify),
-        ("draft", head + LAYER_VOCAB * (d * item + ids), verify + draft_kv),
+        ("mtp", MTP_HEADS * chained_head + sum(n * (entry + ids) for n in set(mtp_vocabs) if n), verify),
+        ("early_exit", head + LAYER_VOCAB * (entry + ids), verify),
+        ("draft", head + LAYER_VOCAB * (entry + ids), verify + draft_kv),
     ]
     out = []
     for name, resident, per_seq in rows:

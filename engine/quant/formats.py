@@ -289,6 +289,24 @@ def dequantize(w: QuantWeight):
     return _unpanel(out, xp)
 
 
+def select_columns(w: QuantWeight, ids) -> QuantWeight:
+    """W[:, ids] in W's own form (len(ids) a multiple of PANEL): a draft vocabulary's rows of a
+    tied table at the table's bytes per entry, where `take_columns` would make them float32."""
+    ids = jnp.asarray(ids, jnp.int32)
+    if ids.ndim != 1 or ids.size % PANEL:
+        raise ValueError(f"select_columns takes a multiple of {PANEL} ids, got shape {ids.shape}")
+    p, lane = ids // PANEL, ids % PANEL
+
+    def pick(a):  # [P, R, PANEL] -> the chosen columns as panels [len(ids) / PANEL, R, PANEL]
+        if a is None:
+            return None
+        cols = a[p, :, lane]  # [n, R]
+        return cols.reshape(-1, PANEL, cols.shape[1]).transpose(0, 2, 1)
+
+    return QuantWeight(pick(w.values), pick(w.scales), pick(w.mins), (w.shape[0], int(ids.size)), w.group,
+                       w.bits, pick(w.high))
+
+
 def take_columns(w: QuantWeight, ids: jax.Array) -> jax.Array:
     """Columns `ids` of W as rows, float32 [len(ids), K]: an embedding lookup in a tied table
     (W = embedding.T), without dequantizing the rest."""

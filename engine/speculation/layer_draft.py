@@ -33,6 +33,7 @@ from engine.memory.kv import KVPool, SeqPages
 from engine.model import ragged
 from engine.model.gemma import ATTEND_BLOCK, Params, embedding_rows, table_vocab
 from engine.model.ragged import RaggedBatch
+from engine.quant.formats import PANEL, QuantWeight, select_columns
 from engine.runtime.compiles import abstract, any_committed, compile_ahead, outputs
 from engine.speculation.heads import Head, head_logits
 from engine.speculation.proposers import Proposer
@@ -45,7 +46,8 @@ prompt in calls of this many (a call's cost is about linear in its tokens from 3
 
 
 class _VocabSlices:
-    """The tied embedding restricted to the first n draft-vocabulary ids, per n."""
+    """The tied embedding restricted to the first n draft-vocabulary ids, per n: float rows of a
+    float table, the table's own quantized columns of a quantized one (a quarter of the bytes)."""
 
     def __init__(self, embed, vocab: np.ndarray, sizes: tuple[int, ...]):
         self.full = table_vocab(embed)
@@ -55,7 +57,8 @@ class _VocabSlices:
                 self.by_size[0] = (embed, jnp.arange(self.full, dtype=jnp.int32))
             else:
                 ids = jnp.asarray(vocab[:n], jnp.int32)
-                self.by_size[n] = (embedding_rows(embed, ids), ids)
+                own = isinstance(embed, QuantWeight) and n % PANEL == 0
+                self.by_size[n] = (select_columns(embed, ids) if own else embedding_rows(embed, ids), ids)
 
     def get(self, n: int) -> tuple[jax.Array, jax.Array]:
         return self.by_size[n if n in self.by_size else 0]

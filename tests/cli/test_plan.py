@@ -133,6 +133,8 @@ def test_weights_gguf_counts_the_served_blocks(capsys):
     f32 = make_plan(GEMMA3_270M, device_profile("cpu"), "float32", "bfloat16", 4096)
     assert rc == 0 and plan["weight_dtype"] == "gguf" and plan["weight_bytes"] == 256_080_384
     assert plan["pool_bytes"] == f32.pool_bytes + f32.weight_bytes - 256_080_384
+    mtp = next(t for t in plan["techniques"] if t["technique"] == "mtp")  # float32 heads, Q8_0 slices
+    assert mtp["resident_bytes"] == 4 * (3 * 640**2 + 640) * 4 + (8192 + 32768) * (640 + 20 * 2 + 4)
     rc, _, err = run_plan(capsys, "--model", "gemma3-27b", "--weights", "gguf")
     assert rc == 2 and "--weights gguf" in err
     rc, _, err = run_plan(capsys, "--weights", "gguf", "--dtype", "bfloat16")

@@ -144,7 +144,7 @@ def test_the_resident_bytes_planned_before_loading_are_those_loaded(tiny):
     e = make_engine(tiny, **SPEC_RC)
     add_model_proposers(e, heads, vocab_sizes=(0, 64, 128))
     planned = heads_resident_bytes(heads, tiny[0], ("mtp", "early_exit", "draft"), (0, 64, 128),
-                                   tiny[1]["embed"].dtype.itemsize)
+                                   tiny[1]["embed"])
     assert planned == sum(p.resident_bytes() for p in e.proposers.values()) > 0
     m = memory_status(e)
     assert m["resident_bytes"] == planned and m["budget_bytes"] == m["kv_pool_bytes"] + planned

@@ -161,3 +161,15 @@ def test_served_quantized_weights_give_their_bytes_to_the_pool():
     assert bf16.float32_tenants == f32_tpu.tenants < bf16.tenants
     with pytest.raises(ValueError, match="one device"):
         make_plan(GEMMA3_270M, TPU, "float32", "bfloat16", 4096, tensor_parallel=2, served=("gguf", 1))
+
+
+def test_a_quantized_tables_draft_slices_are_priced_in_its_form():
+    """MTP's draft-vocabulary slices of a Q8_0 table hold 640 values and 20 float16 scales an
+    entry (engine/speculation/layer_draft.py), not 640 float32 values."""
+    cpu = device_profile("cpu")
+    as_float = make_plan(GEMMA3_270M, cpu, "float32", "bfloat16", 4096, served=("gguf", 256_080_384))
+    as_table = make_plan(GEMMA3_270M, cpu, "float32", "bfloat16", 4096, served=("gguf", 256_080_384, 680))
+    cost = lambda plan: {c.technique: c.resident_bytes for c in plan.techniques}
+    saved = {t: cost(as_float)[t] - cost(as_table)[t] for t in ("mtp", "early_exit", "draft")}
+    assert saved == {"mtp": (8192 + 32768) * (640 * 4 - 680), "early_exit": 8192 * (640 * 4 - 680),
+                     "draft": 8192 * (640 * 4 - 680)}
