@@ -11,7 +11,9 @@ Per technique, for a model of width d and a draft vocabulary of n ids:
 - ngram: nothing else (host-side lookup);
 - mtp: K chained heads of 3 d^2 + d weights (w1 reads the state and a token
   embedding: 2d x d; w2: d x d), plus the draft-vocabulary slices of the
-  tied embedding (n x d for each compiled n) and their id lists;
+  tied embedding (n entries for each compiled n: n x d values of the compute
+  dtype, or the table's own bytes per entry where it is served quantized) and
+  their id lists;
 - early_exit: one adapter (2 d^2 + d) and one vocabulary slice; it reads the
   target's own KV, so nothing per sequence;
 - draft: one adapter and a slice (a truncated copy shares the target's layer
