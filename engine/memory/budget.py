@@ -24,7 +24,6 @@ from __future__ import annotations
 import jax
 
 from engine.memory.kv import SeqPages
-from engine.model.gemma import table_dtype
 from engine.quant.formats import PANEL, QuantWeight
 
 
@@ -92,8 +91,10 @@ def heads_resident_bytes(heads, cfg, techniques, vocab_sizes: tuple[int, ...], t
         whole = n == 0 or n >= cfg.vocab_size or n > heads.vocab.size  # the target's own table
         if whole:
             return 0
-        own = isinstance(table, QuantWeight) and n % PANEL == 0
-        entry = table.nbytes // table.shape[1] if own else cfg.d_model * table_dtype(table).itemsize
+        if isinstance(table, QuantWeight):  # its own columns, or float32 rows where n is no whole panel
+            entry = table.nbytes // table.shape[1] if n % PANEL == 0 else cfg.d_model * 4
+        else:
+            entry = cfg.d_model * table.dtype.itemsize
         return n * (entry + 4)
 
     restricted = min((v for v in vocab_sizes if v), default=0)
