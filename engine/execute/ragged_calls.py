@@ -300,14 +300,14 @@ def compile_jobs(runner: ModelRunner, max_tokens: int, max_outputs: int) -> tupl
     layouts: run it after. Make them on the runner's thread."""
     rc, cfg = runner.rc, runner.cfg
     tree, leaves = runner.param_leaves()
-    params, kv, out_params = abstract(leaves), abstract(runner.kv), abstract(runner.out_params)
+    leaves, kv, out_params = abstract(leaves), abstract(runner.kv), abstract(runner.out_params)
     committed = runner.mesh is not None or any_committed(runner.params, runner.kv)
     width = table_width(rc)
     hidden: dict[int, jax.ShapeDtypeStruct] = {}
 
     def forward(n: int) -> None:
         rb = jax.tree.map(np.asarray, RaggedBatch.build([], n, row_slots(runner, n), width, rc.ring_pages))
-        h, new_kv = outputs(compile_ahead(_forward.lower(cfg, tree, params, kv, rb)), committed)
+        h, new_kv = outputs(compile_ahead(_forward.lower(cfg, tree, leaves, kv, rb)), committed)
         hidden[n] = h
         compile_ahead(_write.lower(kv, rb, new_kv))
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 
 from engine.memory.kv import SeqPages
-from engine.quant.formats import PANEL, QuantWeight
+from engine.quant.formats import QuantWeight, selectable
 
 
 def page_bytes(kv) -> tuple[int, int]:
@@ -91,10 +91,10 @@ def heads_resident_bytes(heads, cfg, techniques, vocab_sizes: tuple[int, ...], t
         whole = n == 0 or n >= cfg.vocab_size or n > heads.vocab.size  # the target's own table
         if whole:
             return 0
-        if isinstance(table, QuantWeight):  # its own columns, or float32 rows where n is no whole panel
-            entry = table.nbytes // table.shape[1] if n % PANEL == 0 else cfg.d_model * 4
-        else:
-            entry = cfg.d_model * table.dtype.itemsize
+        if selectable(table, n):  # the table's own columns (engine/speculation/layer_draft.py)
+            entry = table.nbytes // table.shape[1]
+        else:  # rows in the compute dtype: float32 for a quantized table
+            entry = cfg.d_model * (4 if isinstance(table, QuantWeight) else table.dtype.itemsize)
         return n * (entry + 4)
 
     restricted = min((v for v in vocab_sizes if v), default=0)

@@ -289,11 +289,16 @@ def dequantize(w: QuantWeight):
     return _unpanel(out, xp)
 
 
+def selectable(w, n: int) -> bool:
+    """Whether `select_columns` takes n columns of `w`: a QuantWeight, n a multiple of PANEL."""
+    return isinstance(w, QuantWeight) and n % PANEL == 0
+
+
 def select_columns(w: QuantWeight, ids) -> QuantWeight:
-    """W[:, ids] in W's own form (len(ids) a multiple of PANEL): a draft vocabulary's rows of a
-    tied table at the table's bytes per entry, where `take_columns` would make them float32."""
+    """W[:, ids] in W's own form (`selectable`): a draft vocabulary's rows of a tied table at the
+    table's bytes per entry, where `take_columns` would make them float32."""
     ids = jnp.asarray(ids, jnp.int32)
-    if ids.ndim != 1 or ids.size % PANEL:
+    if ids.ndim != 1 or not selectable(w, ids.size):
         raise ValueError(f"select_columns takes a multiple of {PANEL} ids, got shape {ids.shape}")
     p, lane = ids // PANEL, ids % PANEL
 

@@ -33,7 +33,7 @@ from engine.memory.kv import KVPool, SeqPages
 from engine.model import ragged
 from engine.model.gemma import ATTEND_BLOCK, Params, embedding_rows, table_vocab
 from engine.model.ragged import RaggedBatch
-from engine.quant.formats import PANEL, QuantWeight, select_columns
+from engine.quant.formats import select_columns, selectable
 from engine.runtime.compiles import abstract, any_committed, compile_ahead, outputs
 from engine.speculation.heads import Head, head_logits
 from engine.speculation.proposers import Proposer
@@ -57,7 +57,7 @@ class _VocabSlices:
                 self.by_size[0] = (embed, jnp.arange(self.full, dtype=jnp.int32))
             else:
                 ids = jnp.asarray(vocab[:n], jnp.int32)
-                own = isinstance(embed, QuantWeight) and n % PANEL == 0
+                own = selectable(embed, n)
                 self.by_size[n] = (select_columns(embed, ids) if own else embedding_rows(embed, ids), ids)
 
     def get(self, n: int) -> tuple[jax.Array, jax.Array]:
