@@ -27,11 +27,14 @@
    rounds; the per-round ratio of `--weights` to it.
 7. With `--ahead-ab`: likewise an engine of `--weights` that reads each plain decode step's tokens
    before it dispatches the next call (EngineConfig.decode_ahead off, engine/step/ahead.py).
+8. With `--prefetch-ab`: the `--weights` engine again, timed with the kernel's software prefetch
+   off (engine.quant.matmul.set_prefetch(0)) in the same rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -201,6 +204,27 @@ def agreement_sweep(ref, quant, per_kind: int, tokens: int, near_tie: float) -> 
             "max_abs_logit_difference": worst}
 
 
+NO_PREFETCH = "-no-prefetch"
+"""Suffix of an engine name timed with the kernel's software prefetch off (`--prefetch-ab`)."""
+
+
+def _setting(name: str):
+    """The kernel setting engine `name` runs under: its prefetch off for a NO_PREFETCH name."""
+    if not name.endswith(NO_PREFETCH):
+        return contextlib.nullcontext()
+    from engine.quant.matmul import set_prefetch
+
+    @contextlib.contextmanager
+    def off():
+        before = set_prefetch(0)
+        try:
+            yield
+        finally:
+            set_prefetch(before)
+
+    return off()
+
+
 def speed(engines: dict, batches: tuple[int, ...], reps: int, context: int, new_tokens: int,
           llama: str | None = None) -> dict:
     """Decode tok/s per engine and batch, interleaved over `reps` rounds; with `llama` (a Python
@@ -212,7 +236,8 @@ def speed(engines: dict, batches: tuple[int, ...], reps: int, context: int, new_
     names = list(engines)
     for name in names:  # untimed: compiles each shape
         for b in batches:
-            decode_throughput(engines[name], b, context, new_tokens)
+            with _setting(name):
+                decode_throughput(engines[name], b, context, new_tokens)
     runs: dict[str, dict[int, list[float]]] = {n: {b: [] for b in batches} for n in names}
     if llama:  # the child decodes the batch-1 prompt the engines decode
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as ids:
@@ -223,7 +248,9 @@ def speed(engines: dict, batches: tuple[int, ...], reps: int, context: int, new_
     for r in range(reps):
         for name in names if r % 2 == 0 else names[::-1]:
             for b in batches:
-                runs[name][b].append(decode_throughput(engines[name], b, context, new_tokens)["tokens_per_s"])
+                with _setting(name):
+                    rate = decode_throughput(engines[name], b, context, new_tokens)["tokens_per_s"]
+                runs[name][b].append(rate)
         if llama:
             runs["llama.cpp"][1].append(llamacpp(llama, llama_argv)["decode"]["tokens_per_s"])
     if llama:
@@ -245,10 +272,12 @@ def speed(engines: dict, batches: tuple[int, ...], reps: int, context: int, new_
 
 
 def prefill(engines: dict, tokens: int, llama: str | None) -> dict:
-    """`tokens`-token prefill tok/s of each engine (bench.engine.prefill_throughput) and llama.cpp's."""
+    """`tokens`-token prefill tok/s of each engine (bench.engine.prefill_throughput) and llama.cpp's;
+    not of a NO_PREFETCH name (the same engine as another: its prefix cache holds the prompts)."""
     from bench.engine import prefill_throughput
 
-    out = {n: prefill_throughput(e, tokens)["tokens_per_s"] for n, e in engines.items()}
+    out = {n: prefill_throughput(e, tokens)["tokens_per_s"] for n, e in engines.items()
+           if not n.endswith(NO_PREFETCH)}
     if llama:
         got = llamacpp(llama, ["--new-tokens", "1", "--repeats", "3", "--prefill-tokens", str(tokens)])
         out["llama.cpp"] = got["prefill"]["tokens_per_s"]
@@ -298,6 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "tokens from full logits, not the output table's screen (engine.quant.matmul.qgreedy)")
     p.add_argument("--ahead-ab", action="store_true", help="also time the quantized engine reading each "
                    "plain decode step's tokens before dispatching the next (EngineConfig.decode_ahead off)")
+    p.add_argument("--prefetch-ab", action="store_true", help="also time the quantized engine with the "
+                   "kernel's software prefetch off (engine.quant.matmul.set_prefetch(0))")
     p.add_argument("--out", default="bench-out/quant-engine.json")
     args = p.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -312,6 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.ahead_ab:
         waits = engines[f"{args.weights}-no-ahead"] = load(weights=args.weights)
         waits.ecfg = replace(waits.ecfg, decode_ahead=False)
+    if args.prefetch_ab:
+        engines[args.weights + NO_PREFETCH] = engines[args.weights]
     result = {"weights": args.weights, "kernel": kernel_status(), "load_s": time.perf_counter() - t,
               "weight_bytes": {n: weight_bytes(e.runner.params) for n, e in engines.items()}}
     print(json.dumps(result), flush=True)

@@ -11,7 +11,8 @@ Two workloads, each one jitted call:
   the screen (`qgreedy`: exact logits at the few candidate columns alone).
 
 Paths: f32 (today's float32 weights, `x @ W`), ffi (the kernel, every ISA this CPU runs, plus
-one thread where the pool has more), jnp (dequantize then dot inside the jit). Each repetition
+one thread where the pool has more, plus its software prefetch off: "-no-prefetch"; the screen
+likewise), jnp (dequantize then dot inside the jit). Each repetition
 times every path once, in turn, so load on the shared machine hits them alike; the JSON on
 stdout has each path's median and spread (min, max) in milliseconds and the ratio to f32.
 """
@@ -73,11 +74,16 @@ def _fn(path: str):
     return jax.jit(run)
 
 
-def _paths() -> list[tuple[str, str, str | None, int]]:
-    """(label, qmatmul path, ISA, threads) of each path timed."""
-    out = [("f32", "f32", None, 0), ("jnp", "jnp", None, 0)]
+PREFETCH = 2048
+"""The kernel's default software prefetch distance (engine.quant.matmul.set_prefetch)."""
+
+
+def _paths() -> list[tuple[str, str, str | None, int, int]]:
+    """(label, qmatmul path, ISA, threads, prefetch bytes) of each path timed."""
+    out = [("f32", "f32", None, 0, PREFETCH), ("jnp", "jnp", None, 0, PREFETCH)]
     for isa in qm.supported_isas():
-        out += [(f"ffi-{isa}", "ffi", isa, 0), (f"ffi-{isa}-1t", "ffi", isa, 1)]
+        out += [(f"ffi-{isa}", "ffi", isa, 0, PREFETCH), (f"ffi-{isa}-1t", "ffi", isa, 1, PREFETCH),
+                (f"ffi-{isa}-no-prefetch", "ffi", isa, 0, 0)]
     return out
 
 
@@ -92,10 +98,11 @@ def bench(weights: list[QuantWeight], rows: list[int], reps: int, seed: int = 0)
         times: dict[str, list[float]] = {label: [] for label, *_ in paths}
         outs = {}
         for rep in range(reps + 1):  # repetition 0 compiles and warms
-            for label, path, isa, threads in paths:
+            for label, path, isa, threads, prefetch in paths:
                 if isa:
                     qm.set_isa(isa)
                     qm.set_threads(threads)
+                    qm.set_prefetch(prefetch)
                 t0 = time.perf_counter()
                 y = jax.block_until_ready(fns[path](xs, f32 if path == "f32" else qw))
                 dt = time.perf_counter() - t0
@@ -105,6 +112,7 @@ def bench(weights: list[QuantWeight], rows: list[int], reps: int, seed: int = 0)
                     outs[label] = y
         qm.set_isa("best")
         qm.set_threads(0)
+        qm.set_prefetch(PREFETCH)
         ref = outs["f32"]
         scale = max(float(jnp.abs(r).max()) for r in ref)
         row = {}
@@ -128,7 +136,7 @@ def bench_greedy(table: QuantWeight, rows: list[int], reps: int, seed: int = 0) 
 
     w = jax.tree.map(jax.device_put, table)
     fns = {"ffi+argmax": jax.jit(lambda x, w: greedy(qm.qmatmul(x, w))),
-           "screen": jax.jit(qm.qgreedy)}
+           "screen": jax.jit(qm.qgreedy), "screen-no-prefetch": jax.jit(qm.qgreedy)}
     rng = np.random.default_rng(seed)
     result = {}
     for m in rows:
@@ -137,6 +145,7 @@ def bench_greedy(table: QuantWeight, rows: list[int], reps: int, seed: int = 0) 
         toks = {}
         for rep in range(reps + 1):
             for label, fn in fns.items():
+                qm.set_prefetch(0 if label.endswith("no-prefetch") else PREFETCH)
                 t0 = time.perf_counter()
                 toks[label] = np.asarray(jax.block_until_ready(fn(x, w)))
                 if rep:
@@ -145,7 +154,10 @@ def bench_greedy(table: QuantWeight, rows: list[int], reps: int, seed: int = 0) 
             raise AssertionError(f"rows {m}: the screen's tokens differ from the argmax of the logits")
         row = {k: {"median_ms": round(statistics.median(ts), 3), "min_ms": round(min(ts), 3),
                    "max_ms": round(max(ts), 3)} for k, ts in times.items()}
-        row["screen"]["x_argmax"] = round(row["ffi+argmax"]["median_ms"] / row["screen"]["median_ms"], 2)
+        qm.set_prefetch(PREFETCH)
+        med = {k: v["median_ms"] for k, v in row.items()}
+        row["screen"]["x_argmax"] = round(med["ffi+argmax"] / med["screen"], 2)
+        row["screen"]["x_no_prefetch"] = round(med["screen-no-prefetch"] / med["screen"], 2)
         result[str(m)] = row
         print(json.dumps({"rows": m, **{k: v["median_ms"] for k, v in row.items()}}), flush=True,
               file=sys.stderr)

@@ -30,6 +30,7 @@ struct Args {
   const uint8_t* high;  // bit 4 of each value (5-bit) or null
   float* y;             // [M, N]
   int64_t M, K, N, G;
+  int64_t ahead = 0;    // software prefetch distance in the weight streams, bytes (0: none)
 };
 using PanelFn = void (*)(const Args&, int64_t p0, int64_t p1);  // panels [p0, p1)
 
@@ -53,6 +54,7 @@ struct ScreenArgs {
   float* pmax_lo;         // [M, P]
   float* pmax_up;         // [M, P]
   int64_t M, K, N, G;
+  int64_t ahead = 0;      // as Args::ahead
 };
 using ScreenFn = void (*)(const ScreenArgs&, int64_t p0, int64_t p1);  // panels [p0, p1)
 
@@ -88,6 +90,14 @@ namespace {
 // Fully unrolled register loops: without it GCC keeps the accumulator arrays in memory too
 // and stores them on every k (half the FMA rate).
 #define QK_UNROLL _Pragma("GCC unroll 32")
+
+// A software prefetch `bytes` ahead of p in a weight stream (none for 0). Each panel's values
+// are one contiguous stream read once per call; the hardware prefetchers alone leave a one- or
+// two-thread sweep well below the memory's streaming rate, and one prefetch per 64-byte line
+// read, a few lines ahead (Args::ahead), brings it close.
+inline void ahead(const void* p, int64_t bytes) {
+  if (bytes > 0) __builtin_prefetch(static_cast<const char*>(p) + bytes, 0, 3);
+}
 
 #if QK_PART == 1 || QK_PART == 2
 // A vpshufb table per lane: entry i is 0xF0 where bit b0 (lane 0) or b1 (lane 1) of i is clear, else 0.
@@ -251,11 +261,18 @@ inline void tile(const Args& a, int64_t m0, int64_t p) {
         const int64_t off = ((p + j) * ng + g) * 16 + v * (16 / kPer);
         sc[j * kPer + v] = V::scale(static_cast<const S*>(a.s) + off);
         if constexpr (kForm == kI4) mn[j * kPer + v] = V::load(a.mn + off);
+        if (v == 0) {  // a group's scales (and mins) are 64 bytes at most
+          ahead(static_cast<const S*>(a.s) + off, a.ahead / 8);
+          if constexpr (kForm == kI4) ahead(a.mn + off, a.ahead / 8);
+        }
       }
     const int64_t k0 = g * G;
     if constexpr (kForm == kI8) {
       for (int64_t k = k0; k < k0 + G; ++k) {
         F w[NV];
+        if ((k & 3) == 0)  // 16 bytes a row: a line every 4 rows
+          QK_UNROLL for (int j = 0; j < W; ++j)
+            ahead(static_cast<const int8_t*>(a.w) + ((p + j) * K + k) * 16, a.ahead);
         QK_UNROLL for (int j = 0; j < W; ++j) V::i8(static_cast<const int8_t*>(a.w) + ((p + j) * K + k) * 16, w + j * kPer);
         QK_UNROLL for (int v = 0; v < NV; ++v) w[v] = V::mul(w[v], sc[v]);
         QK_UNROLL for (int r = 0; r < R; ++r) {
@@ -266,6 +283,9 @@ inline void tile(const Args& a, int64_t m0, int64_t p) {
     } else if constexpr (kForm == kI4) {
       for (int64_t k = k0; k < k0 + G; k += 2) {
         F lo[NV], hi[NV];
+        if ((k & 7) == 0)  // 16 bytes a row pair: a line every 8 rows
+          QK_UNROLL for (int j = 0; j < W; ++j)
+            ahead(static_cast<const uint8_t*>(a.w) + ((p + j) * (K / 2) + k / 2) * 16, a.ahead);
         QK_UNROLL for (int j = 0; j < W; ++j)
           V::u4(static_cast<const uint8_t*>(a.w) + ((p + j) * (K / 2) + k / 2) * 16, lo + j * kPer, hi + j * kPer);
         QK_UNROLL for (int v = 0; v < NV; ++v) {
@@ -280,6 +300,10 @@ inline void tile(const Args& a, int64_t m0, int64_t p) {
     } else {  // 5-bit: each 8-row block to int8 q - 16 (in L1), then as int8 values
       for (int64_t k = k0; k < k0 + G; k += 8) {
         alignas(64) int8_t q[W][128];
+        QK_UNROLL for (int j = 0; j < W; ++j) {  // 64 bytes of values a block, 16 of high bits
+          ahead(static_cast<const uint8_t*>(a.w) + ((p + j) * (K / 2) + k / 2) * 16, a.ahead);
+          if ((k & 31) == 0) ahead(a.high + ((p + j) * (K / 8) + k / 8) * 16, a.ahead / 4);
+        }
         QK_UNROLL for (int j = 0; j < W; ++j)
           V::q5_block(static_cast<const uint8_t*>(a.w) + ((p + j) * (K / 2) + k / 2) * 16,
                       a.high + ((p + j) * (K / 8) + k / 8) * 16, q[j]);
@@ -323,9 +347,13 @@ inline void unpack(const Args& a, int64_t p, float* buf) {
       sc[v] = V::scale(static_cast<const S*>(a.s) + (p * ng + g) * 16 + v * (16 / kPer));
       if constexpr (kForm == kI4) mn[v] = V::load(a.mn + (p * ng + g) * 16 + v * (16 / kPer));
     }
+    ahead(static_cast<const S*>(a.s) + (p * ng + g) * 16, a.ahead / 8);
+    if constexpr (kForm == kI4) ahead(a.mn + (p * ng + g) * 16, a.ahead / 8);
     if constexpr (kForm == kI5) {
       for (int64_t k = g * G; k < g * G + G; k += 8) {
         alignas(64) int8_t q[128];
+        ahead(static_cast<const uint8_t*>(a.w) + (p * (K / 2) + k / 2) * 16, a.ahead);
+        if ((k & 31) == 0) ahead(a.high + (p * (K / 8) + k / 8) * 16, a.ahead / 4);
         V::q5_block(static_cast<const uint8_t*>(a.w) + (p * (K / 2) + k / 2) * 16, a.high + (p * (K / 8) + k / 8) * 16, q);
         QK_KEEP_IN_MEMORY(q);
         QK_UNROLL for (int i = 0; i < 8; i += 2) {
@@ -339,8 +367,11 @@ inline void unpack(const Args& a, int64_t p, float* buf) {
       for (int64_t k = g * G; k < g * G + G; k += 2) {
         F w0[kPer], w1[kPer];
         if constexpr (kForm == kI4) {
+          if ((k & 7) == 0)
+            ahead(static_cast<const uint8_t*>(a.w) + (p * (K / 2) + k / 2) * 16, a.ahead);
           V::u4(static_cast<const uint8_t*>(a.w) + (p * (K / 2) + k / 2) * 16, w0, w1);
         } else {
+          if ((k & 3) == 0) ahead(static_cast<const int8_t*>(a.w) + (p * K + k) * 16, a.ahead);
           V::i8(static_cast<const int8_t*>(a.w) + (p * K + k) * 16, w0);
           V::i8(static_cast<const int8_t*>(a.w) + (p * K + k + 1) * 16, w1);
         }
@@ -426,6 +457,7 @@ inline void screen_tile(const ScreenArgs& a, int64_t m0, int64_t p) {
     __m256i acc[R][2];
     QK_UNROLL for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (int64_t k = g * G; k < g * G + G; k += 2) {
+      if ((k & 3) == 0) ahead(w + k * 16, a.ahead);
       const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * 16));
       const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (k + 1) * 16));
       const __m256i lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(r0, r1));  // columns 0..7
@@ -607,6 +639,7 @@ int Detect() {
 const int kBest = Detect();
 std::atomic<int> g_isa{kBest};
 std::atomic<int> g_threads{0};  // 0: the pool's size
+std::atomic<int64_t> g_ahead{2048};  // Args::ahead of every call
 std::atomic<int64_t> g_screened{0};  // rows the greedy screen has served
 
 PanelFn Pick(Form form, bool half) {
@@ -659,7 +692,8 @@ ffi::Error Run(ffi::ThreadPool& pool, Form form, ffi::Buffer<ffi::F32> x, Dims w
   if (form == kI5 && ((K / ng) % 8 || !Is(high->dimensions(), P, K / 8, 16)))
     return Bad("the high bits must be [P, K/8, 16], groups a multiple of 8");
   Args a{x.typed_data(), w, s.untyped_data(), form == kI4 ? mn->typed_data() : nullptr,
-         form == kI5 ? high->typed_data() : nullptr, y->typed_data(), M, K, N, K / ng};
+         form == kI5 ? high->typed_data() : nullptr, y->typed_data(), M, K, N, K / ng,
+         g_ahead.load(std::memory_order_relaxed)};
   return Matmul(pool, a, form, half);
 }
 
@@ -777,7 +811,8 @@ ffi::Error Greedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const int64_t G = K / ng;
   const ArgmaxFn am = isa >= 2 ? argmax_rows_avx2 : argmax_rows_portable;
   auto in_blocks = [&](const float* rows, int64_t n, int32_t* out) {
-    const Args a{rows, w.untyped_data(), s.untyped_data(), nullptr, nullptr, nullptr, n, K, N, G};
+    const Args a{rows, w.untyped_data(), s.untyped_data(), nullptr, nullptr, nullptr, n, K, N, G,
+                 g_ahead.load(std::memory_order_relaxed)};
     BlockArgmax(pool, a, Pick(kI8, true), am, out);
   };
   if (M > kScreenRows) {
@@ -795,7 +830,7 @@ ffi::Error Greedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   for (int64_t m = 0; m < M; ++m)
     finite[m] = Steps(xs + m * K, K, G, xq.data() + m * K, dq.data() + m * ng, eb.data() + m * ng);
   const ScreenArgs a{xq.data(), dq.data(), eb.data(), wv, sv, app.data(), bnd.data(),
-                     lo.data(), up.data(), M, K, N, G};
+                     lo.data(), up.data(), M, K, N, G, g_ahead.load(std::memory_order_relaxed)};
   if (M > 0)
     crossover::ParallelFor(pool, g_threads.load(std::memory_order_relaxed), M * K * N, P, 4,
                            [a, fn](int64_t p0, int64_t p1) { fn(a, p0, p1); });
@@ -864,7 +899,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CrossoverQMatmulI4, qk::I4,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // ctypes controls: the ISA in use (0 none, 1 portable, 2 AVX2, 3 AVX-512), the best the CPU
-// has, forcing another it runs (tests compare paths), and a thread count (0: the pool's size).
+// has, forcing another it runs (tests compare paths), a thread count (0: the pool's size) and
+// the weight streams' prefetch distance in bytes (0: none; for benchmarks).
 CROSSOVER_EXPORT int crossover_qk_isa() { return qk::g_isa.load(); }
 CROSSOVER_EXPORT int crossover_qk_best_isa() { return qk::kBest; }
 CROSSOVER_EXPORT int crossover_qk_set_isa(int isa) {
@@ -873,6 +909,9 @@ CROSSOVER_EXPORT int crossover_qk_set_isa(int isa) {
   return isa;
 }
 CROSSOVER_EXPORT void crossover_qk_set_threads(int n) { qk::g_threads.store(n); }
+CROSSOVER_EXPORT int64_t crossover_qk_set_ahead(int64_t bytes) {
+  return qk::g_ahead.exchange(bytes > 0 ? bytes : 0);
+}
 CROSSOVER_EXPORT int64_t crossover_qk_screened_rows() { return qk::g_screened.load(); }
 
 #endif

@@ -2,8 +2,9 @@
 
 Paths (`qmatmul(..., path=...)`):
 - "ffi": engine/quant/kernel.cc through `jax.ffi` (built on first use by build.py, AVX-512 or
-  AVX2 chosen by CPUID); each weight is converted to float32 in registers. One target per value
-  form (int8, 5-bit, int4); the handler reads the scales' dtype (float32 or float16).
+  AVX2 chosen by CPUID); each weight is converted to float32 in registers, and each weight stream
+  is prefetched a few lines ahead (`set_prefetch`). One target per value form (int8, 5-bit,
+  int4); the handler reads the scales' dtype (float32 or float16).
 - "jnp": dequantize to float32 and dot: the reference, and the fallback when the kernel is
   switched off (`CROSSOVER_QUANT_KERNEL=off`), cannot be built, or the CPU lacks AVX2+FMA+F16C.
   XLA:CPU materializes the float32 matrix here on every call.
@@ -44,6 +45,17 @@ kernel_status = KERNEL.kernel_status  # "ffi (avx512)", "ffi (avx2)" or "jnp (<w
 kernel_available = KERNEL.kernel_available
 set_isa = KERNEL.set_isa
 set_threads = KERNEL.set_threads
+
+
+def set_prefetch(nbytes: int) -> int:
+    """The kernel's software prefetch distance in its weight streams, in bytes (0: none;
+    default 2048); returns the previous one. Process-wide; for benchmarks that compare."""
+    lib = KERNEL.load()
+    if lib is None:
+        raise RuntimeError(f"no kernel: {kernel_status()}")
+    lib.crossover_qk_set_ahead.argtypes = [ctypes.c_int64]
+    lib.crossover_qk_set_ahead.restype = ctypes.c_int64
+    return int(lib.crossover_qk_set_ahead(int(nbytes)))
 
 
 def supported_isas(portable: bool = False) -> list[str]:
