@@ -208,21 +208,19 @@ NO_PREFETCH = "-no-prefetch"
 """Suffix of an engine name timed with the kernel's software prefetch off (`--prefetch-ab`)."""
 
 
+@contextlib.contextmanager
 def _setting(name: str):
     """The kernel setting engine `name` runs under: its prefetch off for a NO_PREFETCH name."""
     if not name.endswith(NO_PREFETCH):
-        return contextlib.nullcontext()
+        yield
+        return
     from engine.quant.matmul import set_prefetch
 
-    @contextlib.contextmanager
-    def off():
-        before = set_prefetch(0)
-        try:
-            yield
-        finally:
-            set_prefetch(before)
-
-    return off()
+    before = set_prefetch(0)
+    try:
+        yield
+    finally:
+        set_prefetch(before)
 
 
 def speed(engines: dict, batches: tuple[int, ...], reps: int, context: int, new_tokens: int,

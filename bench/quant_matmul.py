@@ -74,15 +74,19 @@ def _fn(path: str):
     return jax.jit(run)
 
 
-PREFETCH = 2048
-"""The kernel's default software prefetch distance (engine.quant.matmul.set_prefetch)."""
+def _default_prefetch() -> int:
+    """The kernel's prefetch distance as it stands (engine.quant.matmul.set_prefetch), unchanged."""
+    now = qm.set_prefetch(0)
+    qm.set_prefetch(now)
+    return now
 
 
-def _paths() -> list[tuple[str, str, str | None, int, int]]:
-    """(label, qmatmul path, ISA, threads, prefetch bytes) of each path timed."""
-    out = [("f32", "f32", None, 0, PREFETCH), ("jnp", "jnp", None, 0, PREFETCH)]
+def _paths(prefetch: int) -> list[tuple[str, str, str | None, int, int]]:
+    """(label, qmatmul path, ISA, threads, prefetch bytes) of each path timed; `prefetch`: the
+    kernel's own distance, 0 on the "-no-prefetch" paths."""
+    out = [("f32", "f32", None, 0, prefetch), ("jnp", "jnp", None, 0, prefetch)]
     for isa in qm.supported_isas():
-        out += [(f"ffi-{isa}", "ffi", isa, 0, PREFETCH), (f"ffi-{isa}-1t", "ffi", isa, 1, PREFETCH),
+        out += [(f"ffi-{isa}", "ffi", isa, 0, prefetch), (f"ffi-{isa}-1t", "ffi", isa, 1, prefetch),
                 (f"ffi-{isa}-no-prefetch", "ffi", isa, 0, 0)]
     return out
 
@@ -90,7 +94,8 @@ def _paths() -> list[tuple[str, str, str | None, int, int]]:
 def bench(weights: list[QuantWeight], rows: list[int], reps: int, seed: int = 0) -> dict:
     f32 = [jax.device_put(dequantize(w)) for w in weights]
     qw = [jax.tree.map(jax.device_put, w) for w in weights]
-    paths, fns = _paths(), {p: _fn(p) for p in ("f32", "jnp", "ffi")}
+    prefetch = _default_prefetch()
+    paths, fns = _paths(prefetch), {p: _fn(p) for p in ("f32", "jnp", "ffi")}
     rng = np.random.default_rng(seed)
     result = {}
     for m in rows:
@@ -98,11 +103,11 @@ def bench(weights: list[QuantWeight], rows: list[int], reps: int, seed: int = 0)
         times: dict[str, list[float]] = {label: [] for label, *_ in paths}
         outs = {}
         for rep in range(reps + 1):  # repetition 0 compiles and warms
-            for label, path, isa, threads, prefetch in paths:
+            for label, path, isa, threads, ahead in paths:
                 if isa:
                     qm.set_isa(isa)
                     qm.set_threads(threads)
-                    qm.set_prefetch(prefetch)
+                    qm.set_prefetch(ahead)
                 t0 = time.perf_counter()
                 y = jax.block_until_ready(fns[path](xs, f32 if path == "f32" else qw))
                 dt = time.perf_counter() - t0
@@ -112,7 +117,7 @@ def bench(weights: list[QuantWeight], rows: list[int], reps: int, seed: int = 0)
                     outs[label] = y
         qm.set_isa("best")
         qm.set_threads(0)
-        qm.set_prefetch(PREFETCH)
+        qm.set_prefetch(prefetch)
         ref = outs["f32"]
         scale = max(float(jnp.abs(r).max()) for r in ref)
         row = {}
@@ -135,8 +140,9 @@ def bench_greedy(table: QuantWeight, rows: list[int], reps: int, seed: int = 0) 
     from engine.execute.sampling import greedy
 
     w = jax.tree.map(jax.device_put, table)
+    screen, prefetch = jax.jit(qm.qgreedy), _default_prefetch()
     fns = {"ffi+argmax": jax.jit(lambda x, w: greedy(qm.qmatmul(x, w))),
-           "screen": jax.jit(qm.qgreedy), "screen-no-prefetch": jax.jit(qm.qgreedy)}
+           "screen": screen, "screen-no-prefetch": screen}  # the same call, prefetch off
     rng = np.random.default_rng(seed)
     result = {}
     for m in rows:
@@ -145,7 +151,7 @@ def bench_greedy(table: QuantWeight, rows: list[int], reps: int, seed: int = 0) 
         toks = {}
         for rep in range(reps + 1):
             for label, fn in fns.items():
-                qm.set_prefetch(0 if label.endswith("no-prefetch") else PREFETCH)
+                qm.set_prefetch(0 if label.endswith("no-prefetch") else prefetch)
                 t0 = time.perf_counter()
                 toks[label] = np.asarray(jax.block_until_ready(fn(x, w)))
                 if rep:
@@ -154,7 +160,7 @@ def bench_greedy(table: QuantWeight, rows: list[int], reps: int, seed: int = 0) 
             raise AssertionError(f"rows {m}: the screen's tokens differ from the argmax of the logits")
         row = {k: {"median_ms": round(statistics.median(ts), 3), "min_ms": round(min(ts), 3),
                    "max_ms": round(max(ts), 3)} for k, ts in times.items()}
-        qm.set_prefetch(PREFETCH)
+        qm.set_prefetch(prefetch)
         med = {k: v["median_ms"] for k, v in row.items()}
         row["screen"]["x_argmax"] = round(med["ffi+argmax"] / med["screen"], 2)
         row["screen"]["x_no_prefetch"] = round(med["screen-no-prefetch"] / med["screen"], 2)
